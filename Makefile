@@ -1,0 +1,33 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Both create .venv when missing and install cvt (editable) with its test extras.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned to the local CPU build when one is offered (pip's find-links), so that
+# resolving the other requirements never pulls a multi-GB CUDA build.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0" || $(PIP) install "torch>=2.4,<3"
+	$(PIP) install -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/cvt demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/fp8_to_bf16.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info convert/*.so

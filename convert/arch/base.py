@@ -1,0 +1,209 @@
+"""The shape of an architecture table, and the matcher every stage uses.
+
+A table is data: rows of (module name pattern -> role, parallel style, block, flags). A
+pattern is a dotted module path with placeholders ``{L}`` (layer index) and ``{E}`` (routed
+expert id); the tensor name is ``<module>.<param>``, where param is one of `PARAMS`
+(``weight``, ``bias``, ``weight_scale_inv``, ``e_score_correction_bias``, and the
+quantized parts later stages write). `ArchSpec.classify(name)` returns a `TensorInfo`, or
+raises ArchError naming the tensor.
+
+Parallel style -> TP split dim of a ``[out, in]`` weight (and of its block/group scales):
+
+=========== ========== ============ ====================================
+style       weight dim bias dim     examples
+=========== ========== ============ ====================================
+column      0          0            q_b_proj, gate_proj, up_proj
+row         1          (replicated) o_proj, down_proj
+vocab       0          -            embed_tokens (vocab-parallel)
+replicated  -          -            norms, router, q_a_proj
+=========== ========== ============ ====================================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Mapping
+
+from cvt.errors import ArchError
+
+
+class Role(str, Enum):
+    EMBEDDING = "embedding"
+    HEAD = "head"
+    NORM = "norm"
+    LINEAR = "linear"  # attention projections and dense MLP
+    EXPERT = "expert"  # routed expert linear (layer + expert id)
+    SHARED_EXPERT = "shared_expert"
+    ROUTER = "router"  # mlp.gate
+    MTP_PROJ = "mtp_proj"  # eh_proj: concat(enorm(emb), hnorm(h)) -> hidden
+
+
+class Parallel(str, Enum):
+    COLUMN = "column"
+    ROW = "row"
+    VOCAB = "vocab"
+    REPLICATED = "replicated"
+
+
+class Block(str, Enum):
+    """Which part of the model a tensor belongs to: chooses its TP/EP group later."""
+
+    ATTN = "attn"
+    MLP = "mlp"  # dense MLP
+    MOE = "moe"  # routed + shared experts, router
+    EMBED = "embed"
+    HEAD = "head"
+    NORM = "norm"
+    MTP = "mtp"  # MTP-only modules (enorm, hnorm, eh_proj)
+
+
+# Parameter names a module may carry. Weight-like params split like the weight.
+WEIGHT_PARAMS = frozenset(
+    {
+        "weight",
+        "weight_scale_inv",  # FP8 block scales
+        "weight_scale",
+        "weight_offset",
+        "weight_packed",
+        "weight_zero_point",
+        "weight_global_scale",
+        "weight_shape",
+    }
+)
+OTHER_PARAMS = frozenset(
+    {
+        "bias",
+        "e_score_correction_bias",
+        "input_scale",
+        "input_offset",
+        "input_zero_point",
+        "input_global_scale",
+        "deq_scale",
+        "quant_bias",
+    }
+)
+PARAMS = WEIGHT_PARAMS | OTHER_PARAMS
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of a table.
+
+    pattern:        module path with {L}/{E} placeholders
+    role, parallel, block: see the enums
+    quantizable:    a linear whose weight may be FP8 in a release / quantized by cvt
+    float_default:  stays float under every quantization scheme unless a recipe says otherwise
+    mtp_only:       exists only in MTP layers (index >= num_hidden_layers)
+    """
+
+    pattern: str
+    role: Role
+    parallel: Parallel = Parallel.REPLICATED
+    block: Block = Block.NORM
+    quantizable: bool = False
+    float_default: bool = False
+    mtp_only: bool = False
+
+
+@dataclass(frozen=True)
+class ArchTable:
+    """A model family: which model_types it covers, how to read sizes from config, its rules."""
+
+    name: str
+    model_types: tuple[str, ...]
+    rules: tuple[Rule, ...]
+    # canonical count -> config key (absent keys mean 0)
+    config_keys: Mapping[str, str] = field(default_factory=dict)
+    # config -> {weight name: shape}, for planning from config.json alone (no weights)
+    param_shapes: Callable[[Mapping[str, Any]], dict[str, tuple[int, ...]]] | None = None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a tensor name means under an architecture."""
+
+    name: str
+    module: str
+    param: str
+    rule: Rule
+    layer: int | None
+    expert: int | None
+    is_mtp: bool
+
+    @property
+    def role(self) -> Role:
+        return self.rule.role
+
+    @property
+    def block(self) -> Block:
+        return self.rule.block
+
+    @property
+    def split_dim(self) -> int | None:
+        """Tensor-parallel split dim of this tensor (None: replicated)."""
+        par = self.rule.parallel
+        if self.param == "weight_shape":
+            return None
+        if self.param in WEIGHT_PARAMS:
+            return {Parallel.COLUMN: 0, Parallel.ROW: 1, Parallel.VOCAB: 0}.get(par)
+        if self.param == "bias" and par is Parallel.COLUMN:
+            return 0
+        return None
+
+
+def _compile(pattern: str) -> re.Pattern:
+    rx = re.escape(pattern).replace(r"\{L\}", r"(?P<layer>\d+)").replace(r"\{E\}", r"(?P<expert>\d+)")
+    return re.compile(rx)
+
+
+class ArchSpec:
+    """A table bound to one config: classifies tensor names and knows the model's counts."""
+
+    def __init__(self, table: ArchTable, config: Mapping[str, Any], model_type: str):
+        self.table = table
+        self.config = config
+        self.model_type = model_type
+        self._rules = [(_compile(r.pattern), r) for r in table.rules]
+        self.counts = {k: int(config.get(v) or 0) for k, v in table.config_keys.items()}
+
+    @property
+    def num_layers(self) -> int:
+        return self.counts.get("layers", 0)
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts.get("experts", 0)
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return self.counts.get("mtp_layers", 0)
+
+    def classify(self, name: str) -> TensorInfo:
+        """Map a tensor name to its role; ArchError when nothing in the table matches."""
+        module, _, param = name.rpartition(".")
+        if param not in PARAMS:
+            raise ArchError(
+                f"tensor {name}: parameter {param!r} is not one {self.table.name} checkpoints use "
+                f"(known: {', '.join(sorted(PARAMS))})"
+            )
+        for rx, rule in self._rules:
+            m = rx.fullmatch(module)
+            if m is None:
+                continue
+            g = m.groupdict()
+            layer = int(g["layer"]) if g.get("layer") is not None else None
+            expert = int(g["expert"]) if g.get("expert") is not None else None
+            is_mtp = layer is not None and layer >= self.num_layers
+            if layer is not None and layer >= self.num_layers + self.num_mtp_layers:
+                raise ArchError(
+                    f"tensor {name}: layer {layer} is past the model's {self.num_layers} layers"
+                    f" + {self.num_mtp_layers} MTP layers (config num_hidden_layers / num_nextn_predict_layers)"
+                )
+            if rule.mtp_only and not is_mtp:
+                raise ArchError(f"tensor {name}: {rule.pattern} exists only in MTP layers, but layer {layer} is not one")
+            if expert is not None and self.num_experts and expert >= self.num_experts:
+                raise ArchError(f"tensor {name}: expert {expert} is past the config's {self.num_experts} routed experts")
+            return TensorInfo(name, module, param, rule, layer, expert, is_mtp)
+        raise ArchError(f"tensor {name} does not match any {self.table.name} name pattern (model_type {self.model_type})")

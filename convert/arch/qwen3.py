@@ -1,0 +1,95 @@
+"""Qwen3-MoE (qwen3_moe), and the dense Qwen3 / Llama family (qwen3, qwen2, llama).
+
+GQA attention with separate q/k/v projections (Qwen3 adds per-head q_norm / k_norm),
+SwiGLU MLP; Qwen3-MoE replaces the MLP with a softmax router `mlp.gate` over
+`mlp.experts.{E}` (no shared experts) except in `mlp_only_layers`.
+"""
+
+from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
+
+C, R, V, REP = Parallel.COLUMN, Parallel.ROW, Parallel.VOCAB, Parallel.REPLICATED
+L = "model.layers.{L}"
+
+_COMMON = (
+    Rule("model.embed_tokens", Role.EMBEDDING, V, Block.EMBED, float_default=True),
+    Rule("model.norm", Role.NORM, REP, Block.NORM, float_default=True),
+    Rule("lm_head", Role.HEAD, C, Block.HEAD, float_default=True),
+    Rule(f"{L}.input_layernorm", Role.NORM, REP, Block.NORM, float_default=True),
+    Rule(f"{L}.post_attention_layernorm", Role.NORM, REP, Block.NORM, float_default=True),
+    Rule(f"{L}.self_attn.q_proj", Role.LINEAR, C, Block.ATTN, quantizable=True),
+    Rule(f"{L}.self_attn.k_proj", Role.LINEAR, C, Block.ATTN, quantizable=True),
+    Rule(f"{L}.self_attn.v_proj", Role.LINEAR, C, Block.ATTN, quantizable=True),
+    Rule(f"{L}.self_attn.o_proj", Role.LINEAR, R, Block.ATTN, quantizable=True),
+    Rule(f"{L}.self_attn.q_norm", Role.NORM, REP, Block.ATTN, float_default=True),
+    Rule(f"{L}.self_attn.k_norm", Role.NORM, REP, Block.ATTN, float_default=True),
+    Rule(f"{L}.mlp.gate_proj", Role.LINEAR, C, Block.MLP, quantizable=True),
+    Rule(f"{L}.mlp.up_proj", Role.LINEAR, C, Block.MLP, quantizable=True),
+    Rule(f"{L}.mlp.down_proj", Role.LINEAR, R, Block.MLP, quantizable=True),
+)
+_KEYS = {
+    "layers": "num_hidden_layers",
+    "vocab": "vocab_size",
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+}
+
+
+
+def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Every weight of a Qwen3 / Qwen3-MoE / Llama checkpoint with its shape, from config alone."""
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    vocab, n_layers = cfg["vocab_size"], cfg["num_hidden_layers"]
+    experts = cfg.get("num_experts") or 0
+    sparse_step = cfg.get("decoder_sparse_step") or 1
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+    qk_norm = cfg.get("model_type", "").startswith("qwen3")
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(n_layers):
+        p, a, m = f"model.layers.{i}", f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        out[f"{p}.input_layernorm.weight"] = (h,)
+        out[f"{a}.q_proj.weight"] = (heads * hd, h)
+        out[f"{a}.k_proj.weight"] = (kv * hd, h)
+        out[f"{a}.v_proj.weight"] = (kv * hd, h)
+        out[f"{a}.o_proj.weight"] = (h, heads * hd)
+        if qk_norm:
+            out[f"{a}.q_norm.weight"] = (hd,)
+            out[f"{a}.k_norm.weight"] = (hd,)
+        out[f"{p}.post_attention_layernorm.weight"] = (h,)
+        if experts and i not in mlp_only and (i + 1) % sparse_step == 0:
+            inter = cfg["moe_intermediate_size"]
+            out[f"{m}.gate.weight"] = (experts, h)
+            for e in range(experts):
+                out[f"{m}.experts.{e}.gate_proj.weight"] = (inter, h)
+                out[f"{m}.experts.{e}.up_proj.weight"] = (inter, h)
+                out[f"{m}.experts.{e}.down_proj.weight"] = (h, inter)
+        else:
+            inter = cfg["intermediate_size"]
+            out[f"{m}.gate_proj.weight"] = (inter, h)
+            out[f"{m}.up_proj.weight"] = (inter, h)
+            out[f"{m}.down_proj.weight"] = (h, inter)
+    out["model.norm.weight"] = (h,)
+    if not cfg.get("tie_word_embeddings"):
+        out["lm_head.weight"] = (vocab, h)
+    return out
+
+
+DENSE = ArchTable(
+    name="qwen3", model_types=("qwen3", "qwen2", "llama"), rules=_COMMON, config_keys=_KEYS, param_shapes=param_shapes
+)
+
+MOE = ArchTable(
+    name="qwen3_moe",
+    param_shapes=param_shapes,
+    model_types=("qwen3_moe",),
+    config_keys={**_KEYS, "experts": "num_experts", "experts_per_token": "num_experts_per_tok"},
+    rules=_COMMON
+    + (
+        Rule(f"{L}.mlp.gate", Role.ROUTER, REP, Block.MOE, float_default=True),
+        Rule(f"{L}.mlp.experts.{{E}}.gate_proj", Role.EXPERT, C, Block.MOE, quantizable=True),
+        Rule(f"{L}.mlp.experts.{{E}}.up_proj", Role.EXPERT, C, Block.MOE, quantizable=True),
+        Rule(f"{L}.mlp.experts.{{E}}.down_proj", Role.EXPERT, R, Block.MOE, quantizable=True),
+    ),
+)

@@ -1,0 +1,86 @@
+"""config.json: what a checkpoint is (source format) and how a stage rewrites it."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Mapping
+
+from cvt.errors import FormatError
+
+
+class SourceFormat(str, Enum):
+    FP8_BLOCK = "fp8-block"
+    BF16 = "bf16"  # or any plain float checkpoint
+    CT_INT4 = "compressed-tensors-int4"  # Kimi-K2-Thinking / K2.5 pack-quantized
+    CT_OTHER = "compressed-tensors"
+    CVT = "cvt-artifact"
+    OTHER_QUANT = "other-quantized"
+
+
+def quantization_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """`quantization_config` at the top level or under `text_config` (K2.5-style wrappers)."""
+    qc = config.get("quantization_config")
+    if qc is None and isinstance(config.get("text_config"), Mapping):
+        qc = config["text_config"].get("quantization_config")
+    return qc
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    block: tuple[int, int]
+    scale_fmt: str | None  # V3.1: "ue8m0" (the stored scales are still read as float)
+
+
+def describe_quant(qc: Mapping[str, Any] | None) -> str:
+    if not qc:
+        return "no quantization_config (a plain float checkpoint)"
+    method = qc.get("quant_method", "?")
+    extra = qc.get("format") or qc.get("fmt")
+    return f"quantization_config.quant_method {method!r}" + (f" (format {extra!r})" if extra else "")
+
+
+def source_format(config: Mapping[str, Any], has_manifest: bool = False) -> SourceFormat:
+    if has_manifest:
+        return SourceFormat.CVT
+    qc = quantization_config(config)
+    if not qc:
+        return SourceFormat.BF16
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return SourceFormat.FP8_BLOCK
+    if method == "compressed-tensors":
+        return SourceFormat.CT_INT4 if qc.get("format") == "pack-quantized" else SourceFormat.CT_OTHER
+    return SourceFormat.OTHER_QUANT
+
+
+def fp8_config(config: Mapping[str, Any], where: str) -> Fp8Config:
+    """The FP8 block parameters, or FormatError saying what the checkpoint is instead."""
+    qc = quantization_config(config)
+    if not qc or qc.get("quant_method") != "fp8":
+        raise FormatError(f"{where} is not an FP8 block checkpoint: {describe_quant(qc)}")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise FormatError(f"{where}: FP8 format {fmt!r} is not supported (only e4m3)")
+    block = qc.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise FormatError(
+            f"{where}: quantization_config.weight_block_size is {block!r}; cvt needs [rows, cols] "
+            "(per-tensor FP8 without blocks is not supported)"
+        )
+    return Fp8Config(block=(block[0], block[1]), scale_fmt=qc.get("scale_fmt"))
+
+
+def bf16_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json for a BF16 output: no quantization_config anywhere, dtype bfloat16."""
+    out = copy.deepcopy(dict(config))
+    targets = [out]
+    if isinstance(out.get("text_config"), dict):
+        targets.append(out["text_config"])
+    for cfg in targets:
+        cfg.pop("quantization_config", None)
+    keys = [k for k in ("torch_dtype", "dtype") if k in out] or ["torch_dtype"]
+    for k in keys:
+        out[k] = "bfloat16"
+    return out

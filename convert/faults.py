@@ -1,0 +1,32 @@
+"""Test-only fault injection: kill this process with SIGKILL at an exact byte of output.
+
+`CVT_TEST_KILL_AT_BYTE=N` makes the N-th byte written through `AtomicFile` (counting every
+output file: shards, index, config, manifest) the point where the process SIGKILLs itself,
+exactly as `kill -9` would, so the kill-and-resume tests can stop a run mid-tensor,
+mid-file, between files or before the manifest, deterministically. Unset, this costs one
+integer comparison per write.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+_limit = int(os.environ.get("CVT_TEST_KILL_AT_BYTE", "0") or 0)
+_written = 0
+_lock = threading.Lock()
+
+
+def write(f, data: memoryview) -> None:
+    """`f.write(data)`, unless the kill byte falls inside `data`: then write the bytes before
+    it, flush them to the OS, and SIGKILL (a half-written temp file, as a real kill leaves)."""
+    global _written
+    if _limit:
+        with _lock:
+            if _written + len(data) >= _limit:
+                f.write(data[: max(0, _limit - 1 - _written)])
+                f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            _written += len(data)
+    f.write(data)

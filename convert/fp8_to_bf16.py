@@ -1,0 +1,161 @@
+"""The `cvt fp8-to-bf16` stage: an FP8 block release -> a BF16 Hugging Face checkpoint.
+
+Every FP8 weight `X.weight` (float8_e4m3fn) is paired with `X.weight_scale_inv` (found
+through the index, in whatever shard it lives), dequantized exactly (see `fp8.py`) and
+written as BF16 under the same name; the scales are dropped; every other tensor (norms,
+embeddings, router, F32 `e_score_correction_bias`, the MTP layer) is copied byte for byte.
+Before anything is written, every tensor is mapped through the architecture table and
+every scale is checked: present, of the expected shape and dtype, finite.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cvt import __version__
+from cvt.convert.arch import arch_for
+from cvt.convert.config import SourceFormat, bf16_config, fp8_config
+from cvt.convert.fp8 import dequant_fp8_block, expected_scale_shape, scale_to_f32
+from cvt.convert.reader import Checkpoint, open_checkpoint
+from cvt.convert.safetensors_io import TensorRef, TensorSpec
+from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_checkpoint
+from cvt.errors import TensorError
+from cvt.schemas.manifest import StageInfo
+
+SCALE_SUFFIX = "_scale_inv"
+SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
+
+
+@dataclass(frozen=True)
+class Fp8Pair:
+    weight: TensorRef
+    scale: TensorRef
+
+
+def pair_fp8_weights(ckpt: Checkpoint, block: tuple[int, int]) -> dict[str, Fp8Pair]:
+    """FP8 weight name -> (weight, scale) refs; TensorError on any inconsistency."""
+    pairs: dict[str, Fp8Pair] = {}
+    for name, ref in ckpt.tensors.items():
+        if name.endswith(SCALE_SUFFIX):
+            wname = name[: -len(SCALE_SUFFIX)]
+            w = ckpt.tensors.get(wname)
+            if w is None or w.dtype != "F8_E4M3":
+                what = "is missing" if w is None else f"is {w.dtype}, not F8_E4M3"
+                raise TensorError(f"scale {ref.describe()}: its weight {wname} {what}")
+            continue
+        if ref.dtype == "F8_E5M2":
+            raise TensorError(f"{ref.describe()}: float8_e5m2 weights are not supported (e4m3 only)")
+        if ref.dtype != "F8_E4M3":
+            continue
+        sname = name + SCALE_SUFFIX
+        scale = ckpt.tensors.get(sname)
+        if scale is None:
+            raise TensorError(f"FP8 weight {ref.describe()} has no scale {sname} in any file of the checkpoint")
+        if len(ref.shape) != 2:
+            raise TensorError(f"FP8 weight {ref.describe()} is not 2-D")
+        if scale.dtype not in SCALE_DTYPES:
+            raise TensorError(f"scale {scale.describe()}: dtype must be one of {', '.join(SCALE_DTYPES)}")
+        want = expected_scale_shape(ref.shape, block)
+        if scale.shape != want:
+            raise TensorError(
+                f"scale {scale.describe()}: shape {list(scale.shape)} does not fit weight {list(ref.shape)} "
+                f"with {list(block)} blocks; expected {list(want)}"
+            )
+        pairs[name] = Fp8Pair(ref, scale)
+    return pairs
+
+
+def check_scales_finite(ckpt: Checkpoint, pairs: dict[str, Fp8Pair]) -> None:
+    import torch
+
+    for p in pairs.values():
+        s = scale_to_f32(ckpt.read(p.scale.name))
+        bad = ~torch.isfinite(s)
+        if bad.any():
+            idx = [int(i) for i in bad.nonzero()[0]]
+            raise TensorError(
+                f"scale {p.scale.describe()}: {int(bad.sum())} non-finite value(s), first {float(s[tuple(idx)])} at block {idx}"
+            )
+        ckpt.release(p.scale.name)
+
+
+def fp8_to_bf16(
+    src,
+    dst,
+    *,
+    revision: str | None = None,
+    workers: int | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD,
+    resume: bool = True,
+    overwrite: bool = False,
+    quiet: bool = False,
+) -> WriteResult:
+    """Convert SRC (dir or hub id) to a BF16 checkpoint in DST. See the module docstring."""
+    ckpt = open_checkpoint(src, revision)
+    try:
+        cfg = fp8_config(ckpt.config, where=str(src))
+        block = cfg.block
+        arch = arch_for(ckpt.config)
+        for name in ckpt.tensors:
+            arch.classify(name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name)
+        pairs = pair_fp8_weights(ckpt, block)
+        check_scales_finite(ckpt, pairs)
+
+        workers = max(1, workers or min(2, os.cpu_count() or 1))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        outs: list[OutTensor] = []
+        for name, ref in ckpt.tensors.items():
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            pair = pairs.get(name)
+            if pair is None:
+                outs.append(_passthrough(ckpt, ref))
+            else:
+                outs.append(_dequantized(ckpt, pair, block, threads))
+        n_deq = len(pairs)
+        result = write_checkpoint(
+            ckpt,
+            Path(dst),
+            outs,
+            stage=StageInfo(
+                name="fp8-to-bf16",
+                tool_version=__version__,
+                parameters={"weight_block_size": list(block), "scale_fmt": cfg.scale_fmt, "max_shard_size": max_shard_size},
+            ),
+            source_format=SourceFormat.FP8_BLOCK.value,
+            out_format="hf-bf16",
+            config=bf16_config(ckpt.config),
+            summary={"dequantized": n_deq, "passed_through": len(outs) - n_deq, "scales_dropped": n_deq},
+            max_shard_size=max_shard_size,
+            workers=workers,
+            resume=resume,
+            overwrite=overwrite,
+            quiet=quiet,
+        )
+        result.extra.update(dequantized=n_deq, passed_through=len(outs) - n_deq, scales_dropped=n_deq)
+        return result
+    finally:
+        ckpt.close()
+
+
+def _passthrough(ckpt: Checkpoint, ref: TensorRef) -> OutTensor:
+    return OutTensor(
+        spec=TensorSpec(ref.name, ref.dtype, ref.shape),
+        produce=lambda: ckpt.view(ref.name),
+        release=lambda: ckpt.release(ref.name),
+        read_bytes=ref.nbytes,
+    )
+
+
+def _dequantized(ckpt: Checkpoint, pair: Fp8Pair, block: tuple[int, int], threads: int) -> OutTensor:
+    w, s = pair.weight, pair.scale
+
+    def produce():
+        out = dequant_fp8_block(ckpt.read(w.name), ckpt.read(s.name), block, threads=threads)
+        ckpt.release(w.name)
+        ckpt.release(s.name)
+        return out
+
+    return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=produce, read_bytes=w.nbytes + s.nbytes)

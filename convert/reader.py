@@ -1,0 +1,198 @@
+"""A checkpoint directory, indexed from its safetensors headers alone.
+
+`open_checkpoint(src)` resolves SRC (local dir or hub id), reads config.json, parses every
+referenced safetensors header, validates `model.safetensors.index.json` against the files,
+and returns a `Checkpoint` whose tensors are read one at a time through mmap. Nothing is
+unpickled: a `.bin`/`.pt`-only checkpoint is refused.
+
+Index rules (each violation is a CheckpointError naming file and tensor):
+  * every listed file is a relative path inside the directory (no `..`, not absolute) and exists;
+  * every listed tensor is in the file the index names;
+  * no tensor is listed twice (duplicate JSON keys) or stored in two files;
+  * every tensor stored in a listed file is in the index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from cvt.convert import source as source_mod
+from cvt.convert.safetensors_io import MappedFile, TensorRef, load_json, read_header, tensor_from_view
+from cvt.errors import CheckpointError
+
+INDEX_NAMES = ("model.safetensors.index.json", "quant_model_weights.safetensors.index.json")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+WEIGHT_SUFFIXES = (".safetensors",) + PICKLE_SUFFIXES
+MANIFEST_NAME = "cvt_manifest.json"
+
+
+def sha256_of(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+@dataclass
+class Checkpoint:
+    """An indexed checkpoint. `tensors` is ordered by file name, then by offset in the file."""
+
+    root: Path
+    source: source_mod.Source
+    config: dict
+    tensors: dict[str, TensorRef]
+    index_path: Path | None
+    _files: dict[Path, MappedFile] = field(default_factory=dict, repr=False)
+
+    # -- identity ---------------------------------------------------------------------
+    @property
+    def config_sha256(self) -> str | None:
+        return sha256_of(self.root / "config.json")
+
+    @property
+    def index_sha256(self) -> str | None:
+        return sha256_of(self.index_path) if self.index_path else None
+
+    @property
+    def has_manifest(self) -> bool:
+        return (self.root / MANIFEST_NAME).is_file()
+
+    @property
+    def weight_files(self) -> list[Path]:
+        return sorted({r.path for r in self.tensors.values()})
+
+    def aux_files(self) -> list[Path]:
+        """Non-weight files a converted checkpoint carries over (tokenizer, generation config,
+        remote code, README...): everything at the top level except weights, indexes,
+        config.json and cvt's own files."""
+        skip = {"config.json", MANIFEST_NAME, *INDEX_NAMES}
+        out = []
+        for p in sorted(self.root.iterdir()):
+            if p.name.startswith(".") or p.name in skip or not p.is_file():
+                continue
+            if p.name.endswith(WEIGHT_SUFFIXES) or p.name.endswith(".index.json"):
+                continue
+            out.append(p)
+        return out
+
+    # -- reading ----------------------------------------------------------------------
+    def ref(self, name: str) -> TensorRef:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.root}: no tensor named {name}") from None
+
+    def _mapped(self, ref: TensorRef) -> MappedFile:
+        mf = self._files.get(ref.path)
+        if mf is None:
+            mf = self._files[ref.path] = MappedFile(ref.path)
+        return mf
+
+    def view(self, name: str) -> memoryview:
+        """The raw bytes of a tensor (zero-copy mmap view)."""
+        ref = self.ref(name)
+        return self._mapped(ref).view(ref)
+
+    def read(self, name: str):
+        """The tensor, as a torch tensor over the mmap (no copy). Call `release` when done."""
+        ref = self.ref(name)
+        return tensor_from_view(self._mapped(ref).view(ref), ref.dtype, ref.shape)
+
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages from the resident set, keeping RSS at a few tensors."""
+        ref = self.ref(name)
+        self._mapped(ref).release(ref)
+
+    def close(self) -> None:
+        for mf in self._files.values():
+            mf.close()
+        self._files.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _safe_relative(root: Path, rel: str, index_path: Path) -> Path:
+    if not isinstance(rel, str) or not rel:
+        raise CheckpointError(f"{index_path}: weight_map entry {rel!r} is not a file name")
+    pp = PurePosixPath(rel)
+    if pp.is_absolute() or rel.startswith(("\\", "/")) or (len(rel) > 1 and rel[1] == ":"):
+        raise CheckpointError(f"{index_path}: file path {rel!r} is absolute; index paths must stay inside {root}")
+    if any(part == ".." for part in pp.parts) or "\\" in rel:
+        raise CheckpointError(f"{index_path}: file path {rel!r} escapes the checkpoint directory {root}")
+    return root.joinpath(*pp.parts)
+
+
+def _refuse_pickles(root: Path) -> None:
+    pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise CheckpointError(
+            f"{root}: only pickle weights found ({', '.join(pickles[:3])}{'...' if len(pickles) > 3 else ''}); "
+            "cvt never unpickles: convert them to safetensors with a tool you trust first"
+        )
+
+
+def index_directory(root: Path) -> tuple[dict[str, TensorRef], Path | None]:
+    """Header-only index of the safetensors files in `root`, validated against index.json."""
+    index_path = next((root / n for n in INDEX_NAMES if (root / n).is_file()), None)
+    tensors: dict[str, TensorRef] = {}
+    if index_path is not None:
+        index = load_json(index_path, " (a safetensors index)")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: no weight_map object")
+        by_file: dict[Path, list[str]] = {}
+        for name, rel in weight_map.items():
+            by_file.setdefault(_safe_relative(root, rel, index_path), []).append(name)
+        for path in sorted(by_file):
+            if not path.is_file():
+                names = by_file[path]
+                raise CheckpointError(
+                    f"{index_path}: lists {path.name} (for {len(names)} tensors, e.g. {names[0]}) but the file is missing"
+                )
+        headers = {path: read_header(path)[0] for path in sorted(by_file)}
+        for path, names in by_file.items():
+            header = headers[path]
+            for name in names:
+                if name not in header:
+                    raise CheckpointError(f"{index_path}: says {name} is in {path.name}, but that file has no such tensor")
+            extra = sorted(set(header) - set(names))
+            for name in extra:
+                other = weight_map.get(name)
+                if other is not None:
+                    raise CheckpointError(f"tensor {name} is stored in both {path.name} and {other}")
+            if extra:
+                raise CheckpointError(
+                    f"{path}: holds {len(extra)} tensors the index does not list (e.g. {extra[0]})"
+                )
+        for path in sorted(headers):
+            tensors.update(headers[path])
+        return tensors, index_path
+    files = sorted(p for p in root.iterdir() if p.name.endswith(".safetensors") and not p.name.startswith("."))
+    if not files:
+        _refuse_pickles(root)
+        raise CheckpointError(f"{root}: no .safetensors files and no model.safetensors.index.json")
+    for path in files:
+        for name, ref in read_header(path)[0].items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name} is stored in both {tensors[name].path.name} and {path.name}")
+            tensors[name] = ref
+    return tensors, None
+
+
+def open_checkpoint(src, revision: str | None = None, need_config: bool = True) -> Checkpoint:
+    """Resolve, index and validate a checkpoint; raises CvtError subclasses on bad input."""
+    source = src if isinstance(src, source_mod.Source) else source_mod.resolve(src, revision)
+    root = source.path
+    config_path = root / "config.json"
+    if config_path.is_file():
+        config = load_json(config_path)
+    elif need_config:
+        raise CheckpointError(f"{root}: no config.json")
+    else:
+        config = {}
+    tensors, index_path = index_directory(root)
+    return Checkpoint(root=root, source=source, config=config, tensors=tensors, index_path=index_path)
+

@@ -1,0 +1,381 @@
+"""Safetensors at the byte level: strict header parsing, mmap reads, streaming writes.
+
+Why not only `safetensors.safe_open` / `save_file`: the library's writer needs every tensor of
+a file in memory at once, and its reader keeps the whole file mapped, so touched pages stay
+resident for the handle's lifetime. A 1 TB conversion needs one tensor at a time on both
+sides. The format is tiny (8-byte little-endian header length, a JSON header, one data
+buffer), so cvt parses headers itself - with messages that name the file and tensor - and
+the tests use the safetensors library as the referee for everything written here.
+
+Layout: ``[u64 N][N bytes JSON, space padded to 8][data]``; every tensor's
+``data_offsets [a, b)`` are relative to the data buffer, contiguous and covering it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from cvt.errors import CheckpointError, OutputError
+
+# safetensors dtype code -> (torch dtype name, bytes per element)
+DTYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "U16": ("uint16", 2),
+    "I16": ("int16", 2),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "U32": ("uint32", 4),
+    "I32": ("int32", 4),
+    "F32": ("float32", 4),
+    "U64": ("uint64", 8),
+    "I64": ("int64", 8),
+    "F64": ("float64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+PAGE = mmap.PAGESIZE
+
+
+def dtype_code(torch_dtype) -> str:
+    """torch.dtype -> safetensors code, e.g. torch.bfloat16 -> 'BF16'."""
+    name = str(torch_dtype).removeprefix("torch.")
+    for code, (tname, _) in DTYPES.items():
+        if tname == name:
+            return code
+    raise CheckpointError(f"dtype {torch_dtype} has no safetensors code")
+
+
+def torch_dtype(code: str):
+    import torch
+
+    return getattr(torch, DTYPES[code][0])
+
+
+def _no_duplicate_keys(where: str):
+    def hook(pairs):
+        seen: dict = {}
+        for key, value in pairs:
+            if key in seen:
+                raise CheckpointError(f"{where}: key {key!r} is listed twice")
+            seen[key] = value
+        return seen
+
+    return hook
+
+
+def load_json(path: Path, what: str = "") -> dict:
+    """Parse a JSON object, refusing duplicate keys (a tensor listed twice in an index)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys(str(path)))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON{what}: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object{what}, got {type(obj).__name__}")
+    return obj
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor's bytes live: `path` plus absolute byte range [start, end)."""
+
+    name: str
+    path: Path
+    dtype: str  # safetensors code, e.g. "F8_E4M3"
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.dtype} {list(self.shape)}, {self.path.name})"
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
+    """Parse and validate one safetensors header.
+
+    Returns (tensors by name in file order, __metadata__). Raises CheckpointError naming the
+    file (and tensor) for: a file shorter than 8 bytes, a header length beyond the file, a
+    header that is not a JSON object, unknown dtypes, byte sizes that disagree with
+    shape x dtype, offsets past the end of the file, overlaps or holes in the data buffer.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(
+                    f"{path}: truncated safetensors file ({size} bytes; the 8-byte header length is missing)"
+                )
+            hlen = int.from_bytes(head, "little")
+            if hlen > size - 8:
+                raise CheckpointError(
+                    f"{path}: header length {hlen} exceeds the file ({size} bytes): truncated or not a safetensors file"
+                )
+            if hlen > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: header length {hlen} is over the {MAX_HEADER_BYTES}-byte limit")
+            raw = f.read(hlen)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(str(path)))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: __metadata__ is not a JSON object")
+    base = 8 + hlen
+    data_len = size - base
+    refs: list[TensorRef] = []
+    for name, info in header.items():
+        where = f"{path}: tensor {name}"
+        if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"} or len(info) != 3:
+            raise CheckpointError(f"{where}: header entry must have exactly dtype, shape, data_offsets")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
+        a, b = offsets
+        ref = TensorRef(name, path, dtype, tuple(shape), base + a, base + b)
+        if not 0 <= a <= b:
+            raise CheckpointError(f"{where}: data_offsets [{a}, {b}] are not increasing")
+        if b > data_len:
+            raise CheckpointError(
+                f"{where}: data_offsets [{a}, {b}] end past the end of the file (data section is {data_len} bytes): "
+                "truncated file or lying header"
+            )
+        want = ref.numel * DTYPES[dtype][1]
+        if b - a != want:
+            raise CheckpointError(
+                f"{where}: {b - a} bytes on disk but {dtype} {list(shape)} needs {want}"
+            )
+        refs.append(ref)
+    expected = base
+    for ref in sorted(refs, key=lambda r: (r.start, r.end)):
+        if ref.start != expected:
+            kind = "overlaps the previous tensor" if ref.start < expected else "leaves a hole before it"
+            raise CheckpointError(f"{path}: tensor {ref.name} {kind} (starts at byte {ref.start - base} of the data)")
+        expected = ref.end
+    if expected != size:
+        raise CheckpointError(
+            f"{path}: {size - expected} bytes after the last tensor are not described by the header"
+        )
+    refs.sort(key=lambda r: r.start)
+    return {r.name: r for r in refs}, {str(k): str(v) for k, v in metadata.items()}
+
+
+class MappedFile:
+    """A read-only (copy-on-write) mmap of one safetensors file, opened on first use."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._mm: mmap.mmap | None = None
+
+    def _map(self) -> mmap.mmap:
+        if self._mm is None:
+            try:
+                with open(self.path, "rb") as f:
+                    # ACCESS_COPY gives a writable buffer (torch.frombuffer wants one) whose
+                    # pages stay file-backed until written, which cvt never does.
+                    self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{self.path}: cannot map: {exc}") from exc
+        return self._mm
+
+    def view(self, ref: TensorRef) -> memoryview:
+        return memoryview(self._map())[ref.start : ref.end]
+
+    def release(self, ref: TensorRef) -> None:
+        """Drop the pages of `ref` from this process's resident set (they stay in the page cache)."""
+        if self._mm is None or ref.nbytes == 0:
+            return
+        a = ref.start - ref.start % PAGE
+        try:
+            self._mm.madvise(mmap.MADV_DONTNEED, a, ref.end - a)
+        except (AttributeError, OSError, ValueError):  # not on every platform; only an RSS nicety
+            pass
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a tensor view is still alive; the GC unmaps it later
+                pass
+            self._mm = None
+
+
+def tensor_from_view(view: memoryview, dtype: str, shape: tuple[int, ...]):
+    """Zero-copy torch tensor over `view` (bytes of one tensor)."""
+    import torch
+
+    if len(view) == 0:
+        return torch.empty(shape, dtype=torch_dtype(dtype))
+    t = torch.frombuffer(view, dtype=torch.uint8)
+    return t.view(torch_dtype(dtype)).reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a writer will put in a file: name, safetensors dtype code, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype][1]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length plus JSON header for `specs` laid out in the given order.
+
+    Deterministic (no timestamps, fixed key order), padded with spaces to a multiple of 8 as
+    the safetensors library does, so that the data buffer is aligned.
+    """
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for s in specs:
+        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20, progress=None) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            if progress is not None:
+                progress(n)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class AtomicFile:
+    """Write to `<dir>/.<name>.tmp`, hashing as it goes; `commit()` fsyncs and renames.
+
+    Until commit nothing named `name` exists, so a killed or failed run never leaves a file
+    that looks complete. Every byte goes through `write`, which also feeds the test-only
+    kill switch (see `cvt.convert.faults`).
+    """
+
+    def __init__(self, path: Path):
+        from cvt.convert import faults
+
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp")
+        self._faults = faults
+        self.sha = hashlib.sha256()
+        self.size = 0
+        try:
+            self._f = open(self.tmp, "wb")
+        except OSError as exc:
+            raise OutputError(f"{self.tmp}: cannot create: {exc.strerror or exc}") from exc
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        try:
+            self.sha.update(mv)
+            self._faults.write(self._f, mv)
+        except OSError as exc:
+            self.abort()
+            raise OutputError(f"{self.path}: write failed after {self.size} bytes: {exc.strerror or exc} (disk full?)") from exc
+        self.size += len(mv)
+
+    def commit(self) -> tuple[int, str]:
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            self.abort()
+            raise OutputError(f"{self.path}: cannot finish writing: {exc.strerror or exc} (disk full?)") from exc
+        fsync_dir(self.path.parent)
+        return self.size, self.sha.hexdigest()
+
+    def abort(self) -> None:
+        try:
+            self._f.close()
+        except OSError:
+            pass
+        try:
+            self.tmp.unlink()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "AtomicFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> tuple[int, str]:
+    with AtomicFile(path) as f:
+        f.write(data)
+        return f.commit()
+
+
+def write_json_atomic(path: Path, obj) -> tuple[int, str]:
+    return write_bytes_atomic(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
+def iter_chunks(view: memoryview, chunk: int = 64 << 20) -> Iterator[memoryview]:
+    for i in range(0, len(view), chunk):
+        yield view[i : i + chunk]

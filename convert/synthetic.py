@@ -1,0 +1,232 @@
+"""Tiny synthetic checkpoints in the exact release formats, for `cvt demo`, tests and benches.
+
+`tiny_deepseek_config()` is a DeepSeek-V3 config with awkward sizes (nothing a multiple of
+128: 80-row experts, 200-wide hidden, 576-like edge blocks), one dense and two MoE layers
+and an MTP layer. `write_fp8_release(dst, config)` writes it the way DeepSeek/Kimi publish:
+FP8 e4m3 linears with `weight_scale_inv` block scales, BF16 norms/embeddings/router, F32
+`e_score_correction_bias`, several shards with an index (one scale deliberately stored in
+a different shard from its weight), config.json with `quantization_config`, a byte-level
+tokenizer, generation_config.json and a remote-code .py file (copied, never run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from cvt.convert.arch import arch_for
+from cvt.convert.safetensors_io import TensorSpec, dtype_code, encode_header
+
+FP8_MAX = 448.0
+
+
+def tiny_deepseek_config(**overrides: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "pad_token_id": 258,
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "hidden_size": 200,
+        "initializer_range": 0.02,
+        "intermediate_size": 264,
+        "kv_lora_rank": 72,
+        "max_position_embeddings": 1024,
+        "moe_intermediate_size": 80,
+        "n_group": 2,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "num_nextn_predict_layers": 1,
+        "q_lora_rank": 96,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 24,
+        "rms_norm_eps": 1e-06,
+        "rope_interleave": True,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "use_cache": True,
+        "vocab_size": 300,
+        "torch_dtype": "bfloat16",
+        "quantization_config": {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        },
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def quantize_fp8_block(w, block: tuple[int, int] = (128, 128), scale_dtype: str = "F32"):
+    """float weight [n, k] -> (float8_e4m3fn [n, k], scale [ceil(n/bn), ceil(k/bk)]) as releases do:
+    scale = amax(block) / 448, w_fp8 = w / scale. `scale_dtype` F8_E8M0 rounds scales up to powers of 2."""
+    import torch
+
+    n, k = w.shape
+    bn, bk = block
+    gn, gk = math.ceil(n / bn), math.ceil(k / bk)
+    pad = torch.zeros(gn * bn, gk * bk, dtype=torch.float32)
+    pad[:n, :k] = w.float()
+    amax = pad.view(gn, bn, gk, bk).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    if scale_dtype == "F8_E8M0":
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    elif scale_dtype == "BF16":
+        scale = scale.to(torch.bfloat16).float()
+    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+    q = (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    if scale_dtype == "F8_E8M0":
+        stored = scale.to(torch.float8_e8m0fnu)
+    elif scale_dtype == "BF16":
+        stored = scale.to(torch.bfloat16)
+    else:
+        stored = scale
+    return q, stored
+
+
+def byte_tokenizer() -> dict[str, Any]:
+    """A byte-level BPE tokenizer.json (no merges): token id = byte value, then <bos> <eos> <pad>."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    chars = dict(zip(bs, (chr(c) for c in cs)))
+    vocab = {chars[b]: b for b in range(256)}
+    specials = ["<bos>", "<eos>", "<pad>"]
+    for i, tok in enumerate(specials):
+        vocab[tok] = 256 + i
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {"id": 256 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+            for i, t in enumerate(specials)
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": False, "vocab": vocab, "merges": []},
+    }
+
+
+def random_weights(config: dict[str, Any], seed: int = 0):
+    """name -> float32 tensor for every weight of `config` (normal init, norms near 1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    arch = arch_for(config)
+    shapes = arch.table.param_shapes(arch.config)
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.05 * torch.randn(shape, generator=g)
+        elif name.endswith("e_score_correction_bias"):
+            t = 0.01 * torch.randn(shape, generator=g)
+        else:
+            t = torch.randn(shape, generator=g) * (1.0 / math.sqrt(shape[-1]))
+        out[name] = t
+    return out
+
+
+def release_tensors(config: dict[str, Any], seed: int = 0, scale_dtype: str = "F32"):
+    """name -> tensor in release dtypes: FP8 + scales for quantizable linears (per the table),
+    F32 router bias, BF16 for everything else."""
+    import torch
+
+    arch = arch_for(config)
+    block = tuple(config["quantization_config"]["weight_block_size"])
+    out = {}
+    for name, w in random_weights(config, seed).items():
+        info = arch.classify(name)
+        if info.rule.quantizable and info.param == "weight":
+            q, s = quantize_fp8_block(w, block, scale_dtype)
+            out[name] = q
+            out[name + "_scale_inv"] = s
+        elif info.param == "e_score_correction_bias":
+            out[name] = w.float()
+        else:
+            out[name] = w.to(torch.bfloat16)
+    return out
+
+
+def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """Plain (non-atomic) safetensors writer for fixtures: tensors in the given order."""
+    import torch
+
+    specs = [TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+    with open(path, "wb") as f:
+        f.write(encode_header(specs, {"format": "pt"} if metadata is None else metadata))
+        for t in tensors.values():
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def write_release(dst: Path, config: dict[str, Any], tensors: dict, n_shards: int = 3, move_scale: bool = True) -> Path:
+    """Write `tensors` as a sharded HF checkpoint with index, config and side files."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    names = list(tensors)
+    per = math.ceil(len(names) / n_shards)
+    groups = [names[i : i + per] for i in range(0, len(names), per)]
+    if move_scale and len(groups) > 1:
+        # a weight's scale in a later shard than the weight, as real releases sometimes do
+        for name in groups[0][::-1]:
+            if name.endswith("_scale_inv"):
+                groups[0].remove(name)
+                groups[1].append(name)
+                break
+    n = len(groups)
+    weight_map = {}
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        write_safetensors(dst / fname, {k: tensors[k] for k in group})
+        weight_map.update({k: fname for k in group})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    write_side_files(dst, config)
+    return dst
+
+
+def write_side_files(dst: Path, config: dict[str, Any]) -> None:
+    (dst / "tokenizer.json").write_text(json.dumps(byte_tokenizer(), ensure_ascii=False))
+    (dst / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+         "model_max_length": config.get("max_position_embeddings", 1024)}))
+    (dst / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"), "do_sample": False}))
+    (dst / "configuration_deepseek.py").write_text("# remote code shipped with the checkpoint; cvt copies it and never runs it\n")
+    (dst / "README.md").write_text("# tiny synthetic DeepSeek-V3-style checkpoint (random weights), written by cvt\n")
+
+
+def write_fp8_release(dst: Path, config: dict[str, Any] | None = None, seed: int = 0, n_shards: int = 3,
+                      scale_dtype: str = "F32") -> Path:
+    config = config or tiny_deepseek_config()
+    return write_release(dst, config, release_tensors(config, seed, scale_dtype), n_shards)

@@ -1,0 +1,418 @@
+"""Writing a checkpoint directory: bounded shards, atomic files, resume, lock, manifest.
+
+Every stage describes its output as an ordered list of `OutTensor` (name, dtype, shape and
+a function producing the bytes). `write_checkpoint` then
+
+1. plans shards up front (greedy, in order, each at most `max_shard_size` unless one tensor
+   is larger): the plan depends only on the tensor list, so a resumed run writes the same
+   file names with the same contents;
+2. locks DST (flock on the directory: a second concurrent run is refused; the kernel drops
+   the lock when a run dies, even by kill -9);
+3. skips files that an earlier run of the same plan finished (recorded in
+   `.cvt-state.json` after each file, trusted only when size and sha256 on disk still match);
+4. writes the rest, `workers` files at a time, each to a hidden temp file that is fsynced and
+   renamed into place, hashing as it writes;
+5. writes the index, config.json and copied files, then `cvt_manifest.json` last, and
+   removes the state file. Until the manifest exists nothing in DST claims to be complete.
+
+Peak memory is about `workers` x (largest output tensor + its input), whatever the model size.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from cvt import __version__
+from cvt.convert.reader import MANIFEST_NAME, Checkpoint
+from cvt.convert.safetensors_io import (
+    AtomicFile,
+    TensorSpec,
+    dtype_code,
+    encode_header,
+    sha256_file,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+from cvt.errors import OutputError
+from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
+
+STATE_NAME = ".cvt-state.json"
+DEFAULT_MAX_SHARD = 5 * 10**9
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One output tensor: its spec, a producer of its bytes, and what reading it costs.
+
+    `produce()` returns a torch tensor of exactly `spec`'s dtype and shape, or a buffer of
+    `spec.nbytes` bytes; `release()` (optional) is called once the bytes are written.
+    """
+
+    spec: TensorSpec
+    produce: Callable[[], Any]
+    release: Callable[[], None] | None = None
+    read_bytes: int = 0
+
+
+@dataclass
+class WriteResult:
+    dst: Path
+    files: list[FileInfo]
+    written_files: int
+    skipped_files: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    manifest: Manifest | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        return self.bytes_out / self.seconds if self.seconds > 0 else 0.0
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5_000_000_000, '512MiB' -> 536870912, 1000 -> 1000."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper().replace(" ", "")
+    units = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+             "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise OutputError(f"size {text!r} is not a size like 5GB, 500MB or 2GiB")
+    return int(value * units[unit])
+
+
+def plan_shards(tensors: list[OutTensor], max_shard_size: int, prefix: str = "model") -> list[tuple[str, list[OutTensor]]]:
+    groups: list[list[OutTensor]] = []
+    size = 0
+    for t in tensors:
+        if not groups or (size + t.spec.nbytes > max_shard_size and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.spec.nbytes
+    n = len(groups)
+    return [(f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def plan_id(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def source_info(ckpt: Checkpoint, fmt: str) -> SourceInfo:
+    src = ckpt.source
+    return SourceInfo(
+        kind=src.kind,
+        path=str(src.path) if src.kind == "local" else None,
+        repo_id=src.repo_id,
+        revision=src.revision,
+        config_sha256=ckpt.config_sha256,
+        index_sha256=ckpt.index_sha256,
+        format=fmt,
+    )
+
+
+class OutputDir:
+    """DST during a run: lock, state journal of finished files, final manifest."""
+
+    def __init__(self, dst: Path, plan: str, resume: bool = True, overwrite: bool = False):
+        self.dst = Path(dst)
+        self.plan = plan
+        self.resume = resume
+        self.overwrite = overwrite
+        self._fd: int | None = None
+        self._state: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "OutputDir":
+        dst = self.dst
+        if dst.exists() and not dst.is_dir():
+            raise OutputError(f"{dst}: exists and is not a directory")
+        try:
+            dst.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(dst, os.O_RDONLY)
+        except OSError as exc:
+            raise OutputError(f"{dst}: cannot create the output directory: {exc.strerror or exc}") from exc
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._fd)
+            self._fd = None
+            raise OutputError(f"{dst}: another cvt run is writing to this directory (it is locked); wait for it or choose another DST") from None
+        if not os.access(dst, os.W_OK):
+            self.__exit__()
+            raise OutputError(f"{dst}: not writable")
+        try:
+            self._load()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    # -- state --------------------------------------------------------------------------
+    def _load(self) -> None:
+        state_path, manifest_path = self.dst / STATE_NAME, self.dst / MANIFEST_NAME
+        prior_plan, records = None, {}
+        if state_path.is_file():
+            try:
+                data = json.loads(state_path.read_text())
+                prior_plan, records = data["plan_id"], data["files"]
+            except (ValueError, KeyError, TypeError):
+                prior_plan, records = "unreadable", {}
+        elif manifest_path.is_file():
+            try:
+                data = json.loads(manifest_path.read_text())
+                prior_plan = data["plan_id"]
+                records = {f["path"]: {"size": f["size"], "sha256": f["sha256"]} for f in data["files"]}
+            except (ValueError, KeyError, TypeError):
+                prior_plan, records = "unreadable", {}
+        for tmp in self.dst.glob(".*.tmp"):  # a killed run's half-written files
+            tmp.unlink(missing_ok=True)
+        if prior_plan is None:
+            visible = sorted(p.name for p in self.dst.iterdir() if not p.name.startswith("."))
+            if visible and not self.overwrite:
+                raise OutputError(
+                    f"{self.dst}: not empty ({len(visible)} entries, e.g. {visible[0]}) and not a cvt output to resume; "
+                    "choose an empty directory or pass --overwrite"
+                )
+        elif prior_plan != self.plan and not self.overwrite:
+            raise OutputError(
+                f"{self.dst}: holds the output of a different run (other source, stage or parameters); "
+                "choose another directory or pass --overwrite"
+            )
+        if self.resume and prior_plan == self.plan:
+            self._state = dict(records)
+        if prior_plan is not None and prior_plan != self.plan:
+            # --overwrite of another plan: its manifest must not survive next to our files
+            (self.dst / MANIFEST_NAME).unlink(missing_ok=True)
+        self._save()
+
+    def _save(self) -> None:
+        write_json_atomic(self.dst / STATE_NAME, {"plan_id": self.plan, "files": self._state})
+
+    def finished(self, rel: str, progress: Callable[[int], None] | None = None) -> FileInfo | None:
+        """The record of `rel` if an earlier run finished it and the file still matches."""
+        rec = self._state.get(rel)
+        path = self.dst / rel
+        if not rec or not path.is_file() or path.stat().st_size != rec["size"]:
+            return None
+        if sha256_file(path, progress=progress) != rec["sha256"]:
+            return None
+        return FileInfo(path=rel, size=rec["size"], sha256=rec["sha256"], tensors=rec.get("tensors", 0))
+
+    def record(self, info: FileInfo) -> None:
+        with self._lock:
+            self._state[info.path] = {"size": info.size, "sha256": info.sha256, "tensors": info.tensors}
+            self._save()
+
+    def write_small(self, rel: str, data: bytes, tensors: int = 0) -> FileInfo:
+        size, sha = write_bytes_atomic(self.dst / rel, data)
+        return FileInfo(path=rel, size=size, sha256=sha, tensors=tensors)
+
+    def copy_file(self, src: Path, rel: str) -> FileInfo:
+        with AtomicFile(self.dst / rel) as f, open(src, "rb") as fin:
+            shutil.copyfileobj(fin, _Sink(f), 16 << 20)
+            size, sha = f.commit()
+        return FileInfo(path=rel, size=size, sha256=sha)
+
+    def finish(self, manifest: Manifest) -> None:
+        write_bytes_atomic(self.dst / MANIFEST_NAME, manifest_bytes(manifest))
+        (self.dst / STATE_NAME).unlink(missing_ok=True)
+
+
+class _Sink:
+    def __init__(self, f: AtomicFile):
+        self.f = f
+
+    def write(self, b) -> None:
+        self.f.write(b)
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    return (manifest.model_dump_json(indent=2) + "\n").encode()
+
+
+def _as_buffer(data, spec: TensorSpec) -> memoryview:
+    if hasattr(data, "dtype") and hasattr(data, "shape") and not isinstance(data, memoryview):
+        code = dtype_code(data.dtype)
+        if code != spec.dtype or tuple(data.shape) != spec.shape:
+            raise RuntimeError(f"internal: {spec.name} produced {code} {list(data.shape)}, planned {spec.dtype} {list(spec.shape)}")
+        import torch
+
+        data = data.contiguous().reshape(-1).view(torch.uint8).numpy()
+    mv = memoryview(data).cast("B")
+    if len(mv) != spec.nbytes:
+        raise RuntimeError(f"internal: {spec.name} produced {len(mv)} bytes, planned {spec.nbytes}")
+    return mv
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def write_shards(
+    out: OutputDir,
+    shards: list[tuple[str, list[OutTensor]]],
+    *,
+    workers: int = 1,
+    progress=None,
+    metadata: dict[str, str] | None = None,
+) -> tuple[list[FileInfo], int, int]:
+    """Write every planned shard not already finished. Returns (file infos, written, skipped)."""
+    meta = {"format": "pt"} if metadata is None else metadata
+    results: dict[str, FileInfo] = {}
+    stop = threading.Event()
+    update = progress.update if progress is not None else (lambda n: None)
+    pending = []
+    skipped = 0
+    for rel, tensors in shards:
+        size = len(encode_header([t.spec for t in tensors], meta)) + sum(t.spec.nbytes for t in tensors)
+        done = out.finished(rel)
+        if done is not None and done.size == size:
+            results[rel] = done
+            skipped += 1
+            update(sum(t.spec.nbytes for t in tensors))
+        else:
+            pending.append((rel, tensors))
+
+    def write_one(rel: str, tensors: list[OutTensor]) -> FileInfo:
+        with AtomicFile(out.dst / rel) as f:
+            f.write(encode_header([t.spec for t in tensors], meta))
+            for t in tensors:
+                if stop.is_set():
+                    raise _Cancelled
+                data = t.produce()
+                f.write(_as_buffer(data, t.spec))
+                del data
+                if t.release is not None:
+                    t.release()
+                update(t.spec.nbytes)
+            size, sha = f.commit()
+        info = FileInfo(path=rel, size=size, sha256=sha, tensors=len(tensors))
+        out.record(info)
+        return info
+
+    if pending:
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cvt-write") as pool:
+            futures = {pool.submit(write_one, rel, ts): rel for rel, ts in pending}
+            try:
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                for fut in done:
+                    if fut.exception() is not None:
+                        raise fut.exception()
+                for fut in futures:
+                    results[futures[fut]] = fut.result()
+            except BaseException:
+                stop.set()
+                for fut in futures:
+                    fut.cancel()
+                raise
+    return [results[rel] for rel, _ in shards], len(pending), skipped
+
+
+def make_progress(total: int, desc: str, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=quiet,
+                dynamic_ncols=True, smoothing=0.1)
+
+
+def write_checkpoint(
+    ckpt: Checkpoint,
+    dst: Path,
+    tensors: list[OutTensor],
+    *,
+    stage: StageInfo,
+    source_format: str,
+    out_format: str,
+    config: dict,
+    summary: dict[str, int],
+    max_shard_size: int = DEFAULT_MAX_SHARD,
+    workers: int = 1,
+    resume: bool = True,
+    overwrite: bool = False,
+    quiet: bool = False,
+    prefix: str = "model",
+    extra_files: Iterable[tuple[str, bytes]] = (),
+) -> WriteResult:
+    """Plan, write and finalize a Hugging Face style checkpoint directory (see module doc)."""
+    t0 = time.perf_counter()
+    shards = plan_shards(tensors, max_shard_size, prefix)
+    src = source_info(ckpt, source_format)
+    prior = _prior_stages(ckpt)
+    pid = plan_id({
+        "tool": __version__,
+        "source": src.model_dump(exclude={"path"}),
+        "stage": stage.model_dump(),
+        "max_shard_size": max_shard_size,
+        "prefix": prefix,
+        "tensors": [(t.spec.name, t.spec.dtype, t.spec.shape) for t in tensors],
+    })
+    total_out = sum(t.spec.nbytes for t in tensors)
+    with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite) as out:
+        with make_progress(total_out, stage.name, quiet) as bar:
+            files, written, skipped = write_shards(out, shards, workers=workers, progress=bar)
+        weight_map = {t.spec.name: rel for rel, ts in shards for t in ts}
+        index = {"metadata": {"total_size": total_out}, "weight_map": weight_map}
+        index_name = f"{prefix}.safetensors.index.json"
+        files.append(out.write_small(index_name, (json.dumps(index, indent=2) + "\n").encode()))
+        files.append(out.write_small("config.json", (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()))
+        for rel, data in extra_files:
+            files.append(out.write_small(rel, data))
+        for path in ckpt.aux_files():
+            files.append(out.copy_file(path, path.name))
+        manifest = Manifest(
+            tool=ToolInfo(version=__version__),
+            source=src,
+            stages=[*prior, stage],
+            format=out_format,
+            plan_id=pid,
+            tensor_count=len(tensors),
+            total_size=total_out,
+            files=files,
+            summary=Summary(counts=summary),
+        )
+        out.finish(manifest)
+    return WriteResult(
+        dst=Path(dst),
+        files=files,
+        written_files=written,
+        skipped_files=skipped,
+        bytes_in=sum(t.read_bytes for t in tensors),
+        bytes_out=total_out,
+        seconds=time.perf_counter() - t0,
+        manifest=manifest,
+    )
+
+
+def _prior_stages(ckpt: Checkpoint) -> list[StageInfo]:
+    """Stages recorded by a cvt source's manifest (a later stage extends the history)."""
+    path = ckpt.root / MANIFEST_NAME
+    if not path.is_file():
+        return []
+    try:
+        return Manifest.model_validate_json(path.read_text()).stages
+    except ValueError:
+        return []

@@ -1,0 +1,3 @@
+from cvt.cli import main
+
+main()

@@ -1,0 +1,38 @@
+"""One exception family for everything cvt reports to a user.
+
+Messages restate the input: the file, the tensor, its shape and dtype, and what would
+have been valid, so that one line is enough to act on. The CLI prints `cvt: error: <msg>`
+and exits non-zero; the traceback is shown only with `--debug`.
+"""
+
+from __future__ import annotations
+
+
+class CvtError(Exception):
+    """Base class: anything wrong with the user's input, environment or request."""
+
+    exit_code = 1
+
+
+class CheckpointError(CvtError):
+    """A source checkpoint is malformed: header, index, missing file, unsafe path, pickle."""
+
+
+class TensorError(CheckpointError):
+    """A tensor is missing, misshaped, of the wrong dtype, or holds non-finite scales."""
+
+
+class ArchError(CvtError):
+    """Unknown model_type, or a tensor name that the architecture table cannot map."""
+
+
+class FormatError(CvtError):
+    """The source is not in the format a stage needs (e.g. bf16 given to fp8-to-bf16)."""
+
+
+class OutputError(CvtError):
+    """The destination cannot be written, is locked by another run, or holds other data."""
+
+
+class ManifestError(CvtError):
+    """A cvt_manifest.json is invalid or disagrees with the files next to it."""

@@ -1,0 +1,1 @@
+"""ONNX and OM export (issue: export)."""

@@ -1,0 +1,1 @@
+"""Quantization schemes, calibration methods and output formats (issue: quantize)."""

@@ -1,0 +1,1 @@
+"""Model definitions, kernels, loader, generation and verify reports (issue: runtime)."""

@@ -1,0 +1,78 @@
+"""`cvt_manifest.json`: what a cvt output directory is, and the contract later stages trust.
+
+Typed with pydantic (`extra="forbid"` everywhere, so a misspelt or unknown key is an
+error), versioned by `manifest_version`, and exported as JSON Schema to
+`schemas/manifest.schema.json` (`python -m cvt.schemas` regenerates it; a test checks
+that the file matches the models). Deterministic content (no timestamps), so a resumed
+run writes the same bytes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MANIFEST_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ToolInfo(_Strict):
+    name: Literal["cvt"] = "cvt"
+    version: str
+
+
+class SourceInfo(_Strict):
+    """The checkpoint a stage read: a local path or a hub id at a commit, plus content hashes."""
+
+    kind: Literal["local", "hub"]
+    path: str | None = Field(None, description="absolute path of a local source")
+    repo_id: str | None = Field(None, description="hub repo id of a hub source")
+    revision: str | None = Field(None, description="commit hash the hub id resolved to")
+    config_sha256: str | None = Field(None, description="sha256 of the source config.json")
+    index_sha256: str | None = Field(None, description="sha256 of the source safetensors index (null: single file)")
+    format: str = Field(description="source format, e.g. fp8-block, bf16, compressed-tensors-int4, cvt-artifact")
+
+    @field_validator("path")
+    @classmethod
+    def _path_for_local(cls, v, info):
+        if info.data.get("kind") == "local" and not v:
+            raise ValueError("a local source needs its path")
+        return v
+
+
+class StageInfo(_Strict):
+    """One stage applied to produce this directory, with the parameters that change its output."""
+
+    name: str = Field(description="the verb, e.g. fp8-to-bf16")
+    tool_version: str
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class FileInfo(_Strict):
+    path: str = Field(description="path relative to the manifest's directory")
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tensors: int = Field(0, ge=0, description="tensors in the file (0 for non-weight files)")
+
+
+class Summary(_Strict):
+    """Counts a stage reports, e.g. tensors dequantized / passed through / dropped."""
+
+    counts: dict[str, int] = Field(default_factory=dict)
+
+
+class Manifest(_Strict):
+    manifest_version: Literal[1] = MANIFEST_VERSION
+    tool: ToolInfo
+    source: SourceInfo
+    stages: list[StageInfo] = Field(description="every stage from the original release to this directory, in order")
+    format: str = Field(description="what this directory holds, e.g. hf-bf16")
+    plan_id: str = Field(description="hash of source identity + stage parameters; resume only continues the same plan")
+    tensor_count: int = Field(ge=0)
+    total_size: int = Field(ge=0, description="bytes of tensor data (the index's metadata.total_size)")
+    files: list[FileInfo] = Field(description="weight files, then index, config and copied files")
+    summary: Summary = Field(default_factory=Summary)
