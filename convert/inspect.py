@@ -1,0 +1,166 @@
+"""`cvt inspect PATH`: what a checkpoint is, what it holds, and what is wrong with it.
+
+Reads config.json, the safetensors headers and (for cvt outputs) the manifest - never the
+weights - so it is instant on a 1 TB checkpoint. Problems that make the checkpoint
+unreadable (bad headers, index paths, missing files) are errors; problems a stage would
+trip over later (unmapped tensors, FP8 weights without scales, misshaped scales, experts
+missing from a layer) are collected and listed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from cvt.convert.arch import arch_for
+from cvt.convert.config import SourceFormat, describe_quant, quantization_config, source_format
+from cvt.convert.fp8 import expected_scale_shape
+from cvt.convert.reader import MANIFEST_NAME, open_checkpoint
+from cvt.errors import ArchError
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+@dataclass
+class InspectReport:
+    path: str
+    source: str
+    model_type: str | None
+    architecture: str | None
+    source_format: str
+    format_detail: str
+    num_tensors: int
+    total_bytes: int
+    layers: dict[str, Any] = field(default_factory=dict)
+    bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    bytes_by_role: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def render(self) -> str:
+        lines = [
+            f"path            {self.path}",
+            f"source          {self.source}",
+            f"model_type      {self.model_type}  (table: {self.architecture or '-'})",
+            f"format          {self.source_format}: {self.format_detail}",
+            f"tensors         {self.num_tensors}, {_fmt_bytes(self.total_bytes)}",
+        ]
+        for key, value in self.layers.items():
+            lines.append(f"{key:<15} {value}")
+        lines.append("bytes by dtype  " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.bytes_by_dtype.items()))
+        lines.append("bytes by role   " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.bytes_by_role.items()))
+        if self.problems:
+            lines.append(f"problems        {len(self.problems)}")
+            lines += [f"  - {p}" for p in self.problems[:50]]
+            if len(self.problems) > 50:
+                lines.append(f"  ... and {len(self.problems) - 50} more")
+        else:
+            lines.append("problems        none")
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def inspect_checkpoint(path, revision: str | None = None) -> InspectReport:
+    ckpt = open_checkpoint(path, revision, need_config=True)
+    cfg = ckpt.config
+    fmt = source_format(cfg, ckpt.has_manifest)
+    problems: list[str] = []
+    detail = describe_quant(quantization_config(cfg))
+    if fmt is SourceFormat.CVT:
+        try:
+            m = json.loads((ckpt.root / MANIFEST_NAME).read_text())
+            detail = f"{m.get('format')} written by cvt {m.get('tool', {}).get('version')}, stages: " + " -> ".join(
+                s.get("name", "?") for s in m.get("stages", [])
+            )
+        except (ValueError, OSError) as exc:
+            problems.append(f"{MANIFEST_NAME}: unreadable ({exc})")
+    elif fmt is SourceFormat.FP8_BLOCK:
+        qc = quantization_config(cfg) or {}
+        detail = f"FP8 {qc.get('fmt', 'e4m3')} weights, {qc.get('weight_block_size')} block scales"
+        if qc.get("scale_fmt"):
+            detail += f" (scale_fmt {qc['scale_fmt']})"
+
+    by_dtype: Counter = Counter()
+    by_role: Counter = Counter()
+    for ref in ckpt.tensors.values():
+        by_dtype[ref.dtype] += ref.nbytes
+
+    arch = None
+    try:
+        arch = arch_for(cfg)
+    except ArchError as exc:
+        problems.append(str(exc))
+    experts_seen: dict[int, set[int]] = defaultdict(set)
+    layers_seen: set[int] = set()
+    block = tuple((quantization_config(cfg) or {}).get("weight_block_size") or (128, 128))
+    for name, ref in ckpt.tensors.items():
+        base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
+        if name.endswith(SCALE_SUFFIX):
+            w = ckpt.tensors.get(base)
+            if w is None:
+                problems.append(f"scale {name} has no weight {base}")
+            elif len(w.shape) == 2 and ref.shape != expected_scale_shape(w.shape, block):
+                problems.append(
+                    f"scale {name}: shape {list(ref.shape)}, expected {list(expected_scale_shape(w.shape, block))} "
+                    f"for weight {list(w.shape)}"
+                )
+        elif ref.dtype.startswith("F8_") and ref.dtype != "F8_E8M0" and base + SCALE_SUFFIX not in ckpt.tensors:
+            problems.append(f"FP8 weight {name} ({ref.path.name}) has no scale {base}{SCALE_SUFFIX}")
+        if arch is None:
+            continue
+        try:
+            info = arch.classify(base)
+        except ArchError as exc:
+            problems.append(str(exc))
+            by_role["unmapped"] += ref.nbytes
+            continue
+        role = info.role.value + (" (mtp)" if info.is_mtp else "")
+        by_role["scale" if name.endswith(SCALE_SUFFIX) else role] += ref.nbytes
+        if info.layer is not None:
+            layers_seen.add(info.layer)
+            if info.expert is not None:
+                experts_seen[info.layer].add(info.expert)
+
+    layers: dict[str, Any] = {}
+    if arch is not None:
+        n, mtp = arch.num_layers, arch.num_mtp_layers
+        present_mtp = sorted(i for i in layers_seen if i >= n)
+        layers["layers"] = f"{n} in config, {len([i for i in layers_seen if i < n])} present"
+        if arch.num_experts:
+            moe = sorted(i for i in experts_seen if i < n)
+            layers["moe layers"] = f"{len(moe)} (dense: {n - len(moe)})"
+            layers["experts"] = f"{arch.num_experts} routed per MoE layer, top-{arch.counts.get('experts_per_token', '?')}"
+            for layer, seen in sorted(experts_seen.items()):
+                missing = sorted(set(range(arch.num_experts)) - seen)
+                if missing:
+                    problems.append(f"layer {layer}: {len(missing)} of {arch.num_experts} experts missing (e.g. expert {missing[0]})")
+        layers["mtp layers"] = f"{mtp} in config, {len(present_mtp)} present"
+        missing_layers = sorted(set(range(n)) - layers_seen)
+        if missing_layers:
+            problems.append(f"{len(missing_layers)} decoder layers have no tensors (e.g. layer {missing_layers[0]})")
+
+    return InspectReport(
+        path=str(ckpt.root),
+        source=ckpt.source.describe(),
+        model_type=(arch.model_type if arch else cfg.get("model_type")),
+        architecture=arch.table.name if arch else None,
+        source_format=fmt.value,
+        format_detail=detail,
+        num_tensors=len(ckpt.tensors),
+        total_bytes=sum(by_dtype.values()),
+        layers=layers,
+        bytes_by_dtype=dict(by_dtype.most_common()),
+        bytes_by_role=dict(by_role.most_common()),
+        problems=problems,
+    )

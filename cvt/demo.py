@@ -1,0 +1,46 @@
+"""`cvt demo`: every stage that exists, on a tiny DeepSeek-V3-style FP8 checkpoint.
+
+Builds the checkpoint with `cvt.convert.synthetic` (random weights; one dense layer, two
+MoE layers, an MTP layer, dims that are not multiples of 128, scales split across shards),
+then runs the stages in pipeline order. Grows as stages land.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from cvt.errors import OutputError
+
+
+def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print) -> dict[str, Path]:
+    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
+    from cvt.convert.inspect import inspect_checkpoint
+    from cvt.convert.synthetic import write_fp8_release
+
+    root = Path(directory)
+    if root.exists() and any(root.iterdir()) and not (root / ".cvt-demo").exists():
+        raise OutputError(f"{root}: exists and is not a cvt demo directory; choose another DIR")
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    (root / ".cvt-demo").write_text("written by cvt demo; safe to delete\n")
+    out = {"fp8": root / "source-fp8", "bf16": root / "bf16"}
+
+    say = (lambda s: None) if quiet else echo
+    say(f"[1/2] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
+    write_fp8_release(out["fp8"])
+    report = inspect_checkpoint(out["fp8"])
+    say(report.render())
+
+    say(f"\n[2/2] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
+    r = fp8_to_bf16(out["fp8"], out["bf16"], quiet=True)
+    say(f"dequantized {r.extra['dequantized']} tensors, passed {r.extra['passed_through']} through, "
+        f"{r.bytes_out} bytes in {len(r.files)} files")
+    say(inspect_checkpoint(out["bf16"]).render())
+
+    say("\noutputs:")
+    for key, path in out.items():
+        say(f"  {key:<6} {path}")
+    return out
