@@ -73,7 +73,7 @@ def _download(repo_id: str, revision: str | None) -> Source:
         folder = Path(snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
     except LocalEntryNotFoundError as exc:
         raise CheckpointError(
-            f"{repo_id}: not a local directory, and not available from the hub cache "
+            f"{repo_id}@{revision or 'main'}: not a local directory, and not available from the hub cache "
             f"(offline, or the hub cannot be reached; HF_HUB_OFFLINE / HF_HOME decide): {_first_line(exc)}"
         ) from exc
     except RevisionNotFoundError as exc:

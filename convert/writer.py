@@ -185,7 +185,7 @@ class OutputDir:
             try:
                 data = json.loads(manifest_path.read_text())
                 prior_plan = data["plan_id"]
-                records = {f["path"]: {"size": f["size"], "sha256": f["sha256"]} for f in data["files"]}
+                records = {f["path"]: {k: f[k] for k in ("size", "sha256", "tensors")} for f in data["files"]}
             except (ValueError, KeyError, TypeError):
                 prior_plan, records = "unreadable", {}
         for tmp in self.dst.glob(".*.tmp"):  # a killed run's half-written files
@@ -205,7 +205,10 @@ class OutputDir:
         if self.resume and prior_plan == self.plan:
             self._state = dict(records)
         if prior_plan is not None and prior_plan != self.plan:
-            # --overwrite of another plan: its manifest must not survive next to our files
+            # --overwrite of another run's output: remove what it wrote, so that no stale shard
+            # or manifest survives next to ours
+            for rel in records:
+                _unlink_inside(self.dst, rel)
             (self.dst / MANIFEST_NAME).unlink(missing_ok=True)
         self._save()
 
@@ -240,6 +243,12 @@ class OutputDir:
     def finish(self, manifest: Manifest) -> None:
         write_bytes_atomic(self.dst / MANIFEST_NAME, manifest_bytes(manifest))
         (self.dst / STATE_NAME).unlink(missing_ok=True)
+
+
+def _unlink_inside(root: Path, rel: str) -> None:
+    path = (root / rel).resolve()
+    if path.parent == root.resolve() and path.is_file():
+        path.unlink()
 
 
 class _Sink:

@@ -65,7 +65,7 @@ def _human(n: float) -> str:
 
 @cli.command("fp8-to-bf16")
 @click.argument("src")
-@click.argument("dst", type=click.Path(file_okay=False))
+@click.argument("dst", type=click.Path())
 @click.option("--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id.")
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="Output files written in parallel (default: 2, or 1 on a 1-core machine). Peak memory grows with it.")
@@ -132,8 +132,12 @@ def main(argv=None) -> None:
         cli.main(args=argv, prog_name="cvt", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except click.UsageError as exc:  # bad arguments: one line, like every other failure
+        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+        click.echo(f"cvt: error: {exc.format_message()}{hint}", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
+        click.echo(f"cvt: error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
         click.echo("cvt: aborted", err=True)

@@ -1,0 +1,151 @@
+"""FP8 block dequant kernels: bit-exact against an independent reference, on awkward shapes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cvt.convert import fp8
+from cvt.errors import TensorError
+
+from cvt.tests.convert.fp8_reference import decode_e4m3, decode_scale, dequant, same_bits_nan_aware
+
+SHAPES = [
+    pytest.param((80, 256), id="80x256"),
+    pytest.param((192, 128), id="192x128"),
+    pytest.param((88, 200), id="88x200-partial-both"),  # 576x7168-like: edge blocks in both dims
+    pytest.param((576, 384), id="576x384-kv_a-like"),
+    pytest.param((128, 128), id="128x128-one-block"),
+    pytest.param((3, 7), id="3x7-smaller-than-block"),
+    pytest.param((1, 1), id="1x1"),
+]
+
+
+def _kernels():
+    out = [pytest.param("torch", id="torch-kernel")]
+    out.append(pytest.param("c", id="c-kernel"))
+    return out
+
+
+def run_kernel(kind: str, w, s, block, threads=2):
+    if kind == "torch":
+        out = torch.empty(w.shape, dtype=torch.bfloat16)
+        return fp8._dequant_torch(w.contiguous(), fp8.scale_to_f32(s).contiguous(), block, out)
+    if fp8._c_kernel() is None:
+        pytest.skip("C kernel not built (no C compiler at install time)")
+    return fp8.dequant_fp8_block(w, s, block, threads=threads)
+
+
+def random_case(shape, block, scale_dtype, seed=0, nan=False):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    if not nan:
+        codes[(codes & 0x7F) == 0x7F] = 0x3C
+    sshape = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+    s = torch.rand(sshape, generator=g) * 0.02 + 1e-4
+    if scale_dtype == "BF16":
+        s = s.to(torch.bfloat16)
+    elif scale_dtype == "F8_E8M0":
+        s = torch.randint(100, 135, sshape, generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return codes.view(torch.float8_e4m3fn), s
+
+
+def reference_bits(w, s, scale_dtype, block):
+    codes = w.view(torch.uint8).numpy()
+    raw = s.contiguous().view(torch.uint8).numpy() if s.dtype != torch.float32 else s.numpy()
+    return dequant(codes, decode_scale(raw, scale_dtype), block)
+
+
+def bits(t) -> np.ndarray:
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("kind", _kernels())
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("scale_dtype", ["F32", "BF16", "F8_E8M0"])
+def test_bit_exact_against_independent_reference(kind, shape, scale_dtype):
+    block = (128, 128)
+    w, s = random_case(shape, block, scale_dtype)
+    got = run_kernel(kind, w, s, block)
+    assert got.dtype == torch.bfloat16 and tuple(got.shape) == shape
+    assert np.array_equal(bits(got), reference_bits(w, s, scale_dtype, block))
+
+
+@pytest.mark.parametrize("kind", _kernels())
+@pytest.mark.parametrize("block", [(128, 128), (64, 32), (1, 128), (128, 1)], ids=lambda b: f"block{b[0]}x{b[1]}")
+def test_other_block_sizes(kind, block):
+    w, s = random_case((150, 260), block, "F32", seed=3)
+    assert np.array_equal(bits(run_kernel(kind, w, s, block)), reference_bits(w, s, "F32", block))
+
+
+@pytest.mark.parametrize("kind", _kernels())
+def test_every_code_including_subnormals_and_nan(kind):
+    """All 256 e4m3 codes (subnormals, +-0, NaN) times scales that produce bf16 subnormals,
+    halfway cases and overflow to inf."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(6, 1)  # [6, 256]
+    w = codes.view(torch.float8_e4m3fn)
+    s = torch.tensor([[1.0, 3.0e-41], [0.1, 1.7e38], [1.0 / 3.0, 1e-38], [7.0, 2.5e-3], [1.0, 1.0], [1.0, 1.0]])
+    block = (1, 128)
+    got = run_kernel(kind, w, s, block)
+    want = dequant(codes.numpy(), s.numpy(), block)
+    assert same_bits_nan_aware(bits(got), want)
+    assert torch.isnan(got[:, [0x7F, 0xFF]]).all()
+    assert torch.isinf(got[1, 128 + 0x7E]).item()  # 448 * 1.7e38 overflows float32
+
+
+def test_thread_counts_give_identical_bits():
+    if fp8._c_kernel() is None:
+        pytest.skip("C kernel not built")
+    w, s = random_case((300, 260), (128, 128), "F32", seed=5)
+    outs = [bits(fp8.dequant_fp8_block(w, s, threads=t)) for t in (1, 2, 3, 7)]
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+def test_matches_the_straightforward_torch_algorithm():
+    """cvt's kernels equal the official expression (fp32 multiply, one RNE) for finite inputs."""
+    w, s = random_case((200, 300), (128, 128), "F32", seed=7)
+    full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :300]
+    expected = (w.float() * full).to(torch.bfloat16)
+    assert torch.equal(fp8.dequant_fp8_block(w, s).view(torch.int16), expected.view(torch.int16))
+
+
+def test_scale_cast_to_bf16_first_is_a_different_result():
+    """Guard for the documented pitfall: casting the f32 scale to bf16 before multiplying is wrong."""
+    w, s = random_case((128, 256), (128, 128), "F32", seed=9)
+    right = fp8.dequant_fp8_block(w, s)
+    wrong = fp8.dequant_fp8_block(w, s.to(torch.bfloat16))
+    assert not torch.equal(right.view(torch.int16), wrong.view(torch.int16))
+
+
+def test_e8m0_scale_decoding_matches_formula():
+    e = torch.arange(256, dtype=torch.uint8)
+    got = fp8.scale_to_f32(e.view(torch.float8_e8m0fnu)).numpy()
+    want = decode_scale(e.numpy(), "F8_E8M0")
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(got[:255], want[:255])
+
+
+def test_decode_table_is_exact():
+    codes = np.arange(256, dtype=np.uint8)
+    ours = decode_e4m3(codes)
+    torchs = torch.from_numpy(codes).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(np.isnan(ours), np.isnan(torchs))
+    assert np.array_equal(ours[~np.isnan(ours)], torchs[~np.isnan(torchs)])
+
+
+def test_rejects_wrong_scale_shape_and_dtype():
+    w, s = random_case((80, 256), (128, 128), "F32")
+    with pytest.raises(TensorError, match=r"expected \[1, 2\]"):
+        fp8.dequant_fp8_block(w, s[:, :1])
+    with pytest.raises(TensorError, match="float8_e4m3fn"):
+        fp8.dequant_fp8_block(w.view(torch.uint8), s)
+    with pytest.raises(TensorError, match="scale dtype"):
+        fp8.dequant_fp8_block(w, s.to(torch.float64))
+
+
+def test_empty_tensor():
+    w = torch.empty((0, 256), dtype=torch.float8_e4m3fn)
+    assert fp8.dequant_fp8_block(w, torch.empty((0, 2))).shape == (0, 256)
