@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MANIFEST_VERSION = 1
 
@@ -36,12 +36,13 @@ class SourceInfo(_Strict):
     index_sha256: str | None = Field(None, description="sha256 of the source safetensors index (null: single file)")
     format: str = Field(description="source format, e.g. fp8-block, bf16, compressed-tensors-int4, cvt-artifact")
 
-    @field_validator("path")
-    @classmethod
-    def _path_for_local(cls, v, info):
-        if info.data.get("kind") == "local" and not v:
+    @model_validator(mode="after")
+    def _identity(self):
+        if self.kind == "local" and not self.path:
             raise ValueError("a local source needs its path")
-        return v
+        if self.kind == "hub" and not self.repo_id:
+            raise ValueError("a hub source needs its repo_id")
+        return self
 
 
 class StageInfo(_Strict):

@@ -1,0 +1,113 @@
+"""Architecture tables: roles, split dims, float defaults, MTP, and loud failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from cvt.convert.arch import TABLES, ArchTable, Block, Parallel, Role, arch_for, register
+from cvt.convert.synthetic import tiny_deepseek_config
+from cvt.errors import ArchError
+
+DSV3 = tiny_deepseek_config()  # 3 layers (layer 0 dense), 4 experts, 1 MTP layer (index 3)
+
+
+@pytest.mark.parametrize(
+    "name,role,split,layer,expert,mtp,float_default",
+    [
+        ("model.embed_tokens.weight", Role.EMBEDDING, 0, None, None, False, True),
+        ("lm_head.weight", Role.HEAD, 0, None, None, False, True),
+        ("model.norm.weight", Role.NORM, None, None, None, False, True),
+        ("model.layers.0.self_attn.q_a_proj.weight", Role.LINEAR, None, 0, None, False, False),
+        ("model.layers.0.self_attn.q_b_proj.weight", Role.LINEAR, 0, 0, None, False, False),
+        ("model.layers.0.self_attn.q_b_proj.weight_scale_inv", Role.LINEAR, 0, 0, None, False, False),
+        ("model.layers.0.self_attn.kv_b_proj.weight", Role.LINEAR, 0, 0, None, False, True),
+        ("model.layers.0.self_attn.o_proj.weight", Role.LINEAR, 1, 0, None, False, False),
+        ("model.layers.0.mlp.down_proj.weight", Role.LINEAR, 1, 0, None, False, False),
+        ("model.layers.2.mlp.gate.weight", Role.ROUTER, None, 2, None, False, True),
+        ("model.layers.2.mlp.gate.e_score_correction_bias", Role.ROUTER, None, 2, None, False, True),
+        ("model.layers.2.mlp.experts.3.up_proj.weight", Role.EXPERT, 0, 2, 3, False, False),
+        ("model.layers.2.mlp.experts.0.down_proj.weight", Role.EXPERT, 1, 2, 0, False, False),
+        ("model.layers.1.mlp.shared_experts.down_proj.weight", Role.SHARED_EXPERT, 1, 1, None, False, False),
+        ("model.layers.3.eh_proj.weight", Role.MTP_PROJ, None, 3, None, True, True),
+        ("model.layers.3.shared_head.head.weight", Role.HEAD, 0, 3, None, True, True),
+        ("model.layers.3.mlp.experts.1.gate_proj.weight", Role.EXPERT, 0, 3, 1, True, False),
+    ],
+)
+def test_deepseek_roles(name, role, split, layer, expert, mtp, float_default):
+    info = arch_for(DSV3).classify(name)
+    assert (info.role, info.split_dim, info.layer, info.expert, info.is_mtp, info.rule.float_default) == (
+        role, split, layer, expert, mtp, float_default)
+
+
+def test_every_param_of_the_config_classifies():
+    for cfg in (DSV3, tiny_deepseek_config(model_type="kimi_k2", q_lora_rank=None)):
+        arch = arch_for(cfg)
+        for name in arch.table.param_shapes(arch.config):
+            arch.classify(name)
+
+
+@pytest.mark.parametrize(
+    "name,error",
+    [
+        ("model.layers.0.self_attn.mystery.weight", "does not match any deepseek_v3 name pattern"),
+        ("model.layers.0.self_attn.o_proj.gamma", "parameter 'gamma'"),
+        ("model.layers.1.mlp.experts.4.up_proj.weight", "expert 4 is past the config's 4 routed experts"),
+        ("model.layers.4.input_layernorm.weight", "layer 4 is past"),
+        ("model.layers.1.eh_proj.weight", "exists only in MTP layers"),
+    ],
+    ids=["unknown-module", "unknown-param", "expert-out-of-range", "layer-out-of-range", "mtp-only-in-normal-layer"],
+)
+def test_unmappable_names_raise_naming_the_tensor(name, error):
+    with pytest.raises(ArchError, match=error) as exc:
+        arch_for(DSV3).classify(name)
+    assert name in str(exc.value)
+
+
+def test_unknown_model_type():
+    with pytest.raises(ArchError, match=r"model_type 'mamba9' is not supported \(supported: .*deepseek_v3"):
+        arch_for({"model_type": "mamba9"})
+
+
+def test_text_config_wrapper():
+    arch = arch_for({"model_type": "kimi_k25", "text_config": {**DSV3, "model_type": "kimi_k2"}})
+    assert arch.table.name == "deepseek_v3" and arch.model_type == "kimi_k2"
+
+
+def test_duplicate_registration_fails_loudly():
+    with pytest.raises(ArchError, match="already registered"):
+        register(ArchTable(name="again", model_types=("deepseek_v3",), rules=()))
+    assert TABLES["deepseek_v3"].name == "deepseek_v3"
+
+
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "vocab_size": 100, "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "intermediate_size": 96, "mlp_only_layers": [0]}
+
+
+def test_qwen3_moe_and_dense():
+    arch = arch_for(QWEN3_MOE)
+    shapes = arch.table.param_shapes(arch.config)
+    assert "model.layers.0.mlp.down_proj.weight" in shapes  # mlp_only layer
+    assert shapes["model.layers.1.mlp.experts.3.down_proj.weight"] == (64, 32)
+    assert shapes["model.layers.1.self_attn.k_proj.weight"] == (32, 64)
+    for name in shapes:
+        arch.classify(name)
+    info = arch.classify("model.layers.1.mlp.gate.weight")
+    assert info.role is Role.ROUTER and info.rule.float_default
+    assert arch.classify("model.layers.1.self_attn.k_norm.weight").role is Role.NORM
+    for mt in ("qwen3", "llama"):
+        dense = arch_for({**QWEN3_MOE, "model_type": mt, "num_experts": 0, "tie_word_embeddings": True})
+        names = dense.table.param_shapes(dense.config)
+        assert "lm_head.weight" not in names and all(".experts." not in n for n in names)
+        with pytest.raises(ArchError):
+            dense.classify("model.layers.1.mlp.experts.0.up_proj.weight")
+    assert ("model.layers.0.self_attn.q_norm.weight" in
+            arch_for({**QWEN3_MOE, "model_type": "qwen3"}).table.param_shapes({**QWEN3_MOE, "model_type": "qwen3"}))
+
+
+def test_blocks_and_parallel_styles_cover_tp_groups():
+    arch = arch_for(DSV3)
+    assert arch.classify("model.layers.0.self_attn.o_proj.weight").block is Block.ATTN
+    assert arch.classify("model.layers.0.mlp.up_proj.weight").block is Block.MLP
+    assert arch.classify("model.layers.1.mlp.experts.0.up_proj.weight").block is Block.MOE
+    assert arch.classify("model.embed_tokens.weight").rule.parallel is Parallel.VOCAB

@@ -1,0 +1,100 @@
+"""cvt's own header parser and streaming writer, refereed by the safetensors library."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cvt.convert.safetensors_io import AtomicFile, TensorSpec, dtype_code, encode_header, read_header
+from cvt.errors import CheckpointError
+
+TENSORS = {
+    "a": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+    "b": torch.randn(5, 7).to(torch.bfloat16),
+    "c": torch.randint(-128, 127, (9,), dtype=torch.int8),
+    "d": torch.randn(4, 3).to(torch.float8_e4m3fn),
+    "e": torch.tensor(3.5, dtype=torch.float64),
+    "f": torch.empty(0, 4, dtype=torch.float16),
+    "g": torch.randint(0, 255, (2, 2), dtype=torch.uint8).view(torch.float8_e8m0fnu),
+}
+
+
+def write_with_cvt(path, tensors):
+    specs = [TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+    with AtomicFile(path) as f:
+        f.write(encode_header(specs, {"format": "pt"}))
+        for t in tensors.values():
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        return f.commit()
+
+
+def test_cvt_writes_what_safetensors_reads(tmp_path):
+    size, sha = write_with_cvt(tmp_path / "x.safetensors", TENSORS)
+    back = load_file(tmp_path / "x.safetensors")
+    assert set(back) == set(TENSORS)
+    for n, t in TENSORS.items():
+        assert back[n].dtype == t.dtype and torch.equal(back[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), n
+    assert size == (tmp_path / "x.safetensors").stat().st_size
+    assert (8 + int.from_bytes((tmp_path / "x.safetensors").read_bytes()[:8], "little")) % 8 == 0  # aligned data
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_cvt_reads_what_safetensors_writes(tmp_path):
+    save_file({k: v for k, v in TENSORS.items()}, tmp_path / "y.safetensors", metadata={"format": "pt"})
+    refs, meta = read_header(tmp_path / "y.safetensors")
+    assert meta == {"format": "pt"} and set(refs) == set(TENSORS)
+    raw = (tmp_path / "y.safetensors").read_bytes()
+    for n, t in TENSORS.items():
+        assert refs[n].shape == tuple(t.shape) and refs[n].dtype == dtype_code(t.dtype)
+        assert raw[refs[n].start:refs[n].end] == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_abort_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with AtomicFile(tmp_path / "z.safetensors") as f:
+            f.write(b"12345678")
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "mangle,message",
+    [
+        (lambda raw: raw[:5], "truncated safetensors file"),
+        (lambda raw: (10**9).to_bytes(8, "little") + raw[8:], "header length 1000000000 exceeds the file"),
+        (lambda raw: raw[:-3], "past the end of the file"),
+        (lambda raw: raw + b"junk", "bytes after the last tensor"),
+        (lambda raw: raw[:8] + b"x" + raw[9:], "not valid JSON"),
+    ],
+    ids=["shorter-than-8", "header-too-long", "truncated-data", "trailing-bytes", "bad-json"],
+)
+def test_malformed_files_name_the_file(tmp_path, mangle, message):
+    save_file({"w": torch.ones(4, 4)}, tmp_path / "ok.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(mangle((tmp_path / "ok.safetensors").read_bytes()))
+    with pytest.raises(CheckpointError, match=message) as exc:
+        read_header(bad)
+    assert str(bad) in str(exc.value)
+
+
+def test_lying_sizes_and_overlaps(tmp_path):
+    import json
+
+    def craft(header: dict, data: bytes):
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        p = tmp_path / "c.safetensors"
+        p.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+        return p
+
+    p = craft({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}, b"\0" * 12)
+    with pytest.raises(CheckpointError, match=r"tensor w: 12 bytes on disk but F32 \[2, 2\] needs 16"):
+        read_header(p)
+    p = craft({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+               "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}}, b"\0" * 6)
+    with pytest.raises(CheckpointError, match="overlaps"):
+        read_header(p)
+    p = craft({"a": {"dtype": "Q7", "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 4)
+    with pytest.raises(CheckpointError, match="unknown dtype 'Q7'"):
+        read_header(p)

@@ -1,0 +1,58 @@
+"""The command line as a user meets it: help, demo, one-line errors, cheap imports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cvt.tests.conftest import run_cvt
+
+VERBS = ["fp8-to-bf16", "inspect", "demo"]
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_verb_has_help_with_quiet_and_debug(verb):
+    r = run_cvt(verb, "--help")
+    assert r.rc == 0 and "Usage: cvt " + verb in r.out
+    assert "--quiet" in r.out and "--debug" in r.out
+
+
+def test_top_level_help_lists_verbs_and_version():
+    r = run_cvt("--help")
+    assert r.rc == 0 and all(v in r.out for v in VERBS)
+    assert run_cvt("--version").out.strip() == "cvt, version 0.1.0"
+
+
+def test_usage_errors_are_one_line():
+    r = run_cvt("fp8-to-bf16", "only-src")
+    assert r.rc == 2 and r.err.count("\n") == 1 and r.err.startswith("cvt: error: Missing argument 'DST'")
+    r = run_cvt("fp8-to-bf16", "a", "b", "--workers", "0")
+    assert r.rc == 2 and r.err.startswith("cvt: error: Invalid value for '--workers'")
+    r = run_cvt("fp8-to-bf16", "a", "b", "--max-shard-size", "lots")
+    assert r.rc == 1 and "is not a size like 5GB" in r.err
+
+
+def test_demo_runs_the_pipeline(tmp_path):
+    r = run_cvt("demo", tmp_path / "demo")
+    assert r.rc == 0, r.err
+    assert "outputs:" in r.out and str(tmp_path / "demo" / "bf16") in r.out
+    manifest = json.loads((tmp_path / "demo" / "bf16" / "cvt_manifest.json").read_text())
+    assert manifest["format"] == "hf-bf16"
+    # a second run in the same directory replaces the demo; an unrelated directory is refused
+    assert run_cvt("demo", tmp_path / "demo", "--quiet").rc == 0
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("x")
+    r = run_cvt("demo", tmp_path / "mine")
+    assert r.rc == 1 and "not a cvt demo directory" in r.err and (tmp_path / "mine" / "keep.txt").exists()
+
+
+@pytest.mark.parametrize("module", ["cvt", "cvt.cli", "cvt.errors", "cvt.schemas"])
+def test_imports_stay_cheap(module):
+    """Importing cvt pulls in no torch, onnx, onnxruntime, torch_npu or transformers."""
+    code = (f"import sys, {module}; heavy = [m for m in ('torch', 'onnx', 'onnxruntime', 'torch_npu', 'transformers') "
+            "if m in sys.modules]; print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
