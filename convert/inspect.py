@@ -52,7 +52,8 @@ class InspectReport:
         for key, value in self.layers.items():
             lines.append(f"{key:<15} {value}")
         lines.append("bytes by dtype  " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.bytes_by_dtype.items()))
-        lines.append("bytes by role   " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in self.bytes_by_role.items()))
+        lines.append("bytes by role")
+        lines += [f"  {k:<22} {_fmt_bytes(v):>12}" for k, v in self.bytes_by_role.items()]
         if self.problems:
             lines.append(f"problems        {len(self.problems)}")
             lines += [f"  - {p}" for p in self.problems[:50]]

@@ -43,7 +43,7 @@ from cvt.convert.safetensors_io import (
     write_bytes_atomic,
     write_json_atomic,
 )
-from cvt.errors import OutputError
+from cvt.errors import ManifestError, OutputError
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
 STATE_NAME = ".cvt-state.json"
@@ -423,5 +423,5 @@ def _prior_stages(ckpt: Checkpoint) -> list[StageInfo]:
         return []
     try:
         return Manifest.model_validate_json(path.read_text()).stages
-    except ValueError:
-        return []
+    except ValueError as exc:
+        raise ManifestError(f"{path}: not a valid cvt manifest: {str(exc).splitlines()[0]}") from exc
