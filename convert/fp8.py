@@ -37,7 +37,7 @@ def _c_kernel():
         return None
     lib = ctypes.CDLL(_fp8kernel.__file__)
     fn = lib.cvt_dequant_fp8_block
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 6
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 7
     fn.restype = ctypes.c_int
     return fn
 
@@ -68,11 +68,12 @@ def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tupl
     return (math.ceil(n / block[0]), math.ceil(k / block[1]))
 
 
-def dequant_fp8_block(w, scale, block: tuple[int, int] = (128, 128), threads: int | None = None):
+def dequant_fp8_block(w, scale, block: tuple[int, int] = (128, 128), threads: int | None = None, simd: bool = True):
     """FP8 e4m3fn ``[n, k]`` + scale ``[ceil(n/bn), ceil(k/bk)]`` -> bfloat16 ``[n, k]``.
 
     Bit-identical to ``(w.float() * s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]).bfloat16()``
-    for every finite input; NaN codes give NaN.
+    for every finite input; NaN codes give NaN. `simd=False` keeps the C kernel on its scalar
+    loop (the tests compare both).
     """
     import torch
 
@@ -92,7 +93,7 @@ def dequant_fp8_block(w, scale, block: tuple[int, int] = (128, 128), threads: in
     fn = _c_kernel()
     if fn is not None:
         threads = threads or os.cpu_count() or 1
-        fn(w.data_ptr(), s.data_ptr(), out.data_ptr(), n, k, s.shape[1], block[0], block[1], max(1, threads))
+        fn(w.data_ptr(), s.data_ptr(), out.data_ptr(), n, k, s.shape[1], block[0], block[1], max(1, threads), int(simd))
         return out
     return _dequant_torch(w, s, block, out)
 

@@ -327,9 +327,15 @@ class AtomicFile:
             raise OutputError(f"{self.tmp}: cannot create: {exc.strerror or exc}") from exc
 
     def write(self, data) -> None:
+        """Hash and write `data` (small files, headers)."""
         mv = memoryview(data).cast("B")
+        self.sha.update(mv)
+        self.write_unhashed(mv)
+
+    def write_unhashed(self, mv: memoryview) -> None:
+        """Write without hashing: the caller feeds `sha` itself, in the same byte order
+        (a pipelined writer hashes one buffer while writing the next)."""
         try:
-            self.sha.update(mv)
             self._faults.write(self._f, mv)
         except OSError as exc:
             self.abort()

@@ -25,9 +25,8 @@ SHAPES = [
 
 
 def _kernels():
-    out = [pytest.param("torch", id="torch-kernel")]
-    out.append(pytest.param("c", id="c-kernel"))
-    return out
+    return [pytest.param("torch", id="torch-kernel"), pytest.param("c", id="c-kernel-simd"),
+            pytest.param("c-scalar", id="c-kernel-scalar")]
 
 
 def run_kernel(kind: str, w, s, block, threads=2):
@@ -36,7 +35,7 @@ def run_kernel(kind: str, w, s, block, threads=2):
         return fp8._dequant_torch(w.contiguous(), fp8.scale_to_f32(s).contiguous(), block, out)
     if fp8._c_kernel() is None:
         pytest.skip("C kernel not built (no C compiler at install time)")
-    return fp8.dequant_fp8_block(w, s, block, threads=threads)
+    return fp8.dequant_fp8_block(w, s, block, threads=threads, simd=(kind == "c"))
 
 
 def random_case(shape, block, scale_dtype, seed=0, nan=False):
@@ -94,6 +93,18 @@ def test_every_code_including_subnormals_and_nan(kind):
     assert same_bits_nan_aware(bits(got), want)
     assert torch.isnan(got[:, [0x7F, 0xFF]]).all()
     assert torch.isinf(got[1, 128 + 0x7E]).item()  # 448 * 1.7e38 overflows float32
+
+
+@pytest.mark.parametrize("kind", _kernels())
+def test_every_code_with_moderate_scales(kind):
+    """Scales below 2**100 keep the C kernel on its SIMD path: NaN codes, subnormal inputs and
+    subnormal results must still match (a separate call from the huge-scale case above)."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4, 1)
+    w = codes.view(torch.float8_e4m3fn)
+    s = torch.tensor([[1.0, 3.0e-41], [0.1, 1e-38], [1.0 / 3.0, 2.5e-3], [7.0, 1.0]])
+    got = run_kernel(kind, w, s, (1, 128))
+    assert same_bits_nan_aware(bits(got), dequant(codes.numpy(), s.numpy(), (1, 128)))
+    assert torch.isnan(got[:, [0x7F, 0xFF]]).all()
 
 
 def test_thread_counts_give_identical_bits():
