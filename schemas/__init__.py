@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 from cvt.schemas.manifest import Manifest
+from cvt.schemas.report import Report
 
 HERE = Path(__file__).parent
-SCHEMAS = {"manifest.schema.json": Manifest}
+SCHEMAS = {"manifest.schema.json": Manifest, "report.schema.json": Report}
 
 
 def schema_json(model) -> str:

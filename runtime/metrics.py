@@ -1,0 +1,271 @@
+"""Accuracy metrics, in one place: used by the tests, `cvt verify` and the benchmarks alike.
+
+Tensor level (names as Ascend's compare tools print them, see FORMATS.md section 4):
+
+| column                        | function               | definition                                          |
+|-------------------------------|------------------------|-----------------------------------------------------|
+| `Cosine`                      | `cosine(a, b)`         | a.b / (|a| |b|); 1.0 when both are all zero          |
+| `MaxAbsErr`                   | `max_abs_err(a, b)`    | max |a - b|                                         |
+| `MaxRelativeErr`              | `max_rel_err(a, b)`    | max |a/b - 1| over the elements with |b| > eps       |
+| `One Thousandth Err Ratio`    | `thousandth_ratio`     | share of elements with rel_err < 0.001              |
+| `Five Thousandth Err Ratio`   | `five_thousandth_ratio`| share of elements with rel_err < 0.005              |
+| `EucDist`                     | `euc_dist(a, b)`       | |a - b| / |b|                                       |
+
+`a` is the candidate, `b` the reference. For the ratios the per-element relative error is
+`rel_err = |a - b| / max(|b|, eps)`: where the reference is (near) zero, `|b| <= eps`, the
+error is measured against `eps` instead, so `a == b == 0` counts as exact and a candidate that
+is not (near) zero where the reference is counts as an error.
+
+Weight level: `sqnr_db(w, w_hat) = 20 log10(|w| / |w - w_hat|)`.
+
+Logits level (as llama.cpp's `--kl-divergence` report): `logit_stats(cand, ref, targets)` gives
+both perplexities and their ratio, KL(ref || cand) per token with mean / median / p99 / p99.9 /
+max, the "same top-1" share and RMS of Δp.
+
+Everything is computed in float64 on the CPU, whatever the inputs' dtype and device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+EPS = 1e-9
+"""Default `eps`: a reference element with `|b| <= EPS` counts as zero for relative errors."""
+
+COLUMNS = (
+    "Cosine",
+    "MaxAbsErr",
+    "MaxRelativeErr",
+    "One Thousandth Err Ratio",
+    "Five Thousandth Err Ratio",
+    "EucDist",
+)
+"""The per-tensor comparison columns, in Ascend's order; the keys of `compare_tensors`."""
+
+
+def _pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both tensors flattened to float64 on the CPU; shapes must match."""
+    a = torch.as_tensor(a)
+    b = torch.as_tensor(b)
+    if a.shape != b.shape:
+        raise ValueError(f"cannot compare tensors of different shapes: candidate {tuple(a.shape)} "
+                         f"vs reference {tuple(b.shape)}")
+    return (a.detach().to(device="cpu", dtype=torch.float64).reshape(-1),
+            b.detach().to(device="cpu", dtype=torch.float64).reshape(-1))
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity of two same-shape tensors (any shape, flattened).
+
+    1.0 when both are all zero, 0.0 when exactly one is; NaN if either holds a NaN.
+    """
+    a, b = _pair(a, b)
+    na, nb = torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(b).item()
+    if na == 0.0 and nb == 0.0:
+        return 1.0
+    if na == 0.0 or nb == 0.0:
+        return 0.0
+    # Normalize first so the dot product cannot overflow for huge activations.
+    return float(torch.dot(a / na, b / nb).item())
+
+
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over all elements (0.0 for empty tensors)."""
+    a, b = _pair(a, b)
+    if a.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max().item())
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor, eps: float = EPS) -> float:
+    """max |a/b - 1| over the elements where |b| > eps (0.0 when there are none).
+
+    Elements where the reference is (near) zero are left out here; `max_abs_err` covers them.
+    """
+    a, b = _pair(a, b)
+    keep = b.abs() > eps
+    if not bool(keep.any()):
+        return 0.0
+    return float((a[keep] / b[keep] - 1.0).abs().max().item())
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, eps: float = EPS) -> torch.Tensor:
+    """Per-element relative error |a - b| / max(|b|, eps), float64, flattened [numel]."""
+    a, b = _pair(a, b)
+    return (a - b).abs() / b.abs().clamp_min(eps)
+
+
+def _ratio_below(a: torch.Tensor, b: torch.Tensor, tol: float, eps: float) -> float:
+    r = rel_err(a, b, eps)
+    if r.numel() == 0:
+        return 1.0
+    return float((r < tol).sum().item() / r.numel())
+
+
+def thousandth_ratio(a: torch.Tensor, b: torch.Tensor, eps: float = EPS) -> float:
+    """Share (0..1) of elements with relative error below 0.001 (see `rel_err`; 1.0 when empty)."""
+    return _ratio_below(a, b, 0.001, eps)
+
+
+def five_thousandth_ratio(a: torch.Tensor, b: torch.Tensor, eps: float = EPS) -> float:
+    """Share (0..1) of elements with relative error below 0.005 (see `rel_err`; 1.0 when empty)."""
+    return _ratio_below(a, b, 0.005, eps)
+
+
+def euc_dist(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Euclidean distance |a - b| / |b|: 0.0 when a == b, inf when only b is zero."""
+    a, b = _pair(a, b)
+    d = torch.linalg.vector_norm(a - b).item()
+    nb = torch.linalg.vector_norm(b).item()
+    if d == 0.0:
+        return 0.0
+    return d / nb if nb > 0.0 else math.inf
+
+
+def sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 20 log10(|w| / |w - w_hat|).
+
+    w: the original (high precision) tensor, w_hat: its dequantized approximation, same shape.
+    inf when w_hat == w exactly (including both zero), -inf when w is zero and w_hat is not.
+    """
+    w, w_hat = _pair(w, w_hat)
+    noise = torch.linalg.vector_norm(w - w_hat).item()
+    signal = torch.linalg.vector_norm(w).item()
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 20.0 * math.log10(signal / noise)
+
+
+def compare_tensors(a: torch.Tensor, b: torch.Tensor, eps: float = EPS) -> dict[str, float]:
+    """All six Ascend columns for candidate `a` against reference `b` (same shape, any shape).
+
+    Returns {"Cosine", "MaxAbsErr", "MaxRelativeErr", "One Thousandth Err Ratio",
+    "Five Thousandth Err Ratio", "EucDist"} -> float, in that order (`COLUMNS`).
+    """
+    a, b = _pair(a, b)
+    return {
+        "Cosine": cosine(a, b),
+        "MaxAbsErr": max_abs_err(a, b),
+        "MaxRelativeErr": max_rel_err(a, b, eps),
+        "One Thousandth Err Ratio": thousandth_ratio(a, b, eps),
+        "Five Thousandth Err Ratio": five_thousandth_ratio(a, b, eps),
+        "EucDist": euc_dist(a, b),
+    }
+
+
+LOGIT_STAT_KEYS = (
+    "tokens",
+    "ppl_candidate",
+    "ppl_reference",
+    "ppl_ratio",
+    "kl_mean",
+    "kl_median",
+    "kl_p99",
+    "kl_p999",
+    "kl_max",
+    "same_top1",
+    "rms_delta_p",
+)
+"""The scalar keys of `logit_stats` (also the fields of `cvt.schemas.report.LogitStats`)."""
+
+
+def logit_stats(cand_logits: torch.Tensor, ref_logits: torch.Tensor, targets: torch.Tensor,
+                chunk_rows: int = 64) -> dict:
+    """Compare candidate and reference next-token distributions on the same tokens.
+
+    cand_logits, ref_logits: [N, V] (or [..., V], flattened to [N, V]) raw logits of the
+        candidate and the reference at N positions.
+    targets: [N] (or [...] matching the leading dims) int, the true next token at each position.
+    chunk_rows: rows processed at a time (bounds the float64 working memory to ~chunk_rows * V).
+
+    Returns a dict:
+      tokens         N
+      ppl_candidate  exp(mean_i -log p_cand(targets_i))
+      ppl_reference  exp(mean_i -log p_ref(targets_i))
+      ppl_ratio      ppl_candidate / ppl_reference
+      kl_mean, kl_median, kl_p99, kl_p999, kl_max
+                     statistics of KL_i = sum_v p_ref,i(v) (log p_ref,i(v) - log p_cand,i(v))
+                     (percentiles by linear interpolation, as numpy's default)
+      same_top1      share (0..1) of positions where argmax cand == argmax ref
+      rms_delta_p    sqrt(mean_i dp_i^2), dp_i = p_cand(targets_i) - p_ref(targets_i), as a
+                     fraction (llama.cpp prints it in percent)
+      kl_per_token   float64 tensor [N] of KL_i, for the histogram
+    KL_i is clamped at 0 (float64 rounding can give -1e-17 for identical rows).
+    """
+    cand_logits = torch.as_tensor(cand_logits)
+    ref_logits = torch.as_tensor(ref_logits)
+    targets = torch.as_tensor(targets)
+    if cand_logits.shape != ref_logits.shape or cand_logits.dim() < 2:
+        raise ValueError(f"logits must have the same shape [N, V]: candidate {tuple(cand_logits.shape)} "
+                         f"vs reference {tuple(ref_logits.shape)}")
+    if tuple(targets.shape) != tuple(cand_logits.shape[:-1]):
+        raise ValueError(f"targets shape {tuple(targets.shape)} does not match logits shape "
+                         f"{tuple(cand_logits.shape)} (expected {tuple(cand_logits.shape[:-1])})")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids, got dtype {targets.dtype}")
+    vocab = cand_logits.shape[-1]
+    cand_logits = cand_logits.reshape(-1, vocab)
+    ref_logits = ref_logits.reshape(-1, vocab)
+    targets = targets.reshape(-1).to(device="cpu", dtype=torch.long)
+    n = targets.numel()
+    if n == 0:
+        raise ValueError("logit_stats needs at least one position (got N = 0)")
+    bad = (targets < 0) | (targets >= vocab)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0].item())
+        raise ValueError(f"target token id {int(targets[i])} at position {i} is outside the vocabulary [0, {vocab})")
+
+    kl = torch.empty(n, dtype=torch.float64)
+    nll_cand = torch.empty(n, dtype=torch.float64)
+    nll_ref = torch.empty(n, dtype=torch.float64)
+    dp = torch.empty(n, dtype=torch.float64)
+    same = torch.empty(n, dtype=torch.bool)
+    for s in range(0, n, chunk_rows):
+        e = min(n, s + chunk_rows)
+        lc = torch.log_softmax(cand_logits[s:e].detach().to(device="cpu", dtype=torch.float64), dim=-1)
+        lr = torch.log_softmax(ref_logits[s:e].detach().to(device="cpu", dtype=torch.float64), dim=-1)
+        pr = lr.exp()
+        # p_ref = 0 contributes 0 (avoids 0 * (-inf - x) = nan).
+        kl[s:e] = torch.where(pr > 0, pr * (lr - lc), torch.zeros_like(pr)).sum(-1).clamp_min(0.0)
+        t = targets[s:e, None]
+        lct, lrt = lc.gather(-1, t)[:, 0], lr.gather(-1, t)[:, 0]
+        nll_cand[s:e], nll_ref[s:e] = -lct, -lrt
+        dp[s:e] = lct.exp() - lrt.exp()
+        same[s:e] = lc.argmax(-1) == lr.argmax(-1)
+
+    ppl_c = math.exp(nll_cand.mean().item())
+    ppl_r = math.exp(nll_ref.mean().item())
+    q = quantiles(kl, [0.5, 0.99, 0.999])
+    return {
+        "tokens": n,
+        "ppl_candidate": ppl_c,
+        "ppl_reference": ppl_r,
+        "ppl_ratio": ppl_c / ppl_r if ppl_r > 0 else math.inf,
+        "kl_mean": kl.mean().item(),
+        "kl_median": q[0],
+        "kl_p99": q[1],
+        "kl_p999": q[2],
+        "kl_max": kl.max().item(),
+        "same_top1": same.double().mean().item(),
+        "rms_delta_p": dp.square().mean().sqrt().item(),
+        "kl_per_token": kl,
+    }
+
+
+def quantiles(x: torch.Tensor, qs: list[float]) -> list[float]:
+    """Quantiles (q in 0..1) of a non-empty vector, linear interpolation as numpy's default.
+
+    Sorted by hand rather than `torch.quantile`, so +inf values (and any length) are fine.
+    """
+    s = torch.sort(torch.as_tensor(x).detach().to(device="cpu", dtype=torch.float64).reshape(-1)).values
+    out = []
+    for q in qs:
+        pos = q * (s.numel() - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        a, b = s[lo].item(), s[hi].item()
+        out.append(a if lo == hi or a == b else a + (b - a) * (pos - lo))
+    return out

@@ -1,0 +1,86 @@
+"""What every runtime model shares: typed args from config.json, RMSNorm, the model contract.
+
+Model contract (DeepSeek-V3 family, Qwen3, Qwen3-MoE, ... all follow it):
+
+* module tree named exactly like the Hugging Face checkpoint (``model.embed_tokens``,
+  ``model.layers.{i}.self_attn.q_a_proj``, ``model.layers.{i}.mlp.experts.{e}.up_proj``,
+  ``lm_head``, MTP layers at ``model.layers.{num_hidden_layers + j}``), so the loader maps
+  tensor names onto modules without a rename table; every linear is a
+  `cvt.runtime.kernels.Linear` (the loader swaps in quantized formats);
+* ``forward(tokens [b, s] int64, start_pos=0, cache=None, hidden_states=None) -> logits
+  [b, s, vocab] float32``; with a cache from ``new_cache(batch, max_len)`` the call
+  appends positions ``start_pos .. start_pos+s-1`` (prefill, then one token at a time);
+  a list passed as ``hidden_states`` receives the residual stream after the embedding
+  and after each decoder layer (``1 + num_hidden_layers`` tensors ``[b, s, hidden]``);
+* ``args`` is the typed args object; ``max_positions`` bounds ``start_pos + s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Mapping
+
+import torch
+from torch import nn
+
+from cvt.errors import CvtError
+
+# config.json keys that never change the forward math of any runtime model
+HARMLESS_KEYS = frozenset({
+    "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "model_type",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "pretraining_tp",
+    "output_router_logits", "router_aux_loss_coef", "aux_loss_alpha", "seq_aux", "attention_dropout",
+    "quantization_config", "tie_word_embeddings", "_name_or_path", "return_dict", "output_hidden_states",
+    "output_attentions", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+    "ep_size", "moe_layer_freq", "num_nextn_predict_layers", "is_encoder_decoder", "torchscript",
+    "chunk_size_feed_forward", "id2label", "label2id", "tokenizer_class", "task_specific_params",
+    "problem_type", "bad_words_ids", "begin_suppress_tokens", "suppress_tokens", "use_bfloat16",
+})
+
+
+class ConfigError(CvtError):
+    """config.json asks for something the runtime does not implement."""
+
+
+@dataclasses.dataclass
+class ModelArgs:
+    """Base of the per-family args dataclasses: `from_config` reads config.json strictly.
+
+    A key that is a field is read; a key in HARMLESS_KEYS or the family's `ignored` set is
+    skipped; any other key is an error naming it, so that a config feature the runtime does
+    not implement (a new rope type, a new routing method) can never be silently ignored.
+    """
+
+    ignored: ClassVar[frozenset[str]] = frozenset()
+    family: ClassVar[str] = "?"
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "ModelArgs":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in config if k not in fields and k not in HARMLESS_KEYS and k not in cls.ignored)
+        if unknown:
+            raise ConfigError(
+                f"config.json key(s) {', '.join(unknown)} are not understood by the {cls.family} runtime; "
+                "refusing to run a model whose math may differ"
+            )
+        args = cls(**{k: v for k, v in config.items() if k in fields})
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        """Family-specific checks (raise ConfigError naming the key and the supported values)."""
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32, returned in x's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(dtype)

@@ -1,0 +1,502 @@
+"""Write a verify `Report` as report.json, report.md and a self-contained report.html.
+
+`evaluate_thresholds(thresholds, layers, logits)` turns the acceptance limits into
+`ThresholdCheck`s, violation messages and a passed flag; `first_divergent_layer(rows,
+min_cosine)` names the first layer below the cosine limit. `write_report(report, folder,
+kl_values)` writes the three files. The HTML needs no network: inline CSS, two inline SVG
+plots drawn here (per-layer cosine, histogram of per-token KL), no scripts, all text escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from cvt.schemas.report import LayerRow, LogitStats, Report, ThresholdCheck, Thresholds, WeightSqnrRow
+
+COSINE_PLOT_TITLE = "Per-layer cosine similarity (candidate vs reference)"
+KL_PLOT_TITLE = "Per-token KL divergence (reference || candidate), histogram"
+
+# (attribute, column name) of a LayerRow, in Ascend's order.
+LAYER_COLUMNS = (
+    ("cosine", "Cosine"),
+    ("max_abs_err", "MaxAbsErr"),
+    ("max_relative_err", "MaxRelativeErr"),
+    ("one_thousandth_err_ratio", "One Thousandth Err Ratio"),
+    ("five_thousandth_err_ratio", "Five Thousandth Err Ratio"),
+    ("euc_dist", "EucDist"),
+)
+
+# (field, label) of LogitStats, in display order.
+LOGIT_ROWS = (
+    ("tokens", "Tokens scored"),
+    ("ppl_candidate", "PPL(candidate)"),
+    ("ppl_reference", "PPL(reference)"),
+    ("ppl_ratio", "PPL(candidate) / PPL(reference)"),
+    ("kl_mean", "Mean KL divergence"),
+    ("kl_median", "Median KL divergence"),
+    ("kl_p99", "KL divergence, 99%"),
+    ("kl_p999", "KL divergence, 99.9%"),
+    ("kl_max", "Maximum KL divergence"),
+    ("same_top1", "Same top-1"),
+    ("rms_delta_p", "RMS Δp"),
+)
+
+
+# ----------------------------------------------------------------------------- thresholds
+
+def _cos_of(row) -> tuple[str, float]:
+    if isinstance(row, LayerRow):
+        return row.name, row.cosine
+    return row["name"], float(row["Cosine"] if "Cosine" in row else row["cosine"])
+
+
+def first_divergent_layer(rows: Iterable[LayerRow | dict], min_cosine: float | None) -> str | None:
+    """Name of the first row (in order) whose cosine is below `min_cosine` or NaN; None if none.
+
+    rows: `LayerRow`s, or dicts with "name" and "Cosine" (as `compare_tensors` + a name).
+    """
+    if min_cosine is None:
+        return None
+    for row in rows:
+        name, c = _cos_of(row)
+        if math.isnan(c) or c < min_cosine:
+            return name
+    return None
+
+
+class ThresholdOutcome(NamedTuple):
+    checks: list[ThresholdCheck]
+    violations: list[str]
+    passed: bool
+    first_divergent_layer: str | None
+
+
+def evaluate_thresholds(thresholds: Thresholds, layers: Sequence[LayerRow],
+                        logits: LogitStats | None) -> ThresholdOutcome:
+    """Apply every set threshold; a threshold that cannot be measured (no layers / no logits) fails.
+
+    Returns the checks (one per set threshold), the failed checks' messages, `passed` (no
+    violation) and the first layer below `min_cosine`.
+    """
+    checks: list[ThresholdCheck] = []
+    first_bad = first_divergent_layer(layers, thresholds.min_cosine)
+
+    if thresholds.min_cosine is not None:
+        lim = thresholds.min_cosine
+        if not layers:
+            checks.append(ThresholdCheck(name="min_cosine", limit=lim, value=None, passed=False,
+                                         message=f"min_cosine {lim:g}: no per-layer comparison to check"))
+        else:
+            worst = min(layers, key=lambda r: (not math.isnan(r.cosine), r.cosine))
+            if first_bad is None:
+                msg = f"every layer's Cosine >= {lim:g} (lowest {_fmt(worst.cosine)} at {worst.name})"
+            else:
+                bad = next(r for r in layers if r.name == first_bad)
+                n_bad = sum(1 for r in layers if math.isnan(r.cosine) or r.cosine < lim)
+                msg = (f"Cosine below {lim:g} from layer {first_bad} ({_fmt(bad.cosine)}); {n_bad} of "
+                       f"{len(layers)} layers below, lowest {_fmt(worst.cosine)} at {worst.name}")
+            checks.append(ThresholdCheck(name="min_cosine", limit=lim, value=worst.cosine,
+                                         passed=first_bad is None, message=msg))
+
+    for name, field, label, upper in (
+        ("max_ppl_ratio", "ppl_ratio", "PPL ratio", True),
+        ("max_mean_kl", "kl_mean", "mean KL", True),
+        ("min_top1", "same_top1", "same top-1 share", False),
+    ):
+        lim = getattr(thresholds, name)
+        if lim is None:
+            continue
+        if logits is None:
+            checks.append(ThresholdCheck(name=name, limit=lim, value=None, passed=False,
+                                         message=f"{name} {lim:g}: no logits statistics to check"))
+            continue
+        v = getattr(logits, field)
+        ok = (v <= lim) if upper else (v >= lim)  # False for NaN
+        rel = ("<=" if ok else ">") if upper else (">=" if ok else "<")
+        checks.append(ThresholdCheck(name=name, limit=lim, value=v, passed=bool(ok),
+                                     message=f"{label} {_fmt(v)} {rel} {lim:g}"))
+
+    violations = [c.message for c in checks if not c.passed]
+    return ThresholdOutcome(checks, violations, not violations, first_bad)
+
+
+# ----------------------------------------------------------------------------- formatting
+
+def _fmt(v, digits: int = 4) -> str:
+    """A metric for display: ints as is, floats to `digits` significant digits, inf/nan by name."""
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return str(v)
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return f"{v:.{digits}g}"
+
+
+def _fmt_col(attr: str, v: float) -> str:
+    if attr == "cosine" and math.isfinite(v):
+        return f"{v:.6f}"
+    return _fmt(v)
+
+
+def _fmt_logit(field: str, v) -> str:
+    if field == "same_top1" or field == "rms_delta_p":
+        return "nan" if math.isnan(v) else f"{100 * v:.3f} %"
+    return _fmt(v, 6)
+
+
+def _worst_weights(weights: Sequence[WeightSqnrRow], k: int) -> list[WeightSqnrRow]:
+    """The k lowest-SQNR rows (NaN first: a NaN is the worst)."""
+    return sorted(weights, key=lambda w: (not math.isnan(w.sqnr_db), w.sqnr_db))[:k]
+
+
+def _md(s: str) -> str:
+    """Text for a markdown table cell."""
+    return str(s).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+# ----------------------------------------------------------------------------- markdown
+
+def render_markdown(report: Report, top_k_weights: int = 20) -> str:
+    """report.md: summary, per-layer table (first divergent layer marked), logits, worst SQNR, thresholds."""
+    r = report
+    out = [f"# cvt verify report: {'PASSED' if r.passed else 'FAILED'}", ""]
+    out += [
+        f"- Candidate: `{_md(r.candidate.path)}` (format: {_md(r.candidate.format or 'none')}"
+        + (f"; stages: {_md(' -> '.join(r.candidate.stages))}" if r.candidate.stages else "") + ")",
+        f"- Reference: `{_md(r.reference.path)}` (format: {_md(r.reference.format or 'none')}"
+        + (f"; stages: {_md(' -> '.join(r.reference.stages))}" if r.reference.stages else "") + ")",
+        f"- Data: {_md(r.data.source)}" + (f" `{_md(r.data.path)}`" if r.data.path else "")
+        + f", {r.data.sequences} sequences, {r.data.tokens} tokens",
+        f"- Tool: {r.tool.name} {_md(r.tool.version)}, report version {r.report_version}",
+        "",
+    ]
+
+    out += ["## Per-layer comparison", ""]
+    if r.layers:
+        if r.first_divergent_layer:
+            lim = r.thresholds.min_cosine
+            out += [f"First divergent layer (Cosine < {_fmt(lim)}): **{_md(r.first_divergent_layer)}**", ""]
+        out.append("| # | Layer | " + " | ".join(c for _, c in LAYER_COLUMNS) + " |")
+        out.append("|---:|---|" + "---:|" * len(LAYER_COLUMNS))
+        for i, row in enumerate(r.layers):
+            bad = row.name == r.first_divergent_layer
+            name = f"**{_md(row.name)}** (first divergent)" if bad else _md(row.name)
+            cells = [_fmt_col(a, getattr(row, a)) for a, _ in LAYER_COLUMNS]
+            if bad:
+                cells = [f"**{c}**" for c in cells]
+            out.append(f"| {i} | {name} | " + " | ".join(cells) + " |")
+    else:
+        out.append("No per-layer comparison.")
+    out.append("")
+
+    out += ["## Logits", ""]
+    if r.logits is not None:
+        out += ["| Metric | Value |", "|---|---:|"]
+        out += [f"| {label} | {_fmt_logit(f, getattr(r.logits, f))} |" for f, label in LOGIT_ROWS]
+    else:
+        out.append("No logits comparison.")
+    out.append("")
+
+    worst = _worst_weights(r.weights, top_k_weights)
+    out += [f"## Weight SQNR (worst {len(worst)} of {len(r.weights)})", ""]
+    if worst:
+        out += ["| Tensor | SQNR (dB) | Format |", "|---|---:|---|"]
+        out += [f"| {_md(w.name)} | {_fmt(w.sqnr_db)} | {_md(w.format)} |" for w in worst]
+    else:
+        out.append("No weight comparison.")
+    out.append("")
+
+    out += ["## Thresholds", ""]
+    if r.checks:
+        out += ["| Check | Limit | Value | Result | Detail |", "|---|---:|---:|---|---|"]
+        out += [f"| {c.name} | {_fmt(c.limit)} | {_fmt(c.value)} | {'pass' if c.passed else '**FAIL**'} | "
+                f"{_md(c.message)} |" for c in r.checks]
+    else:
+        out.append("No thresholds applied.")
+    out.append("")
+    if r.violations:
+        out += ["Violations:", ""] + [f"- {_md(v)}" for v in r.violations] + [""]
+    out.append(f"Result: **{'PASSED' if r.passed else 'FAILED'}**")
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- SVG plots
+
+def _e(s) -> str:
+    return html.escape(str(s), quote=True)
+
+
+def _svg_open(title: str, w: int, h: int) -> list[str]:
+    return [f'<svg class="plot" role="img" aria-label="{_e(title)}" width="{w}" height="{h}" '
+            f'viewBox="0 0 {w} {h}">', f"<title>{_e(title)}</title>",
+            f'<text x="{w / 2:.1f}" y="18" text-anchor="middle" class="ptitle">{_e(title)}</text>']
+
+
+def cosine_plot_svg(rows: Sequence[LayerRow], min_cosine: float | None, first_bad: str | None,
+                    width: int = 900, height: int = 360) -> str:
+    """Line plot of each layer's Cosine, threshold dashed, points below it red, first bad layer marked."""
+    parts = _svg_open(COSINE_PLOT_TITLE, width, height)
+    left, right, top, bottom = 70, 20, 34, 90
+    pw, ph = width - left - right, height - top - bottom
+    vals = [r.cosine for r in rows]
+    finite = [v for v in vals if math.isfinite(v)]
+    if not rows:
+        parts.append(f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">no per-layer comparison</text>')
+        return "\n".join(parts + ["</svg>"])
+    lo = min(finite + ([min_cosine] if min_cosine is not None else []), default=0.0)
+    lo = min(lo, 0.999)
+    hi = 1.0
+    lo = max(-1.0, lo - 0.1 * (hi - lo))
+    span = hi - lo
+
+    def x_of(i: int) -> float:
+        return left + (pw * (i + 0.5) / len(rows))
+
+    def y_of(v: float) -> float:
+        if not math.isfinite(v):
+            return top + ph
+        return top + ph * (hi - min(max(v, lo), hi)) / span
+
+    # Axes, grid and y ticks.
+    parts.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="frame"/>')
+    for k in range(6):
+        v = lo + span * k / 5
+        y = y_of(v)
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" class="grid"/>')
+        parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" class="tick">{_e(f"{v:.4f}")}</text>')
+    parts.append(f'<text x="16" y="{top + ph / 2:.1f}" transform="rotate(-90 16 {top + ph / 2:.1f})" '
+                 f'text-anchor="middle" class="axis">Cosine</text>')
+    if min_cosine is not None:
+        y = y_of(min_cosine)
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" class="limit"/>')
+        parts.append(f'<text x="{left + pw - 4}" y="{y - 4:.1f}" text-anchor="end" class="tick limtext">'
+                     f'min_cosine {_e(_fmt(min_cosine))}</text>')
+    # The line and the points.
+    pts = " ".join(f"{x_of(i):.1f},{y_of(v):.1f}" for i, v in enumerate(vals))
+    parts.append(f'<polyline points="{pts}" class="series"/>')
+    step = max(1, math.ceil(len(rows) / 40))
+    for i, row in enumerate(rows):
+        v = row.cosine
+        bad = math.isnan(v) or (min_cosine is not None and v < min_cosine)
+        x, y = x_of(i), y_of(v)
+        parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" class="{"pbad" if bad else "pok"}">'
+                     f"<title>{_e(row.name)}: {_e(_fmt_col('cosine', v))}</title></circle>")
+        if row.name == first_bad:
+            parts.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + ph}" class="firstbad"/>')
+            parts.append(f'<text x="{x + 4:.1f}" y="{top + 12}" class="tick limtext">first divergent: '
+                         f"{_e(row.name)}</text>")
+        if i % step == 0 or row.name == first_bad:
+            parts.append(f'<text x="{x:.1f}" y="{top + ph + 10}" transform="rotate(60 {x:.1f} {top + ph + 10})" '
+                         f'class="tick">{_e(row.name)}</text>')
+    return "\n".join(parts + ["</svg>"])
+
+
+def kl_histogram_svg(kl_values: Iterable[float] | None, width: int = 900, height: int = 340) -> str:
+    """Histogram of per-token KL on log-spaced bins (~40, >= 5 per decade); zeros, inf and NaN counted apart."""
+    parts = _svg_open(KL_PLOT_TITLE, width, height)
+    vals = [] if kl_values is None else [float(v) for v in _flat(kl_values)]
+    if not vals:
+        parts.append(f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">no per-token KL values</text>')
+        return "\n".join(parts + ["</svg>"])
+    left, right, top, bottom = 70, 20, 34, 60
+    pw, ph = width - left - right, height - top - bottom
+    n_nan = sum(1 for v in vals if math.isnan(v))
+    n_inf = sum(1 for v in vals if math.isinf(v))
+    pos = [v for v in vals if math.isfinite(v) and v > 0]
+    n_zero = sum(1 for v in vals if v == 0 or (math.isfinite(v) and v < 0))
+    if pos:
+        d_lo = math.floor(math.log10(min(pos)))
+        d_hi = max(d_lo + 1, math.ceil(math.log10(max(pos))))
+        d_lo = max(d_lo, d_hi - 12)  # at most 12 decades; smaller values go to the first bin
+    else:
+        d_lo, d_hi = -6, 0
+    per_decade = max(5, min(20, 40 // (d_hi - d_lo)))  # about 40 bins
+    nb = (d_hi - d_lo) * per_decade
+    counts = [0] * nb
+    for v in pos:
+        b = int((math.log10(v) - d_lo) * per_decade)
+        counts[min(max(b, 0), nb - 1)] += 1
+    peak = max(counts + [n_zero, 1])
+
+    def x_of(logv: float) -> float:
+        return left + pw * (logv - d_lo) / (d_hi - d_lo)
+
+    def y_of(c: float) -> float:
+        return top + ph * (1 - c / peak)
+
+    parts.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="frame"/>')
+    for k in range(5):
+        c = peak * k / 4
+        y = y_of(c)
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" class="grid"/>')
+        parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" class="tick">{c:.0f}</text>')
+    parts.append(f'<text x="16" y="{top + ph / 2:.1f}" transform="rotate(-90 16 {top + ph / 2:.1f})" '
+                 f'text-anchor="middle" class="axis">tokens</text>')
+    for d in range(d_lo, d_hi + 1):
+        x = x_of(d)
+        parts.append(f'<line x1="{x:.1f}" y1="{top + ph}" x2="{x:.1f}" y2="{top + ph + 5}" class="axisline"/>')
+        parts.append(f'<text x="{x:.1f}" y="{top + ph + 18}" text-anchor="middle" class="tick">1e{d}</text>')
+    parts.append(f'<text x="{left + pw / 2:.1f}" y="{height - 8}" text-anchor="middle" class="axis">'
+                 f"KL divergence per token (nats, log scale)</text>")
+    bw = pw / nb
+    for b, c in enumerate(counts):
+        if c == 0:
+            continue
+        x, y = left + b * bw, y_of(c)
+        lo_edge, hi_edge = 10 ** (d_lo + b / per_decade), 10 ** (d_lo + (b + 1) / per_decade)
+        parts.append(f'<rect x="{x + 0.5:.1f}" y="{y:.1f}" width="{max(bw - 1, 0.5):.1f}" height="{top + ph - y:.1f}" '
+                     f'class="bar"><title>{_e(f"{lo_edge:.3g} .. {hi_edge:.3g}")}: {c} tokens</title></rect>')
+    notes = [f"{len(vals)} tokens"]
+    if n_zero:
+        notes.append(f"{n_zero} with KL = 0 (not drawn)")
+    if n_inf:
+        notes.append(f"{n_inf} with KL = inf")
+    if n_nan:
+        notes.append(f"{n_nan} NaN")
+    finite = [v for v in vals if math.isfinite(v)]
+    if finite:
+        mean = sum(finite) / len(finite)
+        if mean > 0:
+            x = x_of(min(max(math.log10(mean), d_lo), d_hi))
+            parts.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + ph}" class="limit"/>')
+            parts.append(f'<text x="{x + 4:.1f}" y="{top + 12}" class="tick limtext">mean {_e(_fmt(mean))}</text>')
+    parts.append(f'<text x="{left + pw - 4}" y="{top + 12}" text-anchor="end" class="tick">{_e("; ".join(notes))}</text>')
+    return "\n".join(parts + ["</svg>"])
+
+
+def _flat(values) -> list:
+    if hasattr(values, "detach"):  # torch tensor
+        return values.detach().to("cpu").double().reshape(-1).tolist()
+    if hasattr(values, "ravel"):  # numpy array
+        return values.ravel().tolist()
+    return list(values)
+
+
+# ----------------------------------------------------------------------------- HTML
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 24px; color: #1d2330; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #d0d5dd; }
+.verdict { display: inline-block; padding: 2px 10px; border-radius: 4px; color: #fff; }
+.pass { background: #1a7f37; } .fail { background: #cf222e; }
+table { border-collapse: collapse; font-size: 0.9em; margin: 8px 0; }
+th, td { border: 1px solid #d0d5dd; padding: 3px 8px; } th { background: #f3f5f8; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr.bad td { background: #ffebe9; font-weight: bold; }
+td.failcell { color: #cf222e; font-weight: bold; } td.passcell { color: #1a7f37; }
+code { background: #f3f5f8; padding: 0 3px; }
+svg.plot { display: block; margin: 12px 0; background: #fff; border: 1px solid #d0d5dd; }
+svg .ptitle { font-size: 14px; font-weight: bold; fill: #1d2330; }
+svg .tick { font-size: 10px; fill: #4a5160; } svg .axis { font-size: 12px; fill: #1d2330; }
+svg .frame { fill: none; stroke: #9aa3b2; } svg .grid { stroke: #e6e9ef; } svg .axisline { stroke: #9aa3b2; }
+svg .series { fill: none; stroke: #2f6fde; stroke-width: 1.5; }
+svg .pok { fill: #2f6fde; } svg .pbad { fill: #cf222e; }
+svg .limit { stroke: #cf222e; stroke-dasharray: 5 4; } svg .limtext { fill: #cf222e; }
+svg .firstbad { stroke: #cf222e; stroke-width: 1; opacity: 0.5; }
+svg .bar { fill: #2f6fde; }
+"""
+
+
+def _table(header: Sequence[str], rows: Iterable[tuple[Sequence[tuple[str, str]], str]]) -> str:
+    """rows: (cells as (text, css class), row css class); all text escaped here."""
+    out = ["<table>", "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr>"]
+    for cells, cls in rows:
+        tr = f'<tr class="{cls}">' if cls else "<tr>"
+        out.append(tr + "".join(f'<td class="{c}">{_e(t)}</td>' if c else f"<td>{_e(t)}</td>"
+                                for t, c in cells) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
+    """report.html: self-contained (inline CSS and SVG, no scripts, no external resources)."""
+    r = report
+    verdict = "PASSED" if r.passed else "FAILED"
+    out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+           f"<title>cvt verify report: {verdict}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
+           f'<h1>cvt verify report <span class="verdict {"pass" if r.passed else "fail"}">{verdict}</span></h1>']
+
+    def side(label: str, m) -> str:
+        extra = f"format {m.format or 'none'}" + (f"; stages: {' -> '.join(m.stages)}" if m.stages else "")
+        return f"<li>{_e(label)}: <code>{_e(m.path)}</code> ({_e(extra)})</li>"
+
+    data = f"{r.data.source}" + (f" {r.data.path}" if r.data.path else "") + \
+        f", {r.data.sequences} sequences, {r.data.tokens} tokens"
+    out += ["<ul>", side("Candidate", r.candidate), side("Reference", r.reference),
+            f"<li>Data: {_e(data)}</li>",
+            f"<li>Tool: {_e(r.tool.name)} {_e(r.tool.version)}, report version {r.report_version}</li>", "</ul>"]
+
+    out.append("<h2>Per-layer comparison</h2>")
+    out.append(cosine_plot_svg(r.layers, r.thresholds.min_cosine, r.first_divergent_layer))
+    if r.layers:
+        if r.first_divergent_layer:
+            out.append(f"<p>First divergent layer (Cosine &lt; {_e(_fmt(r.thresholds.min_cosine))}): "
+                       f"<strong>{_e(r.first_divergent_layer)}</strong></p>")
+        rows = []
+        for i, row in enumerate(r.layers):
+            bad = row.name == r.first_divergent_layer
+            cells = [(str(i), "num"), (row.name + (" (first divergent)" if bad else ""), "")]
+            cells += [(_fmt_col(a, getattr(row, a)), "num") for a, _ in LAYER_COLUMNS]
+            rows.append((cells, "bad" if bad else ""))
+        out.append(_table(["#", "Layer"] + [c for _, c in LAYER_COLUMNS], rows))
+    else:
+        out.append("<p>No per-layer comparison.</p>")
+
+    out.append("<h2>Logits</h2>")
+    out.append(kl_histogram_svg(kl_values))
+    if r.logits is not None:
+        out.append(_table(["Metric", "Value"], [([(label, ""), (_fmt_logit(f, getattr(r.logits, f)), "num")], "")
+                                                for f, label in LOGIT_ROWS]))
+    else:
+        out.append("<p>No logits comparison.</p>")
+
+    worst = _worst_weights(r.weights, top_k_weights)
+    out.append(f"<h2>Weight SQNR (worst {len(worst)} of {len(r.weights)})</h2>")
+    if worst:
+        out.append(_table(["Tensor", "SQNR (dB)", "Format"],
+                          [([(w.name, ""), (_fmt(w.sqnr_db), "num"), (w.format, "")], "") for w in worst]))
+    else:
+        out.append("<p>No weight comparison.</p>")
+
+    out.append("<h2>Thresholds</h2>")
+    if r.checks:
+        out.append(_table(["Check", "Limit", "Value", "Result", "Detail"],
+                          [([(c.name, ""), (_fmt(c.limit), "num"), (_fmt(c.value), "num"),
+                             ("pass" if c.passed else "FAIL", "passcell" if c.passed else "failcell"),
+                             (c.message, "")], "" if c.passed else "bad") for c in r.checks]))
+    else:
+        out.append("<p>No thresholds applied.</p>")
+    if r.violations:
+        out.append("<p>Violations:</p><ul>" + "".join(f"<li>{_e(v)}</li>" for v in r.violations) + "</ul>")
+    out += [f'<p>Result: <span class="verdict {"pass" if r.passed else "fail"}">{verdict}</span></p>',
+            "</body>", "</html>"]
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- files
+
+def write_report(report: Report, folder: Path, kl_values=None, top_k_weights: int = 20) -> dict[str, Path]:
+    """Write report.json, report.md and report.html into `folder` (created if missing).
+
+    report: the validated `Report`; the cosine plot is drawn from `report.layers`.
+    kl_values: per-token KL [N] (tensor, array or sequence; `logit_stats(...)["kl_per_token"]`)
+        for the histogram, or None (the plot then says so).
+    top_k_weights: how many lowest-SQNR weights the md/html tables list (json keeps all).
+    Returns {"json": path, "md": path, "html": path}.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"json": folder / "report.json", "md": folder / "report.md", "html": folder / "report.html"}
+    paths["json"].write_text(report.model_dump_json(indent=2, by_alias=True) + "\n", encoding="utf-8")
+    paths["md"].write_text(render_markdown(report, top_k_weights), encoding="utf-8")
+    paths["html"].write_text(render_html(report, kl_values, top_k_weights), encoding="utf-8")
+    return paths
