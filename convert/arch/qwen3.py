@@ -42,10 +42,11 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     kv = cfg.get("num_key_value_heads") or heads
     hd = cfg.get("head_dim") or h // heads
     vocab, n_layers = cfg["vocab_size"], cfg["num_hidden_layers"]
-    experts = cfg.get("num_experts") or 0
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # transformers 5 renames it
     sparse_step = cfg.get("decoder_sparse_step") or 1
     mlp_only = set(cfg.get("mlp_only_layers") or [])
     qk_norm = cfg.get("model_type", "").startswith("qwen3")
+    qkv_bias = cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias"))
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
     for i in range(n_layers):
         p, a, m = f"model.layers.{i}", f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
@@ -53,7 +54,11 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
         out[f"{a}.q_proj.weight"] = (heads * hd, h)
         out[f"{a}.k_proj.weight"] = (kv * hd, h)
         out[f"{a}.v_proj.weight"] = (kv * hd, h)
+        if qkv_bias:
+            out[f"{a}.q_proj.bias"], out[f"{a}.k_proj.bias"], out[f"{a}.v_proj.bias"] = (heads * hd,), (kv * hd,), (kv * hd,)
         out[f"{a}.o_proj.weight"] = (h, heads * hd)
+        if cfg.get("attention_bias"):
+            out[f"{a}.o_proj.bias"] = (h,)
         if qk_norm:
             out[f"{a}.q_norm.weight"] = (hd,)
             out[f"{a}.k_norm.weight"] = (hd,)
@@ -70,6 +75,8 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
             out[f"{m}.gate_proj.weight"] = (inter, h)
             out[f"{m}.up_proj.weight"] = (inter, h)
             out[f"{m}.down_proj.weight"] = (h, inter)
+            if cfg.get("mlp_bias"):
+                out[f"{m}.gate_proj.bias"], out[f"{m}.up_proj.bias"], out[f"{m}.down_proj.bias"] = (inter,), (inter,), (h,)
     out["model.norm.weight"] = (h,)
     if not cfg.get("tie_word_embeddings"):
         out["lm_head.weight"] = (vocab, h)
@@ -84,7 +91,7 @@ MOE = ArchTable(
     name="qwen3_moe",
     param_shapes=param_shapes,
     model_types=("qwen3_moe",),
-    config_keys={**_KEYS, "experts": "num_experts", "experts_per_token": "num_experts_per_tok"},
+    config_keys={**_KEYS, "experts": "num_experts", "experts_per_token": "num_experts_per_tok"},  # see param_shapes
     rules=_COMMON
     + (
         Rule(f"{L}.mlp.gate", Role.ROUTER, REP, Block.MOE, float_default=True),

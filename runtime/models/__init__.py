@@ -17,6 +17,7 @@ FAMILIES = {
     "kimi_k2": "cvt.runtime.models.deepseek_v3",
     "qwen3_moe": "cvt.runtime.models.qwen3",
     "qwen3": "cvt.runtime.models.qwen3",
+    "qwen2": "cvt.runtime.models.qwen3",
     "llama": "cvt.runtime.models.qwen3",
 }
 
