@@ -230,3 +230,30 @@ def write_fp8_release(dst: Path, config: dict[str, Any] | None = None, seed: int
                       scale_dtype: str = "F32") -> Path:
     config = config or tiny_deepseek_config()
     return write_release(dst, config, release_tensors(config, seed, scale_dtype), n_shards)
+
+
+def tiny_qwen3_config(moe: bool = True, **overrides: Any) -> dict[str, Any]:
+    """A tiny Qwen3-MoE (or dense Qwen3) config with awkward sizes, byte-level vocab."""
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if moe else "qwen3",
+        "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258,
+        "hidden_size": 96, "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 24, "num_hidden_layers": 3, "vocab_size": 300, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 512, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+        "torch_dtype": "bfloat16",
+    }
+    if moe:
+        cfg.update({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
+                    "decoder_sparse_step": 1, "mlp_only_layers": [0]})
+    cfg.update(overrides)
+    return cfg
+
+
+def write_bf16_checkpoint(dst: Path, config: dict[str, Any], seed: int = 0, n_shards: int = 2) -> Path:
+    """A plain BF16 Hugging Face checkpoint of `config` with random weights (router bias F32)."""
+    import torch
+
+    tensors = {n: (t.float() if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16))
+               for n, t in random_weights(config, seed).items()}
+    return write_release(dst, config, tensors, n_shards, move_scale=False)

@@ -22,6 +22,7 @@ log = logging.getLogger("cvt")
 
 EXIT_ERROR = 1
 EXIT_PROBLEMS = 3
+EXIT_THRESHOLD = 4
 EXIT_INTERNAL = 70
 EXIT_INTERRUPTED = 130
 
@@ -110,6 +111,100 @@ def inspect_cmd(path, revision, as_json, quiet):
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.render())
     if report.problems:
         sys.exit(EXIT_PROBLEMS)
+
+
+@cli.command("run")
+@click.argument("model")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
+@click.option("--input-ids", "input_ids", multiple=True, help="Comma-separated token ids instead of text (repeatable).")
+@click.option("--max-new-tokens", type=click.IntRange(0), default=32, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--verify-files", is_flag=True, help="Check every file's sha256 against the manifest before loading.")
+@click.option("--revision", help="Hub revision when MODEL is a repo id.")
+@_common
+def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed, device, dtype, verify_files, revision, quiet):
+    """Generate text with the bundled runtime from any cvt output or HF BF16/FP8 directory.
+
+    Prints each continuation and the prefill / decode speed in tokens/s.
+    """
+    from cvt.errors import CvtError
+    from cvt.runtime.device import DTYPES, resolve_device
+    from cvt.runtime.generate import generate
+    from cvt.runtime.loader import load_model
+    from cvt.runtime.tokenizer import load_tokenizer
+
+    if not prompts and not input_ids:
+        raise CvtError("give --prompt TEXT or --input-ids 1,2,3")
+    dev = resolve_device(device)
+    loaded = load_model(model, device=dev, dtype=DTYPES[dtype], verify_files=verify_files, revision=revision)
+    tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
+    ids = [tok.encode(p) for p in prompts]
+    for text in input_ids:
+        try:
+            ids.append([int(x) for x in text.replace(" ", "").split(",") if x])
+        except ValueError:
+            raise CvtError(f"--input-ids {text!r}: expected comma-separated integers") from None
+    vocab = loaded.model.args.vocab_size
+    for seq in ids:
+        bad = [i for i in seq if not 0 <= i < vocab]
+        if bad:
+            raise CvtError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    res = generate(loaded.model, ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                   eos_id=tok.eos_id, device=dev)
+    for prompt, out in zip(ids, res.outputs):
+        click.echo(tok.decode(prompt) + tok.decode(out))
+        if quiet:
+            continue
+        click.echo(f"  [{len(prompt)} prompt + {len(out)} new tokens: {out[:16]}{' ...' if len(out) > 16 else ''}]")
+    if not quiet:
+        click.echo(f"prefill {res.prefill_tokens_per_s:.1f} tokens/s, decode {res.decode_tokens_per_s:.1f} tokens/s "
+                   f"({dev}, {dtype}, {tok.kind} tokenizer)")
+
+
+@cli.command("verify")
+@click.argument("candidate")
+@click.option("--reference", required=True, help="The reference model (usually the BF16 checkpoint).")
+@click.option("--data", type=click.Path(exists=True, dir_okay=False), help="Text or .jsonl (a \"text\" field per line); default: a built-in sample.")
+@click.option("--report", "report_dir", required=True, type=click.Path(file_okay=False), help="Folder for report.json/.md/.html.")
+@click.option("--seq-len", type=click.IntRange(2), default=128, show_default=True)
+@click.option("--max-sequences", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--min-cosine", type=float, help="Fail when any layer's cosine is below this.")
+@click.option("--max-ppl-ratio", type=float, help="Fail when PPL(candidate)/PPL(reference) is above this.")
+@click.option("--max-mean-kl", type=float, help="Fail when the mean KL divergence is above this.")
+@click.option("--min-top1", type=click.FloatRange(0, 1), help="Fail when the same-top-1 share is below this.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="fp32", show_default=True)
+@_common
+def verify_cmd(candidate, reference, data, report_dir, seq_len, max_sequences, min_cosine, max_ppl_ratio, max_mean_kl,
+               min_top1, device, dtype, quiet):
+    """Compare CANDIDATE against --reference on the same tokens and write an accuracy report:
+    per-layer cosine / max abs+rel error / thousandth ratios / EucDist, per-weight SQNR, PPL
+    ratio, KL divergence, same top-1. Exits 4 when a threshold is violated."""
+    from pathlib import Path
+
+    from cvt.runtime.device import DTYPES, resolve_device
+    from cvt.runtime.verify import verify
+    from cvt.schemas.report import Thresholds
+
+    th = Thresholds(min_cosine=min_cosine, max_ppl_ratio=max_ppl_ratio, max_mean_kl=max_mean_kl, min_top1=min_top1)
+    res = verify(candidate, reference, Path(report_dir), data=Path(data) if data else None, thresholds=th,
+                 device=resolve_device(device), dtype=DTYPES[dtype], seq_len=seq_len, max_sequences=max_sequences)
+    r = res.report
+    if not quiet:
+        worst = min(r.layers, key=lambda row: row.cosine)
+        lg = r.logits
+        click.echo(f"layers: min cosine {worst.cosine:.6f} at {worst.name}; first divergent: {r.first_divergent_layer or '-'}")
+        click.echo(f"logits: PPL ratio {lg.ppl_ratio:.4f}, mean KL {lg.kl_mean:.3g}, same top-1 {lg.same_top1:.2%}, "
+                   f"RMS dp {lg.rms_delta_p:.3%}")
+        click.echo(f"report: {res.paths['html']}")
+    for v in r.violations:
+        click.echo(f"cvt: threshold violated: {v}", err=True)
+    if not r.passed:
+        sys.exit(EXIT_THRESHOLD)
 
 
 @cli.command("demo")

@@ -179,7 +179,7 @@ def rope_frequencies(args: Args) -> tuple[torch.Tensor, float]:
     """(inv_freq float32 [D/2], cos/sin scale) for the config's rope type, as HF computes them."""
     p, dim = args.rope(), args.dim_head
     base, kind = p["rope_theta"], p["rope_type"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if kind == "default":
         return inv_freq, 1.0
     factor = float(p["factor"])
@@ -211,7 +211,7 @@ def rope_frequencies(args: Args) -> tuple[torch.Tensor, float]:
         lo, hi = math.floor(lo), math.ceil(hi)
     lo, hi = max(lo, 0), min(hi, dim - 1)
     hi = hi + 0.001 if lo == hi else hi
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - lo) / (hi - lo)).clamp(0, 1)
     extrapolate = 1 - ramp
     return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attn)
 

@@ -1,0 +1,91 @@
+"""Prefill + decode with a KV cache; greedy or temperature / top-p sampling; batches.
+
+Prompts of equal length run as one batch (the models take no padding mask, so prompts of
+different lengths form separate batches). Timing separates prefill from decode so that
+`cvt run` can report decode tokens/s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cvt.errors import CvtError
+
+
+@dataclass
+class GenerationResult:
+    prompts: list[list[int]]
+    outputs: list[list[int]]  # generated ids only, per prompt, in prompt order
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finished: list[bool] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [b, V] -> ids [b]. temperature 0 is greedy (argmax); top_p < 1 keeps the smallest
+    set of tokens whose probability reaches top_p."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0, eos_id: int | None = None, device=None) -> GenerationResult:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise CvtError("every prompt needs at least one token")
+    if max_new_tokens < 0:
+        raise CvtError("--max-new-tokens must be >= 0")
+    limit = getattr(model, "max_positions", None)
+    longest = max(len(p) for p in prompts)
+    if limit is not None and longest + max_new_tokens > limit:
+        raise CvtError(f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model's "
+                       f"{limit} positions (max_position_embeddings)")
+    device = device or next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    result = GenerationResult(prompts=prompts, outputs=[[] for _ in prompts], finished=[False] * len(prompts))
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    for length, idx in groups.items():
+        tokens = torch.tensor([prompts[i] for i in idx], dtype=torch.long, device=device)
+        cache = model.new_cache(len(idx), length + max_new_tokens, device=device)
+        t0 = time.perf_counter()
+        logits = model(tokens, start_pos=0, cache=cache)
+        result.prefill_seconds += time.perf_counter() - t0
+        result.prefill_tokens += tokens.numel()
+        done = torch.zeros(len(idx), dtype=torch.bool)
+        t0 = time.perf_counter()
+        for step in range(max_new_tokens):
+            nxt = sample(logits[:, -1], temperature, top_p, gen)
+            for j, i in enumerate(idx):
+                if not done[j]:
+                    result.outputs[i].append(int(nxt[j]))
+                    if eos_id is not None and int(nxt[j]) == eos_id:
+                        done[j] = True
+                        result.finished[i] = True
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            logits = model(nxt.view(-1, 1), start_pos=length + step, cache=cache)
+            result.decode_tokens += len(idx)
+        result.decode_seconds += time.perf_counter() - t0
+    return result

@@ -1,0 +1,108 @@
+"""Helpers shared by the format kernels: part validation, module construction, exact int8 GEMM.
+
+Validation raises `cvt.errors.TensorError` with the format, the part name, its dtype and
+shape, and what would have been valid, so one line is enough to act on.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cvt.errors import TensorError
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def desc(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+
+
+def _dtypes(dtypes) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def take(fmt: str, names: tuple[str, ...], parts: dict, optional: tuple[str, ...] = ()) -> dict:
+    """The parts of `fmt`, refusing missing ones, unknown ones and non-tensors."""
+    if not isinstance(parts, dict):
+        raise TensorError(f"{fmt}: parts must be a dict of tensors, got {type(parts).__name__}")
+    missing = [n for n in names if n not in parts]
+    unknown = sorted(set(parts) - set(names) - set(optional))
+    if missing or unknown:
+        raise TensorError(f"{fmt}: " + "; ".join(
+            ([f"missing part(s) {missing}"] if missing else []) + ([f"unknown part(s) {unknown}"] if unknown else []))
+            + f"; this format stores exactly {list(names)}" + (f" (optional {list(optional)})" if optional else ""))
+    for n, t in parts.items():
+        if not isinstance(t, torch.Tensor):
+            raise TensorError(f"{fmt} part {n!r}: expected a torch.Tensor, got {type(t).__name__}")
+    return parts
+
+
+def check(fmt: str, name: str, t: torch.Tensor, dtypes, shape=None, why: str = "") -> torch.Tensor:
+    """Check dtype (one of `dtypes`) and, when given, the exact `shape`."""
+    if t.dtype not in tuple(dtypes):
+        raise TensorError(f"{fmt} part {name!r} is {desc(t)}: expected dtype {_dtypes(dtypes)}"
+                          + (f" ({why})" if why else ""))
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise TensorError(f"{fmt} part {name!r} is {desc(t)}: expected shape {list(shape)}"
+                          + (f" ({why})" if why else ""))
+    return t
+
+
+def check_2d(fmt: str, name: str, t: torch.Tensor, dtypes) -> tuple[int, int]:
+    check(fmt, name, t, dtypes)
+    if t.dim() != 2 or t.shape[0] == 0 or t.shape[1] == 0:
+        raise TensorError(f"{fmt} part {name!r} is {desc(t)}: expected a non-empty 2-D [out_features, in_features] tensor")
+    return int(t.shape[0]), int(t.shape[1])
+
+
+def check_finite(fmt: str, name: str, t: torch.Tensor, positive: bool = False) -> None:
+    f = t.float()
+    bad = ~torch.isfinite(f)
+    if positive:
+        bad |= f <= 0
+    if bool(bad.any()):
+        what = "non-finite or non-positive" if positive else "non-finite"
+        raise TensorError(f"{fmt} part {name!r} ({desc(t)}) holds {int(bad.sum())} {what} value(s)")
+
+
+def new_module(cls, n: int, k: int, bias: torch.Tensor | None):
+    """An instance of `cls` (a `Linear` subclass) with features and bias set, no weight yet."""
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dtype not in FLOATS or tuple(bias.shape) != (n,):
+            got = desc(bias) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise TensorError(f"{cls.fmt} bias is {got}: expected a float tensor of shape [{n}]")
+    mod = cls.__new__(cls)
+    nn.Module.__init__(mod)
+    mod.out_features, mod.in_features = n, k
+    mod.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+    return mod
+
+
+def flat(x: torch.Tensor, k: int, fmt: str) -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise TensorError(f"{fmt}: input {desc(x)} does not end in in_features={k}")
+    return x.reshape(-1, k)
+
+
+_INT_MM_MAX_K = 131071  # 128*128*k must stay below 2**31 for int32 accumulation
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact ``a @ b.T`` for int8 ``a [m, k]`` and ``b [n, k]``, as int32 (int64 when k is huge).
+
+    torch._int_mm (int32 accumulation) where the device accepts the shapes (any shape on
+    CPU; m > 16 and k, n multiples of 8 on CUDA), otherwise a float64 matmul, which is
+    exact because every partial sum stays below 2**53.
+    """
+    m, k = a.shape
+    n = b.shape[0]
+    if m == 0 or n == 0:
+        return torch.zeros(m, n, dtype=torch.int32, device=a.device)
+    if k <= _INT_MM_MAX_K and (a.device.type == "cpu" or (m > 16 and k % 8 == 0 and n % 8 == 0)):
+        try:
+            return torch._int_mm(a.contiguous(), b.t())
+        except (RuntimeError, NotImplementedError):
+            pass
+    out = a.to(torch.float64) @ b.to(torch.float64).t()
+    return out.to(torch.int32 if k <= _INT_MM_MAX_K else torch.int64)

@@ -1,0 +1,175 @@
+"""`w4a16`: int4 weights, float activations (Ascend W4A16, compressed-tensors pack-quantized).
+
+Canonical in-memory parts (what `from_parts` takes):
+
+* ``weight_int4`` int8 ``[n, k]``, one int4 value per element, range -8..7 (unpacked: the
+  name differs from the on-disk ``weight`` on purpose -- W8A8_DYNAMIC stores ``weight`` +
+  ``weight_scale`` + ``weight_offset`` too, so `for_parts` could not tell them apart);
+* ``weight_scale`` float ``[n, k/G]`` (``[n, 1]`` per channel);
+* ``weight_offset`` float, same shape (zeros when symmetric).
+
+Dequant is the documented form ``w = (q - offset) * scale`` per group (FORMATS.md 2.2), in
+float32; forward casts it to x.dtype and multiplies. The Ascend op computes ``(w + offset) *
+scale`` instead, so `npu.py` passes ``-offset``.
+
+On-disk layouts (the loader converts with `from_ascend` / `from_compressed_tensors`):
+
+* Ascend (msModelSlim W4A16): two's-complement int4, two per int8, even element in the low
+  nibble. Per-group weights pack pairs of OUTPUT channels (``[n/2, k]``, row 2j low, 2j+1
+  high); per-channel weights (scale last dim 1) pack along k (``[n, k/2]``). Checked against
+  consumers of these files: a vllm-ascend W4A16 linear scheme for msModelSlim weights
+  ("Weight: [output_size // 2, input_size] (packed along output dim)"; low nibble ->
+  ``unpacked[0::2]``, high -> ``unpacked[1::2]``, nibbles >= 8 minus 16) and vllm-ascend's
+  older ``AscendW4A16LinearMethod`` (per-channel ``weight`` ``[output_size, input_size //
+  2]`` int8). The same nibble order is what vllm-ascend's ``pack_to_int32`` relies on when it
+  views such int8 pairs as int32 instead of calling ``npu_convert_weight_to_int4pack``.
+* compressed-tensors ``pack-quantized``: int32 ``[n, ceil(k/8)]``, value + 8 (unsigned),
+  element i of each run of 8 along k at bits 4i (vllm-ascend ``unpack_from_int32``:
+  ``(w >> 4i) & 0xF`` then ``- 8``); the asymmetric zero point is packed the same way along dim 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn import functional as F
+
+from cvt.errors import TensorError
+from cvt.runtime.kernels import npu
+from cvt.runtime.kernels._common import FLOATS, check, check_2d, check_finite, desc, flat, new_module, take
+from cvt.runtime.kernels.linear import Linear, register
+
+
+# ---- Ascend int8 packing (two int4 per byte, even element in the low nibble) --------------------
+
+def ascend_pack_dim(scale: torch.Tensor) -> int:
+    """0 (pairs of output channels) for per-group scales, 1 (along k) when the scale's last dim is 1."""
+    return 1 if scale.shape[-1] == 1 else 0
+
+
+def pack_int4_ascend(q: torch.Tensor, dim: int) -> torch.Tensor:
+    """int4 values ``q`` int8 ``[n, k]`` (-8..7) -> int8 packed along `dim` (0: ``[n/2, k]``, 1: ``[n, k/2]``)."""
+    if q.dim() != 2 or q.shape[dim] % 2:
+        raise TensorError(f"cannot pack int4 {desc(q)} along dim {dim}: needs an even size there")
+    u = q.to(torch.int16) & 0xF
+    lo, hi = (u[0::2], u[1::2]) if dim == 0 else (u[:, 0::2], u[:, 1::2])
+    v = lo | (hi << 4)
+    return torch.where(v >= 128, v - 256, v).to(torch.int8)
+
+
+def unpack_int4_ascend(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of `pack_int4_ascend`: int8 packed -> int8 ``[n, k]`` values -8..7."""
+    u = packed.to(torch.int16) & 0xFF
+    lo, hi = u & 0xF, u >> 4
+    lo, hi = torch.where(lo >= 8, lo - 16, lo), torch.where(hi >= 8, hi - 16, hi)
+    out = torch.stack((lo, hi), dim=dim + 1)  # [.., 2, ..] interleaved along `dim`
+    shape = list(packed.shape)
+    shape[dim] *= 2
+    return out.reshape(shape).to(torch.int8)
+
+
+# ---- compressed-tensors pack-quantized (int32, +8, element i at bits 4i) -------------------------
+
+def pack_int4_ct(q: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """int4 values int8 -8..7 -> int32 packed 8 per word along `dim` (zero-padded to a multiple of 8)."""
+    u = (q.to(torch.int64) + 8)
+    if dim == 0:
+        u = u.t()
+    pad = (-u.shape[1]) % 8
+    if pad:
+        u = F.pad(u, (0, pad))
+    u = u.reshape(u.shape[0], -1, 8)
+    word = torch.zeros(u.shape[:2], dtype=torch.int64, device=q.device)
+    for i in range(8):
+        word |= u[:, :, i] << (4 * i)
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return word.t().contiguous() if dim == 0 else word
+
+
+def unpack_int4_ct(packed: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
+    """Inverse of `pack_int4_ct`: int32 words -> int8 values -8..7, `size` elements along `dim`."""
+    p = packed.t() if dim == 0 else packed
+    v = torch.stack([(p >> (4 * i)) & 0xF for i in range(8)], dim=-1).reshape(p.shape[0], -1)[:, :size]
+    v = (v - 8).to(torch.int8)
+    return v.t().contiguous() if dim == 0 else v
+
+
+@register
+class W4A16Linear(Linear):
+    fmt = "w4a16"
+    parts = ("weight_int4", "weight_scale", "weight_offset")
+    _npu_state = None
+
+    @classmethod
+    def from_parts(cls, parts, bias=None) -> "W4A16Linear":
+        p = take(cls.fmt, cls.parts, parts)
+        q, sc, off = p["weight_int4"], p["weight_scale"], p["weight_offset"]
+        n, k = check_2d(cls.fmt, "weight_int4", q, (torch.int8,))
+        if bool(((q < -8) | (q > 7)).any()):
+            raise TensorError(f"{cls.fmt} part 'weight_int4' ({desc(q)}) holds values outside the int4 range -8..7 "
+                              "(pass unpacked values; see from_ascend / from_compressed_tensors for packed ones)")
+        check(cls.fmt, "weight_scale", sc, FLOATS)
+        if sc.dim() != 2 or sc.shape[0] != n or sc.shape[1] == 0 or k % sc.shape[1]:
+            raise TensorError(f"{cls.fmt} part 'weight_scale' is {desc(sc)}: expected [{n}, k/G] with G dividing "
+                              f"k={k} ([{n}, 1] per channel)")
+        check_finite(cls.fmt, "weight_scale", sc)
+        check(cls.fmt, "weight_offset", off, FLOATS, tuple(sc.shape), "same shape as weight_scale")
+        check_finite(cls.fmt, "weight_offset", off)
+        mod = new_module(cls, n, k, bias)
+        mod.register_buffer("weight_int4", q)
+        mod.register_buffer("weight_scale", sc)
+        mod.register_buffer("weight_offset", off)
+        return mod
+
+    @classmethod
+    def from_ascend(cls, parts, bias=None) -> "W4A16Linear":
+        """From msModelSlim tensors ``weight`` (packed int8), ``weight_scale``, ``weight_offset``."""
+        p = take(cls.fmt + " (Ascend)", ("weight", "weight_scale", "weight_offset"), parts)
+        w, sc = p["weight"], p["weight_scale"]
+        check_2d(cls.fmt + " (Ascend)", "weight", w, (torch.int8,))
+        if sc.dim() != 2:
+            raise TensorError(f"{cls.fmt} (Ascend) part 'weight_scale' is {desc(sc)}: expected 2-D [n, k/G]")
+        q = unpack_int4_ascend(w, ascend_pack_dim(sc))
+        return cls.from_parts({"weight_int4": q, "weight_scale": sc, "weight_offset": p["weight_offset"]}, bias)
+
+    @classmethod
+    def from_compressed_tensors(cls, parts, bias=None) -> "W4A16Linear":
+        """From pack-quantized ``weight_packed``, ``weight_scale``, ``weight_shape`` (+ ``weight_zero_point``)."""
+        name = cls.fmt + " (compressed-tensors)"
+        p = take(name, ("weight_packed", "weight_scale", "weight_shape"), parts, optional=("weight_zero_point",))
+        wp, sc, shape = p["weight_packed"], p["weight_scale"], p["weight_shape"]
+        check_2d(name, "weight_packed", wp, (torch.int32,))
+        if shape.numel() != 2:
+            raise TensorError(f"{name} part 'weight_shape' is {desc(shape)}: expected [2] = [n, k]")
+        n, k = (int(v) for v in shape.reshape(2).tolist())
+        check(name, "weight_packed", wp, (torch.int32,), (n, math.ceil(k / 8)), f"weight_shape {[n, k]}")
+        q = unpack_int4_ct(wp, k, dim=1)
+        if "weight_zero_point" in p:
+            off = unpack_int4_ct(p["weight_zero_point"], n, dim=0).to(torch.float32)
+        else:
+            off = torch.zeros(sc.shape, dtype=torch.float32, device=sc.device)
+        return cls.from_parts({"weight_int4": q, "weight_scale": sc.to(torch.float32), "weight_offset": off}, bias)
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.weight_scale.shape[1]
+
+    def dense_weight(self) -> torch.Tensor:
+        g = self.group_size
+        n, k = self.weight_int4.shape
+        q = self.weight_int4.to(torch.float32).reshape(n, k // g, g)
+        w = (q - self.weight_offset.to(torch.float32)[:, :, None]) * self.weight_scale.to(torch.float32)[:, :, None]
+        return w.reshape(n, k)
+
+    def prepare_for_npu(self) -> None:
+        """Pack the weight for torch_npu once (no-op unless `npu.enabled` for its device)."""
+        npu.prepare(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = flat(x, self.in_features, self.fmt)
+        y = npu.forward(self, x2) if npu.enabled(x.device) else None
+        if y is None:
+            w = self.dense_weight().to(x.dtype)
+            y = F.linear(x2, w, None if self.bias is None else self.bias.to(x.dtype))
+        return y.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,166 @@
+"""Ascend int8 formats (msModelSlim "AscendV1", FORMATS.md 2.2): `w8a8_dynamic` and `w8a8_static`.
+
+`w8a8_dynamic` (tag W8A8_DYNAMIC) -- parts ``weight`` int8 ``[n, k]``, ``weight_scale`` ``[n, 1]``,
+``weight_offset`` ``[n, 1]`` (zeros: symmetric). Activations are quantized per token at run time::
+
+    x_scale = amax(|x|, -1) / 127;  x_q = clamp(round(x / x_scale), -128, 127)   (0 for an all-zero row)
+    y = float32(x_q @ w_q^T) * weight_scale^T * x_scale  (+ bias)  -> x.dtype
+
+`w8a8_static` (tag W8A8) -- parts ``weight`` int8 ``[n, k]``, ``input_scale`` ``[1]``,
+``input_offset`` ``[1]``, ``deq_scale`` ``[n]`` (= input_scale * weight_scale; float32 for bf16
+models, or the float32 bits as int32 widened to int64 for fp16 models -- both read here) and
+``quant_bias`` int32 ``[n]`` (= round(bias / deq_scale - sum_k(w_q) * input_offset), see
+`quant_bias_from`)::
+
+    x_q = clamp(round(x / input_scale + input_offset), -128, 127)
+    y = x.dtype( float32(x_q @ w_q^T + quant_bias) * deq_scale )  (+ a separate float bias, if any)
+
+The int GEMM is exact (int32 accumulation, `_common.int8_matmul`); the float steps are in
+float32 in the order written above (the order of torch_npu.npu_quant_matmul's documented
+formula, so the Ascend path reproduces these bits). `forward` takes the Ascend fused path
+(`cvt.runtime.kernels.npu`) when `npu.enabled(x.device)`; `prepare_for_npu()` does its
+weight layout work once, at load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cvt.errors import TensorError
+from cvt.runtime.kernels import npu
+from cvt.runtime.kernels._common import FLOATS, check, check_2d, check_finite, desc, flat, int8_matmul, new_module, take
+from cvt.runtime.kernels.linear import Linear, register
+
+
+def per_token_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 quantization of ``x2 [m, k]``: (x_q int8, x_scale float32 [m])."""
+    xf = x2.to(torch.float32)
+    scale = xf.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(xf / safe[:, None]).clamp_(-128, 127)
+    q = torch.where((scale > 0)[:, None], q, torch.zeros_like(q))
+    return q.to(torch.int8), scale
+
+
+def static_quant(x2: torch.Tensor, input_scale: torch.Tensor, input_offset: torch.Tensor) -> torch.Tensor:
+    """``clamp(round(x / input_scale + input_offset), -128, 127)`` as int8, computed in float32."""
+    s = input_scale.reshape(()).to(torch.float32)
+    off = input_offset.reshape(()).to(torch.float32)
+    return torch.round(x2.to(torch.float32) / s + off).clamp_(-128, 127).to(torch.int8)
+
+
+def deq_scale_f32(deq_scale: torch.Tensor) -> torch.Tensor:
+    """float32 view of a deq_scale stored as float32 or as int64 holding float32 bits (low 32 bits)."""
+    if deq_scale.dtype == torch.float32:
+        return deq_scale
+    if deq_scale.dtype == torch.int64:
+        low = deq_scale & 0xFFFFFFFF
+        low = torch.where(low >= 2**31, low - 2**32, low)
+        return low.to(torch.int32).view(torch.float32)
+    raise TensorError(f"deq_scale is {desc(deq_scale)}: expected float32 or int64 (float32 bits)")
+
+
+def deq_scale_int64(deq_scale: torch.Tensor) -> torch.Tensor:
+    """The fp16-model storage of a float32 deq_scale: its bits as int32, widened to int64."""
+    return deq_scale.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+
+
+def quant_bias_from(bias: torch.Tensor | None, w_q: torch.Tensor, input_offset: torch.Tensor,
+                    deq_scale: torch.Tensor) -> torch.Tensor:
+    """``round(bias / deq_scale - sum_k(w_q) * input_offset)`` as int32 ``[n]`` (FORMATS.md 2.2), in float64."""
+    d = deq_scale_f32(deq_scale).to(torch.float64)
+    b = torch.zeros_like(d) if bias is None else bias.to(torch.float64) / d
+    v = torch.round(b - w_q.to(torch.float64).sum(dim=1) * input_offset.reshape(()).to(torch.float64))
+    if bool((v.abs() >= 2**31).any()):
+        raise TensorError("quant_bias does not fit int32 (bias / deq_scale too large)")
+    return v.to(torch.int32)
+
+
+class _Int8Linear(Linear):
+    _npu_state = None
+
+    def prepare_for_npu(self) -> None:
+        """Lay the weights out for the Ascend ops once (no-op unless `npu.enabled` for their device)."""
+        npu.prepare(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = flat(x, self.in_features, self.fmt)
+        y = npu.forward(self, x2) if npu.enabled(x.device) else None
+        if y is None:
+            y = self.reference(x2)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+@register
+class W8A8DynamicLinear(_Int8Linear):
+    fmt = "w8a8_dynamic"
+    parts = ("weight", "weight_scale", "weight_offset")
+
+    @classmethod
+    def from_parts(cls, parts, bias=None) -> "W8A8DynamicLinear":
+        p = take(cls.fmt, cls.parts, parts)
+        n, k = check_2d(cls.fmt, "weight", p["weight"], (torch.int8,))
+        sc, off = p["weight_scale"], p["weight_offset"]
+        for name, t in (("weight_scale", sc), ("weight_offset", off)):
+            check(cls.fmt, name, t, FLOATS)
+            if tuple(t.shape) not in ((n, 1), (n,)):
+                raise TensorError(f"{cls.fmt} part {name!r} is {desc(t)}: expected shape [{n}, 1] (per output channel)")
+        check_finite(cls.fmt, "weight_scale", sc)
+        if bool((off != 0).any()):
+            raise TensorError(f"{cls.fmt} part 'weight_offset' ({desc(off)}) is not all zeros: W8A8_DYNAMIC weights "
+                              "are symmetric and the Ascend kernels ignore the offset")
+        mod = new_module(cls, n, k, bias)
+        mod.register_buffer("weight", p["weight"])
+        mod.register_buffer("weight_scale", sc.reshape(n, 1))
+        mod.register_buffer("weight_offset", off.reshape(n, 1))
+        return mod
+
+    def reference(self, x2: torch.Tensor) -> torch.Tensor:
+        xq, xs = per_token_quant(x2)
+        acc = int8_matmul(xq, self.weight)
+        y = acc.to(torch.float32) * self.weight_scale.to(torch.float32).reshape(1, -1) * xs[:, None]
+        if self.bias is not None:
+            y = y + self.bias.to(torch.float32)
+        return y.to(x2.dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.to(torch.float32) * self.weight_scale.to(torch.float32)
+
+
+@register
+class W8A8StaticLinear(_Int8Linear):
+    fmt = "w8a8_static"
+    parts = ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
+
+    @classmethod
+    def from_parts(cls, parts, bias=None) -> "W8A8StaticLinear":
+        p = take(cls.fmt, cls.parts, parts)
+        n, k = check_2d(cls.fmt, "weight", p["weight"], (torch.int8,))
+        for name in ("input_scale", "input_offset"):
+            t = p[name]
+            check(cls.fmt, name, t, FLOATS + ((torch.int8, torch.int32) if name == "input_offset" else ()))
+            if t.numel() != 1 or t.dim() > 1:
+                raise TensorError(f"{cls.fmt} part {name!r} is {desc(t)}: expected shape [1] (per tensor)")
+        check_finite(cls.fmt, "input_scale", p["input_scale"], positive=True)
+        check(cls.fmt, "deq_scale", p["deq_scale"], (torch.float32, torch.int64), (n,),
+              "float32, or float32 bits in int64 for fp16 models; one per output channel")
+        check_finite(cls.fmt, "deq_scale", deq_scale_f32(p["deq_scale"]))
+        check(cls.fmt, "quant_bias", p["quant_bias"], (torch.int32,), (n,))
+        mod = new_module(cls, n, k, bias)
+        mod.register_buffer("weight", p["weight"])
+        mod.register_buffer("input_scale", p["input_scale"].reshape(1))
+        mod.register_buffer("input_offset", p["input_offset"].reshape(1))
+        mod.register_buffer("deq_scale", p["deq_scale"])
+        mod.register_buffer("quant_bias", p["quant_bias"])
+        return mod
+
+    def reference(self, x2: torch.Tensor) -> torch.Tensor:
+        xq = static_quant(x2, self.input_scale, self.input_offset)
+        acc = int8_matmul(xq, self.weight) + self.quant_bias
+        y = (acc.to(torch.float32) * deq_scale_f32(self.deq_scale)).to(x2.dtype)
+        return y if self.bias is None else y + self.bias.to(x2.dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        """w_q * weight_scale with weight_scale = deq_scale / input_scale (float32; the offset lives in quant_bias)."""
+        ws = deq_scale_f32(self.deq_scale) / self.input_scale.to(torch.float32)
+        return self.weight.to(torch.float32) * ws[:, None]

@@ -1,0 +1,148 @@
+"""Checkpoint -> runnable model, streaming one tensor at a time.
+
+`load_model(path)` accepts any cvt output (trusted only through its manifest) and plain
+Hugging Face BF16 or FP8 directories (FP8 block weights are dequantized on load). The model
+is built on the meta device and each tensor is read from the mmap, converted and assigned in
+place, so the process never holds two copies of the model.
+
+Refused, with one line each: a manifest whose files are missing or of another size (and
+sha256, with `verify_files=True`), a manifest whose tensor count or byte total disagrees with
+the headers, tensors the model has no place for, model weights the checkpoint lacks (MTP
+layers aside: a checkpoint without them just runs without them), and shapes that disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cvt.convert.config import SourceFormat, fp8_config, source_format
+from cvt.convert.fp8 import dequant_fp8_block
+from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint
+from cvt.convert.safetensors_io import sha256_file
+from cvt.errors import ManifestError, TensorError
+from cvt.runtime.models import build_model
+from cvt.schemas.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    checkpoint_path: Path
+    config: dict
+    manifest: Manifest | None
+    source_format: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def check_manifest(ckpt: Checkpoint, verify_files: bool = False) -> Manifest | None:
+    """The manifest of a cvt output, checked against the files next to it (None: no manifest)."""
+    path = ckpt.root / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = Manifest.model_validate_json(path.read_text())
+    except ValueError as exc:
+        raise ManifestError(f"{path}: not a valid cvt manifest: {str(exc).splitlines()[0]}") from exc
+    for f in manifest.files:
+        p = ckpt.root / f.path
+        if not p.is_file():
+            raise ManifestError(f"{path}: lists {f.path}, which is missing")
+        if p.stat().st_size != f.size:
+            raise ManifestError(f"{p}: {p.stat().st_size} bytes, the manifest says {f.size}: the file was modified")
+        if verify_files and sha256_file(p) != f.sha256:
+            raise ManifestError(f"{p}: sha256 differs from the manifest: the file was modified")
+    total = sum(r.nbytes for r in ckpt.tensors.values())
+    if manifest.tensor_count != len(ckpt.tensors) or manifest.total_size != total:
+        raise ManifestError(
+            f"{path}: records {manifest.tensor_count} tensors / {manifest.total_size} bytes, "
+            f"the files hold {len(ckpt.tensors)} / {total}"
+        )
+    return manifest
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str] | None:
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    if attr in module._parameters or attr in module._buffers:
+        return module, attr
+    return None
+
+
+def _assign(module: nn.Module, attr: str, value: torch.Tensor, name: str) -> None:
+    current = module._parameters.get(attr)
+    if current is None:
+        current = module._buffers.get(attr)
+    if tuple(current.shape) != tuple(value.shape):
+        raise TensorError(f"tensor {name}: checkpoint shape {list(value.shape)}, the model expects {list(current.shape)}")
+    value = value.to(dtype=current.dtype) if value.is_floating_point() and current.is_floating_point() else value
+    if attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[attr] = value
+
+
+def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+               verify_files: bool = False, revision: str | None = None) -> Loaded:
+    ckpt = open_checkpoint(path, revision)
+    try:
+        manifest = check_manifest(ckpt, verify_files)
+        fmt = source_format(ckpt.config, manifest is not None)
+        if fmt not in (SourceFormat.BF16, SourceFormat.FP8_BLOCK, SourceFormat.CVT):
+            raise ManifestError(f"{ckpt.root}: {fmt.value} checkpoints are not runnable yet (bf16, fp8-block and cvt outputs are)")
+        block = fp8_config(ckpt.config, str(ckpt.root)).block if fmt is SourceFormat.FP8_BLOCK else None
+        device = torch.device(device)
+        with torch.device("meta"):
+            model = build_model(ckpt.config, dtype=dtype)
+        n_layers = getattr(model, "args").num_hidden_layers
+        seen: set[str] = set()
+        for name, ref in ckpt.tensors.items():
+            if name.endswith("_scale_inv"):
+                continue
+            owner = _owner(model, name)
+            if owner is None:
+                raise TensorError(f"tensor {name} ({ref.path.name}) has no place in the {ckpt.config.get('model_type')} runtime model")
+            t = ckpt.read(name)
+            if block is not None and ref.dtype == "F8_E4M3":
+                t = dequant_fp8_block(t, ckpt.read(name + "_scale_inv"), block)
+                ckpt.release(name + "_scale_inv")
+            else:
+                t = t.clone()  # out of the mmap: the model owns its memory
+            ckpt.release(name)
+            _assign(*owner, t.to(device), name)
+            seen.add(name)
+        _drop_absent_mtp(model, seen, n_layers)
+        missing = [n for n, _ in _named_tensors(model) if n not in seen]
+        if missing:
+            raise TensorError(f"{ckpt.root}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[0]}")
+        model.eval()
+        return Loaded(model, ckpt.root, ckpt.config, manifest, fmt.value, device, dtype)
+    finally:
+        ckpt.close()
+
+
+def _named_tensors(model: nn.Module):
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _drop_absent_mtp(model: nn.Module, seen: set[str], n_layers: int) -> None:
+    """MTP layers (index >= num_hidden_layers) are optional: keep them only if fully loaded."""
+    layers = model.get_submodule("model.layers")
+    if len(layers) <= n_layers:
+        return
+    mtp_loaded = any(n.startswith(f"model.layers.{i}.") for n in seen for i in range(n_layers, len(layers)))
+    if not mtp_loaded:
+        model.get_submodule("model").layers = nn.ModuleList(list(layers)[:n_layers])
+        log.debug("checkpoint has no MTP weights; running without the MTP layer")
+
