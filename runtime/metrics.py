@@ -62,13 +62,16 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     1.0 when both are all zero, 0.0 when exactly one is; NaN if either holds a NaN.
     """
     a, b = _pair(a, b)
-    na, nb = torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(b).item()
-    if na == 0.0 and nb == 0.0:
+    aa, bb, ab = torch.dot(a, a).item(), torch.dot(b, b).item(), torch.dot(a, b).item()
+    if aa == 0.0 and bb == 0.0:
         return 1.0
-    if na == 0.0 or nb == 0.0:
+    if aa == 0.0 or bb == 0.0:
         return 0.0
-    # Normalize first so the dot product cannot overflow for huge activations.
-    return float(torch.dot(a / na, b / nb).item())
+    # ab / sqrt(aa * bb) in float64: identical inputs give exactly 1 (sqrt(fl(x*x)) == x), where
+    # normalizing first would leave rounding noise; float64 cannot overflow for activations.
+    if math.isinf(aa * bb):
+        return max(-1.0, min(1.0, ab / (math.sqrt(aa) * math.sqrt(bb))))
+    return max(-1.0, min(1.0, ab / math.sqrt(aa * bb)))
 
 
 def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -93,7 +93,8 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     torch._int_mm (int32 accumulation) where the device accepts the shapes (any shape on
     CPU; m > 16 and k, n multiples of 8 on CUDA), otherwise a float64 matmul, which is
-    exact because every partial sum stays below 2**53.
+    exact because every partial sum stays below 2**53 (on the host for devices other than
+    CPU/CUDA; the Ascend int8 path normally runs npu_quant_matmul instead).
     """
     m, k = a.shape
     n = b.shape[0]
@@ -104,5 +105,8 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             return torch._int_mm(a.contiguous(), b.t())
         except (RuntimeError, NotImplementedError):
             pass
+    dev = a.device
+    if dev.type not in ("cpu", "cuda"):  # e.g. an NPU without float64 matmul: exactness first, on the host
+        a, b = a.cpu(), b.cpu()
     out = a.to(torch.float64) @ b.to(torch.float64).t()
-    return out.to(torch.int32 if k <= _INT_MM_MAX_K else torch.int64)
+    return out.to(torch.int32 if k <= _INT_MM_MAX_K else torch.int64).to(dev)

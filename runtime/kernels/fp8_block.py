@@ -21,6 +21,14 @@ from cvt.runtime.kernels.linear import Linear, register
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
 
 
+def dequant_expr(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The same bits as `dequant_fp8_block`, as one torch expression (runs on any device)."""
+    bn, bk = block
+    n, k = w.shape
+    full = scale_to_f32(s).repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+    return (w.to(torch.float32) * full).to(torch.bfloat16)
+
+
 @register
 class Fp8BlockLinear(Linear):
     fmt = "fp8_block"
@@ -46,13 +54,9 @@ class Fp8BlockLinear(Linear):
 
     def dequant_bf16(self) -> torch.Tensor:
         """The official BF16 weight ``[n, k]`` (bit-exact on every device)."""
-        w, s = self.weight, self.weight_scale_inv
-        if w.device.type == "cpu":
-            return dequant_fp8_block(w, s, self.block_size)
-        bn, bk = self.block_size
-        n, k = w.shape
-        full = scale_to_f32(s).repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
-        return (w.to(torch.float32) * full).to(torch.bfloat16)
+        if self.weight.device.type == "cpu":
+            return dequant_fp8_block(self.weight, self.weight_scale_inv, self.block_size)
+        return dequant_expr(self.weight, self.weight_scale_inv, self.block_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat(x, self.in_features, self.fmt)

@@ -119,6 +119,18 @@ def test_fp8_block(bias):
     assert torch.equal(mod2.dense_weight(), deq2)
 
 
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16, torch.float8_e8m0fnu])
+def test_fp8_device_expression_matches_cpu_kernel(sdtype):
+    """The torch expression used off-CPU (e.g. on an NPU) gives the CPU kernel's bits."""
+    from cvt.convert.fp8 import dequant_fp8_block
+    from cvt.runtime.kernels.fp8_block import dequant_expr
+
+    w = (torch.randn(150, 260, generator=gen(2)) * 20).to(torch.float8_e4m3fn)
+    s = (torch.rand(2, 3, generator=gen(3)) * 4).to(sdtype)
+    assert torch.equal(dequant_expr(w, s, (128, 128)).view(torch.int16),
+                       dequant_fp8_block(w, s, (128, 128)).view(torch.int16))
+
+
 # ---- w8a8 ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("m,k,n", [(1, 24, 16), (5, 200, 80), (33, 64, 48)])
@@ -127,6 +139,13 @@ def test_int8_matmul_exact(m, k, n):
     b = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen(n))
     assert torch.equal(int8_matmul(a, b).long(), a.long() @ b.long().t())
     assert torch.equal(int8_matmul(a, b.t().contiguous().t()).long(), a.long() @ b.long().t())
+
+
+def test_int8_matmul_huge_k_is_exact():
+    k = 131080  # past int32 accumulation: float64 path, int64 result
+    a = torch.full((1, k), -128, dtype=torch.int8)
+    b = torch.stack([torch.full((k,), -128, dtype=torch.int8), torch.full((k,), 127, dtype=torch.int8)])
+    assert int8_matmul(a, b).tolist() == [[16384 * k, -16256 * k]]
 
 
 @pytest.mark.parametrize("bias", [False, True])
