@@ -29,16 +29,36 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     out = {"fp8": root / "source-fp8", "bf16": root / "bf16"}
 
     say = (lambda s: None) if quiet else echo
-    say(f"[1/2] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
+    say(f"[1/4] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
     write_fp8_release(out["fp8"])
-    report = inspect_checkpoint(out["fp8"])
-    say(report.render())
+    say(inspect_checkpoint(out["fp8"]).render())
 
-    say(f"\n[2/2] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
+    say(f"\n[2/4] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
     r = fp8_to_bf16(out["fp8"], out["bf16"], quiet=True)
     say(f"dequantized {r.extra['dequantized']} tensors, passed {r.extra['passed_through']} through, "
         f"{r.bytes_out} bytes in {len(r.files)} files")
     say(inspect_checkpoint(out["bf16"]).render())
+
+    say(f"\n[3/4] cvt run {out['bf16']} --prompt 'Hello' --max-new-tokens 8   (random weights: the text is noise)")
+    import torch
+
+    from cvt.runtime.generate import generate
+    from cvt.runtime.loader import load_model
+    from cvt.runtime.tokenizer import load_tokenizer
+    from cvt.runtime.verify import verify
+
+    loaded = load_model(out["bf16"], dtype=torch.float32)
+    tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
+    gen = generate(loaded.model, [tok.encode("Hello")], 8)
+    say(f"generated ids {gen.outputs[0]}, decode {gen.decode_tokens_per_s:.1f} tokens/s")
+    del loaded
+
+    out["report"] = root / "verify-report"
+    say(f"\n[4/4] cvt verify {out['fp8']} --reference {out['bf16']} --report {out['report']}")
+    v = verify(out["fp8"], out["bf16"], out["report"], seq_len=32, max_sequences=2).report
+    worst = min(row.cosine for row in v.layers)
+    say(f"FP8 dequantized on load vs the BF16 output: min layer cosine {worst:.6f}, mean KL {v.logits.kl_mean:.3g}, "
+        f"same top-1 {v.logits.same_top1:.0%} -> {'identical' if v.logits.kl_mean == 0 else 'differs'}")
 
     say("\noutputs:")
     for key, path in out.items():

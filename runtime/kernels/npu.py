@@ -29,6 +29,13 @@ for torch_npu.npu_*; CANN aclnn pages aclnnQuantMatmulV4 / aclnnWeightQuantBatch
   ``(ceil(k / group), n)`` per group, in x's dtype; bias float32. Note the PLUS: cvt stores the
   documented ``(w - offset)`` form, so the offset passed here is ``-weight_offset``.
 
+Pages read (hiascend.com): torch_npu API list ptaoplist_000172 (npu_quant_matmul), _001228
+(npu_dynamic_quant), _000179 (npu_weight_quant_batchmatmul), _000846
+(npu_convert_weight_to_int4pack), _000861 (npu_trans_quant_param), torch_npu-npu_quantize.md;
+CANN aclnnQuantMatmulV4.md, aclnnWeightQuantBatchMatmulV2.md, aclnnConvertWeightToINT4Pack.md.
+Call patterns cross-checked in vllm-ascend (vllm_ascend/quantization/w8a8.py, w8a8_dynamic,
+w8a16, kernels/mixed_precision/npu.py, w4a16.py ``pack_to_int32``).
+
 Exactness against the references: W8A8_DYNAMIC and the int GEMMs reproduce them bit for bit.
 W8A8 static uses npu_quantize only when ``1 / input_scale`` and ``input_offset`` are exact in
 x's dtype (e.g. a power-of-two scale); otherwise x is quantized with torch ops on the device,
