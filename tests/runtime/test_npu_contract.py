@@ -12,6 +12,7 @@ behave as documented (the `npu` marker is for tests on a real device).
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -213,3 +214,50 @@ def test_formats_without_fused_op_run_their_torch_path(monkeypatch, standin, fmt
     got = mod(x)
     monkeypatch.delenv(npu.ENV_FORCE)
     assert standin.CALLS == [] and torch.equal(got, mod(x))
+
+
+FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "tiny-dsv3-trained"
+
+
+def _rtn_modules(model):
+    """Swap every attention/MoE linear of a loaded model for W8A8-dynamic or W4A16 (RTN, here in
+    the test), so that a forward pass exercises both fused paths."""
+    from cvt.runtime.kernels import Linear
+
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, Linear) or type(mod) is not Linear or "kv_b_proj" in name or name == "lm_head":
+            continue
+        w = mod.weight.float()
+        parent = model.get_submodule(name.rpartition(".")[0])
+        if ".experts." in name:  # W4A16, group 32, symmetric
+            g = w.view(w.shape[0], -1, 32)
+            scale = (g.abs().amax(-1) / 7).clamp(min=1e-8)
+            q = (g / scale[..., None]).round().clamp(-8, 7).to(torch.int8).view_as(w)
+            new = int4.W4A16Linear.from_parts({"weight_int4": q, "weight_scale": scale, "weight_offset": torch.zeros_like(scale)})
+        else:  # W8A8 dynamic, per output channel
+            scale = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
+            q = (w / scale).round().clamp(-128, 127).to(torch.int8)
+            new = int8.W8A8DynamicLinear.from_parts({"weight": q, "weight_scale": scale, "weight_offset": torch.zeros_like(scale)})
+        setattr(parent, name.rpartition(".")[2], new)
+
+
+@pytest.mark.skipif(not FIXTURE.is_dir(), reason="shared fixture not present")
+def test_whole_model_npu_path_matches_reference_kernels(standin, monkeypatch):
+    """The DeepSeek-V3 fixture with W8A8-dynamic attention and W4A16 experts: logits through the
+    (stand-in) Ascend ops equal the reference kernels' (bf16 activations, as on an NPU)."""
+    from cvt.runtime.loader import load_model
+
+    monkeypatch.delenv(npu.ENV_FORCE, raising=False)
+    model = load_model(FIXTURE, dtype=torch.bfloat16).model
+    _rtn_modules(model)
+    tokens = torch.tensor([[256, 35, 105, 110, 99, 108, 117, 100, 101, 32, 60, 108]])
+    ref = model(tokens)
+    monkeypatch.setenv(npu.ENV_FORCE, "1")
+    fused = model(tokens)
+    assert standin.CALLS, "the fused path was not taken"
+    called = {c[0] if isinstance(c, tuple) else c for c in standin.CALLS}
+    assert {"npu_dynamic_quant", "npu_quant_matmul", "npu_weight_quant_batchmatmul"} <= called, called
+    # W8A8 paths are exact; W4A16 matmuls accumulate in another order (within a bf16 unit each)
+    two_bf16_ulps = 2.0 ** (math.floor(math.log2(ref.abs().max().item())) - 6)
+    assert torch.allclose(fused, ref, rtol=0, atol=two_bf16_ulps)
+    assert torch.equal(ref.argmax(-1), fused.argmax(-1))
