@@ -1,1 +1,3 @@
-"""Quantization schemes, calibration methods and output formats (issue: quantize)."""
+"""Quantization: schemes (one file each, one protocol), primitives (scales, packing),
+calibration methods (rtn, smoothquant, gptq, awq) and on-disk formats (ascend,
+compressed-tensors). The `cvt quantize` stage is `cvt.quant.stage.quantize`."""

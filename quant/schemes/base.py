@@ -1,0 +1,90 @@
+"""The scheme protocol and registry: one file per scheme, one small protocol.
+
+A scheme turns one float weight ``w [n, k]`` (float32) into a `QuantizedTensor` whose
+``parts`` are the *canonical in-memory* tensors the runtime's kernel of that format takes
+(`cvt.runtime.kernels`, `kernel_fmt`), and back:
+
+=========  ==============  =================================================================
+scheme     kernel_fmt      parts (shapes for w [n, k], group size G)
+=========  ==============  =================================================================
+w8a8       w8a8_dynamic    weight int8 [n,k], weight_scale f32 [n,1], weight_offset f32 [n,1]
+w8a8       w8a8_static     (static activations) + input_scale [1], input_offset [1],
+                           deq_scale f32 [n], quant_bias int32 [n]   (activation calibration)
+w4a16      w4a16           weight_int4 int8 [n,k] in -8..7, weight_scale f32 [n,k/G],
+                           weight_offset f32 [n,k/G] (zeros when symmetric)
+fp4        nvfp4 / mxfp4   weight_fp4 uint8 codes [n,k]; nvfp4: weight_scale f8e4m3 [n,k/16],
+                           weight_global_scale f32 [1]; mxfp4: weight_scale uint8 E8M0 [n,k/32]
+=========  ==============  =================================================================
+
+Granularity is one notion, ``group_size``: 0 = per output channel, G = groups of G along k.
+`quantize` is exact with respect to `dequantize` (what dequantize returns is what the kernel
+multiplies by), and `fake_quant(w)` == `dequantize(quantize(w))` is what calibration methods
+(GPTQ, AWQ) use to measure error. Formats (ascend, compressed-tensors) only rename and lay
+out parts on disk; they hold no scheme logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from cvt.errors import CvtError
+
+
+@dataclass
+class QuantizedTensor:
+    """A quantized linear weight: scheme name, logical shape [n, k], canonical parts."""
+
+    scheme: str
+    kernel_fmt: str
+    shape: tuple[int, int]
+    parts: dict[str, torch.Tensor]
+    group_size: int = 0
+    symmetric: bool = True
+    extra: dict = field(default_factory=dict)  # e.g. {"fp4_format": "nvfp4"}
+
+
+@runtime_checkable
+class Scheme(Protocol):
+    name: str
+    group_size: int
+    symmetric: bool
+
+    def param_info(self, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{part: (shape, dtype)} of `quantize` for a weight of `shape` (no data needed)."""
+
+    def check(self, name: str, shape: tuple[int, int]) -> None:
+        """Raise CvtError naming the tensor when the scheme cannot quantize this shape
+        (e.g. a group size that does not divide k)."""
+
+    def quantize(self, w: torch.Tensor) -> QuantizedTensor:
+        """w float [n, k] -> parts (RTN). Refuses non-finite weights."""
+
+    def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        """parts -> float32 [n, k], exactly what the runtime kernel computes with."""
+
+    def fake_quant(self, w: torch.Tensor) -> torch.Tensor:
+        """dequantize(quantize(w)), the quantization error model used by calibration."""
+
+
+SCHEMES: dict[str, type] = {}
+
+
+def register(cls):
+    if cls.name in SCHEMES:
+        raise CvtError(f"scheme {cls.name!r} is registered twice")
+    SCHEMES[cls.name] = cls
+    return cls
+
+
+def scheme_names() -> list[str]:
+    return sorted(SCHEMES)
+
+
+def get_scheme(name: str, **options) -> Scheme:
+    """A scheme instance: options group_size, symmetric, fp4_format, static_activations."""
+    if name not in SCHEMES:
+        raise CvtError(f"unknown scheme {name!r} (known: {', '.join(scheme_names())})")
+    return SCHEMES[name](**options)
