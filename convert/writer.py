@@ -62,6 +62,10 @@ class OutTensor:
     produce: Callable[[], Any]
     release: Callable[[], None] | None = None
     read_bytes: int = 0
+    # stage metadata about this tensor (e.g. a quantized module's SQNR), journaled per file so
+    # that a resumed run can rebuild the manifest without recomputing finished files
+    meta: Callable[[], tuple[str, dict]] | None = None
+    meta_key: str | None = None
 
 
 @dataclass
@@ -75,6 +79,7 @@ class WriteResult:
     seconds: float
     manifest: Manifest | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, dict] = field(default_factory=dict)
 
     @property
     def throughput(self) -> float:
@@ -140,6 +145,7 @@ class OutputDir:
         self._fd: int | None = None
         self._state: dict[str, dict] = {}
         self._lock = threading.Lock()
+        self.prior_meta: dict[str, dict] = {}  # meta by key from a complete earlier manifest
 
     def __enter__(self) -> "OutputDir":
         dst = self.dst
@@ -186,6 +192,7 @@ class OutputDir:
                 data = json.loads(manifest_path.read_text())
                 prior_plan = data["plan_id"]
                 records = {f["path"]: {k: f[k] for k in ("size", "sha256", "tensors")} for f in data["files"]}
+                self.prior_meta = (data.get("quant") or {}).get("tensors") or {}
             except (ValueError, KeyError, TypeError):
                 prior_plan, records = "unreadable", {}
         for tmp in self.dst.glob(".*.tmp"):  # a killed run's half-written files
@@ -215,19 +222,25 @@ class OutputDir:
     def _save(self) -> None:
         write_json_atomic(self.dst / STATE_NAME, {"plan_id": self.plan, "files": self._state})
 
-    def finished(self, rel: str, progress: Callable[[int], None] | None = None) -> FileInfo | None:
-        """The record of `rel` if an earlier run finished it and the file still matches."""
+    def finished(self, rel: str, keys: set[str] = frozenset()) -> tuple[FileInfo, dict] | None:
+        """(record, meta) of `rel` if an earlier run finished it, the file still matches, and the
+        stage metadata for `keys` is known; else None (the file is rewritten)."""
         rec = self._state.get(rel)
         path = self.dst / rel
         if not rec or not path.is_file() or path.stat().st_size != rec["size"]:
             return None
-        if sha256_file(path, progress=progress) != rec["sha256"]:
+        known = {**self.prior_meta, **(rec.get("meta") or {})}
+        if not keys <= set(known):
             return None
-        return FileInfo(path=rel, size=rec["size"], sha256=rec["sha256"], tensors=rec.get("tensors", 0))
+        if sha256_file(path) != rec["sha256"]:
+            return None
+        info = FileInfo(path=rel, size=rec["size"], sha256=rec["sha256"], tensors=rec.get("tensors", 0))
+        return info, {k: known[k] for k in keys}
 
-    def record(self, info: FileInfo) -> None:
+    def record(self, info: FileInfo, meta: dict | None = None) -> None:
         with self._lock:
-            self._state[info.path] = {"size": info.size, "sha256": info.sha256, "tensors": info.tensors}
+            self._state[info.path] = {"size": info.size, "sha256": info.sha256, "tensors": info.tensors,
+                                      "meta": meta or {}}
             self._save()
 
     def write_small(self, rel: str, data: bytes, tensors: int = 0) -> FileInfo:
@@ -275,6 +288,11 @@ def _as_buffer(data, spec: TensorSpec) -> memoryview:
     if len(mv) != spec.nbytes:
         raise RuntimeError(f"internal: {spec.name} produced {len(mv)} bytes, planned {spec.nbytes}")
     return mv
+
+
+def _meta_keys(tensors: list[OutTensor]) -> set[str]:
+    """The metadata keys a file's tensors carry (the key is known without producing: `meta_key`)."""
+    return {t.meta_key for t in tensors if t.meta is not None and t.meta_key}
 
 
 class _Cancelled(Exception):
@@ -371,9 +389,13 @@ def write_shards(
     workers: int = 1,
     progress=None,
     metadata: dict[str, str] | None = None,
+    meta: dict[str, dict] | None = None,
 ) -> tuple[list[FileInfo], int, int]:
-    """Write every planned shard not already finished. Returns (file infos, written, skipped)."""
-    meta = {"format": "pt"} if metadata is None else metadata
+    """Write every planned shard not already finished. Returns (file infos, written, skipped);
+    the tensors' stage metadata is collected into `meta` (finished files' from the journal)."""
+    meta = {} if meta is None else meta
+    meta_lock = threading.Lock()
+    header_meta = {"format": "pt"} if metadata is None else metadata
     results: dict[str, FileInfo] = {}
     stop = threading.Event()
     update = progress.update if progress is not None else (lambda n: None)
@@ -383,18 +405,21 @@ def write_shards(
     # tensor beyond IN_FLIGHT_BYTES, so peak memory stays ~ largest tensor + the budget
     budget = _ByteBudget(IN_FLIGHT_BYTES)
     for rel, tensors in shards:
-        size = len(encode_header([t.spec for t in tensors], meta)) + sum(t.spec.nbytes for t in tensors)
-        done = out.finished(rel)
-        if done is not None and done.size == size:
-            results[rel] = done
+        size = len(encode_header([t.spec for t in tensors], header_meta)) + sum(t.spec.nbytes for t in tensors)
+        keys = _meta_keys(tensors)
+        done = out.finished(rel, keys)
+        if done is not None and done[0].size == size:
+            results[rel] = done[0]
+            meta.update(done[1])
             skipped += 1
             update(sum(t.spec.nbytes for t in tensors))
         else:
             pending.append((rel, tensors))
 
     def write_one(rel: str, tensors: list[OutTensor]) -> FileInfo:
+        file_meta: dict[str, dict] = {}
         with AtomicFile(out.dst / rel) as f:
-            f.write(encode_header([t.spec for t in tensors], meta))
+            f.write(encode_header([t.spec for t in tensors], header_meta))
             pipe = _FilePipeline(f, budget, update)
             try:
                 for t in tensors:
@@ -409,13 +434,18 @@ def write_shards(
                         raise
                     pipe.put(buf, data, t)
                     del data, buf
+                    if t.meta is not None:
+                        key, value = t.meta()
+                        file_meta[key] = value
             except BaseException:
                 pipe.close(abort=True)
                 raise
             pipe.close()
             size, sha = f.commit()
         info = FileInfo(path=rel, size=size, sha256=sha, tensors=len(tensors))
-        out.record(info)
+        out.record(info, file_meta)
+        with meta_lock:
+            meta.update(file_meta)
         return info
 
     if pending:
@@ -460,6 +490,8 @@ def write_checkpoint(
     quiet: bool = False,
     prefix: str = "model",
     extra_files: Iterable[tuple[str, bytes]] = (),
+    quant=None,
+    on_meta: Callable[[dict[str, dict]], None] | None = None,
 ) -> WriteResult:
     """Plan, write and finalize a Hugging Face style checkpoint directory (see module doc)."""
     t0 = time.perf_counter()
@@ -473,11 +505,15 @@ def write_checkpoint(
         "max_shard_size": max_shard_size,
         "prefix": prefix,
         "tensors": [(t.spec.name, t.spec.dtype, t.spec.shape) for t in tensors],
+        "quant": quant.model_dump(exclude={"tensors", "fallbacks", "float_modules"}) if quant is not None else None,
     })
     total_out = sum(t.spec.nbytes for t in tensors)
     with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite) as out:
+        meta: dict[str, dict] = {}
         with make_progress(total_out, stage.name, quiet) as bar:
-            files, written, skipped = write_shards(out, shards, workers=workers, progress=bar)
+            files, written, skipped = write_shards(out, shards, workers=workers, progress=bar, meta=meta)
+        if on_meta is not None:
+            on_meta(meta)
         weight_map = {t.spec.name: rel for rel, ts in shards for t in ts}
         index = {"metadata": {"total_size": total_out}, "weight_map": weight_map}
         index_name = f"{prefix}.safetensors.index.json"
@@ -497,6 +533,7 @@ def write_checkpoint(
             total_size=total_out,
             files=files,
             summary=Summary(counts=summary),
+            quant=quant,
         )
         out.finish(manifest)
     return WriteResult(
@@ -508,6 +545,7 @@ def write_checkpoint(
         bytes_out=total_out,
         seconds=time.perf_counter() - t0,
         manifest=manifest,
+        meta=meta,
     )
 
 

@@ -97,6 +97,62 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
         )
 
 
+# Kept in step with the registries by a test (importing them here would import torch).
+SCHEMES = ("fp4", "w4a16", "w8a8", "w8a8c8")
+FORMATS = ("ascend", "compressed-tensors")
+METHODS = ("rtn", "smoothquant", "gptq", "awq")
+
+
+@cli.command("quantize")
+@click.argument("src")
+@click.argument("dst", type=click.Path())
+@click.option("--scheme", type=click.Choice(SCHEMES), required=True,
+              help="w8a8: int8 weights per channel, int8 dynamic per-token activations; w8a8c8: plus an int8 KV "
+                   "cache; w4a16: int4 weights in groups, bf16 activations; fp4: E2M1 weights with group scales.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="compressed-tensors", show_default=True,
+              help="ascend: msModelSlim AscendV1 (quant_model_description.json); compressed-tensors: vLLM/transformers.")
+@click.option("--method", type=click.Choice(METHODS), default="rtn", show_default=True,
+              help="rtn needs no data; smoothquant (w8a8), gptq and awq (w4a16) calibrate on --calib text.")
+@click.option("--group-size", type=click.IntRange(0), default=None,
+              help="w4a16 group size along k (0: per channel). Default 128 for compressed-tensors, 64 for ascend.")
+@click.option("--asym", is_flag=True, help="w4a16 with offsets (zero points) instead of symmetric.")
+@click.option("--fp4-format", type=click.Choice(["nvfp4", "mxfp4"]), default="nvfp4", show_default=True,
+              help="nvfp4: group 16, E4M3 scales + a global scale; mxfp4: group 32, E8M0 scales.")
+@click.option("--calib", type=click.Path(dir_okay=False), help="Calibration text or .jsonl (\"text\" field); default: a built-in sample.")
+@click.option("--calib-tokens", type=click.IntRange(16), default=2048, show_default=True, help="Calibration tokens to use.")
+@click.option("--ignore", multiple=True, help="Regex of module names to keep float (repeatable).")
+@click.option("--recipe", type=click.Path(exists=True, dir_okay=False), help="JSON/YAML rules: pattern -> scheme/method/group size.")
+@click.option("--revision", help="Hub revision when SRC is a repo id.")
+@click.option("--workers", type=click.IntRange(1, 64), default=None, help="Output files written in parallel (default 2).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output file.")
+@click.option("--resume/--no-resume", default=True, show_default=True, help="Keep files an interrupted run finished.")
+@click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
+@_common
+def quantize_cmd(src, dst, scheme, fmt, method, group_size, asym, fp4_format, calib, calib_tokens, ignore, recipe,
+                 revision, workers, max_shard_size, resume, overwrite, quiet):
+    """Quantize SRC (BF16, an FP8 release - dequantized on the fly - or compressed-tensors INT4)
+    into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
+    tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay
+    float by default."""
+    from pathlib import Path
+
+    from cvt.convert.writer import parse_size
+    from cvt.quant.recipe import load_recipe
+    from cvt.quant.stage import quantize
+
+    r = quantize(src, dst, scheme=scheme, fmt=fmt, method=method, group_size=group_size, asym=asym,
+                 fp4_format=fp4_format, calib=Path(calib) if calib else None, calib_tokens=calib_tokens,
+                 ignore=tuple(ignore), recipe=load_recipe(Path(recipe)) if recipe else None, revision=revision,
+                 workers=workers, max_shard_size=parse_size(max_shard_size), resume=resume, overwrite=overwrite,
+                 quiet=quiet)
+    if not quiet:
+        x = r.extra
+        click.echo(f"quantized {x['quantized']} linears ({scheme}, {method}, {fmt}), kept {x['float_modules']} float, "
+                   f"{x['fallbacks']} RTN fallbacks; worst SQNR {x['min_sqnr_db']}\n"
+                   f"wrote {r.written_files} weight files ({r.skipped_files} already done) to {r.dst}: "
+                   f"{_human(r.bytes_out)} in {r.seconds:.1f} s")
+
+
 @cli.command("inspect")
 @click.argument("path")
 @click.option("--revision", help="Hub revision when PATH is a repo id.")

@@ -66,6 +66,40 @@ class Summary(_Strict):
     counts: dict[str, int] = Field(default_factory=dict)
 
 
+class QuantTensorInfo(_Strict):
+    """One quantized linear: how it was quantized and how close it stayed to its source."""
+
+    scheme: str
+    kernel_fmt: str = Field(description="the runtime kernel format, e.g. w8a8_dynamic, w4a16, nvfp4")
+    method: str = Field(description="rtn, smoothquant, gptq, awq, or rtn-fallback")
+    group_size: int = Field(ge=0, description="0: per output channel")
+    symmetric: bool = True
+    sqnr_db: float | str = Field(description="20 log10(|w| / |w - dequant(q)|); 'Infinity' when exact")
+
+
+class Fallback(_Strict):
+    """A module that could not use the requested method (e.g. an expert with too few calibration
+    tokens) and was quantized with RTN instead."""
+
+    module: str
+    method: str
+    reason: str
+    tokens: int | None = None
+
+
+class QuantInfo(_Strict):
+    scheme: str = Field(description="the stage's --scheme")
+    format: Literal["ascend", "compressed-tensors"]
+    method: str
+    group_size: int | None = None
+    symmetric: bool = True
+    fp4_format: str | None = None
+    kv_cache: dict[str, Any] | None = Field(None, description="int8 KV cache convention and scale tensor names (w8a8c8)")
+    tensors: dict[str, QuantTensorInfo] = Field(default_factory=dict, description="by module name")
+    float_modules: dict[str, str] = Field(default_factory=dict, description="module -> why it stayed float")
+    fallbacks: list[Fallback] = Field(default_factory=list)
+
+
 class Manifest(_Strict):
     manifest_version: Literal[1] = MANIFEST_VERSION
     tool: ToolInfo
@@ -77,3 +111,4 @@ class Manifest(_Strict):
     total_size: int = Field(ge=0, description="bytes of tensor data (the index's metadata.total_size)")
     files: list[FileInfo] = Field(description="weight files, then index, config and copied files")
     summary: Summary = Field(default_factory=Summary)
+    quant: QuantInfo | None = Field(None, description="present when the directory holds quantized weights")

@@ -24,31 +24,10 @@ from torch.nn import functional as F
 
 from cvt.convert.fp8 import scale_to_f32
 from cvt.errors import TensorError
+# The E2M1 table and fp4 pack helpers live in cvt.quant.primitives; re-exported here.
+from cvt.quant.primitives import E2M1_VALUES, decode_e2m1, pack_fp4, unpack_fp4  # noqa: F401
 from cvt.runtime.kernels._common import check, check_2d, check_finite, desc, flat, new_module, take
 from cvt.runtime.kernels.linear import Linear, register
-
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes (low 4 bits: sign << 3 | index) -> float32 values."""
-    c = codes.to(torch.int64)
-    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[c & 7]
-    return torch.where((c & 8) != 0, -mag, mag)
-
-
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes ``[n, k]`` (k even) -> uint8 ``[n, k/2]``, element 2j low nibble, 2j+1 high."""
-    if codes.dim() != 2 or codes.shape[1] % 2:
-        raise TensorError(f"cannot pack fp4 codes {desc(codes)}: expected 2-D with an even last dimension")
-    c = codes.to(torch.uint8) & 0xF
-    return c[:, 0::2] | (c[:, 1::2] << 4)
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[n, k/2]`` -> uint8 codes ``[n, k]`` (inverse of `pack_fp4`)."""
-    lo, hi = packed & 0xF, packed >> 4
-    return torch.stack((lo, hi), dim=-1).reshape(packed.shape[0], -1)
 
 
 class _Fp4Linear(Linear):

@@ -36,63 +36,12 @@ import torch
 from torch.nn import functional as F
 
 from cvt.errors import TensorError
+# The pack helpers (bit layouts, worked examples) live in cvt.quant.primitives; re-exported here.
+from cvt.quant.primitives import (  # noqa: F401
+    ascend_pack_dim, pack_int4_ascend, pack_int4_ct, unpack_int4_ascend, unpack_int4_ct)
 from cvt.runtime.kernels import npu
 from cvt.runtime.kernels._common import FLOATS, check, check_2d, check_finite, desc, flat, new_module, take
 from cvt.runtime.kernels.linear import Linear, register
-
-
-# ---- Ascend int8 packing (two int4 per byte, even element in the low nibble) --------------------
-
-def ascend_pack_dim(scale: torch.Tensor) -> int:
-    """0 (pairs of output channels) for per-group scales, 1 (along k) when the scale's last dim is 1."""
-    return 1 if scale.shape[-1] == 1 else 0
-
-
-def pack_int4_ascend(q: torch.Tensor, dim: int) -> torch.Tensor:
-    """int4 values ``q`` int8 ``[n, k]`` (-8..7) -> int8 packed along `dim` (0: ``[n/2, k]``, 1: ``[n, k/2]``)."""
-    if q.dim() != 2 or q.shape[dim] % 2:
-        raise TensorError(f"cannot pack int4 {desc(q)} along dim {dim}: needs an even size there")
-    u = q.to(torch.int16) & 0xF
-    lo, hi = (u[0::2], u[1::2]) if dim == 0 else (u[:, 0::2], u[:, 1::2])
-    v = lo | (hi << 4)
-    return torch.where(v >= 128, v - 256, v).to(torch.int8)
-
-
-def unpack_int4_ascend(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of `pack_int4_ascend`: int8 packed -> int8 ``[n, k]`` values -8..7."""
-    u = packed.to(torch.int16) & 0xFF
-    lo, hi = u & 0xF, u >> 4
-    lo, hi = torch.where(lo >= 8, lo - 16, lo), torch.where(hi >= 8, hi - 16, hi)
-    out = torch.stack((lo, hi), dim=dim + 1)  # [.., 2, ..] interleaved along `dim`
-    shape = list(packed.shape)
-    shape[dim] *= 2
-    return out.reshape(shape).to(torch.int8)
-
-
-# ---- compressed-tensors pack-quantized (int32, +8, element i at bits 4i) -------------------------
-
-def pack_int4_ct(q: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """int4 values int8 -8..7 -> int32 packed 8 per word along `dim` (zero-padded to a multiple of 8)."""
-    u = (q.to(torch.int64) + 8)
-    if dim == 0:
-        u = u.t()
-    pad = (-u.shape[1]) % 8
-    if pad:
-        u = F.pad(u, (0, pad))
-    u = u.reshape(u.shape[0], -1, 8)
-    word = torch.zeros(u.shape[:2], dtype=torch.int64, device=q.device)
-    for i in range(8):
-        word |= u[:, :, i] << (4 * i)
-    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-    return word.t().contiguous() if dim == 0 else word
-
-
-def unpack_int4_ct(packed: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
-    """Inverse of `pack_int4_ct`: int32 words -> int8 values -8..7, `size` elements along `dim`."""
-    p = packed.t() if dim == 0 else packed
-    v = torch.stack([(p >> (4 * i)) & 0xF for i in range(8)], dim=-1).reshape(p.shape[0], -1)[:, :size]
-    v = (v - 8).to(torch.int8)
-    return v.t().contiguous() if dim == 0 else v
 
 
 @register

@@ -84,3 +84,34 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * x).to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); dense layers, experts, shared experts."""
+
+    def __init__(self, dim: int, inter: int, *, bias: bool = False, dtype=None, device=None):
+        super().__init__()
+        from cvt.runtime.kernels import Linear
+
+        self.gate_proj = Linear(dim, inter, bias=bias, dtype=dtype, device=device)
+        self.up_proj = Linear(dim, inter, bias=bias, dtype=dtype, device=device)
+        self.down_proj = Linear(inter, dim, bias=bias, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def run_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """Routed-expert sum: x [n, h], idx / weights [n, k] -> y [n, h] = sum_k weights * expert_idx(x).
+
+    Loops over the experts that received tokens (each sees only its tokens), accumulating with
+    index_add_: the reference-clear form, and what calibration hooks on experts rely on."""
+    weights = weights.to(x.dtype)
+    y = torch.zeros_like(x)
+    counts = torch.bincount(idx.flatten(), minlength=len(experts)).tolist()
+    for e, count in enumerate(counts):
+        if count:
+            tok, slot = torch.where(idx == e)
+            y.index_add_(0, tok, experts[e](x[tok]) * weights[tok, slot, None])
+    return y
+

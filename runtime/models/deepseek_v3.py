@@ -60,8 +60,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvt.errors import CvtError
+from cvt.runtime import kv_cache
 from cvt.runtime.kernels import Linear
-from cvt.runtime.models.base import ConfigError, ModelArgs, RMSNorm
+from cvt.runtime.models.base import MLP, ConfigError, ModelArgs, RMSNorm, run_experts
 
 YARN_KEYS = frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                        "mscale_all_dim", "truncate"})
@@ -251,10 +252,10 @@ class MLACache:
     kv [batch, max_len, kv_lora_rank]: the normalized latent kv_a_layernorm(c);
     pe [batch, max_len, qk_rope_head_dim]: the rotated shared rope key.
 
-    `quant` names the storage: None keeps the compute dtype. The int8 cache (issue "quantize
-    C8") is a subclass that sets ``quant = "int8"``, stores int8 kv / pe plus scales in `write`
-    and dequantizes in `read`; attention only calls these two, and `Model.new_cache` is the one
-    place that picks the class.
+    `quant` names the storage: None keeps the compute dtype; `Int8MLACache` (``quant =
+    "int8"``, the C8 cache of `cvt.runtime.kv_cache`) stores int8 kv / pe and dequantizes in
+    `read`. Attention only calls `write` / `read`; `Model.new_cache` is the one place that
+    picks the class.
     """
 
     quant: str | None = None
@@ -263,18 +264,53 @@ class MLACache:
         self.kv = torch.zeros(batch, max_len, kv_lora_rank, dtype=dtype, device=device)
         self.pe = torch.zeros(batch, max_len, rope_dim, dtype=dtype, device=device)
 
-    def write(self, start_pos: int, kv: torch.Tensor, pe: torch.Tensor) -> None:
-        """Store kv [b, s, C], pe [b, s, dr] at positions start_pos .. start_pos+s-1."""
-        b, end = kv.shape[0], start_pos + kv.shape[1]
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache storage."""
+        return self.kv.nbytes + self.pe.nbytes
+
+    def _check(self, b: int, start_pos: int, end: int) -> None:
         if b > self.kv.shape[0] or end > self.kv.shape[1]:
             raise CvtError(f"MLA cache of batch {self.kv.shape[0]}, max_len {self.kv.shape[1]} cannot hold "
                            f"batch {b} at positions {start_pos}..{end - 1}")
+
+    def write(self, start_pos: int, kv: torch.Tensor, pe: torch.Tensor) -> None:
+        """Store kv [b, s, C], pe [b, s, dr] at positions start_pos .. start_pos+s-1."""
+        b, end = kv.shape[0], start_pos + kv.shape[1]
+        self._check(b, start_pos, end)
         self.kv[:b, start_pos:end] = kv
         self.pe[:b, start_pos:end] = pe
 
     def read(self, batch: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """kv [batch, end, C], pe [batch, end, dr] for positions 0 .. end-1."""
         return self.kv[:batch, :end], self.pe[:batch, :end]
+
+
+class Int8MLACache(MLACache):
+    """C8 MLA cache: int8 kv / pe with static per-channel float32 scales kv_scale [C],
+    pe_scale [dr] (`cvt.runtime.kv_cache`: q = clamp(round(x / scale), -128, 127); read
+    returns q * scale in `dtype`)."""
+
+    quant = "int8"
+
+    def __init__(self, batch: int, max_len: int, kv_scale: torch.Tensor, pe_scale: torch.Tensor,
+                 dtype=None, device=None):
+        device = device if device is not None else kv_scale.device
+        self.kv = torch.zeros(batch, max_len, kv_scale.numel(), dtype=torch.int8, device=device)
+        self.pe = torch.zeros(batch, max_len, pe_scale.numel(), dtype=torch.int8, device=device)
+        self.kv_scale = kv_scale.float().to(device)
+        self.pe_scale = pe_scale.float().to(device)
+        self.dtype = dtype or torch.get_default_dtype()
+
+    def write(self, start_pos: int, kv: torch.Tensor, pe: torch.Tensor) -> None:
+        b, end = kv.shape[0], start_pos + kv.shape[1]
+        self._check(b, start_pos, end)
+        self.kv[:b, start_pos:end] = kv_cache.quantize(kv, self.kv_scale)
+        self.pe[:b, start_pos:end] = kv_cache.quantize(pe, self.pe_scale)
+
+    def read(self, batch: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (kv_cache.dequantize(self.kv[:batch, :end], self.kv_scale, self.dtype),
+                kv_cache.dequantize(self.pe[:batch, :end], self.pe_scale, self.dtype))
 
 
 class MLA(nn.Module):
@@ -299,6 +335,10 @@ class MLA(nn.Module):
         self.kv_b_proj = Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), **kw)
         self.o_proj = Linear(self.n_heads * self.v_dim, h, **kw)
         self.softmax_scale = rope_tables(args)[2]
+        # C8 (cvt.runtime.kv_cache): (latent [C], k_pe [dr]) float32 scales once attached; plain
+        # attributes, not in the state_dict; kv_observer is set while calibrating
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_observer = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 start_pos: int, cache: MLACache | None) -> torch.Tensor:
@@ -310,6 +350,7 @@ class MLA(nn.Module):
         kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.kv_a_layernorm(kv)                                               # [b, s, C]
         k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin, self.interleave).squeeze(2)  # [b, s, dr]
+        kv, k_pe = kv_cache.cache_input(self, cache is not None, kv, k_pe)        # C8 / calibration
         if cache is not None:
             cache.write(start_pos, kv, k_pe)
             kv, k_pe = cache.read(b, start_pos + s)                                # [b, T, C], [b, T, dr]
@@ -323,19 +364,6 @@ class MLA(nn.Module):
         o = torch.einsum("bsht,btc->bshc", probs, kv)                              # [b, s, H, C]
         o = torch.einsum("bshc,hdc->bshd", o, wkv_b[:, -self.v_dim:])              # [b, s, H, dv]
         return self.o_proj(o.flatten(2))
-
-
-class MLP(nn.Module):
-    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)); dense layers, experts, shared experts."""
-
-    def __init__(self, dim: int, inter: int, dtype=None, device=None):
-        super().__init__()
-        self.gate_proj = Linear(dim, inter, dtype=dtype, device=device)
-        self.up_proj = Linear(dim, inter, dtype=dtype, device=device)
-        self.down_proj = Linear(inter, dim, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Gate(nn.Module):
@@ -374,22 +402,16 @@ class MoE(nn.Module):
         super().__init__()
         h, inter = args.hidden_size, args.moe_intermediate_size
         self.gate = Gate(args, dtype, device)
-        self.experts = nn.ModuleList(MLP(h, inter, dtype, device) for _ in range(args.n_routed_experts))
+        self.experts = nn.ModuleList(MLP(h, inter, dtype=dtype, device=device) for _ in range(args.n_routed_experts))
         shared = args.n_shared_experts or 0
-        self.shared_experts = MLP(h, inter * shared, dtype, device) if shared else None
+        self.shared_experts = MLP(h, inter * shared, dtype=dtype, device=device) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                             # [n, h]
         weights, idx = self.gate(x)                                              # [n, k]
-        weights = weights.to(x.dtype)
-        y = torch.zeros_like(x)
-        counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).tolist()
-        for e, count in enumerate(counts):
-            if count:
-                tok, slot = torch.where(idx == e)
-                y.index_add_(0, tok, self.experts[e](x[tok]) * weights[tok, slot, None])
+        y = run_experts(x, idx, weights, self.experts)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(shape)
@@ -463,15 +485,24 @@ class Model(nn.Module):
     def max_positions(self) -> int:
         return self.args.max_position_embeddings
 
-    def new_cache(self, batch: int, max_len: int, dtype=None, device=None, quant: str | None = None) -> list[MLACache]:
-        """One absorbed `MLACache` per decoder layer: kv [batch, max_len, kv_lora_rank] and
-        pe [batch, max_len, qk_rope_head_dim] in the model dtype / device unless given.
-        `quant` selects the cache storage; only None (compute dtype) exists so far."""
-        if quant is not None:
-            raise CvtError(f"MLA cache quantization {quant!r} is not implemented (supported: none)")
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None,
+                  quant: str | None = "auto") -> list[MLACache]:
+        """One absorbed cache per decoder layer: kv [batch, max_len, kv_lora_rank] and
+        pe [batch, max_len, qk_rope_head_dim]. `quant`: "auto" (default) = "int8" when the model
+        carries KV-cache scales (C8, `cvt.runtime.kv_cache`), else None; None = storage in the
+        compute dtype (`dtype`, default the model's); "int8" = `Int8MLACache` (reads return
+        `dtype`), a CvtError when the model has no scales."""
+        if quant not in (None, "auto", "int8"):
+            raise CvtError(f"MLA cache quantization {quant!r} is not supported (supported: None, auto, int8)")
         if max_len > self.max_positions:
             raise CvtError(f"cache max_len {max_len} exceeds max_position_embeddings {self.max_positions}")
         w, a = self.model.embed_tokens.weight, self.args
+        scales = kv_cache.layer_kv_scales(self)
+        if quant == "int8" and scales is None:
+            raise CvtError("an int8 KV cache needs calibrated KV-cache scales and this model has none "
+                           "(load a w8a8c8 output, or calibrate_kv_scales + attach_kv_cache_scales)")
+        if quant == "int8" or (quant == "auto" and scales is not None):
+            return [Int8MLACache(batch, max_len, ks, ps, dtype or w.dtype, device or w.device) for ks, ps in scales]
         return [MLACache(batch, max_len, a.kv_lora_rank, a.qk_rope_head_dim, dtype or w.dtype, device or w.device)
                 for _ in range(a.num_hidden_layers)]
 

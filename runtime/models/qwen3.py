@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvt.errors import CvtError
+from cvt.runtime import kv_cache
 from cvt.runtime.kernels import Linear
-from cvt.runtime.models.base import ConfigError, ModelArgs, RMSNorm
+from cvt.runtime.models.base import MLP, ConfigError, ModelArgs, RMSNorm, run_experts
 
 MODEL_TYPES = ("qwen3_moe", "qwen3", "qwen2", "llama")
 ROPE_KEYS = {  # keys each rope type may carry, besides rope_type / type / rope_theta
@@ -229,24 +230,58 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class KVCache:
     """One layer's cache: k, v ``[batch, kv_heads, max_len, head_dim]`` in the model dtype.
 
-    Attention only calls `update`, so an int8 KV cache (quantize scheme C8) is a subclass
-    that stores int8 k / v plus scales in `update` and returns dequantized
-    ``[b, kv_heads, T, head_dim]`` tensors; `Model.new_cache` is the one place to choose it.
+    Attention only calls `update`; `Int8KVCache` (``quant = "int8"``, the C8 cache of
+    `cvt.runtime.kv_cache`) stores int8 k / v and returns dequantized ``[b, kv_heads, T,
+    head_dim]`` tensors; `Model.new_cache` is the one place to choose it.
     """
+
+    quant: str | None = None
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype=None, device=None):
         self.k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [b, kv_heads, s, D] at positions start_pos..; return all T = start_pos+s."""
-        b, end = k.shape[0], start_pos + k.shape[2]
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache storage."""
+        return self.k.nbytes + self.v.nbytes
+
+    def _check(self, b: int, start_pos: int, end: int) -> None:
         if b > self.k.shape[0] or end > self.k.shape[2]:
             raise CvtError(f"KV cache of batch {self.k.shape[0]}, max_len {self.k.shape[2]} cannot hold batch {b} "
                            f"at positions {start_pos}..{end - 1}")
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [b, kv_heads, s, D] at positions start_pos..; return all T = start_pos+s."""
+        b, end = k.shape[0], start_pos + k.shape[2]
+        self._check(b, start_pos, end)
         self.k[:b, :, start_pos:end] = k
         self.v[:b, :, start_pos:end] = v
         return self.k[:b, :, :end], self.v[:b, :, :end]
+
+
+class Int8KVCache(KVCache):
+    """C8 cache: int8 k / v with static per-channel float32 scales k_scale, v_scale
+    [kv_heads * head_dim] (channel = head * head_dim + d; `cvt.runtime.kv_cache`:
+    q = clamp(round(x / scale), -128, 127), read as q * scale in the input dtype)."""
+
+    quant = "int8"
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, k_scale: torch.Tensor,
+                 v_scale: torch.Tensor, device=None):
+        device = device if device is not None else k_scale.device
+        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=torch.int8, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.k_scale = k_scale.float().to(device).view(kv_heads, 1, head_dim)
+        self.v_scale = v_scale.float().to(device).view(kv_heads, 1, head_dim)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, end = k.shape[0], start_pos + k.shape[2]
+        self._check(b, start_pos, end)
+        self.k[:b, :, start_pos:end] = kv_cache.quantize(k, self.k_scale)
+        self.v[:b, :, start_pos:end] = kv_cache.quantize(v, self.v_scale)
+        return (kv_cache.dequantize(self.k[:b, :, :end], self.k_scale, k.dtype),
+                kv_cache.dequantize(self.v[:b, :, :end], self.v_scale, v.dtype))
 
 
 class Attention(nn.Module):
@@ -263,6 +298,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, **kw)
         else:
             self.q_norm = self.k_norm = None
+        # C8 (cvt.runtime.kv_cache): (k, v) float32 [kv_heads*head_dim] scales once attached; plain
+        # attributes, not in the state_dict; kv_observer is set while calibrating
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_observer = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 start_pos: int, cache: KVCache | None) -> torch.Tensor:
@@ -275,6 +314,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)                      # [b, H, s, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)                      # [b, K, s, D]
+        k, v = kv_cache.cache_input(self, cache is not None, k, v)       # C8 / calibration
         if cache is not None:
             k, v = cache.update(k, v, start_pos)                         # [b, K, T, D]
         rep = self.n_heads // self.n_kv
@@ -283,19 +323,6 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~mask, float("-inf"))
         o = scores.softmax(-1).to(v.dtype) @ v                           # [b, H, s, D]
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
-
-
-class MLP(nn.Module):
-    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))."""
-
-    def __init__(self, dim: int, inter: int, bias: bool = False, dtype=None, device=None):
-        super().__init__()
-        self.gate_proj = Linear(dim, inter, bias=bias, dtype=dtype, device=device)
-        self.up_proj = Linear(dim, inter, bias=bias, dtype=dtype, device=device)
-        self.down_proj = Linear(inter, dim, bias=bias, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoE(nn.Module):
@@ -315,14 +342,7 @@ class MoE(nn.Module):
         weights, idx = probs.topk(self.top_k, dim=-1)                    # [n, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        y = torch.zeros_like(x)
-        counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).tolist()
-        for e, n in enumerate(counts):
-            if n:
-                tok, slot = torch.where(idx == e)
-                y.index_add_(0, tok, self.experts[e](x[tok]) * weights[tok, slot, None])
-        return y.view(shape)
+        return run_experts(x, idx, weights, self.experts).view(shape)
 
 
 class DecoderLayer(nn.Module):
@@ -367,13 +387,25 @@ class Model(nn.Module):
     def max_positions(self) -> int:
         return self.args.max_position_embeddings
 
-    def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> list[KVCache]:
-        """One `KVCache` per layer, k / v [batch, kv_heads, max_len, head_dim] (model dtype/device
-        by default). The int8 KV cache (C8) will be chosen here."""
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None,
+                  quant: str | None = "auto") -> list[KVCache]:
+        """One cache per layer, k / v [batch, kv_heads, max_len, head_dim] (model dtype/device by
+        default). `quant`: "auto" (default) = "int8" when the model carries KV-cache scales (C8,
+        `cvt.runtime.kv_cache`), else None; None = storage in `dtype`; "int8" = `Int8KVCache`,
+        a CvtError when the model has no scales."""
+        if quant not in (None, "auto", "int8"):
+            raise CvtError(f"KV cache quantization {quant!r} is not supported (supported: None, auto, int8)")
         if max_len > self.max_positions:
             raise CvtError(f"KV cache max_len {max_len} exceeds max_position_embeddings {self.max_positions}")
         w = self.model.embed_tokens.weight
         a = self.args
+        scales = kv_cache.layer_kv_scales(self)
+        if quant == "int8" and scales is None:
+            raise CvtError("an int8 KV cache needs calibrated KV-cache scales and this model has none "
+                           "(load a w8a8c8 output, or calibrate_kv_scales + attach_kv_cache_scales)")
+        if quant == "int8" or (quant == "auto" and scales is not None):
+            return [Int8KVCache(batch, a.kv_heads, max_len, a.dim_head, ks, vs, device or w.device)
+                    for ks, vs in scales]
         return [KVCache(batch, a.kv_heads, max_len, a.dim_head, dtype or w.dtype, device or w.device)
                 for _ in range(a.num_hidden_layers)]
 

@@ -1,0 +1,232 @@
+"""compressed-tensors (FORMATS.md 2.3): ``model-*.safetensors`` + config.json "quantization_config".
+
+==============  =====================  ===================================================================
+scheme          c-t format             tensors of linear X (w [n, k], group G)
+==============  =====================  ===================================================================
+w8a8, w8a8c8    int-quantized          X.weight int8 [n,k]; X.weight_scale f32 [n,1]
+w4a16           pack-quantized         X.weight_packed int32 [n, ceil(k/8)] (value + 8, element i of 8
+                                       at bits 4i); X.weight_scale bf16 [n,k/G] ([n,1] per channel);
+                                       X.weight_shape int32 [2] = [n, k]; asymmetric adds
+                                       X.weight_zero_point int32 [ceil(n/8), k/G] (packed along dim 0)
+fp4 nvfp4       nvfp4-pack-quantized   X.weight_packed uint8 [n,k/2] (element 2j low nibble);
+                                       X.weight_scale float8_e4m3fn [n,k/16]; X.weight_global_scale f32 [1]
+fp4 mxfp4       mxfp4-pack-quantized   X.weight_packed uint8 [n,k/2]; X.weight_scale uint8 E8M0 [n,k/32]
+==============  =====================  ===================================================================
+
+The compressed-tensors package's own decompressors reproduce cvt's dequantized weights
+(tests/quant/test_formats.py). Static W8A8 activations are Ascend-only in cvt and refused here.
+`read` infers the scheme from the tensors; ``meta`` (the quantization_config dict) is
+optional and supplies the int8 KV-cache flag (w8a8 -> w8a8c8).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from cvt.errors import FormatError
+from cvt.quant import primitives as P
+from cvt.quant.formats import expect, register, scheme_name, take
+from cvt.quant.schemes.base import QuantizedTensor
+
+_F = "compressed-tensors"
+SUPPORTED = ("w8a8", "w8a8c8", "w4a16", "fp4")
+_FP4_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+
+
+def kv_cache_int8(strategy: str = "tensor") -> dict:
+    """A ``kv_cache_scheme`` for an int8 KV cache (scales ``self_attn.k_scale`` / ``v_scale``)."""
+    if strategy not in ("tensor", "attn_head"):
+        raise FormatError(f"kv cache strategy {strategy!r}: expected 'tensor' or 'attn_head'")
+    return {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": strategy,
+            "dynamic": False}
+
+
+def scheme_config(scheme) -> tuple[str, dict, dict | None]:
+    """(c-t format, weights args, input_activations args) of a scheme instance, as c-t serializes them."""
+    name = scheme_name(scheme)
+    if name in ("w8a8", "w8a8c8"):
+        return ("int-quantized",
+                {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "channel",
+                 "dynamic": False},
+                {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "token",
+                 "dynamic": True})
+    if name == "w4a16":
+        g = scheme.group_size
+        return ("pack-quantized",
+                {"num_bits": 4, "type": "int", "symmetric": bool(scheme.symmetric), "group_size": g or None,
+                 "strategy": "group" if g else "channel", "dynamic": False}, None)
+    if name == "fp4":
+        nv = scheme.fp4_format == "nvfp4"
+        return (_FP4_FORMAT[scheme.fp4_format],
+                {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16 if nv else 32,
+                 "strategy": "tensor_group" if nv else "group", "dynamic": False,
+                 "scale_dtype": "torch.float8_e4m3fn" if nv else "torch.uint8"}, None)
+    raise FormatError(f"compressed-tensors: no configuration for scheme {name!r} (supported: {', '.join(SUPPORTED)})")
+
+
+def match_name(name: str, target: str) -> bool:
+    """compressed-tensors' rule: ``re:<regex>`` is `re.match`ed, anything else is compared exactly."""
+    return re.match(target[3:], name) is not None if target.startswith("re:") else name == target
+
+
+@register
+class CompressedTensors:
+    name = "compressed-tensors"
+    weights_prefix = "model"
+
+    def supports(self, scheme) -> None:
+        name = scheme_name(scheme)
+        if name not in SUPPORTED:
+            raise FormatError(f"compressed-tensors: scheme {name!r} is not supported (supported: "
+                              f"{', '.join(SUPPORTED)})")
+        if getattr(scheme, "static_activations", False):
+            raise FormatError(f"compressed-tensors: scheme {name!r} with static activations is Ascend-only in cvt "
+                              "(write it as ascend, or use dynamic per-token W8A8)")
+
+    def check_shape(self, module: str, scheme, shape) -> None:
+        self.supports(scheme)
+        if not isinstance(scheme, str):
+            scheme.check(f"{module}.weight", tuple(shape))
+
+    # ---- write -----------------------------------------------------------------------------------
+
+    def disk_tensors(self, module: str, q: QuantizedTensor, bias: torch.Tensor | None = None):
+        self.supports(q.scheme)
+        p, (n, k) = q.parts, q.shape
+        x = module + "."
+        if q.kernel_fmt == "w8a8_dynamic":
+            if bool((p["weight_offset"] != 0).any()):
+                raise FormatError(f"compressed-tensors: {module} has non-zero weight offsets; int-quantized W8A8 "
+                                  "is symmetric")
+            out = {x + "weight": p["weight"], x + "weight_scale": p["weight_scale"].to(torch.float32).reshape(n, 1)}
+        elif q.kernel_fmt == "w4a16":
+            sc = p["weight_scale"].to(torch.float32)
+            if not torch.equal(P.round_to_bf16(sc), sc):
+                raise FormatError(f"compressed-tensors: {module}.weight_scale is not bfloat16-representable; "
+                                  "pack-quantized stores bf16 scales (quantize with cvt's w4a16 scheme)")
+            out = {x + "weight_packed": P.pack_int4_ct(p["weight_int4"], 1),
+                   x + "weight_scale": sc.to(torch.bfloat16),
+                   x + "weight_shape": torch.tensor([n, k], dtype=torch.int32)}
+            if not q.symmetric:
+                out[x + "weight_zero_point"] = P.pack_int4_ct(p["weight_offset"].to(torch.int8), 0)
+            elif bool((p["weight_offset"] != 0).any()):
+                raise FormatError(f"compressed-tensors: {module} is marked symmetric but has non-zero offsets")
+        elif q.kernel_fmt in ("nvfp4", "mxfp4"):
+            out = {x + "weight_packed": P.pack_fp4(p["weight_fp4"]), x + "weight_scale": p["weight_scale"]}
+            if q.kernel_fmt == "nvfp4":
+                out[x + "weight_global_scale"] = p["weight_global_scale"].to(torch.float32).reshape(1)
+            else:
+                out[x + "weight_scale"] = p["weight_scale"].view(torch.uint8)
+        else:
+            raise FormatError(f"compressed-tensors: no layout for kernel format {q.kernel_fmt!r} of {module!r} "
+                              "(static W8A8 is Ascend-only)")
+        if bias is not None:
+            out[x + "bias"] = bias
+        return {k_: v.contiguous() for k_, v in out.items()}
+
+    def quantization_config(self, schemes_used, ignore_list=(), kv_cache_scheme: dict | None = None) -> dict:
+        """config.json's ``quantization_config``.
+
+        `schemes_used`: scheme instances, or ``(scheme, targets)`` pairs. One scheme alone
+        targets ``["Linear"]``; several need their own targets (exact module names or
+        ``re:`` regexes) and make the top-level format ``mixed-precision``. `ignore_list`:
+        modules kept float (exact names / ``re:`` regexes, c-t's `match_name` rule; the
+        model-free dequantizer matches by name only, so list embeddings and heads too).
+        `kv_cache_scheme`: e.g. `kv_cache_int8()`; required when a scheme has an int8 KV cache.
+        """
+        pairs = [(s, None) if not isinstance(s, tuple) else (s[0], s[1]) for s in schemes_used]
+        if not pairs:
+            raise FormatError("compressed-tensors: quantization_config needs at least one scheme")
+        groups: list[tuple[str, dict, dict | None, list[str] | None]] = []
+        for scheme, targets in pairs:
+            self.supports(scheme)
+            fmt, w, a = scheme_config(scheme)
+            same = next((g for g in groups if (g[0], g[1], g[2]) == (fmt, w, a)), None)
+            if same is None:
+                groups.append((fmt, w, a, None if targets is None else list(targets)))
+            elif targets is not None and same[3] is not None:
+                same[3].extend(t for t in targets if t not in same[3])
+        if len(groups) > 1 and any(g[3] is None for g in groups):
+            raise FormatError("compressed-tensors: several schemes are used, so each needs explicit targets "
+                              f"(module names or 're:' regexes); got formats {[g[0] for g in groups]}")
+        if any(getattr(s, "kv_cache", None) == "int8" for s, _ in pairs) and kv_cache_scheme is None:
+            raise FormatError("compressed-tensors: a scheme with an int8 KV cache needs kv_cache_scheme "
+                              "(e.g. kv_cache_int8('tensor') or kv_cache_int8('attn_head'))")
+        ignore: list[str] = []
+        for i in ignore_list:
+            if not isinstance(i, str) or not i:
+                raise FormatError(f"compressed-tensors: ignore entries must be module names or 're:' regexes, "
+                                  f"got {i!r}")
+            if i.startswith("re:"):
+                try:
+                    re.compile(i[3:])
+                except re.error as e:
+                    raise FormatError(f"compressed-tensors: ignore regex {i!r} does not compile: {e}") from None
+            if i not in ignore:
+                ignore.append(i)
+        config_groups = {
+            f"group_{j}": {"targets": targets or ["Linear"], "weights": w, "input_activations": a,
+                           "output_activations": None, "format": fmt}
+            for j, (fmt, w, a, targets) in enumerate(groups)}
+        formats = {g[0] for g in groups}
+        return {"quant_method": "compressed-tensors",
+                "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+                "quantization_status": "compressed", "config_groups": config_groups, "ignore": ignore,
+                "kv_cache_scheme": kv_cache_scheme}
+
+    # ---- read ------------------------------------------------------------------------------------
+
+    def read(self, module: str, disk: dict[str, torch.Tensor], meta: dict | None = None) -> QuantizedTensor:
+        x = module + "."
+        if meta is not None and any(match_name(module, i) for i in meta.get("ignore") or ()):
+            raise FormatError(f"compressed-tensors: {module!r} is in the ignore list: it is a float module")
+        kv = (meta or {}).get("kv_cache_scheme") or {}
+        w8 = "w8a8c8" if kv.get("type") == "int" and kv.get("num_bits") == 8 else "w8a8"
+        if x + "weight_packed" in disk and disk[x + "weight_packed"].dtype == torch.int32:
+            t = take(_F, module, disk, ("weight_packed", "weight_scale", "weight_shape"))
+            shape = t["weight_shape"].reshape(-1).tolist()
+            if len(shape) != 2:
+                raise FormatError(f"compressed-tensors: {x}weight_shape is {shape}: expected [n, k]")
+            n, k = (int(v) for v in shape)
+            expect(_F, x + "weight_packed", t["weight_packed"], (torch.int32,), (n, math.ceil(k / 8)))
+            sc = t["weight_scale"].to(torch.float32)
+            if sc.dim() != 2 or sc.shape[0] != n or k % sc.shape[1]:
+                raise FormatError(f"compressed-tensors: {x}weight_scale {list(sc.shape)} does not fit "
+                                  f"weight_shape [{n}, {k}] (expected [{n}, k/G])")
+            sym = x + "weight_zero_point" not in disk
+            off = (torch.zeros_like(sc) if sym else
+                   P.unpack_int4_ct(disk[x + "weight_zero_point"], n, 0).to(torch.float32))
+            if tuple(off.shape) != tuple(sc.shape):
+                raise FormatError(f"compressed-tensors: {x}weight_zero_point unpacks to {list(off.shape)}, "
+                                  f"expected {list(sc.shape)}")
+            g = 0 if sc.shape[1] == 1 else k // sc.shape[1]
+            parts = {"weight_int4": P.unpack_int4_ct(t["weight_packed"], k, 1), "weight_scale": sc,
+                     "weight_offset": off}
+            return QuantizedTensor("w4a16", "w4a16", (n, k), parts, g, sym)
+        if x + "weight_packed" in disk:
+            packed = expect(_F, x + "weight_packed", disk[x + "weight_packed"], (torch.uint8,))
+            codes = P.unpack_fp4(packed)
+            n, k = codes.shape
+            if x + "weight_global_scale" in disk:
+                t = take(_F, module, disk, ("weight_scale", "weight_global_scale"))
+                sc = expect(_F, x + "weight_scale", t["weight_scale"], (torch.float8_e4m3fn,), (n, k // 16))
+                parts = {"weight_fp4": codes, "weight_scale": sc,
+                         "weight_global_scale": t["weight_global_scale"].to(torch.float32).reshape(1)}
+                return QuantizedTensor("fp4", "nvfp4", (n, k), parts, 16, True, {"fp4_format": "nvfp4"})
+            sc = take(_F, module, disk, ("weight_scale",))["weight_scale"]
+            sc = expect(_F, x + "weight_scale", sc, (torch.uint8, torch.float8_e8m0fnu), (n, k // 32))
+            parts = {"weight_fp4": codes, "weight_scale": sc.view(torch.uint8)}
+            return QuantizedTensor("fp4", "mxfp4", (n, k), parts, 32, True, {"fp4_format": "mxfp4"})
+        t = take(_F, module, disk, ("weight", "weight_scale"))
+        n, k = expect(_F, x + "weight", t["weight"], (torch.int8,)).shape
+        sc = expect(_F, x + "weight_scale", t["weight_scale"], (torch.float32, torch.bfloat16, torch.float16))
+        if sc.numel() != n:
+            raise FormatError(f"compressed-tensors: {x}weight_scale {list(sc.shape)}: expected [{n}, 1] (channel)")
+        if x + "weight_zero_point" in disk:
+            raise FormatError(f"compressed-tensors: {module} is asymmetric int8; cvt's W8A8 is symmetric")
+        sc = sc.to(torch.float32).reshape(n, 1)
+        return QuantizedTensor(w8, "w8a8_dynamic", (n, k),
+                               {"weight": t["weight"], "weight_scale": sc, "weight_offset": torch.zeros_like(sc)})

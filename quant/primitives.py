@@ -1,0 +1,295 @@
+"""Quantization primitives: scales, int rounding, E2M1 / E8M0 / nvfp4 scales, and bit packing.
+
+Everything here is a pure function of tensors (float32 math, no scheme or format knowledge);
+schemes (`cvt.quant.schemes`) compose them, formats (`cvt.quant.formats`) and the runtime
+kernels (`cvt.runtime.kernels.int4` / `fp4`) use the pack helpers. This module imports only
+torch and `cvt.errors` so the runtime can import it without a cycle.
+
+Granularity is one ``group_size`` for a weight ``w [n, k]``: 0 = one scale per output channel
+(``[n, 1]``), G = one scale per G consecutive elements along k (``[n, k/G]``).
+
+Rules (and where they come from):
+
+* Symmetric int: ``scale = amax / qdiv``, ``q = clamp(round(w / scale), qmin, qmax)``,
+  round half to even (`torch.round`). int8 uses qdiv = 127 (Ascend: msModelSlim-format
+  converters, e.g. omni-infer ``weight_quant``: ``abs_max / 127``); int4 uses qdiv = 7.5 over
+  -8..7, compressed-tensors' ``calculate_qparams`` (``max_val_pos / ((q_max - q_min) / 2)``),
+  which is also GPTQ's symmetric rule (``scale = 2 * amax / 15``, zero 8).
+* Asymmetric int (documented form ``w = (q - offset) * scale``, FORMATS.md 2.2):
+  ``lo = min(w, 0)``, ``hi = max(w, 0)``, ``scale = (hi - lo) / (qmax - qmin)``,
+  ``offset = clamp(round(qmin - lo / scale), qmin, qmax)``, ``q = clamp(round(w / scale +
+  offset), qmin, qmax)`` (compressed-tensors ``calculate_qparams``, asymmetric branch; when the
+  scale is then rounded, e.g. to bf16, the offset keeps the unrounded scale's value, as there).
+* A zero scale (an all-zero channel or group) is replaced by 1.0 so nothing divides by zero;
+  its q are all 0, so it dequantizes to exact zeros.
+* E2M1 (fp4) encode: round to the nearest of {0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to the even
+  code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), |x| > 6
+  saturates to 6; the sign bit is set for every negative input, including those that round to
+  zero (-0.0): compressed-tensors ``cast_to_fp4`` + ``pack_fp4_to_uint8`` (``torch.signbit``).
+* nvfp4: ``global_scale = 448 * 6 / amax(w)`` (float32; 1.0 when amax is 0 or the quotient
+  overflows), block scale ``e4m3(clamp(amax_block / 6 * global_scale, +-448))`` (0 -> 0.125,
+  the e4m3 eps), ``w ~= fp4 * (float(scale) / global_scale)``: compressed-tensors
+  ``generate_gparam``, ``calculate_qparams`` (global_scale branch, ``_get_dtype_eps``) and
+  ``_quantize`` / ``_dequantize`` (``scale = scale / global_scale`` first).
+* mxfp4: E8M0 exponent ``e = 127 + floor(log2(p)) - 2`` where p is amax_block rounded to a
+  power of two, up when its mantissa is >= 0.75 (compressed-tensors ``generate_mx_scales`` /
+  ``round_to_power_2``, offset floor(log2(6)) = 2), clamped to 0..254; ``w ~= fp4 * 2**(e-127)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from cvt.errors import CvtError, TensorError
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_EPS = 0.125  # torch.finfo(torch.float8_e4m3fn).eps: compressed-tensors' replacement for a zero scale
+INT8_QDIV, INT4_QDIV = 127.0, 7.5
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+
+
+# ---- checks and grouping --------------------------------------------------------------------------
+
+def check_finite(w: torch.Tensor, name: str | None = None) -> None:
+    """Raise TensorError on NaN/Inf in a weight (naming it when `name` is given)."""
+    bad = ~torch.isfinite(w)
+    if bool(bad.any()):
+        who = f"weight {name!r}" if name else "weight"
+        raise TensorError(f"{who} ({_desc(w)}) holds {int(bad.sum())} non-finite value(s) (NaN/Inf): "
+                          "cannot quantize it")
+
+
+def check_group(name: str, shape: tuple[int, int], group_size: int, scheme: str = "") -> None:
+    """Raise CvtError naming the tensor when `group_size` does not divide k (shape [n, k])."""
+    if len(shape) != 2 or shape[0] <= 0 or shape[1] <= 0:
+        raise CvtError(f"{scheme or 'scheme'}: tensor {name!r} has shape {list(shape)}: expected a non-empty "
+                       "2-D [out_features, in_features] weight")
+    if group_size < 0 or (group_size and shape[1] % group_size):
+        raise CvtError(f"{scheme or 'scheme'}: tensor {name!r} with shape {list(shape)}: group size {group_size} "
+                       f"does not divide in_features={shape[1]} (use a divisor of {shape[1]}, or 0 = per channel)")
+
+
+def groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``w [n, k]`` -> ``[n, k/G, G]`` (``[n, 1, k]`` for group_size 0)."""
+    n, k = w.shape
+    g = group_size or k
+    if k % g:
+        raise CvtError(f"group size {g} does not divide in_features={k} of a {_desc(w)} weight")
+    return w.reshape(n, k // g, g)
+
+
+def ungroup(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of `groups`: ``[n, k/G, G]`` -> ``[n, k]``."""
+    return x.reshape(x.shape[0], -1)
+
+
+def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float32 values rounded (nearest even) to the nearest bfloat16, returned as float32."""
+    return x.to(torch.float32).to(torch.bfloat16).to(torch.float32)
+
+
+# ---- integer quantization -------------------------------------------------------------------------
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def symmetric_scale(w: torch.Tensor, group_size: int, qdiv: float, scale_round=None) -> torch.Tensor:
+    """``amax / qdiv`` per group, float32 ``[n, k/G]`` (``[n, 1]`` per channel), then `scale_round`
+    (e.g. `round_to_bf16`) when given; a zero scale becomes 1.0."""
+    amax = groups(w.to(torch.float32), group_size).abs().amax(dim=-1)
+    scale = amax / qdiv
+    return _safe(scale if scale_round is None else scale_round(scale))
+
+
+def asymmetric_scale_offset(w: torch.Tensor, group_size: int, qmin: int, qmax: int,
+                            scale_round=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min/max scale and integer-valued offset per group (both float32 ``[n, k/G]``).
+
+    The offset is derived from the unrounded scale, then `scale_round` (e.g. `round_to_bf16`)
+    is applied to the scale: compressed-tensors' order (its observer computes the zero point,
+    the checkpoint stores the scale in bf16). An all-zero group gets scale 1.0, offset qmin.
+    """
+    g = groups(w.to(torch.float32), group_size)
+    lo = torch.clamp(g.amin(dim=-1), max=0.0)
+    hi = torch.clamp(g.amax(dim=-1), min=0.0)
+    scale = _safe((hi - lo) / float(qmax - qmin))
+    offset = torch.clamp(torch.round(qmin - lo / scale), qmin, qmax) + 0.0  # + 0.0: no -0.0 offsets
+    if scale_round is not None:
+        scale = _safe(scale_round(scale))
+    return scale, offset
+
+
+def quantize_int(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                 qmin: int, qmax: int) -> torch.Tensor:
+    """``clamp(round(w / scale + offset), qmin, qmax)`` per group, as int8 ``[n, k]``.
+
+    `scale` / `offset` are ``[n, k/G]``; the group size is k divided by their last dim.
+    """
+    n, k = w.shape
+    ng = scale.shape[-1]
+    x = w.to(torch.float32).reshape(n, ng, k // ng) / scale.to(torch.float32)[:, :, None]
+    if offset is not None:
+        x = x + offset.to(torch.float32)[:, :, None]
+    return torch.clamp(torch.round(x), qmin, qmax).reshape(n, k).to(torch.int8)
+
+
+def dequantize_int(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """``(q - offset) * scale`` per group in float32 ``[n, k]`` (what the w4a16 / w8a8 kernels use)."""
+    n, k = q.shape
+    ng = scale.shape[-1]
+    x = q.to(torch.float32).reshape(n, ng, k // ng)
+    if offset is not None:
+        x = x - offset.to(torch.float32)[:, :, None]
+    return (x * scale.to(torch.float32)[:, :, None]).reshape(n, k)
+
+
+# ---- E2M1 (fp4) -------------------------------------------------------------------------------------
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """float values (already divided by their scale) -> uint8 codes ``sign << 3 | index``.
+
+    Thresholds (|x|): <= 0.25 -> 0, < 0.75 -> 0.5, <= 1.25 -> 1, < 1.75 -> 1.5, <= 2.5 -> 2,
+    < 3.5 -> 3, <= 5 -> 4, else 6 (ties to the even code; saturating). Worked example:
+    ``[0.25, 0.3, -0.75, 2.5, 2.6, -7.0, -0.1] -> [0, 1, 10, 4, 5, 15, 8]``.
+    """
+    a = x.to(torch.float32).abs()
+    idx = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8) + (a > 1.25).to(torch.uint8)
+           + (a >= 1.75).to(torch.uint8) + (a > 2.5).to(torch.uint8) + (a >= 3.5).to(torch.uint8)
+           + (a > 5.0).to(torch.uint8))
+    return idx | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (low 4 bits: sign << 3 | index) -> float32 values (code 8 is -0.0)."""
+    c = codes.to(torch.int64)
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[c & 7]
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
+def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
+    """``448 * 6 / amax(w)`` as float32 ``[1]`` (1.0 for an all-zero weight)."""
+    amax = w.to(torch.float32).abs().amax()
+    amax = torch.clamp(amax, min=torch.finfo(torch.float32).tiny)
+    gs = torch.nan_to_num((E4M3_MAX * E2M1_MAX) / amax, nan=1.0, posinf=1.0, neginf=1.0)
+    return gs.reshape(1).to(torch.float32)
+
+
+def nvfp4_block_scales(w: torch.Tensor, global_scale: torch.Tensor, group: int = 16) -> torch.Tensor:
+    """float8_e4m3fn ``[n, k/16]``: ``e4m3(clamp(amax_block / 6 * global_scale, +-448))``, 0 -> 0.125."""
+    amax = groups(w.to(torch.float32), group).abs().amax(dim=-1)
+    s = (amax / E2M1_MAX) * global_scale.to(torch.float32).reshape(())
+    s = torch.clamp(s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    return torch.where(s == 0, torch.full_like(s, E4M3_EPS), s).to(torch.float8_e4m3fn)
+
+
+def e8m0_to_f32(e: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 exponents -> float32 ``2**(e - 127)``, built from bits (exact; 0 -> 2**-127, 255 -> NaN)."""
+    e = e.view(torch.uint8).to(torch.int32)
+    bits = torch.where(e == 0, torch.full_like(e, 0x00400000), e << 23)
+    bits = torch.where(e == 255, torch.full_like(e, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def mxfp4_scale_codes(w: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """uint8 E8M0 ``[n, k/32]``: ``127 + floor(log2(pow2_round(amax))) - 2`` clamped to 0..254.
+
+    ``pow2_round`` keeps amax's exponent and rounds up when the top two mantissa bits are 11
+    (mantissa >= 0.75): in float32 bits, ``(bits + 2**21) & 0x7F800000``. Worked example:
+    amax 6.0 = 1.5 * 2**2 -> 2**2 -> e = 127 (scale 1: 6 -> code 7); amax 7.0 = 1.75 * 2**2 ->
+    2**3 -> e = 128 (scale 2: 7/2 = 3.5 -> 4, dequant 8).
+    """
+    amax = groups(w.to(torch.float32), group).abs().amax(dim=-1).contiguous()
+    exp_field = ((amax.view(torch.int32).to(torch.int64) + (1 << 21)) >> 23) & 0xFF
+    return torch.clamp(exp_field - 2, 0, 254).to(torch.uint8)
+
+
+# ---- Ascend int4 packing: two per int8, even element in the low nibble ------------------------------
+
+def ascend_pack_dim(scale: torch.Tensor) -> int:
+    """0 (pairs of output channels) for per-group scales, 1 (along k) when the scale's last dim is 1."""
+    return 1 if scale.shape[-1] == 1 else 0
+
+
+def pack_int4_ascend(q: torch.Tensor, dim: int) -> torch.Tensor:
+    """int4 values ``q`` int8 ``[n, k]`` (-8..7) -> int8 packed along `dim` (0: ``[n/2, k]``, 1: ``[n, k/2]``).
+
+    Two's-complement nibbles; element 2j of `dim` in the low nibble, 2j+1 in the high one.
+    Worked example, ``q = [[1, -2], [3, -4]]``: dim 0 (per-group W4A16, pairs of output
+    channels) -> ``[[0x31, 0xCE]]`` (column 0: 1 low, 3 high; column 1: -2 = 0xE low, -4 = 0xC
+    high); dim 1 (per-channel, along k) -> ``[[0xE1], [0xC3]]`` (as int8: -31, -61).
+    """
+    if q.dim() != 2 or q.shape[dim] % 2:
+        raise TensorError(f"cannot pack int4 {_desc(q)} along dim {dim}: needs an even size there")
+    u = q.to(torch.int16) & 0xF
+    lo, hi = (u[0::2], u[1::2]) if dim == 0 else (u[:, 0::2], u[:, 1::2])
+    v = lo | (hi << 4)
+    return torch.where(v >= 128, v - 256, v).to(torch.int8)
+
+
+def unpack_int4_ascend(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of `pack_int4_ascend`: int8 packed -> int8 ``[n, k]`` values -8..7."""
+    u = packed.to(torch.int16) & 0xFF
+    lo, hi = u & 0xF, u >> 4
+    lo, hi = torch.where(lo >= 8, lo - 16, lo), torch.where(hi >= 8, hi - 16, hi)
+    out = torch.stack((lo, hi), dim=dim + 1)  # [.., 2, ..] interleaved along `dim`
+    shape = list(packed.shape)
+    shape[dim] *= 2
+    return out.reshape(shape).to(torch.int8)
+
+
+# ---- compressed-tensors pack-quantized: int32, value + 8, element i of 8 at bits 4i -----------------
+
+def pack_int4_ct(q: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """int4 values int8 -8..7 -> int32 packed 8 per word along `dim` (zero nibbles pad to a multiple of 8).
+
+    Worked example, one row ``[1, -2, 3, -4, 5, -6, 7, -8, 2, 0]``: +8 -> 9 6 11 4 13 2 15 0 | 10 8,
+    element i at bits 4i -> words ``[0x0F2D4B69, 0x0000008A]`` (compressed-tensors
+    ``pack_to_int32(num_bits=4)``; the zero point uses dim 0: ``[n, k/G] -> [ceil(n/8), k/G]``).
+    """
+    u = q.to(torch.int64) + 8
+    if dim == 0:
+        u = u.t()
+    pad = (-u.shape[1]) % 8
+    if pad:
+        u = F.pad(u, (0, pad))
+    u = u.reshape(u.shape[0], -1, 8)
+    word = torch.zeros(u.shape[:2], dtype=torch.int64, device=q.device)
+    for i in range(8):
+        word |= u[:, :, i] << (4 * i)
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return word.t().contiguous() if dim == 0 else word
+
+
+def unpack_int4_ct(packed: torch.Tensor, size: int, dim: int = 1) -> torch.Tensor:
+    """Inverse of `pack_int4_ct`: int32 words -> int8 values -8..7, `size` elements along `dim`."""
+    p = packed.t() if dim == 0 else packed
+    v = torch.stack([(p >> (4 * i)) & 0xF for i in range(8)], dim=-1).reshape(p.shape[0], -1)[:, :size]
+    v = (v - 8).to(torch.int8)
+    return v.t().contiguous() if dim == 0 else v
+
+
+# ---- fp4 packing (nvfp4 / mxfp4 pack-quantized) ----------------------------------------------------
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[n, k]`` (k even) -> uint8 ``[n, k/2]``, element 2j low nibble, 2j+1 high.
+
+    Worked example: codes ``[[1, 2, 9, 15]]`` (0.5, 1.0, -0.5, -6.0) -> ``[[0x21, 0xF9]]``
+    (compressed-tensors ``pack_fp4_to_uint8``).
+    """
+    if codes.dim() != 2 or codes.shape[1] % 2:
+        raise TensorError(f"cannot pack fp4 codes {_desc(codes)}: expected 2-D with an even last dimension")
+    c = codes.to(torch.uint8) & 0xF
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[n, k/2]`` -> uint8 codes ``[n, k]`` (inverse of `pack_fp4`)."""
+    lo, hi = packed & 0xF, packed >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(packed.shape[0], -1)

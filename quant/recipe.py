@@ -1,0 +1,115 @@
+"""What gets quantized, and how: architecture defaults, `--ignore`, and `--recipe FILE`.
+
+Resolution for each linear weight (first that applies wins):
+
+1. a `--recipe` rule whose `pattern` (a regex, `re.search` on the module name) matches: its
+   `scheme` ("float" keeps the module float), `method`, `group_size`;
+2. an `--ignore REGEX` that matches the module name: float;
+3. the architecture table: not quantizable (norms, embeddings, router) or float-by-default
+   (lm_head, MLA kv_b_proj, MTP heads, eh_proj): float;
+4. the stage's `--scheme` / `--method` / `--group-size`.
+
+A recipe file is JSON or YAML: ``{"rules": [{"pattern": "mlp\\.experts\\.", "scheme": "w4a16",
+"group_size": 32}, {"pattern": "self_attn", "scheme": "w8a8"}]}`` - mixed precision such as
+"experts W4A16, attention W8A8".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cvt.convert.arch import ArchSpec
+from cvt.errors import CvtError
+
+METHODS = ("rtn", "smoothquant", "gptq", "awq")
+
+
+class RecipeRule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pattern: str = Field(description="regex searched in the module name, e.g. 'mlp\\\\.experts\\\\.'")
+    scheme: str = Field(description="a scheme name, or 'float' to keep the module float")
+    method: Literal["rtn", "smoothquant", "gptq", "awq"] | None = None
+    group_size: int | None = Field(None, ge=0)
+
+    @field_validator("pattern")
+    @classmethod
+    def _regex(cls, v: str) -> str:
+        try:
+            re.compile(v)
+        except re.error as exc:
+            raise ValueError(f"pattern {v!r} is not a valid regex: {exc}") from exc
+        return v
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rules: list[RecipeRule] = Field(default_factory=list)
+
+
+def load_recipe(path: Path) -> Recipe:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CvtError(f"{path}: cannot read the recipe: {exc.strerror or exc}") from exc
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+        return Recipe.model_validate(data)
+    except (ValueError, ValidationError) as exc:
+        first = str(exc).strip().splitlines()
+        raise CvtError(f"{path}: not a valid recipe: {' '.join(first[:3])}") from exc
+    except ImportError as exc:
+        raise CvtError(f"{path}: YAML recipes need PyYAML ({exc}); use JSON") from exc
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The decision for one linear: scheme None means keep float."""
+
+    scheme: str | None
+    method: str
+    group_size: int | None
+    reason: str
+
+
+class Policy:
+    def __init__(self, arch: ArchSpec, scheme: str, method: str = "rtn", group_size: int | None = None,
+                 ignore: tuple[str, ...] = (), recipe: Recipe | None = None):
+        if method not in METHODS:
+            raise CvtError(f"unknown method {method!r} (known: {', '.join(METHODS)})")
+        self.arch, self.scheme, self.method, self.group_size = arch, scheme, method, group_size
+        try:
+            self.ignore = [re.compile(p) for p in ignore]
+        except re.error as exc:
+            raise CvtError(f"--ignore {exc.pattern!r} is not a valid regex: {exc}") from exc
+        self.recipe = recipe or Recipe()
+
+    def choose(self, module: str) -> Choice:
+        info = self.arch.classify(module + ".weight")
+        for rule in self.recipe.rules:
+            if re.search(rule.pattern, module):
+                if rule.scheme == "float" or not info.rule.quantizable:
+                    return Choice(None, "none", None, f"recipe {rule.pattern!r}")
+                return Choice(rule.scheme, rule.method or self.method,
+                              rule.group_size if rule.group_size is not None else self.group_size,
+                              f"recipe {rule.pattern!r}")
+        if any(rx.search(module) for rx in self.ignore):
+            return Choice(None, "none", None, "--ignore")
+        if not info.rule.quantizable:
+            return Choice(None, "none", None, f"{info.role.value} (not a quantizable linear)")
+        if info.rule.float_default:
+            return Choice(None, "none", None, f"{info.role.value} stays float by default")
+        return Choice(self.scheme, self.method, self.group_size, "default")

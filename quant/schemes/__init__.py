@@ -1,0 +1,17 @@
+"""Quantization schemes, one module each, registered by name on import (see `base`).
+
+==========  =========================================================================
+w8a8        per-channel symmetric int8 weights; dynamic (or static) int8 activations
+w8a8c8      w8a8 + int8 KV cache (Ascend C8)
+w4a16       int4 weights, groups along k (0 = per channel), symmetric or asymmetric
+fp4         E2M1 weights: nvfp4 (group 16, e4m3 scales + global scale) or mxfp4 (group 32, E8M0)
+==========  =========================================================================
+
+``get_scheme(name, **options)`` builds one; ``scheme_names()`` lists them.
+"""
+
+from cvt.quant.schemes.base import SCHEMES, QuantizedTensor, Scheme, get_scheme, register, scheme_names
+from cvt.quant.schemes import w8a8, w8a8c8, w4a16, fp4  # noqa: E402,F401  isort: skip  (registers)
+from cvt.quant.schemes.w8a8 import static_parts  # noqa: E402
+
+__all__ = ["SCHEMES", "QuantizedTensor", "Scheme", "get_scheme", "register", "scheme_names", "static_parts"]

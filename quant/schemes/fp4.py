@@ -1,0 +1,94 @@
+"""`fp4`: E2M1 weights with per-group scales, ``fp4_format`` "nvfp4" (group 16) or "mxfp4" (group 32).
+
+Parts (kernels ``nvfp4`` / ``mxfp4``, `cvt.runtime.kernels.fp4`) for ``w [n, k]``::
+
+    weight_fp4           uint8 [n, k]      codes sign << 3 | index into {0, .5, 1, 1.5, 2, 3, 4, 6}
+    nvfp4: weight_scale  float8_e4m3fn [n, k/16]
+           weight_global_scale float32 [1]   448 * 6 / amax(w)
+           w = fp4 * (float32(scale) / global_scale)
+    mxfp4: weight_scale  uint8 E8M0 [n, k/32]
+           w = fp4 * 2**(e - 127)
+
+The scale rules and the E2M1 rounding are compressed-tensors' (see `cvt.quant.primitives`):
+its nvfp4 / mxfp4 quantizers and ours produce the same codes and scales for float32 weights.
+Symmetric only (compressed-tensors refuses asymmetric fp4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cvt.errors import CvtError
+from cvt.quant import primitives as P
+from cvt.quant.schemes.base import QuantizedTensor, register
+
+GROUPS = {"nvfp4": 16, "mxfp4": 32}
+
+
+@register
+class FP4:
+    name = "fp4"
+    kv_cache = None
+    static_activations = False
+    symmetric = True
+
+    def __init__(self, fp4_format: str | None = None, group_size: int | None = None, symmetric=None,
+                 static_activations=None):
+        fmt = fp4_format or "nvfp4"
+        if fmt not in GROUPS:
+            raise CvtError(f"scheme 'fp4': unknown fp4_format {fp4_format!r} (known: {', '.join(GROUPS)})")
+        if group_size not in (None, GROUPS[fmt]):
+            raise CvtError(f"scheme 'fp4' with fp4_format {fmt!r} has a fixed group size of {GROUPS[fmt]}; "
+                           f"got group_size={group_size}")
+        if symmetric not in (None, True):
+            raise CvtError("scheme 'fp4' is symmetric only (compressed-tensors has no asymmetric fp4)")
+        if static_activations:
+            raise CvtError("scheme 'fp4' keeps activations in float: static_activations is not supported")
+        self.fp4_format = fmt
+        self.group_size = GROUPS[fmt]
+
+    def __repr__(self) -> str:
+        return f"FP4(fp4_format={self.fp4_format!r})"
+
+    def param_info(self, shape):
+        n, k = shape
+        g = (n, k // self.group_size)
+        if self.fp4_format == "nvfp4":
+            return {"weight_fp4": ((n, k), torch.uint8), "weight_scale": (g, torch.float8_e4m3fn),
+                    "weight_global_scale": ((1,), torch.float32)}
+        return {"weight_fp4": ((n, k), torch.uint8), "weight_scale": (g, torch.uint8)}
+
+    def check(self, name, shape) -> None:
+        P.check_group(name, tuple(shape), self.group_size, f"fp4 ({self.fp4_format})")
+
+    def group_scales(self, q: QuantizedTensor) -> torch.Tensor:
+        """The float32 multiplier of each group, ``[n, k/G]``."""
+        if q.extra.get("fp4_format", self.fp4_format) == "nvfp4":
+            return q.parts["weight_scale"].to(torch.float32) / q.parts["weight_global_scale"].to(torch.float32)
+        return P.e8m0_to_f32(q.parts["weight_scale"])
+
+    def quantize(self, w: torch.Tensor, name: str | None = None) -> QuantizedTensor:
+        self.check(name or "weight", tuple(w.shape))
+        P.check_finite(w, name)
+        w = w.to(torch.float32)
+        n, k = w.shape
+        if self.fp4_format == "nvfp4":
+            gs = P.nvfp4_global_scale(w)
+            scale = P.nvfp4_block_scales(w, gs, self.group_size)
+            parts = {"weight_scale": scale, "weight_global_scale": gs}
+            mult = scale.to(torch.float32) / gs
+        else:
+            scale = P.mxfp4_scale_codes(w, self.group_size)
+            parts = {"weight_scale": scale}
+            mult = P.e8m0_to_f32(scale)
+        x = torch.clamp(P.groups(w, self.group_size) / mult[:, :, None], -P.E2M1_MAX, P.E2M1_MAX)
+        codes = P.encode_e2m1(P.ungroup(x))
+        return QuantizedTensor(self.name, self.fp4_format, (n, k), {"weight_fp4": codes, **parts},
+                               self.group_size, True, {"fp4_format": self.fp4_format})
+
+    def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        v = P.groups(P.decode_e2m1(q.parts["weight_fp4"]), q.group_size)
+        return P.ungroup(v * self.group_scales(q)[:, :, None])
+
+    def fake_quant(self, w: torch.Tensor) -> torch.Tensor:
+        return self.dequantize(self.quantize(w))
