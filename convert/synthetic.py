@@ -1,8 +1,9 @@
 """Tiny synthetic checkpoints in the exact release formats, for `cvt demo`, tests and benches.
 
-`tiny_deepseek_config()` is a DeepSeek-V3 config with awkward sizes (nothing a multiple of
-128: 80-row experts, 200-wide hidden, 576-like edge blocks), one dense and two MoE layers
-and an MTP layer. `write_fp8_release(dst, config)` writes it the way DeepSeek/Kimi publish:
+`tiny_deepseek_config()` is a DeepSeek-V3 config with awkward FP8 blocks (88-row
+kv_a_proj_with_mqa like V3's 576x7168, 192-row q_b_proj, 72-column kv_b_proj, 300-row
+vocab) while every quantized linear's input dim is a multiple of 128, so all group sizes
+(16..128) apply; one dense and two MoE layers and an MTP layer. `write_fp8_release(dst, config)` writes it the way DeepSeek/Kimi publish:
 FP8 e4m3 linears with `weight_scale_inv` block scales, BF16 norms/embeddings/router, F32
 `e_score_correction_bias`, several shards with an index (one scale deliberately stored in
 a different shard from its weight), config.json with `quantization_config`, a byte-level
@@ -33,12 +34,12 @@ def tiny_deepseek_config(**overrides: Any) -> dict[str, Any]:
         "pad_token_id": 258,
         "first_k_dense_replace": 1,
         "hidden_act": "silu",
-        "hidden_size": 200,
+        "hidden_size": 256,
         "initializer_range": 0.02,
-        "intermediate_size": 264,
+        "intermediate_size": 384,
         "kv_lora_rank": 72,
         "max_position_embeddings": 1024,
-        "moe_intermediate_size": 80,
+        "moe_intermediate_size": 128,
         "n_group": 2,
         "n_routed_experts": 4,
         "n_shared_experts": 1,
@@ -48,10 +49,10 @@ def tiny_deepseek_config(**overrides: Any) -> dict[str, Any]:
         "num_hidden_layers": 3,
         "num_key_value_heads": 4,
         "num_nextn_predict_layers": 1,
-        "q_lora_rank": 96,
+        "q_lora_rank": 128,
         "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 16,
-        "v_head_dim": 24,
+        "v_head_dim": 32,
         "rms_norm_eps": 1e-06,
         "rope_interleave": True,
         "rope_theta": 10000.0,

@@ -1,8 +1,8 @@
 """Shared fixtures: tiny synthetic checkpoints in tmp dirs, and running the real CLI.
 
-Shapes are awkward on purpose (see cvt.convert.synthetic): 80-row experts, 200-wide
-hidden, a 88x200 kv_a_proj (576x7168-like partial edge blocks), one scale stored in a
-different shard from its weight, an MTP layer.
+Shapes are awkward on purpose (see cvt.convert.synthetic): FP8 weights with partial edge
+blocks (88x256 kv_a_proj like V3's 576x7168, 192-row q_b_proj, 72-column kv_b_proj), one
+scale stored in a different shard from its weight, an MTP layer.
 """
 
 from __future__ import annotations

@@ -1,0 +1,510 @@
+"""The `cvt quantize` stage: a BF16, FP8 or compressed-tensors INT4 checkpoint -> quantized
+weights in the Ascend (msModelSlim AscendV1) or compressed-tensors format.
+
+Streaming like every stage: tensors are read one at a time (FP8 weights dequantized on the
+fly, so no BF16 copy is ever written), each quantized linear is quantized once when its first
+part is written, and the writer shards, hashes, resumes and writes the manifest. Which
+linears are quantized, and how, is `cvt.quant.recipe.Policy`. Calibrated methods (gptq, awq,
+smoothquant) first run the runtime model layer by layer on calibration text
+(`cvt.quant.methods`); their results replace RTN for the modules they cover, and every
+fallback to RTN is recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cvt import __version__
+from cvt.convert.arch import arch_for
+from cvt.convert.config import SourceFormat, bf16_config, fp8_config, source_format
+from cvt.convert.fp8 import dequant_fp8_block
+from cvt.convert.reader import Checkpoint, open_checkpoint
+from cvt.convert.safetensors_io import TensorSpec, dtype_code
+from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_checkpoint
+from cvt.errors import CvtError, FormatError, TensorError
+from cvt.quant.formats import get_format
+from cvt.quant.recipe import Policy, Recipe
+from cvt.quant.schemes import get_scheme
+from cvt.quant.schemes.base import QuantizedTensor, Scheme
+from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
+
+FP8_SCALE = "_scale_inv"
+CT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_global_scale")
+DEFAULT_GROUP = {("w4a16", "compressed-tensors"): 128, ("w4a16", "ascend"): 64}
+
+
+@dataclass
+class Plan:
+    """Per module: its source tensors, and the scheme chosen (None: float)."""
+
+    modules: dict[str, dict[str, str]] = field(default_factory=dict)  # module -> param -> tensor name
+    schemes: dict[str, Scheme] = field(default_factory=dict)  # quantized module -> scheme
+    methods: dict[str, str] = field(default_factory=dict)
+    float_reasons: dict[str, str] = field(default_factory=dict)
+
+
+def _sqnr(w: torch.Tensor, w_hat: torch.Tensor) -> float | str:
+    from cvt.runtime.metrics import sqnr_db
+
+    v = sqnr_db(w, w_hat)
+    return "Infinity" if v == float("inf") else v
+
+
+class _Source:
+    """Float (or already-quantized) views of the source's modules, whatever its format."""
+
+    def __init__(self, ckpt: Checkpoint, fmt: SourceFormat):
+        self.ckpt = ckpt
+        self.block = fp8_config(ckpt.config, str(ckpt.root)).block if fmt is SourceFormat.FP8_BLOCK else None
+        self.ct = get_format("compressed-tensors") if fmt is SourceFormat.CT_INT4 else None
+
+    def float_weight(self, params: dict[str, str]) -> torch.Tensor:
+        """float32 [n, k] of a linear's weight: FP8 dequantized, CT INT4 unpacked, else cast."""
+        ck = self.ckpt
+        if "weight" in params and ck.tensors[params["weight"]].dtype == "F8_E4M3":
+            w = dequant_fp8_block(ck.read(params["weight"]), ck.read(params["weight"] + FP8_SCALE), self.block)
+            ck.release(params["weight"])
+            return w.float()
+        if "weight_packed" in params:
+            q = self.source_quantized(params)
+            return get_scheme(q.scheme, group_size=q.group_size, symmetric=q.symmetric).dequantize(q)
+        t = ck.read(params["weight"]).float()
+        ck.release(params["weight"])
+        return t
+
+    def source_quantized(self, params: dict[str, str]) -> QuantizedTensor:
+        module = params["weight_packed"].rpartition(".")[0]
+        disk = {p: self.ckpt.read(n).clone() for p, n in params.items() if p in CT_PARTS}
+        return self.ct.read(module, disk, self.ckpt.config)
+
+    def float_tensor(self, name: str) -> torch.Tensor:
+        """A tensor kept float: FP8 ones dequantized to BF16, others as stored."""
+        ref = self.ckpt.tensors[name]
+        if ref.dtype == "F8_E4M3":
+            return dequant_fp8_block(self.ckpt.read(name), self.ckpt.read(name + FP8_SCALE), self.block)
+        return self.ckpt.read(name)
+
+
+def _scheme_for(name: str, fmt_name: str, group_size: int | None, asym: bool, fp4_format: str,
+                cache: dict) -> Scheme:
+    gs = group_size if group_size is not None else DEFAULT_GROUP.get((name, fmt_name), 0)
+    key = (name, gs, asym, fp4_format)
+    if key not in cache:
+        opts: dict[str, Any] = {}
+        if name == "w4a16":
+            opts = {"group_size": gs, "symmetric": not asym}
+        elif name == "fp4":
+            opts = {"fp4_format": fp4_format}
+        elif asym:
+            raise CvtError(f"--asym applies to w4a16 only, not {name}")
+        cache[key] = get_scheme(name, **opts)
+    return cache[key]
+
+
+def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_size: int | None, asym: bool,
+              fp4_format: str) -> Plan:
+    arch = policy.arch
+    plan = Plan()
+    for name in ckpt.tensors:
+        if name.endswith(FP8_SCALE):
+            continue
+        info = arch.classify(name)
+        plan.modules.setdefault(info.module, {})[info.param] = name
+    cache: dict = {}
+    for module, params in plan.modules.items():
+        if "weight" not in params and "weight_packed" not in params:
+            continue
+        choice = policy.choose(module)
+        if choice.scheme is None:
+            plan.float_reasons[module] = choice.reason
+            continue
+        scheme = _scheme_for(choice.scheme, fmt.name, choice.group_size, asym, fp4_format, cache)
+        fmt.supports(scheme)
+        shape = _weight_shape(ckpt, params)
+        scheme.check(module + ".weight", shape)
+        plan.schemes[module] = scheme
+        plan.methods[module] = choice.method
+    if not plan.schemes:
+        raise CvtError(f"{ckpt.root}: nothing to quantize with scheme {scheme_name} (every linear is float by "
+                       "default, ignored or not quantizable)")
+    return plan
+
+
+def _weight_shape(ckpt: Checkpoint, params: dict[str, str]) -> tuple[int, int]:
+    if "weight_shape" in params:
+        return tuple(int(x) for x in ckpt.read(params["weight_shape"]).tolist())
+    shape = ckpt.tensors[params["weight"]].shape
+    if len(shape) != 2:
+        raise TensorError(f"{params['weight']}: a linear weight must be 2-D, got {list(shape)}")
+    return shape
+
+
+def _kernel_fmt(scheme: Scheme, static: bool = False) -> str:
+    if scheme.name in ("w8a8", "w8a8c8"):
+        return "w8a8_static" if static else "w8a8_dynamic"
+    return scheme.fp4_format if scheme.name == "fp4" else scheme.name
+
+
+def _probe_q(scheme: Scheme, shape: tuple[int, int], static: bool) -> QuantizedTensor:
+    """A QuantizedTensor of zeros with the scheme's part shapes and dtypes, for planning the
+    on-disk layout (formats validate values, so meta tensors will not do)."""
+    z = lambda s_, d: torch.zeros(s_, dtype=d)  # noqa: E731
+    parts = {p: z(s_, d) for p, (s_, d) in scheme.param_info(shape).items()}
+    if "weight_scale" in parts and parts["weight_scale"].is_floating_point():
+        parts["weight_scale"] = torch.ones_like(parts["weight_scale"])
+    if "weight_global_scale" in parts:
+        parts["weight_global_scale"] = torch.ones_like(parts["weight_global_scale"])
+    extra = {}
+    if static:
+        n = shape[0]
+        parts = {"weight": parts["weight"], "input_scale": torch.ones(1), "input_offset": z((1,), torch.float32),
+                 "deq_scale": torch.ones(n), "quant_bias": z((n,), torch.int32)}
+        extra = {"weight_scale": torch.ones(n, 1)}
+    return QuantizedTensor(scheme.name, _kernel_fmt(scheme, static), shape, parts, scheme.group_size,
+                           scheme.symmetric, extra)
+
+
+class _Layouts:
+    """On-disk {suffix: (shape, dtype)} and Ascend tags per (scheme, shape, static, bias),
+    computed once on a zero probe and reused for every module of that kind."""
+
+    PROBE = "probe"
+
+    def __init__(self, form):
+        self.form = form
+        self._cache: dict = {}
+
+    def get(self, module: str, scheme: Scheme, shape, static: bool, bias_shape, bias_dtype):
+        key = (id(scheme), tuple(shape), static, bias_shape, bias_dtype)
+        if key not in self._cache:
+            q = _probe_q(scheme, tuple(shape), static)
+            b = None if bias_shape is None else torch.zeros(bias_shape, dtype=bias_dtype)
+            disk = self.form.disk_tensors(self.PROBE, q, b)
+            specs = {n[len(self.PROBE):]: (tuple(t.shape), dtype_code(t.dtype)) for n, t in disk.items()}
+            tags = ({n[len(self.PROBE):]: t for n, t in self.form.tags(self.PROBE, q, bias=b is not None).items()}
+                    if hasattr(self.form, "tags") else {})
+            self._cache[key] = (specs, tags)
+        specs, tags = self._cache[key]
+        return ({module + k: v for k, v in specs.items()}, {module + k: v for k, v in tags.items()})
+
+
+class _Quantizer:
+    """Quantizes each module once, when its first on-disk part is asked for, and hands out the
+    parts; drops the result when all parts were taken. Thread-safe (files are written in parallel)."""
+
+    def __init__(self, source: _Source, plan: Plan, fmt, static_inputs: dict, precomputed: dict):
+        self.source, self.plan, self.fmt = source, plan, fmt
+        self.static_inputs, self.precomputed = static_inputs, precomputed
+        self._lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._ready: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
+        self.info: dict[str, QuantTensorInfo] = {}
+
+    def part(self, module: str, name: str, n_parts: int) -> torch.Tensor:
+        with self._lock:
+            lock = self._locks.setdefault(module, threading.Lock())
+        with lock:
+            if module not in self._ready:
+                self._ready[module] = (self._quantize(module), n_parts)
+            tensors, left = self._ready[module]
+            if left == 1:
+                del self._ready[module]
+            else:
+                self._ready[module] = (tensors, left - 1)
+            return tensors[name]
+
+    def _quantize(self, module: str) -> dict[str, torch.Tensor]:
+        from cvt.quant.schemes.w8a8 import static_parts
+
+        params = self.plan.modules[module]
+        scheme = self.plan.schemes[module]
+        w = self.source.float_weight(params)
+        method = self.plan.methods[module]
+        q = self.precomputed.get(module)
+        if q is None:
+            if method != "rtn" and module not in self.precomputed:
+                method = "rtn-fallback" if method != "rtn" else method
+            q = scheme.quantize(w, name=module + ".weight")
+        bias = self.source.ckpt.read(params["bias"]).clone() if "bias" in params else None
+        if module in self.static_inputs:
+            q = static_parts(q, *self.static_inputs[module], bias=bias)
+            bias = None  # folded into quant_bias
+        self.info[module] = QuantTensorInfo(
+            scheme=scheme.name, kernel_fmt=q.kernel_fmt, method=method, group_size=scheme.group_size,
+            symmetric=scheme.symmetric, sqnr_db=_sqnr(w, scheme.dequantize(q) if q.kernel_fmt != "w8a8_static"
+                                                       else _static_dequant(q)))
+        return self.fmt.disk_tensors(module, q, bias)
+
+
+def _static_dequant(q: QuantizedTensor) -> torch.Tensor:
+    return q.parts["weight"].float() * q.extra["weight_scale"]
+
+
+def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: str = "rtn",
+             group_size: int | None = None, asym: bool = False, fp4_format: str = "nvfp4", calib: Path | None = None,
+             calib_tokens: int = 2048, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
+             static_attention: bool = False, revision: str | None = None, workers: int | None = None,
+             max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
+             quiet: bool = False) -> WriteResult:
+    """Quantize SRC into DST (see the module docstring). Returns the writer's result, with
+    counts in `.extra`."""
+    form = get_format(fmt)
+    get_scheme(scheme, **({"fp4_format": fp4_format} if scheme == "fp4" else {}))  # unknown names fail here
+    if static_attention and (fmt != "ascend" or scheme not in ("w8a8", "w8a8c8")):
+        raise FormatError("--static-attention (static W8A8 attention with input_scale / deq_scale / quant_bias) "
+                          "exists only in the ascend format with --scheme w8a8 or w8a8c8")
+    ckpt = open_checkpoint(src, revision)
+    try:
+        src_fmt = source_format(ckpt.config, ckpt.has_manifest)
+        if src_fmt is SourceFormat.CVT:
+            m = json.loads((ckpt.root / "cvt_manifest.json").read_text())
+            if m.get("format") != "hf-bf16":
+                raise FormatError(f"{src}: a cvt {m.get('format')} output; quantize reads BF16, FP8 or "
+                                  "compressed-tensors INT4 checkpoints")
+            src_fmt = SourceFormat.BF16
+        if src_fmt not in (SourceFormat.BF16, SourceFormat.FP8_BLOCK, SourceFormat.CT_INT4):
+            raise FormatError(f"{src}: cannot quantize a {src_fmt.value} checkpoint")
+        arch = arch_for(ckpt.config)
+        policy = Policy(arch, scheme, method, group_size, ignore, recipe)
+        plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format)
+        for module, sch in plan.schemes.items():
+            form.check_shape(module, sch, _weight_shape(ckpt, plan.modules[module]))
+        source = _Source(ckpt, src_fmt)
+        _check_finite_weights(source, plan)
+
+        needs_model = (any(m != "rtn" for m in plan.methods.values()) or static_attention
+                       or any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
+        calib_result = _calibrate(ckpt, plan, calib, calib_tokens, static_attention) if needs_model else _Calib()
+        return _write(ckpt, dst, plan, form, source, src_fmt, calib_result, scheme, fmt, method, group_size, asym,
+                      fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet)
+    finally:
+        ckpt.close()
+
+
+def _check_finite_weights(source: _Source, plan: Plan) -> None:
+    """NaN/Inf in a weight to quantize is refused before anything is written (one pass, one
+    tensor at a time)."""
+    for module in plan.schemes:
+        w = source.float_weight(plan.modules[module])
+        if not torch.isfinite(w).all():
+            bad = int((~torch.isfinite(w)).sum())
+            raise TensorError(f"{module}.weight: {bad} non-finite value(s); refusing to quantize NaN/Inf weights")
+
+
+@dataclass
+class _Calib:
+    quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
+    float_overrides: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. norms after smoothing
+    static_inputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    kv_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    fallbacks: list[Fallback] = field(default_factory=list)
+    tokens: int = 0
+
+
+def calibration_tokens(folder: Path, config: dict, calib: Path | None, n_tokens: int, seq_len: int = 256) -> torch.Tensor:
+    """[b, s] token batch from --calib (text / jsonl) or the built-in sample; CvtError when empty."""
+    from cvt.runtime.tokenizer import load_tokenizer, read_texts
+    from cvt.runtime.verify import SAMPLE_TEXT
+
+    if calib is not None and not Path(calib).is_file():
+        raise CvtError(f"--calib {calib}: no such file")
+    texts = read_texts(calib) if calib is not None else [SAMPLE_TEXT]
+    tok = load_tokenizer(folder, config)
+    ids: list[int] = []
+    for t in texts:
+        if t.strip():
+            ids += tok.encode(t)
+    if len(ids) < 2:
+        raise CvtError(f"--calib {calib}: no text to calibrate on" if calib else "the built-in sample is empty")
+    ids = ids[:n_tokens]
+    seq_len = min(seq_len, len(ids))
+    n = len(ids) // seq_len
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_attention: bool) -> _Calib:
+    """Run the runtime model on calibration text: KV-cache scales (w8a8c8), static activation
+    scales (--static-attention), and the calibrated methods."""
+    from cvt.runtime.loader import load_model
+
+    loaded = load_model(ckpt.source, dtype=torch.float32)
+    model = loaded.model
+    tokens = calibration_tokens(ckpt.root, ckpt.config, calib, calib_tokens)
+    out = _Calib(tokens=int(tokens.numel()))
+    if any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()):
+        from cvt.runtime.kv_cache import calibrate_kv_scales
+
+        out.kv_scales = calibrate_kv_scales(model, tokens)
+    if static_attention:
+        out.static_inputs = _static_input_scales(model, tokens, plan)
+    methods = {m for m in plan.methods.values() if m != "rtn"}
+    if methods:
+        from cvt.quant.methods import run_methods
+
+        res = run_methods(model, tokens, plan)
+        out.quantized, out.float_overrides, out.fallbacks = res.quantized, res.float_overrides, res.fallbacks
+    return out
+
+
+def _static_input_scales(model, tokens: torch.Tensor, plan: Plan) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per-tensor symmetric input scales (amax / 127, offset 0) of the attention projections
+    that are W8A8, measured on the float model."""
+    amax: dict[str, float] = {}
+    hooks = []
+    targets = {m for m, s in plan.schemes.items() if s.name in ("w8a8", "w8a8c8") and ".self_attn." in m}
+    for name, mod in model.named_modules():
+        if name in targets:
+            def hook(_m, args, name=name):
+                amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().max()))
+            hooks.append(mod.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {m: (torch.tensor([max(a, 1e-8) / 127.0]), torch.zeros(1)) for m, a in amax.items()}
+
+
+LINEAR_ROLES = ("linear", "expert", "shared_expert", "mtp_proj", "head", "router")
+
+
+def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, cal: _Calib, scheme: str, fmt: str,
+           method: str, group_size, asym: bool, fp4_format: str, static_attention: bool, workers, max_shard_size,
+           resume, overwrite, quiet) -> WriteResult:
+    import hashlib
+
+    arch = arch_for(ckpt.config)
+    quantizer = _Quantizer(source, plan, form, cal.static_inputs, cal.quantized)
+    layouts = _Layouts(form)
+    outs: list[OutTensor] = []
+    tags: dict[str, str] = {}
+    emitted: set[str] = set()
+    float_linears: list[str] = []
+    for name, ref in ckpt.tensors.items():
+        if name.endswith(FP8_SCALE):
+            continue
+        info = arch.classify(name)
+        module = info.module
+        if module in plan.schemes:
+            if module in emitted:
+                continue
+            emitted.add(module)
+            sch = plan.schemes[module]
+            shape = _weight_shape(ckpt, plan.modules[module])
+            static = module in cal.static_inputs
+            has_bias = "bias" in plan.modules[module] and not static
+            b = ckpt.tensors[plan.modules[module]["bias"]] if has_bias else None
+            specs, module_tags = layouts.get(module, sch, shape, static, None if b is None else b.shape,
+                                             None if b is None else getattr(torch, _torch_name(b.dtype)))
+            tags.update(module_tags)
+            for j, (disk_name, (shape_, dt)) in enumerate(specs.items()):
+                outs.append(OutTensor(
+                    spec=TensorSpec(disk_name, dt, shape_),
+                    produce=lambda m=module, n=disk_name, c=len(specs): quantizer.part(m, n, c),
+                    read_bytes=ref.nbytes if j == 0 else 0,
+                    meta=(lambda m=module: (m, quantizer.info[m].model_dump())) if j == 0 else None,
+                    meta_key=module if j == 0 else None,
+                ))
+            continue
+        if src_fmt is SourceFormat.CT_INT4 and info.param in CT_PARTS:
+            if info.param != "weight_packed":
+                continue  # a float module stored packed: written once, as BF16 weight
+            params = plan.modules[module]
+            wname = module + ".weight"
+            shape = _weight_shape(ckpt, params)
+            outs.append(OutTensor(TensorSpec(wname, "BF16", shape),
+                                  produce=lambda p=params: source.float_weight(p).to(torch.bfloat16)))
+            tags[wname] = "FLOAT"
+            continue
+        dt = "BF16" if ref.dtype == "F8_E4M3" else ref.dtype
+        if name in cal.float_overrides:
+            produce = (lambda n=name, d=dt: cal.float_overrides[n].to(getattr(torch, _torch_name(d))).contiguous())
+        elif ref.dtype == "F8_E4M3":
+            produce = (lambda n=name: source.float_tensor(n))
+        else:
+            produce = (lambda n=name: ckpt.view(n))
+        outs.append(OutTensor(TensorSpec(name, dt, ref.shape), produce=produce,
+                              release=(lambda n=name: ckpt.release(n)), read_bytes=ref.nbytes))
+        tags[name] = "FLOAT"
+        if info.param == "weight" and len(ref.shape) == 2 and info.role.value in LINEAR_ROLES and module not in float_linears:
+            float_linears.append(module)
+
+    schemes_used = {id(s): s for s in plan.schemes.values()}
+    c8 = any(getattr(s, "kv_cache", None) == "int8" for s in schemes_used.values())
+    kv_tensors: dict[str, torch.Tensor] = {}
+    kv_meta = None
+    if c8:
+        from cvt.runtime import kv_cache
+
+        if fmt == "ascend":
+            kv_tensors = dict(cal.kv_scales)
+        else:
+            kv_tensors = kv_cache.to_compressed_tensors(cal.kv_scales, ckpt.config, "tensor", torch.float32)
+        kv_meta = {"convention": kv_cache.KV_CONVENTION, "tensors": sorted(kv_tensors)}
+        for n, t in kv_tensors.items():
+            outs.append(OutTensor(TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)), produce=lambda t=t: t.contiguous()))
+            tags[n] = "C8"
+
+    config = bf16_config(ckpt.config)
+    extra_files = []
+    gs_all = {s.group_size for s in schemes_used.values()}
+    if fmt == "ascend":
+        desc = form.description(tags, kv_cache="int8" if c8 else None, group_size=gs_all.pop() if len(gs_all) == 1 else 0)
+        extra_files.append(("quant_model_description.json", (json.dumps(desc, indent=2) + "\n").encode()))
+    else:
+        used = list(schemes_used.values())
+        if len(used) > 1:
+            used = [(s, [m for m, x in plan.schemes.items() if x is s]) for s in used]
+        from cvt.quant.formats.compressed_tensors import kv_cache_int8
+
+        qc = form.quantization_config(used, ignore_list=float_linears, kv_cache_scheme=kv_cache_int8("tensor") if c8 else None)
+        target = config["text_config"] if isinstance(config.get("text_config"), dict) and "model_type" not in config else config
+        target["quantization_config"] = qc
+
+    fallbacks = list(cal.fallbacks)
+    quant = QuantInfo(scheme=scheme, format=fmt, method=method, group_size=group_size, symmetric=not asym,
+                      fp4_format=fp4_format if scheme == "fp4" else None, kv_cache=kv_meta,
+                      float_modules=dict(plan.float_reasons), fallbacks=fallbacks)
+
+    def on_meta(meta: dict[str, dict]) -> None:
+        quant.tensors = {m: QuantTensorInfo(**v) for m, v in sorted(meta.items())}
+        for m, v in sorted(meta.items()):
+            if v["method"] == "rtn-fallback" and not any(f.module == m for f in quant.fallbacks):
+                quant.fallbacks.append(Fallback(module=m, method=plan.methods[m], reason="not covered by calibration"))
+
+    calib_id = None
+    if cal.tokens:
+        calib_id = {"tokens": cal.tokens}
+    params = {"scheme": scheme, "format": fmt, "method": method, "group_size": group_size, "asym": asym,
+              "fp4_format": fp4_format if scheme == "fp4" else None, "static_attention": static_attention,
+              "calibration": calib_id, "max_shard_size": max_shard_size}
+    params["modules"] = hashlib.sha256(json.dumps(
+        {m: [s.name, s.group_size, s.symmetric, plan.methods[m]] for m, s in plan.schemes.items()}, sort_keys=True
+    ).encode()).hexdigest()
+    workers = max(1, workers or min(2, os.cpu_count() or 1))
+    result = write_checkpoint(
+        ckpt, Path(dst), outs,
+        stage=StageInfo(name="quantize", tool_version=__version__, parameters=params),
+        source_format=src_fmt.value, out_format=f"{fmt}-{scheme}", config=config,
+        summary={"quantized": len(plan.schemes), "float_modules": len(plan.float_reasons)},
+        max_shard_size=max_shard_size, workers=workers, resume=resume, overwrite=overwrite, quiet=quiet,
+        prefix=form.weights_prefix, extra_files=extra_files, quant=quant, on_meta=on_meta,
+    )
+    sqnrs = [v.sqnr_db for v in quant.tensors.values() if isinstance(v.sqnr_db, float)]
+    result.extra.update(quantized=len(plan.schemes), float_modules=len(plan.float_reasons),
+                        fallbacks=len(quant.fallbacks), min_sqnr_db=f"{min(sqnrs):.1f} dB" if sqnrs else "exact")
+    return result
+
+
+def _torch_name(code: str) -> str:
+    from cvt.convert.safetensors_io import DTYPES
+
+    return DTYPES[code][0]
