@@ -25,6 +25,7 @@ from cvt.convert.fp8 import dequant_fp8_block
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint
 from cvt.convert.safetensors_io import sha256_file
 from cvt.errors import ManifestError, TensorError
+from cvt.runtime.kv_cache import is_kv_cache_tensor
 from cvt.runtime.models import build_model
 from cvt.schemas.manifest import Manifest
 
@@ -98,37 +99,116 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
     try:
         manifest = check_manifest(ckpt, verify_files)
         fmt = source_format(ckpt.config, manifest is not None)
-        if fmt not in (SourceFormat.BF16, SourceFormat.FP8_BLOCK, SourceFormat.CVT):
-            raise ManifestError(f"{ckpt.root}: {fmt.value} checkpoints are not runnable yet (bf16, fp8-block and cvt outputs are)")
+        if fmt is SourceFormat.OTHER_QUANT:
+            raise ManifestError(f"{ckpt.root}: {fmt.value} checkpoints are not runnable (bf16, fp8-block, "
+                                "compressed-tensors and cvt outputs are)")
         block = fp8_config(ckpt.config, str(ckpt.root)).block if fmt is SourceFormat.FP8_BLOCK else None
         device = torch.device(device)
         with torch.device("meta"):
             model = build_model(ckpt.config, dtype=dtype)
         n_layers = getattr(model, "args").num_hidden_layers
+        quant = _quant_reader(ckpt)
         seen: set[str] = set()
-        for name, ref in ckpt.tensors.items():
-            if name.endswith("_scale_inv"):
+        kv: dict[str, torch.Tensor] = {}
+        for module, params in _by_module(ckpt).items():
+            if quant is not None and quant.is_quantized(module, params):
+                _load_quantized(model, ckpt, quant, module, params, device)
+                seen.add(module + ".weight")
                 continue
-            owner = _owner(model, name)
-            if owner is None:
-                raise TensorError(f"tensor {name} ({ref.path.name}) has no place in the {ckpt.config.get('model_type')} runtime model")
-            t = ckpt.read(name)
-            if block is not None and ref.dtype == "F8_E4M3":
-                t = dequant_fp8_block(t, ckpt.read(name + "_scale_inv"), block)
-                ckpt.release(name + "_scale_inv")
-            else:
-                t = t.clone()  # out of the mmap: the model owns its memory
-            ckpt.release(name)
-            _assign(*owner, t.to(device), name)
-            seen.add(name)
+            for param, name in params.items():
+                if is_kv_cache_tensor(name):
+                    kv[name] = ckpt.read(name).clone()
+                    continue
+                if name.endswith("_scale_inv"):
+                    continue
+                ref = ckpt.tensors[name]
+                owner = _owner(model, name)
+                if owner is None:
+                    raise TensorError(f"tensor {name} ({ref.path.name}) has no place in the "
+                                      f"{ckpt.config.get('model_type')} runtime model")
+                t = ckpt.read(name)
+                if block is not None and ref.dtype == "F8_E4M3":
+                    t = dequant_fp8_block(t, ckpt.read(name + "_scale_inv"), block)
+                    ckpt.release(name + "_scale_inv")
+                else:
+                    t = t.clone()  # out of the mmap: the model owns its memory
+                ckpt.release(name)
+                _assign(*owner, t.to(device), name)
+                seen.add(name)
+        if kv:
+            from cvt.runtime.kv_cache import attach_kv_cache_scales
+
+            attach_kv_cache_scales(model, {k: v.to(device) for k, v in kv.items()})
         _drop_absent_mtp(model, seen, n_layers)
-        missing = [n for n, _ in _named_tensors(model) if n not in seen]
+        missing = [n for n, t in _named_tensors(model) if t.is_meta]  # never assigned from the checkpoint
         if missing:
             raise TensorError(f"{ckpt.root}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[0]}")
         model.eval()
         return Loaded(model, ckpt.root, ckpt.config, manifest, fmt.value, device, dtype)
     finally:
         ckpt.close()
+
+
+def _by_module(ckpt: Checkpoint) -> dict[str, dict[str, str]]:
+    """module -> {param: tensor name}, in checkpoint order."""
+    out: dict[str, dict[str, str]] = {}
+    for name in ckpt.tensors:
+        module, _, param = name.rpartition(".")
+        out.setdefault(module, {})[param] = name
+    return out
+
+
+class _QuantReader:
+    """Reads quantized linears of an Ascend (quant_model_description.json) or
+    compressed-tensors (config quantization_config) checkpoint through cvt.quant.formats."""
+
+    def __init__(self, fmt, meta, tags: dict | None):
+        self.fmt, self.meta, self.tags = fmt, meta, tags
+
+    def is_quantized(self, module: str, params: dict[str, str]) -> bool:
+        if self.tags is not None:
+            return self.tags.get(f"{module}.weight", "FLOAT") not in ("FLOAT", "C8")
+        return bool(set(params) & {"weight_packed", "weight_scale", "weight_fp4"}) and "weight_scale_inv" not in params
+
+
+def _quant_reader(ckpt: Checkpoint) -> _QuantReader | None:
+    from cvt.convert.config import quantization_config
+    from cvt.convert.safetensors_io import load_json
+    from cvt.quant.formats import get_format
+
+    desc_path = ckpt.root / "quant_model_description.json"
+    if desc_path.is_file():
+        desc = load_json(desc_path)
+        return _QuantReader(get_format("ascend"), desc, desc)
+    qc = quantization_config(ckpt.config)
+    if qc and qc.get("quant_method") == "compressed-tensors":
+        return _QuantReader(get_format("compressed-tensors"), dict(qc), None)
+    return None
+
+
+def _load_quantized(model: nn.Module, ckpt: Checkpoint, quant: _QuantReader, module: str, params: dict[str, str],
+                    device) -> None:
+    from cvt.runtime import kernels
+
+    try:
+        current = model.get_submodule(module)
+    except AttributeError:
+        current = None
+    if not isinstance(current, kernels.Linear):
+        raise TensorError(f"{module}: quantized tensors for a module that is not a linear of the runtime model")
+    disk = {name: ckpt.read(name).clone() for p, name in params.items() if p != "bias" or quant.tags is not None}
+    bias = disk.pop(f"{module}.bias", None) if quant.tags is not None else (
+        ckpt.read(params["bias"]).clone() if "bias" in params else None)
+    q = quant.fmt.read(module, disk, quant.meta)
+    if tuple(q.shape) != (current.out_features, current.in_features):
+        raise TensorError(f"{module}: quantized weight is {list(q.shape)}, the model expects "
+                          f"[{current.out_features}, {current.in_features}]")
+    parts = {k: v.to(device) for k, v in q.parts.items()}
+    new = kernels.get(q.kernel_fmt).from_parts(parts, None if bias is None else bias.to(device))
+    parent, _, attr = module.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
+    for name in params.values():
+        ckpt.release(name)
 
 
 def _named_tensors(model: nn.Module):
