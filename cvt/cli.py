@@ -120,6 +120,9 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
               help="nvfp4: group 16, E4M3 scales + a global scale; mxfp4: group 32, E8M0 scales.")
 @click.option("--calib", type=click.Path(dir_okay=False), help="Calibration text or .jsonl (\"text\" field); default: a built-in sample.")
 @click.option("--calib-tokens", type=click.IntRange(16), default=2048, show_default=True, help="Calibration tokens to use.")
+@click.option("--static-attention", is_flag=True,
+              help="w8a8 (ascend): static per-tensor activation scales on attention projections, calibrated "
+                   "(Ascend W8A8 with input_scale / deq_scale / quant_bias); MLPs and experts stay dynamic.")
 @click.option("--ignore", multiple=True, help="Regex of module names to keep float (repeatable).")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False), help="JSON/YAML rules: pattern -> scheme/method/group size.")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
@@ -128,8 +131,8 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @_common
-def quantize_cmd(src, dst, scheme, fmt, method, group_size, asym, fp4_format, calib, calib_tokens, ignore, recipe,
-                 revision, workers, max_shard_size, resume, overwrite, quiet):
+def quantize_cmd(src, dst, scheme, fmt, method, group_size, asym, fp4_format, calib, calib_tokens, static_attention,
+                 ignore, recipe, revision, workers, max_shard_size, resume, overwrite, quiet):
     """Quantize SRC (BF16, an FP8 release - dequantized on the fly - or compressed-tensors INT4)
     into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
     tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay
@@ -142,7 +145,7 @@ def quantize_cmd(src, dst, scheme, fmt, method, group_size, asym, fp4_format, ca
 
     r = quantize(src, dst, scheme=scheme, fmt=fmt, method=method, group_size=group_size, asym=asym,
                  fp4_format=fp4_format, calib=Path(calib) if calib else None, calib_tokens=calib_tokens,
-                 ignore=tuple(ignore), recipe=load_recipe(Path(recipe)) if recipe else None, revision=revision,
+                 static_attention=static_attention, ignore=tuple(ignore), recipe=load_recipe(Path(recipe)) if recipe else None, revision=revision,
                  workers=workers, max_shard_size=parse_size(max_shard_size), resume=resume, overwrite=overwrite,
                  quiet=quiet)
     if not quiet:

@@ -81,7 +81,7 @@ class _Source:
 
     def source_quantized(self, params: dict[str, str]) -> QuantizedTensor:
         module = params["weight_packed"].rpartition(".")[0]
-        disk = {p: self.ckpt.read(n).clone() for p, n in params.items() if p in CT_PARTS}
+        disk = {n: self.ckpt.read(n).clone() for p, n in params.items() if p in CT_PARTS}
         return self.ct.read(module, disk, self.ckpt.config)
 
     def float_tensor(self, name: str) -> torch.Tensor:
@@ -228,9 +228,14 @@ class _Quantizer:
         w = self.source.float_weight(params)
         method = self.plan.methods[module]
         q = self.precomputed.get(module)
+        if q is None and "weight_packed" in params:
+            src_q = self.source.source_quantized(params)
+            if (src_q.kernel_fmt, src_q.group_size, src_q.symmetric) == (_kernel_fmt(scheme), scheme.group_size,
+                                                                         scheme.symmetric):
+                q, method = src_q, "source"  # same int4 grid: re-emitted as is, without loss
         if q is None:
-            if method != "rtn" and module not in self.precomputed:
-                method = "rtn-fallback" if method != "rtn" else method
+            if method != "rtn":
+                method = "rtn-fallback"
             q = scheme.quantize(w, name=module + ".weight")
         bias = self.source.ckpt.read(params["bias"]).clone() if "bias" in params else None
         if module in self.static_inputs:
@@ -263,14 +268,14 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
     ckpt = open_checkpoint(src, revision)
     try:
         src_fmt = source_format(ckpt.config, ckpt.has_manifest)
-        if src_fmt is SourceFormat.CVT:
+        if src_fmt is SourceFormat.CVT:  # a cvt output is read as what it holds
             m = json.loads((ckpt.root / "cvt_manifest.json").read_text())
-            if m.get("format") != "hf-bf16":
-                raise FormatError(f"{src}: a cvt {m.get('format')} output; quantize reads BF16, FP8 or "
-                                  "compressed-tensors INT4 checkpoints")
-            src_fmt = SourceFormat.BF16
+            src_fmt = {"hf-bf16": SourceFormat.BF16}.get(m.get("format"), source_format(ckpt.config))
+            if src_fmt is SourceFormat.BF16 and m.get("format") != "hf-bf16":
+                src_fmt = SourceFormat.OTHER_QUANT
         if src_fmt not in (SourceFormat.BF16, SourceFormat.FP8_BLOCK, SourceFormat.CT_INT4):
-            raise FormatError(f"{src}: cannot quantize a {src_fmt.value} checkpoint")
+            raise FormatError(f"{src}: cannot quantize a {src_fmt.value} checkpoint (quantize reads BF16, FP8 block "
+                              "and compressed-tensors pack-quantized INT4 checkpoints)")
         arch = arch_for(ckpt.config)
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
         plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format)

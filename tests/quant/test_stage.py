@@ -1,0 +1,354 @@
+"""`cvt quantize` end to end on the tiny DeepSeek-V3 FP8 release and a dense Qwen3 model."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.quant.formats import get_format
+from cvt.quant.schemes import get_scheme
+from cvt.quant.stage import quantize
+from cvt.runtime.kernels import Linear
+from cvt.runtime.loader import load_model
+from cvt.schemas import load_schema
+from cvt.tests.conftest import run_cvt
+from cvt.tests.convert.fp8_reference import decode_scale, dequant
+
+CASES = [
+    ("compressed-tensors", "w8a8", {}),
+    ("compressed-tensors", "w4a16", {}),
+    ("compressed-tensors", "w4a16", {"asym": True, "group_size": 32}),
+    ("compressed-tensors", "fp4", {}),
+    ("compressed-tensors", "fp4", {"fp4_format": "mxfp4"}),
+    ("compressed-tensors", "w8a8c8", {}),
+    ("ascend", "w8a8", {}),
+    ("ascend", "w8a8", {"static_attention": True}),
+    ("ascend", "w4a16", {}),
+    ("ascend", "w4a16", {"asym": True, "group_size": 32}),
+    ("ascend", "w8a8c8", {}),
+]
+IDS = [f"{f}-{s}" + "".join(f"-{k}={v}" for k, v in o.items()) for f, s, o in CASES]
+
+
+def read_dir(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+def source_float_weights(src) -> dict[str, torch.Tensor]:
+    """The FP8 release's weights dequantized by the tests' independent numpy reference."""
+    raw = {}
+    for f in sorted(src.glob("*.safetensors")):
+        data = f.read_bytes()
+        hlen = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + hlen])
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            a, b = info["data_offsets"]
+            raw[name] = (info["dtype"], info["shape"], np.frombuffer(data[8 + hlen + a : 8 + hlen + b], np.uint8))
+    out = {}
+    for name, (dt, shape, buf) in raw.items():
+        if dt == "F8_E4M3":
+            sdt, sshape, sbuf = raw[name + "_scale_inv"]
+            bits = dequant(buf.reshape(shape), decode_scale(sbuf, sdt).reshape(sshape))
+            out[name] = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).float()
+    return out
+
+
+@pytest.fixture(scope="module")
+def outputs(fp8_release_session, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    res = {}
+    for (fmt, scheme, opts), cid in zip(CASES, IDS):
+        r = quantize(fp8_release_session, root / cid, scheme=scheme, fmt=fmt, quiet=True, **opts)
+        res[cid] = (root / cid, r)
+    return res
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_written_weights_are_the_scheme_applied_to_the_source(outputs, fp8_release_session, case):
+    """Every quantized linear on disk reads back (format reader) to exactly what the scheme makes
+    of the independently dequantized FP8 weight; the runtime kernel multiplies by the same."""
+    fmt, scheme_name, opts = case
+    folder, result = outputs[IDS[CASES.index(case)]]
+    manifest = json.loads((folder / "cvt_manifest.json").read_text())
+    jsonschema.validate(manifest, load_schema("manifest.schema.json"))
+    quant = manifest["quant"]
+    disk = read_dir(folder)
+    form = get_format(fmt)
+    meta = (json.loads((folder / "quant_model_description.json").read_text()) if fmt == "ascend"
+            else json.loads((folder / "config.json").read_text())["quantization_config"])
+    floats = source_float_weights(fp8_release_session)
+    loaded = load_model(folder, dtype=torch.float32).model
+    checked = 0
+    for module, info in quant["tensors"].items():
+        scheme = get_scheme(info["scheme"], **({"group_size": info["group_size"], "symmetric": info["symmetric"]}
+                                               if info["scheme"] == "w4a16" else
+                                               {"fp4_format": info["kernel_fmt"]} if info["scheme"] == "fp4" else {}))
+        want = scheme.quantize(floats[module + ".weight"])
+        got = form.read(module, {k: v for k, v in disk.items() if k.startswith(module + ".")}, meta)
+        parts = got.parts if info["kernel_fmt"] != "w8a8_static" else {"weight": got.parts["weight"]}
+        for p, t in parts.items():
+            assert torch.equal(t, want.parts[p]), f"{module}.{p}"
+        mod = loaded.get_submodule(module)
+        assert isinstance(mod, Linear) and mod.fmt == info["kernel_fmt"]
+        if info["kernel_fmt"] != "w8a8_static":
+            assert torch.equal(mod.dense_weight(), scheme.dequantize(want)), module
+        checked += 1
+    assert checked == result.extra["quantized"] > 0
+    # defaults kept float: router, kv_b_proj, lm_head, embeddings, MTP eh_proj / head
+    floats_kept = quant["float_modules"]
+    assert "lm_head" in floats_kept and "model.layers.0.self_attn.kv_b_proj" in floats_kept
+    assert "model.layers.1.mlp.gate" in floats_kept and "model.layers.3.eh_proj" in floats_kept
+    assert all(isinstance(v["sqnr_db"], float) and v["sqnr_db"] > 10 for v in quant["tensors"].values())
+
+
+def test_ascend_layout_matches_the_formats_table(outputs):
+    folder, _ = outputs["ascend-w4a16"]
+    desc = json.loads((folder / "quant_model_description.json").read_text())
+    disk = read_dir(folder)
+    assert set(disk) == set(desc) - {"model_quant_type", "version", "group_size"}  # every tensor tagged
+    assert (desc["model_quant_type"], desc["version"], desc["group_size"]) == ("W4A16", "1.0.0", 64)
+    assert sorted(p.name for p in folder.glob("quant_model_weights-*.safetensors"))
+    assert (folder / "quant_model_weights.safetensors.index.json").is_file()
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    x = "model.layers.1.mlp.experts.2.up_proj."
+    n, k = 128, 256
+    assert disk[x + "weight"].dtype == torch.int8 and disk[x + "weight"].shape == (n // 2, k)  # pairs of out channels
+    assert disk[x + "weight_scale"].dtype == torch.float32 and disk[x + "weight_scale"].shape == (n, k // 64)
+    assert torch.equal(disk[x + "weight_offset"], torch.zeros(n, k // 64))
+    assert all(desc[x + p] == "W4A16" for p in ("weight", "weight_scale", "weight_offset"))
+    assert desc["model.layers.1.mlp.gate.weight"] == "FLOAT" and desc["lm_head.weight"] == "FLOAT"
+
+    folder, _ = outputs["ascend-w8a8"]
+    disk, desc = read_dir(folder), json.loads((folder / "quant_model_description.json").read_text())
+    x = "model.layers.0.mlp.down_proj."
+    assert disk[x + "weight"].dtype == torch.int8 and disk[x + "weight"].shape == (256, 384)
+    assert disk[x + "weight_scale"].shape == (256, 1) and disk[x + "weight_scale"].dtype == torch.float32
+    assert torch.equal(disk[x + "weight_offset"], torch.zeros(256, 1)) and desc[x + "weight"] == "W8A8_DYNAMIC"
+
+    folder, _ = outputs["ascend-w8a8-static_attention=True"]
+    disk, desc = read_dir(folder), json.loads((folder / "quant_model_description.json").read_text())
+    x = "model.layers.0.self_attn.o_proj."
+    assert desc[x + "weight"] == "W8A8" and desc["model.layers.0.mlp.down_proj.weight"] == "W8A8_DYNAMIC"
+    assert disk[x + "input_scale"].shape == (1,) and disk[x + "deq_scale"].shape == (256,)
+    assert disk[x + "quant_bias"].dtype == torch.int32 and disk[x + "deq_scale"].dtype == torch.float32
+    assert torch.allclose(disk[x + "deq_scale"], disk[x + "input_scale"] * disk[x + "weight_scale"].view(-1))
+
+    folder, _ = outputs["ascend-w8a8c8"]
+    desc = json.loads((folder / "quant_model_description.json").read_text())
+    assert desc["kv_cache_type"] == "C8"
+    assert desc["model.layers.0.self_attn.kv_a_layernorm.kv_cache_scale"] == "C8"
+
+
+def test_compressed_tensors_config(outputs):
+    folder, _ = outputs["compressed-tensors-w4a16"]
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    w = qc["config_groups"]["group_0"]["weights"]
+    assert (w["num_bits"], w["type"], w["strategy"], w["group_size"], w["symmetric"]) == (4, "int", "group", 128, True)
+    assert "lm_head" in qc["ignore"] and "model.layers.0.self_attn.kv_b_proj" in qc["ignore"]
+    assert "model.layers.1.mlp.gate" in qc["ignore"]
+    assert qc["kv_cache_scheme"] is None
+    c8 = json.loads((outputs["compressed-tensors-w8a8c8"][0] / "config.json").read_text())["quantization_config"]
+    assert c8["kv_cache_scheme"]["num_bits"] == 8 and c8["format"] == "int-quantized"
+    assert json.loads((outputs["compressed-tensors-fp4"][0] / "config.json").read_text())[
+        "quantization_config"]["format"] == "nvfp4-pack-quantized"
+
+
+def test_referee_compressed_tensors_dequantizes_the_stage_output(outputs, tmp_path):
+    """compressed-tensors' model-free dequantizer, run on a whole cvt output directory, gives back
+    the weights cvt's runtime multiplies by (pack-quantized: the package computes in bf16)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.entrypoints.convert import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters import CompressedTensorsDequantizer
+    from safetensors.torch import load_file
+
+    for cid in ("compressed-tensors-w8a8", "compressed-tensors-w4a16"):
+        folder, _ = outputs[cid]
+        deq = CompressedTensorsDequantizer(folder, dtype=torch.float32, ignore=[
+            "re:.*embed_tokens$", "re:.*norm$", "re:.*head$", "lm_head", "re:.*mlp\\.gate$", "re:.*kv_b_proj$",
+            "re:.*eh_proj$"])
+        convert_checkpoint(folder, tmp_path / cid, deq, device="cpu", max_workers=1)
+        got = {}
+        for f in (tmp_path / cid).glob("*.safetensors"):
+            got.update(load_file(str(f)))
+        model = load_model(folder, dtype=torch.float32).model
+        quant = json.loads((folder / "cvt_manifest.json").read_text())["quant"]["tensors"]
+        for module in quant:
+            ours = model.get_submodule(module).dense_weight()
+            theirs = got[module + ".weight"].float()
+            assert torch.equal(theirs, ours if "w8a8" in cid else ours.bfloat16().float()), module
+
+
+def test_runtime_runs_every_output(outputs):
+    tokens = torch.tensor([[256, 72, 101, 108, 108, 111]])
+    for cid, (folder, _) in outputs.items():
+        logits = load_model(folder, dtype=torch.float32).model(tokens)
+        assert torch.isfinite(logits).all(), cid
+
+
+FIXTURE = __import__("pathlib").Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "tiny-dsv3-trained"
+
+
+def weight_only(model, bf16_experts: bool = False):
+    """cvt's model with every quantized linear computing with its dequantized weight and float
+    activations - what transformers runs on CPU after decompressing. transformers 5 fuses MoE
+    experts into bf16 tensors on load, so `bf16_experts` rounds those the same way."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, Linear) and mod.fmt != "dense":
+            w = mod.dense_weight()
+            w = w.bfloat16().float() if bf16_experts and ".experts." in name else w
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, Linear.from_parts({"weight": w}, mod.bias))
+    return model
+
+
+TOKENS = torch.tensor([[256, 35, 105, 110, 99, 108, 117, 100, 101, 32, 60, 108]])
+
+
+@pytest.mark.skipif(not FIXTURE.is_dir(), reason="shared fixture not present")
+def test_transformers_loads_w4a16_deepseek_and_logits_match(tmp_path):
+    """The trained DeepSeek-V3 fixture as compressed-tensors W4A16 g32 loads in transformers and
+    its logits match cvt's runtime on the same output. transformers decompresses the fused
+    experts to bf16 (equal bit for bit to cvt's dequant rounded to bf16, checked here) and runs
+    them in bf16, hence the 2e-3 relative tolerance; the top-1 tokens are identical."""
+    transformers = pytest.importorskip("transformers")
+    dst = tmp_path / "w4a16"
+    quantize(FIXTURE, dst, scheme="w4a16", fmt="compressed-tensors", group_size=32, quiet=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
+    ours = load_model(dst, dtype=torch.float32).model
+    fused = hf.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
+    gate = ours.get_submodule("model.layers.1.mlp.experts.0.gate_proj")
+    assert torch.equal(fused[0, : gate.out_features].float(), gate.dense_weight().bfloat16().float())
+    with torch.no_grad():
+        a = hf(TOKENS).logits
+    b = weight_only(ours, bf16_experts=True)(TOKENS)
+    assert torch.allclose(a, b, rtol=0, atol=2e-3 * a.abs().max().item()), (a - b).abs().max()
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def dense_qwen(tmp_path_factory):
+    cfg = tiny_qwen3_config(moe=False, hidden_size=128, intermediate_size=256, head_dim=32)
+    return write_bf16_checkpoint(tmp_path_factory.mktemp("qwen") / "bf16", cfg)
+
+
+def test_transformers_loads_w8a8_dense_qwen3_and_logits_match(dense_qwen, tmp_path):
+    """Dense Qwen3 W8A8 (int-quantized) loads in transformers, which runs compressed-tensors' fake
+    quantization: the int8 weights decompressed, activations fake-quantized per token with
+    scale amax/127.5. cvt's runtime (like vLLM's and Ascend's kernels) uses amax/127 for the
+    activations; given the same activation rule, its logits match transformers' closely, and its
+    real int8 kernel stays within the activation-rounding difference."""
+    transformers = pytest.importorskip("transformers")
+    dst = tmp_path / "w8a8"
+    quantize(dense_qwen, dst, scheme="w8a8", fmt="compressed-tensors", quiet=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
+    with torch.no_grad():
+        a = hf(TOKENS).logits
+    real = load_model(dst, dtype=torch.float32).model(TOKENS)
+    model = load_model(dst, dtype=torch.float32).model
+    quantized = [n for n, m in model.named_modules() if isinstance(m, Linear) and m.fmt != "dense"]
+    model = weight_only(model)
+
+    def ct_fake_quant(_m, args):
+        x = args[0]
+        scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp(min=1e-12)
+        return ((x / scale).round().clamp(-128, 127) * scale,)
+
+    for n in quantized:
+        model.get_submodule(n).register_forward_pre_hook(ct_fake_quant)
+    b = model(TOKENS)
+    assert torch.allclose(a, b, rtol=0, atol=2e-3 * a.abs().max().item()), (a - b).abs().max()
+    assert torch.nn.functional.cosine_similarity(a.flatten(), real.flatten(), dim=0) > 0.99
+
+
+def test_kimi_int4_source_reemitted_without_loss(dense_qwen, tmp_path):
+    """A compressed-tensors pack-quantized INT4 g32 source (as Kimi-K2-Thinking ships) re-emitted
+    as Ascend W4A16 g32: the dequantized weights are identical."""
+    ct = tmp_path / "ct-int4"
+    quantize(dense_qwen, ct, scheme="w4a16", fmt="compressed-tensors", group_size=32, quiet=True)
+    asc = tmp_path / "ascend"
+    quantize(ct, asc, scheme="w4a16", fmt="ascend", group_size=32, quiet=True)
+    a, b = load_model(ct, dtype=torch.float32).model, load_model(asc, dtype=torch.float32).model
+    for name, mod in a.named_modules():
+        if isinstance(mod, Linear) and mod.fmt == "w4a16":
+            assert torch.equal(mod.dense_weight(), b.get_submodule(name).dense_weight()), name
+
+
+def test_recipe_mixed_precision(fp8_release_session, tmp_path):
+    from cvt.quant.recipe import Recipe
+
+    recipe = Recipe.model_validate({"rules": [{"pattern": r"mlp\.experts\.", "scheme": "w4a16", "group_size": 32},
+                                              {"pattern": r"self_attn\.o_proj", "scheme": "float"}]})
+    quantize(fp8_release_session, tmp_path / "mixed", scheme="w8a8", fmt="compressed-tensors", recipe=recipe, quiet=True)
+    m = json.loads((tmp_path / "mixed" / "cvt_manifest.json").read_text())["quant"]
+    assert m["tensors"]["model.layers.1.mlp.experts.0.up_proj"]["scheme"] == "w4a16"
+    assert m["tensors"]["model.layers.1.mlp.shared_experts.up_proj"]["scheme"] == "w8a8"
+    assert "model.layers.0.self_attn.o_proj" in m["float_modules"]
+    qc = json.loads((tmp_path / "mixed" / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision" and len(qc["config_groups"]) == 2
+    load_model(tmp_path / "mixed", dtype=torch.float32)
+
+
+def test_kill_and_resume_is_byte_identical(fp8_release_session, tmp_path):
+    args = ["quantize", fp8_release_session, None, "--scheme", "w4a16", "--format", "ascend", "--max-shard-size",
+            "300000", "--quiet"]
+    golden = tmp_path / "golden"
+    assert run_cvt(*[golden if a is None else a for a in args]).rc == 0
+    total = sum(p.stat().st_size for p in golden.iterdir())
+    dst = tmp_path / "resumed"
+    killed = run_cvt(*[dst if a is None else a for a in args], env={"CVT_TEST_KILL_AT_BYTE": str(total // 2)})
+    assert killed.rc == -signal.SIGKILL
+    assert run_cvt(*[dst if a is None else a for a in args]).rc == 0
+    assert {p.name: p.read_bytes() for p in golden.iterdir()} == {p.name: p.read_bytes() for p in dst.iterdir()}
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--scheme", "w9"], "Invalid value for '--scheme': 'w9' is not one of"),
+        (["--scheme", "w8a8", "--format", "gguf"], "Invalid value for '--format'"),
+        (["--scheme", "w4a16", "--group-size", "48"], "group size 48 does not divide"),
+        (["--scheme", "fp4", "--format", "ascend"], "no type tag for scheme 'fp4'"),
+        (["--scheme", "w4a16", "--method", "gptq", "--calib", "/nonexistent.txt"], "no such file"),
+        (["--scheme", "w8a8", "--format", "compressed-tensors", "--static-attention"], "exists only in the ascend format"),
+    ],
+    ids=["unknown-scheme", "unknown-format", "group-not-dividing", "fp4-as-ascend", "calib-missing", "static-ct"],
+)
+def test_bad_requests_are_one_line_and_write_nothing(fp8_release_session, tmp_path, args, needle):
+    dst = tmp_path / "out"
+    r = run_cvt("quantize", fp8_release_session, dst, *args)
+    assert r.rc != 0 and "Traceback" not in r.err
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cvt: error:") and needle in lines[0], r.err
+    assert not (dst / "cvt_manifest.json").exists() and not list(dst.glob("*.safetensors")) if dst.exists() else True
+
+
+def test_empty_calibration_file(fp8_release_session, tmp_path):
+    empty = tmp_path / "calib.txt"
+    empty.write_text("   \n")
+    r = run_cvt("quantize", fp8_release_session, tmp_path / "out", "--scheme", "w8a8c8", "--calib", empty)
+    assert r.rc != 0 and "no text to calibrate on" in r.err and len(r.err.strip().splitlines()) == 1
+
+
+def test_nan_weight_refused_before_writing(tmp_path, tiny_config):
+    from cvt.convert.synthetic import random_weights, write_release
+
+    cfg = {k: v for k, v in tiny_config.items() if k != "quantization_config"}
+    weights = {n: (t if n.endswith("bias") else t.to(torch.bfloat16)) for n, t in random_weights(cfg).items()}
+    weights["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    src = write_release(tmp_path / "src", cfg, weights, move_scale=False)
+    r = run_cvt("quantize", src, tmp_path / "out", "--scheme", "w8a8")
+    assert r.rc != 0 and "model.layers.0.mlp.up_proj.weight" in r.err and "non-finite" in r.err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
