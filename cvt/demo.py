@@ -29,17 +29,17 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     out = {"fp8": root / "source-fp8", "bf16": root / "bf16"}
 
     say = (lambda s: None) if quiet else echo
-    say(f"[1/4] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
+    say(f"[1/6] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
     write_fp8_release(out["fp8"])
     say(inspect_checkpoint(out["fp8"]).render())
 
-    say(f"\n[2/4] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
+    say(f"\n[2/6] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
     r = fp8_to_bf16(out["fp8"], out["bf16"], quiet=True)
     say(f"dequantized {r.extra['dequantized']} tensors, passed {r.extra['passed_through']} through, "
         f"{r.bytes_out} bytes in {len(r.files)} files")
     say(inspect_checkpoint(out["bf16"]).render())
 
-    say(f"\n[3/4] cvt run {out['bf16']} --prompt 'Hello' --max-new-tokens 8   (random weights: the text is noise)")
+    say(f"\n[3/6] cvt run {out['bf16']} --prompt 'Hello' --max-new-tokens 8   (random weights: the text is noise)")
     import torch
 
     from cvt.runtime.generate import generate
@@ -54,13 +54,31 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     del loaded
 
     out["report"] = root / "verify-report"
-    say(f"\n[4/4] cvt verify {out['fp8']} --reference {out['bf16']} --report {out['report']}")
+    say(f"\n[4/6] cvt verify {out['fp8']} --reference {out['bf16']} --report {out['report']}")
     v = verify(out["fp8"], out["bf16"], out["report"], seq_len=32, max_sequences=2).report
     worst = min(row.cosine for row in v.layers)
     say(f"FP8 dequantized on load vs the BF16 output: min layer cosine {worst:.6f}, mean KL {v.logits.kl_mean:.3g}, "
         f"same top-1 {v.logits.same_top1:.0%} -> {'identical' if v.logits.kl_mean == 0 else 'differs'}")
 
+    from cvt.quant.stage import quantize
+
+    out["w4a16"] = root / "w4a16-compressed-tensors"
+    say(f"\n[5/6] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
+    q = quantize(out["fp8"], out["w4a16"], scheme="w4a16", fmt="compressed-tensors", quiet=True)
+    say(f"quantized {q.extra['quantized']} linears from the FP8 release (dequantized on the fly), "
+        f"{q.extra['float_modules']} kept float; worst SQNR {q.extra['min_sqnr_db']}")
+    out["w8a8"] = root / "w8a8-ascend"
+    q = quantize(out["bf16"], out["w8a8"], scheme="w8a8", fmt="ascend", quiet=True)
+    say(f"cvt quantize {out['bf16']} {out['w8a8']} --scheme w8a8 --format ascend: {q.extra['quantized']} linears, "
+        f"worst SQNR {q.extra['min_sqnr_db']}")
+
+    out["report-w4a16"] = root / "verify-w4a16"
+    say(f"\n[6/6] cvt verify {out['w4a16']} --reference {out['bf16']} --report {out['report-w4a16']}")
+    v = verify(out["w4a16"], out["bf16"], out["report-w4a16"], seq_len=32, max_sequences=2).report
+    say(f"W4A16 vs BF16 (random weights, so only a smoke test): min layer cosine "
+        f"{min(row.cosine for row in v.layers):.4f}, PPL ratio {v.logits.ppl_ratio:.3f}, mean KL {v.logits.kl_mean:.3g}")
+
     say("\noutputs:")
     for key, path in out.items():
-        say(f"  {key:<6} {path}")
+        say(f"  {key:<13} {path}")
     return out

@@ -10,7 +10,7 @@ import pytest
 
 from cvt.tests.conftest import run_cvt
 
-VERBS = ["fp8-to-bf16", "inspect", "demo"]
+VERBS = ["fp8-to-bf16", "quantize", "inspect", "run", "verify", "demo"]
 
 
 @pytest.mark.parametrize("verb", VERBS)
@@ -56,3 +56,16 @@ def test_imports_stay_cheap(module):
             "if m in sys.modules]; print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+def test_cli_choices_follow_the_registries():
+    """The CLI lists scheme / format / method names statically (importing the registries would
+    import torch); they must stay in step."""
+    from cvt import cli
+    from cvt.quant.formats import format_names
+    from cvt.quant.recipe import METHODS
+    from cvt.quant.schemes import scheme_names
+
+    assert sorted(cli.SCHEMES) == scheme_names()
+    assert sorted(cli.FORMATS) == format_names()
+    assert tuple(cli.METHODS) == METHODS

@@ -38,6 +38,7 @@ class Role(str, Enum):
     SHARED_EXPERT = "shared_expert"
     ROUTER = "router"  # mlp.gate
     MTP_PROJ = "mtp_proj"  # eh_proj: concat(enorm(emb), hnorm(h)) -> hidden
+    KV_CACHE = "kv_cache"  # int8 KV-cache scales (C8), see cvt.runtime.kv_cache
 
 
 class Parallel(str, Enum):
@@ -82,6 +83,10 @@ OTHER_PARAMS = frozenset(
         "input_global_scale",
         "deq_scale",
         "quant_bias",
+        "kv_cache_scale",  # C8 (Ascend naming, per cached channel)
+        "kv_cache_offset",
+        "k_scale",  # C8 (compressed-tensors naming)
+        "v_scale",
     }
 )
 PARAMS = WEIGHT_PARAMS | OTHER_PARAMS

@@ -25,6 +25,7 @@ _COMMON = (
     Rule(f"{L}.mlp.gate_proj", Role.LINEAR, C, Block.MLP, quantizable=True),
     Rule(f"{L}.mlp.up_proj", Role.LINEAR, C, Block.MLP, quantizable=True),
     Rule(f"{L}.mlp.down_proj", Role.LINEAR, R, Block.MLP, quantizable=True),
+    Rule(f"{L}.self_attn", Role.KV_CACHE, REP, Block.ATTN, float_default=True),  # C8 k_scale / v_scale
 )
 _KEYS = {
     "layers": "num_hidden_layers",
