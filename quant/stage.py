@@ -199,9 +199,11 @@ class _Quantizer:
     """Quantizes each module once, when its first on-disk part is asked for, and hands out the
     parts; drops the result when all parts were taken. Thread-safe (files are written in parallel)."""
 
-    def __init__(self, source: _Source, plan: Plan, fmt, static_inputs: dict, precomputed: dict):
+    def __init__(self, source: _Source, plan: Plan, fmt, static_inputs: dict, precomputed: dict,
+                 methods_applied: dict | None = None, sqnr_known: dict | None = None):
         self.source, self.plan, self.fmt = source, plan, fmt
         self.static_inputs, self.precomputed = static_inputs, precomputed
+        self.methods_applied, self.sqnr_known = methods_applied or {}, sqnr_known or {}
         self._lock = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
         self._ready: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
@@ -241,10 +243,14 @@ class _Quantizer:
         if module in self.static_inputs:
             q = static_parts(q, *self.static_inputs[module], bias=bias)
             bias = None  # folded into quant_bias
-        self.info[module] = QuantTensorInfo(
-            scheme=scheme.name, kernel_fmt=q.kernel_fmt, method=method, group_size=scheme.group_size,
-            symmetric=scheme.symmetric, sqnr_db=_sqnr(w, scheme.dequantize(q) if q.kernel_fmt != "w8a8_static"
-                                                       else _static_dequant(q)))
+        if module in self.precomputed:  # calibrated: its method and SQNR (vs the smoothed weight) come with it
+            method = self.methods_applied.get(module, method)
+            v = self.sqnr_known.get(module)
+            sqnr = "Infinity" if v == float("inf") else v
+        else:
+            sqnr = _sqnr(w, scheme.dequantize(q) if q.kernel_fmt != "w8a8_static" else _static_dequant(q))
+        self.info[module] = QuantTensorInfo(scheme=scheme.name, kernel_fmt=q.kernel_fmt, method=method,
+                                            group_size=scheme.group_size, symmetric=scheme.symmetric, sqnr_db=sqnr)
         return self.fmt.disk_tensors(module, q, bias)
 
 
@@ -310,6 +316,8 @@ class _Calib:
     static_inputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     kv_scales: dict[str, torch.Tensor] = field(default_factory=dict)
     fallbacks: list[Fallback] = field(default_factory=list)
+    methods_applied: dict[str, str] = field(default_factory=dict)
+    sqnr: dict[str, float] = field(default_factory=dict)
     tokens: int = 0
 
 
@@ -355,6 +363,12 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
 
         res = run_methods(model, tokens, plan)
         out.quantized, out.float_overrides, out.fallbacks = res.quantized, res.float_overrides, res.fallbacks
+        out.methods_applied = {m: ("rtn-fallback" if a == "rtn" and plan.methods.get(m, "rtn") != "rtn" else a)
+                               for m, a in res.calib.methods.items()}
+        out.sqnr = {m: st["sqnr_db"] for m, st in res.calib.stats.items() if "sqnr_db" in st}
+        if static_attention:  # smoothed inputs: static scales from what the linears see after smoothing
+            out.static_inputs.update({m: (torch.tensor([max(a, 1e-8) / 127.0]), torch.zeros(1))
+                                      for m, a in res.act_absmax.items() if m in out.static_inputs})
     return out
 
 
@@ -387,7 +401,7 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     import hashlib
 
     arch = arch_for(ckpt.config)
-    quantizer = _Quantizer(source, plan, form, cal.static_inputs, cal.quantized)
+    quantizer = _Quantizer(source, plan, form, cal.static_inputs, cal.quantized, cal.methods_applied, cal.sqnr)
     layouts = _Layouts(form)
     outs: list[OutTensor] = []
     tags: dict[str, str] = {}

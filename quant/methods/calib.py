@@ -1,0 +1,752 @@
+"""Calibration data and the layer-by-layer calibration driver of the data-driven methods.
+
+Data: `calib_tokens` reads ``--calib FILE`` (plain text, or .jsonl with a "text" field per
+line) or the built-in sample, tokenizes it with the model's tokenizer and cuts it into
+sequences ``[b, s]``.
+
+Driver: `calibrate(model, tokens, scheme_for, method)` runs a runtime model (any family that
+follows `cvt.runtime.models.base`'s contract: ``model.model.layers[i]``, linears are
+`cvt.runtime.kernels.Linear`) one decoder layer at a time, so that memory is about one decoder
+layer plus the calibration activations:
+
+1. The arguments the model passes to its decoder layers (hidden states, rope cos/sin, mask,
+   ...) are captured by a forward pre-hook on layer 0 that stops the model's own forward:
+   every family's own argument computation is used, and each layer is later called with
+   exactly those arguments (mini-batches of `batch_size` sequences).
+2. For decoder layer i, in stages (the layer's children in order: ``self_attn`` then
+   ``mlp``, so MLP statistics see the already-quantized attention, as GPTQ's
+   "true-sequential"):
+   * forward hooks on every input site accumulate what the methods need: the token count
+     and per-channel min / max (always), H = 2/N sum x x^T (gptq), mean |x| and a reservoir
+     sample of `max_samples` rows (awq); RMSNorm outputs give the statistics of the smoothing
+     groups (awq, smoothquant). Linears with identical inputs (q/k/v, gate/up) share one
+     site; MLA's ``kv_b_proj``, which the absorbed attention never calls, reads
+     ``kv_a_layernorm``'s output. Later stages' modules are stubbed out during these passes.
+   * smoothing groups (awq, smoothquant) are searched and folded (`smoothquant.scale_rows` /
+     `scale_columns`); the statistics already captured are rescaled to the new inputs;
+   * each target linear is quantized: gptq -> `gptq.gptq_quantize(w, H)`, awq -> optional
+     clipping search then RTN, smoothquant / rtn -> RTN (`scheme.quantize`), and its weight in
+     the model is replaced by the dequantized weight, so later layers see quantized outputs.
+   * MoE experts: hooks see only the tokens routed to each expert. An expert linear with fewer
+     than `min_tokens` rows is quantized with RTN and reported in `CalibResult.fallbacks`.
+     GPTQ Hessians of routed experts are collected in chunks of experts so that their memory
+     stays under `max_hessian_bytes` (one extra pass per chunk, other experts stubbed out).
+3. The layer is run once more (quantized, no hooks) to give the next layer its inputs.
+
+Linears that `scheme_for` selects outside the decoder layers the forward runs (MTP layers,
+lm_head when a recipe asks) are quantized with RTN and reported as fallbacks.
+
+`on_layer_start(i, layer)` / `on_layer_end(i, layer, result)` let a caller load a layer's
+weights just before it is needed and write / free it right after (a model built on the meta
+device with only the embedding loaded is enough to start).
+"""
+
+from __future__ import annotations
+
+from cvt.runtime.metrics import sqnr_db  # noqa: E402
+
+import logging
+import math
+import re
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from cvt.errors import CvtError
+from cvt.quant.methods.awq import awq_clip, awq_search
+from cvt.quant.methods.gptq import HessianAccumulator, gptq_quantize
+from cvt.quant.methods.smoothquant import scale_columns, scale_rows, smooth_scales
+from cvt.quant.schemes.base import QuantizedTensor, Scheme
+from cvt.runtime.kernels import Linear
+
+log = logging.getLogger(__name__)
+
+METHODS = ("rtn", "smoothquant", "gptq", "awq")
+DATA_METHODS = frozenset({"smoothquant", "gptq", "awq"})
+# Linears of one parent module that receive the identical input tensor: the first present one is the site.
+SHARED_INPUT = (("q_a_proj", "q_proj", "kv_a_proj_with_mqa", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+ATTN_INPUTS = ("q_a_proj", "q_proj", "kv_a_proj_with_mqa", "k_proj", "v_proj")
+EXPERT_RE = re.compile(r"^(?P<container>.*\.experts)\.(?P<expert>\d+)\.")
+# AWQ reference skips its clipping search for projections that produce attention queries / keys
+NO_CLIP = ("q_proj", "k_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
+# ---- calibration data --------------------------------------------------------------------------
+
+def calib_tokens(tokenizer, calib: Path | str | None = None, *, seq_len: int = 512, max_sequences: int = 128,
+                 max_len: int | None = None) -> torch.Tensor:
+    """Token ids [b, s] for calibration: ``calib`` (text or .jsonl with "text"), or the
+    built-in sample (`cvt.runtime.verify.SAMPLE_TEXT`) when None.
+
+    All texts are tokenized (each with the tokenizer's BOS), concatenated and cut into up to
+    `max_sequences` sequences of `seq_len` (capped at `max_len`, the model's positions); a text
+    shorter than one sequence gives one shorter sequence. Missing / empty files are errors."""
+    from cvt.runtime.tokenizer import read_texts
+    from cvt.runtime.verify import SAMPLE_TEXT
+
+    if calib is not None:
+        path = Path(calib)
+        if not path.is_file():
+            raise CvtError(f"calibration file {path} does not exist")
+        texts = [t for t in read_texts(path) if t.strip()]
+        if not texts:
+            raise CvtError(f"calibration file {path} is empty (expected text, or .jsonl lines with a \"text\" field)")
+        where = str(path)
+    else:
+        texts, where = [SAMPLE_TEXT], "the built-in calibration sample"
+    if max_len:
+        seq_len = min(seq_len, max_len)
+    ids: list[int] = []
+    for t in texts:
+        ids += tokenizer.encode(t)
+    if len(ids) < 2:
+        raise CvtError(f"{where}: {len(ids)} token(s), too few to calibrate")
+    n = min(max_sequences, len(ids) // seq_len)
+    if n == 0:
+        return torch.tensor(ids[:seq_len], dtype=torch.long)[None]
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+# ---- results -----------------------------------------------------------------------------------
+
+@dataclass
+class Fallback:
+    """A linear quantized with RTN instead of its method's data-driven step."""
+
+    name: str
+    tokens: int
+    reason: str
+
+
+@dataclass
+class CalibResult:
+    """What `calibrate` produced.
+
+    quantized:      linear module name -> QuantizedTensor (every linear scheme_for selected)
+    float_weights:  parameter name -> new float tensor (model dtype) for float parameters the
+                    smoothing folds changed: norm weights, the router, float linears such as
+                    kv_b_proj, biases of producer linears. Write these instead of the source's.
+    methods:        linear module name -> method actually applied ("rtn" for fallbacks)
+    fallbacks:      the RTN fallbacks, with the token count each linear saw
+    stats:          linear module name -> {"tokens", "act_min", "act_max" (of its input, after
+                    smoothing), "gptq_loss", "gptq_damp", "awq_clip"}, for static activation
+                    scales and the manifest
+    smoothing:      producer name (norm or linear) -> {"method", "alpha", "consumers"} per fold
+    seconds_per_layer: wall time of each decoder layer
+    """
+
+    quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
+    float_weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    methods: dict[str, str] = field(default_factory=dict)
+    fallbacks: list[Fallback] = field(default_factory=list)
+    stats: dict[str, dict] = field(default_factory=dict)
+    smoothing: dict[str, dict] = field(default_factory=dict)
+    seconds_per_layer: list[float] = field(default_factory=list)
+
+
+# ---- statistics at one input site --------------------------------------------------------------
+
+class _Site:
+    """Statistics of one activation: a linear's input ("in") or a module's output ("out").
+
+    `div` holds the smoothing factors folded since capture: the current input is x / div."""
+
+    def __init__(self, k: int, *, hessian: bool = False, samples: int = 0, hessian_dtype=torch.float32,
+                 seed: int = 0):
+        self.k, self.n = k, 0
+        self.cmax = torch.full((k,), -math.inf)
+        self.cmin = torch.full((k,), math.inf)
+        self.abssum = torch.zeros(k, dtype=torch.float64)
+        self.hess = HessianAccumulator(k, hessian_dtype) if hessian else None
+        self.cap = samples
+        self.buf: torch.Tensor | None = None
+        self.gen = torch.Generator().manual_seed(seed)
+        self.div: torch.Tensor | None = None
+        self.hess_scaled = False             # the Hessian was captured after the folds
+
+    @torch.no_grad()
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, self.k).to(torch.float32)
+        m = x.shape[0]
+        if m == 0:
+            return
+        self.cmax = torch.maximum(self.cmax, x.amax(dim=0).cpu())
+        self.cmin = torch.minimum(self.cmin, x.amin(dim=0).cpu())
+        self.abssum += x.abs().sum(dim=0, dtype=torch.float64).cpu()
+        if self.hess is not None:
+            self.hess.add(x)
+        if self.cap:
+            self._reservoir(x.cpu())
+        self.n += m
+
+    def _reservoir(self, x: torch.Tensor) -> None:
+        """Uniform sample of `cap` rows over everything seen (vectorized reservoir sampling)."""
+        have = 0 if self.buf is None else self.buf.shape[0]
+        take = min(self.cap - have, x.shape[0])
+        if take > 0:
+            self.buf = x[:take].clone() if self.buf is None else torch.cat((self.buf, x[:take]))
+        rest = x[take:]
+        if rest.shape[0] == 0:
+            return
+        t = self.n + take + torch.arange(rest.shape[0], dtype=torch.float64)   # global row index
+        slot = (torch.rand(rest.shape[0], generator=self.gen, dtype=torch.float64) * (t + 1)).long()
+        keep = slot < self.cap
+        rows, slots = rest[keep], slot[keep]
+        if slots.numel():
+            # sequential semantics: a later row overwrites an earlier one in the same slot
+            last = {}
+            for i, sl in enumerate(slots.tolist()):
+                last[sl] = i
+            idx = torch.tensor(list(last.values()))
+            self.buf[torch.tensor(list(last.keys()))] = rows[idx]
+
+    def scale(self, s: torch.Tensor) -> None:
+        """The activation is now x / s (a fold happened after capture)."""
+        s = s.detach().to(torch.float32).cpu()
+        self.div = s.clone() if self.div is None else self.div * s
+
+    # current (post-fold) statistics
+    def _d(self) -> torch.Tensor:
+        return torch.ones(self.k) if self.div is None else self.div
+
+    def absmax(self) -> torch.Tensor:
+        return torch.maximum(self.cmax.abs(), self.cmin.abs()).nan_to_num(0.0, 0.0, 0.0) / self._d()
+
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abssum / max(self.n, 1)).to(torch.float32) / self._d()
+
+    def act_range(self) -> tuple[float, float]:
+        if self.n == 0:
+            return 0.0, 0.0
+        d = self._d()
+        return float((self.cmin / d).min()), float((self.cmax / d).max())
+
+    def samples(self) -> torch.Tensor:
+        x = self.buf if self.buf is not None else torch.zeros(0, self.k)
+        return x / self._d()[None, :]
+
+    def hessian(self) -> torch.Tensor:
+        H = self.hess.H
+        if self.div is not None and not self.hess_scaled:
+            inv = (1.0 / self.div).to(H.dtype).to(H.device)
+            H = H * inv[:, None] * inv[None, :]
+        return H
+
+
+# ---- smoothing groups --------------------------------------------------------------------------
+
+@dataclass
+class _Group:
+    """Producer -> consumers of one activation: norm weight (or producer linear rows) /= s,
+    consumer columns *= s."""
+
+    producer: str                       # module name (norm or linear)
+    consumers: list[str]                # linear names (quantized or float) taking the activation
+    extras: list[str] = field(default_factory=list)   # other float consumers (router Gate)
+    rows: torch.Tensor | None = None    # producer rows matching the consumers' input channels
+    norm: bool = True                   # producer is a norm (its output is the activation)
+    awq_only: bool = False              # linear-fed groups (and kv_a_layernorm): AWQ only
+
+
+def _children(module: nn.Module, prefix: str) -> dict[str, nn.Module]:
+    return {f"{prefix}.{n}": m for n, m in module.named_children()}
+
+
+def _smooth_groups(layer: nn.Module, prefix: str) -> list[_Group]:
+    """The smoothing groups of one decoder layer of either runtime family (by module names)."""
+    groups: list[_Group] = []
+    attn = getattr(layer, "self_attn", None)
+    ap = f"{prefix}.self_attn"
+    if attn is not None and hasattr(layer, "input_layernorm"):
+        cons = [f"{ap}.{n}" for n in ATTN_INPUTS if isinstance(getattr(attn, n, None), Linear)]
+        if cons:
+            groups.append(_Group(f"{prefix}.input_layernorm", cons))
+        if isinstance(getattr(attn, "q_a_layernorm", None), nn.Module) and isinstance(getattr(attn, "q_b_proj", None),
+                                                                                     Linear):
+            groups.append(_Group(f"{ap}.q_a_layernorm", [f"{ap}.q_b_proj"]))
+        kv_b = getattr(attn, "kv_b_proj", None)
+        if isinstance(kv_b, Linear) and hasattr(attn, "kv_a_layernorm"):
+            groups.append(_Group(f"{ap}.kv_a_layernorm", [f"{ap}.kv_b_proj"], awq_only=True))
+            o = getattr(attn, "o_proj", None)
+            if isinstance(o, Linear):   # MLA: value rows of kv_b_proj -> o_proj input channels
+                H, nope, dv = attn.n_heads, attn.nope, attn.v_dim
+                rows = (torch.arange(H)[:, None] * (nope + dv) + nope + torch.arange(dv)[None, :]).reshape(-1)
+                groups.append(_Group(f"{ap}.kv_b_proj", [f"{ap}.o_proj"], rows=rows, norm=False, awq_only=True))
+        elif isinstance(getattr(attn, "v_proj", None), Linear) and isinstance(getattr(attn, "o_proj", None), Linear):
+            mha = getattr(attn, "n_heads", None) == getattr(attn, "n_kv", None)
+            if mha and attn.v_proj.weight.shape[0] == attn.o_proj.weight.shape[1]:
+                groups.append(_Group(f"{ap}.v_proj", [f"{ap}.o_proj"], norm=False, awq_only=True))
+    mlp = getattr(layer, "mlp", None)
+    mp = f"{prefix}.mlp"
+    if mlp is not None and hasattr(layer, "post_attention_layernorm"):
+        mlps: list[tuple[str, nn.Module]] = []
+        extras: list[str] = []
+        if isinstance(getattr(mlp, "gate_proj", None), Linear):
+            mlps.append((mp, mlp))
+        else:
+            shared = getattr(mlp, "shared_experts", None)
+            if shared is not None:
+                mlps.append((f"{mp}.shared_experts", shared))
+            for e, ex in enumerate(getattr(mlp, "experts", None) or []):
+                mlps.append((f"{mp}.experts.{e}", ex))
+            if getattr(mlp, "gate", None) is not None:
+                extras.append(f"{mp}.gate")
+        cons = [f"{p}.{n}" for p, m in mlps for n in ("gate_proj", "up_proj")
+                if isinstance(getattr(m, n, None), Linear)]
+        if cons:
+            groups.append(_Group(f"{prefix}.post_attention_layernorm", cons, extras=extras))
+        for p, m in mlps:
+            if all(isinstance(getattr(m, n, None), Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+                groups.append(_Group(f"{p}.up_proj", [f"{p}.down_proj"], norm=False, awq_only=True))
+    return groups
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+
+class _Stop(Exception):
+    pass
+
+
+def _layer_args(model: nn.Module, tokens: torch.Tensor):
+    """(hidden states [b, s, h], the other positional args, kwargs) the model passes to layer 0."""
+    captured = {}
+
+    def hook(module, args, kwargs):
+        captured["args"], captured["kwargs"] = args, kwargs
+        raise _Stop
+
+    h = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(tokens)
+    except _Stop:
+        pass
+    finally:
+        h.remove()
+    if "args" not in captured:
+        raise CvtError("calibration: the model's forward did not call its first decoder layer")
+    args = captured["args"]
+    return args[0], tuple(args[1:]), dict(captured["kwargs"])
+
+
+def _stub(module: nn.Module):
+    """Make `module` return zeros shaped like its first input (its output is not needed)."""
+    module.forward = lambda x, *a, **k: torch.zeros_like(x)
+
+
+def _unstub(module: nn.Module):
+    module.__dict__.pop("forward", None)
+
+
+@torch.no_grad()
+def _run_layer(layer, x, args, kwargs, batch_size, out=True):
+    outs = []
+    for b0 in range(0, x.shape[0], batch_size):
+        y = layer(x[b0:b0 + batch_size], *args, **kwargs)
+        if out:
+            outs.append(y)
+    return torch.cat(outs) if out else None
+
+
+def _site_key(name: str, module: nn.Module, parent: nn.Module, parent_name: str) -> tuple[str, str]:
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "kv_b_proj" and hasattr(parent, "kv_a_layernorm"):
+        return ("out", f"{parent_name}.kv_a_layernorm")
+    for names in SHARED_INPUT:
+        if leaf in names:
+            for n in names:
+                if isinstance(getattr(parent, n, None), Linear):
+                    return ("in", f"{parent_name}.{n}")
+    return ("in", name)
+
+
+def calibrate(model: nn.Module, tokens: torch.Tensor, scheme_for: Callable[[str], Scheme | None],
+              method: str | Callable[[str], str] = "gptq", *, min_tokens: int = 32, batch_size: int = 8,
+              damp: float = 0.01, act_order: bool = False, block_size: int = 128,
+              static_groups: bool | None = None, true_sequential: bool = True, alpha: float = 0.5,
+              n_grid: int = 20, duo_scaling: bool = True, awq_clip_search: bool = True, max_samples: int = 512,
+              max_hessian_bytes: int = 4 << 30, hessian_dtype: torch.dtype = torch.float32,
+              quantize_rest: bool = True, keep_tensors: bool = True,
+              on_layer_start: Callable[[int, nn.Module], None] | None = None,
+              on_layer_end: Callable[[int, nn.Module, CalibResult], None] | None = None) -> CalibResult:
+    """Quantize every linear `scheme_for(name)` selects, layer by layer (see the module doc).
+
+    model: a runtime model (weights in float32 recommended), modified in place: folded scales
+        and quantized (dequantized) weights. tokens: [b, s] int64 calibration batch.
+    scheme_for(linear module name) -> Scheme, or None to keep the linear float.
+    method: one of METHODS, or a function of the linear name giving one (recipes).
+    min_tokens: linears (MoE experts) that saw fewer rows fall back to RTN.
+    gptq: damp, act_order, block_size, static_groups (see `gptq.gptq_quantize`), hessian_dtype,
+        max_hessian_bytes (budget for the Hessians of routed experts collected in one pass).
+    smoothquant: alpha. awq: n_grid, awq_clip_search, max_samples (rows kept per input site).
+    quantize_rest: RTN for selected linears outside the decoder layers (reported as fallbacks).
+    on_layer_start / on_layer_end: see the module doc; `on_layer_end` gets a CalibResult holding
+        only that layer's tensors. keep_tensors=False: the returned result keeps no tensors
+        (quantized / float_weights stay empty; methods, fallbacks, stats, smoothing are kept), for
+        callers that write each layer from `on_layer_end` and must not hold the whole model.
+    """
+    method_for = method if callable(method) else (lambda _n, m=method: m)
+    if not callable(method) and method not in METHODS:
+        raise CvtError(f"unknown calibration method {method!r} (known: {', '.join(METHODS)})")
+    if tokens.dim() != 2 or tokens.numel() == 0:
+        raise CvtError(f"calibration tokens must be a non-empty [batch, seq] tensor, got {list(tokens.shape)}")
+    opts = dict(min_tokens=min_tokens, batch_size=batch_size, damp=damp, act_order=act_order, block_size=block_size,
+                static_groups=static_groups, true_sequential=true_sequential, alpha=alpha, n_grid=n_grid,
+                duo_scaling=duo_scaling,
+                awq_clip_search=awq_clip_search, max_samples=max_samples, max_hessian_bytes=max_hessian_bytes,
+                hessian_dtype=hessian_dtype)
+    result = CalibResult()
+    for name, mod in model.named_modules():   # refuse impossible shapes / methods before any work
+        if isinstance(mod, Linear):
+            sch = scheme_for(name)
+            if sch is not None:
+                sch.check(name, tuple(mod.weight.shape))
+                if method_for(name) not in METHODS:
+                    raise CvtError(f"{name}: unknown calibration method {method_for(name)!r} "
+                                   f"(known: {', '.join(METHODS)})")
+    layers = model.model.layers
+    n_layers = model.args.num_hidden_layers
+    dev = next((p.device for p in model.model.embed_tokens.parameters()), torch.device("cpu"))
+    if on_layer_start is not None:
+        on_layer_start(0, layers[0])
+    x, args, kwargs = _layer_args(model, tokens.to(dev))
+    done: set[str] = set()
+    for i in range(n_layers):
+        t0 = time.perf_counter()
+        layer = layers[i]
+        if on_layer_start is not None and i > 0:
+            on_layer_start(i, layer)
+        lres = CalibResult()
+        _LayerCalib(layer, f"model.layers.{i}", scheme_for, method_for, lres, opts).run(x, args, kwargs)
+        x = _run_layer(layer, x, args, kwargs, batch_size)
+        lres.seconds_per_layer.append(time.perf_counter() - t0)
+        _merge(result, lres, keep_tensors)
+        done |= {n for n, _ in layer.named_modules(prefix=f"model.layers.{i}")}
+        log.info("calibrated layer %d/%d in %.1f s (%d linears, %d fallbacks)", i + 1, n_layers,
+                 lres.seconds_per_layer[0], len(lres.quantized), len(lres.fallbacks))
+        if on_layer_end is not None:
+            on_layer_end(i, layer, lres)
+    if quantize_rest:
+        for name, mod in model.named_modules():
+            if not isinstance(mod, Linear) or name in done or name in result.quantized:
+                continue
+            sch = scheme_for(name)
+            if sch is None or mod.weight.device.type == "meta":
+                continue
+            _quantize_rtn(mod, name, sch, result)
+            result.fallbacks.append(Fallback(name, 0, "outside the decoder layers the calibration forward runs"))
+    return result
+
+
+def _merge(into: CalibResult, part: CalibResult, keep_tensors: bool = True) -> None:
+    if keep_tensors:
+        into.quantized.update(part.quantized)
+        into.float_weights.update(part.float_weights)
+    into.methods.update(part.methods)
+    into.fallbacks += part.fallbacks
+    into.stats.update(part.stats)
+    into.smoothing.update(part.smoothing)
+    into.seconds_per_layer += part.seconds_per_layer
+
+
+def _set_weight(mod: nn.Module, w: torch.Tensor) -> None:
+    mod.weight.data = w.to(device=mod.weight.device, dtype=mod.weight.dtype)
+
+
+def _quantize_rtn(mod, name, scheme, res: CalibResult, w: torch.Tensor | None = None) -> None:
+    try:
+        qt = scheme.quantize((mod.weight if w is None else w).detach().to(torch.float32))
+    except CvtError as exc:
+        raise type(exc)(f"{name}: {exc}") from exc
+    res.quantized[name] = qt
+    res.methods[name] = "rtn"
+    deq = scheme.dequantize(qt)
+    # SQNR against the float weight this linear has now (after any smoothing fold)
+    res.stats.setdefault(name, {})["sqnr_db"] = sqnr_db(mod.weight.detach().float(), deq)
+    _set_weight(mod, deq)
+
+
+class _LayerCalib:
+    """Calibrate the linears of one decoder layer (see the module doc)."""
+
+    def __init__(self, layer, prefix, scheme_for, method_for, res: CalibResult, opts: dict):
+        self.layer, self.prefix, self.res, self.o = layer, prefix, res, opts
+        self.mods = dict(layer.named_modules(prefix=prefix))
+        self.linears = {n: m for n, m in self.mods.items() if isinstance(m, Linear)}
+        self.schemes = {n: s for n in self.linears if (s := scheme_for(n)) is not None}
+        self.method = {n: method_for(n) for n in self.schemes}
+        for n, m in self.method.items():
+            if m not in METHODS:
+                raise CvtError(f"{n}: unknown calibration method {m!r} (known: {', '.join(METHODS)})")
+        self.site_of = {}
+        for n in self.linears:
+            parent_name = n.rsplit(".", 1)[0]
+            self.site_of[n] = _site_key(n, self.linears[n], self.mods[parent_name], parent_name)
+        self.groups = _smooth_groups(layer, prefix)
+        self.changed: set[str] = set()      # float params changed by folds
+
+    # -- planning -------------------------------------------------------------------------------
+    def _stages(self) -> list[tuple[str, list[str]]]:
+        children = list(_children(self.layer, self.prefix))
+        targets = list(self.schemes)
+        if not self.o["true_sequential"]:
+            return [("", targets)]
+        stages = []
+        for c in children:
+            ts = [t for t in targets if t.startswith(c + ".")]
+            if ts:
+                stages.append((c, ts))
+        rest = [t for t in targets if not any(t.startswith(c + ".") for c in children)]
+        if rest:
+            stages.append(("", rest))
+        return stages
+
+    def _group_method(self, g: _Group) -> str | None:
+        ms = {self.method.get(c) for c in g.consumers}
+        if "awq" in ms:
+            return "awq"
+        if "smoothquant" in ms and not g.awq_only:
+            return "smoothquant"
+        return None
+
+    def run(self, x, args, kwargs) -> None:
+        if not any(m in DATA_METHODS for m in self.method.values()):
+            for n in self.schemes:
+                _quantize_rtn(self.linears[n], n, self.schemes[n], self.res)
+            return
+        for stage, targets in self._stages():
+            self._run_stage(stage, targets, x, args, kwargs)
+        for p in sorted(self.changed):
+            owner, attr = p.rsplit(".", 1)
+            if owner in self.res.quantized:
+                if attr == "weight":
+                    continue
+            self.res.float_weights[p] = getattr(self.mods[owner], attr).detach().clone()
+
+    def _later_children(self, stage: str) -> list[nn.Module]:
+        names = list(_children(self.layer, self.prefix))
+        if not stage or stage not in names:
+            return []
+        return [self.mods[n] for n in names[names.index(stage) + 1:]]
+
+    def _run_stage(self, stage, targets, x, args, kwargs) -> None:
+        o = self.o
+        tset = set(targets)
+        groups = [g for g in self.groups if set(g.consumers) & tset and self._group_method(g)]
+        # sites: every target's input site; samples for awq consumers; hessians for gptq
+        need_h: dict[tuple, bool] = {}
+        need_s: dict[tuple, bool] = {}
+        for t in targets:
+            key = self.site_of[t]
+            need_h[key] = need_h.get(key, False) or self.method[t] == "gptq"
+            need_s[key] = need_s.get(key, False) or self.method[t] == "awq"
+        for g in groups:
+            if self._group_method(g) == "awq":
+                for c in g.consumers:
+                    if c in self.schemes:
+                        need_s[self.site_of[c]] = True
+        norm_sites = {("out", g.producer) for g in groups if g.norm}
+        # GPTQ hessians of routed experts: chunks of experts within the memory budget
+        expert_of = {}
+        for key in need_h:
+            m = EXPERT_RE.match(key[1] + ".")
+            if m and need_h[key]:
+                expert_of[key] = (m["container"], int(m["expert"]))
+        per_expert: dict[tuple, list[tuple]] = {}
+        for key, ex in expert_of.items():
+            per_expert.setdefault(ex, []).append(key)
+        esize = torch.finfo(o["hessian_dtype"]).bits // 8
+        chunks: list[list[tuple]] = []
+        cur, cur_bytes = [], 0
+        for ex, keys in sorted(per_expert.items()):
+            b = sum(self._k(k) ** 2 * esize for k in keys)
+            if cur and cur_bytes + b > o["max_hessian_bytes"]:
+                chunks.append(cur)
+                cur, cur_bytes = [], 0
+            cur += keys
+            cur_bytes += b
+        if cur:
+            chunks.append(cur)
+        first_chunk = set(chunks[0]) if chunks else set()
+        later_chunks = chunks[1:]
+
+        sites: dict[tuple, _Site] = {}
+        for key in set(need_h) | set(need_s) | norm_sites:
+            h = need_h.get(key, False) and (key not in expert_of or key in first_chunk)
+            sites[key] = _Site(self._k(key), hessian=h, samples=o["max_samples"] if need_s.get(key) else 0,
+                               hessian_dtype=o["hessian_dtype"], seed=zlib.crc32(key[1].encode()))
+        self._collect(stage, sites, x, args, kwargs, stub_experts=None)
+
+        # smoothing folds
+        for g in groups:
+            self._smooth(g, sites)
+        # quantize everything whose statistics are complete
+        pending = {t for ch in later_chunks for k in ch for t in self._target_of_site(k, targets)}
+        self.h_users = {}
+        for t in targets:
+            if self.method[t] == "gptq":
+                self.h_users[self.site_of[t]] = self.h_users.get(self.site_of[t], 0) + 1
+        for t in targets:
+            if t not in pending:
+                self._quantize(t, sites)
+        # remaining expert hessian chunks: one pass each, other experts stubbed out
+        for ch in later_chunks:
+            chunk_sites = {k: _Site(self._k(k), hessian=True, hessian_dtype=o["hessian_dtype"]) for k in ch}
+            keep = {expert_of[k] for k in ch}
+            self._collect(stage, chunk_sites, x, args, kwargs, stub_experts=keep)
+            for k in ch:
+                sites[k].hess, sites[k].hess_scaled = chunk_sites[k].hess, True   # captured after the folds
+            for t in {t for k in ch for t in self._target_of_site(k, targets)}:
+                self._quantize(t, sites)
+
+    def _target_of_site(self, key, targets) -> list[str]:
+        return [t for t in targets if self.site_of[t] == key]
+
+    def _k(self, key) -> int:
+        mode, name = key
+        mod = self.mods[name]
+        return mod.weight.shape[1] if mode == "in" else mod.weight.shape[0]
+
+    def _collect(self, stage, sites, x, args, kwargs, stub_experts) -> None:
+        hooks = []
+        for (mode, name), site in sites.items():
+            mod = self.mods[name]
+            if mode == "in":
+                hooks.append(mod.register_forward_pre_hook(lambda m, a, s=site: s.add(a[0])))
+            else:
+                hooks.append(mod.register_forward_hook(lambda m, a, out, s=site: s.add(out)))
+        stubbed = list(self._later_children(stage))
+        if stub_experts is not None:
+            for name, mod in self.mods.items():
+                m = EXPERT_RE.match(name + ".")
+                is_expert = m is not None and name == f"{m['container']}.{m['expert']}"
+                if is_expert and (m["container"], int(m["expert"])) not in stub_experts:
+                    stubbed.append(mod)
+        try:
+            for mod in stubbed:
+                _stub(mod)
+            _run_layer(self.layer, x, args, kwargs, self.o["batch_size"], out=False)
+        finally:
+            for mod in stubbed:
+                _unstub(mod)
+            for h in hooks:
+                h.remove()
+
+    def _smooth(self, g: _Group, sites) -> None:
+        meth = self._group_method(g)
+        o = self.o
+        quant_cons = [c for c in g.consumers if c in self.schemes]
+        if not quant_cons:
+            return
+        if g.norm:
+            src = sites[("out", g.producer)]
+        else:
+            src = sites[self.site_of[g.consumers[0]]]
+        if src.n == 0:
+            return
+        if meth == "smoothquant":
+            s = smooth_scales(src.absmax(), [self.linears[c].weight for c in quant_cons], o["alpha"])
+            info = {"method": "smoothquant", "alpha": o["alpha"]}
+        else:
+            use = [c for c in quant_cons if sites[self.site_of[c]].n >= o["min_tokens"]]
+            if not use:
+                return
+            samples = {key: sites[key].samples() for key in {self.site_of[c] for c in use}}   # one tensor per site
+            found = awq_search(src.mean_abs(), [samples[self.site_of[c]] for c in use],
+                               [self.linears[c].weight for c in use], [self.schemes[c] for c in use],
+                               n_grid=o["n_grid"], duo_scaling=o["duo_scaling"])
+            if found.alpha is None:
+                return
+            s = found.scales
+            info = {"method": "awq", "alpha": found.alpha, "loss": found.loss, "loss_rtn": found.loss_rtn}
+        # fold: producer rows / s, consumers' columns * s, extras' columns * s
+        prod = self.mods[g.producer]
+        scale_rows(prod, s, g.rows)
+        self.changed.add(f"{g.producer}.weight")
+        if getattr(prod, "bias", None) is not None:
+            self.changed.add(f"{g.producer}.bias")
+        for c in g.consumers + g.extras:
+            scale_columns(self.mods[c], s)
+            self.changed.add(f"{c}.weight")
+        seen = set()
+        for c in g.consumers:
+            key = self.site_of[c]
+            if key in sites and key not in seen:
+                sites[key].scale(s)
+                seen.add(key)
+        if g.norm and ("out", g.producer) in sites and ("out", g.producer) not in seen:
+            sites[("out", g.producer)].scale(s)
+        self.res.smoothing[g.producer] = {**info, "consumers": list(g.consumers) + list(g.extras)}
+
+    def _quantize(self, name, sites) -> None:
+        o = self.o
+        mod, scheme, meth = self.linears[name], self.schemes[name], self.method[name]
+        site = sites.get(self.site_of[name])
+        n = site.n if site is not None else 0
+        stats = {"tokens": n}
+        if site is not None and site.n:
+            stats["act_min"], stats["act_max"] = site.act_range()
+        self.res.stats[name] = stats
+        if meth in ("gptq", "awq") and n < o["min_tokens"]:
+            self.res.fallbacks.append(Fallback(name, n, f"{n} calibration tokens < min_tokens {o['min_tokens']}"))
+            _quantize_rtn(mod, name, scheme, self.res)
+            return
+        if meth == "gptq":
+            r = gptq_quantize(mod.weight, site.hessian(), scheme, damp=o["damp"], act_order=o["act_order"],
+                              block_size=o["block_size"], static_groups=o["static_groups"], name=name)
+            self.res.quantized[name] = r.qtensor
+            self.res.methods[name] = "gptq"
+            stats.update(gptq_loss=r.loss, gptq_damp=r.damp,
+                         sqnr_db=sqnr_db(mod.weight.detach().float(), scheme.dequantize(r.qtensor)))
+            _set_weight(mod, r.weight)
+            key = self.site_of[name]
+            self.h_users[key] -= 1
+            if self.h_users[key] == 0:
+                site.hess = None     # every linear of this site is done: free the Hessian
+            return
+        w = None
+        if meth == "awq" and o["awq_clip_search"] and name.rsplit(".", 1)[-1] not in NO_CLIP:
+            w = awq_clip(site.samples(), mod.weight, scheme, n_grid=o["n_grid"])
+            stats["awq_clip"] = True
+        _quantize_rtn(mod, name, scheme, self.res, w)
+        self.res.methods[name] = meth
+
+
+# ---- the stage's entry point -------------------------------------------------------------------
+
+@dataclass
+class MethodsResult:
+    """`run_methods`' answer in the stage's terms.
+
+    quantized:       module -> QuantizedTensor (every module of plan.schemes in the decoder layers)
+    float_overrides: tensor name -> float tensor to write instead of the source's (norm weights,
+                     router, float kv_b_proj, biases changed by smoothing folds)
+    fallbacks:       cvt.schemas.manifest.Fallback per module quantized with RTN instead of its method
+    act_absmax:      module -> max |input| seen during calibration, AFTER smoothing and with the
+                     earlier layers quantized (use it for static activation scales of smoothed linears)
+    calib:           the full CalibResult (per-module stats, smoothing factors, seconds per layer)
+    """
+
+    quantized: dict[str, QuantizedTensor]
+    float_overrides: dict[str, torch.Tensor]
+    fallbacks: list
+    act_absmax: dict[str, float]
+    calib: CalibResult
+
+
+def run_methods(model: nn.Module, tokens: torch.Tensor, plan, **opts) -> MethodsResult:
+    """`calibrate` for a stage plan (``plan.schemes``: module -> Scheme, ``plan.methods``:
+    module -> method). Modules whose method is "rtn" are quantized with RTN too, so that later
+    layers see them quantized. `opts` go to `calibrate`."""
+    from cvt.schemas.manifest import Fallback as ManifestFallback
+
+    schemes, methods = plan.schemes, plan.methods
+    res = calibrate(model, tokens, schemes.get, lambda n: methods.get(n, "rtn"), **opts)
+    fallbacks = [ManifestFallback(module=f.name, method=methods.get(f.name, "rtn"), reason=f.reason, tokens=f.tokens)
+                 for f in res.fallbacks]
+    absmax = {n: max(abs(s["act_min"]), abs(s["act_max"])) for n, s in res.stats.items() if "act_min" in s}
+    return MethodsResult(res.quantized, res.float_weights, fallbacks, absmax, res)

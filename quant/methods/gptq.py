@@ -1,0 +1,309 @@
+"""GPTQ (Frantar et al., 2022): quantize one linear column by column, pushing each column's
+quantization error onto the not-yet-quantized columns through the inverse Hessian of the
+layer's inputs.
+
+For ``w [n, k]`` and calibration inputs ``x [N, k]`` (the rows the linear saw)::
+
+    H    = 2/N sum_t x_t x_t^T                                    [k, k]   (`HessianAccumulator`)
+    dead = diag(H) == 0  ->  H[dead, dead] = 1, w[:, dead] = 0
+    act_order: permute columns by descending diag(H)
+    H   += damp * mean(diag H) * I            (damp 0.01; x10 retried if H is not positive definite)
+    U    = cholesky(H^-1, upper)              the rows of U drive the updates
+    for each block of B columns (lazy batch updates), for each column j of the block:
+        q_j  = quant(w_j)                     with the scales of j's group (see below)
+        e_j  = (w_j - q_j) / U[j, j]
+        w[:, j+1:block_end] -= e_j U[j, j+1:block_end]
+    after the block:  w[:, block_end:] -= E U[block, block_end:]
+
+Quantization grid. The `Scheme` protocol has no "scales of one group" / "quantize with fixed
+scales" hooks, so the grid comes from the scheme's own RTN: `scheme.quantize` of a float
+matrix yields the canonical parts (`base.py`), and the per-group scale / offset are read from
+those parts with the dequant formula of the runtime kernel of that `kernel_fmt`
+(`_Grid`). GPTQ then only picks the integer / E2M1 code of every element on that grid, and
+the result is built from the RTN parts with the code part replaced, so the scale convention
+(absmax/7 or /7.5, E4M3 rounding, E8M0 exponent) is always the scheme's:
+
+* dynamic groups (the reference): when a group starts, its scales come from
+  `scheme.quantize(w_current[:, group])` -- the group's columns as GPTQ has updated them so far;
+* static groups: all scales come up front from `scheme.quantize(w_original)`. Used with
+  ``act_order`` (a permuted column order visits a group's columns at different times, so the
+  group keeps the scales of the ORIGINAL column grouping, as AutoGPTQ's ``static_groups``: no
+  g_idx is needed on disk) and for schemes with a per-tensor part (nvfp4's global scale: a
+  slice would get its own), and on request.
+
+Supported kernel formats: w4a16 (int4 sym/asym, any group size), w8a8_dynamic (int8 per
+channel: one group = the row), nvfp4, mxfp4. w8a8_static (static activation scales) is
+refused: its parts fold the weight scale into deq_scale / quant_bias.
+
+The returned `GPTQResult.weight` is ``scheme.dequantize(qtensor)``; it is checked to equal
+the GPTQ columns computed here with the kernel formula (so the stored tensor is what GPTQ
+chose, exactly).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cvt.errors import CvtError
+from cvt.quant.schemes.base import QuantizedTensor, Scheme
+
+E2M1 = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), dtype=torch.float32)
+# midpoints between consecutive E2M1 magnitudes: #(MIDS < v) = index of the nearest magnitude
+E2M1_MIDS = (E2M1[1:] + E2M1[:-1]) / 2
+INT_RANGES = {"w4a16": ("weight_int4", -8, 7), "w8a8_dynamic": ("weight", -128, 127)}
+FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}
+SUPPORTED = ("w4a16", "w8a8_dynamic", "nvfp4", "mxfp4")
+
+
+class HessianAccumulator:
+    """Running ``H = 2/N sum x x^T`` over batches of inputs ``x [..., k]`` (float32 by default,
+    the reference's choice; float64 on request). ``n`` counts the rows seen."""
+
+    def __init__(self, k: int, dtype: torch.dtype = torch.float32, device=None):
+        self.k, self.dtype = k, dtype
+        self._H = None if device is None else torch.zeros(k, k, dtype=dtype, device=device)
+        self.n = 0
+
+    @property
+    def H(self) -> torch.Tensor:
+        """[k, k]; allocated on the device of the first batch (CPU when none came)."""
+        if self._H is None:
+            self._H = torch.zeros(self.k, self.k, dtype=self.dtype)
+        return self._H
+
+    def add(self, x: torch.Tensor) -> None:
+        if self._H is None:
+            self._H = torch.zeros(self.k, self.k, dtype=self.dtype, device=x.device)
+        x = x.reshape(-1, x.shape[-1]).to(self._H.dtype)
+        m = x.shape[0]
+        if m == 0:
+            return
+        self._H *= self.n / (self.n + m)
+        self.n += m
+        x = x * math.sqrt(2.0 / self.n)
+        self._H.addmm_(x.t(), x)
+
+
+@dataclass
+class GPTQResult:
+    qtensor: QuantizedTensor
+    weight: torch.Tensor        # float32 [n, k] == scheme.dequantize(qtensor)
+    loss: float                 # GPTQ's proxy loss sum_j |w_j - q_j|^2 / U_jj^2 / 2
+    damp: float                 # the relative dampening that was used
+    static_groups: bool
+    dead_columns: int
+    exact: bool                 # scheme.dequantize(qtensor) equals the kernel-formula columns bit for bit
+
+
+# ---- the quantization grid read from a scheme's RTN parts -----------------------------------------
+
+class _Grid:
+    """Per-group grids of one weight, read from canonical parts of `kernel_fmt`.
+
+    ``scale[:, g]`` / ``offset[:, g]`` (int) or ``scale[:, g]`` (fp4, the float32 multiplier
+    the kernel applies) for group g; `quant(col, g)` returns (codes, dequantized column)
+    computed with the kernel's expressions, so the dequantized column is bit-exact."""
+
+    def __init__(self, qt: QuantizedTensor, n_groups: int):
+        fmt = qt.kernel_fmt
+        self.fmt = fmt
+        self.n_groups = n_groups
+        if fmt in INT_RANGES:
+            self.code, self.qmin, self.qmax = INT_RANGES[fmt]
+            self.scale = qt.parts["weight_scale"].to(torch.float32).reshape(qt.shape[0], -1).clone()
+            self.offset = qt.parts["weight_offset"].to(torch.float32).reshape(qt.shape[0], -1).clone()
+        else:
+            self.code = "weight_fp4"
+            self.scale = _fp4_scales(qt).clone()
+            self.offset = None
+        if self.scale.shape[1] != n_groups:
+            raise CvtError(f"GPTQ: scheme {qt.scheme!r} returned {self.scale.shape[1]} scale groups for a weight "
+                           f"{list(qt.shape)}, expected {n_groups}")
+        self.code_dtype = qt.parts[self.code].dtype
+        self._cache: dict[int, tuple] = {}
+        self._mids, self._e2m1 = E2M1_MIDS.to(self.scale.device), E2M1.to(self.scale.device)
+
+    def set_group(self, g: int, qt: QuantizedTensor) -> None:
+        """Take group g's scales from `qt`, the scheme's RTN of that group's columns alone."""
+        other = _Grid(qt, 1)
+        self.scale[:, g] = other.scale[:, 0]
+        if self.offset is not None:
+            self.offset[:, g] = other.offset[:, 0]
+        self._cache.pop(g, None)
+
+    def _group(self, g: int):
+        c = self._cache.get(g)
+        if c is None:
+            s = self.scale[:, g].contiguous()
+            zero = s == 0
+            safe = torch.where(zero, torch.ones_like(s), s)
+            off = None if self.offset is None else self.offset[:, g].contiguous()
+            q0 = None if off is None else torch.round(off).clamp(self.qmin, self.qmax)
+            c = self._cache[g] = (s, safe, zero if bool(zero.any()) else None, off, q0)
+        return c
+
+    def quant(self, col: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes as float32, dequantized column) of column `col` [n] on group g's grid."""
+        s, safe, zero, off, q0 = self._group(g)
+        if off is not None:
+            q = torch.round(col / safe + off).clamp_(self.qmin, self.qmax)
+            if zero is not None:
+                q = torch.where(zero, q0, q)
+            return q, (q - off) * s
+        v = col / safe
+        if zero is not None:
+            v = torch.where(zero, torch.zeros_like(v), v)
+        idx = (v.abs()[:, None] > self._mids[None, :]).sum(dim=1)   # nearest E2M1 index (ties down)
+        mag = self._e2m1[idx]
+        neg = (v < 0) & (idx > 0)
+        code = idx + 8 * neg.to(idx.dtype)
+        return code.to(torch.float32), torch.where(neg, -mag, mag) * s
+
+    def parts(self, rtn: QuantizedTensor, codes: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`rtn`'s parts with the codes replaced and, for dynamic groups, the group scales."""
+        out = dict(rtn.parts)
+        out[self.code] = codes.to(self.code_dtype)
+        return out
+
+
+def _fp4_scales(qt: QuantizedTensor) -> torch.Tensor:
+    """float32 [n, k/G] group multipliers as the fp4 kernels compute them."""
+    from cvt.convert.fp8 import scale_to_f32
+
+    s = qt.parts["weight_scale"]
+    if qt.kernel_fmt == "nvfp4":
+        return s.to(torch.float32) / qt.parts["weight_global_scale"].to(torch.float32).reshape(())
+    return scale_to_f32(s.view(torch.float8_e8m0fnu) if s.dtype == torch.uint8 else s)
+
+
+def _group_size(qt: QuantizedTensor, k: int) -> int:
+    if qt.kernel_fmt in FP4_GROUP:
+        return FP4_GROUP[qt.kernel_fmt]
+    return qt.group_size or k
+
+
+def _dynamic_parts(fmt: str, parts: dict, n: int, n_groups: int) -> dict[str, torch.Tensor]:
+    """The parts that are per group ([n, n_groups]) and must follow dynamic group scales."""
+    return {k: v for k, v in parts.items() if v.dim() == 2 and tuple(v.shape) == (n, n_groups)
+            and k not in ("weight", "weight_int4", "weight_fp4")}
+
+
+@torch.no_grad()
+def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: float = 0.01,
+                  act_order: bool = False, block_size: int = 128, static_groups: bool | None = None,
+                  name: str = "weight") -> GPTQResult:
+    """GPTQ of one linear weight ``w [n, k]`` given its input Hessian ``H [k, k]`` (2/N sum x x^T).
+
+    damp: relative dampening (times mean diag H). act_order: quantize columns in order of
+    descending diag(H) (implies static groups). static_groups: None = the reference (dynamic
+    group scales) unless act_order or the scheme has a per-tensor part. block_size: lazy-batch
+    width (raised to the group size when they do not nest). `name` is used in messages."""
+    w0 = w.detach().to(torch.float32)
+    n, k = w0.shape
+    if H.shape != (k, k):
+        raise CvtError(f"GPTQ {name}: Hessian {list(H.shape)} does not match weight {list(w0.shape)}")
+    if not torch.isfinite(w0).all():
+        raise CvtError(f"GPTQ {name}: weight {list(w0.shape)} holds non-finite values")
+    W = w0.clone()
+    H = H.detach().to(device=W.device, dtype=torch.float32).clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    rtn = scheme.quantize(W)  # static scales: after dead columns are zeroed, as the reference
+    if rtn.kernel_fmt not in SUPPORTED:
+        raise CvtError(f"GPTQ {name}: scheme {rtn.scheme!r} with kernel format {rtn.kernel_fmt!r} is not supported "
+                       f"(supported kernel formats: {', '.join(SUPPORTED)}; static activation scales: use rtn or "
+                       "smoothquant, or dynamic activations)")
+    G = _group_size(rtn, k)
+    if k % G:
+        raise CvtError(f"GPTQ {name}: group size {G} does not divide in_features {k}")
+    n_groups = k // G
+    grid = _Grid(rtn, n_groups)
+    per_group = _dynamic_parts(rtn.kernel_fmt, rtn.parts, n, n_groups)
+    has_global = any(v.dim() < 2 or tuple(v.shape) not in ((n, n_groups), (n, k)) for v in rtn.parts.values())
+    if static_groups is None:
+        static_groups = act_order or has_global
+    if not static_groups and has_global:
+        raise CvtError(f"GPTQ {name}: scheme {rtn.scheme!r} ({rtn.kernel_fmt}) has a per-tensor part; "
+                       "only static groups are possible")
+    if block_size % G and G % block_size:
+        block_size = G
+
+    if act_order and not static_groups:
+        raise CvtError(f"GPTQ {name}: act_order needs static groups (dynamic ones would need a g_idx on disk)")
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    U, used_damp = _inverse_cholesky(H, damp, name)
+
+    Q = torch.zeros_like(W)
+    codes = torch.zeros_like(W)
+    loss = torch.zeros(n, dtype=torch.float64, device=W.device)
+    dyn_parts = {key: v.clone() for key, v in per_group.items()} if not static_groups else None
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        W1 = W[:, i1:i2].clone()
+        Q1, C1, E1 = torch.zeros_like(W1), torch.zeros_like(W1), torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            g = (int(perm[j]) if perm is not None else j) // G
+            if not static_groups and j % G == 0:
+                # the group's current columns: in this block (W1, up to date) and beyond it (W, lazily
+                # updated by every previous block; this block has not pushed errors yet when i == 0)
+                cur = torch.cat((W1[:, i:], W[:, i2:]), dim=1)[:, :G]
+                gq = scheme.quantize(cur.contiguous())
+                grid.set_group(g, gq)
+                for key in dyn_parts:
+                    dyn_parts[key][:, g] = gq.parts[key].reshape(n, -1)[:, 0]
+            wcol = W1[:, i]
+            c, q = grid.quant(wcol, g)
+            Q1[:, i], C1[:, i] = q, c
+            err = (wcol - q) / U1[i, i]
+            W1[:, i:].addr_(err, U1[i, i:], alpha=-1)
+            E1[:, i] = err
+        Q[:, i1:i2], codes[:, i1:i2] = Q1, C1
+        loss += E1.double().pow(2).sum(dim=1) / 2
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+
+    if perm is not None:
+        inv = torch.argsort(perm)
+        Q, codes = Q[:, inv], codes[:, inv]
+    parts = grid.parts(rtn, codes)
+    if dyn_parts:
+        parts.update({key: v.reshape(rtn.parts[key].shape) for key, v in dyn_parts.items()})
+    qt = QuantizedTensor(rtn.scheme, rtn.kernel_fmt, tuple(rtn.shape), parts, rtn.group_size, rtn.symmetric,
+                         dict(rtn.extra))
+    out = scheme.dequantize(qt).to(torch.float32)
+    exact = torch.equal(out, Q)
+    if not exact:
+        diff = (out - Q).abs().max().item()
+        scale = max(Q.abs().max().item(), 1e-30)
+        if diff > 1e-6 * scale:
+            raise CvtError(f"GPTQ {name}: internal error: scheme {rtn.scheme!r} dequantizes the GPTQ codes to other "
+                           f"values than the {rtn.kernel_fmt} kernel formula (max diff {diff:.3g})")
+    return GPTQResult(qt, out, float(loss.sum()), used_damp, bool(static_groups), int(dead.sum()), exact)
+
+
+def _inverse_cholesky(H: torch.Tensor, damp: float, name: str) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + damp*mean(diag H)*I)^-1; retries with 10x dampening."""
+    mean_diag = torch.diag(H).mean().item()
+    k = H.shape[0]
+    eye = torch.arange(k, device=H.device)
+    for attempt in range(4):
+        d = damp * 10 ** attempt
+        Hd = H.clone()
+        Hd[eye, eye] += d * mean_diag
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if info == 0:
+            # cholesky_solve(I, L) == cholesky_inverse(L), many times faster on CPU builds
+            Hinv = torch.cholesky_solve(torch.eye(k, dtype=L.dtype, device=L.device), L)
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if info == 0:
+                return U, d
+    raise CvtError(f"GPTQ {name}: the input Hessian [{k}, {k}] is not positive definite even with dampening "
+                   f"{damp * 1000:g} x mean(diag H); the calibration inputs may hold non-finite values")
