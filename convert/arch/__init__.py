@@ -12,19 +12,20 @@ from typing import Any, Mapping
 from cvt.convert.arch import deepseek_v3, qwen3
 from cvt.convert.arch.base import ArchSpec, ArchTable, Block, Parallel, Role, Rule, TensorInfo
 from cvt.errors import ArchError
+from cvt.registry import Registry
 
 __all__ = ["ArchSpec", "ArchTable", "Block", "Parallel", "Role", "Rule", "TensorInfo", "arch_for", "register", "TABLES"]
 
-TABLES: dict[str, ArchTable] = {}
+TABLES: Registry[ArchTable] = Registry("model_type", ArchError)
 
 
 def register(table: ArchTable) -> None:
-    """Add a table; a model_type claimed twice is an error, not a silent override."""
+    """Add a table under each of its model_types; a model_type claimed twice is an error."""
     for mt in table.model_types:
         if mt in TABLES:
             raise ArchError(f"model_type {mt!r} is already registered by table {TABLES[mt].name!r}")
     for mt in table.model_types:
-        TABLES[mt] = table
+        TABLES.add(mt, table)
 
 
 for _t in (deepseek_v3.TABLE, qwen3.DENSE, qwen3.MOE):
@@ -43,7 +44,5 @@ def arch_for(config: Mapping[str, Any]) -> ArchSpec:
     cfg = text_config(config)
     mt = cfg.get("model_type")
     if mt not in TABLES:
-        raise ArchError(
-            f"config.json model_type {mt!r} is not supported (supported: {', '.join(sorted(TABLES))})"
-        )
+        raise ArchError(f"config.json model_type {mt!r} is not supported (supported: {', '.join(TABLES.names())})")
     return ArchSpec(TABLES[mt], cfg, mt)

@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from cvt.registry import Registry
 from cvt.errors import FormatError
 from cvt.quant.schemes.base import QuantizedTensor
 
@@ -46,24 +47,16 @@ class Format(Protocol):
     def read(self, module: str, disk: dict[str, torch.Tensor], meta=None) -> QuantizedTensor: ...
 
 
-FORMATS: dict[str, type] = {}
-
-
-def register(cls):
-    if cls.name in FORMATS:
-        raise FormatError(f"format {cls.name!r} is registered twice")
-    FORMATS[cls.name] = cls
-    return cls
+FORMATS: Registry[type] = Registry("output format", FormatError)
+register = FORMATS.register
 
 
 def format_names() -> list[str]:
-    return sorted(FORMATS)
+    return FORMATS.names()
 
 
 def get_format(name: str) -> Format:
-    if name not in FORMATS:
-        raise FormatError(f"unknown output format {name!r} (known: {', '.join(format_names())})")
-    return FORMATS[name]()
+    return FORMATS.get(name)()
 
 
 def scheme_name(scheme) -> str:

@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from cvt.errors import CvtError
+from cvt.registry import Registry
 
 
 @dataclass
@@ -69,22 +69,14 @@ class Scheme(Protocol):
         """dequantize(quantize(w)), the quantization error model used by calibration."""
 
 
-SCHEMES: dict[str, type] = {}
-
-
-def register(cls):
-    if cls.name in SCHEMES:
-        raise CvtError(f"scheme {cls.name!r} is registered twice")
-    SCHEMES[cls.name] = cls
-    return cls
+SCHEMES: Registry[type] = Registry("scheme")
+register = SCHEMES.register
 
 
 def scheme_names() -> list[str]:
-    return sorted(SCHEMES)
+    return SCHEMES.names()
 
 
 def get_scheme(name: str, **options) -> Scheme:
     """A scheme instance: options group_size, symmetric, fp4_format, static_activations."""
-    if name not in SCHEMES:
-        raise CvtError(f"unknown scheme {name!r} (known: {', '.join(scheme_names())})")
-    return SCHEMES[name](**options)
+    return SCHEMES.get(name)(**options)

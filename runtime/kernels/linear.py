@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from cvt.errors import CvtError
+from cvt.registry import Registry
 
-FORMATS: dict[str, type["Linear"]] = {}
+FORMATS: Registry[type["Linear"]] = Registry("linear format")
 
 
 class Linear(nn.Module):
@@ -46,17 +47,11 @@ class Linear(nn.Module):
 
 
 def register(cls: type[Linear]) -> type[Linear]:
-    if cls.fmt in FORMATS:
-        raise CvtError(f"linear format {cls.fmt!r} is registered twice ({FORMATS[cls.fmt].__name__}, {cls.__name__})")
-    FORMATS[cls.fmt] = cls
-    return cls
+    return FORMATS.add(cls.fmt, cls)
 
 
 def get(name: str) -> type[Linear]:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise CvtError(f"unknown linear format {name!r} (known: {', '.join(sorted(FORMATS))})") from None
+    return FORMATS.get(name)
 
 
 def for_parts(names: set[str]) -> type[Linear]:

@@ -373,11 +373,11 @@ def test_registry():
         K.for_parts({"weight", "weight_scale"})
     with pytest.raises(CvtError, match="unknown linear format 'int3'.*w4a16"):
         K.get("int3")
-    before = dict(K.FORMATS)
+    before = {n: K.FORMATS[n] for n in K.FORMATS}
 
     class Dup(K.Linear):
         fmt = "w4a16"
 
     with pytest.raises(CvtError, match="registered twice"):
         K.register(Dup)
-    assert K.FORMATS == before
+    assert {n: K.FORMATS[n] for n in K.FORMATS} == before
