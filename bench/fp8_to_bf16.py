@@ -50,7 +50,6 @@ from cvt.convert.arch import arch_for
 from cvt.convert.fp8 import _dequant_torch, dequant_fp8_block, kernel_name
 from cvt.convert.safetensors_io import TensorSpec, encode_header
 from cvt.convert.synthetic import tiny_deepseek_config, write_side_files
-from cvt.convert.writer import parse_size
 
 GB = 1e9
 H, REAL_VOCAB = 7168, 129280

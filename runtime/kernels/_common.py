@@ -110,3 +110,30 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a, b = a.cpu(), b.cpu()
     out = a.to(torch.float64) @ b.to(torch.float64).t()
     return out.to(torch.int32 if k <= _INT_MM_MAX_K else torch.int64).to(dev)
+
+
+class FusedOrReference:
+    """Mixin for quantized `Linear`s: the Ascend fused op when `npu.enabled` for the input's
+    device (prepared once by `prepare_for_npu`), else the torch `reference` (default:
+    dequantize-then-matmul in x's dtype)."""
+
+    _npu_state = None
+
+    def prepare_for_npu(self) -> None:
+        """Lay the weights out for the Ascend ops once (no-op unless `npu.enabled` for their device)."""
+        from cvt.runtime.kernels import npu
+
+        npu.prepare(self)
+
+    def reference(self, x2: torch.Tensor) -> torch.Tensor:
+        w = self.dense_weight().to(x2.dtype)
+        return torch.nn.functional.linear(x2, w, None if self.bias is None else self.bias.to(x2.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from cvt.runtime.kernels import npu
+
+        x2 = flat(x, self.in_features, self.fmt)
+        y = npu.forward(self, x2) if npu.enabled(x.device) else None
+        if y is None:
+            y = self.reference(x2)
+        return y.reshape(*x.shape[:-1], self.out_features)

@@ -20,17 +20,16 @@ FP4 op for these formats), casts to x.dtype and multiplies.
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from cvt.convert.fp8 import scale_to_f32
 from cvt.errors import TensorError
 # The E2M1 table and fp4 pack helpers live in cvt.quant.primitives; re-exported here.
 from cvt.quant.primitives import E2M1_VALUES, decode_e2m1, pack_fp4, unpack_fp4  # noqa: F401
-from cvt.runtime.kernels._common import check, check_2d, check_finite, desc, flat, new_module, take
+from cvt.runtime.kernels._common import FusedOrReference, check, check_2d, check_finite, desc, new_module, take
 from cvt.runtime.kernels.linear import Linear, register
 
 
-class _Fp4Linear(Linear):
+class _Fp4Linear(FusedOrReference, Linear):
     group = 0
     scale_dtypes: tuple = ()
 
@@ -63,10 +62,6 @@ class _Fp4Linear(Linear):
         v = decode_e2m1(self.weight_fp4).reshape(n, k // self.group, self.group)
         return (v * self.group_scales()[:, :, None]).reshape(n, k)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat(x, self.in_features, self.fmt)
-        w = self.dense_weight().to(x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 
 @register

@@ -12,10 +12,9 @@ Nothing is cached: the full-size weight lives only during the call.
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from cvt.convert.fp8 import dequant_fp8_block, expected_scale_shape, scale_to_f32
-from cvt.runtime.kernels._common import check, check_2d, check_finite, flat, new_module, take
+from cvt.runtime.kernels._common import FusedOrReference, check, check_2d, check_finite, new_module, take
 from cvt.runtime.kernels.linear import Linear, register
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
@@ -30,7 +29,7 @@ def dequant_expr(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> to
 
 
 @register
-class Fp8BlockLinear(Linear):
+class Fp8BlockLinear(FusedOrReference, Linear):
     fmt = "fp8_block"
     parts = ("weight", "weight_scale_inv")
     block_size: tuple[int, int] = (128, 128)
@@ -57,11 +56,6 @@ class Fp8BlockLinear(Linear):
         if self.weight.device.type == "cpu":
             return dequant_fp8_block(self.weight, self.weight_scale_inv, self.block_size)
         return dequant_expr(self.weight, self.weight_scale_inv, self.block_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat(x, self.in_features, self.fmt)
-        w = self.dequant_bf16().to(x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def dense_weight(self) -> torch.Tensor:
         return self.dequant_bf16().float()

@@ -33,22 +33,19 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.nn import functional as F
 
 from cvt.errors import TensorError
 # The pack helpers (bit layouts, worked examples) live in cvt.quant.primitives; re-exported here.
 from cvt.quant.primitives import (  # noqa: F401
     ascend_pack_dim, pack_int4_ascend, pack_int4_ct, unpack_int4_ascend, unpack_int4_ct)
-from cvt.runtime.kernels import npu
-from cvt.runtime.kernels._common import FLOATS, check, check_2d, check_finite, desc, flat, new_module, take
+from cvt.runtime.kernels._common import FusedOrReference, FLOATS, check, check_2d, check_finite, desc, new_module, take
 from cvt.runtime.kernels.linear import Linear, register
 
 
 @register
-class W4A16Linear(Linear):
+class W4A16Linear(FusedOrReference, Linear):
     fmt = "w4a16"
     parts = ("weight_int4", "weight_scale", "weight_offset")
-    _npu_state = None
 
     @classmethod
     def from_parts(cls, parts, bias=None) -> "W4A16Linear":
@@ -110,15 +107,3 @@ class W4A16Linear(Linear):
         q = self.weight_int4.to(torch.float32).reshape(n, k // g, g)
         w = (q - self.weight_offset.to(torch.float32)[:, :, None]) * self.weight_scale.to(torch.float32)[:, :, None]
         return w.reshape(n, k)
-
-    def prepare_for_npu(self) -> None:
-        """Pack the weight for torch_npu once (no-op unless `npu.enabled` for its device)."""
-        npu.prepare(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = flat(x, self.in_features, self.fmt)
-        y = npu.forward(self, x2) if npu.enabled(x.device) else None
-        if y is None:
-            w = self.dense_weight().to(x.dtype)
-            y = F.linear(x2, w, None if self.bias is None else self.bias.to(x.dtype))
-        return y.reshape(*x.shape[:-1], self.out_features)

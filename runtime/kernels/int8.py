@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 
 from cvt.errors import TensorError
-from cvt.runtime.kernels import npu
-from cvt.runtime.kernels._common import FLOATS, check, check_2d, check_finite, desc, flat, int8_matmul, new_module, take
+from cvt.runtime.kernels._common import FusedOrReference, FLOATS, check, check_2d, check_finite, desc, int8_matmul, new_module, take
 from cvt.runtime.kernels.linear import Linear, register
 
 
@@ -76,19 +75,8 @@ def quant_bias_from(bias: torch.Tensor | None, w_q: torch.Tensor, input_offset: 
     return v.to(torch.int32)
 
 
-class _Int8Linear(Linear):
-    _npu_state = None
-
-    def prepare_for_npu(self) -> None:
-        """Lay the weights out for the Ascend ops once (no-op unless `npu.enabled` for their device)."""
-        npu.prepare(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = flat(x, self.in_features, self.fmt)
-        y = npu.forward(self, x2) if npu.enabled(x.device) else None
-        if y is None:
-            y = self.reference(x2)
-        return y.reshape(*x.shape[:-1], self.out_features)
+class _Int8Linear(FusedOrReference, Linear):
+    pass
 
 
 @register

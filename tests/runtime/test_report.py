@@ -10,7 +10,6 @@ import struct
 import subprocess
 import zlib
 from html.parser import HTMLParser
-from pathlib import Path
 
 import jsonschema
 import pytest
