@@ -86,24 +86,6 @@ class WriteResult:
         return self.bytes_out / self.seconds if self.seconds > 0 else 0.0
 
 
-def parse_size(text: str | int) -> int:
-    """'5GB' -> 5_000_000_000, '512MiB' -> 536870912, 1000 -> 1000."""
-    if isinstance(text, int):
-        return text
-    s = str(text).strip().upper().replace(" ", "")
-    units = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-             "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    num = s.rstrip("KMGTIB")
-    unit = s[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1
-    if unit not in units or value <= 0:
-        raise OutputError(f"size {text!r} is not a size like 5GB, 500MB or 2GiB")
-    return int(value * units[unit])
-
-
 def plan_shards(tensors: list[OutTensor], max_shard_size: int, prefix: str = "model") -> list[tuple[str, list[OutTensor]]]:
     groups: list[list[OutTensor]] = []
     size = 0

@@ -84,7 +84,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
     re-running after a crash resumes.
     """
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-    from cvt.convert.writer import parse_size
+    from cvt.units import parse_size
 
     r = fp8_to_bf16(src, dst, revision=revision, workers=workers, max_shard_size=parse_size(max_shard_size),
                     resume=resume, overwrite=overwrite, quiet=quiet)
@@ -139,7 +139,7 @@ def quantize_cmd(src, dst, scheme, fmt, method, group_size, asym, fp4_format, ca
     float by default."""
     from pathlib import Path
 
-    from cvt.convert.writer import parse_size
+    from cvt.units import parse_size
     from cvt.quant.recipe import load_recipe
     from cvt.quant.stage import quantize
 
@@ -154,6 +154,49 @@ def quantize_cmd(src, dst, scheme, fmt, method, group_size, asym, fp4_format, ca
                    f"{x['fallbacks']} RTN fallbacks; worst SQNR {x['min_sqnr_db']}\n"
                    f"wrote {r.written_files} weight files ({r.skipped_files} already done) to {r.dst}: "
                    f"{_human(r.bytes_out)} in {r.seconds:.1f} s")
+
+
+@cli.command("plan")
+@click.argument("model")
+@click.option("--world-size", type=click.IntRange(1), help="Ranks in the world (default: ep x moe-tp, or tp).")
+@click.option("--tp", type=click.IntRange(1), help="Attention tensor parallel degree (default 1: attention DP).")
+@click.option("--ep", type=click.IntRange(1), help="Expert parallel degree (--ep 64 alone: 64 ranks, attention DP).")
+@click.option("--moe-tp", type=click.IntRange(1), help="TP inside each expert (default 1).")
+@click.option("--dense-tp", type=click.IntRange(1), help="TP of the dense MLP layers (default: --tp).")
+@click.option("--embed-tp", type=click.IntRange(1), help="Vocab-parallel degree of the embedding (default: --tp).")
+@click.option("--lmhead-tp", type=click.IntRange(1), help="Column-parallel degree of lm_head (default: --tp).")
+@click.option("--placement", type=click.Path(exists=True, dir_okay=False), help="MindIE/vllm-ascend JSON or DeepSeek EPLB phy2log.")
+@click.option("--scheme", type=click.Choice(["bf16", "fp8", *SCHEMES]), default="bf16", show_default=True)
+@click.option("--group-size", type=click.IntRange(0), default=None, help="Quantization group size (w4a16).")
+@click.option("--hbm", default=None, help="Device memory per rank, e.g. 64GB or 64GiB: ranks above it are flagged.")
+@click.option("--kv-tokens", type=click.IntRange(0), default=0, show_default=True, help="Tokens of KV cache in flight (whole world).")
+@_common
+def plan_cmd(model, world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp, placement, scheme, group_size, hbm,
+             kv_tokens, quiet):
+    """Per-rank memory plan of an EP/TP layout from config.json alone (MODEL: a checkpoint
+    directory or a config.json): weights by role plus KV cache, min/max/mean, the heaviest rank,
+    ranks over --hbm, and every divisibility problem of the layout. Exit code 3 when the layout
+    is invalid or a rank does not fit."""
+    from pathlib import Path
+
+    from cvt.convert.layout import make_layout, read_placement
+    from cvt.convert.plan import memory_plan
+    from cvt.convert.safetensors_io import load_json
+    from cvt.errors import CvtError
+
+    path = Path(model)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    if not cfg_path.is_file():
+        raise CvtError(f"{model}: no config.json (give a checkpoint directory or a config.json file)")
+    config = load_json(cfg_path)
+    layout = make_layout(world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp)
+    if placement:
+        layout = make_layout(world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp,
+                             placement=read_placement(placement, config, layout.ep))
+    plan = memory_plan(config, layout, scheme=scheme, group_size=group_size, kv_tokens=kv_tokens, hbm_bytes=hbm)
+    click.echo(plan.render())
+    if plan.violations or plan.over_budget:
+        sys.exit(EXIT_PROBLEMS)
 
 
 @cli.command("inspect")

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cvt.schemas.layout import Layout
 from cvt.schemas.manifest import Manifest
 from cvt.schemas.report import Report
 
 HERE = Path(__file__).parent
-SCHEMAS = {"manifest.schema.json": Manifest, "report.schema.json": Report}
+SCHEMAS = {"layout.schema.json": Layout, "manifest.schema.json": Manifest, "report.schema.json": Report}
 
 
 def schema_json(model) -> str:

@@ -1,0 +1,436 @@
+"""Before writing shards: divisibility checks and a per-rank memory plan, from config.json alone.
+
+Every tensor of ``param_shapes(config)`` (MTP layers included) is split along its arch-table
+split dim by the degree of its part of the model:
+
+===================  ======================================================================
+tensor               held by
+===================  ======================================================================
+attention linears    tp (column: heads; row: o_proj's input); q_a / kv_a projections whole
+dense MLP            dense_tp
+routed experts       whole experts on their EP rank(s) (placement), split moe_tp ways inside
+shared experts       moe_tp (``layout.shared_experts == "replicated"``: whole on every rank)
+embed_tokens         embed_tp (vocab-parallel), MTP's copy too
+lm_head              lmhead_tp (column-parallel), MTP's shared_head.head too
+norms, router, bias  replicated (eh_proj too)
+===================  ======================================================================
+
+Bytes per tensor shard under a scheme:
+
+* ``bf16``: 2 bytes per element; ``e_score_correction_bias`` stays float32 everywhere.
+* ``fp8``: the linears an FP8 release stores in FP8 (attention, dense MLP, experts; FORMATS.md
+  1.1: not embeddings, heads, norms, router, nor MTP's eh_proj, a plain nn.Linear in vLLM /
+  SGLang) take 1 byte per element + float32 block scales ``ceil(n/128) x ceil(k/128)`` of the
+  shard; everything else as bf16.
+* ``w8a8`` / ``w8a8c8`` / ``w4a16`` / ``fp4``: quantizable linears that are not float by default
+  (arch table) take the scheme's ``param_info`` parts of the shard, 4-bit parts packed two per
+  byte as stored; the rest stays bf16. w8a8c8 adds the replicated float32 KV-cache scales and
+  offsets of `cvt.runtime.kv_cache` (MLA: kv_lora_rank + qk_rope_head_dim per layer).
+
+KV cache for ``kv_tokens``: the tokens in flight over the whole world; attention DP splits
+sequences evenly over the dp ranks (``ceil(kv_tokens / dp)`` per rank), TP ranks of a group
+hold the same tokens. Per token and decoder layer (MTP layers excluded): MLA caches
+``kv_lora_rank + qk_rope_head_dim`` values (whole on every TP rank: the latent has no heads);
+GQA caches ``2 x kv_heads / tp x head_dim``. bf16, or int8 under w8a8c8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from cvt.convert.arch import Block, Role, TensorInfo, arch_for
+from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
+from cvt.units import parse_size
+from cvt.errors import CvtError
+
+SCHEMES = ("bf16", "fp8", "w8a8", "w8a8c8", "w4a16", "fp4")
+CATEGORIES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embedding", "head", "norm",
+              "mtp_proj", "kv_scales")
+_ROLE_CATEGORY = {Role.EMBEDDING: "embedding", Role.HEAD: "head", Role.NORM: "norm", Role.ROUTER: "router",
+                  Role.EXPERT: "experts", Role.SHARED_EXPERT: "shared_experts", Role.MTP_PROJ: "mtp_proj",
+                  Role.KV_CACHE: "kv_scales"}
+_PACKED_4BIT = ("weight_int4", "weight_fp4")
+_NUM = re.compile(r"(?<=\.)(\d+)(?=\.)")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a tensor name pattern means for sharding (one per pattern, cached)."""
+
+    info: TensorInfo
+    category: str
+    axis: str | None  # layout degree that splits it (None: replicated)
+    fp8: bool  # stored as FP8 in an FP8 block release
+    quantized: bool  # quantized by cvt's schemes unless a recipe says otherwise
+
+
+def _kind(info: TensorInfo, shared: str) -> Kind:
+    role = info.role
+    cat = _ROLE_CATEGORY.get(role) or ("attention" if info.block is Block.ATTN else "dense_mlp")
+    axis = {Role.EMBEDDING: "embed_tp", Role.HEAD: "lmhead_tp", Role.EXPERT: "moe_tp",
+            Role.SHARED_EXPERT: "moe_tp" if shared == "moe_tp" else None,
+            Role.LINEAR: "tp" if info.block is Block.ATTN else "dense_tp"}.get(role)
+    if info.split_dim is None:
+        axis = None
+    weight = info.param == "weight" and info.rule.quantizable
+    fp8 = weight and role in (Role.LINEAR, Role.EXPERT, Role.SHARED_EXPERT)
+    return Kind(info, cat, axis, fp8, weight and not info.rule.float_default)
+
+
+def tensors(config: Mapping[str, Any], shared: str = "moe_tp") -> Iterator[tuple[str, tuple, Kind, tuple]]:
+    """(name, shape, kind, numbers in the name) for every weight of the config."""
+    arch = arch_for(config)
+    cache: dict[str, Kind] = {}
+    for name, shape in arch.table.param_shapes(arch.config).items():
+        key = _NUM.sub("#", name)
+        kind = cache.get(key)
+        if kind is None:
+            kind = cache[key] = _kind(arch.classify(name), shared)
+        yield name, shape, kind, tuple(map(int, _NUM.findall(name)))
+
+
+# ------------------------------------------------------------------------------ validation
+@dataclass(frozen=True)
+class Violation:
+    """A degree that does not divide something: the tensor or config key, dim, sizes, valid degrees."""
+
+    subject: str
+    axis: str
+    degree: int
+    size: int
+    dim: int | None = None
+    unit: int = 1
+    unit_name: str = "element"
+    valid: tuple[int, ...] = ()
+    more: int = 0
+    reason: str = ""
+
+    def __str__(self) -> str:
+        if self.reason:
+            return self.reason
+        where = self.subject + (f" dim {self.dim}" if self.dim is not None else "")
+        units = f" = {self.size // self.unit} {self.unit_name}s" if self.unit > 1 and self.size % self.unit == 0 else ""
+        msg = (f"{where} (size {self.size}{units}): {self.axis} {self.degree} does not split it into whole "
+               f"{self.unit_name}s; valid {self.axis}: {', '.join(map(str, self.valid)) or 'none'}")
+        return msg + (f" (and {self.more} more tensors like it)" if self.more else "")
+
+
+def _scheme(scheme: str | None, group_size: int | None):
+    if scheme in (None, "bf16", "fp8"):
+        if group_size is not None:
+            raise CvtError(f"group_size applies to quantized schemes, not {scheme or 'the source'}")
+        return None
+    if scheme not in SCHEMES:
+        raise CvtError(f"unknown scheme {scheme!r} for the plan (known: {', '.join(SCHEMES)})")
+    from cvt.quant.schemes import get_scheme
+
+    return get_scheme(scheme, **({} if group_size is None else {"group_size": group_size}))
+
+
+def _holds_fp8(config: Mapping[str, Any], scheme: str | None) -> tuple[int, int] | None:
+    """The FP8 block when the shards hold FP8 weights (scheme 'fp8', or None on an FP8 source)."""
+    qc = arch_for(config).config.get("quantization_config") or config.get("quantization_config") or {}
+    fp8_src = qc.get("quant_method") == "fp8"
+    if scheme == "fp8" or (scheme is None and fp8_src):
+        return tuple(qc.get("weight_block_size") or (128, 128)) if fp8_src else (128, 128)
+    return None
+
+
+def _unit(kind: Kind, dim: int, block, sch) -> tuple[int, str]:
+    """The granularity a shard along `dim` must keep whole."""
+    unit, names = 1, []
+    if block and kind.fp8:
+        unit, names = block[dim], [f"FP8 {block[dim]}-block"]
+    if sch is not None and kind.quantized:
+        g = getattr(sch, "group_size", 0) or 0
+        if sch.name == "w4a16" and dim == 1:  # groups along k; compressed-tensors packs 8 per int32
+            need = (math.lcm(g or 1, 8), f"int4 group of {g}" if g > 8 else "int4 run of 8 (one int32)")
+        elif sch.name == "w4a16":  # Ascend packs pairs of output channels when grouped
+            need = (2, "int4 row pair") if g else (1, "")
+        elif sch.name == "fp4":
+            need = (math.lcm(g, 2), f"fp4 group of {g}") if dim == 1 else (1, "")
+        else:
+            need = (1, "")
+        if need[0] > 1:
+            unit = math.lcm(unit, need[0])
+            names.append(need[1])
+    return unit, " and ".join(names) if names else ("row" if dim == 0 else "column")
+
+
+def _config_violation(subject, axis, degree, size, world, unit_name, extra="") -> Violation | None:
+    if size % degree == 0:
+        return None
+    valid = tuple(d for d in divisors(world) if size % d == 0)
+    return Violation(subject, axis, degree, size, unit_name=unit_name, valid=valid,
+                     reason=f"{subject} = {size} {unit_name}s: {axis} {degree} does not divide it; valid {axis}: "
+                            f"{', '.join(map(str, valid))}{extra}")
+
+
+def validate(layout: Layout, config: Mapping[str, Any], scheme: str | None = None,
+             group_size: int | None = None, _items: list | None = None) -> list[Violation]:
+    """Every divisibility problem of `layout` for this model (empty: the layout can be written).
+    `scheme`: None = the source as stored (FP8 blocks when it is an FP8 release), or a plan scheme."""
+    arch = arch_for(config)
+    cfg, W = arch.config, layout.world_size
+    sch = _scheme(scheme, group_size)
+    block = _holds_fp8(config, scheme)
+    out: list[Violation] = []
+    heads = cfg.get("num_attention_heads") or 0
+    out.append(_config_violation("config.num_attention_heads", "tp", layout.tp, heads, W, "head"))
+    if "kv_lora_rank" not in cfg:
+        kv = cfg.get("num_key_value_heads") or heads
+        out.append(_config_violation("config.num_key_value_heads", "tp", layout.tp, kv, W, "KV head"))
+    E, layers = arch.num_experts, moe_layers(config)
+    if layers and layout.placement is None:
+        key = arch.table.config_keys.get("experts", "experts")
+        out.append(_config_violation(f"config.{key}", "ep", layout.ep, E, W, "routed expert",
+                                     " (or give an expert placement with redundant experts, the physical "
+                                     "count a multiple of ep)"))
+    elif layers:
+        if layout.placement.num_experts != E:
+            out.append(Violation("placement", "ep", layout.ep, layout.placement.num_experts,
+                                 reason=f"the placement is for {layout.placement.num_experts} experts, the "
+                                        f"config has {E}"))
+        out += [Violation("placement", "ep", layout.ep, E, reason=p)
+                for p in placement_problems(layout.placement, layers)]
+    out = [v for v in out if v is not None]
+    seen: dict[tuple, list] = {}
+    for name, shape, kind, _ in _items if _items is not None else tensors(config, layout.shared_experts):
+        if kind.axis is None or getattr(layout, kind.axis) == 1:
+            continue
+        d, dim = getattr(layout, kind.axis), kind.info.split_dim
+        unit, unit_name = _unit(kind, dim, block, sch)
+        size = shape[dim]
+        if size % (d * unit):
+            key = (kind.info.rule.pattern, kind.info.param, dim, kind.axis)
+            if key in seen:
+                seen[key][1] += 1
+                continue
+            valid = tuple(x for x in divisors(W) if size % (x * unit) == 0)
+            seen[key] = [Violation(name, kind.axis, d, size, dim, unit, unit_name, valid), 0]
+    out += [dataclasses.replace(v, more=more) for v, more in seen.values()]
+    return out
+
+
+def check(layout: Layout, config: Mapping[str, Any], scheme: str | None = None,
+          group_size: int | None = None) -> None:
+    """CvtError listing every violation (call before writing anything)."""
+    bad = validate(layout, config, scheme, group_size)
+    if bad:
+        raise CvtError(f"the layout (world {layout.world_size}: tp {layout.tp}, ep {layout.ep}, moe_tp "
+                       f"{layout.moe_tp}, dense_tp {layout.dense_tp}, embed_tp {layout.embed_tp}, lmhead_tp "
+                       f"{layout.lmhead_tp}) cannot shard this model:\n  " + "\n  ".join(map(str, bad)))
+
+
+# ------------------------------------------------------------------------------ memory plan
+def _tensor_bytes(kind: Kind, shape: tuple, dim: int | None, deg: int, sch, block) -> int:
+    """Bytes of one shard (dim split `deg` ways, the largest shard when it does not divide)."""
+    shape = list(shape)
+    if dim is not None and deg > 1:
+        shape[dim] = -(-shape[dim] // deg)
+    numel = math.prod(shape)
+    if kind.info.param == "e_score_correction_bias":
+        return 4 * numel
+    if block and kind.fp8 and len(shape) == 2:
+        n, k = shape
+        return n * k + -(-n // block[0]) * -(-k // block[1]) * 4
+    if sch is not None and kind.quantized and len(shape) == 2:
+        total = 0
+        for part, (pshape, dtype) in sch.param_info(tuple(shape)).items():
+            rows, cols = (pshape[0], math.prod(pshape[1:])) if len(pshape) > 1 else (1, math.prod(pshape))
+            total += rows * -(-cols // 2) if part in _PACKED_4BIT else rows * cols * dtype.itemsize
+        return total
+    return 2 * numel
+
+
+parse_bytes = parse_size  # one size syntax for every option (cvt.units)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+@dataclass
+class RankUsage:
+    rank: int
+    ep_rank: int
+    weights: dict[str, int]  # category -> bytes
+    kv_cache: int = 0
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.kv_cache
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+@dataclass
+class Plan:
+    """Per-rank bytes of a layout (weights by category + KV cache), and what it assumed."""
+
+    model_type: str
+    scheme: str
+    layout: Layout
+    ranks: list[RankUsage]
+    model_bytes: dict[str, int]  # unsharded: every tensor once, every logical expert once
+    kv_tokens: int = 0
+    hbm_bytes: int | None = None
+    violations: list[Violation] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def totals(self) -> list[int]:
+        return [r.total for r in self.ranks]
+
+    @property
+    def min(self) -> int:
+        return min(self.totals)
+
+    @property
+    def max(self) -> int:
+        return max(self.totals)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.totals) / len(self.ranks)
+
+    @property
+    def heaviest(self) -> RankUsage:
+        return max(self.ranks, key=lambda r: (r.total, -r.rank))
+
+    @property
+    def over_budget(self) -> list[int]:
+        return [] if self.hbm_bytes is None else [r.rank for r in self.ranks if r.total > self.hbm_bytes]
+
+    def render(self) -> str:
+        L = self.layout
+        lines = [f"memory plan: {self.model_type}, scheme {self.scheme}, KV cache {self.kv_tokens} tokens",
+                 f"layout: world {L.world_size} = tp {L.tp} x dp {L.dp} = moe_tp {L.moe_tp} x ep {L.ep}; "
+                 f"dense_tp {L.dense_tp}, embed_tp {L.embed_tp}, lmhead_tp {L.lmhead_tp}, "
+                 f"shared experts {L.shared_experts}",
+                 f"model (every tensor and expert once): {gib(sum(self.model_bytes.values()))} GiB", "",
+                 f"{'per rank, GiB':<16}{'min':>10}{'max':>10}{'mean':>10}"]
+        rows = [(c, [r.weights.get(c, 0) for r in self.ranks]) for c in CATEGORIES]
+        rows = [(c, v) for c, v in rows if max(v)] + [("weights", [r.weight_bytes for r in self.ranks]),
+                                                     ("kv_cache", [r.kv_cache for r in self.ranks]),
+                                                     ("total", self.totals)]
+        for name, v in rows:
+            lines.append(f"{name:<16}{gib(min(v)):>10}{gib(max(v)):>10}{gib(sum(v) / len(v)):>10}")
+        h = self.heaviest
+        heavy = [r.rank for r in self.ranks if r.total == h.total]
+        lines += ["", f"heaviest rank: {h.rank} (ep_rank {h.ep_rank}): {gib(h.total)} GiB"
+                  + (f"; {len(heavy)} ranks at that size: {_ranges(heavy)}" if len(heavy) > 1 else "")]
+        if self.hbm_bytes is not None:
+            over = self.over_budget
+            lines.append(f"HBM budget {gib(self.hbm_bytes)} GiB: " + (
+                f"{len(over)} of {len(self.ranks)} ranks exceed it: {_ranges(over)}" if over else
+                f"every rank fits (least headroom {gib(self.hbm_bytes - self.max)} GiB)"))
+        lines += ["", "assumptions:"] + [f"  - {a}" for a in self.assumptions]
+        if self.violations:
+            lines += ["", "layout violations (cvt shard refuses this layout):"] + [f"  - {v}" for v in self.violations]
+        return "\n".join(lines)
+
+
+def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16", group_size: int | None = None,
+                kv_tokens: int = 0, hbm_bytes: int | str | None = None) -> Plan:
+    """Per-rank bytes of `layout` for this config under `scheme` (module docstring), no weights read."""
+    if scheme not in SCHEMES:
+        raise CvtError(f"unknown scheme {scheme!r} for the memory plan (known: {', '.join(SCHEMES)})")
+    if not isinstance(kv_tokens, int) or kv_tokens < 0:
+        raise CvtError(f"kv_tokens must be a non-negative integer, got {kv_tokens!r}")
+    arch = arch_for(config)
+    cfg = arch.config
+    sch = _scheme(scheme, group_size)
+    qc = cfg.get("quantization_config") or config.get("quantization_config") or {}
+    block = tuple(qc.get("weight_block_size") or (128, 128)) if scheme == "fp8" else None
+    per_rank = dict.fromkeys(CATEGORIES, 0)
+    model = dict.fromkeys(CATEGORIES, 0)
+    experts: dict[int, dict[int, int]] = {}
+    memo: dict[tuple, int] = {}
+    items = list(tensors(config, layout.shared_experts))
+    for _, shape, kind, nums in items:
+        deg = getattr(layout, kind.axis) if kind.axis else 1
+        key = (kind.info.rule.pattern, kind.info.param, shape, deg)
+        if key not in memo:
+            memo[key] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, sch, block)
+            memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, None, 1, sch, block)
+        model[kind.category] += memo[key[:3] + (0,)]
+        if kind.info.role is Role.EXPERT:
+            layer = experts.setdefault(nums[0], {})
+            layer[nums[1]] = layer.get(nums[1], 0) + memo[key]
+        else:
+            per_rank[kind.category] += memo[key]
+    mla = "kv_lora_rank" in cfg
+    n_layers = cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    int8_kv = getattr(sch, "kv_cache", None) == "int8"
+    if int8_kv:  # float32 scale + offset per cached channel, replicated (cvt.runtime.kv_cache)
+        ch = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] if mla else 2 * kv_heads * head_dim
+        per_rank["kv_scales"] = model["kv_scales"] = n_layers * ch * 2 * 4
+    per_token = n_layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] if mla
+                            else 2 * -(-kv_heads // layout.tp) * head_dim)
+    kv_rank = -(-kv_tokens // layout.dp) * per_token * (1 if int8_kv else 2)
+
+    E, layers = arch.num_experts, moe_layers(config)
+    ep_bytes = [0] * layout.ep
+    assumptions = []
+    placement = layout.placement
+    if layers and placement is None:
+        if E % layout.ep == 0:
+            placement = contiguous_placement(E, layout.ep)
+        else:
+            s = -(-E // layout.ep)
+            fallback = [list(range(E))[r * s:(r + 1) * s] for r in range(layout.ep)]
+            placement = Placement.model_construct(num_experts=E, ep=layout.ep, source="fallback", layers=[],
+                                                  default=fallback)
+            assumptions.append(f"{E} experts do not divide over ep {layout.ep}: counted {s} per rank, fewer on "
+                               "the last")
+    for layer in layers:
+        per_e = experts.get(layer, {})
+        sizes = set(per_e.values())
+        for r, ids in enumerate(placement.for_layer(layer)):
+            ep_bytes[r] += len(ids) * next(iter(sizes)) if len(sizes) == 1 else sum(per_e.get(e, 0) for e in ids)
+    ranks = []
+    for rank in range(layout.world_size):
+        ep_rank = (rank // layout.moe_tp) % layout.ep
+        w = {c: b for c, b in per_rank.items() if b}
+        if layers:
+            w["experts"] = ep_bytes[ep_rank]
+        ranks.append(RankUsage(rank, ep_rank, w, kv_rank))
+    assumptions += [
+        "bytes are weights + KV cache only (no activations, workspace, communication buffers or allocator slack)",
+        f"shared experts: {'split moe_tp ways' if layout.shared_experts == 'moe_tp' else 'whole on every rank'}; "
+        "norms, router, q_a/kv_a projections and eh_proj replicated",
+        {"bf16": "bf16: 2 bytes per element (e_score_correction_bias float32)",
+         "fp8": "fp8: attention, dense MLP and expert linears 1 byte/element + float32 128x128 block scales; "
+                "embeddings, heads, norms, router, eh_proj bf16"}.get(scheme,
+            f"{scheme}: quantizable linears not float by default take the scheme's param_info parts"
+            + (" (4-bit values packed two per byte)" if scheme in ("w4a16", "fp4") else "")
+            + f"{f', group {sch.group_size}' if getattr(sch, 'group_size', 0) else ''}; the rest bf16"),
+        f"KV cache: {kv_tokens} tokens in flight over the world, split evenly over dp {layout.dp} "
+        f"({-(-kv_tokens // layout.dp)} per rank); " + (
+            f"MLA latent {cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']} per token and layer, whole on "
+            "every TP rank" if mla else f"GQA k+v {kv_heads} KV heads / tp x {head_dim}")
+        + f"; {'int8' if int8_kv else 'bf16'}; {n_layers} decoder layers (MTP layers not cached)"]
+    return Plan(arch.model_type, scheme, layout, ranks, model, kv_tokens,
+                None if hbm_bytes is None else parse_bytes(hbm_bytes),
+                validate(layout, config, scheme, group_size, items), assumptions)
