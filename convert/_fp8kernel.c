@@ -24,7 +24,7 @@
 #endif
 
 static float LUT[256];
-static int lut_ready = 0;
+static pthread_once_t lut_once = PTHREAD_ONCE_INIT; /* first calls may race from several threads */
 
 static void init_lut(void) {
     for (int c = 0; c < 256; c++) {
@@ -38,7 +38,6 @@ static void init_lut(void) {
             v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
         LUT[c] = sign ? -v : v;
     }
-    lut_ready = 1;
 }
 
 static inline uint16_t bf16_rne(float f) {
@@ -118,7 +117,7 @@ static void *run(void *arg) {
 /* w: [n, k] uint8 (e4m3fn bits); s: [ceil(n/bn), s_cols] float32; out: [n, k] uint16 (bf16 bits) */
 int cvt_dequant_fp8_block(const uint8_t *w, const float *s, uint16_t *out, int64_t n, int64_t k,
                           int64_t s_cols, int64_t bn, int64_t bk, int64_t nthreads, int64_t allow_simd) {
-    if (!lut_ready) init_lut();
+    pthread_once(&lut_once, init_lut);
     int simd = allow_simd && cpu_simd();
     if (simd) /* the exact power-of-two rescale needs finite scales below 2**100 */
         for (int64_t i = 0; i < ((n + bn - 1) / bn) * s_cols; i++)

@@ -193,6 +193,8 @@ class OutputDir:
             )
         if self.resume and prior_plan == self.plan:
             self._state = dict(records)
+        else:  # every file is rewritten: no manifest may claim the old ones meanwhile
+            (self.dst / MANIFEST_NAME).unlink(missing_ok=True)
         if prior_plan is not None and prior_plan != self.plan:
             # --overwrite of another run's output: remove what it wrote, so that no stale shard
             # or manifest survives next to ours
@@ -345,14 +347,19 @@ class _FilePipeline:
     def _hasher(self) -> None:
         while (item := self.q_hash.get()) is not self._END:
             buf, keep, tensor = item
-            if self.error is None:
-                self.f.sha.update(buf)
-            del buf, keep, item
-            if tensor.release is not None:
-                tensor.release()
-            self.budget.release(tensor.spec.nbytes)
-            if self.error is None:
-                self.update(tensor.spec.nbytes)
+            try:
+                if self.error is None:
+                    self.f.sha.update(buf)
+                del buf, keep, item
+                if tensor.release is not None:
+                    tensor.release()
+                if self.error is None:
+                    self.update(tensor.spec.nbytes)
+            except BaseException as exc:  # reported by close(); keep draining so nobody blocks
+                if self.error is None:
+                    self.error = exc
+            finally:
+                self.budget.release(tensor.spec.nbytes)
 
     def close(self, abort: bool = False) -> None:
         if abort and self.error is None:
@@ -482,7 +489,10 @@ def write_checkpoint(
     prior = _prior_stages(ckpt)
     pid = plan_id({
         "tool": __version__,
-        "source": src.model_dump(exclude={"path"}),
+        "source": src.model_dump(),
+        # fine-tunes share config and index with their base: the weight files themselves
+        # (size and modification time) tell one source from another without reading them
+        "source_files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.weight_files],
         "stage": stage.model_dump(),
         "max_shard_size": max_shard_size,
         "prefix": prefix,

@@ -3,7 +3,11 @@ weights in the Ascend (msModelSlim AscendV1) or compressed-tensors format.
 
 Streaming like every stage: tensors are read one at a time (FP8 weights dequantized on the
 fly, so no BF16 copy is ever written), each quantized linear is quantized once when its first
-part is written, and the writer shards, hashes, resumes and writes the manifest. Which
+part is written, and the writer shards, hashes, resumes and writes the manifest. Checked
+before anything is written: names (architecture table), schemes against the format, group
+sizes against every tensor, FP8 scales (present, shaped, finite). A NaN/Inf weight is refused
+when its module is quantized (one pass over the weights, not two); like any failure, it
+leaves no index, config or manifest behind. Which
 linears are quantized, and how, is `cvt.quant.recipe.Policy`. Calibrated methods (gptq, awq,
 smoothquant) first run the runtime model layer by layer on calibration text
 (`cvt.quant.methods`); their results replace RTN for the modules they cover, and every
@@ -25,6 +29,7 @@ from cvt import __version__
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config, source_format
 from cvt.convert.fp8 import dequant_fp8_block
+from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
 from cvt.convert.reader import Checkpoint, open_checkpoint
 from cvt.convert.safetensors_io import TensorSpec, dtype_code
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_checkpoint
@@ -288,7 +293,8 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
         for module, sch in plan.schemes.items():
             form.check_shape(module, sch, _weight_shape(ckpt, plan.modules[module]))
         source = _Source(ckpt, src_fmt)
-        _check_finite_weights(source, plan)
+        if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
+            check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block))
 
         needs_model = (any(m != "rtn" for m in plan.methods.values()) or static_attention
                        or any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
@@ -297,16 +303,6 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
                       fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet)
     finally:
         ckpt.close()
-
-
-def _check_finite_weights(source: _Source, plan: Plan) -> None:
-    """NaN/Inf in a weight to quantize is refused before anything is written (one pass, one
-    tensor at a time)."""
-    for module in plan.schemes:
-        w = source.float_weight(plan.modules[module])
-        if not torch.isfinite(w).all():
-            bad = int((~torch.isfinite(w)).sum())
-            raise TensorError(f"{module}.weight: {bad} non-finite value(s); refusing to quantize NaN/Inf weights")
 
 
 @dataclass
@@ -319,6 +315,7 @@ class _Calib:
     methods_applied: dict[str, str] = field(default_factory=dict)
     sqnr: dict[str, float] = field(default_factory=dict)
     tokens: int = 0
+    tokens_sha256: str | None = None
 
 
 def calibration_tokens(folder: Path, config: dict, calib: Path | None, n_tokens: int, seq_len: int = 256) -> torch.Tensor:
@@ -350,7 +347,9 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
     loaded = load_model(ckpt.source, dtype=torch.float32)
     model = loaded.model
     tokens = calibration_tokens(ckpt.root, ckpt.config, calib, calib_tokens)
-    out = _Calib(tokens=int(tokens.numel()))
+    import hashlib
+
+    out = _Calib(tokens=int(tokens.numel()), tokens_sha256=hashlib.sha256(tokens.numpy().tobytes()).hexdigest())
     if any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()):
         from cvt.runtime.kv_cache import calibrate_kv_scales
 
@@ -442,6 +441,7 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
             outs.append(OutTensor(TensorSpec(wname, "BF16", shape),
                                   produce=lambda p=params: source.float_weight(p).to(torch.bfloat16)))
             tags[wname] = "FLOAT"
+            float_linears.append(module)
             continue
         dt = "BF16" if ref.dtype == "F8_E4M3" else ref.dtype
         if name in cal.float_overrides:
@@ -500,8 +500,8 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
                 quant.fallbacks.append(Fallback(module=m, method=plan.methods[m], reason="not covered by calibration"))
 
     calib_id = None
-    if cal.tokens:
-        calib_id = {"tokens": cal.tokens}
+    if cal.tokens:  # the calibration identity: a resumed run must have calibrated on the same tokens
+        calib_id = {"tokens": cal.tokens, "sha256": cal.tokens_sha256}
     params = {"scheme": scheme, "format": fmt, "method": method, "group_size": group_size, "asym": asym,
               "fp4_format": fp4_format if scheme == "fp4" else None, "static_attention": static_attention,
               "calibration": calib_id, "max_shard_size": max_shard_size}

@@ -103,6 +103,10 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
             raise ManifestError(f"{ckpt.root}: {fmt.value} checkpoints are not runnable (bf16, fp8-block, "
                                 "compressed-tensors and cvt outputs are)")
         block = fp8_config(ckpt.config, str(ckpt.root)).block if fmt is SourceFormat.FP8_BLOCK else None
+        if block is not None:  # every FP8 weight's scale present, well shaped and finite
+            from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
+
+            check_scales_finite(ckpt, pair_fp8_weights(ckpt, block))
         device = torch.device(device)
         with torch.device("meta"):
             model = build_model(ckpt.config, dtype=dtype)
@@ -111,14 +115,19 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         seen: set[str] = set()
         kv: dict[str, torch.Tensor] = {}
         for module, params in _by_module(ckpt).items():
+            # KV-cache scales first: on GQA models they sit on k_proj / v_proj, next to the
+            # quantized weight parts, and must not be taken for a part of the linear
+            for param, name in list(params.items()):
+                if is_kv_cache_tensor(name):
+                    kv[name] = ckpt.read(name).clone()
+                    del params[param]
+            if not params:
+                continue
             if quant is not None and quant.is_quantized(module, params):
                 _load_quantized(model, ckpt, quant, module, params, device)
                 seen.add(module + ".weight")
                 continue
             for param, name in params.items():
-                if is_kv_cache_tensor(name):
-                    kv[name] = ckpt.read(name).clone()
-                    continue
                 if name.endswith("_scale_inv"):
                     continue
                 ref = ckpt.tensors[name]

@@ -140,3 +140,51 @@ def test_two_real_runs_at_once(fp8_release_session, tmp_path, golden):
     for rc, (_, err) in zip(rcs, outs):
         assert rc == 0 or "another cvt run" in err
     assert snapshot(dst) == golden
+
+
+def test_resume_refuses_another_source_with_the_same_config_and_index(tmp_path):
+    """A fine-tune ships the same config.json and index as its base: a killed run of one and a
+    re-run with the other must not mix their shards."""
+    from cvt.convert.synthetic import write_fp8_release
+
+    a = write_fp8_release(tmp_path / "a", seed=1)
+    b = write_fp8_release(tmp_path / "b", seed=2)
+    assert (a / "config.json").read_bytes() == (b / "config.json").read_bytes()
+    assert (a / "model.safetensors.index.json").read_bytes() == (b / "model.safetensors.index.json").read_bytes()
+    dst = tmp_path / "out"
+    killed = run_cvt("fp8-to-bf16", a, dst, "--max-shard-size", SHARD, "--quiet", "--workers", "1",
+                     env={"CVT_TEST_KILL_AT_BYTE": "1500000"})
+    assert killed.rc == -signal.SIGKILL
+    r = run_cvt("fp8-to-bf16", b, dst, "--max-shard-size", SHARD, "--quiet")
+    assert r.rc != 0 and "different run" in r.err
+
+
+def test_a_failure_in_the_hashing_thread_is_reported_not_hung(fp8_release_session, tmp_path):
+    import threading
+
+    from cvt.convert.reader import open_checkpoint
+    from cvt.convert.safetensors_io import TensorSpec
+    from cvt.convert.writer import OutTensor, write_checkpoint
+    from cvt.schemas.manifest import StageInfo
+
+    ckpt = open_checkpoint(fp8_release_session)
+
+    def boom():
+        raise RuntimeError("release failed")
+
+    outs = [OutTensor(TensorSpec(f"t{i}", "U8", (1000,)), produce=lambda: bytes(1000), release=boom) for i in range(5)]
+    errors = []
+
+    def run():
+        try:
+            write_checkpoint(ckpt, tmp_path / "out", outs, stage=StageInfo(name="test", tool_version="0"),
+                             source_format="bf16", out_format="test", config={}, summary={}, quiet=True)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the writer hung"
+    assert errors and "release failed" in str(errors[0])
+    assert not (tmp_path / "out" / "cvt_manifest.json").exists()

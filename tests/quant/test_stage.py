@@ -349,6 +349,56 @@ def test_nan_weight_refused_before_writing(tmp_path, tiny_config):
     weights = {n: (t if n.endswith("bias") else t.to(torch.bfloat16)) for n, t in random_weights(cfg).items()}
     weights["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
     src = write_release(tmp_path / "src", cfg, weights, move_scale=False)
-    r = run_cvt("quantize", src, tmp_path / "out", "--scheme", "w8a8")
+    r = run_cvt("quantize", src, tmp_path / "out", "--scheme", "w8a8", "--quiet")
     assert r.rc != 0 and "model.layers.0.mlp.up_proj.weight" in r.err and "non-finite" in r.err
+    assert len(r.err.strip().splitlines()) == 1 and r.err.startswith("cvt: error:")
+    left = {p.name for p in (tmp_path / "out").iterdir()} if (tmp_path / "out").exists() else set()
+    assert not left & {"cvt_manifest.json", "config.json", "model.safetensors.index.json"}
+
+
+@pytest.mark.parametrize("what", ["nan-scale-of-a-float-module", "misshaped-scale", "missing-scale"])
+def test_bad_fp8_scales_refused_before_writing(fp8_release, tmp_path, what):
+    """quantize checks the FP8 release's scales up front, for modules kept float too (kv_b_proj)."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((fp8_release / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.self_attn.kv_b_proj.weight_scale_inv"
+    fname = index["weight_map"][name]
+    t = {k: v.clone() for k, v in load_file(fp8_release / fname).items()}
+    if what == "nan-scale-of-a-float-module":
+        t[name][0, 0] = float("nan")
+    elif what == "misshaped-scale":
+        t[name] = t[name][:1]
+    else:
+        del t[name]
+        del index["weight_map"][name]
+        (fp8_release / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file(t, fp8_release / fname, metadata={"format": "pt"})
+    r = run_cvt("quantize", fp8_release, tmp_path / "out", "--scheme", "w8a8")
+    assert r.rc != 0 and "kv_b_proj" in r.err and len(r.err.strip().splitlines()) == 1, r.err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("fmt", ["ascend", "compressed-tensors"])
+def test_c8_outputs_load_with_their_kv_scales(fp8_release_session, dense_qwen, tmp_path, fmt):
+    """w8a8c8 of an MLA and a GQA model, both formats: the runtime attaches the KV-cache scales
+    (so generation uses the int8 cache)."""
+    from cvt.runtime.kv_cache import has_kv_cache_scales
+
+    for name, src in (("mla", fp8_release_session), ("gqa", dense_qwen)):
+        dst = tmp_path / f"{name}-{fmt}"
+        quantize(src, dst, scheme="w8a8c8", fmt=fmt, quiet=True)
+        model = load_model(dst, dtype=torch.float32).model
+        assert has_kv_cache_scales(model), (name, fmt)
+        assert model.new_cache(1, 8)[0].__class__.__name__.startswith("Int8"), (name, fmt)
+
+
+def test_int4_source_modules_kept_float_are_in_the_ignore_list(dense_qwen, tmp_path):
+    ct = tmp_path / "ct-int4"
+    quantize(dense_qwen, ct, scheme="w4a16", fmt="compressed-tensors", group_size=32, quiet=True)
+    out = tmp_path / "out"
+    quantize(ct, out, scheme="w4a16", fmt="compressed-tensors", group_size=32, ignore=(r"mlp\.down_proj",), quiet=True)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.down_proj" in qc["ignore"]
+    assert read_dir(out)["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
+    load_model(out, dtype=torch.float32)
