@@ -72,11 +72,12 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     say(f"cvt quantize {out['bf16']} {out['w8a8']} --scheme w8a8 --format ascend: {q.extra['quantized']} linears, "
         f"worst SQNR {q.extra['min_sqnr_db']}")
 
-    out["report-w4a16"] = root / "verify-w4a16"
-    say(f"\n[6/6] cvt verify {out['w4a16']} --reference {out['bf16']} --report {out['report-w4a16']}")
-    v = verify(out["w4a16"], out["bf16"], out["report-w4a16"], seq_len=32, max_sequences=2).report
-    say(f"W4A16 vs BF16 (random weights, so only a smoke test): min layer cosine "
-        f"{min(row.cosine for row in v.layers):.4f}, PPL ratio {v.logits.ppl_ratio:.3f}, mean KL {v.logits.kl_mean:.3g}")
+    say(f"\n[6/6] cvt verify, each quantized model against {out['bf16']} (random weights: a smoke test)")
+    for key in ("w4a16", "w8a8"):
+        out[f"report-{key}"] = root / f"verify-{key}"
+        v = verify(out[key], out["bf16"], out[f"report-{key}"], seq_len=32, max_sequences=2).report
+        say(f"{key}: min layer cosine {min(row.cosine for row in v.layers):.4f}, PPL ratio {v.logits.ppl_ratio:.3f}, "
+            f"mean KL {v.logits.kl_mean:.3g}, same top-1 {v.logits.same_top1:.0%}  ({out[f'report-{key}']}/report.html)")
 
     say("\noutputs:")
     for key, path in out.items():
