@@ -133,9 +133,22 @@ def sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     w: the original (high precision) tensor, w_hat: its dequantized approximation, same shape.
     inf when w_hat == w exactly (including both zero), -inf when w is zero and w_hat is not.
     """
-    w, w_hat = _pair(w, w_hat)
-    noise = torch.linalg.vector_norm(w - w_hat).item()
-    signal = torch.linalg.vector_norm(w).item()
+    if w.shape != w_hat.shape:
+        raise ValueError(f"shape mismatch: {list(w.shape)} vs {list(w_hat.shape)}")
+    # dot products (float32, or float64 for float64 inputs) over chunks of 1M elements, summed in
+    # float64: ample for a dB figure,
+    # fast, and memory stays bounded for the largest weights (whole-tensor float64 copies of a
+    # 7168x16384 weight would be ~1 GB each)
+    a, b = w.detach().reshape(-1), w_hat.detach().reshape(-1).to(w.device)
+    dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)  # float64 stays float64
+    sig = err = 0.0
+    step = 1 << 20
+    for i in range(0, a.numel(), step):
+        x, y = a[i : i + step].to(dt), b[i : i + step].to(dt)
+        sig += float(torch.dot(x, x))
+        d = x - y
+        err += float(torch.dot(d, d))
+    noise, signal = math.sqrt(err), math.sqrt(sig)
     if noise == 0.0:
         return math.inf
     if signal == 0.0:
