@@ -15,6 +15,7 @@ Index rules (each violation is a CheckpointError naming file and tensor):
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -42,6 +43,7 @@ class Checkpoint:
     tensors: dict[str, TensorRef]
     index_path: Path | None
     _files: dict[Path, MappedFile] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- identity ---------------------------------------------------------------------
     @property
@@ -82,10 +84,11 @@ class Checkpoint:
             raise CheckpointError(f"{self.root}: no tensor named {name}") from None
 
     def _mapped(self, ref: TensorRef) -> MappedFile:
-        mf = self._files.get(ref.path)
-        if mf is None:
-            mf = self._files[ref.path] = MappedFile(ref.path)
-        return mf
+        with self._lock:  # writer threads read concurrently: one mapping per file
+            mf = self._files.get(ref.path)
+            if mf is None:
+                mf = self._files[ref.path] = MappedFile(ref.path)
+            return mf
 
     def view(self, name: str) -> memoryview:
         """The raw bytes of a tensor (zero-copy mmap view)."""

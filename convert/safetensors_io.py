@@ -17,6 +17,7 @@ import hashlib
 import json
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -198,8 +199,13 @@ class MappedFile:
     def __init__(self, path: Path):
         self.path = path
         self._mm: mmap.mmap | None = None
+        self._lock = threading.Lock()
 
     def _map(self) -> mmap.mmap:
+        with self._lock:
+            return self._map_locked()
+
+    def _map_locked(self) -> mmap.mmap:
         if self._mm is None:
             try:
                 with open(self.path, "rb") as f:
