@@ -232,14 +232,16 @@ class _Quantizer:
 
         params = self.plan.modules[module]
         scheme = self.plan.schemes[module]
-        w = self.source.float_weight(params)
         method = self.plan.methods[module]
         q = self.precomputed.get(module)
-        if q is None and "weight_packed" in params:
+        if "weight_packed" in params:  # an INT4 source: read it once, as its own quantized tensor
             src_q = self.source.source_quantized(params)
-            if (src_q.kernel_fmt, src_q.group_size, src_q.symmetric) == (_kernel_fmt(scheme), scheme.group_size,
-                                                                         scheme.symmetric):
+            w = get_scheme(src_q.scheme, group_size=src_q.group_size, symmetric=src_q.symmetric).dequantize(src_q)
+            if q is None and (src_q.kernel_fmt, src_q.group_size, src_q.symmetric) == (
+                    _kernel_fmt(scheme), scheme.group_size, scheme.symmetric):
                 q, method = src_q, "source"  # same int4 grid: re-emitted as is, without loss
+        else:
+            w = self.source.float_weight(params)
         if q is None:
             if method != "rtn":
                 method = "rtn-fallback"
