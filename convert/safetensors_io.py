@@ -20,7 +20,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from cvt.errors import CheckpointError, OutputError
 
@@ -386,8 +386,3 @@ def write_bytes_atomic(path: Path, data: bytes) -> tuple[int, str]:
 
 def write_json_atomic(path: Path, obj) -> tuple[int, str]:
     return write_bytes_atomic(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
-
-
-def iter_chunks(view: memoryview, chunk: int = 64 << 20) -> Iterator[memoryview]:
-    for i in range(0, len(view), chunk):
-        yield view[i : i + chunk]

@@ -320,35 +320,17 @@ class _Calib:
     tokens_sha256: str | None = None
 
 
-def calibration_tokens(folder: Path, config: dict, calib: Path | None, n_tokens: int, seq_len: int = 256) -> torch.Tensor:
-    """[b, s] token batch from --calib (text / jsonl) or the built-in sample; CvtError when empty."""
-    from cvt.runtime.tokenizer import load_tokenizer, read_texts
-    from cvt.runtime.verify import SAMPLE_TEXT
-
-    if calib is not None and not Path(calib).is_file():
-        raise CvtError(f"--calib {calib}: no such file")
-    texts = read_texts(calib) if calib is not None else [SAMPLE_TEXT]
-    tok = load_tokenizer(folder, config)
-    ids: list[int] = []
-    for t in texts:
-        if t.strip():
-            ids += tok.encode(t)
-    if len(ids) < 2:
-        raise CvtError(f"--calib {calib}: no text to calibrate on" if calib else "the built-in sample is empty")
-    ids = ids[:n_tokens]
-    seq_len = min(seq_len, len(ids))
-    n = len(ids) // seq_len
-    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
-
-
 def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_attention: bool) -> _Calib:
     """Run the runtime model on calibration text: KV-cache scales (w8a8c8), static activation
     scales (--static-attention), and the calibrated methods."""
+    from cvt.quant.methods.calib import calib_tokens as calib_tokens_of
     from cvt.runtime.loader import load_model
+    from cvt.runtime.tokenizer import load_tokenizer
 
     loaded = load_model(ckpt.source, dtype=torch.float32)
     model = loaded.model
-    tokens = calibration_tokens(ckpt.root, ckpt.config, calib, calib_tokens)
+    tokens = calib_tokens_of(load_tokenizer(ckpt.root, ckpt.config), calib, seq_len=256,
+                             max_sequences=max(1, calib_tokens // 256), max_len=model.max_positions)
     import hashlib
 
     out = _Calib(tokens=int(tokens.numel()), tokens_sha256=hashlib.sha256(tokens.numpy().tobytes()).hexdigest())

@@ -92,10 +92,11 @@ def calib_tokens(tokenizer, calib: Path | str | None = None, *, seq_len: int = 5
     if calib is not None:
         path = Path(calib)
         if not path.is_file():
-            raise CvtError(f"calibration file {path} does not exist")
+            raise CvtError(f"--calib {path}: no such file (the calibration file does not exist)")
         texts = [t for t in read_texts(path) if t.strip()]
         if not texts:
-            raise CvtError(f"calibration file {path} is empty (expected text, or .jsonl lines with a \"text\" field)")
+            raise CvtError(f"--calib {path}: no text to calibrate on (the file is empty; expected text, "
+                           "or .jsonl lines with a \"text\" field)")
         where = str(path)
     else:
         texts, where = [SAMPLE_TEXT], "the built-in calibration sample"
