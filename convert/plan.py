@@ -68,14 +68,18 @@ class Kind:
     quantized: bool  # quantized by cvt's schemes unless a recipe says otherwise
 
 
+def axis_of(info: TensorInfo, shared: str = "moe_tp") -> str | None:
+    """The layout degree that splits this tensor's module (None: the module is replicated)."""
+    role = info.role
+    return {Role.EMBEDDING: "embed_tp", Role.HEAD: "lmhead_tp", Role.EXPERT: "moe_tp",
+            Role.SHARED_EXPERT: "moe_tp" if shared == "moe_tp" else None,
+            Role.LINEAR: "tp" if info.block is Block.ATTN else "dense_tp"}.get(role)
+
+
 def _kind(info: TensorInfo, shared: str) -> Kind:
     role = info.role
     cat = _ROLE_CATEGORY.get(role) or ("attention" if info.block is Block.ATTN else "dense_mlp")
-    axis = {Role.EMBEDDING: "embed_tp", Role.HEAD: "lmhead_tp", Role.EXPERT: "moe_tp",
-            Role.SHARED_EXPERT: "moe_tp" if shared == "moe_tp" else None,
-            Role.LINEAR: "tp" if info.block is Block.ATTN else "dense_tp"}.get(role)
-    if info.split_dim is None:
-        axis = None
+    axis = axis_of(info, shared) if info.split_dim is not None else None
     weight = info.param == "weight" and info.rule.quantizable
     fp8 = weight and role in (Role.LINEAR, Role.EXPERT, Role.SHARED_EXPERT)
     return Kind(info, cat, axis, fp8, weight and not info.rule.float_default)

@@ -177,7 +177,8 @@ class OutputDir:
                 self.prior_meta = (data.get("quant") or {}).get("tensors") or {}
             except (ValueError, KeyError, TypeError):
                 prior_plan, records = "unreadable", {}
-        for tmp in self.dst.glob(".*.tmp"):  # a killed run's half-written files
+        # a killed run's half-written files (sharded outputs keep theirs in rank-*/ folders)
+        for tmp in [*self.dst.glob(".*.tmp"), *self.dst.glob("*/.*.tmp")]:
             tmp.unlink(missing_ok=True)
         if prior_plan is None:
             visible = sorted(p.name for p in self.dst.iterdir() if not p.name.startswith("."))
@@ -244,7 +245,7 @@ class OutputDir:
 
 def _unlink_inside(root: Path, rel: str) -> None:
     path = (root / rel).resolve()
-    if path.parent == root.resolve() and path.is_file():
+    if root.resolve() in path.parents and path.is_file():
         path.unlink()
 
 

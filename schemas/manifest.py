@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cvt.schemas.layout import Layout
+
 MANIFEST_VERSION = 1
 
 
@@ -100,6 +102,39 @@ class QuantInfo(_Strict):
     fallbacks: list[Fallback] = Field(default_factory=list)
 
 
+class TensorShard(_Strict):
+    """How one source tensor is spread over the ranks of a sharded checkpoint.
+
+    ``dim`` None: every holder has the whole tensor. Otherwise holder with coordinate ``i``
+    along ``axis`` has ``narrow(dim, i * shape[dim] / degree, shape[dim] / degree)``.
+    Holders: every rank, except routed-expert tensors (``expert`` set), held only by the
+    ranks whose EP rank places that expert (see the rank entries' ``experts``)."""
+
+    shape: list[int]
+    dtype: str
+    axis: str | None = Field(None, description="layout axis the tensor is split along (null: whole on holders)")
+    dim: int | None = Field(None, description="split dim (null: not split)")
+    degree: int = Field(1, ge=1)
+    expert: list[int] | None = Field(None, description="[layer, global expert id] of a routed-expert tensor")
+
+
+class RankShard(_Strict):
+    rank: int = Field(ge=0)
+    dir: str = Field(description="the rank's directory, relative to the manifest")
+    coords: dict[str, int] = Field(description="coordinate along every layout axis")
+    files: list[str] = Field(description="the rank's weight files (paths relative to the manifest)")
+    tensors: int = Field(ge=0)
+    bytes: int = Field(ge=0, description="tensor bytes the rank holds")
+    experts: dict[str, list[int]] = Field(
+        default_factory=dict, description="MoE layer -> global expert id held in each local slot")
+
+
+class ShardInfo(_Strict):
+    layout: Layout
+    tensors: dict[str, TensorShard] = Field(description="every source tensor, by name")
+    ranks: list[RankShard]
+
+
 class Manifest(_Strict):
     manifest_version: Literal[1] = MANIFEST_VERSION
     tool: ToolInfo
@@ -112,3 +147,4 @@ class Manifest(_Strict):
     files: list[FileInfo] = Field(description="weight files, then index, config and copied files")
     summary: Summary = Field(default_factory=Summary)
     quant: QuantInfo | None = Field(None, description="present when the directory holds quantized weights")
+    shard: ShardInfo | None = Field(None, description="present in a per-rank sharded directory (cvt shard)")

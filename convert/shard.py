@@ -1,0 +1,429 @@
+"""`cvt shard`: per-rank weight directories for an EP/TP layout, streamed from the source once.
+
+Output (DST)::
+
+    cvt_manifest.json              layout, every tensor's split, every rank's files (size, sha256)
+    config.json, tokenizer*, ...   the source's, unchanged
+    expert_placement.json          MindIE / vllm-ascend expert map  (MoE models)
+    expert_placement_eplb.json     DeepSeek EPLB phy2log / log2phy / logcnt  (MoE models)
+    rank-00000/
+        model-00001-of-0000N.safetensors   bounded by --max-shard-size
+        model.safetensors.index.json       the rank's weight map
+        quant_model_description.json       Ascend sources: the rank's tensors' tags + global keys
+    rank-00001/ ...
+
+Tensor names never change (routed experts keep their global ids). A tensor is split along
+the arch table's TP dim (`TensorInfo.split_dim`, extended below to per-output-channel 1-D
+parts of column-parallel linears such as Ascend ``deq_scale`` / ``quant_bias``) by the degree
+of its part of the model (`cvt.convert.plan.axis_of`: tp, dense_tp, moe_tp, embed_tp,
+lmhead_tp); the holder with coordinate ``i`` on that axis gets the ``i``-th of ``degree``
+equal runs. Parts of a split linear that are broadcast along the split dim (per-channel scales
+``[n, 1]`` of a row-parallel linear, per-tensor ``[1]`` scales, compressed-tensors
+``weight_shape``) are copied whole. Routed-expert tensors go only to the ranks whose EP rank
+holds the expert (placement, redundant copies included). So for every tensor the manifest's
+``TensorShard`` (axis, dim, degree) says how to put it back together: concatenating the
+holders' runs in coordinate order gives the source bytes exactly.
+
+FP8 block scales, packed int4 (two per byte / eight per int32) and group scales split
+consistently with their weight because `cvt.convert.plan.validate` refuses any degree that
+does not keep 128-blocks, groups and packing units whole, and a per-tensor check refuses any
+stored tensor whose split dim does not divide.
+
+Streaming: source tensors are visited once, in file order; each tensor's distinct slices are
+made once (zero-copy for dim-0 runs and whole tensors, one copy for dim-1 runs) and handed to
+every rank file that holds them. A rank's files are consecutive runs of its tensors in that
+same order, so at most one file per rank is open; each open file has a writer and a hasher
+thread (`cvt.convert.writer._FilePipeline`), and bytes in flight are bounded
+(`IN_FLIGHT_BYTES`), so peak memory is a few tensors whatever W or the model size. The source
+tensor's pages are released once every rank file has hashed its slice. Resume, locking and
+atomic files are the writer's (`OutputDir`): finished rank files are skipped on a rerun and
+source tensors only they need are not read.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cvt import __version__
+from cvt.convert.arch import Parallel, Role, arch_for
+from cvt.convert.config import source_format
+from cvt.convert.layout import Layout, contiguous_placement, coords, moe_layers, write_placement
+from cvt.convert.plan import axis_of, check
+from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint
+from cvt.convert.safetensors_io import AtomicFile, TensorSpec, encode_header, load_json, tensor_from_view
+from cvt.convert.writer import (
+    DEFAULT_MAX_SHARD,
+    IN_FLIGHT_BYTES,
+    OutputDir,
+    OutTensor,
+    WriteResult,
+    _as_buffer,
+    _ByteBudget,
+    _FilePipeline,
+    _prior_stages,
+    make_progress,
+    plan_id,
+    source_info,
+)
+from cvt.errors import CvtError
+from cvt.schemas.manifest import FileInfo, Manifest, RankShard, ShardInfo, StageInfo, Summary, TensorShard, ToolInfo
+
+RANK_DIR = "rank-{:05d}"
+INDEX_NAME = "model.safetensors.index.json"
+ASCEND_DESCRIPTION = "quant_model_description.json"
+# 1-D per-output-channel parts of a linear (Ascend static W8A8): split like the weight's rows
+_PER_CHANNEL = frozenset({"deq_scale", "quant_bias"})
+_TWO_D_PARAMS = ("weight", "weight_scale_inv", "weight_packed", "weight_int4", "weight_fp4")
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one tensor is spread: along `axis` (a layout degree) at `dim` in `degree` runs."""
+
+    axis: str | None
+    dim: int | None
+    degree: int
+    expert: tuple[int, int] | None  # (layer, global id) of a routed-expert tensor
+
+    def run(self, size: int, index: int) -> tuple[int, int]:
+        """(start, length) along `dim` of run `index`."""
+        n = size // self.degree
+        return index * n, n
+
+
+def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...]) -> Split:
+    """The split of tensor `name` (stored shape `shape`) under `layout` (module docstring)."""
+    info = arch.classify(name)
+    expert = (info.layer, info.expert) if info.role is Role.EXPERT else None
+    axis = axis_of(info, layout.shared_experts)
+    dim = info.split_dim
+    if dim is None and info.param in _PER_CHANNEL and info.rule.parallel in (Parallel.COLUMN, Parallel.VOCAB):
+        dim = 0
+    degree = getattr(layout, axis) if axis else 1
+    if dim is None or degree == 1:
+        return Split(None, None, 1, expert)
+    if info.param not in _TWO_D_PARAMS and (dim >= len(shape) or shape[dim] == 1):
+        return Split(None, None, 1, expert)  # broadcast along the split dim: every holder needs it whole
+    return Split(axis, dim, degree, expert)
+
+
+def expert_holders(layout: Layout, config) -> dict[int, dict[int, list[int]]]:
+    """MoE layer -> global expert id -> the EP ranks holding it."""
+    layers = moe_layers(config)
+    if not layers:
+        return {}
+    placement = layout.placement or contiguous_placement(arch_for(config).num_experts, layout.ep)
+    out: dict[int, dict[int, list[int]]] = {}
+    for layer in layers:
+        per: dict[int, list[int]] = {}
+        for r, ids in enumerate(placement.for_layer(layer)):
+            for e in ids:
+                per.setdefault(e, []).append(r)
+        out[layer] = per
+    return out
+
+
+def source_scheme(ckpt: Checkpoint) -> tuple[str | None, int | None]:
+    """(scheme, group size) the source's shards must respect, for `cvt.convert.plan.check`:
+    a cvt quantize output's scheme; None for an FP8 release (plan reads its blocks); bf16 else."""
+    path = ckpt.root / MANIFEST_NAME
+    if path.is_file():
+        quant = (load_json(path).get("quant") or {})
+        if quant.get("scheme"):
+            return quant["scheme"], quant.get("group_size")
+    qc = ckpt.config.get("quantization_config") or {}
+    if qc.get("quant_method") == "fp8":
+        return None, None
+    if qc:
+        raise CvtError(f"{ckpt.root}: a {qc.get('quant_method')} checkpoint not written by cvt quantize; "
+                       "shard the bf16 / FP8 release or a cvt quantize output")
+    return "bf16", None
+
+
+@dataclass
+class _Holding:
+    """One rank's share of one tensor."""
+
+    rank: int
+    name: str
+    index: int  # run index along the split axis (0 when whole)
+    spec: TensorSpec
+
+
+def _layout_problems(ckpt: Checkpoint, arch, layout: Layout, splits: dict[str, Split]) -> list[str]:
+    out, seen = [], set()
+    for name, sp in splits.items():
+        if sp.dim is None:
+            continue
+        shape = ckpt.tensors[name].shape
+        if shape[sp.dim] % sp.degree:
+            info = arch.classify(name)
+            key = (info.rule.pattern, info.param)
+            if key in seen:
+                continue
+            seen.add(key)
+            valid = [d for d in range(1, layout.world_size + 1) if layout.world_size % d == 0 and shape[sp.dim] % d == 0]
+            out.append(f"{name} dim {sp.dim} (size {shape[sp.dim]}, stored {ckpt.tensors[name].dtype} "
+                       f"{list(shape)}): {sp.axis} {sp.degree} does not divide it; valid {sp.axis}: "
+                       f"{', '.join(map(str, valid))}")
+    return out
+
+
+def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], list[list[_Holding]]]:
+    """Every tensor's split and every rank's holdings (in source order); CvtError naming each
+    divisibility problem when the layout cannot shard this checkpoint."""
+    arch = arch_for(ckpt.config)
+    scheme, group = source_scheme(ckpt)
+    check(layout, ckpt.config, scheme, group)
+    splits = {name: split_of(arch, layout, name, ref.shape) for name, ref in ckpt.tensors.items()}
+    problems = _layout_problems(ckpt, arch, layout, splits)
+    if problems:
+        raise CvtError("the layout cannot shard these tensors:\n  " + "\n  ".join(problems))
+    holders = expert_holders(layout, ckpt.config)
+    ranks: list[list[_Holding]] = []
+    for rank in range(layout.world_size):
+        c = coords(layout, rank)
+        mine = []
+        for name, sp in splits.items():
+            if sp.expert is not None:
+                layer, e = sp.expert
+                if c.ep_rank not in holders.get(layer, {}).get(e, ()):
+                    continue
+            ref = ckpt.tensors[name]
+            shape = list(ref.shape)
+            index = 0
+            if sp.dim is not None:
+                index = getattr(c, f"{sp.axis}_rank")
+                shape[sp.dim] //= sp.degree
+            mine.append(_Holding(rank, name, index, TensorSpec(name, ref.dtype, tuple(shape))))
+        ranks.append(mine)
+    return splits, ranks
+
+
+def _plan_files(holdings: list[_Holding], rank: int, max_shard_size: int) -> list[tuple[str, list[_Holding]]]:
+    groups: list[list[_Holding]] = []
+    size = 0
+    for h in holdings:
+        if not groups or (size + h.spec.nbytes > max_shard_size and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(h)
+        size += h.spec.nbytes
+    n = len(groups)
+    d = RANK_DIR.format(rank)
+    return [(f"{d}/model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+class _OpenFile:
+    """A rank file being written: atomic file + pipeline, closed after its last tensor."""
+
+    def __init__(self, out: OutputDir, rel: str, holdings: list[_Holding], budget, update):
+        self.rel, self.count, self.left = rel, len(holdings), len(holdings)
+        self.f = AtomicFile(out.dst / rel)
+        self.f.write(encode_header([h.spec for h in holdings], {"format": "pt"}))
+        self.pipe = _FilePipeline(self.f, budget, update)
+
+    def finish(self) -> FileInfo:
+        self.pipe.close()
+        size, sha = self.f.commit()
+        return FileInfo(path=self.rel, size=size, sha256=sha, tensors=self.count)
+
+    def abort(self) -> None:
+        self.pipe.close(abort=True)
+        self.f.abort()
+
+
+class _Refcount:
+    """Release a source tensor's pages once every rank file has hashed its slice."""
+
+    def __init__(self, ckpt: Checkpoint, name: str, n: int):
+        self.ckpt, self.name, self.n = ckpt, name, n
+        self.lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self.lock:
+            self.n -= 1
+            last = self.n == 0
+        if last:
+            self.ckpt.release(self.name)
+
+
+def _slice(ckpt: Checkpoint, name: str, sp: Split, index: int):
+    """The bytes of run `index` of `name` (a memoryview of the mmap when contiguous)."""
+    if sp.dim is None:
+        return ckpt.view(name)
+    ref = ckpt.tensors[name]
+    t = tensor_from_view(ckpt.view(name), ref.dtype, ref.shape)
+    start, n = sp.run(ref.shape[sp.dim], index)
+    return t.narrow(sp.dim, start, n).contiguous()
+
+
+def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split],
+                 files: list[tuple[str, list[_Holding]]], progress) -> tuple[dict[str, FileInfo], int, int]:
+    """Write every unfinished rank file, visiting each needed source tensor once."""
+    results: dict[str, FileInfo] = {}
+    pending: list[tuple[str, list[_Holding]]] = []
+    update = progress.update if progress is not None else (lambda n: None)
+    for rel, hs in files:
+        size = len(encode_header([h.spec for h in hs], {"format": "pt"})) + sum(h.spec.nbytes for h in hs)
+        done = out.finished(rel)
+        if done is not None and done[0].size == size:
+            results[rel] = done[0]
+            update(sum(h.spec.nbytes for h in hs))
+        else:
+            pending.append((rel, hs))
+    consumers: dict[str, list[tuple[str, _Holding]]] = {}
+    for rel, hs in pending:
+        for h in hs:
+            consumers.setdefault(h.name, []).append((rel, h))
+    file_of = dict(pending)
+    budget = _ByteBudget(IN_FLIGHT_BYTES)
+    open_files: dict[str, _OpenFile] = {}
+    try:
+        for name in ckpt.tensors:  # source order: file by file, offset by offset
+            uses = consumers.get(name)
+            if not uses:
+                continue
+            sp = splits[name]
+            done_cb = _Refcount(ckpt, name, len(uses))
+            made: dict[int, Any] = {}
+            for rel, h in uses:
+                f = open_files.get(rel)
+                if f is None:
+                    f = open_files[rel] = _OpenFile(out, rel, file_of[rel], budget, update)
+                if h.index not in made:
+                    made[h.index] = _slice(ckpt, name, sp, h.index)
+                data = made[h.index]
+                spec = h.spec
+                budget.acquire(spec.nbytes)
+                try:
+                    buf = _as_buffer(data, spec)
+                except BaseException:
+                    budget.release(spec.nbytes)
+                    raise
+                f.pipe.put(buf, data, OutTensor(spec, produce=lambda: None, release=done_cb))
+                f.left -= 1
+                if f.left == 0:
+                    info = open_files.pop(rel).finish()
+                    out.record(info)
+                    results[rel] = info
+            del made
+    except BaseException:
+        for f in open_files.values():
+            f.abort()
+        raise
+    if open_files:  # every file closes after its last tensor; anything left is a planning bug
+        raise RuntimeError(f"internal: rank files left open: {sorted(open_files)[:3]}")
+    return results, len(pending), len(files) - len(pending)
+
+
+def _ascend_description(ckpt: Checkpoint, names: list[str]) -> bytes | None:
+    path = ckpt.root / ASCEND_DESCRIPTION
+    if not path.is_file():
+        return None
+    desc = load_json(path)
+    mine = set(names)
+    keep = {k: v for k, v in desc.items() if k not in ckpt.tensors or k in mine}
+    return (json.dumps(keep, indent=2) + "\n").encode()
+
+
+def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD,
+          resume: bool = True, overwrite: bool = False, quiet: bool = False) -> WriteResult:
+    """Write SRC's tensors as per-rank directories under DST for `layout` (module docstring)."""
+    t0 = time.perf_counter()
+    ckpt = open_checkpoint(src, revision)
+    try:
+        splits, ranks = plan_holdings(ckpt, layout)
+        rank_files = [_plan_files(hs, r, max_shard_size) for r, hs in enumerate(ranks)]
+        files = [f for per in rank_files for f in per]
+        fmt = source_format(ckpt.config, ckpt.has_manifest).value
+        src_info = source_info(ckpt, fmt)
+        stage = StageInfo(name="shard", tool_version=__version__, parameters={
+            "world_size": layout.world_size, "tp": layout.tp, "dp": layout.dp, "moe_tp": layout.moe_tp,
+            "ep": layout.ep, "dense_tp": layout.dense_tp, "embed_tp": layout.embed_tp,
+            "lmhead_tp": layout.lmhead_tp, "shared_experts": layout.shared_experts,
+            "placement": layout.placement.source if layout.placement else "contiguous",
+            "max_shard_size": max_shard_size})
+        pid = plan_id({
+            "tool": __version__, "source": src_info.model_dump(),
+            "source_files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.weight_files],
+            "stage": stage.model_dump(), "layout": layout.model_dump()})
+        total_out = sum(h.spec.nbytes for hs in ranks for h in hs)
+        with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite) as out:
+            for r in range(layout.world_size):
+                (out.dst / RANK_DIR.format(r)).mkdir(exist_ok=True)
+            with make_progress(total_out, "shard", quiet) as bar:
+                results, written, skipped = _write_ranks(ckpt, out, splits, files, bar)
+            infos = [results[rel] for rel, _ in files]
+            rank_entries = []
+            holders = expert_holders(layout, ckpt.config)
+            placement = layout.placement or (contiguous_placement(arch_for(ckpt.config).num_experts, layout.ep)
+                                             if holders else None)
+            for r, per in enumerate(rank_files):
+                d = RANK_DIR.format(r)
+                weight_map = {h.name: rel[len(d) + 1:] for rel, hs in per for h in hs}
+                nbytes = sum(h.spec.nbytes for h in ranks[r])
+                index = {"metadata": {"total_size": nbytes}, "weight_map": weight_map}
+                infos.append(out.write_small(f"{d}/{INDEX_NAME}", (json.dumps(index, indent=2) + "\n").encode()))
+                desc = _ascend_description(ckpt, list(weight_map))
+                if desc is not None:
+                    infos.append(out.write_small(f"{d}/{ASCEND_DESCRIPTION}", desc))
+                c = coords(layout, r)
+                experts = {str(L): list(placement.for_layer(L)[c.ep_rank]) for L in holders} if holders else {}
+                rank_entries.append(RankShard(
+                    rank=r, dir=d, coords={k: v for k, v in vars(c).items() if k != "rank"},
+                    files=[rel for rel, _ in per], tensors=len(ranks[r]), bytes=nbytes, experts=experts))
+            infos.append(out.copy_file(ckpt.root / "config.json", "config.json"))
+            for path in ckpt.aux_files():
+                if path.name == ASCEND_DESCRIPTION:
+                    continue  # per rank instead
+                infos.append(out.copy_file(path, path.name))
+            if holders:
+                for fmt_name, rel in (("mindie", "expert_placement.json"), ("eplb", "expert_placement_eplb.json")):
+                    tmp = out.dst / f".{rel}.src"
+                    write_placement(placement, tmp, ckpt.config, fmt_name)
+                    infos.append(out.write_small(rel, tmp.read_bytes()))
+                    tmp.unlink()
+            tensors = {name: TensorShard(shape=list(ckpt.tensors[name].shape), dtype=ckpt.tensors[name].dtype,
+                                         axis=sp.axis, dim=sp.dim, degree=sp.degree,
+                                         expert=list(sp.expert) if sp.expert else None)
+                       for name, sp in splits.items()}
+            prior = load_json(ckpt.root / MANIFEST_NAME) if ckpt.has_manifest else {}
+            manifest = Manifest(
+                tool=ToolInfo(version=__version__), source=src_info, stages=[*_prior_stages(ckpt), stage],
+                format=f"sharded-{fmt}", plan_id=pid, tensor_count=sum(len(hs) for hs in ranks),
+                total_size=total_out, files=infos,
+                summary=Summary(counts={"source_tensors": len(ckpt.tensors),
+                                        "split": sum(1 for s in splits.values() if s.dim is not None),
+                                        "ranks": layout.world_size}),
+                quant=prior.get("quant"),
+                shard=ShardInfo(layout=layout, tensors=tensors, ranks=rank_entries))
+            out.finish(manifest)
+        return WriteResult(dst=Path(dst), files=infos, written_files=written, skipped_files=skipped,
+                           bytes_in=sum(r.nbytes for r in ckpt.tensors.values()), bytes_out=total_out,
+                           seconds=time.perf_counter() - t0, manifest=manifest)
+    finally:
+        ckpt.close()
+
+
+def read_shard_manifest(path) -> Manifest:
+    """The manifest of a `cvt shard` output directory; CvtError when DST is not one."""
+    p = Path(path) / MANIFEST_NAME
+    if not p.is_file():
+        raise CvtError(f"{path}: no {MANIFEST_NAME} (not a cvt output, or the run did not finish)")
+    try:
+        m = Manifest.model_validate_json(p.read_text())
+    except ValueError as exc:
+        raise CvtError(f"{p}: not a valid cvt manifest: {str(exc).splitlines()[0]}") from exc
+    if m.shard is None:
+        raise CvtError(f"{path}: not a sharded checkpoint (no 'shard' section in {MANIFEST_NAME}; run cvt shard)")
+    return m
+
+
+__all__ = ["Split", "split_of", "expert_holders", "plan_holdings", "shard", "read_shard_manifest", "RANK_DIR",
+           "source_scheme"]
