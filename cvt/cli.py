@@ -156,31 +156,51 @@ def quantize_cmd(src, dst, scheme, fmt, method, group_size, asym, fp4_format, ca
                    f"{_human(r.bytes_out)} in {r.seconds:.1f} s")
 
 
-@cli.command("plan")
-@click.argument("model")
-@click.option("--world-size", type=click.IntRange(1), help="Ranks in the world (default: ep x moe-tp, or tp).")
-@click.option("--tp", type=click.IntRange(1), help="Attention tensor parallel degree (default 1: attention DP).")
-@click.option("--ep", type=click.IntRange(1), help="Expert parallel degree (--ep 64 alone: 64 ranks, attention DP).")
-@click.option("--moe-tp", type=click.IntRange(1), help="TP inside each expert (default 1).")
-@click.option("--dense-tp", type=click.IntRange(1), help="TP of the dense MLP layers (default: --tp).")
-@click.option("--embed-tp", type=click.IntRange(1), help="Vocab-parallel degree of the embedding (default: --tp).")
-@click.option("--lmhead-tp", type=click.IntRange(1), help="Column-parallel degree of lm_head (default: --tp).")
-@click.option("--placement", type=click.Path(exists=True, dir_okay=False), help="MindIE/vllm-ascend JSON or DeepSeek EPLB phy2log.")
-@click.option("--scheme", type=click.Choice(["bf16", "fp8", *SCHEMES]), default="bf16", show_default=True)
-@click.option("--group-size", type=click.IntRange(0), default=None, help="Quantization group size (w4a16).")
-@click.option("--hbm", default=None, help="Device memory per rank, e.g. 64GB or 64GiB: ranks above it are flagged.")
-@click.option("--kv-tokens", type=click.IntRange(0), default=0, show_default=True, help="Tokens of KV cache in flight (whole world).")
-@_common
-def plan_cmd(model, world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp, placement, scheme, group_size, hbm,
-             kv_tokens, quiet):
-    """Per-rank memory plan of an EP/TP layout from config.json alone (MODEL: a checkpoint
-    directory or a config.json): weights by role plus KV cache, min/max/mean, the heaviest rank,
-    ranks over --hbm, and every divisibility problem of the layout. Exit code 3 when the layout
-    is invalid or a rank does not fit."""
+def _layout_options(fn):
+    """The layout degrees shared by `cvt plan` and `cvt shard`."""
+    opts = [
+        click.option("--world-size", type=click.IntRange(1), help="Ranks in the world (default: ep x moe-tp, or tp)."),
+        click.option("--tp", type=click.IntRange(1), help="Attention tensor parallel degree (default 1: attention DP)."),
+        click.option("--ep", type=click.IntRange(1), help="Expert parallel degree (--ep 64 alone: 64 ranks, attention DP)."),
+        click.option("--moe-tp", type=click.IntRange(1), help="TP inside each expert (default 1)."),
+        click.option("--dense-tp", type=click.IntRange(1), help="TP of the dense MLP layers (default: --tp)."),
+        click.option("--embed-tp", type=click.IntRange(1), help="Vocab-parallel degree of the embedding (default: --tp)."),
+        click.option("--lmhead-tp", type=click.IntRange(1), help="Column-parallel degree of lm_head (default: --tp)."),
+        click.option("--placement", type=click.Path(exists=True, dir_okay=False),
+                     help="Expert placement: MindIE/vllm-ascend JSON or DeepSeek EPLB phy2log (default contiguous)."),
+        click.option("--redundant", type=click.IntRange(0), default=0, show_default=True,
+                     help="Without --placement: extra physical expert slots holding copies of experts 0..R-1."),
+        click.option("--shared-experts", type=click.Choice(["moe_tp", "replicated"]), default="moe_tp",
+                     show_default=True, help="Split shared experts moe-tp ways, or hold them whole on every rank."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _layout(config, world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp, placement, redundant, shared_experts):
+    from cvt.convert.arch import arch_for
+    from cvt.convert.layout import contiguous_placement, make_layout, moe_layers, read_placement
+    from cvt.errors import CvtError
+
+    degrees = (world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp)
+    layout = make_layout(*degrees, shared_experts=shared_experts)
+    if placement and redundant:
+        raise CvtError("give either --placement or --redundant, not both")
+    if placement:
+        return make_layout(*degrees, shared_experts=shared_experts,
+                           placement=read_placement(placement, config, layout.ep))
+    if redundant:
+        if not moe_layers(config):
+            raise CvtError("--redundant: the model has no routed experts")
+        return make_layout(*degrees, shared_experts=shared_experts,
+                           placement=contiguous_placement(arch_for(config).num_experts, layout.ep, redundant))
+    return layout
+
+
+def _read_config(model: str) -> dict:
     from pathlib import Path
 
-    from cvt.convert.layout import make_layout, read_placement
-    from cvt.convert.plan import memory_plan
     from cvt.convert.safetensors_io import load_json
     from cvt.errors import CvtError
 
@@ -188,15 +208,101 @@ def plan_cmd(model, world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp, p
     cfg_path = path / "config.json" if path.is_dir() else path
     if not cfg_path.is_file():
         raise CvtError(f"{model}: no config.json (give a checkpoint directory or a config.json file)")
-    config = load_json(cfg_path)
-    layout = make_layout(world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp)
-    if placement:
-        layout = make_layout(world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp,
-                             placement=read_placement(placement, config, layout.ep))
+    return load_json(cfg_path)
+
+
+def _print_plan(config, layout, scheme, group_size, hbm, kv_tokens) -> None:
+    from cvt.convert.plan import memory_plan
+
     plan = memory_plan(config, layout, scheme=scheme, group_size=group_size, kv_tokens=kv_tokens, hbm_bytes=hbm)
     click.echo(plan.render())
     if plan.violations or plan.over_budget:
         sys.exit(EXIT_PROBLEMS)
+
+
+_PLAN_SCHEMES = ("bf16", "fp8", *SCHEMES)
+
+
+@cli.command("plan")
+@click.argument("model")
+@_layout_options
+@click.option("--scheme", type=click.Choice(_PLAN_SCHEMES), default="bf16", show_default=True)
+@click.option("--group-size", type=click.IntRange(0), default=None, help="Quantization group size (w4a16).")
+@click.option("--hbm", default=None, help="Device memory per rank, e.g. 64GB or 64GiB: ranks above it are flagged.")
+@click.option("--kv-tokens", type=click.IntRange(0), default=0, show_default=True, help="Tokens of KV cache in flight (whole world).")
+@_common
+def plan_cmd(model, scheme, group_size, hbm, kv_tokens, quiet, **degrees):
+    """Per-rank memory plan of an EP/TP layout from config.json alone (MODEL: a checkpoint
+    directory or a config.json): weights by role plus KV cache, min/max/mean, the heaviest rank,
+    ranks over --hbm, and every divisibility problem of the layout. Exit code 3 when the layout
+    is invalid or a rank does not fit. Same as `cvt shard --dry-run`."""
+    config = _read_config(model)
+    _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens)
+
+
+@cli.command("shard")
+@click.argument("src")
+@click.argument("dst", type=click.Path(), required=False)
+@_layout_options
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest file per rank.")
+@click.option("--dry-run", is_flag=True, help="Print the per-rank memory plan from config.json alone; write nothing.")
+@click.option("--scheme", type=click.Choice(_PLAN_SCHEMES), default=None,
+              help="--dry-run: weights' scheme (default: SRC's own - its cvt quantize scheme, fp8 or bf16).")
+@click.option("--group-size", type=click.IntRange(0), default=None, help="--dry-run: quantization group size.")
+@click.option("--hbm", default=None, help="--dry-run: device memory per rank, e.g. 64GB: ranks above it are flagged.")
+@click.option("--kv-tokens", type=click.IntRange(0), default=0, show_default=True,
+              help="--dry-run: tokens of KV cache in flight (whole world).")
+@click.option("--revision", help="Hub revision when SRC is a repo id.")
+@click.option("--resume/--no-resume", default=True, show_default=True, help="Keep rank files an interrupted run finished.")
+@click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
+@_common
+def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, hbm, kv_tokens, revision, resume, overwrite,
+              quiet, **degrees):
+    """Write SRC as per-rank directories DST/rank-XXXXX/ for an EP/TP layout (one world of
+    W ranks: attention tp x dp = W, MoE moe-tp x ep = W), with DST/cvt_manifest.json giving
+    every tensor's split and every rank's files (size, sha256) and expert slots. Works on BF16,
+    FP8 releases and cvt quantize outputs; every tensor is read once, whatever W. The layout is
+    validated before anything is written (heads, experts, vocab, FP8 blocks and quantization
+    groups must divide). `torchrun --nproc-per-node W -m cvt.runtime.launch DST` (or
+    `cvt run DST --world-size W`) runs the result."""
+    if dry_run:
+        config = _read_config(src)
+        if scheme is None:
+            quant = (config.get("quantization_config") or {}).get("quant_method")
+            scheme = _source_plan_scheme(src) or ("fp8" if quant == "fp8" else "bf16")
+        _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens)
+        return
+    if dst is None:
+        raise click.UsageError("DST is required (or pass --dry-run)")
+    if scheme or group_size is not None or hbm or kv_tokens:
+        raise click.UsageError("--scheme, --group-size, --hbm and --kv-tokens belong to --dry-run")
+    from cvt.convert.reader import open_checkpoint
+    from cvt.convert.shard import shard
+    from cvt.units import parse_size
+
+    with open_checkpoint(src, revision) as ckpt:
+        layout = _layout(ckpt.config, **degrees)
+    r = shard(src, dst, layout, revision=revision, max_shard_size=parse_size(max_shard_size), resume=resume,
+              overwrite=overwrite, quiet=quiet)
+    if not quiet:
+        L = layout
+        click.echo(f"sharded for world {L.world_size} (tp {L.tp} x dp {L.dp}; moe_tp {L.moe_tp} x ep {L.ep}; "
+                   f"dense_tp {L.dense_tp}, embed_tp {L.embed_tp}, lmhead_tp {L.lmhead_tp})\n"
+                   f"wrote {r.written_files} rank files ({r.skipped_files} already done) to {r.dst}: read "
+                   f"{_human(r.bytes_in)}, wrote {_human(r.bytes_out)} in {r.seconds:.1f} s "
+                   f"({_human(r.throughput)}/s)")
+
+
+def _source_plan_scheme(src: str) -> str | None:
+    """The scheme of a cvt quantize output (its manifest), else None."""
+    from pathlib import Path
+
+    from cvt.convert.safetensors_io import load_json
+
+    m = Path(src) / "cvt_manifest.json"
+    if Path(src).is_dir() and m.is_file():
+        return (load_json(m).get("quant") or {}).get("scheme")
+    return None
 
 
 @cli.command("inspect")
