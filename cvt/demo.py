@@ -29,17 +29,17 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     out = {"fp8": root / "source-fp8", "bf16": root / "bf16"}
 
     say = (lambda s: None) if quiet else echo
-    say(f"[1/6] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
+    say(f"[1/7] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
     write_fp8_release(out["fp8"])
     say(inspect_checkpoint(out["fp8"]).render())
 
-    say(f"\n[2/6] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
+    say(f"\n[2/7] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
     r = fp8_to_bf16(out["fp8"], out["bf16"], quiet=True)
     say(f"dequantized {r.extra['dequantized']} tensors, passed {r.extra['passed_through']} through, "
         f"{r.bytes_out} bytes in {len(r.files)} files")
     say(inspect_checkpoint(out["bf16"]).render())
 
-    say(f"\n[3/6] cvt run {out['bf16']} --prompt 'Hello' --max-new-tokens 8   (random weights: the text is noise)")
+    say(f"\n[3/7] cvt run {out['bf16']} --prompt 'Hello' --max-new-tokens 8   (random weights: the text is noise)")
     import torch
 
     from cvt.runtime.generate import generate
@@ -54,7 +54,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     del loaded
 
     out["report"] = root / "verify-report"
-    say(f"\n[4/6] cvt verify {out['fp8']} --reference {out['bf16']} --report {out['report']}")
+    say(f"\n[4/7] cvt verify {out['fp8']} --reference {out['bf16']} --report {out['report']}")
     v = verify(out["fp8"], out["bf16"], out["report"], seq_len=32, max_sequences=2).report
     worst = min(row.cosine for row in v.layers)
     say(f"FP8 dequantized on load vs the BF16 output: min layer cosine {worst:.6f}, mean KL {v.logits.kl_mean:.3g}, "
@@ -63,7 +63,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     from cvt.quant.stage import quantize
 
     out["w4a16"] = root / "w4a16-compressed-tensors"
-    say(f"\n[5/6] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
+    say(f"\n[5/7] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
     q = quantize(out["fp8"], out["w4a16"], scheme="w4a16", fmt="compressed-tensors", quiet=True)
     say(f"quantized {q.extra['quantized']} linears from the FP8 release (dequantized on the fly), "
         f"{q.extra['float_modules']} kept float; worst SQNR {q.extra['min_sqnr_db']}")
@@ -72,14 +72,57 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     say(f"cvt quantize {out['bf16']} {out['w8a8']} --scheme w8a8 --format ascend: {q.extra['quantized']} linears, "
         f"worst SQNR {q.extra['min_sqnr_db']}")
 
-    say(f"\n[6/6] cvt verify, each quantized model against {out['bf16']} (random weights: a smoke test)")
+    say(f"\n[6/7] cvt verify, each quantized model against {out['bf16']} (random weights: a smoke test)")
     for key in ("w4a16", "w8a8"):
         out[f"report-{key}"] = root / f"verify-{key}"
         v = verify(out[key], out["bf16"], out[f"report-{key}"], seq_len=32, max_sequences=2).report
         say(f"{key}: min layer cosine {min(row.cosine for row in v.layers):.4f}, PPL ratio {v.logits.ppl_ratio:.3f}, "
             f"mean KL {v.logits.kl_mean:.3g}, same top-1 {v.logits.same_top1:.0%}  ({out[f'report-{key}']}/report.html)")
 
+    step_shard(root, out, say)
+
     say("\noutputs:")
     for key, path in out.items():
         say(f"  {key:<13} {path}")
     return out
+
+
+def step_shard(root: Path, out: dict[str, Path], say) -> None:
+    """Quantize to W4A16 Ascend, shard for W = 4 (tp 2, ep 4), run with torchrun on CPU and
+    compare with the unsharded single-process run (float32: equal to rounding)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from cvt.convert.layout import make_layout
+    from cvt.convert.shard import shard
+    from cvt.errors import CvtError
+    from cvt.quant.stage import quantize
+    from cvt.runtime.generate import generate
+    from cvt.runtime.launch import LogitsRecorder, launch_args, torchrun
+    from cvt.runtime.loader import load_model
+
+    out["w4a16-ascend"] = root / "w4a16-ascend"
+    out["shards"] = root / "w4a16-ascend-tp2-ep4"
+    say(f"\n[7/7] cvt quantize {out['bf16']} {out['w4a16-ascend']} --scheme w4a16 --format ascend --group-size 64; "
+        f"cvt shard {out['w4a16-ascend']} {out['shards']} --world-size 4 --tp 2 --ep 4")
+    quantize(out["bf16"], out["w4a16-ascend"], scheme="w4a16", fmt="ascend", group_size=64, quiet=True)
+    r = shard(out["w4a16-ascend"], out["shards"], make_layout(world_size=4, tp=2, ep=4), quiet=True)
+    say(f"4 rank directories, {len(r.manifest.files)} files, {r.bytes_out} bytes (source {r.bytes_in})")
+    prompts = [[72, 101, 108, 108, 111], [87, 111, 114, 108, 100, 33, 32]]
+    dump = root / "sharded-logits.safetensors"
+    say(f"cvt run {out['shards']} --world-size 4 --dtype fp32   (torchrun, gloo, 4 CPU processes)")
+    argv = launch_args(input_ids=[",".join(map(str, p)) for p in prompts], max_new_tokens=6, device="cpu",
+                       dtype="fp32", quiet=True, dump_logits=dump)
+    rc = torchrun(out["shards"], 4, argv)
+    if rc != 0:
+        raise CvtError(f"the 4-rank run of {out['shards']} failed (exit {rc})")
+    sharded = load_file(str(dump))
+    ref = LogitsRecorder(load_model(out["w4a16-ascend"], dtype=torch.float32).model)
+    gen = generate(ref, prompts, 6)
+    want = ref.per_prompt(prompts)
+    diff = max(float((sharded[f"logits.{i}"] - want[i]).abs().max()) for i in range(len(prompts)))
+    same = all(sharded[f"tokens.{i}"].tolist() == p + o for i, (p, o) in enumerate(zip(prompts, gen.outputs)))
+    say(f"4 ranks vs 1 process: max |logit difference| {diff:.2e}, greedy tokens "
+        f"{'identical' if same else 'DIFFER'}")
+    if not same or diff > 1e-3:
+        raise CvtError(f"the sharded run differs from the single-process run (max logit diff {diff:.3g})")

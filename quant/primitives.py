@@ -212,8 +212,14 @@ def mxfp4_scale_codes(w: torch.Tensor, group: int = 32) -> torch.Tensor:
 
 # ---- Ascend int4 packing: two per int8, even element in the low nibble ------------------------------
 
-def ascend_pack_dim(scale: torch.Tensor) -> int:
-    """0 (pairs of output channels) for per-group scales, 1 (along k) when the scale's last dim is 1."""
+def ascend_pack_dim(scale: torch.Tensor, packed: torch.Tensor | None = None) -> int:
+    """0 (pairs of output channels) for per-group scales, 1 (along k) when the scale's last dim is 1.
+
+    Given the packed weight, its rows decide instead: ``[n/2, k]`` (half the scale's rows) is
+    packed in row pairs, ``[n, k/2]`` along k. That also reads a TP shard of a grouped weight
+    whose rank holds one group per row (scale ``[n, 1]``, still packed in row pairs)."""
+    if packed is not None and packed.dim() == 2 and scale.dim() == 2:
+        return 0 if scale.shape[0] == 2 * packed.shape[0] else 1
     return 1 if scale.shape[-1] == 1 else 0
 
 

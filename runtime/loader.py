@@ -14,8 +14,10 @@ layers aside: a checkpoint without them just runs without them), and shapes that
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -95,6 +97,7 @@ def _assign(module: nn.Module, attr: str, value: torch.Tensor, name: str) -> Non
 
 def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                verify_files: bool = False, revision: str | None = None) -> Loaded:
+    _refuse_sharded(path)
     ckpt = open_checkpoint(path, revision)
     try:
         manifest = check_manifest(ckpt, verify_files)
@@ -102,60 +105,106 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         if fmt is SourceFormat.OTHER_QUANT:
             raise ManifestError(f"{ckpt.root}: {fmt.value} checkpoints are not runnable (bf16, fp8-block, "
                                 "compressed-tensors and cvt outputs are)")
-        block = fp8_config(ckpt.config, str(ckpt.root)).block if fmt is SourceFormat.FP8_BLOCK else None
-        if block is not None:  # every FP8 weight's scale present, well shaped and finite
-            from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
-
-            check_scales_finite(ckpt, pair_fp8_weights(ckpt, block))
+        block = fp8_block(ckpt, fmt)
         device = torch.device(device)
         with torch.device("meta"):
             model = build_model(ckpt.config, dtype=dtype)
         n_layers = getattr(model, "args").num_hidden_layers
-        quant = _quant_reader(ckpt)
-        seen: set[str] = set()
-        kv: dict[str, torch.Tensor] = {}
-        for module, params in _by_module(ckpt).items():
-            # KV-cache scales first: on GQA models they sit on k_proj / v_proj, next to the
-            # quantized weight parts, and must not be taken for a part of the linear
-            for param, name in list(params.items()):
-                if is_kv_cache_tensor(name):
-                    kv[name] = ckpt.read(name).clone()
-                    del params[param]
-            if not params:
-                continue
-            if quant is not None and quant.is_quantized(module, params):
-                _load_quantized(model, ckpt, quant, module, params, device)
-                seen.add(module + ".weight")
-                continue
-            for param, name in params.items():
-                if name.endswith("_scale_inv"):
-                    continue
-                ref = ckpt.tensors[name]
-                owner = _owner(model, name)
-                if owner is None:
-                    raise TensorError(f"tensor {name} ({ref.path.name}) has no place in the "
-                                      f"{ckpt.config.get('model_type')} runtime model")
-                t = ckpt.read(name)
-                if block is not None and ref.dtype == "F8_E4M3":
-                    t = dequant_fp8_block(t, ckpt.read(name + "_scale_inv"), block)
-                    ckpt.release(name + "_scale_inv")
-                else:
-                    t = t.clone()  # out of the mmap: the model owns its memory
-                ckpt.release(name)
-                _assign(*owner, t.to(device), name)
-                seen.add(name)
+        seen, kv = assign_tensors(model, ckpt, device, block)
         if kv:
             from cvt.runtime.kv_cache import attach_kv_cache_scales
 
             attach_kv_cache_scales(model, {k: v.to(device) for k, v in kv.items()})
         _drop_absent_mtp(model, seen, n_layers)
-        missing = [n for n, t in _named_tensors(model) if t.is_meta]  # never assigned from the checkpoint
-        if missing:
-            raise TensorError(f"{ckpt.root}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[0]}")
+        check_complete(model, ckpt.root)
         model.eval()
         return Loaded(model, ckpt.root, ckpt.config, manifest, fmt.value, device, dtype)
     finally:
         ckpt.close()
+
+
+def _refuse_sharded(path) -> None:
+    """A `cvt shard` output holds per-rank directories: say how to run it instead of failing to index it."""
+    if not isinstance(path, (str, os.PathLike)):
+        return  # a resolved source object (hub or local), never a sharded directory
+    p = Path(path) / MANIFEST_NAME
+    if not p.is_file():
+        return
+    try:
+        manifest = Manifest.model_validate_json(p.read_text())
+    except ValueError:
+        return  # check_manifest reports it
+    if manifest.shard is not None:
+        w = manifest.shard.layout.world_size
+        raise ManifestError(f"{path} is sharded for {w} ranks (cvt shard): run it with `cvt run --world-size {w}` "
+                            f"or `torchrun --nproc-per-node {w} -m cvt.runtime.launch {path}`")
+
+
+def fp8_block(ckpt: Checkpoint, fmt: SourceFormat) -> tuple[int, int] | None:
+    """The FP8 block of an FP8 release (every FP8 weight's scale checked present, well shaped and
+    finite), else None."""
+    if fmt is not SourceFormat.FP8_BLOCK:
+        return None
+    block = fp8_config(ckpt.config, str(ckpt.root)).block
+    from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
+
+    check_scales_finite(ckpt, pair_fp8_weights(ckpt, block))
+    return block
+
+
+def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int, int] | None, *,
+                   skip: Callable[[str], bool] | None = None,
+                   adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                   ) -> tuple[set[str], dict[str, torch.Tensor]]:
+    """Assign every tensor of `ckpt` to `model` (built on meta) by name, one at a time: plain
+    tensors in place (FP8 dequantized with `block`), quantized linears replaced by their kernel
+    format. Returns (model tensor names assigned, KV-cache scale tensors by name) -- the caller
+    attaches the latter. `skip(name)`: tensors left unread (the multi-rank runtime skips MTP
+    layers it does not build); `adjust(name, t)`: applied to each quantized part as read (it
+    turns compressed-tensors' global ``weight_shape`` into a rank's local shape)."""
+    quant = _quant_reader(ckpt)
+    seen: set[str] = set()
+    kv: dict[str, torch.Tensor] = {}
+    for module, params in _by_module(ckpt).items():
+        if skip is not None:
+            params = {p: n for p, n in params.items() if not skip(n)}
+        # KV-cache scales first: on GQA models they sit on k_proj / v_proj, next to the
+        # quantized weight parts, and must not be taken for a part of the linear
+        for param, name in list(params.items()):
+            if is_kv_cache_tensor(name):
+                kv[name] = ckpt.read(name).clone()
+                del params[param]
+        if not params:
+            continue
+        if quant is not None and quant.is_quantized(module, params):
+            _load_quantized(model, ckpt, quant, module, params, device, adjust)
+            seen.add(module + ".weight")
+            continue
+        for param, name in params.items():
+            if name.endswith("_scale_inv"):
+                continue
+            ref = ckpt.tensors[name]
+            owner = _owner(model, name)
+            if owner is None:
+                raise TensorError(f"tensor {name} ({ref.path.name}) has no place in the "
+                                  f"{ckpt.config.get('model_type')} runtime model")
+            t = ckpt.read(name)
+            if block is not None and ref.dtype == "F8_E4M3":
+                t = dequant_fp8_block(t, ckpt.read(name + "_scale_inv"), block)
+                ckpt.release(name + "_scale_inv")
+            else:
+                t = t.clone()  # out of the mmap: the model owns its memory
+            ckpt.release(name)
+            _assign(*owner, t.to(device), name)
+            seen.add(name)
+    return seen, kv
+
+
+def check_complete(model: nn.Module, root) -> None:
+    """TensorError when a model tensor was never assigned from the checkpoint (still on meta)."""
+    missing = [n for n, t in _named_tensors(model) if t.is_meta]
+    if missing:
+        raise TensorError(f"{root}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[0]}")
 
 
 def _by_module(ckpt: Checkpoint) -> dict[str, dict[str, str]]:
@@ -196,7 +245,7 @@ def _quant_reader(ckpt: Checkpoint) -> _QuantReader | None:
 
 
 def _load_quantized(model: nn.Module, ckpt: Checkpoint, quant: _QuantReader, module: str, params: dict[str, str],
-                    device) -> None:
+                    device, adjust=None) -> None:
     from cvt.runtime import kernels
 
     try:
@@ -206,6 +255,8 @@ def _load_quantized(model: nn.Module, ckpt: Checkpoint, quant: _QuantReader, mod
     if not isinstance(current, kernels.Linear):
         raise TensorError(f"{module}: quantized tensors for a module that is not a linear of the runtime model")
     disk = {name: ckpt.read(name).clone() for p, name in params.items() if p != "bias" or quant.tags is not None}
+    if adjust is not None:
+        disk = {name: adjust(name, t) for name, t in disk.items()}
     bias = disk.pop(f"{module}.bias", None) if quant.tags is not None else (
         ckpt.read(params["bias"]).clone() if "bias" in params else None)
     q = quant.fmt.read(module, disk, quant.meta)

@@ -175,7 +175,7 @@ class Ascend:
                 raise FormatError(f"ascend: {x}weight_scale is {list(sc.shape)}: expected 2-D [n, k/G]")
             off = expect(_F, x + "weight_offset", t["weight_offset"].to(torch.float32), (torch.float32,),
                          tuple(sc.shape))
-            dim = P.ascend_pack_dim(sc)
+            dim = P.ascend_pack_dim(sc, t["weight"])  # by rows: TP shards may hold one group per row
             q = P.unpack_int4_ascend(t["weight"], dim)
             n, k = q.shape
             if sc.shape[0] != n or k % sc.shape[1]:

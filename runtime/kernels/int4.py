@@ -76,7 +76,7 @@ class W4A16Linear(FusedOrReference, Linear):
         check_2d(cls.fmt + " (Ascend)", "weight", w, (torch.int8,))
         if sc.dim() != 2:
             raise TensorError(f"{cls.fmt} (Ascend) part 'weight_scale' is {desc(sc)}: expected 2-D [n, k/G]")
-        q = unpack_int4_ascend(w, ascend_pack_dim(sc))
+        q = unpack_int4_ascend(w, ascend_pack_dim(sc, w))
         return cls.from_parts({"weight_int4": q, "weight_scale": sc, "weight_offset": p["weight_offset"]}, bias)
 
     @classmethod

@@ -18,7 +18,7 @@ Model contract (DeepSeek-V3 family, Qwen3, Qwen3-MoE, ... all follow it):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -99,6 +99,15 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def build_experts(ids: Iterable[int] | None, count: int, make: Callable[[], nn.Module]) -> nn.Module:
+    """A MoE layer's routed experts: all `count` in an nn.ModuleList (ids None), or only the global
+    ids `ids` in an nn.ModuleDict keyed by str(id) -- a rank of the multi-rank runtime
+    (`cvt.runtime.parallel`), which runs them itself. Either way expert e is ``experts.{e}``."""
+    if ids is None:
+        return nn.ModuleList(make() for _ in range(count))
+    return nn.ModuleDict({str(e): make() for e in ids})
 
 
 def run_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:

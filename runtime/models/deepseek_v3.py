@@ -62,7 +62,7 @@ from torch import nn
 from cvt.errors import CvtError
 from cvt.runtime import kv_cache
 from cvt.runtime.kernels import Linear
-from cvt.runtime.models.base import MLP, ConfigError, ModelArgs, RMSNorm, run_experts
+from cvt.runtime.models.base import MLP, ConfigError, ModelArgs, RMSNorm, build_experts, run_experts
 
 YARN_KEYS = frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                        "mscale_all_dim", "truncate"})
@@ -396,13 +396,15 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed SwiGLU experts (`gate` picks k per token) plus always-on `shared_experts`."""
+    """Routed SwiGLU experts (`gate` picks k per token) plus always-on `shared_experts`.
+    `experts`: the global ids to build (None: all; see `base.build_experts`)."""
 
-    def __init__(self, args: Args, dtype=None, device=None):
+    def __init__(self, args: Args, dtype=None, device=None, experts=None):
         super().__init__()
         h, inter = args.hidden_size, args.moe_intermediate_size
         self.gate = Gate(args, dtype, device)
-        self.experts = nn.ModuleList(MLP(h, inter, dtype=dtype, device=device) for _ in range(args.n_routed_experts))
+        self.experts = build_experts(experts, args.n_routed_experts,
+                                     lambda: MLP(h, inter, dtype=dtype, device=device))
         shared = args.n_shared_experts or 0
         self.shared_experts = MLP(h, inter * shared, dtype=dtype, device=device) if shared else None
 
@@ -410,21 +412,26 @@ class MoE(nn.Module):
         """x [b, s, h] -> [b, s, h]."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                             # [n, h]
-        weights, idx = self.gate(x)                                              # [n, k]
+        weights, idx = self.route(x)                                             # [n, k]
         y = run_experts(x, idx, weights, self.experts)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view(shape)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, h] -> (weights float32 [n, k], global expert ids int64 [n, k])."""
+        return self.gate(x)
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: Args, i: int, dtype=None, device=None):
+    def __init__(self, args: Args, i: int, dtype=None, device=None, experts=None):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **kw)
         self.self_attn = MLA(args, **kw)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **kw)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size, **kw) if i < args.n_dense else MoE(args, **kw)
+        self.mlp = (MLP(args.hidden_size, args.intermediate_size, **kw) if i < args.n_dense
+                    else MoE(args, **kw, experts=experts))
 
     def forward(self, x, cos, sin, mask, start_pos, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, cache)
@@ -442,8 +449,8 @@ class MTPLayer(DecoderLayer):
     """Multi-token-prediction layer: a full decoder layer plus its own embed_tokens, enorm, hnorm,
     eh_proj [h, 2h] and shared_head (norm, head). Loadable by name; `Model.forward` skips it."""
 
-    def __init__(self, args: Args, i: int, dtype=None, device=None):
-        super().__init__(args, i, dtype, device)
+    def __init__(self, args: Args, i: int, dtype=None, device=None, experts=None):
+        super().__init__(args, i, dtype, device, experts)
         h = args.hidden_size
         self.embed_tokens = nn.Embedding(args.vocab_size, h, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
@@ -456,13 +463,15 @@ class MTPLayer(DecoderLayer):
 class Backbone(nn.Module):
     """The checkpoint's `model.` prefix: embed_tokens, layers (decoder + MTP), norm."""
 
-    def __init__(self, args: Args, dtype=None, device=None, mtp: bool = True):
+    def __init__(self, args: Args, dtype=None, device=None, mtp: bool = True, experts=None):
         super().__init__()
         n = args.num_hidden_layers
+        ids = (lambda i: None) if experts is None else experts.get
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList([DecoderLayer(args, i, dtype, device) for i in range(n)]
-                                    + [MTPLayer(args, n + j, dtype, device) for j in range(args.n_mtp if mtp else 0)])
+        self.layers = nn.ModuleList([DecoderLayer(args, i, dtype, device, ids(i)) for i in range(n)]
+                                    + [MTPLayer(args, n + j, dtype, device, ids(n + j))
+                                       for j in range(args.n_mtp if mtp else 0)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype, device=device)
 
 
@@ -470,13 +479,15 @@ class Model(nn.Module):
     """Causal LM following the contract in `base.py`; parameter names = HF checkpoint names.
 
     dtype (default: torch's default dtype) applies to every weight but the float32 router bias;
-    `mtp=False` leaves the MTP layers out (their tensors are then simply not loaded).
+    `mtp=False` leaves the MTP layers out (their tensors are then simply not loaded);
+    `experts` (MoE layer -> global expert ids) builds only those routed experts (a rank of
+    `cvt.runtime.parallel`; None: all).
     """
 
-    def __init__(self, args: Args, dtype=None, device=None, mtp: bool = True):
+    def __init__(self, args: Args, dtype=None, device=None, mtp: bool = True, experts=None):
         super().__init__()
         self.args = args
-        self.model = Backbone(args, dtype, device, mtp)
+        self.model = Backbone(args, dtype, device, mtp, experts)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, dtype=dtype, device=device)
         # plain attributes, not buffers: computed on CPU even for device="meta", not in state_dict
         self.inv_freq, self.rope_scale, self.softmax_scale = rope_tables(args)

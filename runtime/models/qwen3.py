@@ -44,7 +44,7 @@ from torch import nn
 from cvt.errors import CvtError
 from cvt.runtime import kv_cache
 from cvt.runtime.kernels import Linear
-from cvt.runtime.models.base import MLP, ConfigError, ModelArgs, RMSNorm, run_experts
+from cvt.runtime.models.base import MLP, ConfigError, ModelArgs, RMSNorm, build_experts, run_experts
 
 MODEL_TYPES = ("qwen3_moe", "qwen3", "qwen2", "llama")
 ROPE_KEYS = {  # keys each rope type may carry, besides rope_type / type / rope_theta
@@ -326,33 +326,39 @@ class Attention(nn.Module):
 
 
 class MoE(nn.Module):
-    """Softmax top-k router `gate` [E, h] over SwiGLU `experts`; no shared expert."""
+    """Softmax top-k router `gate` [E, h] over SwiGLU `experts`; no shared expert.
+    `experts`: the global ids to build (None: all; see `base.build_experts`)."""
 
-    def __init__(self, args: Args, dtype=None, device=None):
+    def __init__(self, args: Args, dtype=None, device=None, experts=None):
         super().__init__()
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
         self.gate = Linear(args.hidden_size, args.num_experts, dtype=dtype, device=device)
-        self.experts = nn.ModuleList(MLP(args.hidden_size, args.moe_intermediate_size, dtype=dtype, device=device)
-                                     for _ in range(args.num_experts))
+        self.experts = build_experts(experts, args.num_experts, lambda: MLP(
+            args.hidden_size, args.moe_intermediate_size, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])                                     # [n, h]
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, h] -> (weights float32 [n, k], global expert ids int64 [n, k])."""
         probs = self.gate(x).float().softmax(-1)                         # [n, E]
         weights, idx = probs.topk(self.top_k, dim=-1)                    # [n, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        return weights, idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])                                     # [n, h]
+        weights, idx = self.route(x)                                     # [n, k]
         return run_experts(x, idx, weights, self.experts).view(shape)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: Args, i: int, dtype=None, device=None):
+    def __init__(self, args: Args, i: int, dtype=None, device=None, experts=None):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **kw)
         self.self_attn = Attention(args, **kw)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **kw)
-        self.mlp = (MoE(args, **kw) if args.is_moe_layer(i)
+        self.mlp = (MoE(args, **kw, experts=experts) if args.is_moe_layer(i)
                     else MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, **kw))
 
     def forward(self, x, cos, sin, mask, start_pos, cache):
@@ -363,21 +369,24 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """The checkpoint's `model.` prefix: embed_tokens, layers, norm."""
 
-    def __init__(self, args: Args, dtype=None, device=None):
+    def __init__(self, args: Args, dtype=None, device=None, experts=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, dtype, device) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, dtype, device, None if experts is None else experts.get(i))
+                                    for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype, device=device)
 
 
 class Model(nn.Module):
-    """Causal LM following the contract in `base.py`; parameter names = HF checkpoint names."""
+    """Causal LM following the contract in `base.py`; parameter names = HF checkpoint names.
+    `experts` (MoE layer -> global expert ids) builds only those routed experts (a rank of
+    `cvt.runtime.parallel`; None: all)."""
 
-    def __init__(self, args: Args, dtype=None, device=None):
+    def __init__(self, args: Args, dtype=None, device=None, experts=None):
         super().__init__()
         self.args = args
-        self.model = Backbone(args, dtype, device)
+        self.model = Backbone(args, dtype, device, experts)
         self.lm_head = (None if args.tie_word_embeddings
                         else Linear(args.hidden_size, args.vocab_size, dtype=dtype, device=device))
         # plain attributes, not buffers: computed on CPU even for device="meta", not in state_dict

@@ -128,6 +128,22 @@ def test_ascend_w4a16_layout_and_read(g, sym):
     assert torch.equal(K.W4A16Linear.from_ascend({k[2:]: v for k, v in out.items()}).dense_weight(), s.dequantize(q))
 
 
+def test_ascend_w4a16_row_parallel_shard_with_one_group_per_row_reads_back():
+    """A TP shard (half of k) of a grouped weight whose k holds two groups: the rank's scale is
+    [n, 1], like a per-channel one, but its weight is still packed in row pairs [n/2, k/2]."""
+    asc = get_format("ascend")
+    g = KF // 2
+    s = get_scheme("w4a16", group_size=g, symmetric=False)
+    q = s.quantize(weight())
+    out = asc.disk_tensors("x", q)
+    half = {k: v[:, v.shape[1] // 2:].contiguous() for k, v in out.items()}  # the second run of dim 1
+    assert half["x.weight_scale"].shape == (N, 1) and half["x.weight"].shape == (N // 2, KF // 2)
+    got = asc.read("x", half, {"x.weight": "W4A16"})
+    assert torch.equal(got.parts["weight_int4"], q.parts["weight_int4"][:, KF // 2:])
+    dense = s.dequantize(q)[:, KF // 2:]
+    assert torch.equal(K.W4A16Linear.from_ascend({k[2:]: v for k, v in half.items()}).dense_weight(), dense)
+
+
 def test_ascend_description():
     asc = get_format("ascend")
     tags = {}
