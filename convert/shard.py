@@ -174,9 +174,10 @@ def _layout_problems(ckpt: Checkpoint, arch, layout: Layout, splits: dict[str, S
     return out
 
 
-def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], list[list[_Holding]]]:
-    """Every tensor's split and every rank's holdings (in source order); CvtError naming each
-    divisibility problem when the layout cannot shard this checkpoint."""
+def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], list[list[_Holding]], list[str]]:
+    """Every tensor's split, every rank's holdings and the visiting order (`_visit_order`; each
+    rank's holdings are in it); CvtError naming each divisibility problem when the layout
+    cannot shard this checkpoint."""
     arch = arch_for(ckpt.config)
     scheme, group = source_scheme(ckpt)
     check(layout, ckpt.config, scheme, group)
@@ -202,7 +203,26 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
                 shape[sp.dim] //= sp.degree
             mine.append(_Holding(rank, name, index, TensorSpec(name, ref.dtype, tuple(shape))))
         ranks.append(mine)
-    return splits, ranks
+    order = _visit_order(list(ckpt.tensors), ranks)
+    pos = {name: i for i, name in enumerate(order)}
+    for mine in ranks:
+        mine.sort(key=lambda h: pos[h.name])
+    return splits, ranks, order
+
+
+def _visit_order(names: list[str], ranks: list[list[_Holding]]) -> list[str]:
+    """The order source tensors are visited (and each rank's tensors stored) in: by how far into
+    its holders' shares a tensor sits (bytes before it, least over its holders), ties in file
+    order. Source order would feed one rank at a time through runs of its experts (one file's
+    sha256 on one core); this keeps every rank's file busy at once."""
+    before: dict[str, int] = {}
+    for mine in ranks:
+        off = 0
+        for h in mine:
+            before[h.name] = min(before.get(h.name, off), off)
+            off += h.spec.nbytes
+    pos = {n: i for i, n in enumerate(names)}
+    return sorted(before, key=lambda n: (before[n], pos[n]))
 
 
 def _plan_files(holdings: list[_Holding], rank: int, max_shard_size: int) -> list[tuple[str, list[_Holding]]]:
@@ -263,7 +283,7 @@ def _slice(ckpt: Checkpoint, name: str, sp: Split, index: int):
     return t.narrow(sp.dim, start, n).contiguous()
 
 
-def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split],
+def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], order: list[str],
                  files: list[tuple[str, list[_Holding]]], progress) -> tuple[dict[str, FileInfo], int, int]:
     """Write every unfinished rank file, visiting each needed source tensor once."""
     results: dict[str, FileInfo] = {}
@@ -277,7 +297,7 @@ def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split],
             update(sum(h.spec.nbytes for h in hs))
         else:
             pending.append((rel, hs))
-    consumers: dict[str, list[tuple[str, _Holding]]] = {}
+    consumers: dict[str, list[tuple[str, _Holding]]] = {name: [] for name in order}
     for rel, hs in pending:
         for h in hs:
             consumers.setdefault(h.name, []).append((rel, h))
@@ -285,7 +305,7 @@ def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split],
     budget = _ByteBudget(IN_FLIGHT_BYTES)
     open_files: dict[str, _OpenFile] = {}
     try:
-        for name in ckpt.tensors:  # source order: file by file, offset by offset
+        for name in consumers:  # visiting order: the ranks' files hold their tensors in it
             uses = consumers.get(name)
             if not uses:
                 continue
@@ -338,7 +358,7 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
     t0 = time.perf_counter()
     ckpt = open_checkpoint(src, revision)
     try:
-        splits, ranks = plan_holdings(ckpt, layout)
+        splits, ranks, order = plan_holdings(ckpt, layout)
         rank_files = [_plan_files(hs, r, max_shard_size) for r, hs in enumerate(ranks)]
         files = [f for per in rank_files for f in per]
         fmt = source_format(ckpt.config, ckpt.has_manifest).value
@@ -358,7 +378,7 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
             for r in range(layout.world_size):
                 (out.dst / RANK_DIR.format(r)).mkdir(exist_ok=True)
             with make_progress(total_out, "shard", quiet) as bar:
-                results, written, skipped = _write_ranks(ckpt, out, splits, files, bar)
+                results, written, skipped = _write_ranks(ckpt, out, splits, order, files, bar)
             infos = [results[rel] for rel, _ in files]
             rank_entries = []
             holders = expert_holders(layout, ckpt.config)

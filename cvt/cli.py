@@ -333,13 +333,28 @@ def inspect_cmd(path, revision, as_json, quiet):
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--verify-files", is_flag=True, help="Check every file's sha256 against the manifest before loading.")
 @click.option("--revision", help="Hub revision when MODEL is a repo id.")
+@click.option("--world-size", type=click.IntRange(1), default=None,
+              help="Run a cvt shard output on W ranks: launches torchrun (python -m cvt.runtime.launch), which "
+                   "always checks each rank's files' sha256.")
+@click.option("--backend", type=click.Choice(["torch", "onnxruntime"]), default="torch", show_default=True,
+              help="onnxruntime: MODEL is a `cvt export onnx` output, run on the CPU (--dtype is the export's).")
 @_common
-def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed, device, dtype, verify_files, revision, quiet):
+def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed, device, dtype, verify_files, revision,
+            world_size, backend, quiet):
     """Generate text with the bundled runtime from any cvt output or HF BF16/FP8 directory.
 
     Prints each continuation and the prefill / decode speed in tokens/s.
     """
     from cvt.errors import CvtError
+    from cvt.runtime.launch import launch_args, sharded_world, torchrun
+
+    if backend == "torch" and (world_size is not None and world_size > 1 or sharded_world(model) is not None):
+        if revision:
+            raise CvtError("--revision applies to hub repo ids; a sharded checkpoint is a local directory")
+        argv = launch_args(prompts=prompts, input_ids=input_ids, max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_p=top_p, seed=seed, device=device, dtype=dtype, quiet=quiet,
+                           debug=click.get_current_context().obj.get("debug", False))
+        sys.exit(torchrun(model, world_size, argv))
     from cvt.runtime.device import DTYPES, resolve_device
     from cvt.runtime.generate import generate
     from cvt.runtime.loader import load_model
@@ -347,21 +362,30 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
 
     if not prompts and not input_ids:
         raise CvtError("give --prompt TEXT or --input-ids 1,2,3")
-    dev = resolve_device(device)
-    loaded = load_model(model, device=dev, dtype=DTYPES[dtype], verify_files=verify_files, revision=revision)
-    tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
+    if backend == "onnxruntime":
+        from cvt.export.ort import load_for_generation
+
+        if device not in ("auto", "cpu") or world_size not in (None, 1):
+            raise CvtError("--backend onnxruntime runs on one CPU process (--device auto or cpu, no --world-size)")
+        lm, tok = load_for_generation(model)
+        dev, dtype = "cpu", f"onnxruntime, {lm.manifest['dtype']} weights"
+    else:
+        dev = resolve_device(device)
+        loaded = load_model(model, device=dev, dtype=DTYPES[dtype], verify_files=verify_files, revision=revision)
+        tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
+        lm = loaded.model
     ids = [tok.encode(p) for p in prompts]
     for text in input_ids:
         try:
             ids.append([int(x) for x in text.replace(" ", "").split(",") if x])
         except ValueError:
             raise CvtError(f"--input-ids {text!r}: expected comma-separated integers") from None
-    vocab = loaded.model.args.vocab_size
+    vocab = lm.args.vocab_size
     for seq in ids:
         bad = [i for i in seq if not 0 <= i < vocab]
         if bad:
             raise CvtError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    res = generate(loaded.model, ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+    res = generate(lm, ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                    eos_id=tok.eos_id, device=dev)
     for prompt, out in zip(ids, res.outputs):
         click.echo(tok.decode(prompt) + tok.decode(out))
@@ -424,6 +448,12 @@ def demo_cmd(directory, quiet):
     from cvt.demo import run_demo
 
     run_demo(directory, quiet=quiet, echo=click.echo)
+
+
+# `cvt export onnx|om` (cvt.export.commands imports only click at module level)
+from cvt.export.commands import export as export_group  # noqa: E402
+
+cli.add_command(export_group)
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,278 @@
+"""`cvt export onnx SRC DST`: a runnable checkpoint -> ONNX graphs + export_manifest.json.
+
+SRC is anything the runtime loads (a cvt output -- BF16, quantized Ascend or
+compressed-tensors -- or a Hugging Face BF16 / FP8 directory). The runtime model is loaded in
+float32 on the CPU and its modules are written as ONNX nodes (`cvt.export.onnx_models`); DST
+holds:
+
+* ``model.onnx`` (``--scope model``), ``layer_N.onnx`` (``--scope layer``) or
+  ``layer_N.self_attn.onnx`` + ``layer_N.mlp.onnx`` (``--scope block``); weights inline, or in
+  ``<graph>.onnx.data`` when they exceed 2 GB (ONNX external data);
+* ``config.json`` and the tokenizer files of SRC (so `cvt run --backend onnxruntime DST` works);
+* ``export_manifest.json``, written last: the source, every option, each graph's inputs and
+  outputs with dtypes and symbolic shapes, the linears by format, and every file with its
+  size and sha256.
+
+Everything is written into a hidden temporary directory next to DST and renamed into place
+at the end, so DST never looks complete unless it is. ``--overwrite`` replaces an existing DST
+only after the new one is complete.
+
+MoE: ``--moe gated`` (default) runs an expert (an ``If`` node) only when some token selected
+it; ``--moe dense`` runs every expert for every token (no control flow, for atc). Both weight
+expert outputs by the top-k routing mask: the runtime's sum, exactly.
+
+Defaults: ``--opset`` 21 with ``--int4-op qdq`` (int4 DequantizeLinear with block_size needs
+it), else 17; ``--dtype fp32`` (float weights stored as float32; fp16 / bf16 halve the file
+and are cast to float32 in the graph -- onnxruntime 1.31 folds fp16 casts at load but repeats
+bf16 casts on every run on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cvt.errors import ArchError, CheckpointError, CvtError, OutputError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "export_manifest.json"
+SCOPES = ("model", "layer", "block")
+DTYPES = ("fp32", "fp16", "bf16")
+INT4_OPS = ("matmulnbits", "qdq")
+W8A8_OPS = ("integer", "qdq")
+MOE_MODES = ("gated", "dense")
+BLOCKS = ("self_attn", "mlp")
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+SUPPORTED_TYPES = ("deepseek_v3", "kimi_k2", "qwen3_moe", "qwen3", "qwen2", "llama")
+
+
+@dataclass
+class ExportResult:
+    dst: Path
+    graphs: list[dict]
+    manifest: dict
+    seconds: float
+    bytes_out: int
+    parity: object = None
+    extra: dict = field(default_factory=dict)
+
+
+def default_opset(int4_op: str) -> int:
+    from cvt.export.onnx_graph import QDQ_INT4_OPSET
+
+    return QDQ_INT4_OPSET if int4_op == "qdq" else 17
+
+
+def check_options(scope: str, dtype: str, int4_op: str, w8a8_op: str, opset: int | None, accuracy_level: int,
+                  moe: str = "gated") -> int:
+    """Validate the options; returns the opset to use."""
+    import onnx
+
+    from cvt.export.onnx_graph import MIN_OPSET, QDQ_INT4_OPSET
+
+    for what, value, valid in (("--scope", scope, SCOPES), ("--dtype", dtype, DTYPES), ("--int4-op", int4_op, INT4_OPS),
+                               ("--w8a8-op", w8a8_op, W8A8_OPS), ("--moe", moe, MOE_MODES)):
+        if value not in valid:
+            raise CvtError(f"{what} {value!r} is not one of {', '.join(valid)}")
+    if accuracy_level not in (0, 1, 2, 3, 4):
+        raise CvtError(f"--accuracy-level {accuracy_level} is not one of 0, 1, 2, 3, 4")
+    opset = default_opset(int4_op) if opset is None else int(opset)
+    top = onnx.defs.onnx_opset_version()
+    if not MIN_OPSET <= opset <= top:
+        raise CvtError(f"--opset {opset} is outside the range this exporter writes ({MIN_OPSET}..{top})")
+    if int4_op == "qdq" and opset < QDQ_INT4_OPSET:
+        raise CvtError(f"--int4-op qdq needs --opset {QDQ_INT4_OPSET} or higher (int4 DequantizeLinear with "
+                       f"block_size arrived in opset 21); got --opset {opset}. Use --opset {QDQ_INT4_OPSET} or "
+                       "--int4-op matmulnbits")
+    return opset
+
+
+def check_source(src) -> None:
+    """Refuse, before loading anything, a local SRC that is not a model directory or whose
+    architecture has no exporter."""
+    from cvt.convert.arch import text_config
+    from cvt.convert.safetensors_io import load_json
+
+    p = Path(src)
+    if not p.exists():
+        if str(src).count("/") == 1 and not str(src).startswith((".", "/")):
+            return  # a hub repo id: resolved by the loader
+        raise CheckpointError(f"{src}: no such directory")
+    if not p.is_dir():
+        raise CheckpointError(f"{src}: not a directory (export reads a checkpoint directory: a cvt output or a "
+                              "Hugging Face model)")
+    if not (p / "config.json").is_file():
+        raise CheckpointError(f"{src}: not a model directory: no config.json (export reads a cvt output or a "
+                              "Hugging Face checkpoint directory)")
+    if not any(p.glob("*.safetensors")):
+        if (p / MANIFEST).is_file():
+            raise CheckpointError(f"{src}: an ONNX export, not a checkpoint; export reads safetensors checkpoints")
+        raise CheckpointError(f"{src}: no *.safetensors weights (export reads a cvt output or a Hugging Face "
+                              "safetensors checkpoint)")
+    mt = text_config(load_json(p / "config.json")).get("model_type")
+    if mt not in SUPPORTED_TYPES:
+        raise ArchError(f"{src}: model_type {mt!r} cannot be exported (supported: {', '.join(SUPPORTED_TYPES)})")
+
+
+def _sha256(path: Path) -> str:
+    from cvt.convert.safetensors_io import sha256_file
+
+    return sha256_file(path)
+
+
+def _prepare_dst(src, dst: Path, overwrite: bool) -> Path:
+    if dst.exists() and not overwrite:
+        raise OutputError(f"{dst}: already exists; pass --overwrite to replace it")
+    if dst.exists() and not dst.is_dir():
+        raise OutputError(f"{dst}: exists and is not a directory")
+    s = Path(src)
+    if s.exists() and (dst.resolve() == s.resolve() or s.resolve() in dst.resolve().parents):
+        raise OutputError(f"{dst}: inside SRC {src}; choose a DST outside the source checkpoint")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    for old in dst.parent.glob(f".{dst.name}.cvt-tmp-*"):  # a crashed earlier run
+        shutil.rmtree(old, ignore_errors=True)
+    tmp = dst.parent / f".{dst.name}.cvt-tmp-{os.getpid()}"
+    tmp.mkdir()
+    return tmp
+
+
+def _install(tmp: Path, dst: Path) -> None:
+    """Rename the finished tmp dir to dst (replacing an old dst only now)."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.cvt-old-{os.getpid()}"
+        dst.rename(old)
+    tmp.rename(dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _io(vi) -> dict:
+    import onnx
+    from onnx import helper
+
+    t = vi.type.tensor_type
+    return {"name": vi.name, "dtype": "bfloat16" if t.elem_type == onnx.TensorProto.BFLOAT16
+            else helper.tensor_dtype_to_np_dtype(t.elem_type).name,
+            "shape": [d.dim_param if d.HasField("dim_param") else int(d.dim_value) for d in t.shape.dim]}
+
+
+def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dtype: str = "fp32",
+                int4_op: str = "matmulnbits", w8a8_op: str = "integer", opset: int | None = None,
+                accuracy_level: int = 0, moe: str = "gated", verify: bool = False, overwrite: bool = False,
+                external_threshold: int | None = None, revision: str | None = None,
+                quiet: bool = False) -> ExportResult:
+    """Export SRC to ONNX in DST (see the module docstring). With `verify`, runs the parity
+    check (`cvt.export.ort.parity`) and stores it in the result (`.parity`)."""
+    t0 = time.perf_counter()
+    opset = check_options(scope, dtype, int4_op, w8a8_op, opset, accuracy_level, moe)
+    check_source(src)
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise OutputError(f"{dst}: already exists; pass --overwrite to replace it")
+
+    import onnx
+    import torch
+
+    from cvt import __version__
+    from cvt.export import onnx_models as om
+    from cvt.export.onnx_graph import EXTERNAL_THRESHOLD, Graph, LinearOptions, save_graph
+    from cvt.runtime.loader import load_model
+
+    threshold = EXTERNAL_THRESHOLD if external_threshold is None else int(external_threshold)
+    loaded = load_model(src, device="cpu", dtype=torch.float32, revision=revision)
+    model = loaded.model
+    om.check_exportable(model)
+    n_layers = model.args.num_hidden_layers
+    if scope != "model":
+        layer = 0 if layer is None else int(layer)
+        if not 0 <= layer < n_layers:
+            raise CvtError(f"--layer {layer} is outside 0..{n_layers - 1} ({n_layers} decoder layers)")
+    elif layer is not None:
+        raise CvtError("--layer applies to --scope layer or block only")
+
+    from tqdm import tqdm
+
+    tmp = _prepare_dst(src, dst, overwrite)
+    bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="export onnx (weights)", disable=quiet,
+               dynamic_ncols=True, smoothing=0.1)
+    try:
+        opts = LinearOptions(int4_op=int4_op, w8a8_op=w8a8_op, accuracy_level=accuracy_level, moe=moe)
+        targets = ([("model", None)] if scope == "model" else [("layer", None)] if scope == "layer"
+                   else [("block", b) for b in BLOCKS])
+        graphs = []
+        for kind, block in targets:
+            stem = {"model": "model", "layer": f"layer_{layer}", "block": f"layer_{layer}.{block}"}[kind]
+            g = Graph(opset=opset, weight_dtype=dtype, data_path=tmp / f"{stem}.onnx.data", progress=bar)
+            try:  # weights stream into the data file while the graph is built
+                if kind == "model":
+                    spec = om.build_model_graph(g, model, opts)
+                elif kind == "layer":
+                    spec = om.build_layer_graph(g, model, layer, opts)
+                else:
+                    spec = om.build_block_graph(g, model, layer, block, opts)
+                path = tmp / spec.file
+                data = save_graph(g, g.model(spec.name), path, threshold)
+            finally:
+                g.close_data()
+            onnx.checker.check_model(str(path), full_check=True)
+            entry = {"name": spec.name, "file": spec.file, "external_data": data.name if data else None,
+                     "inputs": [_io(v) for v in g.inputs], "outputs": [_io(v) for v in g.outputs],
+                     "nodes": len(g.nodes), "weight_bytes": g.weight_bytes}
+            graphs.append(entry)
+            log.debug("wrote %s (%d nodes, %d weight bytes%s)", spec.file, len(g.nodes), g.weight_bytes,
+                     f", external data {data.name}" if data else "")
+        for name in SIDE_FILES:
+            p = loaded.checkpoint_path / name
+            if p.is_file():
+                shutil.copy2(p, tmp / name)
+        src_manifest = loaded.checkpoint_path / "cvt_manifest.json"
+        attn0 = model.model.layers[0].self_attn
+        manifest = {
+            "format": "cvt-onnx", "version": 1, "tool": f"cvt {__version__}",
+            "source": {"path": str(src), "resolved": str(loaded.checkpoint_path), "format": loaded.source_format,
+                       "model_type": loaded.config.get("model_type"),
+                       "cvt_manifest_sha256": _sha256(src_manifest) if src_manifest.is_file() else None,
+                       "config_sha256": _sha256(loaded.checkpoint_path / "config.json")},
+            "scope": scope, "layer": layer, "opset": opset, "dtype": dtype, "compute_dtype": "fp32",
+            "int4_op": int4_op, "w8a8_op": w8a8_op, "accuracy_level": accuracy_level,
+            "family": om.family_name(model), "num_hidden_layers": n_layers,
+            "vocab_size": model.args.vocab_size, "hidden_size": model.args.hidden_size,
+            "max_positions": int(model.max_positions),
+            "kv_cache": {"layout": "mla-absorbed (latent, rope_key)" if om.is_mla(model) else "gqa (key, value)",
+                         "dtype": "int8" if getattr(attn0, "kv_scales", None) is not None else "float32",
+                         "inputs": "past_key_values.{i}.*", "outputs": "present.{i}.*"},
+            "moe": {"mode": moe, "math": "sum over experts of routing weight (0 where not selected) x expert "
+                                          "output, in expert order: exact" + ("; an If per expert runs it only when "
+                                          "some token selected it" if moe == "gated" else "; every expert runs")},
+            "linears": dict(sorted(opts.counts.items())),
+            "graphs": graphs,
+            "files": [],
+        }
+        for p in sorted(tmp.iterdir()):
+            manifest["files"].append({"path": p.name, "size": p.stat().st_size, "sha256": _sha256(p)})
+        data = json.dumps(manifest, indent=2) + "\n"
+        with open(tmp / MANIFEST, "w") as f:  # last: its presence means the export is complete
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _install(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    bytes_out = sum(f["size"] for f in manifest["files"])
+    res = ExportResult(dst, graphs, manifest, time.perf_counter() - t0, bytes_out)
+    if verify:
+        from cvt.export.ort import parity
+
+        res.parity = parity(dst, model)
+    return res

@@ -1,0 +1,309 @@
+"""onnxruntime as a runtime backend: sessions over an export, generation, and the parity check.
+
+`OrtCausalLM(dst)` wraps the ``model.onnx`` of an export in the runtime model contract
+(`cvt.runtime.models.base`): ``model(tokens, start_pos, cache) -> float32 logits`` and
+``new_cache(batch, max_len)``, so `cvt.runtime.generate.generate` drives it unchanged (same
+sampling, same prefill / decode timing as the torch runtime) and `cvt run --backend
+onnxruntime DST` is `generate` over it.
+
+`parity(dst, model)` runs the exported graph(s) in onnxruntime (CPU) against the torch runtime
+model on the same inputs: for ``--scope model`` a prefill of a seeded prompt and several decode
+steps (teacher-forced with the torch model's greedy tokens), comparing logits and whether the
+greedy tokens agree; for ``--scope layer`` / ``block`` a prefill and decode steps of seeded
+hidden states through the layer / module, comparing its output and the cache it returns.
+
+Reference and tolerances. The graphs compute in float32, so the reference is the torch runtime
+in float32 on the same artifact. The check passes when max |ORT - torch| <= tol * max(1,
+max |torch|) with tol (`TOLERANCES`):
+
+* fp32 / bf16 weights: 1e-4 (the same weights; only summation order differs -- seen ~1e-6);
+* fp16 weights: 2e-2 (bf16 / fp32 weights rounded to fp16, against the float32 model);
+* int4 weights (W4A16; MatMulNBits accuracy_level 0 / 1 or int4 DequantizeLinear): 1e-3
+  (dequantized weights are exact; seen ~1e-6);
+* int8 activations (W8A8, either op): 3e-2. The integer path reproduces the runtime's integers
+  (each linear alone: bit-identical), but a float32 difference of 1e-7 upstream (attention,
+  norms) can move one activation across a rounding boundary: one int8 step, 1/127 of that
+  token's range. Seen on the tiny models: ~1e-6 mostly, up to 1.5e-2 relative with an int8 KV
+  cache (o_proj's input is built from dequantized int8 values) and ~1e-2 with Q/DQ (which sums
+  in float32);
+* MatMulNBits accuracy_level 2-4 (fp16 / bf16 / int8 activations inside the op): 5e-2.
+
+Greedy tokens must agree at every step as well.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from cvt.errors import CvtError
+
+MANIFEST = "export_manifest.json"
+TOLERANCES = {"float": 1e-4, "fp16": 2e-2, "int4": 1e-3, "int8": 3e-2, "approximate": 5e-2}
+
+
+def read_manifest(dst) -> dict:
+    path = Path(dst) / MANIFEST
+    if not path.is_file():
+        raise CvtError(f"{dst}: no {MANIFEST}; not a finished `cvt export onnx` output")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CvtError(f"{path}: not valid JSON: {exc}") from exc
+
+
+def session(path: Path, manifest: dict, threads: int | None = None):
+    """A CPU InferenceSession; a fused int4 Q/DQ MatMul keeps the export's accuracy level."""
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise CvtError(f"onnxruntime is not installed ({exc}); pip install 'cvt[export]'") from exc
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(manifest.get("accuracy_level", 0)))
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+    try:
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise CvtError(f"{path}: onnxruntime cannot load it: {str(exc).splitlines()[0]}") from exc
+
+
+def _empty_cache(graph: dict, batch: int) -> dict[str, np.ndarray]:
+    out = {}
+    for inp in graph["inputs"]:
+        if inp["name"].startswith("past_key_values."):
+            shape = [batch if d == "batch" else 0 if d == "past" else d for d in inp["shape"]]
+            out[inp["name"]] = np.zeros(shape, dtype=np.dtype(inp["dtype"]))
+    return out
+
+
+def _seq_axis(graph: dict) -> int:
+    for inp in graph["inputs"]:
+        if inp["name"].startswith("past_key_values."):
+            return inp["shape"].index("past")
+    raise CvtError(f"graph {graph['name']} has no cache inputs")
+
+
+@dataclass
+class OrtCache:
+    """The cache arrays fed to the next call (present outputs of the last one)."""
+
+    arrays: dict
+    seq_axis: int
+    max_len: int
+
+    @property
+    def length(self) -> int:
+        return next(iter(self.arrays.values())).shape[self.seq_axis]
+
+
+class OrtCausalLM:
+    """An exported ``--scope model`` graph behind the runtime model contract (CPU)."""
+
+    def __init__(self, dst, threads: int | None = None):
+        self.dst = Path(dst)
+        self.manifest = read_manifest(dst)
+        graphs = {g["name"]: g for g in self.manifest["graphs"]}
+        if "model" not in graphs:
+            raise CvtError(f"{dst}: an export of --scope {self.manifest.get('scope')} (graphs: "
+                           f"{', '.join(graphs)}); generation needs a --scope model export")
+        self.graph = graphs["model"]
+        self.session = session(self.dst / self.graph["file"], self.manifest, threads)
+        self.outputs = [o["name"] for o in self.graph["outputs"]]
+        self.max_positions = int(self.manifest["max_positions"])
+        self.vocab_size = int(self.manifest["vocab_size"])
+        self.args = SimpleNamespace(vocab_size=self.vocab_size, num_hidden_layers=self.manifest["num_hidden_layers"])
+
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None) -> OrtCache:
+        if max_len > self.max_positions:
+            raise CvtError(f"cache max_len {max_len} exceeds max_position_embeddings {self.max_positions}")
+        return OrtCache(_empty_cache(self.graph, batch), _seq_axis(self.graph), max_len)
+
+    def run(self, ids: np.ndarray, cache: OrtCache) -> np.ndarray:
+        """ids int64 [b, s] at positions cache.length.. -> logits float32 [b, s, vocab]; cache updated."""
+        if cache.length + ids.shape[1] > cache.max_len:
+            raise CvtError(f"cache of max_len {cache.max_len} cannot hold positions up to "
+                           f"{cache.length + ids.shape[1] - 1}")
+        outs = self.session.run(self.outputs, {"input_ids": ids.astype(np.int64, copy=False), **cache.arrays})
+        for name, value in zip(self.outputs[1:], outs[1:]):
+            cache.arrays["past_key_values." + name[len("present."):]] = value
+        return outs[0]
+
+    def __call__(self, tokens, start_pos: int = 0, cache: OrtCache | None = None, hidden_states=None):
+        import torch
+
+        if hidden_states is not None:
+            raise CvtError("the onnxruntime backend does not return hidden states")
+        own = cache is None
+        if own:
+            cache = self.new_cache(tokens.shape[0], start_pos + tokens.shape[1])
+        if start_pos != cache.length:
+            raise CvtError(f"start_pos {start_pos} does not follow the cache ({cache.length} positions); the "
+                           "onnxruntime backend appends to the cache it is given")
+        ids = tokens.cpu().numpy() if hasattr(tokens, "numpy") else np.asarray(tokens)
+        return torch.from_numpy(self.run(ids, cache))
+
+
+# ----------------------------------------------------------------------------------- parity
+@dataclass
+class Parity:
+    graph: str
+    reference: str
+    steps: list = field(default_factory=list)   # (label, max |diff|, max |reference|)
+    greedy_agree: bool | None = None
+    tolerance: float = 0.0
+    seconds: float = 0.0
+    cache_max_abs: float | None = None          # layer / attention graphs: returned cache vs the runtime's
+
+    @property
+    def max_abs(self) -> float:
+        return max(d for _, d, _ in self.steps)
+
+    @property
+    def ref_max(self) -> float:
+        return max(r for _, _, r in self.steps)
+
+    @property
+    def passed(self) -> bool:
+        bound = self.tolerance * max(1.0, self.ref_max)
+        return (self.max_abs <= bound and (self.cache_max_abs or 0.0) <= bound
+                and self.greedy_agree is not False)
+
+    def render(self) -> str:
+        parts = ", ".join(f"{label} {d:.3g}" for label, d, _ in self.steps)
+        agree = "" if self.greedy_agree is None else f"; greedy tokens agree: {'yes' if self.greedy_agree else 'NO'}"
+        return (f"{self.graph}: onnxruntime vs {self.reference}: max |diff| {self.max_abs:.3g} (max |ref| "
+                f"{self.ref_max:.3g}, tolerance {self.tolerance:g} x max(1, |ref|)) [{parts}]"
+                f"{'' if self.cache_max_abs is None else f'; cache max |diff| {self.cache_max_abs:.3g}'}{agree}: "
+                f"{'PASS' if self.passed else 'FAIL'}")
+
+
+def tolerance(manifest: dict) -> float:
+    """The parity tolerance of an export (see the module docstring), from its manifest."""
+    lin = manifest.get("linears", {})
+    tol = TOLERANCES["fp16"] if manifest.get("dtype") == "fp16" else TOLERANCES["float"]
+    if any(k.startswith("w4a16") for k in lin):
+        tol = max(tol, TOLERANCES["approximate"] if manifest.get("accuracy_level", 0) >= 2 else TOLERANCES["int4"])
+    if any(k.startswith("w8a8") for k in lin):
+        tol = max(tol, TOLERANCES["int8"])
+    return tol
+
+
+def _diff(a: np.ndarray, b) -> tuple[float, float]:
+    b = b.detach().float().cpu().numpy() if hasattr(b, "detach") else np.asarray(b, np.float32)
+    return float(np.abs(a.astype(np.float32) - b).max()), float(np.abs(b).max())
+
+
+def parity(dst, model, *, batch: int = 2, prompt_len: int = 7, steps: int = 4, seed: int = 0,
+           threads: int | None = None) -> list[Parity]:
+    """Compare every graph of the export in DST against the torch runtime `model` (float32)."""
+    manifest = read_manifest(dst)
+    out = []
+    for graph in manifest["graphs"]:
+        t0 = time.perf_counter()
+        if graph["name"] == "model":
+            p = _model_parity(dst, manifest, model, batch, prompt_len, steps, seed, threads)
+        else:
+            p = _module_parity(dst, manifest, graph, model, batch, prompt_len, steps, seed, threads)
+        p.tolerance = tolerance(manifest)
+        p.seconds = time.perf_counter() - t0
+        out.append(p)
+    return out
+
+
+def _model_parity(dst, manifest, model, batch, prompt_len, steps, seed, threads) -> Parity:
+    import torch
+
+    lm = OrtCausalLM(dst, threads)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, lm.vocab_size, (batch, prompt_len), generator=gen)
+    total = prompt_len + steps
+    tcache, ocache = model.new_cache(batch, total, dtype=torch.float32), lm.new_cache(batch, total)
+    p = Parity("model", "torch runtime (float32, same artifact)")
+    agree, pos = True, 0
+    for step in range(steps + 1):
+        ref = model(tokens, start_pos=pos, cache=tcache)
+        got = lm.run(tokens.numpy(), ocache)
+        p.steps.append(("prefill" if step == 0 else f"decode{step}", *_diff(got, ref)))
+        agree &= bool((torch.from_numpy(got[:, -1]).argmax(-1) == ref[:, -1].argmax(-1)).all())
+        pos += tokens.shape[1]
+        tokens = ref[:, -1].argmax(-1, keepdim=True)  # teacher-forced with the reference's greedy token
+    p.greedy_agree = agree
+    return p
+
+
+def _module_parity(dst, manifest, graph, model, batch, prompt_len, steps, seed, threads) -> Parity:
+    import torch
+
+    name = graph["name"]                               # layer_N or layer_N.self_attn / layer_N.mlp
+    i = int(name.split(".")[0].split("_")[1])
+    block = name.split(".")[1] if "." in name else None
+    layer = model.model.layers[i]
+    sess = session(Path(dst) / graph["file"], manifest, threads)
+    outs = [o["name"] for o in graph["outputs"]]
+    gen = torch.Generator().manual_seed(seed)
+    h = model.args.hidden_size
+    cached = block != "mlp"
+    tcache = model.new_cache(batch, prompt_len + steps, dtype=torch.float32)[i] if cached else None
+    arrays = _empty_cache(graph, batch) if cached else {}
+    p = Parity(name, "torch runtime module (float32, same artifact)")
+    pos = 0
+    for step in range(steps + 1):
+        s = prompt_len if step == 0 else 1
+        x = torch.randn(batch, s, h, generator=gen)
+        if block == "mlp":
+            ref = layer.mlp(x)
+        else:
+            cos, sin, mask = torch_positions(model, pos, s, cached=True)
+            ref = (layer.self_attn(x, cos, sin, mask, pos, tcache) if block == "self_attn"
+                   else layer(x, cos, sin, mask, pos, tcache))
+        res = sess.run(outs, {"hidden_states": x.numpy(), **arrays})
+        p.steps.append(("prefill" if step == 0 else f"decode{step}", *_diff(res[0], ref)))
+        if cached:
+            for o, v in zip(outs[1:], res[1:]):
+                arrays["past_key_values." + o[len("present."):]] = v
+        pos += s
+    if cached:  # the cache the graph returned vs the runtime's cache contents
+        p.cache_max_abs = max(_diff(v.astype(np.float32), t)[0]
+                              for v, t in zip(arrays.values(), _torch_cache_tensors(tcache, pos)))
+    return p
+
+
+def _torch_cache_tensors(cache, end: int):
+    if hasattr(cache, "kv"):  # MLA
+        return [cache.kv[:, :end], cache.pe[:, :end]]
+    return [cache.k[:, :, :end], cache.v[:, :, :end]]
+
+
+def torch_positions(model, start_pos: int, s: int, cached: bool = True):
+    """cos, sin, mask exactly as the runtime model's forward builds them (float32 activations)."""
+    import torch
+
+    pos = torch.arange(start_pos, start_pos + s)
+    freqs = pos[:, None].float() * model.inv_freq[None]
+    if not hasattr(model.args, "kv_lora_rank"):
+        freqs = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = freqs.cos() * model.rope_scale, freqs.sin() * model.rope_scale
+    keys = torch.arange(start_pos + s) if cached else pos
+    return cos, sin, keys[None, :] <= pos[:, None]
+
+
+# ------------------------------------------------------------------------------- generation
+def load_for_generation(dst, threads: int | None = None):
+    """(OrtCausalLM, tokenizer) from an export directory (config.json + tokenizer copied by export)."""
+    from cvt.runtime.tokenizer import load_tokenizer
+
+    lm = OrtCausalLM(dst, threads)
+    cfg_path = Path(dst) / "config.json"
+    if not cfg_path.is_file():
+        raise CvtError(f"{dst}: no config.json next to the ONNX graphs (export copies it from SRC)")
+    from cvt.convert.arch import text_config
+
+    config = dict(text_config(json.loads(cfg_path.read_text())))
+    return lm, load_tokenizer(dst, config)
