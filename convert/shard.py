@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,7 +247,7 @@ class _OpenFile:
         self.rel, self.count, self.left = rel, len(holdings), len(holdings)
         self.f = AtomicFile(out.dst / rel)
         self.f.write(encode_header([h.spec for h in holdings], {"format": "pt"}))
-        self.pipe = _FilePipeline(self.f, budget, update)
+        self.pipe = _FilePipeline(self.f, budget, update, depth=0)
 
     def finish(self) -> FileInfo:
         self.pipe.close()
@@ -304,6 +305,16 @@ def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], ord
     file_of = dict(pending)
     budget = _ByteBudget(IN_FLIGHT_BYTES)
     open_files: dict[str, _OpenFile] = {}
+    closing: dict[str, tuple[_OpenFile, Future]] = {}
+
+    def finish(f: _OpenFile) -> FileInfo:
+        info = f.finish()
+        out.record(info)
+        return info
+
+    # a file's last tensor may still be in its pipeline: close it on another thread, so this
+    # one goes on feeding the other ranks' files meanwhile
+    closer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="cvt-shard-close")
     try:
         for name in consumers:  # visiting order: the ranks' files hold their tensors in it
             uses = consumers.get(name)
@@ -329,14 +340,23 @@ def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], ord
                 f.pipe.put(buf, data, OutTensor(spec, produce=lambda: None, release=done_cb))
                 f.left -= 1
                 if f.left == 0:
-                    info = open_files.pop(rel).finish()
-                    out.record(info)
-                    results[rel] = info
+                    closing[rel] = (f, closer.submit(finish, open_files.pop(rel)))
+                    for done_rel in [r for r, (_, fut) in closing.items() if fut.done()]:
+                        results[done_rel] = closing.pop(done_rel)[1].result()
             del made
+        for rel, (_, fut) in list(closing.items()):
+            results[rel] = fut.result()
+            del closing[rel]
     except BaseException:
         for f in open_files.values():
             f.abort()
+        for f, fut in closing.values():
+            if not fut.cancel() and fut.exception() is None:
+                continue  # finished and recorded: a rerun keeps it
+            f.abort()
         raise
+    finally:
+        closer.shutdown(wait=True)
     if open_files:  # every file closes after its last tensor; anything left is a planning bug
         raise RuntimeError(f"internal: rank files left open: {sorted(open_files)[:3]}")
     return results, len(pending), len(files) - len(pending)

@@ -317,13 +317,15 @@ class _FilePipeline:
 
     _END = object()
 
-    def __init__(self, f: AtomicFile, budget: _ByteBudget, update: Callable[[int], None]):
+    def __init__(self, f: AtomicFile, budget: _ByteBudget, update: Callable[[int], None], depth: int = 2):
         import queue
 
         self.f, self.budget, self.update = f, budget, update
         self.error: BaseException | None = None
-        self.q_write: "queue.Queue" = queue.Queue(maxsize=2)
-        self.q_hash: "queue.Queue" = queue.Queue(maxsize=2)
+        # depth 0: unbounded queues, memory bounded by the byte budget alone (many files fed by
+        # one thread: a full queue would stall every other file)
+        self.q_write: "queue.Queue" = queue.Queue(maxsize=depth)
+        self.q_hash: "queue.Queue" = queue.Queue(maxsize=depth)
         self.threads = [threading.Thread(target=self._writer, name="cvt-file-write", daemon=True),
                         threading.Thread(target=self._hasher, name="cvt-file-hash", daemon=True)]
         for t in self.threads:

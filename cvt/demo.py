@@ -29,17 +29,17 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     out = {"fp8": root / "source-fp8", "bf16": root / "bf16"}
 
     say = (lambda s: None) if quiet else echo
-    say(f"[1/7] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
+    say(f"[1/8] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
     write_fp8_release(out["fp8"])
     say(inspect_checkpoint(out["fp8"]).render())
 
-    say(f"\n[2/7] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
+    say(f"\n[2/8] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
     r = fp8_to_bf16(out["fp8"], out["bf16"], quiet=True)
     say(f"dequantized {r.extra['dequantized']} tensors, passed {r.extra['passed_through']} through, "
         f"{r.bytes_out} bytes in {len(r.files)} files")
     say(inspect_checkpoint(out["bf16"]).render())
 
-    say(f"\n[3/7] cvt run {out['bf16']} --prompt 'Hello' --max-new-tokens 8   (random weights: the text is noise)")
+    say(f"\n[3/8] cvt run {out['bf16']} --prompt 'Hello' --max-new-tokens 8   (random weights: the text is noise)")
     import torch
 
     from cvt.runtime.generate import generate
@@ -54,7 +54,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     del loaded
 
     out["report"] = root / "verify-report"
-    say(f"\n[4/7] cvt verify {out['fp8']} --reference {out['bf16']} --report {out['report']}")
+    say(f"\n[4/8] cvt verify {out['fp8']} --reference {out['bf16']} --report {out['report']}")
     v = verify(out["fp8"], out["bf16"], out["report"], seq_len=32, max_sequences=2).report
     worst = min(row.cosine for row in v.layers)
     say(f"FP8 dequantized on load vs the BF16 output: min layer cosine {worst:.6f}, mean KL {v.logits.kl_mean:.3g}, "
@@ -63,7 +63,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     from cvt.quant.stage import quantize
 
     out["w4a16"] = root / "w4a16-compressed-tensors"
-    say(f"\n[5/7] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
+    say(f"\n[5/8] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
     q = quantize(out["fp8"], out["w4a16"], scheme="w4a16", fmt="compressed-tensors", quiet=True)
     say(f"quantized {q.extra['quantized']} linears from the FP8 release (dequantized on the fly), "
         f"{q.extra['float_modules']} kept float; worst SQNR {q.extra['min_sqnr_db']}")
@@ -72,7 +72,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     say(f"cvt quantize {out['bf16']} {out['w8a8']} --scheme w8a8 --format ascend: {q.extra['quantized']} linears, "
         f"worst SQNR {q.extra['min_sqnr_db']}")
 
-    say(f"\n[6/7] cvt verify, each quantized model against {out['bf16']} (random weights: a smoke test)")
+    say(f"\n[6/8] cvt verify, each quantized model against {out['bf16']} (random weights: a smoke test)")
     for key in ("w4a16", "w8a8"):
         out[f"report-{key}"] = root / f"verify-{key}"
         v = verify(out[key], out["bf16"], out[f"report-{key}"], seq_len=32, max_sequences=2).report
@@ -80,6 +80,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
             f"mean KL {v.logits.kl_mean:.3g}, same top-1 {v.logits.same_top1:.0%}  ({out[f'report-{key}']}/report.html)")
 
     step_shard(root, out, say)
+    step_export(root, out, say)
 
     say("\noutputs:")
     for key, path in out.items():
@@ -103,7 +104,7 @@ def step_shard(root: Path, out: dict[str, Path], say) -> None:
 
     out["w4a16-ascend"] = root / "w4a16-ascend"
     out["shards"] = root / "w4a16-ascend-tp2-ep4"
-    say(f"\n[7/7] cvt quantize {out['bf16']} {out['w4a16-ascend']} --scheme w4a16 --format ascend --group-size 64; "
+    say(f"\n[7/8] cvt quantize {out['bf16']} {out['w4a16-ascend']} --scheme w4a16 --format ascend --group-size 64; "
         f"cvt shard {out['w4a16-ascend']} {out['shards']} --world-size 4 --tp 2 --ep 4")
     quantize(out["bf16"], out["w4a16-ascend"], scheme="w4a16", fmt="ascend", group_size=64, quiet=True)
     r = shard(out["w4a16-ascend"], out["shards"], make_layout(world_size=4, tp=2, ep=4), quiet=True)
@@ -126,3 +127,35 @@ def step_shard(root: Path, out: dict[str, Path], say) -> None:
         f"{'identical' if same else 'DIFFER'}")
     if not same or diff > 1e-3:
         raise CvtError(f"the sharded run differs from the single-process run (max logit diff {diff:.3g})")
+
+
+def step_export(root: Path, out: dict[str, Path], say) -> None:
+    """Export the W4A16 model to ONNX (MatMulNBits), check it against the torch runtime with
+    onnxruntime, and print the atc command for OM of an atc-compatible float export."""
+    from cvt.errors import CvtError
+    from cvt.export.atc import precheck
+    from cvt.export.om import export_om
+    from cvt.export.onnx_export import export_onnx
+
+    out["onnx-w4a16"] = root / "onnx-w4a16"
+    say(f"\n[8/8] cvt export onnx {out['w4a16']} {out['onnx-w4a16']} --int4-op matmulnbits --verify")
+    r = export_onnx(out["w4a16"], out["onnx-w4a16"], int4_op="matmulnbits", verify=True, quiet=True)
+    for check in r.parity:
+        say(check.render())
+    if not all(check.passed for check in r.parity):
+        raise CvtError("the ONNX export does not match the torch runtime")
+    graph = out["onnx-w4a16"] / r.graphs[0]["file"]
+    refused = precheck(graph, "Ascend910B3")
+    say(f"atc pre-check of {graph.name}: " + (f"refused ({refused[0]})" if refused else "passes"))
+    out["onnx-fp16-atc"] = root / "onnx-fp16-atc"
+    say(f"cvt export onnx {out['bf16']} {out['onnx-fp16-atc']} --dtype fp16 --moe dense   (what atc accepts)")
+    r = export_onnx(out["bf16"], out["onnx-fp16-atc"], dtype="fp16", moe="dense", quiet=True)
+    inputs = r.graphs[0]["inputs"]
+    # a decode step: batch 1, one new token, 15 cached positions (atc wants every dim positive)
+    shape = ";".join(f"{i['name']}:" + ",".join("15" if isinstance(d, str) and "past" in d
+                                                else "1" if isinstance(d, str) else str(d) for d in i["shape"])
+                     for i in inputs)
+    om = export_om(out["onnx-fp16-atc"] / r.graphs[0]["file"], root / "om", "Ascend910B3", input_shape=shape,
+                   dry_run=True)
+    say("cvt export om ... --dry-run: on an Ascend host with CANN (decode step, batch 1, 15 cached tokens):\n  "
+        + om.command_line)
