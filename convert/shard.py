@@ -69,6 +69,7 @@ from cvt.convert.writer import (
     _prior_stages,
     make_progress,
     plan_id,
+    plan_shards,
     source_info,
 )
 from cvt.errors import CvtError
@@ -227,17 +228,8 @@ def _visit_order(names: list[str], ranks: list[list[_Holding]]) -> list[str]:
 
 
 def _plan_files(holdings: list[_Holding], rank: int, max_shard_size: int) -> list[tuple[str, list[_Holding]]]:
-    groups: list[list[_Holding]] = []
-    size = 0
-    for h in holdings:
-        if not groups or (size + h.spec.nbytes > max_shard_size and groups[-1]):
-            groups.append([])
-            size = 0
-        groups[-1].append(h)
-        size += h.spec.nbytes
-    n = len(groups)
-    d = RANK_DIR.format(rank)
-    return [(f"{d}/model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+    """The rank's files: consecutive runs of its holdings, as the writer plans any checkpoint."""
+    return plan_shards(holdings, max_shard_size, prefix=f"{RANK_DIR.format(rank)}/model")
 
 
 class _OpenFile:

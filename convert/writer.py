@@ -86,7 +86,9 @@ class WriteResult:
         return self.bytes_out / self.seconds if self.seconds > 0 else 0.0
 
 
-def plan_shards(tensors: list[OutTensor], max_shard_size: int, prefix: str = "model") -> list[tuple[str, list[OutTensor]]]:
+def plan_shards(tensors: list, max_shard_size: int, prefix: str = "model") -> list[tuple[str, list]]:
+    """Greedy file plan: consecutive runs of `tensors` (anything with a ``.spec``) of at most
+    `max_shard_size` bytes each (a larger tensor alone), named ``{prefix}-00001-of-0000N.safetensors``."""
     groups: list[list[OutTensor]] = []
     size = 0
     for t in tensors:

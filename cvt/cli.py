@@ -358,7 +358,7 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
     from cvt.runtime.device import DTYPES, resolve_device
     from cvt.runtime.generate import generate
     from cvt.runtime.loader import load_model
-    from cvt.runtime.tokenizer import load_tokenizer
+    from cvt.runtime.tokenizer import load_tokenizer, prompt_ids
 
     if not prompts and not input_ids:
         raise CvtError("give --prompt TEXT or --input-ids 1,2,3")
@@ -374,17 +374,7 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
         loaded = load_model(model, device=dev, dtype=DTYPES[dtype], verify_files=verify_files, revision=revision)
         tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
         lm = loaded.model
-    ids = [tok.encode(p) for p in prompts]
-    for text in input_ids:
-        try:
-            ids.append([int(x) for x in text.replace(" ", "").split(",") if x])
-        except ValueError:
-            raise CvtError(f"--input-ids {text!r}: expected comma-separated integers") from None
-    vocab = lm.args.vocab_size
-    for seq in ids:
-        bad = [i for i in seq if not 0 <= i < vocab]
-        if bad:
-            raise CvtError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    ids = prompt_ids(tok, prompts, input_ids, lm.args.vocab_size)
     res = generate(lm, ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                    eos_id=tok.eos_id, device=dev)
     for prompt, out in zip(ids, res.outputs):

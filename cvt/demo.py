@@ -2,7 +2,9 @@
 
 Builds the checkpoint with `cvt.convert.synthetic` (random weights; one dense layer, two
 MoE layers, an MTP layer, dims that are not multiples of 128, scales split across shards),
-then runs the stages in pipeline order. Grows as stages land.
+then runs the stages in pipeline order: fp8-to-bf16, run, verify, quantize, shard + a 4-rank
+torchrun on CPU checked against one process, ONNX export checked with onnxruntime, the atc
+pre-check and command.
 """
 
 from __future__ import annotations

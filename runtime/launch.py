@@ -92,7 +92,7 @@ def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, pr
     from cvt.convert.plan import check
     from cvt.convert.safetensors_io import load_json
     from cvt.convert.shard import read_shard_manifest
-    from cvt.runtime.tokenizer import load_tokenizer
+    from cvt.runtime.tokenizer import load_tokenizer, prompt_ids
 
     root = Path(root)
     manifest = read_shard_manifest(root)
@@ -121,19 +121,7 @@ def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, pr
     scheme, group = _scheme(manifest, config)
     check(layout, config, scheme, group)
     tok = load_tokenizer(root, config)
-    ids = [tok.encode(p) for p in prompts]
-    for text in input_ids:
-        try:
-            ids.append([int(x) for x in text.replace(" ", "").split(",") if x])
-        except ValueError:
-            raise CvtError(f"--input-ids {text!r}: expected comma-separated integers") from None
-    if not ids:
-        raise CvtError("give --prompt TEXT or --input-ids 1,2,3")
-    vocab = int(config.get("vocab_size") or 0)
-    for seq in ids:
-        bad = [i for i in seq if not 0 <= i < vocab]
-        if bad:
-            raise CvtError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    ids = prompt_ids(tok, prompts, input_ids, int(config.get("vocab_size") or 0))
     return Preflight(root, manifest, entry, config, tok, ids)
 
 
@@ -249,7 +237,7 @@ def main(argv=None, *, setup_logging: bool = False) -> int:
     rank, world, local = _topology()
     if setup_logging:
         _logging(rank, args.debug, args.quiet)
-    owned = False
+    owned = clean = False  # clean: every rank got to the same point (a barrier is safe)
     try:
         import torch.distributed as dist
 
@@ -267,12 +255,16 @@ def main(argv=None, *, setup_logging: bool = False) -> int:
             dist.init_process_group(backend_for(device), rank=rank, world_size=world)
             owned = True
         failed = agree(err is not None, device)
+        clean = True
         if err is not None:
             raise err
         if failed:
             log.debug("rank(s) %s failed the start-up checks; stopping", failed)
             return 1
-        return _run(args, pre, rank, device)
+        clean = False
+        code = _run(args, pre, rank, device)
+        clean = True
+        return code
     except CvtError as exc:
         if args.debug:
             traceback.print_exc()
@@ -291,6 +283,8 @@ def main(argv=None, *, setup_logging: bool = False) -> int:
         if owned:
             import torch.distributed as dist
 
+            if clean:  # all ranks are here: none tears its pairs down under a peer still using them
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -308,9 +302,10 @@ def _run(args, pre: Preflight, rank: int, device) -> int:
     except CvtError as exc:
         rm, err = None, exc
     failed = agree(err is not None, device)
-    if err is not None:
-        raise err
     if failed:
+        ctx.close()  # only on paths every rank takes together: a lone failing rank must not wait
+        if err is not None:
+            raise err
         log.debug("rank(s) %s failed to load; stopping", failed)
         return 1
     log.info("rank %d of %d loaded %s (%s)", rank, layout.world_size, pre.entry.dir, _layout_words(layout))
@@ -330,6 +325,7 @@ def _run(args, pre: Preflight, rank: int, device) -> int:
             print(f"prefill {res.prefill_tokens_per_s:.1f} tokens/s, decode {res.decode_tokens_per_s:.1f} tokens/s "
                   f"({device}, {args.dtype}, {tok.kind} tokenizer, {layout.world_size} ranks: {_layout_words(layout)})")
         sys.stdout.flush()
+    ctx.close()
     return 0
 
 

@@ -148,6 +148,19 @@ class ParallelContext:
                     ctx.groups[axis] = made[ranks]
         return ctx
 
+    def close(self) -> None:
+        """Every rank, together, when done: a barrier, then the sub-groups `create` made are
+        destroyed (a rank tearing its gloo pairs down while a peer still uses them can abort
+        the peer; a caller running several worlds in one process must not leak groups)."""
+        import torch.distributed as dist
+
+        if not self.groups or not dist.is_initialized():
+            return
+        dist.barrier()
+        for g in {id(g): g for g in self.groups.values() if g is not dist.group.WORLD}.values():
+            dist.destroy_process_group(g)
+        self.groups.clear()
+
     def size(self, axis: str) -> int:
         return self.layout.world_size if axis == WORLD else getattr(self.layout, axis)
 

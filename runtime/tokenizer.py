@@ -48,6 +48,24 @@ def _first_id(v):
     return v
 
 
+def prompt_ids(tok: "Tokenizer", prompts, input_ids, vocab: int) -> list[list[int]]:
+    """Token ids of `cvt run`'s --prompt texts and --input-ids lists ("1,2,3"), each id checked
+    against the vocabulary; CvtError naming the bad option value or id."""
+    ids = [tok.encode(p) for p in prompts]
+    for text in input_ids:
+        try:
+            ids.append([int(x) for x in text.replace(" ", "").split(",") if x])
+        except ValueError:
+            raise CvtError(f"--input-ids {text!r}: expected comma-separated integers") from None
+    if not ids:
+        raise CvtError("give --prompt TEXT or --input-ids 1,2,3")
+    for seq in ids:
+        bad = [i for i in seq if not 0 <= i < vocab]
+        if bad:
+            raise CvtError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    return ids
+
+
 def load_tokenizer(folder, config: dict) -> Tokenizer:
     return Tokenizer(Path(folder), config)
 

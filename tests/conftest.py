@@ -26,13 +26,33 @@ class CliResult:
     err: str
 
 
-def run_cvt(*args, env: dict | None = None, preexec_fn=None, timeout: int = 300) -> CliResult:
-    """Run `python -m cvt ARGS` in a subprocess (the real entry point, exit codes and all)."""
+def run_cvt(*args, env: dict | None = None, preexec_fn=None, timeout: int = 300, subprocess_: bool = False) -> CliResult:
+    """Run the CLI's entry point `cvt.cli.main(ARGS)` (exit codes and all): in this process when
+    no env / preexec_fn is asked for (no interpreter and torch start-up, ~3 s a call on 2 cores),
+    else - or with subprocess_=True - as `python -m cvt ARGS` in a subprocess."""
+    if env is None and preexec_fn is None and not subprocess_:
+        return _run_here([str(a) for a in args])
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("CVT_DEBUG", None)
     p = subprocess.run([sys.executable, "-m", "cvt", *map(str, args)], capture_output=True, text=True,
                        env=full_env, preexec_fn=preexec_fn, timeout=timeout)
     return CliResult(p.returncode, p.stdout, p.stderr)
+
+
+def _run_here(argv: list[str]) -> CliResult:
+    import contextlib
+    import io
+
+    from cvt.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    rc = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return CliResult(rc, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="session")

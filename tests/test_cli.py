@@ -10,24 +10,24 @@ import pytest
 
 from cvt.tests.conftest import run_cvt
 
-VERBS = ["fp8-to-bf16", "quantize", "inspect", "run", "verify", "demo"]
+VERBS = ["fp8-to-bf16", "quantize", "inspect", "run", "verify", "plan", "shard", "export onnx", "export om", "demo"]
 
 
 @pytest.mark.parametrize("verb", VERBS)
 def test_every_verb_has_help_with_quiet_and_debug(verb):
-    r = run_cvt(verb, "--help")
+    r = run_cvt(*verb.split(), "--help")
     assert r.rc == 0 and "Usage: cvt " + verb in r.out
     assert "--quiet" in r.out and "--debug" in r.out
 
 
 def test_top_level_help_lists_verbs_and_version():
-    r = run_cvt("--help")
-    assert r.rc == 0 and all(v in r.out for v in VERBS)
+    r = run_cvt("--help", subprocess_=True)  # the real entry point, python -m cvt
+    assert r.rc == 0 and all(v.split()[0] in r.out for v in VERBS)
     assert run_cvt("--version").out.strip() == "cvt, version 0.1.0"
 
 
 def test_usage_errors_are_one_line():
-    r = run_cvt("fp8-to-bf16", "only-src")
+    r = run_cvt("fp8-to-bf16", "only-src", subprocess_=True)
     assert r.rc == 2 and r.err.count("\n") == 1 and r.err.startswith("cvt: error: Missing argument 'DST'")
     r = run_cvt("fp8-to-bf16", "a", "b", "--workers", "0")
     assert r.rc == 2 and r.err.startswith("cvt: error: Invalid value for '--workers'")
@@ -39,10 +39,13 @@ def test_demo_runs_the_pipeline(tmp_path):
     r = run_cvt("demo", tmp_path / "demo")
     assert r.rc == 0, r.err
     assert "outputs:" in r.out and str(tmp_path / "demo" / "bf16") in r.out
+    # the sharded 4-rank run agreed with one process; the ONNX export with the torch runtime
+    assert "4 ranks vs 1 process" in r.out and "greedy tokens identical" in r.out
+    assert "greedy tokens agree: yes: PASS" in r.out and "atc --framework=5" in r.out
     manifest = json.loads((tmp_path / "demo" / "bf16" / "cvt_manifest.json").read_text())
     assert manifest["format"] == "hf-bf16"
-    # a second run in the same directory replaces the demo; an unrelated directory is refused
-    assert run_cvt("demo", tmp_path / "demo", "--quiet").rc == 0
+    # an unrelated directory is refused (a demo directory is replaced: cvt.demo checks its marker)
+    assert (tmp_path / "demo" / ".cvt-demo").is_file()
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "keep.txt").write_text("x")
     r = run_cvt("demo", tmp_path / "mine")

@@ -143,8 +143,10 @@ QUANT = [
     ("compressed-tensors", "w8a8", {}),
     ("compressed-tensors", "w4a16", {"group_size": 32}),
     ("compressed-tensors", "fp4", {}),
+    ("compressed-tensors", "w8a8c8", {}),
     ("ascend", "w8a8", {"static_attention": True}),
     ("ascend", "w4a16", {"group_size": 32, "asym": True}),
+    ("ascend", "w8a8c8", {}),
 ]
 
 

@@ -42,6 +42,7 @@ def _worker(rank: int, world: int, store: str, cases: list, out: str) -> None:
             codes[name] = launch.main([str(dst), *ARGV, "--dump-logits", f"{out}/{name}.{{rank}}.safetensors"])
     finally:
         Path(out, f"codes.{rank}.json").write_text(json.dumps(codes))
+        dist.barrier()  # no rank tears the world down under a peer still in it
         dist.destroy_process_group()
 
 
@@ -182,7 +183,7 @@ def test_cvt_run_world_size_launches_torchrun(sources, sharded):
 
     tok = load_tokenizer(sources["qw"], _config(sources["qw"]))
     r = run_cvt("run", sharded["qw-tp2-ep2"], "--world-size", 2, "--prompt", PROMPTS[0], "--max-new-tokens",
-                NEW_TOKENS, "--dtype", "fp32", "--device", "cpu", "--quiet")
+                NEW_TOKENS, "--dtype", "fp32", "--device", "cpu", "--quiet", subprocess_=True)  # ranks print to fd 1
     assert r.rc == 0, r.err
     assert r.out == tok.decode(tokens[0]) + "\n"
 
