@@ -29,7 +29,8 @@ consistently with their weight because `cvt.convert.plan.validate` refuses any d
 does not keep 128-blocks, groups and packing units whole, and a per-tensor check refuses any
 stored tensor whose split dim does not divide.
 
-Streaming: source tensors are visited once, in file order; each tensor's distinct slices are
+Streaming: source tensors are visited once (in `_visit_order`: by how far into their holders'
+shares they sit, so every rank's file is fed at once); each tensor's distinct slices are
 made once (zero-copy for dim-0 runs and whole tensors, one copy for dim-1 runs) and handed to
 every rank file that holds them. A rank's files are consecutive runs of its tensors in that
 same order, so at most one file per rank is open; each open file has a writer and a hasher
@@ -52,7 +53,7 @@ from typing import Any
 
 from cvt import __version__
 from cvt.convert.arch import Parallel, Role, arch_for
-from cvt.convert.config import source_format
+from cvt.convert.config import quantization_config, source_format
 from cvt.convert.layout import Layout, contiguous_placement, coords, moe_layers, write_placement
 from cvt.convert.plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint
@@ -138,7 +139,7 @@ def source_scheme(ckpt: Checkpoint) -> tuple[str | None, int | None]:
         quant = (load_json(path).get("quant") or {})
         if quant.get("scheme"):
             return quant["scheme"], quant.get("group_size")
-    qc = ckpt.config.get("quantization_config") or {}
+    qc = quantization_config(ckpt.config) or {}  # wrapper configs keep it under text_config
     if qc.get("quant_method") == "fp8":
         return None, None
     if qc:

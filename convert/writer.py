@@ -179,9 +179,6 @@ class OutputDir:
                 self.prior_meta = (data.get("quant") or {}).get("tensors") or {}
             except (ValueError, KeyError, TypeError):
                 prior_plan, records = "unreadable", {}
-        # a killed run's half-written files (sharded outputs keep theirs in rank-*/ folders)
-        for tmp in [*self.dst.glob(".*.tmp"), *self.dst.glob("*/.*.tmp")]:
-            tmp.unlink(missing_ok=True)
         if prior_plan is None:
             visible = sorted(p.name for p in self.dst.iterdir() if not p.name.startswith("."))
             if visible and not self.overwrite:
@@ -194,6 +191,10 @@ class OutputDir:
                 f"{self.dst}: holds the output of a different run (other source, stage or parameters); "
                 "choose another directory or pass --overwrite"
             )
+        # a killed cvt run's half-written files (sharded outputs keep theirs in rank-*/ folders);
+        # only now that DST is known to be ours (an empty dir, a cvt output, or --overwrite)
+        for tmp in [*self.dst.glob(".*.tmp"), *self.dst.glob("rank-*/.*.tmp")]:
+            tmp.unlink(missing_ok=True)
         if self.resume and prior_plan == self.plan:
             self._state = dict(records)
         else:  # every file is rewritten: no manifest may claim the old ones meanwhile

@@ -268,7 +268,9 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, hbm, kv_tok
     if dry_run:
         config = _read_config(src)
         if scheme is None:
-            quant = (config.get("quantization_config") or {}).get("quant_method")
+            from cvt.convert.config import quantization_config
+
+            quant = (quantization_config(config) or {}).get("quant_method")
             scheme = _source_plan_scheme(src) or ("fp8" if quant == "fp8" else "bf16")
         _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens)
         return

@@ -125,8 +125,11 @@ def run_atc(cmd: list[str], log_path: Path | str) -> int:
 
 def _om_files(base: Path) -> list[Path]:
     """What atc wrote for `--output=base`: base.om, or base_<os>_<arch>.om."""
-    return sorted(p for p in base.parent.glob(f"{base.name}*.om") if p.name == f"{base.name}.om"
-                  or p.name.startswith(f"{base.name}_"))
+    import re
+
+    # atc's own suffix only (<os>_<arch>, e.g. _linux_aarch64): not another graph's model_v2.om
+    own = re.compile(re.escape(base.name) + r"(_[a-z0-9]+_[a-z0-9_]+)?\.om")
+    return sorted(p for p in base.parent.glob(f"{base.name}*.om") if own.fullmatch(p.name))
 
 
 def find_onnx(path: Path) -> Path:

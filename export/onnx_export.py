@@ -135,6 +135,8 @@ def _prepare_dst(src, dst: Path, overwrite: bool) -> Path:
     s = Path(src)
     if s.exists() and (dst.resolve() == s.resolve() or s.resolve() in dst.resolve().parents):
         raise OutputError(f"{dst}: inside SRC {src}; choose a DST outside the source checkpoint")
+    if s.exists() and dst.resolve() in s.resolve().parents:  # --overwrite would remove SRC with it
+        raise OutputError(f"{dst}: contains SRC {src}; choose a DST outside the source checkpoint")
     dst.parent.mkdir(parents=True, exist_ok=True)
     for old in dst.parent.glob(f".{dst.name}.cvt-tmp-*"):  # a crashed earlier run
         shutil.rmtree(old, ignore_errors=True)

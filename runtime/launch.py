@@ -77,6 +77,8 @@ def _check_file(root: Path, info, verify: bool) -> None:
     from cvt.convert.safetensors_io import sha256_file
 
     p = root / info.path
+    if root.resolve() not in p.resolve().parents:
+        raise ManifestError(f"{root}: the manifest lists {info.path!r}, a path outside the checkpoint directory")
     if not p.is_file():
         raise ManifestError(f"{p}: missing (the manifest lists it: {info.size} bytes)")
     size = p.stat().st_size
@@ -104,6 +106,8 @@ def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, pr
     entry = next((e for e in manifest.shard.ranks if e.rank == rank), None)
     if entry is None:
         raise ManifestError(f"{root}: the manifest has no entry for rank {rank}")
+    if root.resolve() not in (root / entry.dir).resolve().parents:
+        raise ManifestError(f"{root}: rank {rank}'s directory {entry.dir!r} is outside the checkpoint directory")
     want = {k: v for k, v in vars(coords(layout, rank)).items() if k != "rank"}
     if entry.coords != want:
         raise ManifestError(f"{root}: rank {rank} coordinates {entry.coords} do not follow the layout's rank rule "
@@ -121,7 +125,9 @@ def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, pr
     scheme, group = _scheme(manifest, config)
     check(layout, config, scheme, group)
     tok = load_tokenizer(root, config)
-    ids = prompt_ids(tok, prompts, input_ids, int(config.get("vocab_size") or 0))
+    from cvt.convert.arch import text_config
+
+    ids = prompt_ids(tok, prompts, input_ids, int(text_config(config).get("vocab_size") or 0))
     return Preflight(root, manifest, entry, config, tok, ids)
 
 
@@ -230,6 +236,18 @@ def _logging(rank: int, debug: bool, quiet: bool) -> None:
     root.setLevel(logging.DEBUG if debug else (logging.WARNING if quiet else logging.INFO))
 
 
+def report(rank: int, exc: BaseException, debug: bool) -> int:
+    """One line on stderr for a rank's failure (a traceback with --debug); its exit code."""
+    if debug:
+        traceback.print_exception(exc)
+    if isinstance(exc, CvtError):
+        sys.stderr.write(f"cvt: error: rank {rank}: {exc}\n")
+        return exc.exit_code
+    sys.stderr.write(f"cvt: internal error: rank {rank}: {type(exc).__name__}: {exc} "
+                     "(re-run with --debug for the traceback)\n")  # a bug
+    return EXIT_INTERNAL
+
+
 def main(argv=None, *, setup_logging: bool = False) -> int:
     """Run one rank; returns the exit code (module docstring). `setup_logging`: configure the root
     logger (rank-0 filtering), as the ``python -m`` entry point does; off for library callers."""
@@ -247,10 +265,10 @@ def main(argv=None, *, setup_logging: bool = False) -> int:
         try:
             pre, err = preflight(args.model, rank, world, verify_files=not args.no_verify_files,
                                  prompts=args.prompts, input_ids=args.input_ids), None
-        except CvtError as exc:
-            pre, err = None, exc
         except OSError as exc:
             pre, err = None, CvtError(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}")
+        except Exception as exc:  # whatever it is, it must reach `agree`, or the peers wait
+            pre, err = None, exc
         if world > 1 and not dist.is_initialized():
             dist.init_process_group(backend_for(device), rank=rank, world_size=world)
             owned = True
@@ -261,24 +279,13 @@ def main(argv=None, *, setup_logging: bool = False) -> int:
         if failed:
             log.debug("rank(s) %s failed the start-up checks; stopping", failed)
             return 1
-        clean = False
-        code = _run(args, pre, rank, device)
-        clean = True
-        return code
-    except CvtError as exc:
-        if args.debug:
-            traceback.print_exc()
-        sys.stderr.write(f"cvt: error: rank {rank}: {exc}\n")
-        return exc.exit_code
+        clean = False  # from here `_run` synchronizes the ranks itself (ParallelContext.close)
+        return _run(args, pre, rank, device)
     except KeyboardInterrupt:
         sys.stderr.write(f"cvt: rank {rank}: interrupted\n")
         return 130
-    except Exception as exc:  # a bug: one line unless --debug
-        if args.debug:
-            traceback.print_exc()
-        sys.stderr.write(f"cvt: internal error: rank {rank}: {type(exc).__name__}: {exc} "
-                         "(re-run with --debug for the traceback)\n")
-        return EXIT_INTERNAL
+    except Exception as exc:
+        return report(rank, exc, args.debug)
     finally:
         if owned:
             import torch.distributed as dist
@@ -299,13 +306,13 @@ def _run(args, pre: Preflight, rank: int, device) -> int:
     dtype = DTYPES[args.dtype]
     try:
         rm, err = load_rank(pre.root, pre.manifest, pre.config, ctx, dtype=dtype), None
-    except CvtError as exc:
+    except Exception as exc:  # any failure (out of memory too) must reach `agree`, or the peers wait
         rm, err = None, exc
     failed = agree(err is not None, device)
     if failed:
-        ctx.close()  # only on paths every rank takes together: a lone failing rank must not wait
+        ctx.close()  # every rank takes this path together: the barrier inside is safe
         if err is not None:
-            raise err
+            return report(rank, err, args.debug)
         log.debug("rank(s) %s failed to load; stopping", failed)
         return 1
     log.info("rank %d of %d loaded %s (%s)", rank, layout.world_size, pre.entry.dir, _layout_words(layout))
@@ -313,6 +320,7 @@ def _run(args, pre: Preflight, rank: int, device) -> int:
     tok = pre.tokenizer
     res = generate(model, pre.prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    seed=args.seed, eos_id=tok.eos_id, device=device)
+    ctx.close()  # the last collective is done: what follows is local (a failure there strands nobody)
     if args.dump_logits and (rank == 0 or "{rank}" in args.dump_logits):
         dump_logits(args.dump_logits.replace("{rank}", str(rank)), pre.prompts, res.outputs,
                     model.per_prompt(pre.prompts))
@@ -325,7 +333,6 @@ def _run(args, pre: Preflight, rank: int, device) -> int:
             print(f"prefill {res.prefill_tokens_per_s:.1f} tokens/s, decode {res.decode_tokens_per_s:.1f} tokens/s "
                   f"({device}, {args.dtype}, {tok.kind} tokenizer, {layout.world_size} ranks: {_layout_words(layout)})")
         sys.stdout.flush()
-    ctx.close()
     return 0
 
 

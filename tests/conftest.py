@@ -47,11 +47,16 @@ def _run_here(argv: list[str]) -> CliResult:
 
     out, err = io.StringIO(), io.StringIO()
     rc = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(argv)
-        except SystemExit as exc:
-            rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    debug = os.environ.pop("CVT_DEBUG", None)  # as the subprocess runner: one-line errors
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(argv)
+            except SystemExit as exc:
+                rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        if debug is not None:
+            os.environ["CVT_DEBUG"] = debug
     return CliResult(rc, out.getvalue(), err.getvalue())
 
 
