@@ -48,7 +48,7 @@ from cvt.schemas.layout import AXES, AxisRule, LayerPlacement, Layout, Placement
 __all__ = ["Layout", "Placement", "RankCoords", "make_layout", "coords", "group", "divisors",
            "contiguous_placement", "log2phy", "moe_layers", "placement_problems",
            "placement_from_mindie", "placement_to_mindie", "placement_from_phy2log",
-           "placement_to_phy2log", "eplb_maps", "read_placement", "write_placement"]
+           "placement_to_phy2log", "eplb_maps", "read_placement", "placement_json", "write_placement"]
 
 
 def divisors(n: int) -> list[int]:
@@ -326,9 +326,8 @@ def read_placement(path: Path | str, config: Mapping[str, Any], ep: int) -> Plac
     return p
 
 
-def write_placement(placement: Placement, path: Path | str, config: Mapping[str, Any],
-                    fmt: str = "mindie") -> Path:
-    """Write `placement` as MindIE/vllm-ascend JSON (fmt 'mindie') or EPLB maps (fmt 'eplb')."""
+def placement_json(placement: Placement, config: Mapping[str, Any], fmt: str = "mindie") -> bytes:
+    """`placement` as MindIE/vllm-ascend JSON (fmt 'mindie') or EPLB maps (fmt 'eplb'), UTF-8."""
     layers = moe_layers(config)
     if fmt == "mindie":
         obj: Any = placement_to_mindie(placement, layers)
@@ -336,6 +335,12 @@ def write_placement(placement: Placement, path: Path | str, config: Mapping[str,
         obj = eplb_maps(placement, layers)
     else:
         raise CvtError(f"unknown placement format {fmt!r} (known: mindie, eplb)")
+    return (json.dumps(obj) + "\n").encode("utf-8")
+
+
+def write_placement(placement: Placement, path: Path | str, config: Mapping[str, Any],
+                    fmt: str = "mindie") -> Path:
+    """Write `placement` as MindIE/vllm-ascend JSON (fmt 'mindie') or EPLB maps (fmt 'eplb')."""
     path = Path(path)
-    path.write_text(json.dumps(obj) + "\n", encoding="utf-8")
+    path.write_bytes(placement_json(placement, config, fmt))
     return path

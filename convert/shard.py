@@ -54,7 +54,7 @@ from typing import Any
 from cvt import __version__
 from cvt.convert.arch import Parallel, Role, arch_for
 from cvt.convert.config import quantization_config, source_format
-from cvt.convert.layout import Layout, contiguous_placement, coords, moe_layers, write_placement
+from cvt.convert.layout import Layout, Placement, contiguous_placement, coords, moe_layers, placement_json
 from cvt.convert.plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint
 from cvt.convert.safetensors_io import AtomicFile, TensorSpec, encode_header, load_json, tensor_from_view
@@ -115,14 +115,20 @@ def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...]) -> Split:
     return Split(axis, dim, degree, expert)
 
 
+def expert_placement(layout: Layout, config) -> Placement | None:
+    """The layout's expert placement, or the contiguous default; None for a model without routed experts."""
+    if not moe_layers(config):
+        return None
+    return layout.placement or contiguous_placement(arch_for(config).num_experts, layout.ep)
+
+
 def expert_holders(layout: Layout, config) -> dict[int, dict[int, list[int]]]:
     """MoE layer -> global expert id -> the EP ranks holding it."""
-    layers = moe_layers(config)
-    if not layers:
+    placement = expert_placement(layout, config)
+    if placement is None:
         return {}
-    placement = layout.placement or contiguous_placement(arch_for(config).num_experts, layout.ep)
     out: dict[int, dict[int, list[int]]] = {}
-    for layer in layers:
+    for layer in moe_layers(config):
         per: dict[int, list[int]] = {}
         for r, ids in enumerate(placement.for_layer(layer)):
             for e in ids:
@@ -131,28 +137,32 @@ def expert_holders(layout: Layout, config) -> dict[int, dict[int, list[int]]]:
     return out
 
 
-def source_scheme(ckpt: Checkpoint) -> tuple[str | None, int | None]:
-    """(scheme, group size) the source's shards must respect, for `cvt.convert.plan.check`:
-    a cvt quantize output's scheme; None for an FP8 release (plan reads its blocks); bf16 else."""
-    path = ckpt.root / MANIFEST_NAME
-    if path.is_file():
-        quant = (load_json(path).get("quant") or {})
-        if quant.get("scheme"):
-            return quant["scheme"], quant.get("group_size")
-    qc = quantization_config(ckpt.config) or {}  # wrapper configs keep it under text_config
+def weights_scheme(config, quant: dict | None, where: str = "SRC") -> tuple[str | None, int | None]:
+    """(scheme, group size) stored weights follow, for `cvt.convert.plan.check` / `memory_plan`:
+    a cvt quantize output's (`quant`: its manifest's quant section); None for an FP8 release
+    (plan reads its blocks from config.json); bf16 for a float checkpoint. CvtError for other
+    quantized checkpoints."""
+    if quant and quant.get("scheme"):
+        return quant["scheme"], quant.get("group_size")
+    qc = quantization_config(config) or {}  # wrapper configs keep it under text_config
     if qc.get("quant_method") == "fp8":
         return None, None
     if qc:
-        raise CvtError(f"{ckpt.root}: a {qc.get('quant_method')} checkpoint not written by cvt quantize; "
+        raise CvtError(f"{where}: a {qc.get('quant_method')} checkpoint not written by cvt quantize; "
                        "shard the bf16 / FP8 release or a cvt quantize output")
     return "bf16", None
+
+
+def manifest_quant(root: Path) -> dict | None:
+    """The quant section of ROOT's cvt manifest (None: no manifest, or not quantized)."""
+    path = Path(root) / MANIFEST_NAME
+    return load_json(path).get("quant") if path.is_file() else None
 
 
 @dataclass
 class _Holding:
     """One rank's share of one tensor."""
 
-    rank: int
     name: str
     index: int  # run index along the split axis (0 when whole)
     spec: TensorSpec
@@ -182,7 +192,7 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
     rank's holdings are in it); CvtError naming each divisibility problem when the layout
     cannot shard this checkpoint."""
     arch = arch_for(ckpt.config)
-    scheme, group = source_scheme(ckpt)
+    scheme, group = weights_scheme(ckpt.config, manifest_quant(ckpt.root), str(ckpt.root))
     check(layout, ckpt.config, scheme, group)
     splits = {name: split_of(arch, layout, name, ref.shape) for name, ref in ckpt.tensors.items()}
     problems = _layout_problems(ckpt, arch, layout, splits)
@@ -204,7 +214,7 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
             if sp.dim is not None:
                 index = getattr(c, f"{sp.axis}_rank")
                 shape[sp.dim] //= sp.degree
-            mine.append(_Holding(rank, name, index, TensorSpec(name, ref.dtype, tuple(shape))))
+            mine.append(_Holding(name, index, TensorSpec(name, ref.dtype, tuple(shape))))
         ranks.append(mine)
     order = _visit_order(list(ckpt.tensors), ranks)
     pos = {name: i for i, name in enumerate(order)}
@@ -294,7 +304,7 @@ def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], ord
     consumers: dict[str, list[tuple[str, _Holding]]] = {name: [] for name in order}
     for rel, hs in pending:
         for h in hs:
-            consumers.setdefault(h.name, []).append((rel, h))
+            consumers[h.name].append((rel, h))
     file_of = dict(pending)
     budget = _ByteBudget(IN_FLIGHT_BYTES)
     open_files: dict[str, _OpenFile] = {}
@@ -309,8 +319,7 @@ def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], ord
     # one goes on feeding the other ranks' files meanwhile
     closer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="cvt-shard-close")
     try:
-        for name in consumers:  # visiting order: the ranks' files hold their tensors in it
-            uses = consumers.get(name)
+        for name, uses in consumers.items():  # visiting order: the ranks' files hold their tensors in it
             if not uses:
                 continue
             sp = splits[name]
@@ -394,9 +403,8 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
                 results, written, skipped = _write_ranks(ckpt, out, splits, order, files, bar)
             infos = [results[rel] for rel, _ in files]
             rank_entries = []
-            holders = expert_holders(layout, ckpt.config)
-            placement = layout.placement or (contiguous_placement(arch_for(ckpt.config).num_experts, layout.ep)
-                                             if holders else None)
+            placement = expert_placement(layout, ckpt.config)
+            moe = moe_layers(ckpt.config)
             for r, per in enumerate(rank_files):
                 d = RANK_DIR.format(r)
                 weight_map = {h.name: rel[len(d) + 1:] for rel, hs in per for h in hs}
@@ -407,7 +415,7 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
                 if desc is not None:
                     infos.append(out.write_small(f"{d}/{ASCEND_DESCRIPTION}", desc))
                 c = coords(layout, r)
-                experts = {str(L): list(placement.for_layer(L)[c.ep_rank]) for L in holders} if holders else {}
+                experts = {str(L): list(placement.for_layer(L)[c.ep_rank]) for L in moe}
                 rank_entries.append(RankShard(
                     rank=r, dir=d, coords={k: v for k, v in vars(c).items() if k != "rank"},
                     files=[rel for rel, _ in per], tensors=len(ranks[r]), bytes=nbytes, experts=experts))
@@ -416,17 +424,14 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
                 if path.name == ASCEND_DESCRIPTION:
                     continue  # per rank instead
                 infos.append(out.copy_file(path, path.name))
-            if holders:
+            if placement is not None:
                 for fmt_name, rel in (("mindie", "expert_placement.json"), ("eplb", "expert_placement_eplb.json")):
-                    tmp = out.dst / f".{rel}.src"
-                    write_placement(placement, tmp, ckpt.config, fmt_name)
-                    infos.append(out.write_small(rel, tmp.read_bytes()))
-                    tmp.unlink()
+                    infos.append(out.write_small(rel, placement_json(placement, ckpt.config, fmt_name)))
             tensors = {name: TensorShard(shape=list(ckpt.tensors[name].shape), dtype=ckpt.tensors[name].dtype,
                                          axis=sp.axis, dim=sp.dim, degree=sp.degree,
                                          expert=list(sp.expert) if sp.expert else None)
                        for name, sp in splits.items()}
-            prior = load_json(ckpt.root / MANIFEST_NAME) if ckpt.has_manifest else {}
+
             manifest = Manifest(
                 tool=ToolInfo(version=__version__), source=src_info, stages=[*_prior_stages(ckpt), stage],
                 format=f"sharded-{fmt}", plan_id=pid, tensor_count=sum(len(hs) for hs in ranks),
@@ -434,7 +439,7 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
                 summary=Summary(counts={"source_tensors": len(ckpt.tensors),
                                         "split": sum(1 for s in splits.values() if s.dim is not None),
                                         "ranks": layout.world_size}),
-                quant=prior.get("quant"),
+                quant=manifest_quant(ckpt.root),
                 shard=ShardInfo(layout=layout, tensors=tensors, ranks=rank_entries))
             out.finish(manifest)
         return WriteResult(dst=Path(dst), files=infos, written_files=written, skipped_files=skipped,
@@ -458,5 +463,5 @@ def read_shard_manifest(path) -> Manifest:
     return m
 
 
-__all__ = ["Split", "split_of", "expert_holders", "plan_holdings", "shard", "read_shard_manifest", "RANK_DIR",
-           "source_scheme"]
+__all__ = ["Split", "split_of", "expert_placement", "expert_holders", "plan_holdings", "shard",
+           "read_shard_manifest", "RANK_DIR", "weights_scheme", "manifest_quant"]

@@ -267,11 +267,18 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, hbm, kv_tok
     `cvt run DST --world-size W`) runs the result."""
     if dry_run:
         config = _read_config(src)
-        if scheme is None:
-            from cvt.convert.config import quantization_config
+        if scheme is None:  # SRC's own: as the sharder would see it
+            from pathlib import Path
 
-            quant = (quantization_config(config) or {}).get("quant_method")
-            scheme = _source_plan_scheme(src) or ("fp8" if quant == "fp8" else "bf16")
+            from cvt.convert.shard import manifest_quant, weights_scheme
+            from cvt.errors import CvtError
+
+            try:
+                own, group = weights_scheme(config, manifest_quant(src) if Path(src).is_dir() else None, src)
+            except CvtError:  # another tool's quantization: planned as bf16 unless --scheme says
+                own, group = "bf16", None
+            scheme = "fp8" if own is None else own
+            group_size = group if group_size is None else group_size
         _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens)
         return
     if dst is None:
@@ -293,18 +300,6 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, hbm, kv_tok
                    f"wrote {r.written_files} rank files ({r.skipped_files} already done) to {r.dst}: read "
                    f"{_human(r.bytes_in)}, wrote {_human(r.bytes_out)} in {r.seconds:.1f} s "
                    f"({_human(r.throughput)}/s)")
-
-
-def _source_plan_scheme(src: str) -> str | None:
-    """The scheme of a cvt quantize output (its manifest), else None."""
-    from pathlib import Path
-
-    from cvt.convert.safetensors_io import load_json
-
-    m = Path(src) / "cvt_manifest.json"
-    if Path(src).is_dir() and m.is_file():
-        return (load_json(m).get("quant") or {}).get("scheme")
-    return None
 
 
 @cli.command("inspect")

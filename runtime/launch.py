@@ -63,16 +63,6 @@ def _layout_words(layout) -> str:
             f"embed_tp {layout.embed_tp}, lmhead_tp {layout.lmhead_tp}")
 
 
-def _scheme(manifest, config: dict) -> tuple[str | None, int | None]:
-    """(scheme, group size) the shards were cut for, as `cvt.convert.shard.source_scheme` saw it."""
-    from cvt.convert.config import quantization_config
-
-    if manifest.quant is not None and manifest.quant.scheme:
-        return manifest.quant.scheme, manifest.quant.group_size
-    qc = quantization_config(config) or {}
-    return (None, None) if qc.get("quant_method") == "fp8" else ("bf16", None)
-
-
 def _check_file(root: Path, info, verify: bool) -> None:
     from cvt.convert.safetensors_io import sha256_file
 
@@ -93,7 +83,7 @@ def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, pr
     from cvt.convert.layout import coords
     from cvt.convert.plan import check
     from cvt.convert.safetensors_io import load_json
-    from cvt.convert.shard import read_shard_manifest
+    from cvt.convert.shard import read_shard_manifest, weights_scheme
     from cvt.runtime.tokenizer import load_tokenizer, prompt_ids
 
     root = Path(root)
@@ -122,7 +112,8 @@ def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, pr
     for info in [files["config.json"], *mine]:
         _check_file(root, info, verify_files)
     config = load_json(root / "config.json")
-    scheme, group = _scheme(manifest, config)
+    # the scheme the shards were cut for, as the sharder saw it
+    scheme, group = weights_scheme(config, manifest.quant.model_dump() if manifest.quant else None, str(root))
     check(layout, config, scheme, group)
     tok = load_tokenizer(root, config)
     from cvt.convert.arch import text_config
