@@ -9,7 +9,6 @@ missing from a layer) are collected and listed.
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +16,8 @@ from typing import Any
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, describe_quant, quantization_config, source_format
 from cvt.convert.fp8 import expected_scale_shape
-from cvt.convert.reader import MANIFEST_NAME, open_checkpoint
-from cvt.errors import ArchError
+from cvt.convert.reader import manifest_problems, open_checkpoint
+from cvt.errors import ArchError, ManifestError
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -79,13 +78,13 @@ def inspect_checkpoint(path, revision: str | None = None) -> InspectReport:
     problems: list[str] = []
     detail = describe_quant(quantization_config(cfg))
     if fmt is SourceFormat.CVT:
-        try:
-            m = json.loads((ckpt.root / MANIFEST_NAME).read_text())
-            detail = f"{m.get('format')} written by cvt {m.get('tool', {}).get('version')}, stages: " + " -> ".join(
-                s.get("name", "?") for s in m.get("stages", [])
-            )
-        except (ValueError, OSError) as exc:
-            problems.append(f"{MANIFEST_NAME}: unreadable ({exc})")
+        try:  # the runtime's reader and checks: inspect lists what `cvt run` would refuse
+            m = ckpt.manifest
+            detail = f"{m.format} written by cvt {m.tool.version}, stages: " + " -> ".join(s.name for s in m.stages)
+            problems += manifest_problems(ckpt, m)
+        except ManifestError as exc:
+            detail = "cvt output with an invalid manifest"
+            problems.append(str(exc))
     elif fmt is SourceFormat.FP8_BLOCK:
         qc = quantization_config(cfg) or {}
         detail = f"FP8 {qc.get('fmt', 'e4m3')} weights, {qc.get('weight_block_size')} block scales"

@@ -6,7 +6,8 @@ and returns a `Checkpoint` whose tensors are read one at a time through mmap. No
 unpickled: a `.bin`/`.pt`-only checkpoint is refused.
 
 Index rules (each violation is a CheckpointError naming file and tensor):
-  * every listed file is a relative path inside the directory (no `..`, not absolute) and exists;
+  * every listed file is a relative path inside the directory (no `..`, not absolute, no
+    symlink leading out: `cvt.convert.paths`) and exists;
   * every listed tensor is in the file the index names;
   * no tensor is listed twice (duplicate JSON keys) or stored in two files;
   * every tensor stored in a listed file is in the index.
@@ -17,11 +18,12 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from cvt.convert import source as source_mod
+from cvt.convert.paths import confine, relative_inside
 from cvt.convert.safetensors_io import MappedFile, TensorRef, load_json, read_header, tensor_from_view
-from cvt.errors import CheckpointError
+from cvt.errors import CheckpointError, ManifestError, validation_summary
 
 INDEX_NAMES = ("model.safetensors.index.json", "quant_model_weights.safetensors.index.json")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -57,6 +59,13 @@ class Checkpoint:
     @property
     def has_manifest(self) -> bool:
         return (self.root / MANIFEST_NAME).is_file()
+
+    @property
+    def manifest(self):
+        """The checkpoint's cvt manifest (`read_manifest`; None: not a cvt output)."""
+        if not hasattr(self, "_manifest"):
+            self._manifest = read_manifest(self.root, self.source.confine_root)
+        return self._manifest
 
     @property
     def weight_files(self) -> list[Path]:
@@ -117,17 +126,6 @@ class Checkpoint:
         self.close()
 
 
-def _safe_relative(root: Path, rel: str, index_path: Path) -> Path:
-    if not isinstance(rel, str) or not rel:
-        raise CheckpointError(f"{index_path}: weight_map entry {rel!r} is not a file name")
-    pp = PurePosixPath(rel)
-    if pp.is_absolute() or rel.startswith(("\\", "/")) or (len(rel) > 1 and rel[1] == ":"):
-        raise CheckpointError(f"{index_path}: file path {rel!r} is absolute; index paths must stay inside {root}")
-    if any(part == ".." for part in pp.parts) or "\\" in rel:
-        raise CheckpointError(f"{index_path}: file path {rel!r} escapes the checkpoint directory {root}")
-    return root.joinpath(*pp.parts)
-
-
 def _refuse_pickles(root: Path) -> None:
     pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
     if pickles:
@@ -137,8 +135,10 @@ def _refuse_pickles(root: Path) -> None:
         )
 
 
-def index_directory(root: Path) -> tuple[dict[str, TensorRef], Path | None]:
-    """Header-only index of the safetensors files in `root`, validated against index.json."""
+def index_directory(root: Path, confine_root: Path | None = None) -> tuple[dict[str, TensorRef], Path | None]:
+    """Header-only index of the safetensors files in `root`, validated against index.json;
+    every file read resolves inside `confine_root` (default `root`)."""
+    confine_root = root if confine_root is None else confine_root
     index_path = next((root / n for n in INDEX_NAMES if (root / n).is_file()), None)
     tensors: dict[str, TensorRef] = {}
     if index_path is not None:
@@ -148,7 +148,10 @@ def index_directory(root: Path) -> tuple[dict[str, TensorRef], Path | None]:
             raise CheckpointError(f"{index_path}: no weight_map object")
         by_file: dict[Path, list[str]] = {}
         for name, rel in weight_map.items():
-            by_file.setdefault(_safe_relative(root, rel, index_path), []).append(name)
+            if not isinstance(rel, str) or not rel:
+                raise CheckpointError(f"{index_path}: weight_map entry {rel!r} for {name} is not a file name")
+            path = relative_inside(root, rel, str(index_path), "weight file", confine_root=confine_root)
+            by_file.setdefault(path, []).append(name)
         for path in sorted(by_file):
             if not path.is_file():
                 names = by_file[path]
@@ -174,6 +177,8 @@ def index_directory(root: Path) -> tuple[dict[str, TensorRef], Path | None]:
             tensors.update(headers[path])
         return tensors, index_path
     files = sorted(p for p in root.iterdir() if p.name.endswith(".safetensors") and not p.name.startswith("."))
+    for path in files:
+        confine(confine_root, path, "weight file")
     if not files:
         _refuse_pickles(root)
         raise CheckpointError(f"{root}: no .safetensors files and no model.safetensors.index.json")
@@ -189,6 +194,7 @@ def open_checkpoint(src, revision: str | None = None, need_config: bool = True) 
     """Resolve, index and validate a checkpoint; raises CvtError subclasses on bad input."""
     source = src if isinstance(src, source_mod.Source) else source_mod.resolve(src, revision)
     root = source.path
+    check_top_level(root, source.confine_root)
     config_path = root / "config.json"
     if config_path.is_file():
         config = load_json(config_path)
@@ -196,6 +202,76 @@ def open_checkpoint(src, revision: str | None = None, need_config: bool = True) 
         raise CheckpointError(f"{root}: no config.json")
     else:
         config = {}
-    tensors, index_path = index_directory(root)
+    tensors, index_path = index_directory(root, source.confine_root)
     return Checkpoint(root=root, source=source, config=config, tensors=tensors, index_path=index_path)
+
+
+def check_top_level(root: Path, confine_root: Path) -> None:
+    """CheckpointError for a top-level file of the checkpoint (config, index, weights, tokenizer,
+    anything a stage reads or copies into its output) that is a symlink leading outside
+    `confine_root`, or a dangling one."""
+    for p in sorted(root.iterdir()):
+        if p.is_symlink() and not p.name.startswith(".") and not p.is_dir():
+            confine(confine_root, p, "symlink")
+
+
+# ----------------------------------------------------------------------------- manifest
+def read_manifest(root: Path, confine_root: Path | None = None, *, required: bool = False):
+    """ROOT/cvt_manifest.json as a `cvt.schemas.manifest.Manifest`, or None when there is none
+    (ManifestError when `required`). The one reader of manifests, with one error policy: an
+    unreadable or invalid manifest, or one whose file paths (``files[].path``, a shard's rank
+    dirs and files) are absolute, contain ``..`` or resolve outside the checkpoint, is a
+    ManifestError naming the file and every invalid field."""
+    from cvt.schemas.manifest import Manifest
+
+    root = Path(root)
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        if required:
+            raise ManifestError(f"{root}: no {MANIFEST_NAME} (not a cvt output, or its run did not finish)")
+        return None
+    confine_root = root if confine_root is None else confine_root
+    confine(confine_root, path, "manifest", ManifestError)
+    try:
+        manifest = Manifest.model_validate_json(path.read_bytes())
+    except ValueError as exc:
+        raise ManifestError(f"{path}: not a valid cvt manifest: {validation_summary(exc)}") from None
+    except OSError as exc:
+        raise ManifestError(f"{path}: unreadable: {exc.strerror or exc}") from None
+    rels = [f.path for f in manifest.files]
+    if manifest.shard is not None:
+        rels += [r.dir for r in manifest.shard.ranks] + [f for r in manifest.shard.ranks for f in r.files]
+    for rel in rels:
+        relative_inside(root, rel, str(path), "listed path", ManifestError, confine_root)
+    return manifest
+
+
+def file_problems(root: Path, files, verify_files: bool = False) -> list[str]:
+    """Manifest file records (`FileInfo`, paths already confined by `read_manifest`) that the
+    files under `root` do not match: missing, another size, or (`verify_files`) another sha256."""
+    from cvt.convert.safetensors_io import sha256_file
+
+    out = []
+    for f in files:
+        p = Path(root) / f.path
+        if not p.is_file():
+            out.append(f"{p}: missing (the manifest lists it: {f.size} bytes)")
+        elif p.stat().st_size != f.size:
+            out.append(f"{p}: {p.stat().st_size} bytes, the manifest says {f.size}: the file was modified")
+        elif verify_files and sha256_file(p) != f.sha256:
+            out.append(f"{p}: sha256 differs from the manifest: the file was modified")
+    return out
+
+
+def manifest_problems(ckpt: Checkpoint, manifest, verify_files: bool = False) -> list[str]:
+    """What disagrees between a (single-directory) cvt output's manifest and its files: files
+    missing or of another size (sha256 too with `verify_files`), tensor count or byte total."""
+    where = ckpt.root / MANIFEST_NAME
+    out = file_problems(ckpt.root, manifest.files, verify_files)
+    if manifest.shard is None:
+        total = sum(r.nbytes for r in ckpt.tensors.values())
+        if manifest.tensor_count != len(ckpt.tensors) or manifest.total_size != total:
+            out.append(f"{where}: records {manifest.tensor_count} tensors / {manifest.total_size} bytes, "
+                       f"the files hold {len(ckpt.tensors)} / {total}")
+    return out
 

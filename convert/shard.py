@@ -56,7 +56,7 @@ from cvt.convert.arch import Parallel, Role, arch_for
 from cvt.convert.config import quantization_config, source_format
 from cvt.convert.layout import Layout, Placement, contiguous_placement, coords, moe_layers, placement_json
 from cvt.convert.plan import axis_of, check
-from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint
+from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint, read_manifest
 from cvt.convert.safetensors_io import AtomicFile, TensorSpec, encode_header, load_json, tensor_from_view
 from cvt.convert.writer import (
     DEFAULT_MAX_SHARD,
@@ -155,8 +155,8 @@ def weights_scheme(config, quant: dict | None, where: str = "SRC") -> tuple[str 
 
 def manifest_quant(root: Path) -> dict | None:
     """The quant section of ROOT's cvt manifest (None: no manifest, or not quantized)."""
-    path = Path(root) / MANIFEST_NAME
-    return load_json(path).get("quant") if path.is_file() else None
+    m = read_manifest(Path(root))
+    return m.quant.model_dump() if m is not None and m.quant is not None else None
 
 
 @dataclass
@@ -192,7 +192,8 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
     rank's holdings are in it); CvtError naming each divisibility problem when the layout
     cannot shard this checkpoint."""
     arch = arch_for(ckpt.config)
-    scheme, group = weights_scheme(ckpt.config, manifest_quant(ckpt.root), str(ckpt.root))
+    quant = ckpt.manifest.quant if ckpt.manifest is not None else None
+    scheme, group = weights_scheme(ckpt.config, quant.model_dump() if quant else None, str(ckpt.root))
     check(layout, ckpt.config, scheme, group)
     splits = {name: split_of(arch, layout, name, ref.shape) for name, ref in ckpt.tensors.items()}
     problems = _layout_problems(ckpt, arch, layout, splits)
@@ -396,7 +397,8 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
             "source_files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.weight_files],
             "stage": stage.model_dump(), "layout": layout.model_dump()})
         total_out = sum(h.spec.nbytes for hs in ranks for h in hs)
-        with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite) as out:
+        with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
+                       verb="shard") as out:
             for r in range(layout.world_size):
                 (out.dst / RANK_DIR.format(r)).mkdir(exist_ok=True)
             with make_progress(total_out, "shard", quiet) as bar:
@@ -439,7 +441,7 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
                 summary=Summary(counts={"source_tensors": len(ckpt.tensors),
                                         "split": sum(1 for s in splits.values() if s.dim is not None),
                                         "ranks": layout.world_size}),
-                quant=manifest_quant(ckpt.root),
+                quant=ckpt.manifest.quant if ckpt.manifest is not None else None,
                 shard=ShardInfo(layout=layout, tensors=tensors, ranks=rank_entries))
             out.finish(manifest)
         return WriteResult(dst=Path(dst), files=infos, written_files=written, skipped_files=skipped,
@@ -451,13 +453,7 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
 
 def read_shard_manifest(path) -> Manifest:
     """The manifest of a `cvt shard` output directory; CvtError when DST is not one."""
-    p = Path(path) / MANIFEST_NAME
-    if not p.is_file():
-        raise CvtError(f"{path}: no {MANIFEST_NAME} (not a cvt output, or the run did not finish)")
-    try:
-        m = Manifest.model_validate_json(p.read_text())
-    except ValueError as exc:
-        raise CvtError(f"{p}: not a valid cvt manifest: {str(exc).splitlines()[0]}") from exc
+    m = read_manifest(Path(path), required=True)
     if m.shard is None:
         raise CvtError(f"{path}: not a sharded checkpoint (no 'shard' section in {MANIFEST_NAME}; run cvt shard)")
     return m

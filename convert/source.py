@@ -43,6 +43,15 @@ class Source:
     def describe(self) -> str:
         return f"{self.repo_id}@{self.revision}" if self.repo_id else str(self.path)
 
+    @property
+    def confine_root(self) -> Path:
+        """What the checkpoint's files must resolve inside (`cvt.convert.paths`): the directory,
+        or for a hub snapshot (``.../models--o--n/snapshots/<commit>``, files symlinked into
+        ``../../blobs``) the repository's cache folder."""
+        if self.repo_id and self.path.parent.name == "snapshots":
+            return self.path.parent.parent
+        return self.path
+
 
 def resolve(src: str | Path, revision: str | None = None) -> Source:
     path = Path(src).expanduser()

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from cvt import __version__
-from cvt.convert.reader import MANIFEST_NAME, Checkpoint
+from cvt.convert.paths import check_disjoint, is_inside
+from cvt.convert.reader import MANIFEST_NAME, Checkpoint, read_manifest
 from cvt.convert.safetensors_io import (
     AtomicFile,
     TensorSpec,
@@ -119,13 +120,18 @@ def source_info(ckpt: Checkpoint, fmt: str) -> SourceInfo:
 
 
 class OutputDir:
-    """DST during a run: lock, state journal of finished files, final manifest."""
+    """DST during a run: lock, state journal of finished files, final manifest.
 
-    def __init__(self, dst: Path, plan: str, resume: bool = True, overwrite: bool = False):
+    `source`: the checkpoint directory the run reads; DST may not be it, lie inside it or
+    contain it (`cvt.convert.paths.check_disjoint`), checked before anything in DST is touched."""
+
+    def __init__(self, dst: Path, plan: str, resume: bool = True, overwrite: bool = False,
+                 source: Path | None = None, verb: str = "cvt"):
         self.dst = Path(dst)
         self.plan = plan
         self.resume = resume
         self.overwrite = overwrite
+        self.source, self.verb = source, verb
         self._fd: int | None = None
         self._state: dict[str, dict] = {}
         self._lock = threading.Lock()
@@ -133,6 +139,8 @@ class OutputDir:
 
     def __enter__(self) -> "OutputDir":
         dst = self.dst
+        if self.source is not None:
+            check_disjoint(self.source, dst, self.verb)
         if dst.exists() and not dst.is_dir():
             raise OutputError(f"{dst}: exists and is not a directory")
         try:
@@ -163,22 +171,23 @@ class OutputDir:
 
     # -- state --------------------------------------------------------------------------
     def _load(self) -> None:
-        state_path, manifest_path = self.dst / STATE_NAME, self.dst / MANIFEST_NAME
-        prior_plan, records = None, {}
+        state_path = self.dst / STATE_NAME
+        prior_plan, records, invalid = None, {}, None
         if state_path.is_file():
             try:
                 data = json.loads(state_path.read_text())
                 prior_plan, records = data["plan_id"], data["files"]
             except (ValueError, KeyError, TypeError):
                 prior_plan, records = "unreadable", {}
-        elif manifest_path.is_file():
+        else:
             try:
-                data = json.loads(manifest_path.read_text())
-                prior_plan = data["plan_id"]
-                records = {f["path"]: {k: f[k] for k in ("size", "sha256", "tensors")} for f in data["files"]}
-                self.prior_meta = (data.get("quant") or {}).get("tensors") or {}
-            except (ValueError, KeyError, TypeError):
-                prior_plan, records = "unreadable", {}
+                manifest = read_manifest(self.dst)
+            except ManifestError as exc:
+                manifest, prior_plan, invalid = None, "unreadable", str(exc)
+            if manifest is not None:
+                prior_plan = manifest.plan_id
+                records = {f.path: {"size": f.size, "sha256": f.sha256, "tensors": f.tensors} for f in manifest.files}
+                self.prior_meta = {k: v.model_dump() for k, v in manifest.quant.tensors.items()} if manifest.quant else {}
         if prior_plan is None:
             visible = sorted(p.name for p in self.dst.iterdir() if not p.name.startswith("."))
             if visible and not self.overwrite:
@@ -187,10 +196,9 @@ class OutputDir:
                     "choose an empty directory or pass --overwrite"
                 )
         elif prior_plan != self.plan and not self.overwrite:
-            raise OutputError(
-                f"{self.dst}: holds the output of a different run (other source, stage or parameters); "
-                "choose another directory or pass --overwrite"
-            )
+            what = f"an invalid cvt manifest ({invalid})" if invalid else \
+                "the output of a different run (other source, stage or parameters)"
+            raise OutputError(f"{self.dst}: holds {what}; choose another directory or pass --overwrite")
         # a killed cvt run's half-written files (sharded outputs keep theirs in rank-*/ folders);
         # only now that DST is known to be ours (an empty dir, a cvt output, or --overwrite)
         for tmp in [*self.dst.glob(".*.tmp"), *self.dst.glob("rank-*/.*.tmp")]:
@@ -200,8 +208,9 @@ class OutputDir:
         else:  # every file is rewritten: no manifest may claim the old ones meanwhile
             (self.dst / MANIFEST_NAME).unlink(missing_ok=True)
         if prior_plan is not None and prior_plan != self.plan:
-            # --overwrite of another run's output: remove what it wrote, so that no stale shard
-            # or manifest survives next to ours
+            # --overwrite of another run's output: remove what that run recorded writing (and
+            # nothing else: paths are confined to DST), so that no stale shard or manifest
+            # survives next to ours
             for rel in records:
                 _unlink_inside(self.dst, rel)
             (self.dst / MANIFEST_NAME).unlink(missing_ok=True)
@@ -247,8 +256,8 @@ class OutputDir:
 
 
 def _unlink_inside(root: Path, rel: str) -> None:
-    path = (root / rel).resolve()
-    if root.resolve() in path.parents and path.is_file():
+    path = Path(root) / rel
+    if not path.is_symlink() and is_inside(root, path) and path.is_file():
         path.unlink()
 
 
@@ -506,7 +515,8 @@ def write_checkpoint(
         "quant": quant.model_dump(exclude={"tensors", "fallbacks", "float_modules"}) if quant is not None else None,
     })
     total_out = sum(t.spec.nbytes for t in tensors)
-    with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite) as out:
+    with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
+                   verb=stage.name) as out:
         meta: dict[str, dict] = {}
         with make_progress(total_out, stage.name, quiet) as bar:
             files, written, skipped = write_shards(out, shards, workers=workers, progress=bar, meta=meta)
@@ -549,10 +559,4 @@ def write_checkpoint(
 
 def _prior_stages(ckpt: Checkpoint) -> list[StageInfo]:
     """Stages recorded by a cvt source's manifest (a later stage extends the history)."""
-    path = ckpt.root / MANIFEST_NAME
-    if not path.is_file():
-        return []
-    try:
-        return Manifest.model_validate_json(path.read_text()).stages
-    except ValueError as exc:
-        raise ManifestError(f"{path}: not a valid cvt manifest: {str(exc).splitlines()[0]}") from exc
+    return list(ckpt.manifest.stages) if ckpt.manifest is not None else []

@@ -36,3 +36,19 @@ class OutputError(CvtError):
 
 class ManifestError(CvtError):
     """A cvt_manifest.json is invalid or disagrees with the files next to it."""
+
+
+def validation_summary(exc, limit: int = 4) -> str:
+    """A pydantic ValidationError in one line naming each invalid field:
+    ``"files.0.sha256: String should match pattern ...; shard.layout.ep: Input should be ..."``.
+    Anything else: its first line."""
+    errors = getattr(exc, "errors", None)
+    if errors is None:
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    items = []
+    for e in errors(include_url=False):
+        loc = ".".join(str(p) for p in e.get("loc", ())) or "(top level)"
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        items.append(f"{loc}: {msg}")
+    more = f"; and {len(items) - limit} more" if len(items) > limit else ""
+    return "; ".join(items[:limit]) + more

@@ -282,9 +282,9 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
     try:
         src_fmt = source_format(ckpt.config, ckpt.has_manifest)
         if src_fmt is SourceFormat.CVT:  # a cvt output is read as what it holds
-            m = json.loads((ckpt.root / "cvt_manifest.json").read_text())
-            src_fmt = {"hf-bf16": SourceFormat.BF16}.get(m.get("format"), source_format(ckpt.config))
-            if src_fmt is SourceFormat.BF16 and m.get("format") != "hf-bf16":
+            m = ckpt.manifest
+            src_fmt = {"hf-bf16": SourceFormat.BF16}.get(m.format, source_format(ckpt.config))
+            if src_fmt is SourceFormat.BF16 and m.format != "hf-bf16":
                 src_fmt = SourceFormat.OTHER_QUANT
         if src_fmt not in (SourceFormat.BF16, SourceFormat.FP8_BLOCK, SourceFormat.CT_INT4):
             raise FormatError(f"{src}: cannot quantize a {src_fmt.value} checkpoint (quantize reads BF16, FP8 block "

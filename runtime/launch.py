@@ -63,25 +63,11 @@ def _layout_words(layout) -> str:
             f"embed_tp {layout.embed_tp}, lmhead_tp {layout.lmhead_tp}")
 
 
-def _check_file(root: Path, info, verify: bool) -> None:
-    from cvt.convert.safetensors_io import sha256_file
-
-    p = root / info.path
-    if root.resolve() not in p.resolve().parents:
-        raise ManifestError(f"{root}: the manifest lists {info.path!r}, a path outside the checkpoint directory")
-    if not p.is_file():
-        raise ManifestError(f"{p}: missing (the manifest lists it: {info.size} bytes)")
-    size = p.stat().st_size
-    if size != info.size:
-        raise ManifestError(f"{p}: {size} bytes, the manifest says {info.size}: the file was modified")
-    if verify and sha256_file(p) != info.sha256:
-        raise ManifestError(f"{p}: sha256 differs from the manifest: the file was modified")
-
-
 def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, prompts=(), input_ids=()) -> Preflight:
     """Every check a rank makes before reading a weight (module docstring); CvtError on the first problem."""
     from cvt.convert.layout import coords
     from cvt.convert.plan import check
+    from cvt.convert.reader import file_problems
     from cvt.convert.safetensors_io import load_json
     from cvt.convert.shard import read_shard_manifest, weights_scheme
     from cvt.runtime.tokenizer import load_tokenizer, prompt_ids
@@ -96,8 +82,6 @@ def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, pr
     entry = next((e for e in manifest.shard.ranks if e.rank == rank), None)
     if entry is None:
         raise ManifestError(f"{root}: the manifest has no entry for rank {rank}")
-    if root.resolve() not in (root / entry.dir).resolve().parents:
-        raise ManifestError(f"{root}: rank {rank}'s directory {entry.dir!r} is outside the checkpoint directory")
     want = {k: v for k, v in vars(coords(layout, rank)).items() if k != "rank"}
     if entry.coords != want:
         raise ManifestError(f"{root}: rank {rank} coordinates {entry.coords} do not follow the layout's rank rule "
@@ -109,8 +93,9 @@ def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, pr
     mine = [f for f in manifest.files if f.path.startswith(entry.dir + "/")]
     if "config.json" not in files:
         raise ManifestError(f"{root}: the manifest does not list config.json")
-    for info in [files["config.json"], *mine]:
-        _check_file(root, info, verify_files)
+    bad = file_problems(root, [files["config.json"], *mine], verify_files)  # paths confined by the reader
+    if bad:
+        raise ManifestError(bad[0])
     config = load_json(root / "config.json")
     # the scheme the shards were cut for, as the sharder saw it
     scheme, group = weights_scheme(config, manifest.quant.model_dump() if manifest.quant else None, str(root))
@@ -330,18 +315,12 @@ def _run(args, pre: Preflight, rank: int, device) -> int:
 # ------------------------------------------------------------------------------ cvt run --world-size
 def sharded_world(model) -> int | None:
     """The world size of a `cvt shard` output directory (None: MODEL is something else)."""
-    from cvt.convert.reader import MANIFEST_NAME
+    from cvt.convert.reader import read_manifest
 
-    p = Path(str(model)) / MANIFEST_NAME
-    if not p.is_file():
+    if not Path(str(model)).is_dir():
         return None
-    from cvt.schemas.manifest import Manifest
-
-    try:
-        m = Manifest.model_validate_json(p.read_text())
-    except ValueError:
-        return None  # the loader / launcher says what is wrong with it
-    return None if m.shard is None else m.shard.layout.world_size
+    m = read_manifest(Path(str(model)))  # an invalid manifest is an error naming its fields
+    return None if m is None or m.shard is None else m.shard.layout.world_size
 
 
 def launch_args(*, prompts=(), input_ids=(), max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0,

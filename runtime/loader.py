@@ -24,8 +24,7 @@ from torch import nn
 
 from cvt.convert.config import SourceFormat, fp8_config, source_format
 from cvt.convert.fp8 import dequant_fp8_block
-from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint
-from cvt.convert.safetensors_io import sha256_file
+from cvt.convert.reader import Checkpoint, manifest_problems, open_checkpoint, read_manifest
 from cvt.errors import ManifestError, TensorError
 from cvt.runtime.kv_cache import is_kv_cache_tensor
 from cvt.runtime.models import build_model
@@ -47,27 +46,12 @@ class Loaded:
 
 def check_manifest(ckpt: Checkpoint, verify_files: bool = False) -> Manifest | None:
     """The manifest of a cvt output, checked against the files next to it (None: no manifest)."""
-    path = ckpt.root / MANIFEST_NAME
-    if not path.is_file():
+    manifest = ckpt.manifest
+    if manifest is None:
         return None
-    try:
-        manifest = Manifest.model_validate_json(path.read_text())
-    except ValueError as exc:
-        raise ManifestError(f"{path}: not a valid cvt manifest: {str(exc).splitlines()[0]}") from exc
-    for f in manifest.files:
-        p = ckpt.root / f.path
-        if not p.is_file():
-            raise ManifestError(f"{path}: lists {f.path}, which is missing")
-        if p.stat().st_size != f.size:
-            raise ManifestError(f"{p}: {p.stat().st_size} bytes, the manifest says {f.size}: the file was modified")
-        if verify_files and sha256_file(p) != f.sha256:
-            raise ManifestError(f"{p}: sha256 differs from the manifest: the file was modified")
-    total = sum(r.nbytes for r in ckpt.tensors.values())
-    if manifest.tensor_count != len(ckpt.tensors) or manifest.total_size != total:
-        raise ManifestError(
-            f"{path}: records {manifest.tensor_count} tensors / {manifest.total_size} bytes, "
-            f"the files hold {len(ckpt.tensors)} / {total}"
-        )
+    problems = manifest_problems(ckpt, manifest, verify_files)
+    if problems:
+        raise ManifestError(problems[0])
     return manifest
 
 
@@ -125,16 +109,10 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
 
 def _refuse_sharded(path) -> None:
     """A `cvt shard` output holds per-rank directories: say how to run it instead of failing to index it."""
-    if not isinstance(path, (str, os.PathLike)):
+    if not isinstance(path, (str, os.PathLike)) or not Path(path).is_dir():
         return  # a resolved source object (hub or local), never a sharded directory
-    p = Path(path) / MANIFEST_NAME
-    if not p.is_file():
-        return
-    try:
-        manifest = Manifest.model_validate_json(p.read_text())
-    except ValueError:
-        return  # check_manifest reports it
-    if manifest.shard is not None:
+    manifest = read_manifest(Path(path))
+    if manifest is not None and manifest.shard is not None:
         w = manifest.shard.layout.world_size
         raise ManifestError(f"{path} is sharded for {w} ranks (cvt shard): run it with `cvt run --world-size {w}` "
                             f"or `torchrun --nproc-per-node {w} -m cvt.runtime.launch {path}`")
