@@ -149,11 +149,11 @@ class OutputDir:
         except OSError as exc:
             raise OutputError(f"{dst}: cannot create the output directory: {exc.strerror or exc}") from exc
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            lock_fd(self._fd, dst)
+        except OutputError:
             os.close(self._fd)
             self._fd = None
-            raise OutputError(f"{dst}: another cvt run is writing to this directory (it is locked); wait for it or choose another DST") from None
+            raise
         if not os.access(dst, os.W_OK):
             self.__exit__()
             raise OutputError(f"{dst}: not writable")
@@ -253,6 +253,16 @@ class OutputDir:
     def finish(self, manifest: Manifest) -> None:
         write_bytes_atomic(self.dst / MANIFEST_NAME, manifest_bytes(manifest))
         (self.dst / STATE_NAME).unlink(missing_ok=True)
+
+
+def lock_fd(fd: int, dst: Path) -> None:
+    """Take the exclusive run lock on `fd` (DST's directory, or a lock file beside DST): a second
+    cvt run on the same DST is refused; the kernel drops the lock when the holder dies."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise OutputError(f"{dst}: another cvt run is writing to this directory (it is locked); wait for it or "
+                          "choose another DST") from None
 
 
 def _unlink_inside(root: Path, rel: str) -> None:

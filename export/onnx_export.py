@@ -15,7 +15,9 @@ holds:
 
 Everything is written into a hidden temporary directory next to DST and renamed into place
 at the end, so DST never looks complete unless it is. ``--overwrite`` replaces an existing DST
-only after the new one is complete.
+only after the new one is complete. A lock file beside DST (``.<name>.cvt-lock``) refuses a
+second run on the same DST while one is running; a crashed run's temporary directory is
+removed only under that lock. DST may not be, lie inside or contain SRC.
 
 MoE: ``--moe gated`` (default) runs an expert (an ``If`` node) only when some token selected
 it; ``--moe dense`` runs every expert for every token (no control flow, for atc). Both weight
@@ -37,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cvt.convert.paths import check_disjoint
 from cvt.errors import ArchError, CheckpointError, CvtError, OutputError
 
 log = logging.getLogger(__name__)
@@ -95,28 +98,21 @@ def check_options(scope: str, dtype: str, int4_op: str, w8a8_op: str, opset: int
 
 
 def check_source(src) -> None:
-    """Refuse, before loading anything, a local SRC that is not a model directory or whose
+    """Refuse, before loading anything, a local SRC that is not a model directory (the reader's
+    header-only index says why: pickles, index paths, symlinks, missing files) or whose
     architecture has no exporter."""
     from cvt.convert.arch import text_config
-    from cvt.convert.safetensors_io import load_json
+    from cvt.convert.reader import open_checkpoint
 
     p = Path(src)
     if not p.exists():
         if str(src).count("/") == 1 and not str(src).startswith((".", "/")):
             return  # a hub repo id: resolved by the loader
         raise CheckpointError(f"{src}: no such directory")
-    if not p.is_dir():
-        raise CheckpointError(f"{src}: not a directory (export reads a checkpoint directory: a cvt output or a "
-                              "Hugging Face model)")
-    if not (p / "config.json").is_file():
-        raise CheckpointError(f"{src}: not a model directory: no config.json (export reads a cvt output or a "
-                              "Hugging Face checkpoint directory)")
-    if not any(p.glob("*.safetensors")):
-        if (p / MANIFEST).is_file():
-            raise CheckpointError(f"{src}: an ONNX export, not a checkpoint; export reads safetensors checkpoints")
-        raise CheckpointError(f"{src}: no *.safetensors weights (export reads a cvt output or a Hugging Face "
-                              "safetensors checkpoint)")
-    mt = text_config(load_json(p / "config.json")).get("model_type")
+    if p.is_dir() and (p / MANIFEST).is_file() and not any(p.glob("*.safetensors")):
+        raise CheckpointError(f"{src}: an ONNX export, not a checkpoint; export reads safetensors checkpoints")
+    with open_checkpoint(p) as ckpt:
+        mt = text_config(ckpt.config).get("model_type")
     if mt not in SUPPORTED_TYPES:
         raise ArchError(f"{src}: model_type {mt!r} cannot be exported (supported: {', '.join(SUPPORTED_TYPES)})")
 
@@ -127,18 +123,36 @@ def _sha256(path: Path) -> str:
     return sha256_file(path)
 
 
-def _prepare_dst(src, dst: Path, overwrite: bool) -> Path:
+def _check_dst(src_root: Path | None, dst: Path, overwrite: bool) -> None:
     if dst.exists() and not overwrite:
         raise OutputError(f"{dst}: already exists; pass --overwrite to replace it")
     if dst.exists() and not dst.is_dir():
         raise OutputError(f"{dst}: exists and is not a directory")
-    s = Path(src)
-    if s.exists() and (dst.resolve() == s.resolve() or s.resolve() in dst.resolve().parents):
-        raise OutputError(f"{dst}: inside SRC {src}; choose a DST outside the source checkpoint")
-    if s.exists() and dst.resolve() in s.resolve().parents:  # --overwrite would remove SRC with it
-        raise OutputError(f"{dst}: contains SRC {src}; choose a DST outside the source checkpoint")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    for old in dst.parent.glob(f".{dst.name}.cvt-tmp-*"):  # a crashed earlier run
+    if src_root is not None:  # --overwrite would remove SRC with DST
+        check_disjoint(src_root, dst, "export onnx")
+
+
+def _lock_dst(dst: Path) -> int:
+    """The run lock beside DST (held until the returned descriptor is closed)."""
+    from cvt.convert.writer import lock_fd
+
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(dst.parent / f".{dst.name}.cvt-lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise OutputError(f"{dst}: cannot create the output directory: {exc.strerror or exc}") from None
+    try:
+        lock_fd(fd, dst)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _prepare_dst(dst: Path) -> Path:
+    """A fresh temporary directory beside DST (call with the lock held: it removes a crashed
+    earlier run's, never a live one's)."""
+    for old in dst.parent.glob(f".{dst.name}.cvt-tmp-*"):
         shutil.rmtree(old, ignore_errors=True)
     tmp = dst.parent / f".{dst.name}.cvt-tmp-{os.getpid()}"
     tmp.mkdir()
@@ -177,15 +191,12 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
     opset = check_options(scope, dtype, int4_op, w8a8_op, opset, accuracy_level, moe)
     check_source(src)
     dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise OutputError(f"{dst}: already exists; pass --overwrite to replace it")
+    _check_dst(Path(src) if Path(src).exists() else None, dst, overwrite)
 
-    import onnx
     import torch
 
-    from cvt import __version__
     from cvt.export import onnx_models as om
-    from cvt.export.onnx_graph import EXTERNAL_THRESHOLD, Graph, LinearOptions, save_graph
+    from cvt.export.onnx_graph import EXTERNAL_THRESHOLD
     from cvt.runtime.loader import load_model
 
     threshold = EXTERNAL_THRESHOLD if external_threshold is None else int(external_threshold)
@@ -200,9 +211,30 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
     elif layer is not None:
         raise CvtError("--layer applies to --scope layer or block only")
 
+    _check_dst(loaded.checkpoint_path, dst, overwrite)  # a hub source resolved to its snapshot
+    lock = _lock_dst(dst)
+    try:
+        return _export(src, dst, loaded, tmp=_prepare_dst(dst), scope=scope, layer=layer, dtype=dtype, opset=opset,
+                       int4_op=int4_op, w8a8_op=w8a8_op, accuracy_level=accuracy_level, moe=moe, verify=verify,
+                       threshold=threshold, quiet=quiet, t0=t0, n_layers=n_layers)
+    except OSError as exc:
+        if exc.filename:
+            raise
+        raise OutputError(f"{dst}: writing the export failed: {exc.strerror or exc}; nothing was installed") from exc
+    finally:
+        os.close(lock)
+
+
+def _export(src, dst: Path, loaded, *, tmp: Path, scope, layer, dtype, opset, int4_op, w8a8_op, accuracy_level, moe,
+            verify, threshold, quiet, t0, n_layers) -> ExportResult:
+    import onnx
     from tqdm import tqdm
 
-    tmp = _prepare_dst(src, dst, overwrite)
+    from cvt import __version__
+    from cvt.export import onnx_models as om
+    from cvt.export.onnx_graph import Graph, LinearOptions, save_graph
+
+    model = loaded.model
     bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="export onnx (weights)", disable=quiet,
                dynamic_ncols=True, smoothing=0.1)
     try:

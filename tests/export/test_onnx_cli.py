@@ -85,8 +85,8 @@ def _bad_sources(tmp_path, bf16):
 
 
 BAD = [
-    ("empty", [], "not a model directory: no config.json"),
-    ("no-weights", [], "no *.safetensors weights"),
+    ("empty", [], "empty: no config.json"),
+    ("no-weights", [], "no .safetensors files and no model.safetensors.index.json"),
     ("mistral", [], "model_type 'mistral' cannot be exported (supported: deepseek_v3"),
     ("missing", [], "no such directory"),
     ("bf16", ["--int4-op", "qdq", "--opset", "17"], "--int4-op qdq needs --opset 21 or higher"),
@@ -113,7 +113,7 @@ def test_bad_input_is_one_clear_line(qwen, tmp_path, capsys, which, extra, messa
         assert (dst / "mine.txt").read_text() == "keep" and len(list(dst.iterdir())) == 1
     else:
         assert not dst.exists()
-    assert not list(tmp_path.glob(".out.cvt-*"))
+    assert not list(tmp_path.glob(".out.cvt-tmp-*"))
 
 
 def test_onnx_backend_refuses_what_it_cannot_run(qwen, tmp_path, capsys):
@@ -143,7 +143,7 @@ def test_failed_export_leaves_no_dst_and_keeps_the_old_one(qwen, tmp_path, capsy
         mp.setattr(onnx_models, "build_model_graph", crash)
         rc, _, err = cvt(capsys, "export", "onnx", bf16, dst)
         assert rc != 0 and "disk on fire" in err
-        assert not dst.exists() and not list(tmp_path.glob(".onnx.cvt-*"))
+        assert not dst.exists() and not list(tmp_path.glob(".onnx.cvt-tmp-*"))
         assert cvt(capsys, "export", "onnx", bf16, dst, "--scope", "layer", "-q")[0] == 0
         old = json.loads((dst / "export_manifest.json").read_text())
         rc, _, err = cvt(capsys, "export", "onnx", bf16, dst, "--overwrite")
@@ -152,4 +152,4 @@ def test_failed_export_leaves_no_dst_and_keeps_the_old_one(qwen, tmp_path, capsy
     assert rc == 0, err
     m = json.loads((dst / "export_manifest.json").read_text())
     assert m["scope"] == "model" and not (dst / "layer_0.onnx").exists()
-    assert not list(tmp_path.glob(".onnx.cvt-*"))
+    assert not list(tmp_path.glob(".onnx.cvt-tmp-*")) and not list(tmp_path.glob(".onnx.cvt-old-*"))
