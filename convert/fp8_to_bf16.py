@@ -19,6 +19,7 @@ from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config
 from cvt.convert.fp8 import dequant_fp8_block, expected_scale_shape, scale_to_f32
 from cvt.convert.reader import Checkpoint, open_checkpoint
+from cvt.convert.validate import check_weights
 from cvt.convert.safetensors_io import TensorRef, TensorSpec
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_checkpoint
 from cvt.errors import TensorError
@@ -102,6 +103,7 @@ def fp8_to_bf16(
             arch.classify(name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name)
         pairs = pair_fp8_weights(ckpt, block)
         check_scales_finite(ckpt, pairs)
+        check_weights(ckpt, arch, "fp8-to-bf16", block)
 
         workers = max(1, workers or min(2, os.cpu_count() or 1))
         threads = max(1, (os.cpu_count() or 1) // workers)

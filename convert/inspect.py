@@ -9,17 +9,15 @@ missing from a layer) are collected and listed.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, describe_quant, quantization_config, source_format
-from cvt.convert.fp8 import expected_scale_shape
 from cvt.convert.reader import manifest_problems, open_checkpoint
+from cvt.convert.validate import survey
 from cvt.errors import ArchError, ManifestError
-
-SCALE_SUFFIX = "_scale_inv"
 
 
 @dataclass
@@ -92,7 +90,6 @@ def inspect_checkpoint(path, revision: str | None = None) -> InspectReport:
             detail += f" (scale_fmt {qc['scale_fmt']})"
 
     by_dtype: Counter = Counter()
-    by_role: Counter = Counter()
     for ref in ckpt.tensors.values():
         by_dtype[ref.dtype] += ref.nbytes
 
@@ -101,54 +98,21 @@ def inspect_checkpoint(path, revision: str | None = None) -> InspectReport:
         arch = arch_for(cfg)
     except ArchError as exc:
         problems.append(str(exc))
-    experts_seen: dict[int, set[int]] = defaultdict(set)
-    layers_seen: set[int] = set()
     block = tuple((quantization_config(cfg) or {}).get("weight_block_size") or (128, 128))
-    for name, ref in ckpt.tensors.items():
-        base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
-        if name.endswith(SCALE_SUFFIX):
-            w = ckpt.tensors.get(base)
-            if w is None:
-                problems.append(f"scale {name} has no weight {base}")
-            elif len(w.shape) == 2 and ref.shape != expected_scale_shape(w.shape, block):
-                problems.append(
-                    f"scale {name}: shape {list(ref.shape)}, expected {list(expected_scale_shape(w.shape, block))} "
-                    f"for weight {list(w.shape)}"
-                )
-        elif ref.dtype.startswith("F8_") and ref.dtype != "F8_E8M0" and base + SCALE_SUFFIX not in ckpt.tensors:
-            problems.append(f"FP8 weight {name} ({ref.path.name}) has no scale {base}{SCALE_SUFFIX}")
-        if arch is None:
-            continue
-        try:
-            info = arch.classify(base)
-        except ArchError as exc:
-            problems.append(str(exc))
-            by_role["unmapped"] += ref.nbytes
-            continue
-        role = info.role.value + (" (mtp)" if info.is_mtp else "")
-        by_role["scale" if name.endswith(SCALE_SUFFIX) else role] += ref.nbytes
-        if info.layer is not None:
-            layers_seen.add(info.layer)
-            if info.expert is not None:
-                experts_seen[info.layer].add(info.expert)
+    found = survey(ckpt, arch, block)
+    problems += found.problems
+    by_role = found.by_role
 
     layers: dict[str, Any] = {}
     if arch is not None:
         n, mtp = arch.num_layers, arch.num_mtp_layers
-        present_mtp = sorted(i for i in layers_seen if i >= n)
-        layers["layers"] = f"{n} in config, {len([i for i in layers_seen if i < n])} present"
+        seen = found.layers_seen
+        layers["layers"] = f"{n} in config, {len([i for i in seen if i < n])} present"
         if arch.num_experts:
-            moe = sorted(i for i in experts_seen if i < n)
+            moe = sorted(i for i in found.experts_seen if i < n)
             layers["moe layers"] = f"{len(moe)} (dense: {n - len(moe)})"
             layers["experts"] = f"{arch.num_experts} routed per MoE layer, top-{arch.counts.get('experts_per_token', '?')}"
-            for layer, seen in sorted(experts_seen.items()):
-                missing = sorted(set(range(arch.num_experts)) - seen)
-                if missing:
-                    problems.append(f"layer {layer}: {len(missing)} of {arch.num_experts} experts missing (e.g. expert {missing[0]})")
-        layers["mtp layers"] = f"{mtp} in config, {len(present_mtp)} present"
-        missing_layers = sorted(set(range(n)) - layers_seen)
-        if missing_layers:
-            problems.append(f"{len(missing_layers)} decoder layers have no tensors (e.g. layer {missing_layers[0]})")
+        layers["mtp layers"] = f"{mtp} in config, {len([i for i in seen if i >= n])} present"
 
     return InspectReport(
         path=str(ckpt.root),

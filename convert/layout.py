@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from cvt.convert.arch import arch_for
-from cvt.errors import CvtError
+from cvt.convert.arch import ArchSpec, arch_for
+from cvt.errors import CvtError, validation_summary
 from cvt.schemas.layout import AXES, AxisRule, LayerPlacement, Layout, Placement
 
 __all__ = ["Layout", "Placement", "RankCoords", "make_layout", "coords", "group", "divisors",
@@ -51,8 +51,15 @@ __all__ = ["Layout", "Placement", "RankCoords", "make_layout", "coords", "group"
            "placement_to_phy2log", "eplb_maps", "read_placement", "placement_json", "write_placement"]
 
 
+MAX_WORLD = 1 << 16
+"""Largest world cvt plans or shards for: far above any cluster, small enough that per-rank
+work stays bounded (a mistyped --ep 1000000000 is refused before anything is allocated)."""
+
+
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of n, ascending (O(sqrt n))."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _degree(name: str, value: Any, world: int) -> int:
@@ -80,6 +87,9 @@ def make_layout(world_size: int | None = None, tp: int | None = None, ep: int | 
     m = 1 if moe_tp is None else moe_tp
     if world_size is None:
         world_size = ep * m if ep is not None else (tp or 1)
+    if isinstance(world_size, int) and world_size > MAX_WORLD:
+        raise CvtError(f"a world of {world_size} ranks (--world-size, or ep x moe-tp) is more than cvt plans for "
+                       f"({MAX_WORLD}); check the degrees")
     w = _degree("world size", world_size, world_size)
     m = _degree("moe_tp", m, w)
     t = _degree("tp", 1 if tp is None else tp, w)
@@ -163,7 +173,8 @@ def moe_layers(config: Mapping[str, Any]) -> list[int]:
         return []
     cfg = dict(arch.config)
     cfg[key] = 1  # one expert per layer is enough to see which layers have them
-    return sorted({int(n.split(".")[2]) for n in arch.table.param_shapes(cfg) if ".mlp.experts.0." in n})
+    one = ArchSpec(arch.table, cfg, arch.model_type)
+    return sorted({int(n.split(".")[2]) for n in one.shapes() if ".mlp.experts.0." in n})
 
 
 def placement_problems(placement: Placement, layers: list[int]) -> list[str]:
@@ -243,8 +254,7 @@ def _build(ranks_per_layer, layer_ids, num_experts, ep, source, where) -> Placem
         return Placement(num_experts=num_experts, ep=ep, source=source, default=_base(num_experts, ep),
                          layers=[LayerPlacement(layer=L, ranks=r) for L, r in zip(layer_ids, ranks_per_layer)])
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        first = str(exc).strip().splitlines()
-        raise CvtError(f"{where}: {first[-1] if first else exc}") from exc
+        raise CvtError(f"{where}: {validation_summary(exc)}") from None
 
 
 def placement_to_mindie(placement: Placement, layers: list[int]) -> dict[str, Any]:
@@ -323,6 +333,13 @@ def read_placement(path: Path | str, config: Mapping[str, Any], ep: int) -> Plac
     if problems:
         raise CvtError(f"{path}: " + "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)"
                                                                   if len(problems) > 3 else ""))
+    # every decoder MoE layer placed by the file (MTP layers may be left out, as EPLB maps do);
+    # a layer left out would silently fall back to the contiguous default
+    unplaced = sorted(set(L for L in layers if L < arch.num_layers) - {lp.layer for lp in p.layers})
+    if unplaced:
+        n = len([L for L in layers if L < arch.num_layers])
+        raise CvtError(f"{path}: places {n - len(unplaced)} of the model's {n} MoE layers; layer {unplaced[0]} "
+                       f"is missing (a placement file must place every MoE layer)")
     return p
 
 

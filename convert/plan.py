@@ -89,7 +89,7 @@ def tensors(config: Mapping[str, Any], shared: str = "moe_tp") -> Iterator[tuple
     """(name, shape, kind, numbers in the name) for every weight of the config."""
     arch = arch_for(config)
     cache: dict[str, Kind] = {}
-    for name, shape in arch.table.param_shapes(arch.config).items():
+    for name, shape in arch.shapes().items():
         key = _NUM.sub("#", name)
         kind = cache.get(key)
         if kind is None:

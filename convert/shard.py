@@ -57,6 +57,7 @@ from cvt.convert.config import quantization_config, source_format
 from cvt.convert.layout import Layout, Placement, contiguous_placement, coords, moe_layers, placement_json
 from cvt.convert.plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint, read_manifest
+from cvt.convert.validate import check_weights
 from cvt.convert.safetensors_io import AtomicFile, TensorSpec, encode_header, load_json, tensor_from_view
 from cvt.convert.writer import (
     DEFAULT_MAX_SHARD,
@@ -195,6 +196,8 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
     quant = ckpt.manifest.quant if ckpt.manifest is not None else None
     scheme, group = weights_scheme(ckpt.config, quant.model_dump() if quant else None, str(ckpt.root))
     check(layout, ckpt.config, scheme, group)
+    fp8 = quantization_config(ckpt.config) or {}
+    check_weights(ckpt, arch, "shard", tuple(fp8.get("weight_block_size") or (128, 128)))
     splits = {name: split_of(arch, layout, name, ref.shape) for name, ref in ckpt.tensors.items()}
     problems = _layout_problems(ckpt, arch, layout, splits)
     if problems:

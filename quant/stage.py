@@ -30,6 +30,7 @@ from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config, source_format
 from cvt.convert.fp8 import dequant_fp8_block
 from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
+from cvt.convert.validate import check_weights
 from cvt.convert.reader import Checkpoint, open_checkpoint
 from cvt.convert.safetensors_io import TensorSpec, dtype_code
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_checkpoint
@@ -297,6 +298,7 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
         source = _Source(ckpt, src_fmt)
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
             check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block))
+        check_weights(ckpt, arch, "quantize", source.block or (128, 128))
 
         needs_model = (any(m != "rtn" for m in plan.methods.values()) or static_attention
                        or any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))

@@ -158,6 +158,28 @@ class TensorInfo:
         return None
 
 
+# Canonical counts that must be at least 1 when config.json gives them, and what no real model
+# exceeds (a config over these is corrupt or hostile: planning it would allocate without bound).
+POSITIVE_COUNTS = frozenset({"layers", "hidden", "heads", "kv_heads", "vocab"})
+COUNT_LIMITS = {"layers": 4096, "mtp_layers": 64, "experts": 1 << 16, "shared_experts": 1 << 10,
+                "experts_per_token": 1 << 10, "dense_layers": 4096, "heads": 1 << 14, "kv_heads": 1 << 14,
+                "hidden": 1 << 20, "vocab": 1 << 24}
+
+
+def _count(config: Mapping[str, Any], canonical: str, key: str) -> int:
+    """config[key] as a count (absent or null: 0); ArchError naming the key when it is not a
+    non-negative integer (positive for `POSITIVE_COUNTS`) within `COUNT_LIMITS`."""
+    v = config.get(key)
+    if v is None:
+        return 0
+    low = 1 if canonical in POSITIVE_COUNTS else 0
+    top = COUNT_LIMITS.get(canonical)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low or (top is not None and v > top):
+        rule = f"an integer >= {low}" + (f" and <= {top}" if top is not None else "")
+        raise ArchError(f"config.json {key} = {v!r}: must be {rule}")
+    return v
+
+
 def _compile(pattern: str) -> re.Pattern:
     rx = re.escape(pattern).replace(r"\{L\}", r"(?P<layer>\d+)").replace(r"\{E\}", r"(?P<expert>\d+)")
     return re.compile(rx)
@@ -171,7 +193,26 @@ class ArchSpec:
         self.config = config
         self.model_type = model_type
         self._rules = [(_compile(r.pattern), r) for r in table.rules]
-        self.counts = {k: int(config.get(v) or 0) for k, v in table.config_keys.items()}
+        self.counts = {k: _count(config, k, v) for k, v in table.config_keys.items()}
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight the config describes with its shape (the table's `param_shapes`),
+        ArchError when config.json cannot describe a model: a missing or non-integer size, or a
+        dim that is not positive (named)."""
+        if self._shapes is None:
+            try:
+                shapes = self.table.param_shapes(self.config)
+            except KeyError as exc:
+                raise ArchError(f"config.json has no {exc.args[0]!r}, which a {self.table.name} model needs") from None
+            except (TypeError, ValueError, ZeroDivisionError) as exc:
+                raise ArchError(f"config.json cannot describe a {self.table.name} model: {exc}") from None
+            for name, shape in shapes.items():
+                if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+                    raise ArchError(f"config.json gives {name} the shape {list(shape)}: every dim must be a "
+                                    "positive integer (check the sizes it is computed from)")
+            self._shapes = shapes
+        return self._shapes
 
     @property
     def num_layers(self) -> int:

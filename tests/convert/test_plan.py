@@ -111,8 +111,11 @@ def test_phy2log_and_mindie_round_trips(tmp_path):
                                               cfg, fmt), cfg, 2)
         assert all(back.for_layer(L) == [[0, 1, 2], [3, 0, 1]] for L in layers)
     (tmp_path / "bare.json").write_text(json.dumps([[1, 0, 3, 2]]))
-    got = read_placement(tmp_path / "bare.json", cfg, 2)  # one layer listed: the others stay contiguous
-    assert got.for_layer(1) == [[1, 0], [3, 2]] and got.for_layer(3) == [[0, 1], [2, 3]]
+    # one of two MoE layers listed: refused (the other would silently fall back to contiguous)
+    with pytest.raises(CvtError, match=r"places 1 of the model's 2 MoE layers; layer 2 is missing"):
+        read_placement(tmp_path / "bare.json", cfg, 2)
+    (tmp_path / "both.json").write_text(json.dumps([[1, 0, 3, 2], [0, 1, 2, 3]]))
+    assert read_placement(tmp_path / "both.json", cfg, 2).for_layer(1) == [[1, 0], [3, 2]]
 
 
 def test_mindie_file_with_decoder_layer_ids_and_bad_files(tmp_path):

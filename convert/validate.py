@@ -1,0 +1,103 @@
+"""Config against weights: what a stage checks before writing anything, and `cvt inspect` lists.
+
+`survey(ckpt, arch, block)` walks the headers once (no weight is read) and collects, by role
+and layer, what the checkpoint holds and every problem a later stage or the runtime would
+trip over:
+
+* a tensor no architecture pattern maps (or one past the config's layers / experts);
+* an FP8 weight without its ``weight_scale_inv``, a scale without a weight, a misshaped scale;
+* a float or FP8 weight whose shape differs from what config.json describes
+  (`ArchSpec.shapes`; packed quantized parts are checked by their formats' readers);
+* a decoder layer without tensors, a MoE layer missing some of the config's routed experts.
+
+`check_weights(ckpt, verb)` raises CheckpointError listing the first problems: fp8-to-bf16,
+quantize and shard call it before their output directory is touched, so a config that lies
+about the weights (``n_routed_experts: 8`` with 4 experts stored, a ``q_a_proj`` of another
+shape) fails with one line instead of producing an artifact the runtime refuses later.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from cvt.convert.arch import ArchSpec
+from cvt.convert.fp8 import expected_scale_shape
+from cvt.errors import ArchError, CheckpointError
+
+SCALE_SUFFIX = "_scale_inv"
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
+@dataclass
+class Survey:
+    problems: list[str] = field(default_factory=list)
+    by_role: Counter = field(default_factory=Counter)
+    layers_seen: set[int] = field(default_factory=set)
+    experts_seen: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
+
+
+def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> Survey:
+    """Problems and bytes by role of `ckpt` under `arch` (None: the FP8 scale checks only)."""
+    out = Survey()
+    problems = out.problems
+    expected: dict[str, tuple[int, ...]] = {}
+    if arch is not None:
+        try:
+            expected = arch.shapes()
+        except ArchError as exc:
+            problems.append(str(exc))
+    for name, ref in ckpt.tensors.items():
+        base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
+        if name.endswith(SCALE_SUFFIX):
+            w = ckpt.tensors.get(base)
+            if w is None:
+                problems.append(f"scale {name} has no weight {base}")
+            elif len(w.shape) == 2 and ref.shape != expected_scale_shape(w.shape, block):
+                problems.append(f"scale {name}: shape {list(ref.shape)}, expected "
+                                f"{list(expected_scale_shape(w.shape, block))} for weight {list(w.shape)}")
+        elif (ref.dtype.startswith("F8_") and ref.dtype != "F8_E8M0" and name.endswith(".weight")
+              and base + SCALE_SUFFIX not in ckpt.tensors):  # (NVFP4's E4M3 weight_scale is not a weight)
+            problems.append(f"FP8 weight {name} ({ref.path.name}) has no scale {base}{SCALE_SUFFIX}")
+        elif ref.dtype in _FLOAT_DTYPES and name in expected and tuple(ref.shape) != tuple(expected[name]):
+            problems.append(f"{name} ({ref.path.name}): shape {list(ref.shape)}, config.json describes "
+                            f"{list(expected[name])}")
+        if arch is None:
+            continue
+        try:
+            info = arch.classify(base)
+        except ArchError as exc:
+            problems.append(str(exc))
+            out.by_role["unmapped"] += ref.nbytes
+            continue
+        role = info.role.value + (" (mtp)" if info.is_mtp else "")
+        out.by_role["scale" if name.endswith(SCALE_SUFFIX) else role] += ref.nbytes
+        if info.layer is not None:
+            out.layers_seen.add(info.layer)
+            if info.expert is not None:
+                out.experts_seen[info.layer].add(info.expert)
+    if arch is not None:
+        n = arch.num_layers
+        for layer, seen in sorted(out.experts_seen.items()):
+            missing = sorted(set(range(arch.num_experts)) - seen)
+            if missing:
+                key = arch.table.config_keys.get("experts", "experts")
+                problems.append(f"layer {layer}: {len(missing)} of {arch.num_experts} experts missing "
+                                f"(e.g. expert {missing[0]}); config.json {key} = {arch.num_experts}")
+        missing_layers = sorted(set(range(n)) - out.layers_seen)
+        if missing_layers:
+            problems.append(f"{len(missing_layers)} decoder layers have no tensors (e.g. layer {missing_layers[0]}); "
+                            f"config.json {arch.table.config_keys.get('layers', 'layers')} = {n}")
+    return out
+
+
+def check_weights(ckpt, arch: ArchSpec, verb: str, block: tuple[int, int] = (128, 128)) -> None:
+    """CheckpointError naming the first problems `survey` finds (call before writing)."""
+    problems = survey(ckpt, arch, block).problems
+    if problems:
+        more = f" (and {len(problems) - 3} more; `cvt inspect` lists them all)" if len(problems) > 3 else ""
+        raise CheckpointError(f"{ckpt.root}: config.json and the weights disagree, {verb} refused: "
+                              + "; ".join(problems[:3]) + more)
+
+
+__all__ = ["Survey", "survey", "check_weights"]
