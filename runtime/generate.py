@@ -48,6 +48,18 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
+def _finite(logits: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """`logits`, or CvtError when the last position's are not all finite: a model with NaN/Inf
+    weights (or one that overflows in its dtype) must not print argmax-of-NaN tokens and exit 0."""
+    last = logits[:, -1]
+    if not bool(torch.isfinite(last).all()):
+        bad = int((~torch.isfinite(last)).any(-1).nonzero()[0])
+        raise CvtError(f"the model produced non-finite logits (NaN/Inf) for sequence {bad} at positions "
+                       f"{start}..{start + n - 1}: its weights hold NaN/Inf or overflow in this dtype "
+                       "(`cvt verify` against the reference says where)")
+    return logits
+
+
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, eos_id: int | None = None, device=None) -> GenerationResult:
@@ -70,7 +82,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
         tokens = torch.tensor([prompts[i] for i in idx], dtype=torch.long, device=device)
         cache = model.new_cache(len(idx), length + max_new_tokens, device=device)
         t0 = time.perf_counter()
-        logits = model(tokens, start_pos=0, cache=cache)
+        logits = _finite(model(tokens, start_pos=0, cache=cache), 0, length)
         result.prefill_seconds += time.perf_counter() - t0
         result.prefill_tokens += tokens.numel()
         done = torch.zeros(len(idx), dtype=torch.bool)
@@ -85,7 +97,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
                         result.finished[i] = True
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
-            logits = model(nxt.view(-1, 1), start_pos=length + step, cache=cache)
+            logits = _finite(model(nxt.view(-1, 1), start_pos=length + step, cache=cache), length + step, 1)
             result.decode_tokens += len(idx)
         result.decode_seconds += time.perf_counter() - t0
     return result

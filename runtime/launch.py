@@ -224,6 +224,29 @@ def report(rank: int, exc: BaseException, debug: bool) -> int:
     return EXIT_INTERNAL
 
 
+def die_with_parent(parent: int | None = None, sig: int = 15):
+    """Linux: have the kernel send `sig` (SIGTERM) to this process when its parent dies, kill -9
+    included, so that no rank or torchrun outlives the `cvt run` that started it. `parent`: the
+    pid expected as parent (when it already died, exit now). Elsewhere a no-op.
+
+    Returns the function that does it, resolved here: `torchrun` passes it as a Popen
+    `preexec_fn`, where (between fork and exec) nothing may be imported."""
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+
+    def arm() -> None:
+        prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if parent is not None and os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 def main(argv=None, *, setup_logging: bool = False) -> int:
     """Run one rank; returns the exit code (module docstring). `setup_logging`: configure the root
     logger (rank-0 filtering), as the ``python -m`` entry point does; off for library callers."""
@@ -357,9 +380,11 @@ def torchrun(model, world_size: int | None, argv: list[str]) -> int:
            "-m", "cvt.runtime.launch", str(model), *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    # torchrun gets SIGTERM if this process dies (and stops its ranks, which also die with it)
+    arm = die_with_parent(os.getpid())
     if "--debug" in argv:
-        return subprocess.call(cmd, env=env)
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+        return subprocess.call(cmd, env=env, preexec_fn=arm)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=arm)
     said: set[str] = set()
     other: collections.deque[str] = collections.deque(maxlen=40)
     for line in proc.stderr:
@@ -382,4 +407,5 @@ __all__ = ["main", "preflight", "Preflight", "LogitsRecorder", "dump_logits", "p
 
 
 if __name__ == "__main__":
+    die_with_parent()()  # a rank never outlives torchrun's agent (nor, through it, `cvt run`)
     sys.exit(main(setup_logging=True))
