@@ -31,14 +31,15 @@ stored tensor whose split dim does not divide.
 
 Streaming: source tensors are visited once (in `_visit_order`: by how far into their holders'
 shares they sit, so every rank's file is fed at once); each tensor's distinct slices are
-made once (zero-copy for dim-0 runs and whole tensors, one copy for dim-1 runs) and handed to
-every rank file that holds them. A rank's files are consecutive runs of its tensors in that
-same order, so at most one file per rank is open; each open file has a writer and a hasher
-thread (`cvt.convert.writer._FilePipeline`), and bytes in flight are bounded
-(`IN_FLIGHT_BYTES`), so peak memory is a few tensors whatever W or the model size. The source
+made once (zero-copy for dim-0 runs and whole tensors, one copy for dim-1 runs), charged once
+against the writer's in-flight byte budget, and handed to every rank file that holds them (a
+replicated 1.85 GB embedding goes to all W ranks at once, not one rank at a time). The files
+are the writer's (`cvt.convert.writer.FileSet`): a rank's files are consecutive runs of its
+tensors in that same order, so at most one file per rank is open, each with a writer and a
+hasher thread; peak memory is a few tensors whatever W or the model size. The source
 tensor's pages are released once every rank file has hashed its slice. Resume, locking and
-atomic files are the writer's (`OutputDir`): finished rank files are skipped on a rerun and
-source tensors only they need are not read.
+atomic files are the writer's too (`OutputDir`): finished rank files are skipped on a rerun
+and source tensors only they need are not read.
 """
 
 from __future__ import annotations
@@ -46,10 +47,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cvt import __version__
 from cvt.convert.arch import Parallel, Role, arch_for
@@ -58,24 +57,20 @@ from cvt.convert.layout import Layout, Placement, contiguous_placement, coords, 
 from cvt.convert.plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint, read_manifest
 from cvt.convert.validate import check_weights
-from cvt.convert.safetensors_io import AtomicFile, TensorSpec, encode_header, load_json, tensor_from_view
+from cvt.convert.safetensors_io import TensorSpec, load_json, tensor_from_view
 from cvt.convert.writer import (
     DEFAULT_MAX_SHARD,
-    IN_FLIGHT_BYTES,
+    FileSet,
     OutputDir,
-    OutTensor,
     WriteResult,
-    _as_buffer,
-    _ByteBudget,
-    _FilePipeline,
-    _prior_stages,
+    finish_output,
     make_progress,
-    plan_id,
     plan_shards,
+    run_plan_id,
     source_info,
 )
 from cvt.errors import CvtError
-from cvt.schemas.manifest import FileInfo, Manifest, RankShard, ShardInfo, StageInfo, Summary, TensorShard, ToolInfo
+from cvt.schemas.manifest import FileInfo, Manifest, RankShard, ShardInfo, StageInfo, TensorShard
 
 RANK_DIR = "rank-{:05d}"
 INDEX_NAME = "model.safetensors.index.json"
@@ -247,27 +242,9 @@ def _plan_files(holdings: list[_Holding], rank: int, max_shard_size: int) -> lis
     return plan_shards(holdings, max_shard_size, prefix=f"{RANK_DIR.format(rank)}/model")
 
 
-class _OpenFile:
-    """A rank file being written: atomic file + pipeline, closed after its last tensor."""
-
-    def __init__(self, out: OutputDir, rel: str, holdings: list[_Holding], budget, update):
-        self.rel, self.count, self.left = rel, len(holdings), len(holdings)
-        self.f = AtomicFile(out.dst / rel)
-        self.f.write(encode_header([h.spec for h in holdings], {"format": "pt"}))
-        self.pipe = _FilePipeline(self.f, budget, update, depth=0)
-
-    def finish(self) -> FileInfo:
-        self.pipe.close()
-        size, sha = self.f.commit()
-        return FileInfo(path=self.rel, size=size, sha256=sha, tensors=self.count)
-
-    def abort(self) -> None:
-        self.pipe.close(abort=True)
-        self.f.abort()
-
-
 class _Refcount:
-    """Release a source tensor's pages once every rank file has hashed its slice."""
+    """Release a source tensor's pages once every distinct slice of it has been hashed by all
+    its holders."""
 
     def __init__(self, ckpt: Checkpoint, name: str, n: int):
         self.ckpt, self.name, self.n = ckpt, name, n
@@ -292,80 +269,39 @@ def _slice(ckpt: Checkpoint, name: str, sp: Split, index: int):
 
 
 def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], order: list[str],
-                 files: list[tuple[str, list[_Holding]]], progress) -> tuple[dict[str, FileInfo], int, int]:
-    """Write every unfinished rank file, visiting each needed source tensor once."""
-    results: dict[str, FileInfo] = {}
-    pending: list[tuple[str, list[_Holding]]] = []
-    update = progress.update if progress is not None else (lambda n: None)
-    for rel, hs in files:
-        size = len(encode_header([h.spec for h in hs], {"format": "pt"})) + sum(h.spec.nbytes for h in hs)
-        done = out.finished(rel)
-        if done is not None and done[0].size == size:
-            results[rel] = done[0]
-            update(sum(h.spec.nbytes for h in hs))
-        else:
-            pending.append((rel, hs))
+                 files: list[tuple[str, list[_Holding]]], progress) -> tuple[list[FileInfo], int, int]:
+    """Write every unfinished rank file through the writer's `FileSet`, visiting each needed
+    source tensor once: each distinct slice is made once, charged once against the write
+    budget and handed to every rank file holding it."""
+    fs = FileSet(out, files, progress=progress)
     consumers: dict[str, list[tuple[str, _Holding]]] = {name: [] for name in order}
-    for rel, hs in pending:
+    for rel, hs in fs.pending:
         for h in hs:
             consumers[h.name].append((rel, h))
-    file_of = dict(pending)
-    budget = _ByteBudget(IN_FLIGHT_BYTES)
-    open_files: dict[str, _OpenFile] = {}
-    closing: dict[str, tuple[_OpenFile, Future]] = {}
-
-    def finish(f: _OpenFile) -> FileInfo:
-        info = f.finish()
-        out.record(info)
-        return info
-
-    # a file's last tensor may still be in its pipeline: close it on another thread, so this
-    # one goes on feeding the other ranks' files meanwhile
-    closer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="cvt-shard-close")
     try:
         for name, uses in consumers.items():  # visiting order: the ranks' files hold their tensors in it
             if not uses:
                 continue
-            sp = splits[name]
-            done_cb = _Refcount(ckpt, name, len(uses))
-            made: dict[int, Any] = {}
+            by_index: dict[int, list[tuple[str, _Holding]]] = {}
             for rel, h in uses:
-                f = open_files.get(rel)
-                if f is None:
-                    f = open_files[rel] = _OpenFile(out, rel, file_of[rel], budget, update)
-                if h.index not in made:
-                    made[h.index] = _slice(ckpt, name, sp, h.index)
-                data = made[h.index]
-                spec = h.spec
-                budget.acquire(spec.nbytes)
+                by_index.setdefault(h.index, []).append((rel, h))
+            release = _Refcount(ckpt, name, len(by_index))
+            for index, holders in by_index.items():
+                charge = fs.charge(holders[0][1].spec.nbytes, len(holders), release)
                 try:
-                    buf = _as_buffer(data, spec)
+                    data = _slice(ckpt, name, splits[name], index)
                 except BaseException:
-                    budget.release(spec.nbytes)
+                    for _ in holders:
+                        charge.done()
                     raise
-                f.pipe.put(buf, data, OutTensor(spec, produce=lambda: None, release=done_cb))
-                f.left -= 1
-                if f.left == 0:
-                    closing[rel] = (f, closer.submit(finish, open_files.pop(rel)))
-                    for done_rel in [r for r, (_, fut) in closing.items() if fut.done()]:
-                        results[done_rel] = closing.pop(done_rel)[1].result()
-            del made
-        for rel, (_, fut) in list(closing.items()):
-            results[rel] = fut.result()
-            del closing[rel]
+                for rel, h in holders:
+                    fs.put(rel, h.spec, data, charge)
+                del data
+        infos = fs.close()
     except BaseException:
-        for f in open_files.values():
-            f.abort()
-        for f, fut in closing.values():
-            if not fut.cancel() and fut.exception() is None:
-                continue  # finished and recorded: a rerun keeps it
-            f.abort()
+        fs.abort()
         raise
-    finally:
-        closer.shutdown(wait=True)
-    if open_files:  # every file closes after its last tensor; anything left is a planning bug
-        raise RuntimeError(f"internal: rank files left open: {sorted(open_files)[:3]}")
-    return results, len(pending), len(files) - len(pending)
+    return infos, len(fs.pending), len(files) - len(fs.pending)
 
 
 def _ascend_description(ckpt: Checkpoint, names: list[str]) -> bytes | None:
@@ -395,18 +331,14 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
             "lmhead_tp": layout.lmhead_tp, "shared_experts": layout.shared_experts,
             "placement": layout.placement.source if layout.placement else "contiguous",
             "max_shard_size": max_shard_size})
-        pid = plan_id({
-            "tool": __version__, "source": src_info.model_dump(),
-            "source_files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.weight_files],
-            "stage": stage.model_dump(), "layout": layout.model_dump()})
+        pid = run_plan_id(ckpt, src_info, stage, layout=layout.model_dump())
         total_out = sum(h.spec.nbytes for hs in ranks for h in hs)
         with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
                        verb="shard") as out:
             for r in range(layout.world_size):
                 (out.dst / RANK_DIR.format(r)).mkdir(exist_ok=True)
             with make_progress(total_out, "shard", quiet) as bar:
-                results, written, skipped = _write_ranks(ckpt, out, splits, order, files, bar)
-            infos = [results[rel] for rel, _ in files]
+                infos, written, skipped = _write_ranks(ckpt, out, splits, order, files, bar)
             rank_entries = []
             placement = expert_placement(layout, ckpt.config)
             moe = moe_layers(ckpt.config)
@@ -414,8 +346,8 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
                 d = RANK_DIR.format(r)
                 weight_map = {h.name: rel[len(d) + 1:] for rel, hs in per for h in hs}
                 nbytes = sum(h.spec.nbytes for h in ranks[r])
-                index = {"metadata": {"total_size": nbytes}, "weight_map": weight_map}
-                infos.append(out.write_small(f"{d}/{INDEX_NAME}", (json.dumps(index, indent=2) + "\n").encode()))
+                infos.append(out.write_json(f"{d}/{INDEX_NAME}", {"metadata": {"total_size": nbytes},
+                                                                  "weight_map": weight_map}))
                 desc = _ascend_description(ckpt, list(weight_map))
                 if desc is not None:
                     infos.append(out.write_small(f"{d}/{ASCEND_DESCRIPTION}", desc))
@@ -425,10 +357,6 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
                     rank=r, dir=d, coords={k: v for k, v in vars(c).items() if k != "rank"},
                     files=[rel for rel, _ in per], tensors=len(ranks[r]), bytes=nbytes, experts=experts))
             infos.append(out.copy_file(ckpt.root / "config.json", "config.json"))
-            for path in ckpt.aux_files():
-                if path.name == ASCEND_DESCRIPTION:
-                    continue  # per rank instead
-                infos.append(out.copy_file(path, path.name))
             if placement is not None:
                 for fmt_name, rel in (("mindie", "expert_placement.json"), ("eplb", "expert_placement_eplb.json")):
                     infos.append(out.write_small(rel, placement_json(placement, ckpt.config, fmt_name)))
@@ -436,17 +364,14 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
                                          axis=sp.axis, dim=sp.dim, degree=sp.degree,
                                          expert=list(sp.expert) if sp.expert else None)
                        for name, sp in splits.items()}
-
-            manifest = Manifest(
-                tool=ToolInfo(version=__version__), source=src_info, stages=[*_prior_stages(ckpt), stage],
-                format=f"sharded-{fmt}", plan_id=pid, tensor_count=sum(len(hs) for hs in ranks),
-                total_size=total_out, files=infos,
-                summary=Summary(counts={"source_tensors": len(ckpt.tensors),
-                                        "split": sum(1 for s in splits.values() if s.dim is not None),
-                                        "ranks": layout.world_size}),
+            manifest = finish_output(
+                out, ckpt, infos, src=src_info, stage=stage, pid=pid, out_format=f"sharded-{fmt}",
+                tensor_count=sum(len(hs) for hs in ranks), total_size=total_out,
+                summary={"source_tensors": len(ckpt.tensors), "split": sum(1 for s in splits.values() if s.dim is not None),
+                         "ranks": layout.world_size},
                 quant=ckpt.manifest.quant if ckpt.manifest is not None else None,
-                shard=ShardInfo(layout=layout, tensors=tensors, ranks=rank_entries))
-            out.finish(manifest)
+                shard=ShardInfo(layout=layout, tensors=tensors, ranks=rank_entries),
+                skip_aux=(ASCEND_DESCRIPTION,))  # per rank instead
         return WriteResult(dst=Path(dst), files=infos, written_files=written, skipped_files=skipped,
                            bytes_in=sum(r.nbytes for r in ckpt.tensors.values()), bytes_out=total_out,
                            seconds=time.perf_counter() - t0, manifest=manifest)

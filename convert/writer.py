@@ -6,48 +6,35 @@ a function producing the bytes). `write_checkpoint` then
 1. plans shards up front (greedy, in order, each at most `max_shard_size` unless one tensor
    is larger): the plan depends only on the tensor list, so a resumed run writes the same
    file names with the same contents;
-2. locks DST (flock on the directory: a second concurrent run is refused; the kernel drops
-   the lock when a run dies, even by kill -9);
-3. skips files that an earlier run of the same plan finished (recorded in
-   `.cvt-state.json` after each file, trusted only when size and sha256 on disk still match);
-4. writes the rest, `workers` files at a time, each to a hidden temp file that is fsynced and
-   renamed into place, hashing as it writes;
-5. writes the index, config.json and copied files, then `cvt_manifest.json` last, and
-   removes the state file. Until the manifest exists nothing in DST claims to be complete.
+2. enters DST (`cvt.convert.outdir.OutputDir`: refuses a DST overlapping SRC, locks it, and
+   finds what an earlier run of the same plan finished: recorded in `.cvt-state.json` after
+   each file, trusted only when size and sha256 on disk still match);
+3. writes the other files through a `FileSet`, `workers` files at a time, each to a hidden
+   temp file that is fsynced and renamed into place, hashed as it is written (`cvt shard`
+   feeds its per-rank files through a `FileSet` too);
+4. writes the index, config.json and copied files, then `cvt_manifest.json` last, and
+   removes the state file (`finish_output`). Until the manifest exists nothing in DST claims to be complete.
 
 Peak memory is about `workers` x (largest output tensor + its input), whatever the model size.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
-import shutil
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from cvt import __version__
-from cvt.convert.paths import check_disjoint, is_inside
-from cvt.convert.reader import MANIFEST_NAME, Checkpoint, read_manifest
-from cvt.convert.safetensors_io import (
-    AtomicFile,
-    TensorSpec,
-    dtype_code,
-    encode_header,
-    sha256_file,
-    write_bytes_atomic,
-    write_json_atomic,
-)
-from cvt.errors import ManifestError, OutputError
+from cvt.convert.outdir import OutputDir
+from cvt.convert.reader import Checkpoint
+from cvt.convert.safetensors_io import AtomicFile, TensorSpec, dtype_code, encode_header
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
-STATE_NAME = ".cvt-state.json"
 DEFAULT_MAX_SHARD = 5 * 10**9
 
 
@@ -119,170 +106,6 @@ def source_info(ckpt: Checkpoint, fmt: str) -> SourceInfo:
     )
 
 
-class OutputDir:
-    """DST during a run: lock, state journal of finished files, final manifest.
-
-    `source`: the checkpoint directory the run reads; DST may not be it, lie inside it or
-    contain it (`cvt.convert.paths.check_disjoint`), checked before anything in DST is touched."""
-
-    def __init__(self, dst: Path, plan: str, resume: bool = True, overwrite: bool = False,
-                 source: Path | None = None, verb: str = "cvt"):
-        self.dst = Path(dst)
-        self.plan = plan
-        self.resume = resume
-        self.overwrite = overwrite
-        self.source, self.verb = source, verb
-        self._fd: int | None = None
-        self._state: dict[str, dict] = {}
-        self._lock = threading.Lock()
-        self.prior_meta: dict[str, dict] = {}  # meta by key from a complete earlier manifest
-
-    def __enter__(self) -> "OutputDir":
-        dst = self.dst
-        if self.source is not None:
-            check_disjoint(self.source, dst, self.verb)
-        if dst.exists() and not dst.is_dir():
-            raise OutputError(f"{dst}: exists and is not a directory")
-        try:
-            dst.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(dst, os.O_RDONLY)
-        except OSError as exc:
-            raise OutputError(f"{dst}: cannot create the output directory: {exc.strerror or exc}") from exc
-        try:
-            lock_fd(self._fd, dst)
-        except OutputError:
-            os.close(self._fd)
-            self._fd = None
-            raise
-        if not os.access(dst, os.W_OK):
-            self.__exit__()
-            raise OutputError(f"{dst}: not writable")
-        try:
-            self._load()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
-
-    # -- state --------------------------------------------------------------------------
-    def _load(self) -> None:
-        state_path = self.dst / STATE_NAME
-        prior_plan, records, invalid = None, {}, None
-        if state_path.is_file():
-            try:
-                data = json.loads(state_path.read_text())
-                prior_plan, records = data["plan_id"], data["files"]
-            except (ValueError, KeyError, TypeError):
-                prior_plan, records = "unreadable", {}
-        else:
-            try:
-                manifest = read_manifest(self.dst)
-            except ManifestError as exc:
-                manifest, prior_plan, invalid = None, "unreadable", str(exc)
-            if manifest is not None:
-                prior_plan = manifest.plan_id
-                records = {f.path: {"size": f.size, "sha256": f.sha256, "tensors": f.tensors} for f in manifest.files}
-                self.prior_meta = {k: v.model_dump() for k, v in manifest.quant.tensors.items()} if manifest.quant else {}
-        if prior_plan is None:
-            visible = sorted(p.name for p in self.dst.iterdir() if not p.name.startswith("."))
-            if visible and not self.overwrite:
-                raise OutputError(
-                    f"{self.dst}: not empty ({len(visible)} entries, e.g. {visible[0]}) and not a cvt output to resume; "
-                    "choose an empty directory or pass --overwrite"
-                )
-        elif prior_plan != self.plan and not self.overwrite:
-            what = f"an invalid cvt manifest ({invalid})" if invalid else \
-                "the output of a different run (other source, stage or parameters)"
-            raise OutputError(f"{self.dst}: holds {what}; choose another directory or pass --overwrite")
-        # a killed cvt run's half-written files (sharded outputs keep theirs in rank-*/ folders);
-        # only now that DST is known to be ours (an empty dir, a cvt output, or --overwrite)
-        for tmp in [*self.dst.glob(".*.tmp"), *self.dst.glob("rank-*/.*.tmp")]:
-            tmp.unlink(missing_ok=True)
-        if self.resume and prior_plan == self.plan:
-            self._state = dict(records)
-        else:  # every file is rewritten: no manifest may claim the old ones meanwhile
-            (self.dst / MANIFEST_NAME).unlink(missing_ok=True)
-        if prior_plan is not None and prior_plan != self.plan:
-            # --overwrite of another run's output: remove what that run recorded writing (and
-            # nothing else: paths are confined to DST), so that no stale shard or manifest
-            # survives next to ours
-            for rel in records:
-                _unlink_inside(self.dst, rel)
-            (self.dst / MANIFEST_NAME).unlink(missing_ok=True)
-        self._save()
-
-    def _save(self) -> None:
-        write_json_atomic(self.dst / STATE_NAME, {"plan_id": self.plan, "files": self._state})
-
-    def finished(self, rel: str, keys: set[str] = frozenset()) -> tuple[FileInfo, dict] | None:
-        """(record, meta) of `rel` if an earlier run finished it, the file still matches, and the
-        stage metadata for `keys` is known; else None (the file is rewritten)."""
-        rec = self._state.get(rel)
-        path = self.dst / rel
-        if not rec or not path.is_file() or path.stat().st_size != rec["size"]:
-            return None
-        known = {**self.prior_meta, **(rec.get("meta") or {})}
-        if not keys <= set(known):
-            return None
-        if sha256_file(path) != rec["sha256"]:
-            return None
-        info = FileInfo(path=rel, size=rec["size"], sha256=rec["sha256"], tensors=rec.get("tensors", 0))
-        return info, {k: known[k] for k in keys}
-
-    def record(self, info: FileInfo, meta: dict | None = None) -> None:
-        with self._lock:
-            self._state[info.path] = {"size": info.size, "sha256": info.sha256, "tensors": info.tensors,
-                                      "meta": meta or {}}
-            self._save()
-
-    def write_small(self, rel: str, data: bytes, tensors: int = 0) -> FileInfo:
-        size, sha = write_bytes_atomic(self.dst / rel, data)
-        return FileInfo(path=rel, size=size, sha256=sha, tensors=tensors)
-
-    def copy_file(self, src: Path, rel: str) -> FileInfo:
-        with AtomicFile(self.dst / rel) as f, open(src, "rb") as fin:
-            shutil.copyfileobj(fin, _Sink(f), 16 << 20)
-            size, sha = f.commit()
-        return FileInfo(path=rel, size=size, sha256=sha)
-
-    def finish(self, manifest: Manifest) -> None:
-        write_bytes_atomic(self.dst / MANIFEST_NAME, manifest_bytes(manifest))
-        (self.dst / STATE_NAME).unlink(missing_ok=True)
-
-
-def lock_fd(fd: int, dst: Path) -> None:
-    """Take the exclusive run lock on `fd` (DST's directory, or a lock file beside DST): a second
-    cvt run on the same DST is refused; the kernel drops the lock when the holder dies."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        raise OutputError(f"{dst}: another cvt run is writing to this directory (it is locked); wait for it or "
-                          "choose another DST") from None
-
-
-def _unlink_inside(root: Path, rel: str) -> None:
-    path = Path(root) / rel
-    if not path.is_symlink() and is_inside(root, path) and path.is_file():
-        path.unlink()
-
-
-class _Sink:
-    def __init__(self, f: AtomicFile):
-        self.f = f
-
-    def write(self, b) -> None:
-        self.f.write(b)
-
-
-def manifest_bytes(manifest: Manifest) -> bytes:
-    return (manifest.model_dump_json(indent=2) + "\n").encode()
-
-
 def _as_buffer(data, spec: TensorSpec) -> memoryview:
     if hasattr(data, "dtype") and hasattr(data, "shape") and not isinstance(data, memoryview):
         code = dtype_code(data.dtype)
@@ -297,11 +120,6 @@ def _as_buffer(data, spec: TensorSpec) -> memoryview:
     return mv
 
 
-def _meta_keys(tensors: list[OutTensor]) -> set[str]:
-    """The metadata keys a file's tensors carry (the key is known without producing: `meta_key`)."""
-    return {t.meta_key for t in tensors if t.meta is not None and t.meta_key}
-
-
 class _Cancelled(Exception):
     pass
 
@@ -311,7 +129,7 @@ IN_FLIGHT_BYTES = 512 << 20
 
 class _ByteBudget:
     """A counting gate in bytes: `acquire(n)` waits while others hold bytes and n would pass
-    the limit (a single tensor larger than the limit still goes through, alone)."""
+    the limit (a single buffer larger than the limit still goes through, alone)."""
 
     def __init__(self, limit: int):
         self.limit, self.used = limit, 0
@@ -329,23 +147,42 @@ class _ByteBudget:
             self._cond.notify_all()
 
 
+class Charge:
+    """One produced buffer's bytes, held against the write budget until every file it goes to
+    (`holders`) has hashed it; then the bytes are released and `on_last` runs (e.g. dropping the
+    source tensor's pages). A buffer several files share (a replicated slice) is charged once."""
+
+    def __init__(self, budget: _ByteBudget, nbytes: int, holders: int, on_last: Callable[[], None] | None = None):
+        self.budget, self.nbytes, self.left, self.on_last = budget, nbytes, holders, on_last
+        self._lock = threading.Lock()
+
+    def done(self) -> None:
+        with self._lock:
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            self.budget.release(self.nbytes)
+            if self.on_last is not None:
+                self.on_last()
+
+
 class _FilePipeline:
     """One output file's back half: a writer thread (file.write) and a hasher thread (sha256)
     working on consecutive buffers, while the caller's thread produces the next tensor.
 
     On this class of machine sha256 (~0.3 GB/s a core) is slower than the disk, so hashing
-    must overlap with dequantizing and writing. Each buffer releases its tensor's input pages
-    and its budget bytes once hashed (the last stage)."""
+    must overlap with dequantizing and writing. Each buffer's `Charge` is settled once hashed
+    (the last stage). `depth` bounds each queue (a worker per file runs at most that far ahead);
+    0 leaves them unbounded, memory bounded by the byte budget alone (one thread feeding many
+    files: a full queue would stall every other file)."""
 
     _END = object()
 
-    def __init__(self, f: AtomicFile, budget: _ByteBudget, update: Callable[[int], None], depth: int = 2):
+    def __init__(self, f: AtomicFile, update: Callable[[int], None], depth: int = 0):
         import queue
 
-        self.f, self.budget, self.update = f, budget, update
+        self.f, self.update = f, update
         self.error: BaseException | None = None
-        # depth 0: unbounded queues, memory bounded by the byte budget alone (many files fed by
-        # one thread: a full queue would stall every other file)
         self.q_write: "queue.Queue" = queue.Queue(maxsize=depth)
         self.q_hash: "queue.Queue" = queue.Queue(maxsize=depth)
         self.threads = [threading.Thread(target=self._writer, name="cvt-file-write", daemon=True),
@@ -353,11 +190,11 @@ class _FilePipeline:
         for t in self.threads:
             t.start()
 
-    def put(self, buf: memoryview, keep, tensor: OutTensor) -> None:
+    def put(self, buf: memoryview, keep, nbytes: int, charge: Charge) -> None:
         if self.error is not None:
-            self.budget.release(tensor.spec.nbytes)
+            charge.done()
             raise self.error
-        self.q_write.put((buf, keep, tensor))
+        self.q_write.put((buf, keep, nbytes, charge))
 
     def _writer(self) -> None:
         while (item := self.q_write.get()) is not self._END:
@@ -371,20 +208,21 @@ class _FilePipeline:
 
     def _hasher(self) -> None:
         while (item := self.q_hash.get()) is not self._END:
-            buf, keep, tensor = item
+            buf, keep, nbytes, charge = item
             try:
                 if self.error is None:
                     self.f.sha.update(buf)
                 del buf, keep, item
-                if tensor.release is not None:
-                    tensor.release()
                 if self.error is None:
-                    self.update(tensor.spec.nbytes)
+                    self.update(nbytes)
             except BaseException as exc:  # reported by close(); keep draining so nobody blocks
                 if self.error is None:
                     self.error = exc
-            finally:
-                self.budget.release(tensor.spec.nbytes)
+            try:
+                charge.done()  # the budget is released first, whatever its `on_last` does
+            except BaseException as exc:
+                if self.error is None:
+                    self.error = exc
 
     def close(self, abort: bool = False) -> None:
         if abort and self.error is None:
@@ -396,6 +234,144 @@ class _FilePipeline:
             raise self.error
 
 
+@dataclass
+class _Open:
+    f: AtomicFile
+    pipe: _FilePipeline
+    left: int
+    count: int
+    meta: dict[str, dict] = field(default_factory=dict)
+
+
+class FileSet:
+    """The safetensors files of a plan, fed tensor by tensor in any interleaving: by one worker
+    per file (`write_shards`) or by one thread visiting a source once and handing each slice to
+    every file that holds it (`cvt shard`).
+
+    `files`: ``[(relative path, items)]``, items with a ``.spec`` (`TensorSpec`) and optionally a
+    ``.meta_key`` (stage metadata recorded per file). Files an earlier run of the same plan
+    finished (`OutputDir.finished`: size, sha256 and metadata match) are skipped: `pending`
+    lists the others. A file opens at its first `put` and, after its last, is closed, fsynced,
+    renamed and journaled on a closer thread while the caller goes on. Bytes produced but not
+    yet hashed are bounded by `IN_FLIGHT_BYTES` (`charge` before producing a buffer)."""
+
+    def __init__(self, out: OutputDir, files: list[tuple[str, list]], *, progress=None,
+                 metadata: dict[str, str] | None = None, closers: int = 4, depth: int = 0):
+        # closers 0: a file is closed by the thread that put its last item; depth: see _FilePipeline
+        # (a worker per file: closers=0, depth=2; one feeder for many files: the defaults)
+        self.depth = depth
+        self.out = out
+        self.header_meta = {"format": "pt"} if metadata is None else metadata
+        self.update = progress.update if progress is not None else (lambda n: None)
+        self.specs = {rel: [t.spec for t in items] for rel, items in files}
+        self.results: dict[str, FileInfo] = {}
+        self.done_meta: dict[str, dict] = {}
+        self.pending: list[tuple[str, list]] = []
+        for rel, items in files:
+            size = len(encode_header(self.specs[rel], self.header_meta)) + sum(t.spec.nbytes for t in items)
+            keys = {k for t in items if (k := getattr(t, "meta_key", None))}
+            done = out.finished(rel, keys)
+            if done is not None and done[0].size == size:
+                self.results[rel] = done[0]
+                self.done_meta.update(done[1])
+                self.update(sum(t.spec.nbytes for t in items))
+            else:
+                self.pending.append((rel, items))
+        self.budget = _ByteBudget(IN_FLIGHT_BYTES)
+        self._open: dict[str, _Open] = {}
+        self._closing: dict[str, tuple[_Open, Future]] = {}
+        self._lock = threading.Lock()
+        self._closer = ThreadPoolExecutor(max_workers=closers, thread_name_prefix="cvt-file-close") if closers else None
+        self.meta: dict[str, dict] = dict(self.done_meta)
+
+    def charge(self, nbytes: int, holders: int = 1, on_last: Callable[[], None] | None = None) -> Charge:
+        """Wait for room in the budget, then hold `nbytes` until `holders` files hashed them."""
+        self.budget.acquire(nbytes)
+        return Charge(self.budget, nbytes, holders, on_last)
+
+    def put(self, rel: str, spec: TensorSpec, data, charge: Charge, meta: tuple[str, dict] | None = None) -> None:
+        """Hand `data` (a tensor or buffer of exactly `spec`) to file `rel`, the next of its items."""
+        try:
+            buf = _as_buffer(data, spec)
+        except BaseException:
+            charge.done()
+            raise
+        with self._lock:
+            f = self._open.get(rel)
+            if f is None:
+                af = AtomicFile(self.out.dst / rel)
+                af.write(encode_header(self.specs[rel], self.header_meta))
+                n = len(self.specs[rel])
+                f = self._open[rel] = _Open(af, _FilePipeline(af, self.update, self.depth), n, n)
+        f.pipe.put(buf, data, spec.nbytes, charge)
+        if meta is not None:
+            f.meta[meta[0]] = meta[1]
+        f.left -= 1
+        if f.left == 0 and self._closer is None:
+            with self._lock:
+                del self._open[rel]
+            try:
+                info = self._finish(rel, f)
+            except BaseException:
+                f.f.abort()
+                raise
+            with self._lock:
+                self.results[rel] = info
+                self.meta.update(f.meta)
+        elif f.left == 0:
+            with self._lock:
+                self._closing[rel] = (f, self._closer.submit(self._finish, rel, self._open.pop(rel)))
+            self._collect(wait_all=False)
+
+    def _finish(self, rel: str, f: _Open) -> FileInfo:
+        f.pipe.close()
+        size, sha = f.f.commit()
+        info = FileInfo(path=rel, size=size, sha256=sha, tensors=f.count)
+        self.out.record(info, f.meta)
+        return info
+
+    def _collect(self, wait_all: bool) -> None:
+        with self._lock:
+            ready = [r for r, (_, fut) in self._closing.items() if wait_all or fut.done()]
+        for rel in ready:
+            f, fut = self._closing[rel]
+            self.results[rel] = fut.result()
+            with self._lock:
+                del self._closing[rel]
+                self.meta.update(f.meta)
+
+    def close(self) -> list[FileInfo]:
+        """Wait for every file; their infos in plan order."""
+        try:
+            self._collect(wait_all=True)
+            if self._open:  # every file closes after its last item; anything left is a planning bug
+                raise RuntimeError(f"internal: files left open: {sorted(self._open)[:3]}")
+        finally:
+            if self._closer is not None:
+                self._closer.shutdown(wait=True)
+        return [self.results[rel] for rel in self.specs]
+
+    def abort(self) -> None:
+        """After a failure: stop every open file and remove its temp file; files whose close
+        already finished stay recorded (a rerun keeps them)."""
+        with self._lock:
+            open_files, closing = list(self._open.values()), list(self._closing.values())
+            self._open.clear()
+        for f in open_files:
+            f.pipe.close(abort=True)
+            f.f.abort()
+        for f, fut in closing:
+            if not fut.cancel():
+                try:
+                    fut.result()
+                    continue  # finished and recorded
+                except BaseException:
+                    pass
+            f.f.abort()
+        if self._closer is not None:
+            self._closer.shutdown(wait=True)
+
+
 def write_shards(
     out: OutputDir,
     shards: list[tuple[str, list[OutTensor]]],
@@ -405,79 +381,48 @@ def write_shards(
     metadata: dict[str, str] | None = None,
     meta: dict[str, dict] | None = None,
 ) -> tuple[list[FileInfo], int, int]:
-    """Write every planned shard not already finished. Returns (file infos, written, skipped);
-    the tensors' stage metadata is collected into `meta` (finished files' from the journal)."""
-    meta = {} if meta is None else meta
-    meta_lock = threading.Lock()
-    header_meta = {"format": "pt"} if metadata is None else metadata
-    results: dict[str, FileInfo] = {}
+    """Write every planned shard not already finished, `workers` files at a time (each producing
+    its tensors in order). Returns (file infos, written, skipped); the tensors' stage metadata
+    is collected into `meta` (finished files' from the journal)."""
+    fs = FileSet(out, shards, progress=progress, metadata=metadata, closers=0, depth=2)
     stop = threading.Event()
-    update = progress.update if progress is not None else (lambda n: None)
-    pending = []
-    skipped = 0
-    # bytes of produced tensors not yet written and hashed, over all workers: at most one
-    # tensor beyond IN_FLIGHT_BYTES, so peak memory stays ~ largest tensor + the budget
-    budget = _ByteBudget(IN_FLIGHT_BYTES)
-    for rel, tensors in shards:
-        size = len(encode_header([t.spec for t in tensors], header_meta)) + sum(t.spec.nbytes for t in tensors)
-        keys = _meta_keys(tensors)
-        done = out.finished(rel, keys)
-        if done is not None and done[0].size == size:
-            results[rel] = done[0]
-            meta.update(done[1])
-            skipped += 1
-            update(sum(t.spec.nbytes for t in tensors))
-        else:
-            pending.append((rel, tensors))
 
-    def write_one(rel: str, tensors: list[OutTensor]) -> FileInfo:
-        file_meta: dict[str, dict] = {}
-        with AtomicFile(out.dst / rel) as f:
-            f.write(encode_header([t.spec for t in tensors], header_meta))
-            pipe = _FilePipeline(f, budget, update)
+    def write_one(rel: str, tensors: list[OutTensor]) -> None:
+        for t in tensors:
+            if stop.is_set():
+                raise _Cancelled
+            charge = fs.charge(t.spec.nbytes, 1, t.release)
             try:
-                for t in tensors:
-                    if stop.is_set():
-                        raise _Cancelled
-                    budget.acquire(t.spec.nbytes)
-                    try:
-                        data = t.produce()
-                        buf = _as_buffer(data, t.spec)
-                    except BaseException:
-                        budget.release(t.spec.nbytes)
-                        raise
-                    pipe.put(buf, data, t)
-                    del data, buf
-                    if t.meta is not None:
-                        key, value = t.meta()
-                        file_meta[key] = value
+                data = t.produce()
             except BaseException:
-                pipe.close(abort=True)
+                charge.done()
                 raise
-            pipe.close()
-            size, sha = f.commit()
-        info = FileInfo(path=rel, size=size, sha256=sha, tensors=len(tensors))
-        out.record(info, file_meta)
-        with meta_lock:
-            meta.update(file_meta)
-        return info
+            fs.put(rel, t.spec, data, charge, t.meta() if t.meta is not None else None)
+            del data
 
-    if pending:
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cvt-write") as pool:
-            futures = {pool.submit(write_one, rel, ts): rel for rel, ts in pending}
-            try:
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                for fut in done:
-                    if fut.exception() is not None:
-                        raise fut.exception()
-                for fut in futures:
-                    results[futures[fut]] = fut.result()
-            except BaseException:
-                stop.set()
-                for fut in futures:
-                    fut.cancel()
-                raise
-    return [results[rel] for rel, _ in shards], len(pending), skipped
+    try:
+        if fs.pending:
+            with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cvt-write") as pool:
+                futures = [pool.submit(write_one, rel, ts) for rel, ts in fs.pending]
+                try:
+                    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                    for fut in done:
+                        if fut.exception() is not None:
+                            raise fut.exception()
+                    for fut in futures:
+                        fut.result()
+                except BaseException:
+                    stop.set()
+                    for fut in futures:
+                        fut.cancel()
+                    raise
+        infos = fs.close()
+    except BaseException:
+        fs.abort()
+        raise
+    if meta is not None:
+        meta.update(fs.meta)
+    return infos, len(fs.pending), len(shards) - len(fs.pending)
 
 
 def make_progress(total: int, desc: str, quiet: bool):
@@ -485,6 +430,37 @@ def make_progress(total: int, desc: str, quiet: bool):
 
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=quiet,
                 dynamic_ncols=True, smoothing=0.1)
+
+
+def run_plan_id(ckpt: Checkpoint, src: SourceInfo, stage: StageInfo, **parts: Any) -> str:
+    """The plan id of a stage run (resume continues only the same plan): tool version, source
+    identity and files, the stage and its parameters, plus the stage's own `parts`."""
+    return plan_id({
+        "tool": __version__,
+        "source": src.model_dump(),
+        # fine-tunes share config and index with their base: the weight files themselves
+        # (size and modification time) tell one source from another without reading them
+        "source_files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.weight_files],
+        "stage": stage.model_dump(),
+        **parts,
+    })
+
+
+def finish_output(out: OutputDir, ckpt: Checkpoint, files: list[FileInfo], *, src: SourceInfo, stage: StageInfo,
+                  pid: str, out_format: str, tensor_count: int, total_size: int, summary: dict[str, int],
+                  quant=None, shard=None, skip_aux: Iterable[str] = ()) -> Manifest:
+    """Copy the source's side files (tokenizer, generation config, remote code, ...; not
+    `skip_aux`) into DST, then write the manifest: the last file, which makes DST complete."""
+    skip = set(skip_aux)
+    for path in ckpt.aux_files():
+        if path.name not in skip:
+            files.append(out.copy_file(path, path.name))
+    prior = list(ckpt.manifest.stages) if ckpt.manifest is not None else []  # a later stage extends the history
+    manifest = Manifest(tool=ToolInfo(version=__version__), source=src, stages=[*prior, stage], format=out_format,
+                        plan_id=pid, tensor_count=tensor_count, total_size=total_size, files=files,
+                        summary=Summary(counts=summary), quant=quant, shard=shard)
+    out.finish(manifest)
+    return manifest
 
 
 def write_checkpoint(
@@ -511,19 +487,10 @@ def write_checkpoint(
     t0 = time.perf_counter()
     shards = plan_shards(tensors, max_shard_size, prefix)
     src = source_info(ckpt, source_format)
-    prior = _prior_stages(ckpt)
-    pid = plan_id({
-        "tool": __version__,
-        "source": src.model_dump(),
-        # fine-tunes share config and index with their base: the weight files themselves
-        # (size and modification time) tell one source from another without reading them
-        "source_files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.weight_files],
-        "stage": stage.model_dump(),
-        "max_shard_size": max_shard_size,
-        "prefix": prefix,
-        "tensors": [(t.spec.name, t.spec.dtype, t.spec.shape) for t in tensors],
-        "quant": quant.model_dump(exclude={"tensors", "fallbacks", "float_modules"}) if quant is not None else None,
-    })
+    pid = run_plan_id(
+        ckpt, src, stage, max_shard_size=max_shard_size, prefix=prefix,
+        tensors=[(t.spec.name, t.spec.dtype, t.spec.shape) for t in tensors],
+        quant=quant.model_dump(exclude={"tensors", "fallbacks", "float_modules"}) if quant is not None else None)
     total_out = sum(t.spec.nbytes for t in tensors)
     with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
                    verb=stage.name) as out:
@@ -533,27 +500,13 @@ def write_checkpoint(
         if on_meta is not None:
             on_meta(meta)
         weight_map = {t.spec.name: rel for rel, ts in shards for t in ts}
-        index = {"metadata": {"total_size": total_out}, "weight_map": weight_map}
-        index_name = f"{prefix}.safetensors.index.json"
-        files.append(out.write_small(index_name, (json.dumps(index, indent=2) + "\n").encode()))
-        files.append(out.write_small("config.json", (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()))
+        files.append(out.write_json(f"{prefix}.safetensors.index.json",
+                                    {"metadata": {"total_size": total_out}, "weight_map": weight_map}))
+        files.append(out.write_json("config.json", config))
         for rel, data in extra_files:
             files.append(out.write_small(rel, data))
-        for path in ckpt.aux_files():
-            files.append(out.copy_file(path, path.name))
-        manifest = Manifest(
-            tool=ToolInfo(version=__version__),
-            source=src,
-            stages=[*prior, stage],
-            format=out_format,
-            plan_id=pid,
-            tensor_count=len(tensors),
-            total_size=total_out,
-            files=files,
-            summary=Summary(counts=summary),
-            quant=quant,
-        )
-        out.finish(manifest)
+        manifest = finish_output(out, ckpt, files, src=src, stage=stage, pid=pid, out_format=out_format,
+                                 tensor_count=len(tensors), total_size=total_out, summary=summary, quant=quant)
     return WriteResult(
         dst=Path(dst),
         files=files,
@@ -565,8 +518,3 @@ def write_checkpoint(
         manifest=manifest,
         meta=meta,
     )
-
-
-def _prior_stages(ckpt: Checkpoint) -> list[StageInfo]:
-    """Stages recorded by a cvt source's manifest (a later stage extends the history)."""
-    return list(ckpt.manifest.stages) if ckpt.manifest is not None else []

@@ -134,7 +134,7 @@ def _check_dst(src_root: Path | None, dst: Path, overwrite: bool) -> None:
 
 def _lock_dst(dst: Path) -> int:
     """The run lock beside DST (held until the returned descriptor is closed)."""
-    from cvt.convert.writer import lock_fd
+    from cvt.convert.outdir import lock_fd
 
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)

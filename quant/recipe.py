@@ -25,7 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cvt.convert.arch import ArchSpec
-from cvt.errors import CvtError
+from cvt.errors import CvtError, validation_summary
 
 METHODS = ("rtn", "smoothquant", "gptq", "awq")
 
@@ -60,19 +60,26 @@ def load_recipe(path: Path) -> Recipe:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise CvtError(f"{path}: cannot read the recipe: {exc.strerror or exc}") from exc
-    try:
-        if path.suffix in (".yaml", ".yml"):
+    if path.suffix in (".yaml", ".yml"):
+        try:
             import yaml
-
+        except ImportError as exc:
+            raise CvtError(f"{path}: YAML recipes need PyYAML ({exc}); use JSON") from None
+        try:
             data = yaml.safe_load(text)
-        else:
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise CvtError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+    else:
+        try:
             data = json.loads(text)
+        except ValueError as exc:
+            raise CvtError(f"{path}: not valid JSON: {exc}") from None
+    try:
         return Recipe.model_validate(data)
-    except (ValueError, ValidationError) as exc:
-        first = str(exc).strip().splitlines()
-        raise CvtError(f"{path}: not a valid recipe: {' '.join(first[:3])}") from exc
-    except ImportError as exc:
-        raise CvtError(f"{path}: YAML recipes need PyYAML ({exc}); use JSON") from exc
+    except ValidationError as exc:
+        raise CvtError(f"{path}: not a valid recipe: {validation_summary(exc)}") from None
 
 
 @dataclass(frozen=True)
