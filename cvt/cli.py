@@ -409,16 +409,22 @@ def verify_cmd(candidate, reference, data, report_dir, seq_len, max_sequences, m
     from cvt.runtime.verify import verify
     from cvt.schemas.report import Thresholds
 
-    th = Thresholds(min_cosine=min_cosine, max_ppl_ratio=max_ppl_ratio, max_mean_kl=max_mean_kl, min_top1=min_top1)
+    th = Thresholds.from_options(min_cosine=min_cosine, max_ppl_ratio=max_ppl_ratio, max_mean_kl=max_mean_kl,
+                                 min_top1=min_top1)  # CvtError naming the option before anything loads
     res = verify(candidate, reference, Path(report_dir), data=Path(data) if data else None, thresholds=th,
                  device=resolve_device(device), dtype=DTYPES[dtype], seq_len=seq_len, max_sequences=max_sequences)
     r = res.report
     if not quiet:
-        worst = min(r.layers, key=lambda row: row.cosine)
+        import math
+
+        worst = min(r.layers, key=lambda row: (not math.isnan(row.cosine), row.cosine))  # NaN is the worst
         lg = r.logits
         click.echo(f"layers: min cosine {worst.cosine:.6f} at {worst.name}; first divergent: {r.first_divergent_layer or '-'}")
         click.echo(f"logits: PPL ratio {lg.ppl_ratio:.4f}, mean KL {lg.kl_mean:.3g}, same top-1 {lg.same_top1:.2%}, "
                    f"RMS dp {lg.rms_delta_p:.3%}")
+        if r.first_nonfinite_layer:
+            side = next((n.side for n in r.nonfinite_layers if n.name == r.first_nonfinite_layer), "?")
+            click.echo(f"non-finite values (NaN/Inf): {side} output of {r.first_nonfinite_layer} first")
         click.echo(f"report: {res.paths['html']}")
     for v in r.violations:
         click.echo(f"cvt: threshold violated: {v}", err=True)
@@ -477,6 +483,13 @@ def main(argv=None) -> None:
         click.echo(f"cvt: error: {where}{exc.strerror or exc}", err=True)
         sys.exit(EXIT_ERROR)
     except Exception as exc:  # a bug: say so, in one line unless --debug
+        if type(exc).__name__ == "ValidationError":  # pydantic: input no reader turned into a CvtError
+            from cvt.errors import validation_summary
+
+            if debug:
+                traceback.print_exc()
+            click.echo(f"cvt: error: invalid input: {validation_summary(exc)}", err=True)
+            sys.exit(EXIT_ERROR)
         if debug:
             traceback.print_exc()
         click.echo(f"cvt: internal error: {type(exc).__name__}: {exc} (re-run with --debug for the traceback)", err=True)

@@ -1,8 +1,10 @@
 """Write a verify `Report` as report.json, report.md and a self-contained report.html.
 
-`evaluate_thresholds(thresholds, layers, logits)` turns the acceptance limits into
-`ThresholdCheck`s, violation messages and a passed flag; `first_divergent_layer(rows,
-min_cosine)` names the first layer below the cosine limit. `write_report(report, folder,
+`evaluate_thresholds(thresholds, layers, logits, nonfinite_layers)` turns the acceptance limits
+into `ThresholdCheck`s, violation messages and a passed flag; a NaN measurement fails every
+limit, and its message says it is NaN and where the non-finite values are (`nonfinite_layers`:
+`NonFinite` rows, as `cvt verify` records them). `first_divergent_layer(rows, min_cosine)`
+names the first layer below the cosine limit or NaN. `write_report(report, folder,
 kl_values)` writes the three files. The HTML needs no network: inline CSS, two inline SVG
 plots drawn here (per-layer cosine, histogram of per-token KL), no scripts, all text escaped.
 """
@@ -15,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from cvt.schemas.report import LayerRow, LogitStats, Report, ThresholdCheck, Thresholds, WeightSqnrRow
+from cvt.schemas.report import LayerRow, LogitStats, NonFinite, Report, ThresholdCheck, Thresholds, WeightSqnrRow
 
 COSINE_PLOT_TITLE = "Per-layer cosine similarity (candidate vs reference)"
 KL_PLOT_TITLE = "Per-token KL divergence (reference || candidate), histogram"
@@ -58,9 +60,12 @@ def first_divergent_layer(rows: Iterable[LayerRow | dict], min_cosine: float | N
     """Name of the first row (in order) whose cosine is below `min_cosine` or NaN; None if none.
 
     rows: `LayerRow`s, or dicts with "name" and "Cosine" (as `compare_tensors` + a name).
+    A non-finite `min_cosine` is refused (ValueError): a NaN limit would pass every layer.
     """
     if min_cosine is None:
         return None
+    if not math.isfinite(min_cosine):
+        raise ValueError(f"min_cosine {min_cosine!r}: must be a finite number in [-1, 1]")
     for row in rows:
         name, c = _cos_of(row)
         if math.isnan(c) or c < min_cosine:
@@ -75,13 +80,36 @@ class ThresholdOutcome(NamedTuple):
     first_divergent_layer: str | None
 
 
-def evaluate_thresholds(thresholds: Thresholds, layers: Sequence[LayerRow],
-                        logits: LogitStats | None) -> ThresholdOutcome:
-    """Apply every set threshold; a threshold that cannot be measured (no layers / no logits) fails.
+def describe_nonfinite(row: NonFinite) -> str:
+    """ "candidate layer.1: 96 NaN, 2 +Inf of 3072 values" """
+    parts = [f"{n} {label}" for n, label in ((row.nan, "NaN"), (row.posinf, "+Inf"), (row.neginf, "-Inf")) if n]
+    return f"{row.side} {row.name}: {', '.join(parts)} of {row.numel} values"
 
+
+def _where(nonfinite: Sequence[NonFinite], name: str | None = None) -> str:
+    """Where the NaN / Inf values are, in words: the rows of layer `name` (if any), and the first
+    non-finite output when that is elsewhere."""
+    if not nonfinite:
+        return "the candidate or reference output holds NaN or Inf"
+    here = [describe_nonfinite(r) for r in nonfinite if r.name == name]
+    first = nonfinite[0]
+    if first.name != name:
+        here.append(f"first non-finite output: {describe_nonfinite(first)}")
+    return "; ".join(here)
+
+
+def evaluate_thresholds(thresholds: Thresholds, layers: Sequence[LayerRow],
+                        logits: LogitStats | None, nonfinite_layers: Sequence[NonFinite] = ()) -> ThresholdOutcome:
+    """Apply every set threshold; a threshold that cannot be measured (no layers / no logits) fails,
+    and so does a NaN measurement, whatever the limit.
+
+    nonfinite_layers: the layer outputs holding NaN / Inf (`Report.nonfinite_layers`, model
+        order), named in the messages of the checks they fail.
     Returns the checks (one per set threshold), the failed checks' messages, `passed` (no
-    violation) and the first layer below `min_cosine`.
+    violation) and the first layer below `min_cosine` (or NaN). Limits are re-validated
+    (`Thresholds.coerce`): an invalid one raises `CvtError`.
     """
+    thresholds = Thresholds.coerce(thresholds)
     checks: list[ThresholdCheck] = []
     first_bad = first_divergent_layer(layers, thresholds.min_cosine)
 
@@ -97,8 +125,16 @@ def evaluate_thresholds(thresholds: Thresholds, layers: Sequence[LayerRow],
             else:
                 bad = next(r for r in layers if r.name == first_bad)
                 n_bad = sum(1 for r in layers if math.isnan(r.cosine) or r.cosine < lim)
-                msg = (f"Cosine below {lim:g} from layer {first_bad} ({_fmt(bad.cosine)}); {n_bad} of "
-                       f"{len(layers)} layers below, lowest {_fmt(worst.cosine)} at {worst.name}")
+                n_nan = sum(1 for r in layers if math.isnan(r.cosine))
+                if math.isnan(bad.cosine):
+                    msg = (f"Cosine is NaN (non-finite values) from layer {first_bad}, fails >= {lim:g}: "
+                           f"{_where(nonfinite_layers, first_bad)}; {n_bad} of {len(layers)} layers fail "
+                           f"({n_nan} NaN)")
+                else:
+                    msg = (f"Cosine below {lim:g} from layer {first_bad} ({_fmt(bad.cosine)}); {n_bad} of "
+                           f"{len(layers)} layers below, lowest {_fmt(worst.cosine)} at {worst.name}")
+                    if n_nan:
+                        msg += f" ({n_nan} NaN: {_where(nonfinite_layers)})"
             checks.append(ThresholdCheck(name="min_cosine", limit=lim, value=worst.cosine,
                                          passed=first_bad is None, message=msg))
 
@@ -116,9 +152,15 @@ def evaluate_thresholds(thresholds: Thresholds, layers: Sequence[LayerRow],
             continue
         v = getattr(logits, field)
         ok = (v <= lim) if upper else (v >= lim)  # False for NaN
-        rel = ("<=" if ok else ">") if upper else (">=" if ok else "<")
-        checks.append(ThresholdCheck(name=name, limit=lim, value=v, passed=bool(ok),
-                                     message=f"{label} {_fmt(v)} {rel} {lim:g}"))
+        if math.isnan(v):
+            msg = (f"{label} is NaN (non-finite logits), fails {'<=' if upper else '>='} {lim:g}: "
+                   f"{_where(nonfinite_layers, 'logits')}")
+        else:
+            rel = ("<=" if ok else ">") if upper else (">=" if ok else "<")
+            msg = f"{label} {_fmt(v)} {rel} {lim:g}"
+            if math.isinf(v) and nonfinite_layers:
+                msg += f" ({_where(nonfinite_layers, 'logits')})"
+        checks.append(ThresholdCheck(name=name, limit=lim, value=v, passed=bool(ok), message=msg))
 
     violations = [c.message for c in checks if not c.passed]
     return ThresholdOutcome(checks, violations, not violations, first_bad)
@@ -158,6 +200,34 @@ def _worst_weights(weights: Sequence[WeightSqnrRow], k: int) -> list[WeightSqnrR
     return sorted(weights, key=lambda w: (not math.isnan(w.sqnr_db), w.sqnr_db))[:k]
 
 
+def nonfinite_note(report: Report) -> str | None:
+    """One line on NaN / Inf values for the summary: where the first is, or "none found";
+    None for a version 1 report (which did not record them)."""
+    r = report
+    if r.report_version < 2:
+        return None
+    if not r.nonfinite_layers and not r.nonfinite_weights:
+        return "none found"
+    parts = []
+    if r.nonfinite_layers:
+        first = [n for n in r.nonfinite_layers if n.name == r.first_nonfinite_layer]
+        parts.append(f"first in layer {r.first_nonfinite_layer} ("
+                     + "; ".join(describe_nonfinite(n) for n in first) + ")")
+    if r.nonfinite_weights:
+        w = r.nonfinite_weights
+        parts.append(f"{len(w)} weight tensor{'s hold' if len(w) != 1 else ' holds'} NaN/Inf, first "
+                     + describe_nonfinite(w[0]))
+    return "; ".join(parts)
+
+
+def _nonfinite_sides(report: Report) -> dict[str, str]:
+    """layer name -> "candidate" / "reference" / "candidate, reference" for the non-finite outputs."""
+    out: dict[str, list[str]] = {}
+    for n in report.nonfinite_layers:
+        out.setdefault(n.name, []).append(n.side)
+    return {k: ", ".join(v) for k, v in out.items()}
+
+
 def _md(s: str) -> str:
     """Text for a markdown table cell."""
     return str(s).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
@@ -177,19 +247,34 @@ def render_markdown(report: Report, top_k_weights: int = 20) -> str:
         f"- Data: {_md(r.data.source)}" + (f" `{_md(r.data.path)}`" if r.data.path else "")
         + f", {r.data.sequences} sequences, {r.data.tokens} tokens",
         f"- Tool: {r.tool.name} {_md(r.tool.version)}, report version {r.report_version}",
-        "",
     ]
+    note = nonfinite_note(r)
+    if note:
+        out.append(f"- Non-finite values: {_md(note)}")
+    out.append("")
+
+    if r.nonfinite_layers or r.nonfinite_weights:
+        out += ["## Non-finite values (NaN / Inf)", "",
+                "A NaN measurement fails every threshold. Where the values are:", "",
+                "| Tensor | Kind | Side | NaN | +Inf | -Inf | Elements |", "|---|---|---|---:|---:|---:|---:|"]
+        out += [f"| {_md(n.name)} | {kind} | {n.side} | {n.nan} | {n.posinf} | {n.neginf} | {n.numel} |"
+                for kind, rows in (("layer output", r.nonfinite_layers), ("weight", r.nonfinite_weights))
+                for n in rows]
+        out.append("")
 
     out += ["## Per-layer comparison", ""]
     if r.layers:
         if r.first_divergent_layer:
             lim = r.thresholds.min_cosine
-            out += [f"First divergent layer (Cosine < {_fmt(lim)}): **{_md(r.first_divergent_layer)}**", ""]
+            out += [f"First divergent layer (Cosine < {_fmt(lim)} or NaN): **{_md(r.first_divergent_layer)}**", ""]
         out.append("| # | Layer | " + " | ".join(c for _, c in LAYER_COLUMNS) + " |")
         out.append("|---:|---|" + "---:|" * len(LAYER_COLUMNS))
+        sides = _nonfinite_sides(r)
         for i, row in enumerate(r.layers):
             bad = row.name == r.first_divergent_layer
             name = f"**{_md(row.name)}** (first divergent)" if bad else _md(row.name)
+            if row.name in sides:
+                name += f" (NaN/Inf: {sides[row.name]})"
             cells = [_fmt_col(a, getattr(row, a)) for a, _ in LAYER_COLUMNS]
             if bad:
                 cells = [f"**{c}**" for c in cells]
@@ -433,18 +518,36 @@ def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
         f", {r.data.sequences} sequences, {r.data.tokens} tokens"
     out += ["<ul>", side("Candidate", r.candidate), side("Reference", r.reference),
             f"<li>Data: {_e(data)}</li>",
-            f"<li>Tool: {_e(r.tool.name)} {_e(r.tool.version)}, report version {r.report_version}</li>", "</ul>"]
+            f"<li>Tool: {_e(r.tool.name)} {_e(r.tool.version)}, report version {r.report_version}</li>"]
+    note = nonfinite_note(r)
+    if note:
+        out.append(f'<li>Non-finite values: <strong>{_e(note)}</strong></li>' if r.nonfinite_layers or
+                   r.nonfinite_weights else f"<li>Non-finite values: {_e(note)}</li>")
+    out.append("</ul>")
+
+    if r.nonfinite_layers or r.nonfinite_weights:
+        out.append("<h2>Non-finite values (NaN / Inf)</h2>")
+        out.append("<p>A NaN measurement fails every threshold. Where the values are:</p>")
+        out.append(_table(["Tensor", "Kind", "Side", "NaN", "+Inf", "-Inf", "Elements"],
+                          [([(n.name, ""), (kind, ""), (n.side, ""), (str(n.nan), "num"), (str(n.posinf), "num"),
+                             (str(n.neginf), "num"), (str(n.numel), "num")], "bad")
+                           for kind, rows in (("layer output", r.nonfinite_layers), ("weight", r.nonfinite_weights))
+                           for n in rows]))
 
     out.append("<h2>Per-layer comparison</h2>")
     out.append(cosine_plot_svg(r.layers, r.thresholds.min_cosine, r.first_divergent_layer))
     if r.layers:
         if r.first_divergent_layer:
-            out.append(f"<p>First divergent layer (Cosine &lt; {_e(_fmt(r.thresholds.min_cosine))}): "
+            out.append(f"<p>First divergent layer (Cosine &lt; {_e(_fmt(r.thresholds.min_cosine))} or NaN): "
                        f"<strong>{_e(r.first_divergent_layer)}</strong></p>")
         rows = []
+        sides = _nonfinite_sides(r)
         for i, row in enumerate(r.layers):
             bad = row.name == r.first_divergent_layer
-            cells = [(str(i), "num"), (row.name + (" (first divergent)" if bad else ""), "")]
+            label = row.name + (" (first divergent)" if bad else "")
+            if row.name in sides:
+                label += f" (NaN/Inf: {sides[row.name]})"
+            cells = [(str(i), "num"), (label, "")]
             cells += [(_fmt_col(a, getattr(row, a)), "num") for a, _ in LAYER_COLUMNS]
             rows.append((cells, "bad" if bad else ""))
         out.append(_table(["#", "Layer"] + [c for _, c in LAYER_COLUMNS], rows))

@@ -6,10 +6,15 @@ tokenized with the reference's tokenizer. Compared:
 * per layer: the residual stream after the embedding and after every decoder layer, plus the
   logits, with Ascend's compare columns (`cvt.runtime.metrics.compare_tensors`);
 * per weight: SQNR of every linear both models hold (the candidate's weight dequantized);
-* logits: PPL of each and their ratio, KL(ref || cand) mean and percentiles, same top-1, RMS dp.
+* logits: PPL of each and their ratio, KL(ref || cand) mean and percentiles, same top-1, RMS dp;
+* NaN / Inf: counted in every layer output and every weight of both models (`nonfinite_layers`,
+  `nonfinite_weights`, `first_nonfinite_layer`); the metrics of a non-finite output are NaN
+  (`cvt.runtime.metrics`) and fail every threshold.
 
-Writes report.json (schemas/report.schema.json), report.md and a self-contained report.html,
-and evaluates the thresholds; the CLI exits non-zero when one is violated.
+Thresholds are validated before any model is loaded (`Thresholds.coerce`: an invalid limit is a
+`CvtError` naming the option). Writes report.json (schemas/report.schema.json), report.md and a
+self-contained report.html, and evaluates the thresholds; the CLI exits non-zero when one is
+violated.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from cvt.runtime.loader import Loaded, load_model
 from cvt.runtime.report import evaluate_thresholds, write_report
 from cvt.runtime.tokenizer import load_tokenizer, read_texts
 from cvt.schemas.manifest import ToolInfo
-from cvt.schemas.report import DataInfo, LayerRow, LogitStats, ModelRef, Report, Thresholds, WeightSqnrRow
+from cvt.schemas.report import (DataInfo, LayerRow, LogitStats, ModelRef, NonFinite, Report, Thresholds,
+                                WeightSqnrRow)
 
 SAMPLE_TEXT = (
     "#ifndef _UAPI_LINUX_TYPES_H\n#define _UAPI_LINUX_TYPES_H\n\n#include <asm/types.h>\n\n"
@@ -82,10 +88,47 @@ def weight_sqnr(cand, ref) -> list[WeightSqnrRow]:
     return rows
 
 
-def verify(candidate, reference, report_dir, *, data: Path | None = None, thresholds: Thresholds | None = None,
-           device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, seq_len: int = 128,
-           max_sequences: int = 8) -> VerifyResult:
-    thresholds = thresholds or Thresholds()
+def count_nonfinite(name: str, side: str, t: torch.Tensor) -> NonFinite | None:
+    """A `NonFinite` row for tensor `t` (layer output or weight `name` of `side`), None when all finite."""
+    nan, pinf, ninf = metrics.nonfinite_counts(t)
+    if nan + pinf + ninf == 0:
+        return None
+    return NonFinite(name=name, side=side, nan=nan, posinf=pinf, neginf=ninf, numel=int(t.numel()))
+
+
+def nonfinite_layers(names: list[str], cand: list[torch.Tensor], ref: list[torch.Tensor]) -> list[NonFinite]:
+    """The layer outputs holding NaN / Inf, in model order, candidate before reference."""
+    out = []
+    for name, c, r in zip(names, cand, ref):
+        out += [row for row in (count_nonfinite(name, "candidate", c), count_nonfinite(name, "reference", r)) if row]
+    return out
+
+
+def nonfinite_weights(cand, ref) -> list[NonFinite]:
+    """Every floating parameter or buffer of either model that holds NaN / Inf (candidate first)."""
+    out = []
+    for side, model in (("candidate", cand), ("reference", ref)):
+        seen: set[int] = set()
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if id(t) in seen or not t.dtype.is_floating_point or t.numel() == 0:
+                continue
+            seen.add(id(t))
+            row = count_nonfinite(name, side, t)
+            if row:
+                out.append(row)
+    return out
+
+
+def verify(candidate, reference, report_dir, *, data: Path | None = None,
+           thresholds: Thresholds | dict | None = None, device: str | torch.device = "cpu",
+           dtype: torch.dtype = torch.float32, seq_len: int = 128, max_sequences: int = 8) -> VerifyResult:
+    """Run both models, compare, write the report into `report_dir`; see the module doc.
+
+    thresholds: `Thresholds`, or a dict of the limits (min_cosine=..., as the CLI's options), or
+        None (none applied); validated first: an invalid limit raises `CvtError` naming the option
+        before any model is loaded.
+    """
+    thresholds = Thresholds.coerce(thresholds)
     ref = load_model(reference, device=device, dtype=dtype)
     cand = load_model(candidate, device=device, dtype=dtype)
     if ref.model.args.vocab_size != cand.model.args.vocab_size:
@@ -97,16 +140,17 @@ def verify(candidate, reference, report_dir, *, data: Path | None = None, thresh
     cand_hidden, cand_logits = _run(cand.model, tokens, cand.device)
     if len(ref_hidden) != len(cand_hidden):
         raise CvtError(f"layer counts differ: candidate {len(cand_hidden) - 1}, reference {len(ref_hidden) - 1}")
-    layers = [LayerRow(name="embed" if i == 0 else f"layer.{i - 1}", **metrics.compare_tensors(c, r))
-              for i, (c, r) in enumerate(zip(cand_hidden, ref_hidden))]
-    layers.append(LayerRow(name="logits", **metrics.compare_tensors(cand_logits, ref_logits)))
+    names = ["embed"] + [f"layer.{i}" for i in range(len(ref_hidden) - 1)] + ["logits"]
+    layers = [LayerRow(name=n, **metrics.compare_tensors(c, r))
+              for n, c, r in zip(names, [*cand_hidden, cand_logits], [*ref_hidden, ref_logits])]
+    bad_layers = nonfinite_layers(names, [*cand_hidden, cand_logits], [*ref_hidden, ref_logits])
 
     v = ref_logits.shape[-1]
     stats = metrics.logit_stats(cand_logits[:, :-1].reshape(-1, v), ref_logits[:, :-1].reshape(-1, v),
                                 tokens[:, 1:].reshape(-1))
     kl = stats.pop("kl_per_token")
     logits = LogitStats(**stats)
-    outcome = evaluate_thresholds(thresholds, layers, logits)
+    outcome = evaluate_thresholds(thresholds, layers, logits, bad_layers)
     report = Report(
         tool=ToolInfo(version=__version__),
         candidate=_ref(cand, candidate),
@@ -114,6 +158,9 @@ def verify(candidate, reference, report_dir, *, data: Path | None = None, thresh
         data=data_info,
         layers=layers,
         first_divergent_layer=outcome.first_divergent_layer,
+        first_nonfinite_layer=bad_layers[0].name if bad_layers else None,
+        nonfinite_layers=bad_layers,
+        nonfinite_weights=nonfinite_weights(cand.model, ref.model),
         weights=weight_sqnr(cand.model, ref.model),
         logits=logits,
         thresholds=thresholds,

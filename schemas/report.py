@@ -8,24 +8,65 @@ builds one. Python attribute names are snake_case (`row.cosine`).
 
 Metrics can be infinite (SQNR of an exact weight, EucDist against a zero reference) or NaN;
 the JSON stays strict: such values are written as the strings "Infinity", "-Infinity", "NaN"
-(write with `model_dump_json(by_alias=True)`), and read back as floats.
+(write with `model_dump_json(by_alias=True)`), and read back as floats. A NaN metric means a
+candidate or reference tensor held NaN / Inf: it fails every threshold, and `nonfinite_layers`
+/ `nonfinite_weights` / `first_nonfinite_layer` say where those values are.
+
+`Thresholds` accepts finite limits only (each field states its rule); `Thresholds.from_options`
+turns an invalid one into a one-line `CvtError` naming the CLI option.
+
+report_version 2 added `first_nonfinite_layer`, `nonfinite_layers`, `nonfinite_weights` and a
+NaN `same_top1`; a version 1 report (without them) still reads.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
+from cvt.errors import CvtError
 from cvt.schemas.manifest import ToolInfo
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 
 Metric = Annotated[
     float,
     WithJsonSchema({"anyOf": [{"type": "number"}, {"enum": ["Infinity", "-Infinity", "NaN"]}]}),
 ]
 """A float that may be +-inf or NaN, written to JSON as a number or one of those three strings."""
+
+
+def _share(v: float) -> float:
+    if not (math.isnan(v) or 0.0 <= v <= 1.0):
+        raise ValueError("must be a share in [0, 1], or NaN (non-finite logits)")
+    return v
+
+
+Share = Annotated[
+    float,
+    AfterValidator(_share),
+    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, {"enum": ["NaN"]}]}),
+]
+"""A share in [0, 1], or NaN when it cannot be measured (NaN / Inf inputs)."""
+
+
+def _limit(rule: str, ok, bounds: dict) -> Any:
+    """A threshold: a finite float for which ok(v) holds, else ValueError("must be <rule>")."""
+
+    def check(v: float) -> float:
+        if not (math.isfinite(v) and ok(v)):
+            raise ValueError(f"must be {rule}")
+        return v
+
+    return Annotated[float, AfterValidator(check), WithJsonSchema({"type": "number", **bounds})]
+
+
+CosineLimit = _limit("a finite number in [-1, 1]", lambda v: -1.0 <= v <= 1.0, {"minimum": -1, "maximum": 1})
+PplRatioLimit = _limit("a finite number > 0", lambda v: v > 0.0, {"exclusiveMinimum": 0})
+KlLimit = _limit("a finite number >= 0", lambda v: v >= 0.0, {"minimum": 0})
+Top1Limit = _limit("a finite number in [0, 1]", lambda v: 0.0 <= v <= 1.0, {"minimum": 0, "maximum": 1})
 
 
 class _Strict(BaseModel):
@@ -89,17 +130,73 @@ class LogitStats(_Strict):
     kl_p99: Metric
     kl_p999: Metric
     kl_max: Metric
-    same_top1: float = Field(ge=0, le=1, description="share of positions with the same argmax")
+    same_top1: Share = Field(description="share of positions with the same argmax; NaN: a row held NaN / Inf")
     rms_delta_p: Metric = Field(description="RMS of p_cand(target) - p_ref(target), a fraction (not %)")
 
 
 class Thresholds(_Strict):
-    """Acceptance limits; null: not checked."""
+    """Acceptance limits, each a finite number; null: not checked. A NaN measurement fails every one."""
 
-    min_cosine: float | None = Field(None, description="every layer's Cosine must be >= this")
-    max_ppl_ratio: float | None = Field(None, description="PPL(candidate) / PPL(reference) must be <= this")
-    max_mean_kl: float | None = Field(None, description="mean KL must be <= this")
-    min_top1: float | None = Field(None, ge=0, le=1, description="same top-1 share must be >= this")
+    min_cosine: CosineLimit | None = Field(
+        None, description="every layer's Cosine must be >= this; a finite number in [-1, 1]")
+    max_ppl_ratio: PplRatioLimit | None = Field(
+        None, description="PPL(candidate) / PPL(reference) must be <= this; a finite number > 0")
+    max_mean_kl: KlLimit | None = Field(None, description="mean KL must be <= this; a finite number >= 0")
+    min_top1: Top1Limit | None = Field(
+        None, description="same top-1 share must be >= this; a finite number in [0, 1]")
+
+    @classmethod
+    def from_options(cls, **limits: float | None) -> Thresholds:
+        """Thresholds from the CLI's options (min_cosine=..., max_ppl_ratio=..., max_mean_kl=...,
+        min_top1=...; None: not set). An invalid limit raises `CvtError` in one line naming the
+        option and its rule, e.g. "--min-cosine nan: must be a finite number in [-1, 1]"."""
+        try:
+            return cls(**limits)
+        except ValidationError as exc:
+            raise CvtError(_limits_error(exc, limits)) from None
+
+    @classmethod
+    def coerce(cls, value: Thresholds | dict | None) -> Thresholds:
+        """`value` as validated Thresholds (None: none set): a dict goes through `from_options`,
+        an instance is re-validated (a `model_construct`ed one may hold anything)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            value = value.model_dump()
+        if not isinstance(value, dict):
+            raise CvtError(f"thresholds: expected Thresholds or a dict of limits, got {type(value).__name__}")
+        return cls.from_options(**value)
+
+
+def _limits_error(exc: ValidationError, limits: dict) -> str:
+    parts = []
+    for e in exc.errors(include_url=False):
+        loc = e.get("loc") or ()
+        field = str(loc[0]) if loc else ""
+        opt = "--" + field.replace("_", "-") if field else "thresholds"
+        value = limits.get(field, e.get("input"))
+        shown = repr(value) if isinstance(value, float) else str(value)
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{opt} {shown}: {msg}")
+    return "; ".join(parts)
+
+
+class NonFinite(_Strict):
+    """NaN / Inf elements of one tensor on one side of the comparison."""
+
+    name: str = Field(description='a layer of `layers` ("layer.3", "logits") or a weight tensor name')
+    side: Literal["candidate", "reference"]
+    nan: int = Field(ge=0, description="NaN elements")
+    posinf: int = Field(ge=0, description="+Inf elements")
+    neginf: int = Field(ge=0, description="-Inf elements")
+    numel: int = Field(ge=1, description="elements in the tensor")
+
+    @model_validator(mode="after")
+    def _counts(self):
+        bad = self.nan + self.posinf + self.neginf
+        if not 1 <= bad <= self.numel:
+            raise ValueError(f"{self.name}: {bad} non-finite elements must be between 1 and numel {self.numel}")
+        return self
 
 
 class ThresholdCheck(_Strict):
@@ -113,13 +210,21 @@ class ThresholdCheck(_Strict):
 
 
 class Report(_Strict):
-    report_version: Literal[1] = REPORT_VERSION
+    report_version: Literal[1, 2] = REPORT_VERSION
     tool: ToolInfo
     candidate: ModelRef
     reference: ModelRef
     data: DataInfo
     layers: list[LayerRow] = Field(default_factory=list, description="per-layer comparison, in model order")
-    first_divergent_layer: str | None = Field(None, description="first layer with Cosine below min_cosine")
+    first_divergent_layer: str | None = Field(
+        None, description="first layer with Cosine below min_cosine, or NaN (non-finite values)")
+    first_nonfinite_layer: str | None = Field(
+        None, description="first layer (model order) whose candidate or reference output holds NaN or Inf; "
+                          "null: all finite")
+    nonfinite_layers: list[NonFinite] = Field(
+        default_factory=list, description="every layer output holding NaN or Inf: model order, candidate first")
+    nonfinite_weights: list[NonFinite] = Field(
+        default_factory=list, description="every candidate or reference weight holding NaN or Inf")
     weights: list[WeightSqnrRow] = Field(default_factory=list, description="per-weight SQNR rows")
     logits: LogitStats | None = None
     thresholds: Thresholds = Field(default_factory=Thresholds)
@@ -134,4 +239,8 @@ class Report(_Strict):
             raise ValueError(f"passed is true but there are violations: {failed or self.violations}")
         if not self.passed and not failed and not self.violations:
             raise ValueError("passed is false but no check failed and no violation is listed")
+        first = self.nonfinite_layers[0].name if self.nonfinite_layers else None
+        if self.first_nonfinite_layer != first:
+            raise ValueError(f"first_nonfinite_layer {self.first_nonfinite_layer!r} does not match "
+                             f"nonfinite_layers (first: {first!r})")
         return self
