@@ -76,18 +76,20 @@ def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> 
             out.layers_seen.add(info.layer)
             if info.expert is not None:
                 out.experts_seen[info.layer].add(info.expert)
-    if arch is not None:
+    if arch is not None:  # what is missing explains the misshapes it causes: listed first
+        structural: list[str] = []
         n = arch.num_layers
         for layer, seen in sorted(out.experts_seen.items()):
             missing = sorted(set(range(arch.num_experts)) - seen)
             if missing:
                 key = arch.table.config_keys.get("experts", "experts")
-                problems.append(f"layer {layer}: {len(missing)} of {arch.num_experts} experts missing "
+                structural.append(f"layer {layer}: {len(missing)} of {arch.num_experts} experts missing "
                                 f"(e.g. expert {missing[0]}); config.json {key} = {arch.num_experts}")
         missing_layers = sorted(set(range(n)) - out.layers_seen)
         if missing_layers:
-            problems.append(f"{len(missing_layers)} decoder layers have no tensors (e.g. layer {missing_layers[0]}); "
+            structural.append(f"{len(missing_layers)} decoder layers have no tensors (e.g. layer {missing_layers[0]}); "
                             f"config.json {arch.table.config_keys.get('layers', 'layers')} = {n}")
+        problems[:0] = structural
     return out
 
 

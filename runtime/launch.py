@@ -97,12 +97,13 @@ def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, pr
     if bad:
         raise ManifestError(bad[0])
     config = load_json(root / "config.json")
+    from cvt.convert.arch import arch_for, text_config
+
+    arch_for(config).shapes()  # sizes that describe no model: one line naming the key
     # the scheme the shards were cut for, as the sharder saw it
     scheme, group = weights_scheme(config, manifest.quant.model_dump() if manifest.quant else None, str(root))
     check(layout, config, scheme, group)
     tok = load_tokenizer(root, config)
-    from cvt.convert.arch import text_config
-
     ids = prompt_ids(tok, prompts, input_ids, int(text_config(config).get("vocab_size") or 0))
     return Preflight(root, manifest, entry, config, tok, ids)
 

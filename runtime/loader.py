@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, fp8_config, source_format
 from cvt.convert.fp8 import dequant_fp8_block
 from cvt.convert.reader import Checkpoint, manifest_problems, open_checkpoint, read_manifest
@@ -89,6 +90,7 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         if fmt is SourceFormat.OTHER_QUANT:
             raise ManifestError(f"{ckpt.root}: {fmt.value} checkpoints are not runnable (bf16, fp8-block, "
                                 "compressed-tensors and cvt outputs are)")
+        arch_for(ckpt.config).shapes()  # sizes that describe no model: one line naming the key
         block = fp8_block(ckpt, fmt)
         device = torch.device(device)
         with torch.device("meta"):
