@@ -37,7 +37,7 @@ from cvt.cli import _common  # noqa: E402  (--quiet / --debug, as on every verb)
                    "int4 DequantizeLinear + MatMul.")
 @click.option("--w8a8-op", type=click.Choice(["integer", "qdq"]), default="integer", show_default=True,
               help="W8A8 linears as MatMulInteger with per-token int8 activations (the runtime's integers exactly) "
-                   "or as QuantizeLinear/DequantizeLinear + MatMul.")
+                   "or as DequantizeLinear + MatMul (activations quantized as the runtime does).")
 @click.option("--opset", type=click.IntRange(1), default=None,
               help="ONNX opset (default 21 with --int4-op qdq, else 17; at least 13).")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=0, show_default=True,

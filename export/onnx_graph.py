@@ -28,13 +28,21 @@ w8a8_dynamic    qdq               the same quantization as Quantize/DequantizeLi
                                   DequantizeLinear(W^T, w_scale, axis=1)
 w8a8_static     integer           q = Cast<int8>(Clip(Round(x / s_in + off))); (MatMulInteger(q, W^T)
                                   + quant_bias) * deq_scale
-w8a8_static     qdq               DQ(Q(x, s_in, off)) @ DQ(W^T, deq / s_in) + (quant_bias +
-                                  off * sum_k W) * deq_scale
+w8a8_static     qdq               DequantizeLinear(q, s_in, off) @ DQ(W^T, deq / s_in) + (quant_bias +
+                                  off * sum_k W) * deq_scale, with the integer path's q (see below)
 fp8 / fp4       -                 dequantized (exact values, float32 storage) and exported dense
 ==============  ================  ===================================================================
 
 Rounding is half to even on both sides (ONNX Round, torch.round), so the integer paths are the
 runtime's integers exactly; only float32 summation order differs.
+
+The static activation quantizer is the runtime's arithmetic, written out, in both paths:
+``round(x / s_in + off)``. QuantizeLinear would compute ``round(x / s_in) + off``, which differs
+on .5 ties when the offset is odd; and onnxruntime fuses a QuantizeLinear with constant scale
+into DQ -> MatMul as a uint8 x int8 MatMulIntegerToFloat, whose AVX2 kernel (x86 without VNNI)
+saturates its int16 pair sums: seen 20% off. The dynamic Q/DQ path keeps QuantizeLinear: zero
+point 0 (no tie issue), and its per-row scale is computed in the graph, which onnxruntime does
+not fuse.
 """
 
 from __future__ import annotations
@@ -408,17 +416,17 @@ def _w8a8_static(g: Graph, mod, x: str, hint: str, op: str) -> str:
     s_in = float(mod.input_scale.float().reshape(()))
     off = float(mod.input_offset.float().reshape(()))
     deq = deq_scale_f32(mod.deq_scale).float()
+    if op == "qdq" and (off != round(off) or not -128 <= off <= 127):
+        raise CvtError(f"{hint}: w8a8 input_offset {off} is not an int8 integer; use --w8a8-op integer")
+    # the runtime's static_quant: clamp(round(x / s_in + off)) (not QuantizeLinear: module doc)
+    xq = g.op("Clip", [g.op("Round", [g.add(g.op("Div", [x, g.fconst(s_in)]), g.fconst(off))]),
+                       g.fconst(-128.0), g.fconst(127.0)])
+    xq = g.op("Cast", [xq], to=TensorProto.INT8)
     if op == "integer":
-        xq = g.op("Clip", [g.op("Round", [g.add(g.op("Div", [x, g.fconst(s_in)]), g.fconst(off))]),
-                           g.fconst(-128.0), g.fconst(127.0)])
-        acc = g.op("MatMulInteger", [g.op("Cast", [xq], to=TensorProto.INT8),
-                                     g.weight(wq.t().contiguous(), hint + ".weight_t")], hint=hint)
+        acc = g.op("MatMulInteger", [xq, g.weight(wq.t().contiguous(), hint + ".weight_t")], hint=hint)
         acc = g.add(acc, g.weight(mod.quant_bias, hint + ".quant_bias"))
         return g.mul(g.op("Cast", [acc], to=F), g.weight(deq, hint + ".deq_scale", dtype="fp32"))
-    if off != round(off) or not -128 <= off <= 127:
-        raise CvtError(f"{hint}: w8a8 input_offset {off} is not an int8 integer; use --w8a8-op integer")
-    s, zp = g.fconst(s_in), g.const(int(off), np.int8)
-    xd = g.op("DequantizeLinear", [g.op("QuantizeLinear", [x, s, zp]), s, zp])
+    xd = g.op("DequantizeLinear", [xq, g.fconst(s_in), g.const(int(off), np.int8)])
     wd = g.op("DequantizeLinear", [g.weight(wq.t().contiguous(), hint + ".weight_t"),
                                    g.weight(deq / s_in, hint + ".weight_scale", dtype="fp32")], axis=1)
     corr = (mod.quant_bias.double() + off * wq.double().sum(dim=1)) * deq.double()

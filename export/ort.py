@@ -20,15 +20,27 @@ max |torch|) with tol (`TOLERANCES`):
 * fp16 weights: 2e-2 (bf16 / fp32 weights rounded to fp16, against the float32 model);
 * int4 weights (W4A16; MatMulNBits accuracy_level 0 / 1 or int4 DequantizeLinear): 1e-3
   (dequantized weights are exact; seen ~1e-6);
-* int8 activations (W8A8, either op): 3e-2. The integer path reproduces the runtime's integers
-  (each linear alone: bit-identical), but a float32 difference of 1e-7 upstream (attention,
-  norms) can move one activation across a rounding boundary: one int8 step, 1/127 of that
-  token's range. Seen on the tiny models: ~1e-6 mostly, up to 1.5e-2 relative with an int8 KV
-  cache (o_proj's input is built from dequantized int8 values) and ~1e-2 with Q/DQ (which sums
-  in float32);
+* int8 activations (W8A8, either op) or an int8 KV cache: 3e-2. The integer path reproduces the
+  runtime's integers (each linear alone, on the same input: bit-identical), but a float32
+  difference of 1e-7 upstream (attention, norms) can move one activation across a rounding
+  boundary: one int8 step, 1/127 of that token's range. Seen on the tiny models: ~1e-6 mostly,
+  up to 1.5e-2 relative with an int8 KV cache (o_proj's input is built from dequantized int8
+  values) and ~1e-2 with Q/DQ (which sums in float32);
 * MatMulNBits accuracy_level 2-4 (fp16 / bf16 / int8 activations inside the op): 5e-2.
 
-Greedy tokens must agree at every step as well.
+Without quantized activations every output row must be within the tolerance and greedy tokens
+must agree at every step.
+
+Quantized activations (W8A8 linears or an int8 KV cache) make those two checks depend on the
+CPU: which float sums differ in the last bit (and so which activations land one int8 step
+apart) depends on the SIMD kernels of onnxruntime and torch, and a MoE router downstream of a
+flipped activation can pick another expert for that token, moving its row far beyond any
+tolerance. For such graphs the check is bounded instead (`FLIP_SHARE`): at most 1/8 of the
+compared rows (token positions, all steps) may exceed the tolerance, a returned int8 cache may
+differ from the runtime's by one step in at most 1/8 of its entries, and greedy agreement is
+reported but not required (a top-2 margin within the tolerance may pick the other token). A
+wrong scale, zero point, weight layout or cache position moves most rows (or entries), so it
+still fails. Each quantizer is exact on identical inputs, which the tests check per linear.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from cvt.errors import CvtError
 
 MANIFEST = "export_manifest.json"
 TOLERANCES = {"float": 1e-4, "fp16": 2e-2, "int4": 1e-3, "int8": 3e-2, "approximate": 5e-2}
+FLIP_SHARE = 1 / 8   # quantized activations: the share of rows / int8 cache entries that may flip (module doc)
 
 
 def read_manifest(dst) -> dict:
@@ -160,6 +173,10 @@ class Parity:
     tolerance: float = 0.0
     seconds: float = 0.0
     cache_max_abs: float | None = None          # layer / attention graphs: returned cache vs the runtime's
+    cache_int8: bool = False                    # the cache is int8: cache_max_abs in int8 steps
+    cache_share: float = 0.0                    # int8 cache: share of entries that differ
+    rows: list = field(default_factory=list)    # max |diff| of every output row (token position), all steps
+    flips: bool = False                         # quantized activations: the bounded check (module doc)
 
     @property
     def max_abs(self) -> float:
@@ -170,17 +187,40 @@ class Parity:
         return max(r for _, _, r in self.steps)
 
     @property
+    def bound(self) -> float:
+        return self.tolerance * max(1.0, self.ref_max)
+
+    @property
+    def rows_off(self) -> int:
+        """Rows beyond the tolerance (NaN included)."""
+        return sum(not d <= self.bound for d in self.rows)
+
+    @property
+    def rows_allowed(self) -> int:
+        """Rows that may exceed the tolerance: 0, or FLIP_SHARE of them with quantized activations."""
+        return int(FLIP_SHARE * len(self.rows)) if self.flips else 0
+
+    @property
     def passed(self) -> bool:
-        bound = self.tolerance * max(1.0, self.ref_max)
-        return (self.max_abs <= bound and (self.cache_max_abs or 0.0) <= bound
-                and self.greedy_agree is not False)
+        if self.cache_int8:
+            cache_ok = (self.cache_max_abs or 0.0) <= 1 and self.cache_share <= FLIP_SHARE
+        else:
+            cache_ok = (self.cache_max_abs or 0.0) <= self.bound
+        if self.flips:
+            return self.rows_off <= self.rows_allowed and cache_ok
+        return self.max_abs <= self.bound and cache_ok and self.greedy_agree is not False
 
     def render(self) -> str:
         parts = ", ".join(f"{label} {d:.3g}" for label, d, _ in self.steps)
+        rows = (f"; rows beyond it {self.rows_off}/{len(self.rows)} (up to {self.rows_allowed} may flip)"
+                if self.flips else "")
+        cache = ("" if self.cache_max_abs is None else
+                 f"; cache max |diff| {self.cache_max_abs:.3g} int8 steps, in {self.cache_share:.2%} of entries"
+                 if self.cache_int8 else f"; cache max |diff| {self.cache_max_abs:.3g}")
         agree = "" if self.greedy_agree is None else f"; greedy tokens agree: {'yes' if self.greedy_agree else 'NO'}"
+        agree += " (not required: quantized activations)" if self.flips and self.greedy_agree is False else ""
         return (f"{self.graph}: onnxruntime vs {self.reference}: max |diff| {self.max_abs:.3g} (max |ref| "
-                f"{self.ref_max:.3g}, tolerance {self.tolerance:g} x max(1, |ref|)) [{parts}]"
-                f"{'' if self.cache_max_abs is None else f'; cache max |diff| {self.cache_max_abs:.3g}'}{agree}: "
+                f"{self.ref_max:.3g}, tolerance {self.tolerance:g} x max(1, |ref|)) [{parts}]{rows}{cache}{agree}: "
                 f"{'PASS' if self.passed else 'FAIL'}")
 
 
@@ -190,14 +230,30 @@ def tolerance(manifest: dict) -> float:
     tol = TOLERANCES["fp16"] if manifest.get("dtype") == "fp16" else TOLERANCES["float"]
     if any(k.startswith("w4a16") for k in lin):
         tol = max(tol, TOLERANCES["approximate"] if manifest.get("accuracy_level", 0) >= 2 else TOLERANCES["int4"])
-    if any(k.startswith("w8a8") for k in lin):
+    if quantized_activations(manifest):
         tol = max(tol, TOLERANCES["int8"])
     return tol
 
 
+def quantized_activations(manifest: dict) -> bool:
+    """Whether the export quantizes activations (W8A8 linears or an int8 KV cache): the bounded check."""
+    return (any(k.startswith("w8a8") for k in manifest.get("linears", {}))
+            or manifest.get("kv_cache", {}).get("dtype") == "int8")
+
+
+def _numpy(b) -> np.ndarray:
+    return b.detach().float().cpu().numpy() if hasattr(b, "detach") else np.asarray(b, np.float32)
+
+
 def _diff(a: np.ndarray, b) -> tuple[float, float]:
-    b = b.detach().float().cpu().numpy() if hasattr(b, "detach") else np.asarray(b, np.float32)
+    b = _numpy(b)
     return float(np.abs(a.astype(np.float32) - b).max()), float(np.abs(b).max())
+
+
+def _row_diffs(a: np.ndarray, b) -> list[float]:
+    """max |a - b| of every row (last axis) of outputs [b, s, d]."""
+    d = np.abs(a.astype(np.float32) - _numpy(b))
+    return d.reshape(-1, d.shape[-1]).max(axis=-1).tolist()
 
 
 def parity(dst, model, *, batch: int = 2, prompt_len: int = 7, steps: int = 4, seed: int = 0,
@@ -212,6 +268,7 @@ def parity(dst, model, *, batch: int = 2, prompt_len: int = 7, steps: int = 4, s
         else:
             p = _module_parity(dst, manifest, graph, model, batch, prompt_len, steps, seed, threads)
         p.tolerance = tolerance(manifest)
+        p.flips = quantized_activations(manifest)
         p.seconds = time.perf_counter() - t0
         out.append(p)
     return out
@@ -231,6 +288,7 @@ def _model_parity(dst, manifest, model, batch, prompt_len, steps, seed, threads)
         ref = model(tokens, start_pos=pos, cache=tcache)
         got = lm.run(tokens.numpy(), ocache)
         p.steps.append(("prefill" if step == 0 else f"decode{step}", *_diff(got, ref)))
+        p.rows += _row_diffs(got, ref)
         agree &= bool((torch.from_numpy(got[:, -1]).argmax(-1) == ref[:, -1].argmax(-1)).all())
         pos += tokens.shape[1]
         tokens = ref[:, -1].argmax(-1, keepdim=True)  # teacher-forced with the reference's greedy token
@@ -265,13 +323,18 @@ def _module_parity(dst, manifest, graph, model, batch, prompt_len, steps, seed, 
                    else layer(x, cos, sin, mask, pos, tcache))
         res = sess.run(outs, {"hidden_states": x.numpy(), **arrays})
         p.steps.append(("prefill" if step == 0 else f"decode{step}", *_diff(res[0], ref)))
+        p.rows += _row_diffs(res[0], ref)
         if cached:
             for o, v in zip(outs[1:], res[1:]):
                 arrays["past_key_values." + o[len("present."):]] = v
         pos += s
     if cached:  # the cache the graph returned vs the runtime's cache contents
-        p.cache_max_abs = max(_diff(v.astype(np.float32), t)[0]
-                              for v, t in zip(arrays.values(), _torch_cache_tensors(tcache, pos)))
+        pairs = list(zip(arrays.values(), _torch_cache_tensors(tcache, pos)))
+        p.cache_max_abs = max(_diff(v.astype(np.float32), t)[0] for v, t in pairs)
+        if all(v.dtype == np.int8 for v, _ in pairs):  # C8: in int8 steps
+            p.cache_int8 = True
+            p.cache_share = (sum(int((v.astype(np.int32) != _numpy(t)).sum()) for v, t in pairs)
+                             / sum(v.size for v, _ in pairs))
     return p
 
 

@@ -77,3 +77,13 @@ def fp8_release(fp8_release_session, tmp_path) -> Path:
 @pytest.fixture
 def tiny_config() -> dict:
     return tiny_deepseek_config()
+
+
+@pytest.fixture(scope="session")
+def trained_fixture() -> Path:
+    """The trained tiny DeepSeek-V3 checkpoint ../shared/fixtures/tiny-dsv3-trained (next to this
+    checkout; read in place, never written). A test that asks for it is skipped when it is absent."""
+    path = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tiny-dsv3-trained"
+    if not path.is_dir():
+        pytest.skip(f"shared fixture {path} not present")
+    return path

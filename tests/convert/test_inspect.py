@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import pytest
 
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
 from cvt.convert.inspect import inspect_checkpoint
 from cvt.tests.conftest import run_cvt
-
-FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "tiny-dsv3-trained"
 
 
 def test_fp8_release(fp8_release_session):
@@ -35,9 +31,8 @@ def test_cvt_output(fp8_release_session, tmp_path):
     assert set(r.bytes_by_dtype) == {"BF16", "F32"}
 
 
-@pytest.mark.skipif(not FIXTURE.is_dir(), reason="shared fixture not present")
-def test_trained_fixture_bf16_single_file():
-    r = inspect_checkpoint(FIXTURE)
+def test_trained_fixture_bf16_single_file(trained_fixture):
+    r = inspect_checkpoint(trained_fixture)
     assert r.source_format == "bf16" and r.layers["moe layers"] == "2 (dense: 1)"
     assert r.layers["mtp layers"] == "1 in config, 0 present"
     assert r.problems == []

@@ -7,6 +7,12 @@ Each case exports once, then `cvt.export.ort.parity` runs a prefill and decode s
 onnxruntime and the torch runtime (float32, same artifact) and compares logits (or the layer's
 output and cache) against the tolerance stated in `cvt.export.ort` for the export's dtype and
 formats; greedy tokens must agree at every step.
+
+Quantized activations (W8A8, C8) are the exception: there the two backends' last-bit float
+differences can flip an int8 rounding, and a MoE router downstream of it another expert, on
+some CPUs and not others. So each W8A8 linear's quantizer is compared with the runtime's on
+identical inputs (exactly), every layer's attention and MLP blocks on identical inputs (the
+int8 tolerance on every row), and the whole model with the bounded check of `cvt.export.ort`.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import pytest
 
 from cvt.convert.synthetic import tiny_deepseek_config, tiny_qwen3_config, write_bf16_checkpoint
 from cvt.export.onnx_export import export_onnx
-from cvt.export.ort import TOLERANCES, OrtCausalLM, tolerance
+from cvt.export.ort import FLIP_SHARE, TOLERANCES, OrtCausalLM, tolerance
 from cvt.quant.stage import quantize
 
 def bf16_source(root: Path, family: str) -> Path:
@@ -83,11 +89,19 @@ def int4_initializers(path: Path) -> int:
 
 
 def check_parity(res, expect_greedy: bool = True) -> None:
+    """Every graph passes `cvt.export.ort`'s check. With quantized activations that check lets
+    1/8 of the rows flip (a MoE router or greedy pick downstream of a quantizer); a block graph
+    (layer_N.self_attn / layer_N.mlp) is held to every row anyway: both backends get the same
+    seeded input and no router sits behind a quantizer in it, so a flipped int8 rounding moves
+    its output by far less than the int8 tolerance."""
     assert res.parity, "no parity result"
     for p in res.parity:
         assert p.passed, p.render()
-        assert p.max_abs <= p.tolerance * max(1.0, p.ref_max)
-        if expect_greedy and p.graph == "model":
+        if not p.flips or "." in p.graph:
+            assert p.max_abs <= p.tolerance * max(1.0, p.ref_max), p.render()
+        else:
+            assert p.rows_off <= FLIP_SHARE * len(p.rows), p.render()
+        if expect_greedy and p.graph == "model" and not p.flips:
             assert p.greedy_agree is True, p.render()
 
 
@@ -127,6 +141,63 @@ def test_model_parity(sources, tmp_path, family, source, opts, ops, linears, tol
         assert m["opset"] == 21 and int4_initializers(path) > 0
     assert m["kv_cache"]["dtype"] == ("int8" if source == "w8a8c8" else "float32")
     check_parity(res)
+    if tol == "int8":  # quantized activations: the model check is bounded, so every block on identical inputs
+        assert all(p.flips for p in res.parity)
+        for i in range(m["num_hidden_layers"]):
+            blocks = export_onnx(src, tmp_path / f"blocks-{i}", scope="block", layer=i, verify=True, **opts)
+            assert [g["name"] for g in blocks.graphs] == [f"layer_{i}.self_attn", f"layer_{i}.mlp"]
+            check_parity(blocks)
+
+
+def _w8a8_linear(fmt: str, k: int = 64, n: int = 24, offset: float = 3.0):
+    """A runtime W8A8 linear with random int8 weights; static: input scale 1/16 (so x / s is
+    exact) and an odd input offset (where round(x / s + off) and round(x / s) + off differ)."""
+    import torch
+
+    from cvt.runtime.kernels.int8 import W8A8DynamicLinear, W8A8StaticLinear, quant_bias_from
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    ws = torch.rand(n, 1, generator=g) * 0.01 + 0.001
+    if fmt == "w8a8_dynamic":
+        return W8A8DynamicLinear.from_parts({"weight": w, "weight_scale": ws, "weight_offset": torch.zeros(n, 1)})
+    s_in, off = torch.tensor([1 / 16]), torch.tensor([offset])
+    deq = (s_in * ws.view(-1)).float()
+    bias = torch.randn(n, generator=g)
+    return W8A8StaticLinear.from_parts({"weight": w, "input_scale": s_in, "input_offset": off, "deq_scale": deq,
+                                        "quant_bias": quant_bias_from(bias, w, off, deq)})
+
+
+@pytest.mark.parametrize("op", ["integer", "qdq"])
+@pytest.mark.parametrize("fmt", ["w8a8_dynamic", "w8a8_static"])
+def test_w8a8_linear_quantizes_as_the_runtime(tmp_path, fmt, op):
+    """One W8A8 linear, the same input in onnxruntime and the runtime: the activation quantizer is
+    the runtime's, ties included (rows of exact .5 ties of x / s, and of the static offset), so the
+    integer path equals the runtime bit for bit and Q/DQ (a float MatMul over dequantized values)
+    to float rounding. One activation a step off moves a row by 1e-3 of its max or more (1e-5 is
+    allowed), a wrong scale or zero point by far more. Run with onnxruntime's default graph optimizations:
+    its Q/DQ -> MatMul fusions are part of what must stay exact."""
+    import torch
+
+    from cvt.export.onnx_graph import Graph, LinearOptions, linear
+    from cvt.export.ort import session
+
+    mod = _w8a8_linear(fmt)
+    k, n = mod.in_features, mod.out_features
+    g = torch.Generator().manual_seed(1)
+    ties = (torch.randint(-127, 127, (4, k), generator=g) + 0.5) / 16     # x * 16 = j + 0.5 exactly
+    ties[:, 0] = 127 / 16                   # per-token scale amax / 127 = 1/16: the dynamic rows tie as well
+    x = torch.cat([ties, torch.randn(12, k, generator=g) * 3])
+    graph = Graph(opset=13)
+    y = linear(graph, mod, graph.add_input("x", onnx.TensorProto.FLOAT, ["m", k]), "lin", LinearOptions(w8a8_op=op))
+    graph.add_output(y, "y", onnx.TensorProto.FLOAT, ["m", n])
+    onnx.save(graph.model("w8a8"), str(tmp_path / "lin.onnx"))
+    got = torch.from_numpy(session(tmp_path / "lin.onnx", {}).run(["y"], {"x": x.numpy()})[0])
+    want = mod(x)
+    if op == "integer":
+        assert torch.equal(got, want)
+    else:
+        assert ((got - want).abs() <= 1e-5 * want.abs().amax(-1, keepdim=True)).all(), (got - want).abs().max()
 
 
 _MODELS: dict[Path, object] = {}

@@ -31,9 +31,6 @@ from cvt.runtime.kernels.int8 import per_token_quant
 from cvt.runtime.metrics import logit_stats
 from cvt.runtime.models import build_model
 
-FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "tiny-dsv3-trained"
-needs_fixture = pytest.mark.skipif(not FIXTURE.is_dir(), reason="shared fixture tiny-dsv3-trained not present")
-
 SCHEMES = {
     "w4a16-g128": ("w4a16", dict(group_size=128)),
     "w4a16-g32": ("w4a16", dict(group_size=32)),
@@ -297,18 +294,18 @@ def _generated_headers(seed: int, limit: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def fixture_data():
+def fixture_data(trained_fixture):
     from cvt.runtime.loader import load_model
     from cvt.runtime.tokenizer import load_tokenizer
 
-    loaded = load_model(FIXTURE, dtype=torch.float32)
-    tok = load_tokenizer(FIXTURE, loaded.config)
+    loaded = load_model(trained_fixture, dtype=torch.float32)
+    tok = load_tokenizer(trained_fixture, loaded.config)
     cal = _header_text("abcdefghijklmnopqrst", 60000) or _generated_headers(0, 60000)
     held = _header_text("uvwxyz", 40000) or _generated_headers(1, 40000)   # the fixture's held-out files
     enc = lambda text, n: torch.tensor(tok.encode(text)[: n * 256]).view(n, 256)   # noqa: E731
     calib, ev = enc(cal, 8), enc(held, 8)
     return SimpleNamespace(calib=calib, ev=ev, ref=loaded.model(ev),
-                           load=lambda: load_model(FIXTURE, dtype=torch.float32).model)
+                           load=lambda: load_model(trained_fixture, dtype=torch.float32).model)
 
 
 def _kl(model, d) -> float:
@@ -358,7 +355,6 @@ def _w8(name):
     return None if name.endswith(("kv_b_proj", "lm_head")) else W8
 
 
-@needs_fixture
 def test_fixture_gptq_beats_rtn_w4a16(fixture_data):
     d = fixture_data
     kl = {}
@@ -373,7 +369,6 @@ def test_fixture_gptq_beats_rtn_w4a16(fixture_data):
     assert kl["awq"] < 1.15 * kl["rtn"], kl
 
 
-@needs_fixture
 def test_fixture_awq_and_smoothquant_beat_rtn_with_activation_outliers(fixture_data):
     d = fixture_data
     kl = {}
@@ -389,7 +384,6 @@ def test_fixture_awq_and_smoothquant_beat_rtn_with_activation_outliers(fixture_d
     assert kl["w8a8", "smoothquant"] < 0.5 * kl["w8a8", "rtn"], kl
 
 
-@needs_fixture
 def test_fixture_experts_with_few_tokens_fall_back_to_rtn(fixture_data):
     d = fixture_data
     tokens = d.calib[:2, :48]                     # 96 tokens, 2 of 8 experts each: ~24 per expert

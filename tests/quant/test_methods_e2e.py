@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -14,8 +13,6 @@ from cvt.quant.recipe import Recipe
 from cvt.quant.stage import quantize
 from cvt.runtime.verify import verify
 
-FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "tiny-dsv3-trained"
-pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason="shared fixture not present")
 # g128 everywhere it divides; q_b_proj's input is the 96-wide q LoRA rank
 G128 = Recipe.model_validate({"rules": [{"pattern": r"q_b_proj$", "scheme": "w4a16", "group_size": 32}]})
 
@@ -25,23 +22,23 @@ def kl_and_ppl(candidate: Path, reference: Path, tmp: Path) -> tuple[float, floa
     return r.logits.kl_mean, r.logits.ppl_ratio
 
 
-def test_gptq_and_awq_beat_rtn_at_w4a16_g128(tmp_path):
+def test_gptq_and_awq_beat_rtn_at_w4a16_g128(trained_fixture, tmp_path):
     kl = {}
     for method in ("rtn", "gptq", "awq"):
         dst = tmp_path / method
-        quantize(FIXTURE, dst, scheme="w4a16", group_size=128, method=method, recipe=G128, quiet=True)
+        quantize(trained_fixture, dst, scheme="w4a16", group_size=128, method=method, recipe=G128, quiet=True)
         methods = {v["method"] for v in json.loads((dst / "cvt_manifest.json").read_text())["quant"]["tensors"].values()}
         assert method in methods
-        kl[method] = kl_and_ppl(dst, FIXTURE, tmp_path)
+        kl[method] = kl_and_ppl(dst, trained_fixture, tmp_path)
     assert kl["gptq"][0] < kl["rtn"][0] and kl["awq"][0] < kl["rtn"][0], kl
 
 
-def with_activation_outliers(dst: Path) -> Path:
-    """The fixture with 4 channels of every input / post-attention norm x50 and the consumers'
+def with_activation_outliers(fixture: Path, dst: Path) -> Path:
+    """`fixture` with 4 channels of every input / post-attention norm x50 and the consumers'
     columns /50: the same function in float, but activations with outliers."""
     import shutil
 
-    shutil.copytree(FIXTURE, dst)
+    shutil.copytree(fixture, dst)
     t = {k: v.clone() for k, v in load_file(dst / "model.safetensors").items()}
     cfg = json.loads((dst / "config.json").read_text())
     g = torch.Generator().manual_seed(0)
@@ -66,8 +63,8 @@ def with_activation_outliers(dst: Path) -> Path:
     return dst
 
 
-def test_smoothquant_beats_rtn_at_w8a8_with_activation_outliers(tmp_path):
-    src = with_activation_outliers(tmp_path / "outliers")
+def test_smoothquant_beats_rtn_at_w8a8_with_activation_outliers(trained_fixture, tmp_path):
+    src = with_activation_outliers(trained_fixture, tmp_path / "outliers")
     kl = {}
     for method in ("rtn", "smoothquant"):
         dst = tmp_path / f"w8a8-{method}"

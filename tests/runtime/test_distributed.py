@@ -3,7 +3,8 @@
 Every layout of one world size runs in one spawned world (the ranks call
 `cvt.runtime.launch.main` once per case, dumping every call's logits with ``{rank}`` in the
 file name); the test compares each rank's dump with `load_model` + `generate` in this
-process, both in float32. Start-up refusals (topology, missing / altered rank file, layout
+process, both in float32 (a source with quantized activations: on the rank's own tokens,
+see `QUANTIZED_ACTIVATIONS`). Start-up refusals (topology, missing / altered rank file, layout
 against config.json) are checked on `preflight` and `main` directly, one altered-file case
 runs inside a world (no rank may hang), and one `cvt run --world-size 2` goes through torchrun.
 """
@@ -92,6 +93,43 @@ def _check_dumps(out: Path, name: str, world: int, ref) -> None:
                                        msg=lambda m: f"{name} rank {rank} prompt {i}: {m}")
 
 
+# Sources with quantized activations (W8A8, int8 KV cache). Their ranks sum partial outputs across
+# ranks (all-reduce) in another order than one process does, and a per-token or KV-cache int8
+# rounding downstream can flip on that last bit (which ones depends on the CPU's float kernels):
+# up to ~3e-2 of the logits' range, more for a token whose MoE routing then changes, and from there
+# a different greedy token. So these are checked on the rank's own tokens (the single process
+# replays them) with the int8 tolerance on every row but 1/8 of them. A wrong shard (scale, bias,
+# KV heads, experts) moves most rows far beyond it.
+QUANTIZED_ACTIVATIONS = {"qw-w8a8c8"}
+INT8_TOLERANCE, FLIP_SHARE = 3e-2, 1 / 8
+
+
+def _check_replayed(out: Path, name: str, world: int, src: Path) -> None:
+    from safetensors.torch import load_file
+
+    from cvt.runtime.loader import load_model
+    from cvt.runtime.tokenizer import load_tokenizer
+
+    loaded = load_model(src, dtype=torch.float32)
+    tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
+    for rank in range(world):
+        d = load_file(out / f"{name}.{rank}.safetensors")
+        off = rows = 0
+        for i, prompt in enumerate(PROMPTS):
+            got, seq, n = d[f"logits.{i}"], d[f"tokens.{i}"], len(tok.encode(prompt))
+            picks = got[n - 1:].argmax(-1)      # its greedy token after each row from the prompt's last on
+            assert picks[: len(seq) - n].tolist() == seq[n:].tolist(), (name, rank, i)
+            fed = torch.cat([seq[:n], picks[:-1]])     # what it fed: the prompt, then every pick but the last
+            cache = loaded.model.new_cache(1, len(fed))
+            want = torch.cat([loaded.model(fed[None, :n], 0, cache)]
+                             + [loaded.model(fed[None, p:p + 1], p, cache) for p in range(n, len(fed))], dim=1)[0]
+            assert want.shape == got.shape, (name, rank, i)
+            diff = (got - want).abs().amax(-1)
+            off += int((~(diff <= INT8_TOLERANCE * max(1.0, want.abs().max().item()))).sum())   # NaN is off
+            rows += diff.numel()
+        assert off <= FLIP_SHARE * rows, (name, rank, off, rows)
+
+
 # ------------------------------------------------------------------------------ sources
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory, fp8_release_session) -> dict[str, Path]:
@@ -168,10 +206,13 @@ def test_multi_rank_matches_single_process(world, sources, sharded, tmp_path):
         _flip_byte(bad / "rank-00001" / "model-00001-of-00001.safetensors")
         runs.append(("altered", bad))
     codes = _spawn(world, runs, tmp_path)
-    refs = {key: _reference(sources[key]) for key in {key for _, key, _ in cases}}
+    refs = {key: _reference(sources[key]) for key in {key for _, key, _ in cases} - QUANTIZED_ACTIVATIONS}
     for name, key, _ in cases:
         assert codes[name] == [0] * world, (name, codes[name])
-        _check_dumps(tmp_path / f"out-{world}", name, world, refs[key])
+        if key in QUANTIZED_ACTIVATIONS:
+            _check_replayed(tmp_path / f"out-{world}", name, world, sources[key])
+        else:
+            _check_dumps(tmp_path / f"out-{world}", name, world, refs[key])
     if world == 2:
         assert codes["altered"][1] == 1 and codes["altered"][0] != 0
         assert not list((tmp_path / "out-2").glob("altered.*"))  # nobody got as far as generating

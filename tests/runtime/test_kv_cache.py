@@ -4,8 +4,6 @@ the compressed-tensors conversion."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,9 +15,6 @@ from cvt.runtime.generate import generate
 from cvt.runtime.loader import load_model
 from cvt.runtime.models.deepseek_v3 import Int8MLACache, MLACache
 from cvt.runtime.models.qwen3 import Int8KVCache, KVCache
-
-FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "tiny-dsv3-trained"
-needs_fixture = pytest.mark.skipif(not FIXTURE.is_dir(), reason="shared fixture not present")
 
 # C-header-like text (the fixture was trained on UAPI headers): calibration and a held-out part
 CALIB_TEXT = r"""/* SPDX-License-Identifier: GPL-2.0 WITH Linux-syscall-note */
@@ -139,6 +134,44 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
+# Incremental decode vs the full forward. The two compute the cached K / V with matmuls of other
+# shapes (1 token vs the whole sequence), whose sums may differ in the last bit on some CPUs (SIMD
+# kernels differ); a value on a rounding boundary of the int8 cache then lands one step away,
+# and that step moves every later logit by more than float noise. So the check is split:
+# (1) the int8 contents written incrementally are the full forward's, up to such one-step flips
+#     in a small share of entries (a wrong position, rope offset or scale moves most entries, by
+#     many steps); (2) on identical cache contents - the incremental run's own, replayed - the
+#     full forward gives the incremental logits to float rounding (a wrong query position, mask
+#     or read-back fails this).
+INT8_FIELDS = {Int8KVCache: ("k", "v"), Int8MLACache: ("kv", "pe")}
+
+
+def assert_same_int8_contents(got: list, want: list, max_share: float = 0.01) -> None:
+    """Caches `got` hold `want`'s int8 entries, each within one step, at most `max_share` differing."""
+    differ = total = 0
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        for f in INT8_FIELDS[type(w)]:
+            d = getattr(g, f).int() - getattr(w, f).int()
+            assert d.abs().max() <= 1, (i, f, d.abs().max())
+            differ, total = differ + int(d.count_nonzero()), total + d.numel()
+    assert differ <= max_share * total, (differ, total)
+
+
+def replaying(cache: list) -> list:
+    """The int8 caches `cache`, their writes turned into no-ops: a forward through them attends to
+    exactly the int8 entries stored now (and the full forward's mask hides the later positions)."""
+    for c in cache:
+        if isinstance(c, Int8MLACache):
+            c.write = lambda *_: None
+        else:
+            def update(k, v, start_pos, c=c):
+                end = start_pos + k.shape[2]
+                return (K.dequantize(c.k[:k.shape[0], :, :end], c.k_scale, k.dtype),
+                        K.dequantize(c.v[:v.shape[0], :, :end], c.v_scale, v.dtype))
+            c.update = update
+    return cache
+
+
 # ------------------------------------------------------------------------------ math
 def test_quantize_dequantize_exact_formula():
     g = torch.Generator().manual_seed(0)
@@ -192,9 +225,8 @@ def test_int8_caches_store_quantized_and_read_dequantized():
 
 
 # ------------------------------------------------------------------------ convention
-@needs_fixture
-def test_convention_names_and_shapes_match_the_models(tmp_path):
-    dsv3 = load_model(FIXTURE, dtype=torch.float32).model
+def test_convention_names_and_shapes_match_the_models(trained_fixture, tmp_path):
+    dsv3 = load_model(trained_fixture, dtype=torch.float32).model
     specs = K.kv_cache_tensor_specs(dsv3)
     a = dsv3.args
     assert len(specs) == 4 * a.num_hidden_layers
@@ -207,7 +239,7 @@ def test_convention_names_and_shapes_match_the_models(tmp_path):
     assert attn.kv_a_proj_with_mqa.weight.shape[0] == a.kv_lora_rank + a.qk_rope_head_dim
     # same answer from config.json alone (what a writer has)
     import json
-    cfg = json.loads((FIXTURE / "config.json").read_text())
+    cfg = json.loads((trained_fixture / "config.json").read_text())
     assert K.kv_cache_tensor_names(cfg) == K.kv_cache_tensor_names(dsv3)
     assert K.is_mla(cfg) and K.KV_CONVENTION["version"] == 1
 
@@ -227,13 +259,10 @@ def test_convention_names_and_shapes_match_the_models(tmp_path):
 
 # ---------------------------------------------------------------------------- MLA
 @pytest.fixture(scope="module")
-def dsv3():
-    if not FIXTURE.is_dir():
-        pytest.skip("shared fixture not present")
-    return load_model(FIXTURE, dtype=torch.float32).model
+def dsv3(trained_fixture):
+    return load_model(trained_fixture, dtype=torch.float32).model
 
 
-@needs_fixture
 def test_mla_int8_cache_on_trained_fixture(dsv3):
     model = dsv3
     test = byte_tokens(HELD_OUT_TEXT)[None]
@@ -263,12 +292,18 @@ def test_mla_int8_cache_on_trained_fixture(dsv3):
         assert sum(c.nbytes for c in cache) * 4 == sum(c.nbytes for c in fcache)
         assert cache[0].nbytes == test.shape[1] * (model.args.kv_lora_rank + model.args.qk_rope_head_dim)
 
-        # prefill through the int8 cache equals the (quantized) full forward; decode stays on it
+        # prefill through the int8 cache equals the (quantized) full forward: the same matmuls
         s = test.shape[1]
+        full = model.new_cache(1, s)
+        torch.testing.assert_close(model(test, 0, full), q, rtol=0, atol=0)
+        # decode stays on it: the entries within one-step flips, the logits on the same entries
+        # (see assert_same_int8_contents; the MoE routing margins on this text, >= 7e-5, are far
+        # above float noise, so routing does not flip between the two)
         steps = [model(test[:, :s - 24], 0, cache)] + [model(test[:, p:p + 1], p, cache) for p in range(s - 24, s)]
         inc = torch.cat(steps, dim=1)
-        torch.testing.assert_close(model(test, 0, model.new_cache(1, s)), q, rtol=0, atol=0)
-        torch.testing.assert_close(inc, q, rtol=1e-5, atol=1e-5 * q.abs().max().item())
+        assert_same_int8_contents(cache, full)
+        torch.testing.assert_close(model(test, 0, replaying(cache)), inc, rtol=1e-5,
+                                   atol=1e-5 * inc.abs().max().item())
         # the float cache on the same model is the float model
         fl = model(test, 0, fcache)
         torch.testing.assert_close(fl, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
@@ -316,9 +351,14 @@ def test_gqa_int8_cache_on_tiny_qwen3(qwen3):
         assert type(fcache[0]) is KVCache
         a = model.args
         assert cache[0].nbytes == 2 * 2 * a.kv_heads * 64 * a.dim_head == fcache[0].nbytes // 4
+        full = model.new_cache(2, 64)
+        torch.testing.assert_close(model(test, 0, full), q, rtol=0, atol=0)     # same matmuls
+        # incremental decode: see assert_same_int8_contents
         steps = [model(test[:, :30], 0, cache)] + [model(test[:, p:p + 1], p, cache) for p in range(30, 64)]
-        torch.testing.assert_close(model(test, 0, model.new_cache(2, 64)), q, rtol=0, atol=0)
-        torch.testing.assert_close(torch.cat(steps, dim=1), q, rtol=1e-5, atol=1e-5 * q.abs().max().item())
+        inc = torch.cat(steps, dim=1)
+        assert_same_int8_contents(cache, full)
+        torch.testing.assert_close(model(test, 0, replaying(cache)), inc, rtol=1e-5,
+                                   atol=1e-5 * inc.abs().max().item())
     finally:
         K.detach_kv_cache_scales(model)
 
@@ -385,7 +425,6 @@ def test_compressed_tensors_conversion(qwen3):
     assert args.strategy == ct.QuantizationStrategy.ATTN_HEAD and args.num_bits == 8
 
 
-@needs_fixture
 def test_compressed_tensors_conversion_mla(dsv3):
     scales = K.calibrate_kv_scales(dsv3, byte_tokens(CALIB_TEXT[:512]))
     ct = K.to_compressed_tensors(scales, dsv3)

@@ -216,9 +216,6 @@ def test_formats_without_fused_op_run_their_torch_path(monkeypatch, standin, fmt
     assert standin.CALLS == [] and torch.equal(got, mod(x))
 
 
-FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "tiny-dsv3-trained"
-
-
 def _rtn_modules(model):
     """Swap every attention/MoE linear of a loaded model for W8A8-dynamic or W4A16 (RTN, here in
     the test), so that a forward pass exercises both fused paths."""
@@ -241,23 +238,50 @@ def _rtn_modules(model):
         setattr(parent, name.rpartition(".")[2], new)
 
 
-@pytest.mark.skipif(not FIXTURE.is_dir(), reason="shared fixture not present")
-def test_whole_model_npu_path_matches_reference_kernels(standin, monkeypatch):
-    """The DeepSeek-V3 fixture with W8A8-dynamic attention and W4A16 experts: logits through the
-    (stand-in) Ascend ops equal the reference kernels' (bf16 activations, as on an NPU)."""
+def test_whole_model_npu_path_matches_reference_kernels(trained_fixture, standin, monkeypatch):
+    """The DeepSeek-V3 fixture with W8A8-dynamic attention and W4A16 experts (bf16 activations, as
+    on an NPU): every quantized linear, fed the input it got in the reference forward, gives the
+    reference kernel's output through the (stand-in) Ascend ops; the whole forward through them
+    stays near the reference logits.
+
+    Per linear, on identical inputs: a W4A16 matmul rounds to bf16 after summing in another
+    order than the reference's bf16 GEMM (which one differs by a unit depends on the CPU), so
+    the next layer's per-token int8 quantization can flip on it and a MoE router behind that
+    pick another expert for a token. The whole forward is therefore held to two bf16 units on
+    all but 1/8 of the positions, not on all of them."""
     from cvt.runtime.loader import load_model
 
     monkeypatch.delenv(npu.ENV_FORCE, raising=False)
-    model = load_model(FIXTURE, dtype=torch.bfloat16).model
+    model = load_model(trained_fixture, dtype=torch.bfloat16).model
     _rtn_modules(model)
+    quantized = {n: m for n, m in model.named_modules()
+                 if isinstance(m, (int8.W8A8DynamicLinear, int4.W4A16Linear))}
+    seen = {}
+
+    def keep(name):
+        def hook(_m, args, out):
+            seen.setdefault(name, (args[0], out))
+        return hook
+
+    hooks = [m.register_forward_hook(keep(n)) for n, m in quantized.items()]
     tokens = torch.tensor([[256, 35, 105, 110, 99, 108, 117, 100, 101, 32, 60, 108]])
     ref = model(tokens)
+    for h in hooks:
+        h.remove()
     monkeypatch.setenv(npu.ENV_FORCE, "1")
     fused = model(tokens)
     assert standin.CALLS, "the fused path was not taken"
     called = {c[0] if isinstance(c, tuple) else c for c in standin.CALLS}
     assert {"npu_dynamic_quant", "npu_quant_matmul", "npu_weight_quant_batchmatmul"} <= called, called
-    # W8A8 paths are exact; W4A16 matmuls accumulate in another order (within a bf16 unit each)
+    kinds = set()
+    for name, (x, y) in seen.items():
+        got = quantized[name](x)
+        if isinstance(quantized[name], int8.W8A8DynamicLinear):  # the same integers and float steps
+            assert torch.equal(got, y), name
+        else:  # the same dequantized weight, summed in another order: a bf16 unit of the output
+            torch.testing.assert_close(got, y, rtol=2 ** -7, atol=2 ** -7 * y.abs().max().item(), msg=name)
+        kinds.add(type(quantized[name]))
+    assert len(kinds) == 2
     two_bf16_ulps = 2.0 ** (math.floor(math.log2(ref.abs().max().item())) - 6)
-    assert torch.allclose(fused, ref, rtol=0, atol=two_bf16_ulps)
-    assert torch.equal(ref.argmax(-1), fused.argmax(-1))
+    off = ~((fused - ref).abs().amax(-1) <= two_bf16_ulps)                   # [1, positions]; NaN is off
+    assert off.sum() <= off.numel() // 8, (fused - ref).abs().amax(-1)

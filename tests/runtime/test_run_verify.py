@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -17,17 +16,15 @@ from cvt.runtime.tokenizer import load_tokenizer
 from cvt.schemas import load_schema
 from cvt.tests.conftest import run_cvt
 
-FIXTURE = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "tiny-dsv3-trained"
-pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason="shared fixture not present")
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model(FIXTURE, dtype=torch.float32)
+def loaded(trained_fixture):
+    return load_model(trained_fixture, dtype=torch.float32)
 
 
-def test_greedy_generation_agrees_with_full_forward(loaded):
-    tok = load_tokenizer(FIXTURE, loaded.config)
+def test_greedy_generation_agrees_with_full_forward(trained_fixture, loaded):
+    tok = load_tokenizer(trained_fixture, loaded.config)
     prompt = tok.encode("#include <linux/")
     res = generate(loaded.model, [prompt], 24)
     seq = torch.tensor([prompt + res.outputs[0]])
@@ -37,16 +34,16 @@ def test_greedy_generation_agrees_with_full_forward(loaded):
     assert tok.decode(res.outputs[0]).strip()  # the trained model writes something
 
 
-def test_batch_equals_single_prompts(loaded):
-    tok = load_tokenizer(FIXTURE, loaded.config)
+def test_batch_equals_single_prompts(trained_fixture, loaded):
+    tok = load_tokenizer(trained_fixture, loaded.config)
     prompts = [tok.encode("struct a {"), tok.encode("struct b {"), tok.encode("#define X")]
     batch = generate(loaded.model, prompts, 8).outputs
     single = [generate(loaded.model, [p], 8).outputs[0] for p in prompts]
     assert batch == single
 
 
-def test_sampling_is_seeded_and_top_p_tiny_is_greedy(loaded):
-    tok = load_tokenizer(FIXTURE, loaded.config)
+def test_sampling_is_seeded_and_top_p_tiny_is_greedy(trained_fixture, loaded):
+    tok = load_tokenizer(trained_fixture, loaded.config)
     p = [tok.encode("int main(")]
     a = generate(loaded.model, p, 12, temperature=1.0, top_p=0.9, seed=3).outputs
     b = generate(loaded.model, p, 12, temperature=1.0, top_p=0.9, seed=3).outputs
@@ -54,18 +51,19 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(loaded):
     assert generate(loaded.model, p, 12, temperature=1.0, top_p=1e-6).outputs == generate(loaded.model, p, 12).outputs
 
 
-def test_cli_run_prints_text_and_speed():
-    r = run_cvt("run", FIXTURE, "--prompt", "#include <linux/", "--max-new-tokens", "8", "--device", "cpu")
+def test_cli_run_prints_text_and_speed(trained_fixture):
+    r = run_cvt("run", trained_fixture, "--prompt", "#include <linux/", "--max-new-tokens", "8", "--device", "cpu")
     assert r.rc == 0, r.err
     assert r.out.startswith("#include <linux/")
     assert "tokens/s" in r.out and "decode" in r.out
-    ids = run_cvt("run", FIXTURE, "--input-ids", "256,35,105", "--max-new-tokens", "4", "--device", "cpu", "--quiet")
+    ids = run_cvt("run", trained_fixture, "--input-ids", "256,35,105", "--max-new-tokens", "4", "--device", "cpu",
+                  "--quiet")
     assert ids.rc == 0 and ids.out.startswith("#i")
 
 
-def test_verify_identical_models(tmp_path):
-    r = run_cvt("verify", FIXTURE, "--reference", FIXTURE, "--report", tmp_path / "rep", "--device", "cpu",
-                "--min-cosine", "0.9999", "--max-ppl-ratio", "1.0001", "--min-top1", "1")
+def test_verify_identical_models(trained_fixture, tmp_path):
+    r = run_cvt("verify", trained_fixture, "--reference", trained_fixture, "--report", tmp_path / "rep",
+                "--device", "cpu", "--min-cosine", "0.9999", "--max-ppl-ratio", "1.0001", "--min-top1", "1")
     assert r.rc == 0, r.err
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     jsonschema.validate(report, load_schema("report.schema.json"))
@@ -79,10 +77,10 @@ def test_verify_identical_models(tmp_path):
 
 
 @pytest.fixture
-def perturbed(tmp_path):
+def perturbed(trained_fixture, tmp_path):
     """The fixture with layer 1's attention output projection perturbed by 2% noise."""
     dst = tmp_path / "perturbed"
-    shutil.copytree(FIXTURE, dst)
+    shutil.copytree(trained_fixture, dst)
     tensors = {k: v.clone() for k, v in load_file(dst / "model.safetensors").items()}
     w = tensors["model.layers.1.self_attn.o_proj.weight"]
     g = torch.Generator().manual_seed(0)
@@ -91,8 +89,8 @@ def perturbed(tmp_path):
     return dst
 
 
-def test_verify_finds_the_perturbed_layer_first(perturbed, tmp_path):
-    r = run_cvt("verify", perturbed, "--reference", FIXTURE, "--report", tmp_path / "rep", "--device", "cpu",
+def test_verify_finds_the_perturbed_layer_first(trained_fixture, perturbed, tmp_path):
+    r = run_cvt("verify", perturbed, "--reference", trained_fixture, "--report", tmp_path / "rep", "--device", "cpu",
                 "--min-cosine", "0.999999")
     assert r.rc == 4, r.err
     assert "threshold violated" in r.err
