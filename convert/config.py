@@ -20,10 +20,15 @@ class SourceFormat(str, Enum):
 
 
 def quantization_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """`quantization_config` at the top level or under `text_config` (K2.5-style wrappers)."""
+    """`quantization_config` at the top level or under `text_config` (K2.5-style wrappers).
+    One without ``quant_method`` is not a Hugging Face quantization config but MindIE's
+    settings next to an Ascend description (``group_size``, ``kv_quant_type``,
+    ``fa_quant_type``): None, like a plain checkpoint (the description says what it holds)."""
     qc = config.get("quantization_config")
     if qc is None and isinstance(config.get("text_config"), Mapping):
         qc = config["text_config"].get("quantization_config")
+    if isinstance(qc, Mapping) and "quant_method" not in qc:
+        return None
     return qc
 
 

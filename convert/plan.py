@@ -24,14 +24,16 @@ Bytes per tensor shard under a scheme:
   shard; everything else as bf16.
 * ``w8a8`` / ``w8a8c8`` / ``w4a16`` / ``fp4``: quantizable linears that are not float by default
   (arch table) take the scheme's ``param_info`` parts of the shard, 4-bit parts packed two per
-  byte as stored; the rest stays bf16. w8a8c8 adds the replicated float32 KV-cache scales and
-  offsets of `cvt.runtime.kv_cache` (MLA: kv_lora_rank + qk_rope_head_dim per layer).
+  byte as stored; the rest stays bf16. w8a8c8 adds the replicated KV-cache scales and
+  offsets of `cvt.runtime.kv_cache` (MLA FAKQuant: fa_q [heads, 1], fa_k / fa_v [1, 1] per
+  layer; GQA: per channel).
 
 KV cache for ``kv_tokens``: the tokens in flight over the whole world; attention DP splits
 sequences evenly over the dp ranks (``ceil(kv_tokens / dp)`` per rank), TP ranks of a group
 hold the same tokens. Per token and decoder layer (MTP layers excluded): MLA caches
 ``kv_lora_rank + qk_rope_head_dim`` values (whole on every TP rank: the latent has no heads);
-GQA caches ``2 x kv_heads / tp x head_dim``. bf16, or int8 under w8a8c8.
+GQA caches ``2 x kv_heads / tp x head_dim``. bf16, or int8 under w8a8c8 (MLA: the latent
+only; the rope key stays bf16).
 """
 
 from __future__ import annotations
@@ -144,24 +146,26 @@ def _holds_fp8(config: Mapping[str, Any], scheme: str | None) -> tuple[int, int]
     return None
 
 
-def _unit(kind: Kind, dim: int, block, sch) -> tuple[int, str]:
-    """The granularity a shard along `dim` must keep whole."""
+def _unit(kind: Kind, dim: int, block, sch, k: int) -> tuple[int, str]:
+    """The granularity a shard along `dim` must keep whole: an FP8 block, and for a quantized
+    module what every on-disk layout of its kernel format packs along that axis (groups, int4
+    pairs and int32 runs, fp4 pairs; `cvt.quant.layouts`), whichever format the shards are in."""
     unit, names = 1, []
     if block and kind.fp8:
         unit, names = block[dim], [f"FP8 {block[dim]}-block"]
     if sch is not None and kind.quantized:
+        from cvt.quant.layouts import LAYOUTS, kernel_fmt_of
+
+        axis = "n" if dim == 0 else "k"
         g = getattr(sch, "group_size", 0) or 0
-        if sch.name == "w4a16" and dim == 1:  # groups along k; compressed-tensors packs 8 per int32
-            need = (math.lcm(g or 1, 8), f"int4 group of {g}" if g > 8 else "int4 run of 8 (one int32)")
-        elif sch.name == "w4a16":  # Ascend packs pairs of output channels when grouped
-            need = (2, "int4 row pair") if g else (1, "")
-        elif sch.name == "fp4":
-            need = (math.lcm(g, 2), f"fp4 group of {g}") if dim == 1 else (1, "")
-        else:
-            need = (1, "")
-        if need[0] > 1:
-            unit = math.lcm(unit, need[0])
-            names.append(need[1])
+        q = 1
+        for lo in LAYOUTS.values():
+            if lo.kernel_fmt == kernel_fmt_of(sch) and lo.holds(g, k):
+                q = math.lcm(q, lo.split_units(axis, g, k))
+        if q > 1:
+            unit = math.lcm(unit, q)
+            what = "group" if g and q % g == 0 else "packing unit"
+            names.append(f"{sch.name} {what} of {q}")
     return unit, " and ".join(names) if names else ("row" if dim == 0 else "column")
 
 
@@ -207,7 +211,7 @@ def validate(layout: Layout, config: Mapping[str, Any], scheme: str | None = Non
         if kind.axis is None or getattr(layout, kind.axis) == 1:
             continue
         d, dim = getattr(layout, kind.axis), kind.info.split_dim
-        unit, unit_name = _unit(kind, dim, block, sch)
+        unit, unit_name = _unit(kind, dim, block, sch, shape[1] if len(shape) == 2 else 0)
         size = shape[dim]
         if size % (d * unit):
             key = (kind.info.rule.pattern, kind.info.param, dim, kind.axis)
@@ -387,12 +391,16 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     int8_kv = getattr(sch, "kv_cache", None) == "int8"
-    if int8_kv:  # float32 scale + offset per cached channel, replicated (cvt.runtime.kv_cache)
-        ch = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] if mla else 2 * kv_heads * head_dim
-        per_rank["kv_scales"] = model["kv_scales"] = n_layers * ch * 2 * 4
-    per_token = n_layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] if mla
-                            else 2 * -(-kv_heads // layout.tp) * head_dim)
-    kv_rank = -(-kv_tokens // layout.dp) * per_token * (1 if int8_kv else 2)
+    if int8_kv:  # the KV-cache scale tensors of cvt.runtime.kv_cache, replicated
+        from cvt.quant.kv_layout import kv_tensor_specs_for_config
+
+        per_rank["kv_scales"] = model["kv_scales"] = sum(math.prod(sp.shape) * sp.dtype.itemsize
+                                                         for sp in kv_tensor_specs_for_config(config))
+    elem = 1 if int8_kv else 2
+    # MLA: latent int8 under C8 (FAKQuant), rope key always bf16; GQA: k and v
+    per_token = n_layers * (cfg["kv_lora_rank"] * elem + cfg["qk_rope_head_dim"] * 2 if mla
+                            else 2 * -(-kv_heads // layout.tp) * head_dim * elem)
+    kv_rank = -(-kv_tokens // layout.dp) * per_token
 
     E, layers = arch.num_experts, moe_layers(config)
     ep_bytes = [0] * layout.ep

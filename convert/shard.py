@@ -95,20 +95,41 @@ class Split:
         return index * n, n
 
 
-def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...]) -> Split:
-    """The split of tensor `name` (stored shape `shape`) under `layout` (module docstring)."""
+def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layout=None) -> Split:
+    """The split of tensor `name` (stored shape `shape`) under `layout` (module docstring).
+    `quant_layout`: the `cvt.quant.layouts.Layout` its module is stored in (from the manifest),
+    whose data says which on-disk dim follows the module's split axis (None: the arch table's
+    rule for float / FP8 tensors)."""
     info = arch.classify(name)
     expert = (info.layer, info.expert) if info.role is Role.EXPERT else None
     axis = axis_of(info, layout.shared_experts)
+    degree = getattr(layout, axis) if axis else 1
+    disk = quant_layout.tensor(info.param) if quant_layout is not None else None
+    if disk is not None:
+        logical = {Parallel.COLUMN: "n", Parallel.VOCAB: "n", Parallel.ROW: "k"}.get(info.rule.parallel)
+        along = disk.along(logical, 0, 0) if logical else None  # (dim, unit): the unit does not matter here
+        if along is None or degree == 1:
+            return Split(None, None, 1, expert)  # no dim along the split axis: every holder needs it whole
+        return Split(axis, along[0], degree, expert)
     dim = info.split_dim
     if dim is None and info.param in _PER_CHANNEL and info.rule.parallel in (Parallel.COLUMN, Parallel.VOCAB):
         dim = 0
-    degree = getattr(layout, axis) if axis else 1
     if dim is None or degree == 1:
         return Split(None, None, 1, expert)
     if info.param not in _TWO_D_PARAMS and (dim >= len(shape) or shape[dim] == 1):
         return Split(None, None, 1, expert)  # broadcast along the split dim: every holder needs it whole
     return Split(axis, dim, degree, expert)
+
+
+def quant_layouts(ckpt: Checkpoint) -> dict[str, object]:
+    """module -> its on-disk `cvt.quant.layouts.Layout`, from a cvt quantize output's manifest
+    (empty for float / FP8 checkpoints and outputs that predate the record)."""
+    m = ckpt.manifest
+    if m is None or m.quant is None:
+        return {}
+    from cvt.quant.layouts import LAYOUTS
+
+    return {mod: LAYOUTS.get(info.layout) for mod, info in m.quant.tensors.items() if info.layout}
 
 
 def expert_placement(layout: Layout, config) -> Placement | None:
@@ -193,7 +214,9 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
     check(layout, ckpt.config, scheme, group)
     fp8 = quantization_config(ckpt.config) or {}
     check_weights(ckpt, arch, "shard", tuple(fp8.get("weight_block_size") or (128, 128)))
-    splits = {name: split_of(arch, layout, name, ref.shape) for name, ref in ckpt.tensors.items()}
+    layouts = quant_layouts(ckpt)
+    splits = {name: split_of(arch, layout, name, ref.shape, layouts.get(name.rpartition(".")[0]))
+              for name, ref in ckpt.tensors.items()}
     problems = _layout_problems(ckpt, arch, layout, splits)
     if problems:
         raise CvtError("the layout cannot shard these tensors:\n  " + "\n  ".join(problems))

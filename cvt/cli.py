@@ -111,6 +111,11 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
                    "cache; w4a16: int4 weights in groups, bf16 activations; fp4: E2M1 weights with group scales.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="compressed-tensors", show_default=True,
               help="ascend: msModelSlim AscendV1 (quant_model_description.json); compressed-tensors: vLLM/transformers.")
+@click.option("--target", type=click.Choice(["vllm-ascend", "mindie"]), default=None,
+              help="ascend: the serving stack the layouts are for (default vllm-ascend). vllm-ascend loads W4A16 "
+                   "(int32 packed) and MXFP4 only for MoE experts (other linears stay float), MLA C8 as FAKQuant; "
+                   "mindie takes the int8 two-per-byte W4A16 for every linear, and gets its quantize keys in "
+                   "config.json.")
 @click.option("--method", type=click.Choice(METHODS), default="rtn", show_default=True,
               help="rtn needs no data; smoothquant (w8a8), gptq and awq (w4a16) calibrate on --calib text.")
 @click.option("--group-size", type=click.IntRange(0), default=None,
@@ -131,7 +136,7 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @_common
-def quantize_cmd(src, dst, scheme, fmt, method, group_size, asym, fp4_format, calib, calib_tokens, static_attention,
+def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_format, calib, calib_tokens, static_attention,
                  ignore, recipe, revision, workers, max_shard_size, resume, overwrite, quiet):
     """Quantize SRC (BF16, an FP8 release - dequantized on the fly - or compressed-tensors INT4)
     into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
@@ -147,7 +152,7 @@ def quantize_cmd(src, dst, scheme, fmt, method, group_size, asym, fp4_format, ca
                  fp4_format=fp4_format, calib=Path(calib) if calib else None, calib_tokens=calib_tokens,
                  static_attention=static_attention, ignore=tuple(ignore), recipe=load_recipe(Path(recipe)) if recipe else None, revision=revision,
                  workers=workers, max_shard_size=parse_size(max_shard_size), resume=resume, overwrite=overwrite,
-                 quiet=quiet)
+                 quiet=quiet, target=target)
     if not quiet:
         x = r.extra
         click.echo(f"quantized {x['quantized']} linears ({scheme}, {method}, {fmt}), kept {x['float_modules']} float, "

@@ -83,16 +83,16 @@ def cache_io(model, i: int) -> list[CacheIO]:
     GQA: key, value)."""
     a = model.args
     attn = model.model.layers[i].self_attn
-    scales = getattr(attn, "kv_scales", None)
-    kind = TensorProto.INT8 if scales is not None else F
+    scales = getattr(attn, "kv_scales", None) or (None, None)  # a None scale: that tensor is cached float
     if is_mla(model):
         out = [("latent", ["batch", "{t}", a.kv_lora_rank]), ("rope_key", ["batch", "{t}", a.qk_rope_head_dim])]
         axis = 1
     else:
         out = [("key", ["batch", a.kv_heads, "{t}", a.dim_head]), ("value", ["batch", a.kv_heads, "{t}", a.dim_head])]
         axis = 2
-    return [CacheIO(f"past_key_values.{i}.{n}", f"present.{i}.{n}", dims, kind,
-                    None if scales is None else scales[j].float().cpu(), axis) for j, (n, dims) in enumerate(out)]
+    return [CacheIO(f"past_key_values.{i}.{n}", f"present.{i}.{n}", dims,
+                    F if scales[j] is None else TensorProto.INT8,
+                    None if scales[j] is None else scales[j].float().cpu(), axis) for j, (n, dims) in enumerate(out)]
 
 
 def _dims(dims, t: str) -> list:

@@ -90,6 +90,7 @@ class Choice:
     method: str
     group_size: int | None
     reason: str
+    explicit: bool = False  # chosen by a recipe rule (not the default)
 
 
 class Policy:
@@ -112,7 +113,7 @@ class Policy:
                     return Choice(None, "none", None, f"recipe {rule.pattern!r}")
                 return Choice(rule.scheme, rule.method or self.method,
                               rule.group_size if rule.group_size is not None else self.group_size,
-                              f"recipe {rule.pattern!r}")
+                              f"recipe {rule.pattern!r}", explicit=True)
         if any(rx.search(module) for rx in self.ignore):
             return Choice(None, "none", None, "--ignore")
         if not info.rule.quantizable:

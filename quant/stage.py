@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from cvt import __version__
-from cvt.convert.arch import arch_for
+from cvt.convert.arch import Role, arch_for
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config, source_format
 from cvt.convert.fp8 import dequant_fp8_block
 from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
@@ -36,6 +36,7 @@ from cvt.convert.safetensors_io import TensorSpec, dtype_code
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_checkpoint
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.quant.formats import get_format
+from cvt.quant.layouts import check_target, kernel_fmt_of
 from cvt.quant.recipe import Policy, Recipe
 from cvt.quant.schemes import get_scheme
 from cvt.quant.schemes.base import QuantizedTensor, Scheme
@@ -54,6 +55,7 @@ class Plan:
     schemes: dict[str, Scheme] = field(default_factory=dict)  # quantized module -> scheme
     methods: dict[str, str] = field(default_factory=dict)
     float_reasons: dict[str, str] = field(default_factory=dict)
+    experts: dict[str, bool] = field(default_factory=dict)  # quantized module -> is a routed expert
 
 
 def _sqnr(w: torch.Tensor, w_hat: torch.Tensor) -> float | str:
@@ -115,8 +117,11 @@ def _scheme_for(name: str, fmt_name: str, group_size: int | None, asym: bool, fp
 
 
 def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_size: int | None, asym: bool,
-              fp4_format: str) -> Plan:
+              fp4_format: str, target: str | None = None) -> Plan:
+    from cvt.quant import layouts
+
     arch = policy.arch
+    target = layouts.check_target(fmt.name, target)
     plan = Plan()
     for name in ckpt.tensors:
         if name.endswith(FP8_SCALE):
@@ -132,10 +137,17 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
             plan.float_reasons[module] = choice.reason
             continue
         scheme = _scheme_for(choice.scheme, fmt.name, choice.group_size, asym, fp4_format, cache)
-        fmt.supports(scheme)
+        fmt.supports(scheme, target)
+        expert = arch.classify(module + ".weight").role is Role.EXPERT
+        why = None if expert or choice.explicit else layouts.experts_only_reason(
+            fmt.name, layouts.kernel_fmt_of(scheme), target)
+        if why is not None:  # the stack has this layout for MoE experts only
+            plan.float_reasons[module] = why
+            continue
         shape = _weight_shape(ckpt, params)
-        scheme.check(module + ".weight", shape)
+        fmt.check_shape(module, scheme, shape, target=target, expert=expert)
         plan.schemes[module] = scheme
+        plan.experts[module] = expert
         plan.methods[module] = choice.method
     if not plan.schemes:
         raise CvtError(f"{ckpt.root}: nothing to quantize with scheme {scheme_name} (every linear is float by "
@@ -150,12 +162,6 @@ def _weight_shape(ckpt: Checkpoint, params: dict[str, str]) -> tuple[int, int]:
     if len(shape) != 2:
         raise TensorError(f"{params['weight']}: a linear weight must be 2-D, got {list(shape)}")
     return shape
-
-
-def _kernel_fmt(scheme: Scheme, static: bool = False) -> str:
-    if scheme.name in ("w8a8", "w8a8c8"):
-        return "w8a8_static" if static else "w8a8_dynamic"
-    return scheme.fp4_format if scheme.name == "fp4" else scheme.name
 
 
 def _probe_q(scheme: Scheme, shape: tuple[int, int], static: bool) -> QuantizedTensor:
@@ -173,7 +179,7 @@ def _probe_q(scheme: Scheme, shape: tuple[int, int], static: bool) -> QuantizedT
         parts = {"weight": parts["weight"], "input_scale": torch.ones(1), "input_offset": z((1,), torch.float32),
                  "deq_scale": torch.ones(n), "quant_bias": z((n,), torch.int32)}
         extra = {"weight_scale": torch.ones(n, 1)}
-    return QuantizedTensor(scheme.name, _kernel_fmt(scheme, static), shape, parts, scheme.group_size,
+    return QuantizedTensor(scheme.name, kernel_fmt_of(scheme, static), shape, parts, scheme.group_size,
                            scheme.symmetric, extra)
 
 
@@ -183,18 +189,19 @@ class _Layouts:
 
     PROBE = "probe"
 
-    def __init__(self, form):
-        self.form = form
+    def __init__(self, form, target: str):
+        self.form, self.target = form, target
         self._cache: dict = {}
 
-    def get(self, module: str, scheme: Scheme, shape, static: bool, bias_shape, bias_dtype):
-        key = (id(scheme), tuple(shape), static, bias_shape, bias_dtype)
+    def get(self, module: str, scheme: Scheme, shape, static: bool, bias_shape, bias_dtype, expert: bool):
+        key = (id(scheme), tuple(shape), static, bias_shape, bias_dtype, expert)
         if key not in self._cache:
             q = _probe_q(scheme, tuple(shape), static)
             b = None if bias_shape is None else torch.zeros(bias_shape, dtype=bias_dtype)
-            disk = self.form.disk_tensors(self.PROBE, q, b)
+            kw = {"target": self.target, "expert": expert}
+            disk = self.form.disk_tensors(self.PROBE, q, b, **kw)
             specs = {n[len(self.PROBE):]: (tuple(t.shape), dtype_code(t.dtype)) for n, t in disk.items()}
-            tags = ({n[len(self.PROBE):]: t for n, t in self.form.tags(self.PROBE, q, bias=b is not None).items()}
+            tags = ({n[len(self.PROBE):]: t for n, t in self.form.tags(self.PROBE, q, bias=b is not None, **kw).items()}
                     if hasattr(self.form, "tags") else {})
             self._cache[key] = (specs, tags)
         specs, tags = self._cache[key]
@@ -206,8 +213,8 @@ class _Quantizer:
     parts; drops the result when all parts were taken. Thread-safe (files are written in parallel)."""
 
     def __init__(self, source: _Source, plan: Plan, fmt, static_inputs: dict, precomputed: dict,
-                 methods_applied: dict | None = None, sqnr_known: dict | None = None):
-        self.source, self.plan, self.fmt = source, plan, fmt
+                 methods_applied: dict | None = None, sqnr_known: dict | None = None, target: str | None = None):
+        self.source, self.plan, self.fmt, self.target = source, plan, fmt, target
         self.static_inputs, self.precomputed = static_inputs, precomputed
         self.methods_applied, self.sqnr_known = methods_applied or {}, sqnr_known or {}
         self._lock = threading.Lock()
@@ -238,8 +245,11 @@ class _Quantizer:
         if "weight_packed" in params:  # an INT4 source: read it once, as its own quantized tensor
             src_q = self.source.source_quantized(params)
             w = get_scheme(src_q.scheme, group_size=src_q.group_size, symmetric=src_q.symmetric).dequantize(src_q)
-            if q is None and (src_q.kernel_fmt, src_q.group_size, src_q.symmetric) == (
-                    _kernel_fmt(scheme), scheme.group_size, scheme.symmetric):
+            k = src_q.shape[1]
+            same_group = (0 if src_q.group_size in (0, k) else src_q.group_size) == (
+                0 if scheme.group_size in (0, k) else scheme.group_size)  # a group of k is per channel
+            if q is None and same_group and (src_q.kernel_fmt, src_q.symmetric) == (
+                    kernel_fmt_of(scheme), scheme.symmetric):
                 q, method = src_q, "source"  # same int4 grid: re-emitted as is, without loss
         else:
             w = self.source.float_weight(params)
@@ -257,9 +267,11 @@ class _Quantizer:
             sqnr = "Infinity" if v == float("inf") else v
         else:
             sqnr = _sqnr(w, scheme.dequantize(q) if q.kernel_fmt != "w8a8_static" else _static_dequant(q))
-        self.info[module] = QuantTensorInfo(scheme=scheme.name, kernel_fmt=q.kernel_fmt, method=method,
+        expert = self.plan.experts[module]
+        layout = self.fmt.layout_for(module, q, target=self.target, expert=expert).name
+        self.info[module] = QuantTensorInfo(scheme=scheme.name, kernel_fmt=q.kernel_fmt, layout=layout, method=method,
                                             group_size=scheme.group_size, symmetric=scheme.symmetric, sqnr_db=sqnr)
-        return self.fmt.disk_tensors(module, q, bias)
+        return self.fmt.disk_tensors(module, q, bias, target=self.target, expert=expert)
 
 
 def _static_dequant(q: QuantizedTensor) -> torch.Tensor:
@@ -271,10 +283,12 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
              calib_tokens: int = 2048, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
              static_attention: bool = False, revision: str | None = None, workers: int | None = None,
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
-             quiet: bool = False) -> WriteResult:
-    """Quantize SRC into DST (see the module docstring). Returns the writer's result, with
-    counts in `.extra`."""
+             quiet: bool = False, target: str | None = None) -> WriteResult:
+    """Quantize SRC into DST (see the module docstring) for the serving `target` (ascend:
+    vllm-ascend, the default, or mindie; `cvt.quant.layouts`). Returns the writer's result,
+    with counts in `.extra`."""
     form = get_format(fmt)
+    target = check_target(fmt, target)
     get_scheme(scheme, **({"fp4_format": fp4_format} if scheme == "fp4" else {}))  # unknown names fail here
     if static_attention and (fmt != "ascend" or scheme not in ("w8a8", "w8a8c8")):
         raise FormatError("--static-attention (static W8A8 attention with input_scale / deq_scale / quant_bias) "
@@ -292,9 +306,8 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
                               "and compressed-tensors pack-quantized INT4 checkpoints)")
         arch = arch_for(ckpt.config)
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
-        plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format)
-        for module, sch in plan.schemes.items():
-            form.check_shape(module, sch, _weight_shape(ckpt, plan.modules[module]))
+        plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target)
+        _check_kv_target(ckpt.config, plan, fmt, target)
         source = _Source(ckpt, src_fmt)
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
             check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block))
@@ -304,9 +317,23 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
                        or any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
         calib_result = _calibrate(ckpt, plan, calib, calib_tokens, static_attention) if needs_model else _Calib()
         return _write(ckpt, dst, plan, form, source, src_fmt, calib_result, scheme, fmt, method, group_size, asym,
-                      fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet)
+                      fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet, target)
     finally:
         ckpt.close()
+
+
+def _check_kv_target(config, plan: Plan, fmt: str, target: str) -> None:
+    """An int8 KV cache the target would load wrong is refused, saying why."""
+    if not any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()):
+        return
+    from cvt.convert.arch import text_config
+
+    mt = text_config(config).get("model_type")
+    if fmt == "ascend" and target == "vllm-ascend" and mt == "qwen3_moe":
+        raise FormatError("w8a8c8 for qwen3_moe on vllm-ascend: vllm-ascend 0.23 loads C8 KV-cache scales only for "
+                          "Qwen3 dense, GLM4-MoE and MiniMax-M2 (patch/worker/patch_gqa_c8.py); for Qwen3-MoE it "
+                          "drops them and runs the int8 cache with scale 1 (wrong results, no error). Use --scheme "
+                          "w8a8, or --target mindie")
 
 
 @dataclass
@@ -382,12 +409,13 @@ LINEAR_ROLES = ("linear", "expert", "shared_expert", "mtp_proj", "head", "router
 
 def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, cal: _Calib, scheme: str, fmt: str,
            method: str, group_size, asym: bool, fp4_format: str, static_attention: bool, workers, max_shard_size,
-           resume, overwrite, quiet) -> WriteResult:
+           resume, overwrite, quiet, target: str) -> WriteResult:
     import hashlib
 
     arch = arch_for(ckpt.config)
-    quantizer = _Quantizer(source, plan, form, cal.static_inputs, cal.quantized, cal.methods_applied, cal.sqnr)
-    layouts = _Layouts(form)
+    quantizer = _Quantizer(source, plan, form, cal.static_inputs, cal.quantized, cal.methods_applied, cal.sqnr,
+                           target)
+    layouts = _Layouts(form, target)
     outs: list[OutTensor] = []
     tags: dict[str, str] = {}
     emitted: set[str] = set()
@@ -407,7 +435,8 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
             has_bias = "bias" in plan.modules[module] and not static
             b = ckpt.tensors[plan.modules[module]["bias"]] if has_bias else None
             specs, module_tags = layouts.get(module, sch, shape, static, None if b is None else b.shape,
-                                             None if b is None else getattr(torch, _torch_name(b.dtype)))
+                                             None if b is None else getattr(torch, _torch_name(b.dtype)),
+                                             plan.experts[module])
             tags.update(module_tags)
             for j, (disk_name, (shape_, dt)) in enumerate(specs.items()):
                 outs.append(OutTensor(
@@ -446,24 +475,35 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     c8 = any(getattr(s, "kv_cache", None) == "int8" for s in schemes_used.values())
     kv_tensors: dict[str, torch.Tensor] = {}
     kv_meta = None
+    mla = "kv_lora_rank" in arch.config
     if c8:
+        from cvt.quant.kv_layout import KV_CONVENTION, kv_tag
         from cvt.runtime import kv_cache
 
         if fmt == "ascend":
             kv_tensors = dict(cal.kv_scales)
         else:
             kv_tensors = kv_cache.to_compressed_tensors(cal.kv_scales, ckpt.config, "tensor", torch.float32)
-        kv_meta = {"convention": kv_cache.KV_CONVENTION, "tensors": sorted(kv_tensors)}
+        kv_meta = {"convention": KV_CONVENTION, "tensors": sorted(kv_tensors)}
         for n, t in kv_tensors.items():
             outs.append(OutTensor(TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)), produce=lambda t=t: t.contiguous()))
-            tags[n] = "C8"
+            tags[n] = kv_tag(mla)
 
     config = bf16_config(ckpt.config)
     extra_files = []
-    gs_all = {s.group_size for s in schemes_used.values()}
+    gs_all = {s.group_size for s in schemes_used.values() if s.group_size}
     if fmt == "ascend":
-        desc = form.description(tags, kv_cache="int8" if c8 else None, group_size=gs_all.pop() if len(gs_all) == 1 else 0)
+        if len(gs_all) > 1:  # the stacks read one global group_size (vllm-ascend, MindIE)
+            raise FormatError(f"the ascend description has one global group_size, but the recipe uses "
+                              f"{sorted(gs_all)}: give every grouped module the same group size")
+        desc = form.description(tags, kv_cache=("FAKQuant" if mla else "C8") if c8 else None,
+                                group_size=gs_all.pop() if gs_all else 0)
         extra_files.append(("quant_model_description.json", (json.dumps(desc, indent=2) + "\n").encode()))
+        if target == "mindie":  # MindIE reads its quantization keys from config.json
+            from cvt.quant.formats.ascend import mindie_config
+
+            target_cfg = config["text_config"] if isinstance(config.get("text_config"), dict) and "model_type" not in config else config
+            target_cfg.update(mindie_config(desc, mla))
     else:
         used = list(schemes_used.values())
         if len(used) > 1:
@@ -471,11 +511,11 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
         from cvt.quant.formats.compressed_tensors import kv_cache_int8
 
         qc = form.quantization_config(used, ignore_list=float_linears, kv_cache_scheme=kv_cache_int8("tensor") if c8 else None)
-        target = config["text_config"] if isinstance(config.get("text_config"), dict) and "model_type" not in config else config
-        target["quantization_config"] = qc
+        lm_cfg = config["text_config"] if isinstance(config.get("text_config"), dict) and "model_type" not in config else config
+        lm_cfg["quantization_config"] = qc
 
     fallbacks = list(cal.fallbacks)
-    quant = QuantInfo(scheme=scheme, format=fmt, method=method, group_size=group_size, symmetric=not asym,
+    quant = QuantInfo(scheme=scheme, format=fmt, target=target, method=method, group_size=group_size, symmetric=not asym,
                       fp4_format=fp4_format if scheme == "fp4" else None, kv_cache=kv_meta,
                       float_modules=dict(plan.float_reasons), fallbacks=fallbacks)
 
@@ -488,7 +528,7 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     calib_id = None
     if cal.tokens:  # the calibration identity: a resumed run must have calibrated on the same tokens
         calib_id = {"tokens": cal.tokens, "sha256": cal.tokens_sha256}
-    params = {"scheme": scheme, "format": fmt, "method": method, "group_size": group_size, "asym": asym,
+    params = {"scheme": scheme, "format": fmt, "target": target, "method": method, "group_size": group_size, "asym": asym,
               "fp4_format": fp4_format if scheme == "fp4" else None, "static_attention": static_attention,
               "calibration": calib_id, "max_shard_size": max_shard_size}
     params["modules"] = hashlib.sha256(json.dumps(

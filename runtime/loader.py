@@ -205,7 +205,8 @@ class _QuantReader:
 
     def is_quantized(self, module: str, params: dict[str, str]) -> bool:
         if self.tags is not None:
-            return self.tags.get(f"{module}.weight", "FLOAT") not in ("FLOAT", "C8")
+            tag = self.tags.get(f"{module}.weight") or self.tags.get(f"{module}.weight_packed") or "FLOAT"
+            return tag not in ("FLOAT", "C8", "FAQuant")
         return bool(set(params) & {"weight_packed", "weight_scale", "weight_fp4"}) and "weight_scale_inv" not in params
 
 

@@ -83,8 +83,10 @@ OTHER_PARAMS = frozenset(
         "input_global_scale",
         "deq_scale",
         "quant_bias",
-        "kv_cache_scale",  # C8 (Ascend naming, per cached channel)
+        "kv_cache_scale",  # C8 (Ascend GQA naming, per cached channel)
         "kv_cache_offset",
+        "scale",  # FAKQuant (Ascend MLA): self_attn.fa_{q,k,v}.scale / .offset
+        "offset",
         "k_scale",  # C8 (compressed-tensors naming)
         "v_scale",
     }

@@ -115,10 +115,12 @@ TABLE = ArchTable(
         Rule(f"{L}.mlp.shared_experts.gate_proj", Role.SHARED_EXPERT, C, Block.MOE, quantizable=True),
         Rule(f"{L}.mlp.shared_experts.up_proj", Role.SHARED_EXPERT, C, Block.MOE, quantizable=True),
         Rule(f"{L}.mlp.shared_experts.down_proj", Role.SHARED_EXPERT, R, Block.MOE, quantizable=True),
-        # int8 KV cache scales (C8): self_attn.{k,v}_scale (compressed-tensors), and the cached
-        # rope key's kv_cache_scale (the latent's live on kv_a_layernorm)
+        # int8 KV cache (cvt.runtime.kv_cache): self_attn.{k,v}_scale (compressed-tensors), and
+        # FAKQuant's self_attn.fa_{q,k,v}.{scale,offset} (Ascend)
         Rule(f"{L}.self_attn", Role.KV_CACHE, REP, Block.ATTN, float_default=True),
-        Rule(f"{L}.self_attn.k_pe", Role.KV_CACHE, REP, Block.ATTN, float_default=True),
+        Rule(f"{L}.self_attn.fa_q", Role.KV_CACHE, REP, Block.ATTN, float_default=True),
+        Rule(f"{L}.self_attn.fa_k", Role.KV_CACHE, REP, Block.ATTN, float_default=True),
+        Rule(f"{L}.self_attn.fa_v", Role.KV_CACHE, REP, Block.ATTN, float_default=True),
         # MTP extras (only in layers >= num_hidden_layers)
         Rule(f"{L}.embed_tokens", Role.EMBEDDING, V, Block.MTP, float_default=True, mtp_only=True),
         Rule(f"{L}.enorm", Role.NORM, REP, Block.MTP, float_default=True, mtp_only=True),

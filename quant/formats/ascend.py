@@ -1,45 +1,57 @@
 """Ascend msModelSlim "AscendV1" (FORMATS.md 2.2): ``quant_model_weights-*.safetensors`` +
 ``quant_model_description.json`` (every tensor name -> type tag, plus global keys).
 
-====================  ===========  ===============================================================
-kernel_fmt            tag          tensors of linear X (for w [n, k], group G)
-====================  ===========  ===============================================================
-w8a8_dynamic          W8A8_DYNAMIC X.weight int8 [n,k]; X.weight_scale f32 [n,1]; X.weight_offset f32
-                                   zeros [n,1]
-w8a8_static           W8A8         X.weight int8 [n,k]; X.input_scale f32 [1]; X.input_offset f32 [1];
-                                   X.deq_scale f32 [n] (int64 float32 bits for fp16 models);
-                                   X.quant_bias int32 [n]; X.weight_scale f32 [n,1] and
-                                   X.weight_offset f32 zeros [n,1] (vllm-ascend's W8A8 method
-                                   declares both; written when the tensor carries its weight scale)
-w4a16                 W4A16        X.weight int8, int4 packed two per byte, even element low nibble:
-                                   per group [n/2, k] (pairs of output channels), per channel
-                                   [n, k/2] (along k); X.weight_scale f32 [n,k/G] ([n,1]);
-                                   X.weight_offset f32 same shape (zeros when symmetric)
-====================  ===========  ===============================================================
+The tensors of each quantized linear are its layout's (`cvt.quant.layouts`: ascend-w8a8-dynamic,
+ascend-w8a8-static, ascend-w4a16-int8-*, ascend-w4a16-int32, ascend-mxfp4), chosen per serving
+target (``--target vllm-ascend|mindie``, default vllm-ascend) and module (some layouts are
+loaded for MoE experts only). A float bias is tagged FLOAT; offsets are the documented form
+``w = (q - offset) * scale``. `read` needs the tag (``meta``: the description dict, or a tag
+string); the tag's layouts are told apart by the tensors present.
 
-A float bias is tagged FLOAT. Offsets are the documented form ``w = (q - offset) * scale``.
-There is no fp4 tag: fp4 is refused. `read` needs the tag (``meta``: the description dict,
-or a tag string), because a per-channel W4A16 weight ``[n, k/2]`` looks like a W8A8 one.
-Symmetry of a W4A16 weight is read back as "all offsets are zero".
+Description global keys (`description`), from msModelSlim 26.1 ``save/ascendv1.py``
+(AscendV1Saver.post_run, update_quant_type, on_dynamic_cache, _save_activation_per_head) and
+what the consumers read (vllm-ascend 0.23 ``modelslim_config.py``: ``kv_cache_type``,
+``fa_quant_type``, ``group_size``, ``version``; MindIE reads its keys from config.json, see
+`mindie_config`):
+
+* ``model_quant_type``: msModelSlim's priority rule (`model_quant_type`): fewer bits win, and
+  static W8A8 beats W8A8_DYNAMIC (a mixed static-attention model is "W8A8"); tags outside the
+  list (W4A16, W4A16_MXFP4) count only when nothing in it is present;
+* ``version`` "1.0.0"; ``group_size`` (0 when not grouped; the one group size of the grouped
+  layouts, which the stacks read globally);
+* GQA int8 KV cache: ``kv_cache_type`` and ``kv_quant_type`` "C8"; MLA (FAKQuant):
+  ``fa_quant_type`` "FAKQuant".
 """
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 
 from cvt.errors import FormatError
-from cvt.quant import primitives as P
-from cvt.quant.formats import expect, register, scheme_name, take
+from cvt.quant import layouts as L
+from cvt.quant.formats import register, scheme_name
 from cvt.quant.schemes.base import QuantizedTensor
 
 FLOAT = "FLOAT"
-TAGS = {"w8a8_dynamic": "W8A8_DYNAMIC", "w8a8_static": "W8A8", "w4a16": "W4A16"}
-SUPPORTED = ("w8a8", "w8a8c8", "w4a16")
 VERSION = "1.0.0"
-_DOMINANCE = ("W8A8_DYNAMIC", "W8A8", "W4A16", "W8A16")  # tie-break order for model_quant_type
-_F = "ascend"
+KV_TAGS = ("C8", "FAQuant")
+# msModelSlim 26.1 save/ascendv1.py QUANT_TYPE_PRIORITY: a later entry wins
+QUANT_TYPE_PRIORITY = ("FLOAT", "W16A16S", "W8A16", "W8A8_DYNAMIC", "W8A8_MIX", "W8A8", "WFP8AFP8_DYNAMIC",
+                       "W8A8_MXFP8", "W4A8_MXFP", "W4A4_DYNAMIC", "W4A4_MXFP4", "W4A4_MXFP4_DUALSCALE",
+                       "W4A4_MXFP4_SVD")
+GLOBAL_KEYS = ("model_quant_type", "version", "group_size", "kv_cache_type", "kv_quant_type", "fa_quant_type")
+# MindIE's config.json "quantize" value per model_quant_type (atb_llm utils/quantize/quant_type.py)
+MINDIE_QUANTIZE = {"W8A8": "w8a8", "W8A8_DYNAMIC": "w8a8_dynamic", "W4A16": "w4a16", "W8A16": "w8a16",
+                   "W8A8_MIX": "w8a8_mix"}
+
+
+def model_quant_type(tags) -> str:
+    """msModelSlim's rule over the linear weights' tags (FLOAT when none is quantized)."""
+    present = {t for t in tags if t not in (FLOAT, *KV_TAGS)}
+    ranked = [t for t in present if t in QUANT_TYPE_PRIORITY]
+    if ranked:
+        return max(ranked, key=QUANT_TYPE_PRIORITY.index)
+    return sorted(present)[0] if present else FLOAT
 
 
 @register
@@ -50,139 +62,124 @@ class Ascend:
 
     # ---- what this format can hold ----------------------------------------------------------------
 
-    def supports(self, scheme) -> None:
+    def supports(self, scheme, target: str | None = None) -> None:
         name = scheme_name(scheme)
-        if name not in SUPPORTED:
-            raise FormatError(f"the ascend format (msModelSlim AscendV1) has no type tag for scheme {name!r}"
-                              + (" (there is no fp4 tag in AscendV1; write fp4 as compressed-tensors)"
-                                 if name == "fp4" else "")
-                              + f"; ascend supports: {', '.join(SUPPORTED)}")
+        target = L.check_target(self.name, target)
+        kernels = {lo.kernel_fmt for lo in L.LAYOUTS.values() if lo.format == self.name and target in lo.targets}
+        wanted = L.kernel_formats(scheme)
+        if not (wanted & kernels):
+            raise FormatError(f"the ascend format for {target} has no layout for scheme {name!r}"
+                              + (f" ({', '.join(sorted(wanted))})" if wanted else "")
+                              + f"; {target} loads: {', '.join(sorted(kernels))}"
+                              + (" (fp4 on Ascend is MXFP4 for MoE experts, --fp4-format mxfp4 --target vllm-ascend)"
+                                 if name == "fp4" else ""))
 
-    def check_shape(self, module: str, scheme, shape) -> None:
-        self.supports(scheme)
+    def layout(self, module: str, scheme, shape, *, target: str | None = None, expert: bool = False,
+               static: bool = False) -> L.Layout:
+        target = L.check_target(self.name, target)
+        return L.select(self.name, L.kernel_fmt_of(scheme, static), target, expert=expert,
+                        group_size=getattr(scheme, "group_size", 0), k=shape[1], module=module)
+
+    def check_shape(self, module: str, scheme, shape, *, target: str | None = None, expert: bool = False) -> None:
+        self.supports(scheme, target)
         if not isinstance(scheme, str):
             scheme.check(f"{module}.weight", tuple(shape))
-        n, k = shape
-        if scheme_name(scheme) == "w4a16" and not isinstance(scheme, str):
-            per_channel = scheme.group_size in (0, k)
-            if per_channel and k % 2:
-                raise FormatError(f"ascend W4A16: {module}.weight {list(shape)} is per channel and packs two int4 "
-                                  f"along in_features, which must be even (got {k})")
-            if not per_channel and n % 2:
-                raise FormatError(f"ascend W4A16: {module}.weight {list(shape)} is grouped and packs pairs of "
-                                  f"output channels, so out_features must be even (got {n})")
+            lo = self.layout(module, scheme, shape, target=target, expert=expert)
+            g = 0 if scheme.group_size in (0, shape[1]) else scheme.group_size
+            for t in lo.tensors:
+                for axis, size in (("n", shape[0]), ("k", shape[1])):
+                    a = t.along(axis, g, shape[1])
+                    if a is not None and a[1] > 1 and size % a[1]:
+                        raise FormatError(f"ascend {lo.name}: {module}.weight {list(shape)}: {t.suffix} packs "
+                                          f"{a[1]} along {'out' if axis == 'n' else 'in'}_features, which must be "
+                                          f"a multiple of {a[1]} (got {size})")
 
     # ---- write -----------------------------------------------------------------------------------
 
-    def disk_tensors(self, module: str, q: QuantizedTensor, bias: torch.Tensor | None = None):
-        self.supports(q.scheme)
-        p, n = q.parts, q.shape[0]
-        x = module + "."
-        if q.kernel_fmt == "w8a8_dynamic":
-            out = {x + "weight": p["weight"], x + "weight_scale": p["weight_scale"].to(torch.float32).reshape(n, 1),
-                   x + "weight_offset": p["weight_offset"].to(torch.float32).reshape(n, 1)}
-        elif q.kernel_fmt == "w8a8_static":
-            out = {x + "weight": p["weight"], x + "input_scale": p["input_scale"].to(torch.float32).reshape(1),
-                   x + "input_offset": p["input_offset"].to(torch.float32).reshape(1),
-                   x + "deq_scale": p["deq_scale"], x + "quant_bias": p["quant_bias"]}
-            if "weight_scale" in q.extra:
-                ws = q.extra["weight_scale"].to(torch.float32).reshape(n, 1)
-                out[x + "weight_scale"], out[x + "weight_offset"] = ws, torch.zeros_like(ws)
-        elif q.kernel_fmt == "w4a16":
-            sc = p["weight_scale"].to(torch.float32)
-            dim = P.ascend_pack_dim(sc)
-            if q.shape[dim] % 2:
-                raise FormatError(f"ascend W4A16: cannot pack {module}.weight {list(q.shape)} along dim {dim} "
-                                  f"({'pairs of output channels' if dim == 0 else 'in_features'} must be even)")
-            out = {x + "weight": P.pack_int4_ascend(p["weight_int4"], dim), x + "weight_scale": sc,
-                   x + "weight_offset": p["weight_offset"].to(torch.float32)}
-        else:
-            raise FormatError(f"ascend: no layout for kernel format {q.kernel_fmt!r} of {module!r}")
+    def disk_tensors(self, module: str, q: QuantizedTensor, bias: torch.Tensor | None = None, *,
+                     target: str | None = None, expert: bool = False) -> dict[str, torch.Tensor]:
+        lo = self.layout_for(module, q, target=target, expert=expert)
+        out = {f"{module}.{s}": t for s, t in lo.encode(q).items()}
         if bias is not None:
-            out[x + "bias"] = bias
+            out[f"{module}.bias"] = bias
         return {k: v.contiguous() for k, v in out.items()}
 
-    def tags(self, module: str, q: QuantizedTensor, bias: bool = False) -> dict[str, str]:
+    def layout_for(self, module: str, q: QuantizedTensor, *, target: str | None = None,
+                   expert: bool = False) -> L.Layout:
+        """The layout `disk_tensors` writes `q` in for this target and module."""
+        target = L.check_target(self.name, target)
+        return L.select(self.name, q.kernel_fmt, target, expert=expert, group_size=q.group_size, k=q.shape[1],
+                        module=module)
+
+    def tags(self, module: str, q: QuantizedTensor, bias: bool = False, *, target: str | None = None,
+             expert: bool = False) -> dict[str, str]:
         """``{disk name: tag}`` for the tensors `disk_tensors` writes for this linear (bias: FLOAT)."""
-        self.supports(q.scheme)
-        tag = TAGS[q.kernel_fmt]
-        names = {"w8a8_dynamic": ("weight", "weight_scale", "weight_offset"),
-                 "w8a8_static": ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
-                 + (("weight_scale", "weight_offset") if "weight_scale" in q.extra else ()),
-                 "w4a16": ("weight", "weight_scale", "weight_offset")}[q.kernel_fmt]
-        out = {f"{module}.{n}": tag for n in names}
+        lo = self.layout_for(module, q, target=target, expert=expert)
+        out = lo.tags(module, lo.encode(q))
         if bias:
             out[f"{module}.bias"] = FLOAT
         return out
 
     def description(self, tags: dict[str, str], kv_cache: str | None = None, group_size: int = 0) -> dict:
-        """quant_model_description.json: `tags` (every tensor in the weights, FLOAT for float ones) +
-        ``model_quant_type`` (the tag of most linear weights, FLOAT if none), ``version``,
-        ``group_size`` and, for an int8 KV cache (``kv_cache`` "int8" or "C8"), ``kv_cache_type: "C8"``."""
-        reserved = {"model_quant_type", "version", "group_size", "kv_cache_type"}
-        clash = sorted(reserved & set(tags))
+        """quant_model_description.json: `tags` (every tensor in the weights, FLOAT for float ones)
+        plus the global keys (module docstring). `kv_cache`: None, "C8" (GQA) or "FAKQuant" (MLA)."""
+        clash = sorted(set(GLOBAL_KEYS) & set(tags))
         if clash:
             raise FormatError(f"ascend description: tensor names {clash} collide with the description's global keys")
-        counts = Counter(t for n, t in tags.items() if n.endswith(".weight") and t not in (FLOAT, "C8"))
-        best = max(counts.values(), default=0)
-        order = list(_DOMINANCE) + sorted(set(counts) - set(_DOMINANCE))
-        dominant = next((t for t in order if counts.get(t) == best), FLOAT) if best else FLOAT
         desc = dict(tags)
-        desc.update({"model_quant_type": dominant, "version": VERSION, "group_size": int(group_size)})
-        if kv_cache not in (None, "int8", "C8"):
-            raise FormatError(f"ascend description: kv_cache {kv_cache!r} is not supported (int8 / C8, or None)")
-        if kv_cache:
-            desc["kv_cache_type"] = "C8"
+        desc.update({"model_quant_type": model_quant_type(t for n, t in tags.items() if n.endswith(".weight")),
+                     "version": VERSION, "group_size": int(group_size)})
+        if kv_cache == "C8":
+            desc["kv_cache_type"] = desc["kv_quant_type"] = "C8"
+        elif kv_cache == "FAKQuant":
+            desc["fa_quant_type"] = "FAKQuant"
+        elif kv_cache is not None:
+            raise FormatError(f"ascend description: kv_cache {kv_cache!r} is not supported (C8, FAKQuant or None)")
         return desc
 
     # ---- read ------------------------------------------------------------------------------------
 
     def read(self, module: str, disk: dict[str, torch.Tensor], meta=None) -> QuantizedTensor:
-        """``meta``: the description dict (tag of ``{module}.weight``; kv_cache_type C8 makes the
-        scheme w8a8c8) or a tag string."""
+        """``meta``: the description dict (tag of ``{module}.weight``, or ``.weight_packed``; a KV-cache
+        key makes a W8A8 scheme w8a8c8) or a tag string."""
         desc = meta if isinstance(meta, dict) else {}
-        tag = meta if isinstance(meta, str) else desc.get(f"{module}.weight")
+        tag = meta if isinstance(meta, str) else (desc.get(f"{module}.weight") or desc.get(f"{module}.weight_packed"))
         if tag is None:
             raise FormatError(f"ascend: no type tag for {module}.weight (pass the quant_model_description.json "
                               "dict as meta)")
-        w8_scheme = "w8a8c8" if desc.get("kv_cache_type") == "C8" else "w8a8"
-        x = module + "."
-        if tag == "W8A8_DYNAMIC":
-            t = take(_F, module, disk, ("weight", "weight_scale", "weight_offset"))
-            n, k = expect(_F, x + "weight", t["weight"], (torch.int8,)).shape
-            sc = expect(_F, x + "weight_scale", t["weight_scale"], (torch.float32, torch.bfloat16, torch.float16))
-            off = expect(_F, x + "weight_offset", t["weight_offset"], (torch.float32, torch.bfloat16, torch.float16))
-            parts = {"weight": t["weight"], "weight_scale": sc.to(torch.float32).reshape(n, 1),
-                     "weight_offset": off.to(torch.float32).reshape(n, 1)}
-            return QuantizedTensor(w8_scheme, "w8a8_dynamic", (n, k), parts)
-        if tag == "W8A8":
-            t = take(_F, module, disk, ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias"))
-            n, k = expect(_F, x + "weight", t["weight"], (torch.int8,)).shape
-            expect(_F, x + "deq_scale", t["deq_scale"], (torch.float32, torch.int64), (n,))
-            expect(_F, x + "quant_bias", t["quant_bias"], (torch.int32,), (n,))
-            parts = {"weight": t["weight"], "input_scale": t["input_scale"].to(torch.float32).reshape(1),
-                     "input_offset": t["input_offset"].to(torch.float32).reshape(1),
-                     "deq_scale": t["deq_scale"], "quant_bias": t["quant_bias"]}
-            extra = {}
-            if x + "weight_scale" in disk:
-                extra["weight_scale"] = disk[x + "weight_scale"].to(torch.float32).reshape(n, 1)
-            return QuantizedTensor(w8_scheme, "w8a8_static", (n, k), parts, 0, True, extra)
-        if tag == "W4A16":
-            t = take(_F, module, disk, ("weight", "weight_scale", "weight_offset"))
-            expect(_F, x + "weight", t["weight"], (torch.int8,))
-            sc = t["weight_scale"].to(torch.float32)
-            if sc.dim() != 2:
-                raise FormatError(f"ascend: {x}weight_scale is {list(sc.shape)}: expected 2-D [n, k/G]")
-            off = expect(_F, x + "weight_offset", t["weight_offset"].to(torch.float32), (torch.float32,),
-                         tuple(sc.shape))
-            dim = P.ascend_pack_dim(sc, t["weight"])  # by rows: TP shards may hold one group per row
-            q = P.unpack_int4_ascend(t["weight"], dim)
-            n, k = q.shape
-            if sc.shape[0] != n or k % sc.shape[1]:
-                raise FormatError(f"ascend: {x}weight_scale {list(sc.shape)} does not fit the unpacked weight "
-                                  f"[{n}, {k}] (expected [{n}, k/G])")
-            g = 0 if sc.shape[1] == 1 else k // sc.shape[1]
-            parts = {"weight_int4": q, "weight_scale": sc, "weight_offset": off}
-            return QuantizedTensor("w4a16", "w4a16", (n, k), parts, g, bool((off == 0).all()))
-        raise FormatError(f"ascend: {module}.weight has tag {tag!r}; cvt reads W8A8_DYNAMIC, W8A8 and W4A16 "
-                          "linears (FLOAT tensors are plain weights)")
+        found = [lo for lo in L.LAYOUTS.values() if lo.format == self.name and lo.tag == tag]
+        if not found:
+            known = sorted({lo.tag for lo in L.LAYOUTS.values() if lo.format == self.name})
+            raise FormatError(f"ascend: {module}.weight has tag {tag!r}; cvt reads {', '.join(known)} linears "
+                              "(FLOAT tensors are plain weights)")
+        prefix = module + "."
+        by_suffix = {n[len(prefix):]: t for n, t in disk.items() if n.startswith(prefix)}
+        try:
+            q = L.read_layout(self.name, found, by_suffix).decode(module, by_suffix)
+        except FormatError as exc:
+            raise FormatError(f"ascend: {exc}") from None
+        if q.scheme == "w8a8" and (desc.get("kv_cache_type") == "C8" or desc.get("fa_quant_type")):
+            q.scheme = "w8a8c8"
+        return q
+
+
+def mindie_config(desc: dict, mla: bool) -> dict:
+    """The keys MindIE's atb_llm reads from config.json for a quantized model
+    (``models/base/config.py`` QuantizationConfig, ``models/deepseekv2/flash_causal_deepseekv2.py``):
+    ``quantize`` (from model_quant_type; a DeepSeek model with static W8A8 attention and dynamic
+    MLP runs attention with ``mla_quantize: "w8a8"`` and everything else ``w8a8_dynamic``) and
+    ``quantization_config`` with ``group_size``, ``kv_quant_type`` / ``fa_quant_type``."""
+    mqt = desc["model_quant_type"]
+    tags = {t for n, t in desc.items() if n.endswith(".weight")}
+    out: dict = {}
+    if mla and mqt == "W8A8" and "W8A8_DYNAMIC" in tags:
+        out["quantize"], out["mla_quantize"] = "w8a8_dynamic", "w8a8"
+    else:
+        out["quantize"] = MINDIE_QUANTIZE.get(mqt, mqt.lower())
+    qc: dict = {"group_size": desc.get("group_size", 0)}
+    if desc.get("kv_quant_type"):
+        qc["kv_quant_type"] = desc["kv_quant_type"]
+    if desc.get("fa_quant_type"):
+        qc["fa_quant_type"] = desc["fa_quant_type"]
+    out["quantization_config"] = qc
+    return out

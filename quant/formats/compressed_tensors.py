@@ -13,6 +13,9 @@ fp4 nvfp4       nvfp4-pack-quantized   X.weight_packed uint8 [n,k/2] (element 2j
 fp4 mxfp4       mxfp4-pack-quantized   X.weight_packed uint8 [n,k/2]; X.weight_scale uint8 E8M0 [n,k/32]
 ==============  =====================  ===================================================================
 
+The tensors are the layouts' (`cvt.quant.layouts`: ct-int8, ct-int4, ct-nvfp4, ct-mxfp4); this
+module adds config.json's ``quantization_config``.
+
 The compressed-tensors package's own decompressors reproduce cvt's dequantized weights
 (tests/quant/test_formats.py). Static W8A8 activations are Ascend-only in cvt and refused here.
 `read` infers the scheme from the tensors; ``meta`` (the quantization_config dict) is
@@ -21,14 +24,13 @@ optional and supplies the int8 KV-cache flag (w8a8 -> w8a8c8).
 
 from __future__ import annotations
 
-import math
 import re
 
 import torch
 
 from cvt.errors import FormatError
-from cvt.quant import primitives as P
-from cvt.quant.formats import expect, register, scheme_name, take
+from cvt.quant import layouts as L
+from cvt.quant.formats import register, scheme_name
 from cvt.quant.schemes.base import QuantizedTensor
 
 _F = "compressed-tensors"
@@ -77,7 +79,8 @@ class CompressedTensors:
     name = "compressed-tensors"
     weights_prefix = "model"
 
-    def supports(self, scheme) -> None:
+    def supports(self, scheme, target: str | None = None) -> None:
+        L.check_target(self.name, target)
         name = scheme_name(scheme)
         if name not in SUPPORTED:
             raise FormatError(f"compressed-tensors: scheme {name!r} is not supported (supported: "
@@ -86,45 +89,31 @@ class CompressedTensors:
             raise FormatError(f"compressed-tensors: scheme {name!r} with static activations is Ascend-only in cvt "
                               "(write it as ascend, or use dynamic per-token W8A8)")
 
-    def check_shape(self, module: str, scheme, shape) -> None:
+    def check_shape(self, module: str, scheme, shape, *, target: str | None = None, expert: bool = False) -> None:
         self.supports(scheme)
         if not isinstance(scheme, str):
             scheme.check(f"{module}.weight", tuple(shape))
 
     # ---- write -----------------------------------------------------------------------------------
 
-    def disk_tensors(self, module: str, q: QuantizedTensor, bias: torch.Tensor | None = None):
-        self.supports(q.scheme)
-        p, (n, k) = q.parts, q.shape
-        x = module + "."
-        if q.kernel_fmt == "w8a8_dynamic":
-            if bool((p["weight_offset"] != 0).any()):
-                raise FormatError(f"compressed-tensors: {module} has non-zero weight offsets; int-quantized W8A8 "
-                                  "is symmetric")
-            out = {x + "weight": p["weight"], x + "weight_scale": p["weight_scale"].to(torch.float32).reshape(n, 1)}
-        elif q.kernel_fmt == "w4a16":
-            sc = p["weight_scale"].to(torch.float32)
-            if not torch.equal(P.round_to_bf16(sc), sc):
-                raise FormatError(f"compressed-tensors: {module}.weight_scale is not bfloat16-representable; "
-                                  "pack-quantized stores bf16 scales (quantize with cvt's w4a16 scheme)")
-            out = {x + "weight_packed": P.pack_int4_ct(p["weight_int4"], 1),
-                   x + "weight_scale": sc.to(torch.bfloat16),
-                   x + "weight_shape": torch.tensor([n, k], dtype=torch.int32)}
-            if not q.symmetric:
-                out[x + "weight_zero_point"] = P.pack_int4_ct(p["weight_offset"].to(torch.int8), 0)
-            elif bool((p["weight_offset"] != 0).any()):
-                raise FormatError(f"compressed-tensors: {module} is marked symmetric but has non-zero offsets")
-        elif q.kernel_fmt in ("nvfp4", "mxfp4"):
-            out = {x + "weight_packed": P.pack_fp4(p["weight_fp4"]), x + "weight_scale": p["weight_scale"]}
-            if q.kernel_fmt == "nvfp4":
-                out[x + "weight_global_scale"] = p["weight_global_scale"].to(torch.float32).reshape(1)
-            else:
-                out[x + "weight_scale"] = p["weight_scale"].view(torch.uint8)
-        else:
-            raise FormatError(f"compressed-tensors: no layout for kernel format {q.kernel_fmt!r} of {module!r} "
-                              "(static W8A8 is Ascend-only)")
+    def layout_for(self, module: str, q: QuantizedTensor, *, target: str | None = None,
+                   expert: bool = False) -> L.Layout:
+        """The layout `disk_tensors` writes `q` in."""
+        self.supports(q.scheme, target)
+        if q.kernel_fmt == "w8a8_static":
+            raise FormatError(f"compressed-tensors: no layout for static W8A8 ({module!r}); it is Ascend-only in cvt")
+        return L.select(self.name, q.kernel_fmt, L.CT_TARGET, expert=expert, group_size=q.group_size, k=q.shape[1],
+                        module=module)
+
+    def disk_tensors(self, module: str, q: QuantizedTensor, bias: torch.Tensor | None = None, *,
+                     target: str | None = None, expert: bool = False) -> dict[str, torch.Tensor]:
+        lo = self.layout_for(module, q, target=target, expert=expert)
+        try:
+            out = {f"{module}.{s}": t for s, t in lo.encode(q).items()}
+        except FormatError as exc:
+            raise FormatError(f"compressed-tensors: {module}: {exc}") from None
         if bias is not None:
-            out[x + "bias"] = bias
+            out[f"{module}.bias"] = bias
         return {k_: v.contiguous() for k_, v in out.items()}
 
     def quantization_config(self, schemes_used, ignore_list=(), kv_cache_scheme: dict | None = None) -> dict:
@@ -184,49 +173,14 @@ class CompressedTensors:
         if meta is not None and any(match_name(module, i) for i in meta.get("ignore") or ()):
             raise FormatError(f"compressed-tensors: {module!r} is in the ignore list: it is a float module")
         kv = (meta or {}).get("kv_cache_scheme") or {}
-        w8 = "w8a8c8" if kv.get("type") == "int" and kv.get("num_bits") == 8 else "w8a8"
-        if x + "weight_packed" in disk and disk[x + "weight_packed"].dtype == torch.int32:
-            t = take(_F, module, disk, ("weight_packed", "weight_scale", "weight_shape"))
-            shape = t["weight_shape"].reshape(-1).tolist()
-            if len(shape) != 2:
-                raise FormatError(f"compressed-tensors: {x}weight_shape is {shape}: expected [n, k]")
-            n, k = (int(v) for v in shape)
-            expect(_F, x + "weight_packed", t["weight_packed"], (torch.int32,), (n, math.ceil(k / 8)))
-            sc = t["weight_scale"].to(torch.float32)
-            if sc.dim() != 2 or sc.shape[0] != n or k % sc.shape[1]:
-                raise FormatError(f"compressed-tensors: {x}weight_scale {list(sc.shape)} does not fit "
-                                  f"weight_shape [{n}, {k}] (expected [{n}, k/G])")
-            sym = x + "weight_zero_point" not in disk
-            off = (torch.zeros_like(sc) if sym else
-                   P.unpack_int4_ct(disk[x + "weight_zero_point"], n, 0).to(torch.float32))
-            if tuple(off.shape) != tuple(sc.shape):
-                raise FormatError(f"compressed-tensors: {x}weight_zero_point unpacks to {list(off.shape)}, "
-                                  f"expected {list(sc.shape)}")
-            g = 0 if sc.shape[1] == 1 else k // sc.shape[1]
-            parts = {"weight_int4": P.unpack_int4_ct(t["weight_packed"], k, 1), "weight_scale": sc,
-                     "weight_offset": off}
-            return QuantizedTensor("w4a16", "w4a16", (n, k), parts, g, sym)
-        if x + "weight_packed" in disk:
-            packed = expect(_F, x + "weight_packed", disk[x + "weight_packed"], (torch.uint8,))
-            codes = P.unpack_fp4(packed)
-            n, k = codes.shape
-            if x + "weight_global_scale" in disk:
-                t = take(_F, module, disk, ("weight_scale", "weight_global_scale"))
-                sc = expect(_F, x + "weight_scale", t["weight_scale"], (torch.float8_e4m3fn,), (n, k // 16))
-                parts = {"weight_fp4": codes, "weight_scale": sc,
-                         "weight_global_scale": t["weight_global_scale"].to(torch.float32).reshape(1)}
-                return QuantizedTensor("fp4", "nvfp4", (n, k), parts, 16, True, {"fp4_format": "nvfp4"})
-            sc = take(_F, module, disk, ("weight_scale",))["weight_scale"]
-            sc = expect(_F, x + "weight_scale", sc, (torch.uint8, torch.float8_e8m0fnu), (n, k // 32))
-            parts = {"weight_fp4": codes, "weight_scale": sc.view(torch.uint8)}
-            return QuantizedTensor("fp4", "mxfp4", (n, k), parts, 32, True, {"fp4_format": "mxfp4"})
-        t = take(_F, module, disk, ("weight", "weight_scale"))
-        n, k = expect(_F, x + "weight", t["weight"], (torch.int8,)).shape
-        sc = expect(_F, x + "weight_scale", t["weight_scale"], (torch.float32, torch.bfloat16, torch.float16))
-        if sc.numel() != n:
-            raise FormatError(f"compressed-tensors: {x}weight_scale {list(sc.shape)}: expected [{n}, 1] (channel)")
-        if x + "weight_zero_point" in disk:
-            raise FormatError(f"compressed-tensors: {module} is asymmetric int8; cvt's W8A8 is symmetric")
-        sc = sc.to(torch.float32).reshape(n, 1)
-        return QuantizedTensor(w8, "w8a8_dynamic", (n, k),
-                               {"weight": t["weight"], "weight_scale": sc, "weight_offset": torch.zeros_like(sc)})
+        by_suffix = {n[len(x):]: t for n, t in disk.items() if n.startswith(x)}
+        packed = by_suffix.get("weight_packed")
+        name = ("ct-int4" if packed is not None and packed.dtype == torch.int32 else
+                ("ct-nvfp4" if "weight_global_scale" in by_suffix else "ct-mxfp4") if packed is not None else "ct-int8")
+        try:
+            q = L.LAYOUTS.get(name).decode(module, by_suffix)
+        except FormatError as exc:
+            raise FormatError(f"compressed-tensors: {exc}") from None
+        if q.scheme == "w8a8" and kv.get("type") == "int" and kv.get("num_bits") == 8:
+            q.scheme = "w8a8c8"
+        return q

@@ -15,15 +15,14 @@ formats. Each format class:
 Registry: `register(cls)` fails on a duplicate name; `get(name)` lists the known names
 when the name is unknown; `for_parts(names)` picks the format whose parts match exactly.
 
-Formats (canonical in-memory parts; packed on-disk forms are converted by the classmethods):
+Formats (canonical in-memory parts; `cvt.quant.layouts` reads every packed on-disk form into them):
 
   dense         weight
   fp8_block     weight f8e4m3 [n,k], weight_scale_inv [ceil(n/128), ceil(k/128)]     (fp8_block.py)
   w8a8_dynamic  weight i8 [n,k], weight_scale [n,1], weight_offset [n,1] = 0          (int8.py)
   w8a8_static   weight i8, input_scale [1], input_offset [1], deq_scale [n] f32|i64,
                 quant_bias i32 [n]                                                   (int8.py)
-  w4a16         weight_int4 i8 [n,k] (-8..7), weight_scale [n,k/G], weight_offset    (int4.py;
-                from_ascend / from_compressed_tensors unpack the on-disk layouts)
+  w4a16         weight_int4 i8 [n,k] (-8..7), weight_scale [n,k/G], weight_offset    (int4.py)
   nvfp4         weight_fp4 u8 codes [n,k], weight_scale f8e4m3 [n,k/16],
                 weight_global_scale [1]                                              (fp4.py)
   mxfp4         weight_fp4 u8 codes [n,k], weight_scale u8 E8M0 [n,k/32]             (fp4.py)

@@ -12,7 +12,7 @@ Canonical in-memory parts keep the 4-bit codes unpacked: ``weight_fp4`` uint8 ``
 
 On disk (``*-pack-quantized``) the codes are packed two per byte, ``weight_packed`` uint8
 ``[n, k/2]``, element 2j in the low nibble, 2j+1 in the high one (compressed-tensors
-``pack_fp4_to_uint8`` / ``unpack_fp4_from_uint8``); `from_compressed_tensors` unpacks.
+``pack_fp4_to_uint8`` / ``unpack_fp4_from_uint8``); `cvt.quant.layouts` unpacks.
 Forward dequantizes in float32 with torch expressions (any device; there is no Ascend fused
 FP4 op for these formats), casts to x.dtype and multiplies.
 """
@@ -41,18 +41,8 @@ class _Fp4Linear(FusedOrReference, Linear):
                               f"of the group size {cls.group}")
         if bool((codes > 15).any()):
             raise TensorError(f"{cls.fmt} part 'weight_fp4' ({desc(codes)}) holds values above 15: pass unpacked "
-                              "4-bit codes (see from_compressed_tensors for packed ones)")
+                              "4-bit codes (cvt.quant.layouts reads packed ones)")
         return n, k
-
-    @classmethod
-    def from_compressed_tensors(cls, parts, bias=None):
-        """From ``weight_packed`` uint8 ``[n, k/2]`` and the format's scale parts."""
-        names = ("weight_packed",) + cls.parts[1:]
-        p = take(cls.fmt + " (compressed-tensors)", names, parts)
-        check_2d(cls.fmt + " (compressed-tensors)", "weight_packed", p["weight_packed"], (torch.uint8,))
-        q = dict(p)
-        q["weight_fp4"] = unpack_fp4(q.pop("weight_packed"))
-        return cls.from_parts(q, bias)
 
     def group_scales(self) -> torch.Tensor:  # float32 [n, k / group]
         raise NotImplementedError

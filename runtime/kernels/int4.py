@@ -12,7 +12,7 @@ Dequant is the documented form ``w = (q - offset) * scale`` per group (FORMATS.m
 float32; forward casts it to x.dtype and multiplies. The Ascend op computes ``(w + offset) *
 scale`` instead, so `npu.py` passes ``-offset``.
 
-On-disk layouts (the loader converts with `from_ascend` / `from_compressed_tensors`):
+On-disk layouts (read into these parts by `cvt.quant.layouts`; the loader goes through it):
 
 * Ascend (msModelSlim W4A16): two's-complement int4, two per int8, even element in the low
   nibble. Per-group weights pack pairs of OUTPUT channels (``[n/2, k]``, row 2j low, 2j+1
@@ -30,7 +30,6 @@ On-disk layouts (the loader converts with `from_ascend` / `from_compressed_tenso
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -54,7 +53,7 @@ class W4A16Linear(FusedOrReference, Linear):
         n, k = check_2d(cls.fmt, "weight_int4", q, (torch.int8,))
         if bool(((q < -8) | (q > 7)).any()):
             raise TensorError(f"{cls.fmt} part 'weight_int4' ({desc(q)}) holds values outside the int4 range -8..7 "
-                              "(pass unpacked values; see from_ascend / from_compressed_tensors for packed ones)")
+                              "(pass unpacked values; cvt.quant.layouts reads packed ones)")
         check(cls.fmt, "weight_scale", sc, FLOATS)
         if sc.dim() != 2 or sc.shape[0] != n or sc.shape[1] == 0 or k % sc.shape[1]:
             raise TensorError(f"{cls.fmt} part 'weight_scale' is {desc(sc)}: expected [{n}, k/G] with G dividing "
@@ -67,35 +66,6 @@ class W4A16Linear(FusedOrReference, Linear):
         mod.register_buffer("weight_scale", sc)
         mod.register_buffer("weight_offset", off)
         return mod
-
-    @classmethod
-    def from_ascend(cls, parts, bias=None) -> "W4A16Linear":
-        """From msModelSlim tensors ``weight`` (packed int8), ``weight_scale``, ``weight_offset``."""
-        p = take(cls.fmt + " (Ascend)", ("weight", "weight_scale", "weight_offset"), parts)
-        w, sc = p["weight"], p["weight_scale"]
-        check_2d(cls.fmt + " (Ascend)", "weight", w, (torch.int8,))
-        if sc.dim() != 2:
-            raise TensorError(f"{cls.fmt} (Ascend) part 'weight_scale' is {desc(sc)}: expected 2-D [n, k/G]")
-        q = unpack_int4_ascend(w, ascend_pack_dim(sc, w))
-        return cls.from_parts({"weight_int4": q, "weight_scale": sc, "weight_offset": p["weight_offset"]}, bias)
-
-    @classmethod
-    def from_compressed_tensors(cls, parts, bias=None) -> "W4A16Linear":
-        """From pack-quantized ``weight_packed``, ``weight_scale``, ``weight_shape`` (+ ``weight_zero_point``)."""
-        name = cls.fmt + " (compressed-tensors)"
-        p = take(name, ("weight_packed", "weight_scale", "weight_shape"), parts, optional=("weight_zero_point",))
-        wp, sc, shape = p["weight_packed"], p["weight_scale"], p["weight_shape"]
-        check_2d(name, "weight_packed", wp, (torch.int32,))
-        if shape.numel() != 2:
-            raise TensorError(f"{name} part 'weight_shape' is {desc(shape)}: expected [2] = [n, k]")
-        n, k = (int(v) for v in shape.reshape(2).tolist())
-        check(name, "weight_packed", wp, (torch.int32,), (n, math.ceil(k / 8)), f"weight_shape {[n, k]}")
-        q = unpack_int4_ct(wp, k, dim=1)
-        if "weight_zero_point" in p:
-            off = unpack_int4_ct(p["weight_zero_point"], n, dim=0).to(torch.float32)
-        else:
-            off = torch.zeros(sc.shape, dtype=torch.float32, device=sc.device)
-        return cls.from_parts({"weight_int4": q, "weight_scale": sc.to(torch.float32), "weight_offset": off}, bias)
 
     @property
     def group_size(self) -> int:

@@ -35,6 +35,9 @@ HARMLESS_KEYS = frozenset({
     "ep_size", "moe_layer_freq", "num_nextn_predict_layers", "is_encoder_decoder", "torchscript",
     "chunk_size_feed_forward", "id2label", "label2id", "tokenizer_class", "task_specific_params",
     "problem_type", "bad_words_ids", "begin_suppress_tokens", "suppress_tokens", "use_bfloat16",
+    # MindIE's quantization settings (cvt quantize --target mindie): they name the weights' formats,
+    # which the loader reads from quant_model_description.json
+    "quantize", "mla_quantize", "moe_quantize", "mtp_quantize",
 })
 
 

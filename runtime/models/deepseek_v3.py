@@ -287,30 +287,33 @@ class MLACache:
 
 
 class Int8MLACache(MLACache):
-    """C8 MLA cache: int8 kv / pe with static per-channel float32 scales kv_scale [C],
-    pe_scale [dr] (`cvt.runtime.kv_cache`: q = clamp(round(x / scale), -128, 127); read
-    returns q * scale in `dtype`)."""
+    """C8 MLA cache (FAKQuant, `cvt.runtime.kv_cache`): the latent kv stored int8 with one
+    static float32 scale (``kv_scale`` [1]: q = clamp(round(x / scale), -128, 127); read returns
+    q * scale in `dtype`); pe int8 too when ``pe_scale`` is given, else kept in `dtype` (the
+    Ascend stacks quantize only the latent)."""
 
     quant = "int8"
 
-    def __init__(self, batch: int, max_len: int, kv_scale: torch.Tensor, pe_scale: torch.Tensor,
-                 dtype=None, device=None):
+    def __init__(self, batch: int, max_len: int, kv_lora_rank: int, rope_dim: int, kv_scale: torch.Tensor,
+                 pe_scale: torch.Tensor | None = None, dtype=None, device=None):
         device = device if device is not None else kv_scale.device
-        self.kv = torch.zeros(batch, max_len, kv_scale.numel(), dtype=torch.int8, device=device)
-        self.pe = torch.zeros(batch, max_len, pe_scale.numel(), dtype=torch.int8, device=device)
-        self.kv_scale = kv_scale.float().to(device)
-        self.pe_scale = pe_scale.float().to(device)
         self.dtype = dtype or torch.get_default_dtype()
+        self.kv = torch.zeros(batch, max_len, kv_lora_rank, dtype=torch.int8, device=device)
+        self.pe = torch.zeros(batch, max_len, rope_dim, dtype=torch.int8 if pe_scale is not None else self.dtype,
+                              device=device)
+        self.kv_scale = kv_scale.float().to(device)
+        self.pe_scale = None if pe_scale is None else pe_scale.float().to(device)
 
     def write(self, start_pos: int, kv: torch.Tensor, pe: torch.Tensor) -> None:
         b, end = kv.shape[0], start_pos + kv.shape[1]
         self._check(b, start_pos, end)
         self.kv[:b, start_pos:end] = kv_cache.quantize(kv, self.kv_scale)
-        self.pe[:b, start_pos:end] = kv_cache.quantize(pe, self.pe_scale)
+        self.pe[:b, start_pos:end] = pe if self.pe_scale is None else kv_cache.quantize(pe, self.pe_scale)
 
     def read(self, batch: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pe = self.pe[:batch, :end]
         return (kv_cache.dequantize(self.kv[:batch, :end], self.kv_scale, self.dtype),
-                kv_cache.dequantize(self.pe[:batch, :end], self.pe_scale, self.dtype))
+                pe if self.pe_scale is None else kv_cache.dequantize(pe, self.pe_scale, self.dtype))
 
 
 class MLA(nn.Module):
@@ -335,9 +338,10 @@ class MLA(nn.Module):
         self.kv_b_proj = Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), **kw)
         self.o_proj = Linear(self.n_heads * self.v_dim, h, **kw)
         self.softmax_scale = rope_tables(args)[2]
-        # C8 (cvt.runtime.kv_cache): (latent [C], k_pe [dr]) float32 scales once attached; plain
-        # attributes, not in the state_dict; kv_observer is set while calibrating
-        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        # C8 (cvt.runtime.kv_cache): (latent [1], k_pe None: float) float32 scales once attached;
+        # plain attributes, not in the state_dict; kv_observer is set while calibrating
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.kv_extra: dict[str, torch.Tensor] = {}
         self.kv_observer = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
@@ -357,6 +361,7 @@ class MLA(nn.Module):
             kv, k_pe = kv.to(x.dtype), k_pe.to(x.dtype)
         wkv_b = self.kv_b_proj.dense_weight().to(x.dtype).view(self.n_heads, -1, self.kv_lora_rank)
         q_abs = torch.einsum("bshd,hdc->bshc", q_nope, wkv_b[:, :self.nope])       # [b, s, H, C]
+        kv_cache.query_input(self, q_abs)                                          # fa_q calibration
         scores = (torch.einsum("bshc,btc->bsht", q_abs, kv)
                   + torch.einsum("bshr,btr->bsht", q_pe, k_pe)) * self.softmax_scale  # [b, s, H, T]
         scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
@@ -513,7 +518,8 @@ class Model(nn.Module):
             raise CvtError("an int8 KV cache needs calibrated KV-cache scales and this model has none "
                            "(load a w8a8c8 output, or calibrate_kv_scales + attach_kv_cache_scales)")
         if quant == "int8" or (quant == "auto" and scales is not None):
-            return [Int8MLACache(batch, max_len, ks, ps, dtype or w.dtype, device or w.device) for ks, ps in scales]
+            return [Int8MLACache(batch, max_len, a.kv_lora_rank, a.qk_rope_head_dim, ks, ps, dtype or w.dtype,
+                                 device or w.device) for ks, ps in scales]
         return [MLACache(batch, max_len, a.kv_lora_rank, a.qk_rope_head_dim, dtype or w.dtype, device or w.device)
                 for _ in range(a.num_hidden_layers)]
 

@@ -145,12 +145,15 @@ QUANT = [
     ("compressed-tensors", "fp4", {}),
     ("compressed-tensors", "w8a8c8", {}),
     ("ascend", "w8a8", {"static_attention": True}),
-    ("ascend", "w4a16", {"group_size": 32, "asym": True}),
+    ("ascend", "w4a16", {"group_size": 64, "asym": True, "target": "mindie"}),
+    ("ascend", "w4a16", {"group_size": 32}),  # vllm-ascend: int32 experts
+    ("ascend", "fp4", {"fp4_format": "mxfp4"}),
     ("ascend", "w8a8c8", {}),
 ]
 
 
-@pytest.mark.parametrize("fmt,scheme,opts", QUANT, ids=[f"{f}-{s}" for f, s, _ in QUANT])
+@pytest.mark.parametrize("fmt,scheme,opts", QUANT,
+                         ids=[f"{f}-{s}" + (f"-{o['target']}" if "target" in o else "") for f, s, o in QUANT])
 def test_quantized_shards_reassemble_byte_for_byte(bf16_src, tmp_path, fmt, scheme, opts):
     q = tmp_path / "q"
     quantize(bf16_src, q, scheme=scheme, fmt=fmt, quiet=True, calib_tokens=64, **opts)

@@ -51,7 +51,7 @@ def sources(tmp_path_factory):
         "w8a8c8": dict(scheme="w8a8c8"),
         "w4a16-asym-g32": dict(scheme="w4a16", asym=True, group_size=32),
         "w4a16-g16": dict(scheme="w4a16", group_size=16),
-        "w4a16-channel": dict(scheme="w4a16", fmt="ascend", group_size=0),
+        "w4a16-channel": dict(scheme="w4a16", fmt="ascend", group_size=0, target="mindie"),
     }
 
     def get(family: str, name: str) -> Path:

@@ -60,11 +60,16 @@ def test_registry_and_refusals():
         get_format("gguf")
     asc, ct = get_format("ascend"), get_format("compressed-tensors")
     assert (asc.weights_prefix, ct.weights_prefix) == ("quant_model_weights", "model")
-    with pytest.raises(FormatError, match=r"no fp4 tag.*ascend supports: w8a8, w8a8c8, w4a16"):
+    with pytest.raises(FormatError, match=r"for vllm-ascend has no layout for scheme 'fp4' \(nvfp4\).*MXFP4 for MoE"):
         asc.supports(get_scheme("fp4"))
+    with pytest.raises(FormatError, match=r"for mindie has no layout for scheme 'fp4' \(mxfp4\)"):
+        asc.supports(get_scheme("fp4", fp4_format="mxfp4"), "mindie")
+    with pytest.raises(FormatError, match=r"--target 'vllm' does not apply to the ascend format"):
+        asc.supports(get_scheme("w8a8"), "vllm")
+    asc.supports(get_scheme("fp4", fp4_format="mxfp4"))
     with pytest.raises(FormatError, match="static activations is Ascend-only"):
         ct.supports(get_scheme("w8a8", static_activations=True))
-    with pytest.raises(FormatError, match="no layout for kernel format 'w8a8_static'"):
+    with pytest.raises(FormatError, match="no layout for static W8A8"):
         ct.disk_tensors("m", static_qt())
     for name in ("w8a8", "w8a8c8", "w4a16", "fp4"):
         ct.supports(get_scheme(name))
@@ -72,11 +77,22 @@ def test_registry_and_refusals():
 
 def test_ascend_w4a16_shape_checks_name_the_module():
     asc = get_format("ascend")
-    with pytest.raises(FormatError, match=r"model.layers.0.mlp.down_proj.weight \[7, 64\].*out_features must be even"):
-        asc.check_shape("model.layers.0.mlp.down_proj", get_scheme("w4a16", group_size=32), (7, 64))
-    with pytest.raises(FormatError, match=r"\[8, 33\] is per channel.*must be even"):
-        asc.check_shape("m", get_scheme("w4a16", group_size=0), (8, 33))
-    asc.check_shape("m", get_scheme("w4a16", group_size=0), (7, 64))
+    mi = {"target": "mindie"}
+    with pytest.raises(FormatError, match=r"model.layers.0.mlp.down_proj.weight \[7, 128\]: weight packs 2 along "
+                                          r"out_features, which must be a multiple of 2"):
+        asc.check_shape("model.layers.0.mlp.down_proj", get_scheme("w4a16", group_size=64), (7, 128), **mi)
+    with pytest.raises(FormatError, match=r"\[8, 33\]: weight packs 2 along in_features"):
+        asc.check_shape("m", get_scheme("w4a16", group_size=0), (8, 33), **mi)
+    asc.check_shape("m", get_scheme("w4a16", group_size=0), (7, 64), **mi)
+    # MindIE's group sizes (atb_llm models/base/config.py: group_size in [0, 64, 128, 256])
+    with pytest.raises(FormatError, match=r"mindie loads w4a16 only with .*group sizes 64, 128, 256.*not group size 32"):
+        asc.check_shape("m", get_scheme("w4a16", group_size=32), (8, 64), **mi)
+    # vllm-ascend: W4A16 registered for ("W4A16", "moe") only; its group size is divided by
+    with pytest.raises(FormatError, match=r"m: vllm-ascend loads W4A16 \(ascend-w4a16-int32\) for MoE experts only"):
+        asc.check_shape("m", get_scheme("w4a16", group_size=32), (8, 64))
+    with pytest.raises(FormatError, match=r"vllm-ascend loads w4a16 only with grouped scales, not per channel.*0 fails"):
+        asc.check_shape("m", get_scheme("w4a16", group_size=0), (8, 64), expert=True)
+    asc.check_shape("m", get_scheme("w4a16", group_size=32), (8, 64), expert=True)
 
 
 # ---- Ascend layouts -------------------------------------------------------------------------------
@@ -92,7 +108,7 @@ def test_ascend_w8a8_dynamic_layout_tags_and_read():
         tags = asc.tags("x", q, bias=True)
         assert tags == {"x.weight": "W8A8_DYNAMIC", "x.weight_scale": "W8A8_DYNAMIC",
                         "x.weight_offset": "W8A8_DYNAMIC", "x.bias": "FLOAT"}
-        desc = asc.description(tags, kv_cache=get_scheme(name).kv_cache)
+        desc = asc.description(tags, kv_cache="C8" if get_scheme(name).kv_cache else None)
         assert_same_qt(asc.read("x", out, desc), q)
 
 
@@ -110,12 +126,18 @@ def test_ascend_w8a8_static_layout_and_read(fp16_model):
     assert torch.equal(mod.dense_weight(), get_scheme("w8a8").dequantize(q))
 
 
-@pytest.mark.parametrize("g,sym", W4, ids=[f"g{g}-{'sym' if s else 'asym'}" for g, s in W4])
-def test_ascend_w4a16_layout_and_read(g, sym):
+W4_MINDIE = [(g, sym) for g in (64, 128, 0) for sym in (True, False)]
+
+
+@pytest.mark.parametrize("g,sym", W4_MINDIE, ids=[f"g{g}-{'sym' if s else 'asym'}" for g, s in W4_MINDIE])
+def test_ascend_w4a16_mindie_layout_and_read(g, sym):
+    """MindIE's W4A16 (atb_llm utils/quantize/w4a16.py W4A16LinearStatic; msModelSlim llm_ptq
+    complex_quantifier._w4a16_pack_int4): int8, two int4 per byte, even element low nibble; per
+    group packed along n ([n/2, k]), per channel along k ([n, k/2]); f32 scale / offset [n, k/G]."""
     asc = get_format("ascend")
     s = get_scheme("w4a16", group_size=g, symmetric=sym)
     q = s.quantize(weight())
-    out = asc.disk_tensors("x", q)
+    out = asc.disk_tensors("x", q, target="mindie")
     ng = KF // g if g else 1
     packed = (N // 2, KF) if g else (N, KF // 2)  # per group: pairs of output channels; per channel: along k
     assert layout(out) == {"x.weight": (I8, packed), "x.weight_scale": (F32, (N, ng)), "x.weight_offset": (F32, (N, ng))}
@@ -123,9 +145,45 @@ def test_ascend_w4a16_layout_and_read(g, sym):
     q4 = q.parts["weight_int4"]
     lo, hi = (q4[0, 0], q4[1, 0]) if g else (q4[0, 0], q4[0, 1])
     assert int(out["x.weight"][0, 0]) & 0xFF == ((int(lo) & 0xF) | ((int(hi) & 0xF) << 4))
-    assert_same_qt(asc.read("x", out, {"x.weight": "W4A16"}), q)
-    # a consumer of these files: the runtime's msModelSlim W4A16 loader
-    assert torch.equal(K.W4A16Linear.from_ascend({k[2:]: v for k, v in out.items()}).dense_weight(), s.dequantize(q))
+    got = asc.read("x", out, {"x.weight": "W4A16"})
+    assert_same_qt(got, q)
+    assert torch.equal(K.W4A16Linear.from_parts(got.parts).dense_weight(), s.dequantize(q))
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_ascend_w4a16_vllm_ascend_layout_and_read(g):
+    """vllm-ascend's ("W4A16", "moe") method (quantization/methods/w4a16.py): per expert
+    weight_packed int32 [n, k/8] (unpack_from_int32: element i at bits 4i, value + 8),
+    weight_scale [n, k/G], weight_shape int32 [2]; no zero points."""
+    asc = get_format("ascend")
+    s = get_scheme("w4a16", group_size=g)
+    q = s.quantize(weight())
+    out = asc.disk_tensors("x", q, expert=True)
+    assert layout(out) == {"x.weight_packed": (I32, (N, KF // 8)), "x.weight_scale": (BF16, (N, KF // g)),
+                           "x.weight_shape": (I32, (2,))}
+    w = int(out["x.weight_packed"][0, 0]) & 0xFFFFFFFF
+    assert [((w >> (4 * i)) & 0xF) - 8 for i in range(8)] == q.parts["weight_int4"][0, :8].tolist()
+    assert set(asc.tags("x", q, expert=True).values()) == {"W4A16"}
+    got = asc.read("x", out, {"x.weight_packed": "W4A16"})
+    assert_same_qt(got, q)
+    with pytest.raises(FormatError, match="loads no zero points"):
+        asc.disk_tensors("x", get_scheme("w4a16", group_size=g, symmetric=False).quantize(weight()), expert=True)
+
+
+def test_ascend_mxfp4_vllm_ascend_layout_and_read():
+    """vllm-ascend's ("W4A16_MXFP4", "moe") (quantization/methods/w4a16_mxfp4.py): weight uint8
+    [n, k/2] (unpack_uint8_to_fp4: low nibble first), weight_scale uint8 E8M0 [n, k/32]."""
+    asc = get_format("ascend")
+    s = get_scheme("fp4", fp4_format="mxfp4")
+    q = s.quantize(weight())
+    out = asc.disk_tensors("x", q, expert=True)
+    assert layout(out) == {"x.weight": (U8, (N, KF // 2)), "x.weight_scale": (U8, (N, KF // 32))}
+    c = q.parts["weight_fp4"]
+    assert int(out["x.weight"][0, 0]) == int(c[0, 0]) | (int(c[0, 1]) << 4)
+    assert set(asc.tags("x", q, expert=True).values()) == {"W4A16_MXFP4"}
+    assert_same_qt(asc.read("x", out, {"x.weight": "W4A16_MXFP4"}), q)
+    with pytest.raises(FormatError, match="for MoE experts only"):
+        asc.disk_tensors("x", q)
 
 
 def test_ascend_w4a16_row_parallel_shard_with_one_group_per_row_reads_back():
@@ -135,13 +193,13 @@ def test_ascend_w4a16_row_parallel_shard_with_one_group_per_row_reads_back():
     g = KF // 2
     s = get_scheme("w4a16", group_size=g, symmetric=False)
     q = s.quantize(weight())
-    out = asc.disk_tensors("x", q)
+    out = asc.disk_tensors("x", q, target="mindie")
     half = {k: v[:, v.shape[1] // 2:].contiguous() for k, v in out.items()}  # the second run of dim 1
     assert half["x.weight_scale"].shape == (N, 1) and half["x.weight"].shape == (N // 2, KF // 2)
     got = asc.read("x", half, {"x.weight": "W4A16"})
     assert torch.equal(got.parts["weight_int4"], q.parts["weight_int4"][:, KF // 2:])
     dense = s.dequantize(q)[:, KF // 2:]
-    assert torch.equal(K.W4A16Linear.from_ascend({k[2:]: v for k, v in half.items()}).dense_weight(), dense)
+    assert torch.equal(K.W4A16Linear.from_parts(got.parts).dense_weight(), dense)
 
 
 def test_ascend_description():
@@ -151,12 +209,14 @@ def test_ascend_description():
         tags.update(asc.tags(f"model.layers.{i}.mlp.down_proj", get_scheme("w8a8").quantize(weight(8, 64))))
     tags.update(asc.tags("model.layers.0.self_attn.o_proj", static_qt()))
     tags.update({"model.embed_tokens.weight": "FLOAT", "lm_head.weight": "FLOAT", "model.norm.weight": "FLOAT"})
-    d = asc.description(tags, kv_cache="int8")
-    assert d["model_quant_type"] == "W8A8_DYNAMIC" and d["version"] == "1.0.0" and d["group_size"] == 0
-    assert d["kv_cache_type"] == "C8" and d["lm_head.weight"] == "FLOAT"
+    d = asc.description(tags, kv_cache="C8")
+    # msModelSlim 26.1 save/ascendv1.py update_quant_type: static W8A8 outranks W8A8_DYNAMIC
+    assert d["model_quant_type"] == "W8A8" and d["version"] == "1.0.0" and d["group_size"] == 0
+    assert d["kv_cache_type"] == d["kv_quant_type"] == "C8" and d["lm_head.weight"] == "FLOAT"
+    assert asc.description(tags, kv_cache="FAKQuant")["fa_quant_type"] == "FAKQuant"
     assert d["model.layers.0.self_attn.o_proj.deq_scale"] == "W8A8"
     json.dumps(d)
-    w4 = asc.tags("e", get_scheme("w4a16", group_size=64).quantize(weight()))
+    w4 = asc.tags("e", get_scheme("w4a16", group_size=64).quantize(weight()), target="mindie")
     d4 = asc.description({**w4, "lm_head.weight": "FLOAT"}, group_size=64)
     assert (d4["model_quant_type"], d4["group_size"], "kv_cache_type" in d4) == ("W4A16", 64, False)
     assert asc.description({"a.weight": "FLOAT"})["model_quant_type"] == "FLOAT"
@@ -199,11 +259,9 @@ def test_ct_layout_and_read(name, opts, shape):
         assert out["x.weight_shape"].tolist() == list(shape)
     cfg = ct.quantization_config([s], ["lm_head"], kv_cache_int8() if s.kv_cache else None)
     assert_same_qt(ct.read("x", out, cfg), q)
-    # the runtime's compressed-tensors constructors take the same tensors
-    parts = {k[2:]: v for k, v in out.items() if k != "x.bias"}
+    # the runtime kernel built from what the layout reads
     cls = K.get(q.kernel_fmt)
-    mod = cls.from_compressed_tensors(parts) if hasattr(cls, "from_compressed_tensors") else cls.from_parts(
-        {**parts, "weight_offset": torch.zeros(shape[0], 1)})
+    mod = cls.from_parts(ct.read("x", out, cfg).parts)
     assert torch.equal(mod.dense_weight(), s.dequantize(q))
 
 

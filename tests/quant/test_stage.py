@@ -30,9 +30,11 @@ CASES = [
     ("compressed-tensors", "w8a8c8", {}),
     ("ascend", "w8a8", {}),
     ("ascend", "w8a8", {"static_attention": True}),
-    ("ascend", "w4a16", {}),
-    ("ascend", "w4a16", {"asym": True, "group_size": 32}),
-    ("ascend", "w8a8c8", {}),
+    ("ascend", "w4a16", {}),  # vllm-ascend (default target): int32 experts, other linears float
+    ("ascend", "w4a16", {"target": "mindie"}),
+    ("ascend", "w4a16", {"asym": True, "group_size": 64, "target": "mindie"}),
+    ("ascend", "fp4", {"fp4_format": "mxfp4"}),  # vllm-ascend W4A16_MXFP4 experts
+    ("ascend", "w8a8c8", {}),  # MLA: FAKQuant
 ]
 IDS = [f"{f}-{s}" + "".join(f"-{k}={v}" for k, v in o.items()) for f, s, o in CASES]
 
@@ -114,22 +116,8 @@ def test_written_weights_are_the_scheme_applied_to_the_source(outputs, fp8_relea
 
 
 def test_ascend_layout_matches_the_formats_table(outputs):
-    folder, _ = outputs["ascend-w4a16"]
-    desc = json.loads((folder / "quant_model_description.json").read_text())
-    disk = read_dir(folder)
-    assert set(disk) == set(desc) - {"model_quant_type", "version", "group_size"}  # every tensor tagged
-    assert (desc["model_quant_type"], desc["version"], desc["group_size"]) == ("W4A16", "1.0.0", 64)
-    assert sorted(p.name for p in folder.glob("quant_model_weights-*.safetensors"))
-    assert (folder / "quant_model_weights.safetensors.index.json").is_file()
-    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
-    x = "model.layers.1.mlp.experts.2.up_proj."
-    n, k = 128, 256
-    assert disk[x + "weight"].dtype == torch.int8 and disk[x + "weight"].shape == (n // 2, k)  # pairs of out channels
-    assert disk[x + "weight_scale"].dtype == torch.float32 and disk[x + "weight_scale"].shape == (n, k // 64)
-    assert torch.equal(disk[x + "weight_offset"], torch.zeros(n, k // 64))
-    assert all(desc[x + p] == "W4A16" for p in ("weight", "weight_scale", "weight_offset"))
-    assert desc["model.layers.1.mlp.gate.weight"] == "FLOAT" and desc["lm_head.weight"] == "FLOAT"
-
+    """W8A8 dynamic / static; the per-target W4A16, MXFP4 and C8 layouts are pinned to the
+    consumers' code in test_ascend_targets.py."""
     folder, _ = outputs["ascend-w8a8"]
     disk, desc = read_dir(folder), json.loads((folder / "quant_model_description.json").read_text())
     x = "model.layers.0.mlp.down_proj."
@@ -147,8 +135,8 @@ def test_ascend_layout_matches_the_formats_table(outputs):
 
     folder, _ = outputs["ascend-w8a8c8"]
     desc = json.loads((folder / "quant_model_description.json").read_text())
-    assert desc["kv_cache_type"] == "C8"
-    assert desc["model.layers.0.self_attn.kv_a_layernorm.kv_cache_scale"] == "C8"
+    assert desc["fa_quant_type"] == "FAKQuant" and "kv_cache_type" not in desc  # MLA: FAKQuant, not GQA C8
+    assert desc["model.layers.0.self_attn.fa_k.scale"] == "FAQuant"
 
 
 def test_compressed_tensors_config(outputs):
@@ -295,17 +283,24 @@ def test_transformers_loads_w8a8_dense_qwen3_and_logits_match(dense_qwen, tmp_pa
     assert torch.nn.functional.cosine_similarity(a.flatten(), real.flatten(), dim=0) > 0.99
 
 
-def test_kimi_int4_source_reemitted_without_loss(dense_qwen, tmp_path):
-    """A compressed-tensors pack-quantized INT4 g32 source (as Kimi-K2-Thinking ships) re-emitted
-    as Ascend W4A16 g32: the dequantized weights are identical."""
-    ct = tmp_path / "ct-int4"
-    quantize(dense_qwen, ct, scheme="w4a16", fmt="compressed-tensors", group_size=32, quiet=True)
-    asc = tmp_path / "ascend"
-    quantize(ct, asc, scheme="w4a16", fmt="ascend", group_size=32, quiet=True)
-    a, b = load_model(ct, dtype=torch.float32).model, load_model(asc, dtype=torch.float32).model
-    for name, mod in a.named_modules():
-        if isinstance(mod, Linear) and mod.fmt == "w4a16":
-            assert torch.equal(mod.dense_weight(), b.get_submodule(name).dense_weight()), name
+def test_kimi_int4_source_reemitted_without_loss(tmp_path):
+    """A compressed-tensors pack-quantized INT4 g32 source with int4 experts (as Kimi-K2-Thinking
+    ships) re-emitted as Ascend W4A16 g32 for vllm-ascend (int32 experts) and, at g64, for MindIE
+    (int8 pairs): the dequantized weights are identical."""
+    src = write_bf16_checkpoint(tmp_path / "bf16", tiny_qwen3_config(moe=True, hidden_size=128, head_dim=32, intermediate_size=256, moe_intermediate_size=64))
+    for g, target in ((32, "vllm-ascend"), (64, "mindie")):
+        ct = tmp_path / f"ct-int4-g{g}"
+        quantize(src, ct, scheme="w4a16", fmt="compressed-tensors", group_size=g, quiet=True)
+        asc = tmp_path / f"ascend-{target}"
+        r = quantize(ct, asc, scheme="w4a16", fmt="ascend", group_size=g, target=target, quiet=True)
+        assert all(t.method == "source" for t in r.manifest.quant.tensors.values())  # re-emitted, not requantized
+        a, b = load_model(ct, dtype=torch.float32).model, load_model(asc, dtype=torch.float32).model
+        checked = 0
+        for name, mod in b.named_modules():
+            if isinstance(mod, Linear) and mod.fmt == "w4a16":
+                assert torch.equal(mod.dense_weight(), a.get_submodule(name).dense_weight()), name
+                checked += 1
+        assert checked and (target == "mindie" or all(".experts." in n for n in r.manifest.quant.tensors))
 
 
 def test_recipe_mixed_precision(fp8_release_session, tmp_path):
@@ -342,7 +337,7 @@ def test_kill_and_resume_is_byte_identical(fp8_release_session, tmp_path):
         (["--scheme", "w9"], "Invalid value for '--scheme': 'w9' is not one of"),
         (["--scheme", "w8a8", "--format", "gguf"], "Invalid value for '--format'"),
         (["--scheme", "w4a16", "--group-size", "48"], "group size 48 does not divide"),
-        (["--scheme", "fp4", "--format", "ascend"], "no type tag for scheme 'fp4'"),
+        (["--scheme", "fp4", "--format", "ascend"], "has no layout for scheme 'fp4' (nvfp4)"),
         (["--scheme", "w4a16", "--method", "gptq", "--calib", "/nonexistent.txt"], "no such file"),
         (["--scheme", "w8a8", "--format", "compressed-tensors", "--static-attention"], "exists only in the ascend format"),
     ],

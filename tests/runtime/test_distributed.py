@@ -145,7 +145,8 @@ def sources(tmp_path_factory, fp8_release_session) -> dict[str, Path]:
     out = {"fp8": fp8_release_session, "ds": write_bf16_checkpoint(root / "ds", ds_cfg),
            "qw": write_bf16_checkpoint(root / "qw", tiny_qwen3_config(moe=True, attention_bias=True))}
     quantize(out["ds"], root / "ds-w4a16", scheme="w4a16", fmt="compressed-tensors", group_size=32, quiet=True)
-    quantize(out["qw"], root / "qw-w8a8c8", scheme="w8a8c8", fmt="ascend", static_attention=True, quiet=True)
+    quantize(out["qw"], root / "qw-w8a8c8", scheme="w8a8c8", fmt="ascend", static_attention=True, quiet=True,
+             target="mindie")  # vllm-ascend would drop Qwen3-MoE's C8 scales: refused for it
     out["ds-w4a16"], out["qw-w8a8c8"] = root / "ds-w4a16", root / "qw-w8a8c8"
     return out
 

@@ -13,6 +13,7 @@ from cvt.errors import CvtError, TensorError
 from cvt.runtime import kernels as K
 from cvt.runtime.kernels import fp4, int4, int8
 from cvt.runtime.kernels._common import int8_matmul
+from cvt.quant.layouts import LAYOUTS
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -222,13 +223,13 @@ def test_w4a16(g, sym):
     # the on-disk layouts give the same module
     dim = int4.ascend_pack_dim(s)
     assert dim == (1 if g == k else 0)
-    asc = K.W4A16Linear.from_ascend({"weight": int4.pack_int4_ascend(q, dim), "weight_scale": s,
-                                     "weight_offset": off})
-    assert torch.equal(asc.dense_weight(), deq)
+    asc = LAYOUTS.get("ascend-w4a16-int8-grouped").decode("m", {"weight": int4.pack_int4_ascend(q, dim),
+                                                                "weight_scale": s, "weight_offset": off})
+    assert torch.equal(K.W4A16Linear.from_parts(asc.parts).dense_weight(), deq)
     ct = {"weight_packed": int4.pack_int4_ct(q), "weight_scale": s.bfloat16(), "weight_shape": torch.tensor([n, k])}
     if not sym:
         ct["weight_zero_point"] = int4.pack_int4_ct(off.to(torch.int8), dim=0)
-    assert torch.equal(K.W4A16Linear.from_compressed_tensors(ct).dense_weight(), deq)
+    assert torch.equal(K.W4A16Linear.from_parts(LAYOUTS.get("ct-int4").decode("m", ct).parts).dense_weight(), deq)
 
 
 def test_int4_ascend_worked_example():
@@ -265,9 +266,9 @@ def test_nvfp4():
     assert torch.equal(mod.dense_weight(), deq)
     x = randx(3, k, dtype=torch.bfloat16)
     assert torch.equal(mod(x), F.linear(x, deq.bfloat16()))
-    ct = K.NvFp4Linear.from_compressed_tensors({"weight_packed": fp4.pack_fp4(codes), "weight_scale": scale,
-                                                "weight_global_scale": gs})
-    assert torch.equal(ct.dense_weight(), deq)
+    ct = LAYOUTS.get("ct-nvfp4").decode("m", {"weight_packed": fp4.pack_fp4(codes), "weight_scale": scale,
+                                              "weight_global_scale": gs})
+    assert torch.equal(K.NvFp4Linear.from_parts(ct.parts).dense_weight(), deq)
 
 
 def test_mxfp4():

@@ -147,10 +147,13 @@ INT8_FIELDS = {Int8KVCache: ("k", "v"), Int8MLACache: ("kv", "pe")}
 
 
 def assert_same_int8_contents(got: list, want: list, max_share: float = 0.01) -> None:
-    """Caches `got` hold `want`'s int8 entries, each within one step, at most `max_share` differing."""
+    """Caches `got` hold `want`'s int8 entries, each within one step, at most `max_share` differing
+    (float parts of a cache - MLA's rope key under FAKQuant - are checked by the logits)."""
     differ = total = 0
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         for f in INT8_FIELDS[type(w)]:
+            if getattr(w, f).dtype != torch.int8:
+                continue
             d = getattr(g, f).int() - getattr(w, f).int()
             assert d.abs().max() <= 1, (i, f, d.abs().max())
             differ, total = differ + int(d.count_nonzero()), total + d.numel()
@@ -200,17 +203,22 @@ def test_quantize_dequantize_exact_formula():
 
 def test_int8_caches_store_quantized_and_read_dequantized():
     g = torch.Generator().manual_seed(1)
-    ks, ps = torch.rand(8, generator=g) + 0.01, torch.rand(4, generator=g) + 0.01
-    c = Int8MLACache(2, 6, ks, ps, dtype=torch.float32)
+    ks, ps = torch.rand(1, generator=g) + 0.01, torch.rand(4, generator=g) + 0.01
     kv, pe = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 4, generator=g)
+    # FAKQuant (the Ascend stacks): the latent int8 with one scale, the rope key float
+    c = Int8MLACache(2, 6, 8, 4, ks, dtype=torch.float32)
     c.write(1, kv, pe)
-    assert c.kv.dtype == c.pe.dtype == torch.int8 and c.quant == "int8"
-    assert torch.equal(c.kv[:, 1:4], K.quantize(kv, ks)) and torch.equal(c.pe[:, 1:4], K.quantize(pe, ps))
+    assert c.kv.dtype == torch.int8 and c.pe.dtype == torch.float32 and c.quant == "int8"
+    assert torch.equal(c.kv[:, 1:4], K.quantize(kv, ks)) and torch.equal(c.pe[:, 1:4], pe)
     rkv, rpe = c.read(2, 4)
-    assert torch.equal(rkv[:, 1:4], K.fake_quantize(kv, ks)) and torch.equal(rpe[:, 1:4], K.fake_quantize(pe, ps))
+    assert torch.equal(rkv[:, 1:4], K.fake_quantize(kv, ks)) and torch.equal(rpe[:, 1:4], pe)
     assert rkv.dtype == torch.float32 and not rkv[:, 0].any()
+    assert c.nbytes == 2 * 6 * 8 + 2 * 6 * 4 * 4
     with pytest.raises(CvtError, match="max_len 6"):
         c.write(4, kv, pe)
+    c = Int8MLACache(2, 6, 8, 4, ks, ps, dtype=torch.float32)  # a rope-key scale quantizes it too
+    c.write(0, kv, pe)
+    assert c.pe.dtype == torch.int8 and torch.equal(c.read(2, 3)[1], K.fake_quantize(pe, ps))
 
     kvh, d = 2, 3
     k_s, v_s = torch.rand(kvh * d, generator=g) + 0.01, torch.rand(kvh * d, generator=g) + 0.01
@@ -229,19 +237,19 @@ def test_convention_names_and_shapes_match_the_models(trained_fixture, tmp_path)
     dsv3 = load_model(trained_fixture, dtype=torch.float32).model
     specs = K.kv_cache_tensor_specs(dsv3)
     a = dsv3.args
-    assert len(specs) == 4 * a.num_hidden_layers
+    # FAKQuant, as vllm-ascend declares it (quantization/methods/kv_c8.py AscendFAQuantAttentionMethod:
+    # fa_q.scale [num_heads, 1], fa_k / fa_v.scale [num_kv_heads = 1, 1], offsets int8) and
+    # msModelSlim saves it (save/ascendv1.py _save_activation_per_head)
+    assert len(specs) == 6 * a.num_hidden_layers
     for s in specs:
-        attn = dsv3.model.layers[s.layer].self_attn
-        n = attn.kv_a_layernorm.weight.shape[0] if s.role == "latent" else a.qk_rope_head_dim
-        assert s.shape == (n,) and K.is_kv_cache_tensor(s.name)
-        assert s.name == f"model.layers.{s.layer}.self_attn.{'kv_a_layernorm' if s.role == 'latent' else 'k_pe'}" \
-                         f".kv_cache_{s.kind}"
-    assert attn.kv_a_proj_with_mqa.weight.shape[0] == a.kv_lora_rank + a.qk_rope_head_dim
+        assert s.name == f"model.layers.{s.layer}.self_attn.fa_{s.role}.{s.kind}" and K.is_kv_cache_tensor(s.name)
+        assert s.shape == ((a.num_attention_heads if s.role == "q" else 1), 1)
+        assert s.dtype == (torch.float32 if s.kind == "scale" else torch.int8)
     # same answer from config.json alone (what a writer has)
     import json
     cfg = json.loads((trained_fixture / "config.json").read_text())
     assert K.kv_cache_tensor_names(cfg) == K.kv_cache_tensor_names(dsv3)
-    assert K.is_mla(cfg) and K.KV_CONVENTION["version"] == 1
+    assert K.is_mla(cfg) and K.KV_CONVENTION["version"] == 2
 
     qcfg = tiny_qwen3_config(moe=False)
     qwen = load_model(write_bf16_checkpoint(tmp_path / "q", qcfg), dtype=torch.float32).model
@@ -276,6 +284,32 @@ def test_mla_int8_cache_on_trained_fixture(dsv3):
 
     scales = K.calibrate_kv_scales(model, [byte_tokens(CALIB_TEXT)])
     assert set(scales) == set(K.kv_cache_tensor_names(model))
+    # against the statistics taken independently: the latent after kv_a_layernorm (one scale per
+    # layer, K and V alike) and the absorbed query q_nope @ W_UK per head (msModelSlim's FA3 observer)
+    lat, qab = {}, {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers[:model.args.num_hidden_layers]):
+        at = layer.self_attn
+        hooks.append(at.kv_a_layernorm.register_forward_hook(
+            lambda m, i_, o, i=i: lat.__setitem__(i, o.detach().abs().amax())))
+
+        def q_hook(m, i_, o, i=i, at=at):
+            b_, s_, _ = o.shape
+            q_nope = o.view(b_, s_, at.n_heads, -1)[..., :at.nope]
+            w = at.kv_b_proj.weight.float().view(at.n_heads, -1, at.kv_lora_rank)[:, :at.nope]
+            qab[i] = torch.einsum("bshd,hdc->bshc", q_nope, w).abs().amax(dim=(0, 1, 3))
+        hooks.append((at.q_b_proj if at.q_lora else at.q_proj).register_forward_hook(q_hook))
+    try:
+        model(byte_tokens(CALIB_TEXT)[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    for i in lat:
+        p = f"model.layers.{i}.self_attn."
+        assert torch.equal(scales[p + "fa_k.scale"], (lat[i] / 127).reshape(1, 1))
+        assert torch.equal(scales[p + "fa_v.scale"], scales[p + "fa_k.scale"])
+        torch.testing.assert_close(scales[p + "fa_q.scale"], (qab[i] / 127).reshape(-1, 1), rtol=1e-6, atol=0)
+        assert scales[p + "fa_q.offset"].dtype == torch.int8 and not scales[p + "fa_q.offset"].any()
     assert torch.equal(model(test), ref)                    # calibration leaves the model as it was
     K.attach_kv_cache_scales(model, scales)
     try:
@@ -287,10 +321,10 @@ def test_mla_int8_cache_on_trained_fixture(dsv3):
 
         cache = model.new_cache(1, test.shape[1])           # auto -> int8
         fcache = model.new_cache(1, test.shape[1], quant=None)
-        assert all(isinstance(c, Int8MLACache) and c.kv.dtype == c.pe.dtype == torch.int8 for c in cache)
+        assert all(isinstance(c, Int8MLACache) and c.kv.dtype == torch.int8 and c.pe.dtype == torch.float32
+                   for c in cache)
         assert type(fcache[0]) is MLACache and fcache[0].kv.dtype == torch.float32
-        assert sum(c.nbytes for c in cache) * 4 == sum(c.nbytes for c in fcache)
-        assert cache[0].nbytes == test.shape[1] * (model.args.kv_lora_rank + model.args.qk_rope_head_dim)
+        assert cache[0].nbytes == test.shape[1] * (model.args.kv_lora_rank + 4 * model.args.qk_rope_head_dim)
 
         # prefill through the int8 cache equals the (quantized) full forward: the same matmuls
         s = test.shape[1]
@@ -428,13 +462,12 @@ def test_compressed_tensors_conversion(qwen3):
 def test_compressed_tensors_conversion_mla(dsv3):
     scales = K.calibrate_kv_scales(dsv3, byte_tokens(CALIB_TEXT[:512]))
     ct = K.to_compressed_tensors(scales, dsv3)
-    latent = scales["model.layers.2.self_attn.kv_a_layernorm.kv_cache_scale"]
-    pe = scales["model.layers.2.self_attn.k_pe.kv_cache_scale"]
+    latent = scales["model.layers.2.self_attn.fa_k.scale"]
     k = ct["model.layers.2.self_attn.k_scale"]
-    assert k.shape == (1,) and k.item() == max(latent.max().item(), pe.max().item())
+    assert k.shape == (1,) and k.item() == latent.item()  # the one scale of the cached latent
     assert torch.equal(ct["model.layers.2.self_attn.v_scale"], k)
     with pytest.raises(CvtError, match="attention heads"):
         K.to_compressed_tensors(scales, dsv3, "attn_head")
     back = K.from_compressed_tensors(ct, dsv3)
-    assert torch.equal(back["model.layers.2.self_attn.k_pe.kv_cache_scale"], k.expand(pe.shape))
-    assert torch.equal(back["model.layers.2.self_attn.kv_a_layernorm.kv_cache_scale"], k.expand(latent.shape))
+    assert set(back) == {f"model.layers.{i}.self_attn.fa_k.scale" for i in range(dsv3.args.num_hidden_layers)}
+    assert torch.equal(back["model.layers.2.self_attn.fa_k.scale"], latent)

@@ -1,0 +1,113 @@
+"""The int8 KV cache's on-disk layout: which tensors, names, shapes and dtypes (one owner).
+
+The math, runtime behaviour and calibration are `cvt.runtime.kv_cache`'s (its docstring
+describes the convention in full); quant owns the layout, so that the quantize stage, the
+formats, `cvt plan` and the runtime read one definition:
+
+* MLA (DeepSeek-V3 family): FAKQuant, ``self_attn.fa_{q,k,v}.{scale,offset}``; scales float32
+  ``[num_attention_heads, 1]`` (q) and ``[1, 1]`` (k, v), offsets int8 zeros (vllm-ascend 0.23
+  ``quantization/methods/kv_c8.py`` AscendFAQuantAttentionMethod; msModelSlim 26.1
+  ``model/deepseek_v3/model_adapter.py`` + ``save/ascendv1.py`` _save_activation_per_head);
+  Ascend tag ``FAQuant``, description ``fa_quant_type: FAKQuant``.
+* GQA: C8, ``self_attn.{k,v}_proj.kv_cache_{scale,offset}`` float32 ``[kv_heads * head_dim]``
+  (vllm-ascend ``modelslim_config.py`` get_cache_scale; msModelSlim on_dynamic_cache); tag
+  ``C8``, description ``kv_cache_type: C8`` and ``kv_quant_type: C8``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping
+
+import torch
+
+QMIN, QMAX = -128, 127
+SCALE_DIVISOR = 127.0
+SCALE_MIN = 2.0 ** -14
+
+KV_CONVENTION: dict[str, Any] = {
+    "name": "cvt-kv-int8",
+    "version": 2,
+    "dtype": "int8",
+    "symmetric": True,
+    "dynamic": False,
+    "scale_dtype": "float32",
+    "qmin": QMIN,
+    "qmax": QMAX,
+    "scale": f"max(amax / {SCALE_DIVISOR:g}, 2**-14)",
+    "quantize": "q = clamp(round_half_to_even(x / scale), -128, 127)",
+    "dequantize": "x = (q - offset) * scale, offset = 0",
+    "mla": {
+        "name": "FAKQuant",
+        "cached_int8": "latent kv_a_layernorm(kv_a_proj_with_mqa(x)[..., :kv_lora_rank]), one scale per layer",
+        "cached_float": "k_pe (rope key), compute dtype",
+        "tensors": {
+            "q": "model.layers.{i}.self_attn.fa_q.{scale,offset} [num_attention_heads, 1] (absorbed query, "
+                 "per head; written for the serving stacks, not applied by cvt's runtime)",
+            "k": "model.layers.{i}.self_attn.fa_k.{scale,offset} [1, 1] (the cached latent)",
+            "v": "model.layers.{i}.self_attn.fa_v.{scale,offset} [1, 1] (the latent read as value)",
+        },
+        "offset_dtype": "int8",
+    },
+    "gqa": {
+        "name": "C8",
+        "cached_int8": {"k": "rope(k_norm(k_proj(x))) per head", "v": "v_proj(x)"},
+        "tensors": {
+            "k": "model.layers.{i}.self_attn.k_proj.kv_cache_{scale,offset} [kv_heads*head_dim]",
+            "v": "model.layers.{i}.self_attn.v_proj.kv_cache_{scale,offset} [kv_heads*head_dim]",
+        },
+        "channel": "head * head_dim + d",
+        "offset_dtype": "float32",
+    },
+    "layers": "decoder layers 0 .. num_hidden_layers-1 (no MTP layers)",
+}
+
+_NAME_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\."
+                      r"(?:(k_proj|v_proj)\.kv_cache_(scale|offset)|(fa_q|fa_k|fa_v)\.(scale|offset))$")
+_CT_NAME_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_(scale|zero_point)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTensorSpec:
+    """One stored KV-cache tensor: on-disk name, layer, role, scale or offset, shape, dtype."""
+
+    name: str
+    layer: int
+    role: str          # "q" | "k" | "v" (MLA: fa_q / fa_k / fa_v; GQA: k_proj / v_proj)
+    kind: str          # "scale" | "offset"
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+
+def kv_tensor_specs(layers: int, mla: bool, heads: int, kv_channels: int) -> list[KVTensorSpec]:
+    """Every KV-cache tensor for `layers` decoder layers, in layer order: per layer, per role
+    (MLA q, k, v; GQA k, v), scale then offset. `kv_channels`: GQA kv_heads * head_dim."""
+    out = []
+    for i in range(layers):
+        p = f"model.layers.{i}.self_attn."
+        if mla:
+            out += [KVTensorSpec(f"{p}fa_{r}.{kind}", i, r, kind, (heads if r == "q" else 1, 1),
+                                 torch.float32 if kind == "scale" else torch.int8)
+                    for r in ("q", "k", "v") for kind in ("scale", "offset")]
+        else:
+            out += [KVTensorSpec(f"{p}{r}_proj.kv_cache_{kind}", i, r, kind, (kv_channels,))
+                    for r in ("k", "v") for kind in ("scale", "offset")]
+    return out
+
+
+def kv_tensor_specs_for_config(config: Mapping[str, Any]) -> list[KVTensorSpec]:
+    """`kv_tensor_specs` of a config.json (the language model's part of a wrapper config)."""
+    from cvt.convert.arch import text_config
+
+    cfg = text_config(config)
+    heads = int(cfg["num_attention_heads"])
+    mla = "kv_lora_rank" in cfg
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    return kv_tensor_specs(int(cfg["num_hidden_layers"]), mla, heads, 0 if mla else kv_heads * head_dim)
+
+
+def kv_tag(mla: bool) -> str:
+    """The Ascend description tag of a KV-cache tensor."""
+    return "FAQuant" if mla else "C8"

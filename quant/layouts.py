@@ -1,0 +1,463 @@
+"""Quantized weight layouts as data: one entry per on-disk form of a kernel format.
+
+A scheme (`cvt.quant.schemes`) produces a `QuantizedTensor` of canonical parts for a runtime
+kernel format (``kernel_fmt``: w8a8_dynamic, w8a8_static, w4a16, nvfp4, mxfp4). A `Layout`
+says how those parts sit on disk for one output format and the serving stacks that load it:
+the tensors (suffix, dtype, and per dim which logical axis it follows and in what unit), the
+Ascend type tag, which modules the stack accepts it for, and the encode / decode between
+canonical parts and disk. The formats, the quantize stage, `cvt plan`, `cvt shard` and the
+loader all read these entries; adding a layout is one entry here.
+
+=========================  ==========  ===================  ==============================================
+layout                     format      targets / tag        tensors of linear X (w [n, k], group G)
+=========================  ==========  ===================  ==============================================
+ascend-w8a8-dynamic        ascend      both / W8A8_DYNAMIC  weight i8 [n,k]; weight_scale f32 [n,1];
+                                                            weight_offset f32 zeros [n,1]
+ascend-w8a8-static         ascend      both / W8A8          weight i8 [n,k]; input_scale f32 [1];
+                                                            input_offset f32 [1]; deq_scale f32 [n];
+                                                            quant_bias i32 [n]; weight_scale /
+                                                            weight_offset f32 [n,1]
+ascend-w4a16-int8          ascend      mindie / W4A16       weight i8, two int4 per byte (even element
+                                                            low nibble): grouped [n/2,k], per channel
+                                                            [n,k/2]; weight_scale / weight_offset f32
+                                                            [n,k/G]
+ascend-w4a16-int32         ascend      vllm-ascend / W4A16  MoE experts only: weight_packed i32 [n,k/8]
+                                                            (value + 8, element i at bits 4i);
+                                                            weight_scale bf16 [n,k/G]; weight_shape
+                                                            i32 [2]; G > 0
+ascend-mxfp4               ascend      vllm-ascend /        MoE experts only: weight u8 [n,k/2] (E2M1,
+                                       W4A16_MXFP4          element 2j low nibble); weight_scale u8
+                                                            E8M0 [n,k/32]
+ct-int8                    c-t         vllm                 weight i8 [n,k]; weight_scale f32 [n,1]
+ct-int4                    c-t         vllm                 weight_packed i32 [n,ceil(k/8)]; weight_scale
+                                                            bf16 [n,k/G]; weight_shape i32 [2];
+                                                            asymmetric: weight_zero_point i32
+                                                            [ceil(n/8), k/G]
+ct-nvfp4                   c-t         vllm                 weight_packed u8 [n,k/2]; weight_scale f8e4m3
+                                                            [n,k/16]; weight_global_scale f32 [1]
+ct-mxfp4                   c-t         vllm                 weight_packed u8 [n,k/2]; weight_scale u8
+                                                            [n,k/32]
+=========================  ==========  ===================  ==============================================
+
+Sources (the consumers' code, which wins over our notes): vllm-ascend 0.23.0.post1
+``vllm_ascend/quantization/methods/{w8a8_dynamic,w8a8_static,w4a16,w4a16_mxfp4}.py`` (the
+declared parameters; W4A16 and W4A16_MXFP4 are registered for ``"moe"`` only, W4A16's group
+size is divided by, so 0 fails) and ``modelslim_config.py``; MindIE atb_llm
+``utils/quantize/w4a16.py`` (the int8 two-per-byte W4A16, per group packed along n);
+msModelSlim 26.1 ``save/ascendv1.py`` and ``llm_ptq .../complex_quantifier.py``
+(``_w4a16_pack_int4``); compressed-tensors' compressors for ``ct-*``.
+
+Dims: per on-disk dim, ``("n", u)`` / ``("k", u)`` -- that dim runs along the weight's output /
+input features, one on-disk element per ``u`` logical elements (``u`` may be ``"G"``, the
+group size; per channel: k) -- or a fixed size (an int). `cvt shard` splits a tensor along
+the dim that follows the module's TP axis (a tensor without one is whole on every holder);
+`cvt plan` counts bytes and the units a split must keep whole from the same data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from cvt.errors import FormatError
+from cvt.quant import primitives as P
+from cvt.quant.schemes.base import QuantizedTensor
+from cvt.registry import Registry
+
+ASCEND_TARGETS = ("vllm-ascend", "mindie")
+DEFAULT_TARGET = "vllm-ascend"
+CT_TARGET = "vllm"  # compressed-tensors: vLLM and transformers
+_DTYPE = {"I8": torch.int8, "I32": torch.int32, "U8": torch.uint8, "F32": torch.float32, "BF16": torch.bfloat16,
+          "F8_E4M3": torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class DiskTensor:
+    suffix: str
+    dtype: str                # safetensors dtype code as written
+    dims: tuple               # per dim: ("n" | "k", unit) or a fixed int; unit an int or "G"
+    optional: bool = False    # written only for some tensors (asymmetric zero points, ...)
+
+    def shape(self, n: int, k: int, g: int) -> tuple[int, ...]:
+        out = []
+        for d in self.dims:
+            if isinstance(d, int):
+                out.append(d)
+                continue
+            axis, unit = d
+            u = (g or k) if unit == "G" else unit
+            out.append(-(-(n if axis == "n" else k) // u))
+        return tuple(out)
+
+    def along(self, axis: str, g: int, k: int) -> tuple[int, int] | None:
+        """(on-disk dim, logical unit) of the dim that follows `axis` ("n" / "k"), or None."""
+        for i, d in enumerate(self.dims):
+            if not isinstance(d, int) and d[0] == axis:
+                return i, ((g or k) if d[1] == "G" else d[1])
+        return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    kernel_fmt: str
+    format: str
+    targets: tuple[str, ...]
+    tag: str | None
+    tensors: tuple[DiskTensor, ...]
+    encode: Callable[[QuantizedTensor], dict[str, torch.Tensor]] = field(repr=False)
+    decode: Callable[[str, dict[str, torch.Tensor]], QuantizedTensor] = field(repr=False)
+    experts_only: bool = False      # the stack loads this layout for routed experts only
+    grouping: str = "any"           # "any" | "grouped" | "channel": which group sizes this entry holds
+    groups: tuple[int, ...] = ()    # the group sizes the stack accepts (empty: any)
+
+    def holds(self, group_size: int, k: int) -> bool:
+        per_channel = group_size in (0, k)
+        if self.groups and not per_channel and group_size not in self.groups:
+            return False
+        return self.grouping == "any" or (self.grouping == "channel") == per_channel
+
+    def shapes(self, n: int, k: int, group_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{suffix: (shape, dtype code)} of a linear [n, k] (optional tensors left out)."""
+        g = 0 if group_size in (0, k) else group_size
+        return {t.suffix: (t.shape(n, k, g), t.dtype) for t in self.tensors if not t.optional}
+
+    def split_units(self, axis: str, group_size: int, k: int) -> int:
+        """The logical unit a TP split along `axis` must keep whole (lcm over the tensors)."""
+        g = 0 if group_size in (0, k) else group_size
+        unit = 1
+        for t in self.tensors:
+            a = t.along(axis, g, k)
+            if a is not None:
+                unit = math.lcm(unit, a[1])
+        return unit
+
+    def tensor(self, suffix: str) -> DiskTensor | None:
+        return next((t for t in self.tensors if t.suffix == suffix), None)
+
+    def tags(self, module: str, suffixes) -> dict[str, str]:
+        return {f"{module}.{s}": self.tag for s in suffixes}
+
+
+LAYOUTS: Registry[Layout] = Registry("quantized layout", FormatError)
+
+
+def register(layout: Layout) -> Layout:
+    return LAYOUTS.add(layout.name, layout)
+
+
+def _expect(name: str, t: torch.Tensor, dtypes, shape=None) -> torch.Tensor:
+    if t.dtype not in tuple(dtypes) or (shape is not None and tuple(t.shape) != tuple(shape)):
+        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise FormatError(f"tensor {name!r} is {str(t.dtype).replace('torch.', '')} {list(t.shape)}: expected "
+                          f"{want}" + (f" {list(shape)}" if shape is not None else ""))
+    return t
+
+
+def _take(module: str, disk: dict, suffixes) -> dict[str, torch.Tensor]:
+    missing = [f"{module}.{s}" for s in suffixes if s not in disk]
+    if missing:
+        raise FormatError(f"module {module!r} lacks tensor(s) {missing}")
+    return {s: disk[s] for s in suffixes}
+
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+N, K, G = ("n", 1), ("k", 1), ("k", "G")
+
+
+# ---- W8A8 ------------------------------------------------------------------------------------------
+def _enc_w8a8_dynamic(q):
+    n = q.shape[0]
+    return {"weight": q.parts["weight"], "weight_scale": q.parts["weight_scale"].float().reshape(n, 1),
+            "weight_offset": q.parts["weight_offset"].float().reshape(n, 1)}
+
+
+def _dec_w8a8_dynamic(module, d):
+    t = _take(module, d, ("weight", "weight_scale", "weight_offset"))
+    n, k = _expect(f"{module}.weight", t["weight"], (torch.int8,)).shape
+    sc = _expect(f"{module}.weight_scale", t["weight_scale"], FLOATS).float().reshape(n, 1)
+    off = _expect(f"{module}.weight_offset", t["weight_offset"], FLOATS).float().reshape(n, 1)
+    return QuantizedTensor("w8a8", "w8a8_dynamic", (n, k), {"weight": t["weight"], "weight_scale": sc,
+                                                            "weight_offset": off})
+
+
+def _enc_w8a8_static(q):
+    p, n = q.parts, q.shape[0]
+    ws = q.extra.get("weight_scale")
+    if ws is None:
+        raise FormatError("static W8A8 needs its weight scale to write weight_scale (vllm-ascend's MLA fused "
+                          "paths read it): quantize through cvt.quant.schemes.static_parts")
+    ws = ws.float().reshape(n, 1)
+    return {"weight": p["weight"], "input_scale": p["input_scale"].float().reshape(1),
+            "input_offset": p["input_offset"].float().reshape(1), "deq_scale": p["deq_scale"],
+            "quant_bias": p["quant_bias"], "weight_scale": ws, "weight_offset": torch.zeros_like(ws)}
+
+
+def _dec_w8a8_static(module, d):
+    t = _take(module, d, ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias"))
+    n, k = _expect(f"{module}.weight", t["weight"], (torch.int8,)).shape
+    _expect(f"{module}.deq_scale", t["deq_scale"], (torch.float32, torch.int64), (n,))
+    _expect(f"{module}.quant_bias", t["quant_bias"], (torch.int32,), (n,))
+    parts = {"weight": t["weight"], "input_scale": t["input_scale"].float().reshape(1),
+             "input_offset": t["input_offset"].float().reshape(1), "deq_scale": t["deq_scale"],
+             "quant_bias": t["quant_bias"]}
+    extra = {"weight_scale": d["weight_scale"].float().reshape(n, 1)} if "weight_scale" in d else {}
+    return QuantizedTensor("w8a8", "w8a8_static", (n, k), parts, 0, True, extra)
+
+
+register(Layout("ascend-w8a8-dynamic", "w8a8_dynamic", "ascend", ASCEND_TARGETS, "W8A8_DYNAMIC",
+                (DiskTensor("weight", "I8", (N, K)), DiskTensor("weight_scale", "F32", (N, 1)),
+                 DiskTensor("weight_offset", "F32", (N, 1))), _enc_w8a8_dynamic, _dec_w8a8_dynamic))
+register(Layout("ascend-w8a8-static", "w8a8_static", "ascend", ASCEND_TARGETS, "W8A8",
+                (DiskTensor("weight", "I8", (N, K)), DiskTensor("input_scale", "F32", (1,)),
+                 DiskTensor("input_offset", "F32", (1,)), DiskTensor("deq_scale", "F32", (N,)),
+                 DiskTensor("quant_bias", "I32", (N,)), DiskTensor("weight_scale", "F32", (N, 1)),
+                 DiskTensor("weight_offset", "F32", (N, 1))), _enc_w8a8_static, _dec_w8a8_static))
+
+
+def _enc_ct_int8(q):
+    p, n = q.parts, q.shape[0]
+    if bool((p["weight_offset"] != 0).any()):
+        raise FormatError("int-quantized W8A8 is symmetric: non-zero weight offsets")
+    return {"weight": p["weight"], "weight_scale": p["weight_scale"].float().reshape(n, 1)}
+
+
+def _dec_ct_int8(module, d):
+    t = _take(module, d, ("weight", "weight_scale"))
+    n, k = _expect(f"{module}.weight", t["weight"], (torch.int8,)).shape
+    sc = _expect(f"{module}.weight_scale", t["weight_scale"], FLOATS)
+    if sc.numel() != n:
+        raise FormatError(f"{module}.weight_scale {list(sc.shape)}: expected [{n}, 1] (channel)")
+    if "weight_zero_point" in d:
+        raise FormatError(f"{module} is asymmetric int8; cvt's W8A8 is symmetric")
+    sc = sc.float().reshape(n, 1)
+    return QuantizedTensor("w8a8", "w8a8_dynamic", (n, k), {"weight": t["weight"], "weight_scale": sc,
+                                                            "weight_offset": torch.zeros_like(sc)})
+
+
+register(Layout("ct-int8", "w8a8_dynamic", "compressed-tensors", (CT_TARGET,), None,
+                (DiskTensor("weight", "I8", (N, K)), DiskTensor("weight_scale", "F32", (N, 1))),
+                _enc_ct_int8, _dec_ct_int8))
+
+
+# ---- W4A16 -----------------------------------------------------------------------------------------
+def _w4a16(q_int4, sc, off, sym=None):
+    n, k = q_int4.shape
+    if sc.dim() != 2 or sc.shape[0] != n or k % sc.shape[1]:
+        raise FormatError(f"weight_scale {list(sc.shape)} does not fit the weight [{n}, {k}] (expected [{n}, k/G])")
+    g = 0 if sc.shape[1] == 1 else k // sc.shape[1]
+    return QuantizedTensor("w4a16", "w4a16", (n, k), {"weight_int4": q_int4, "weight_scale": sc,
+                                                      "weight_offset": off},
+                           g, bool((off == 0).all()) if sym is None else sym)
+
+
+def _ascend_int8_encoder(dim: int):
+    def enc(q):
+        if q.shape[dim] % 2:
+            raise FormatError(f"cannot pack {list(q.shape)} along dim {dim} "
+                              f"({'pairs of output channels' if dim == 0 else 'in_features'} must be even)")
+        return {"weight": P.pack_int4_ascend(q.parts["weight_int4"], dim),
+                "weight_scale": q.parts["weight_scale"].float(), "weight_offset": q.parts["weight_offset"].float()}
+    return enc
+
+
+def _dec_ascend_int8(module, d):
+    t = _take(module, d, ("weight", "weight_scale", "weight_offset"))
+    _expect(f"{module}.weight", t["weight"], (torch.int8,))
+    sc = t["weight_scale"].float()
+    if sc.dim() != 2:
+        raise FormatError(f"{module}.weight_scale is {list(sc.shape)}: expected 2-D [n, k/G]")
+    off = _expect(f"{module}.weight_offset", t["weight_offset"].float(), (torch.float32,), tuple(sc.shape))
+    # the pack dim by rows: TP shards may hold one group per row
+    return _w4a16(P.unpack_int4_ascend(t["weight"], P.ascend_pack_dim(sc, t["weight"])), sc, off)
+
+
+register(Layout("ascend-w4a16-int8-grouped", "w4a16", "ascend", ("mindie",), "W4A16",
+                (DiskTensor("weight", "I8", (("n", 2), K)), DiskTensor("weight_scale", "F32", (N, G)),
+                 DiskTensor("weight_offset", "F32", (N, G))), _ascend_int8_encoder(0), _dec_ascend_int8,
+                grouping="grouped", groups=(64, 128, 256)))  # MindIE models/base/config.py: group_size check
+register(Layout("ascend-w4a16-int8-channel", "w4a16", "ascend", ("mindie",), "W4A16",
+                (DiskTensor("weight", "I8", (N, ("k", 2))), DiskTensor("weight_scale", "F32", (N, 1)),
+                 DiskTensor("weight_offset", "F32", (N, 1))), _ascend_int8_encoder(1), _dec_ascend_int8,
+                grouping="channel"))
+
+
+def _check_bf16(sc: torch.Tensor) -> torch.Tensor:
+    if not torch.equal(P.round_to_bf16(sc), sc):
+        raise FormatError("weight_scale is not bfloat16-representable; the int32 pack-quantized layout stores "
+                          "bf16 scales (quantize with cvt's w4a16 scheme)")
+    return sc.to(torch.bfloat16)
+
+
+def _enc_int32(q, zero_point: bool):
+    p, (n, k) = q.parts, q.shape
+    out = {"weight_packed": P.pack_int4_ct(p["weight_int4"], 1), "weight_scale": _check_bf16(p["weight_scale"].float()),
+           "weight_shape": torch.tensor([n, k], dtype=torch.int32)}
+    if not q.symmetric:
+        if not zero_point:
+            raise FormatError("vllm-ascend's W4A16 MoE method loads no zero points (weight_offset is zeros): "
+                              "quantize symmetric (drop --asym)")
+        out["weight_zero_point"] = P.pack_int4_ct(p["weight_offset"].to(torch.int8), 0)
+    elif bool((p["weight_offset"] != 0).any()):
+        raise FormatError("marked symmetric but has non-zero offsets")
+    return out
+
+
+def _dec_int32(module, d):
+    t = _take(module, d, ("weight_packed", "weight_scale", "weight_shape"))
+    shape = t["weight_shape"].reshape(-1).tolist()
+    if len(shape) != 2:
+        raise FormatError(f"{module}.weight_shape is {shape}: expected [n, k]")
+    n, k = (int(v) for v in shape)
+    _expect(f"{module}.weight_packed", t["weight_packed"], (torch.int32,), (n, math.ceil(k / 8)))
+    sc = t["weight_scale"].float()
+    sym = "weight_zero_point" not in d
+    off = torch.zeros_like(sc) if sym else P.unpack_int4_ct(d["weight_zero_point"], n, 0).float()
+    if tuple(off.shape) != tuple(sc.shape):
+        raise FormatError(f"{module}.weight_zero_point unpacks to {list(off.shape)}, expected {list(sc.shape)}")
+    return _w4a16(P.unpack_int4_ct(t["weight_packed"], k, 1), sc, off, sym)
+
+
+_INT32 = (DiskTensor("weight_packed", "I32", (N, ("k", 8))), DiskTensor("weight_scale", "BF16", (N, G)),
+          DiskTensor("weight_shape", "I32", (2,)))
+register(Layout("ascend-w4a16-int32", "w4a16", "ascend", ("vllm-ascend",), "W4A16", _INT32,
+                lambda q: _enc_int32(q, zero_point=False), _dec_int32, experts_only=True, grouping="grouped"))
+register(Layout("ct-int4", "w4a16", "compressed-tensors", (CT_TARGET,), None,
+                _INT32 + (DiskTensor("weight_zero_point", "I32", (("n", 8), G), optional=True),),
+                lambda q: _enc_int32(q, zero_point=True), _dec_int32))
+
+
+# ---- FP4 ---------------------------------------------------------------------------------------------
+def _enc_fp4(packed_name: str):
+    def enc(q):
+        out = {packed_name: P.pack_fp4(q.parts["weight_fp4"])}
+        if q.kernel_fmt == "nvfp4":
+            out["weight_scale"] = q.parts["weight_scale"]
+            out["weight_global_scale"] = q.parts["weight_global_scale"].float().reshape(1)
+        else:
+            out["weight_scale"] = q.parts["weight_scale"].view(torch.uint8)
+        return out
+    return enc
+
+
+def _dec_fp4(packed_name: str):
+    def dec(module, d):
+        packed = _expect(f"{module}.{packed_name}", _take(module, d, (packed_name,))[packed_name], (torch.uint8,))
+        codes = P.unpack_fp4(packed)
+        n, k = codes.shape
+        if "weight_global_scale" in d:
+            t = _take(module, d, ("weight_scale", "weight_global_scale"))
+            sc = _expect(f"{module}.weight_scale", t["weight_scale"], (torch.float8_e4m3fn,), (n, k // 16))
+            parts = {"weight_fp4": codes, "weight_scale": sc,
+                     "weight_global_scale": t["weight_global_scale"].float().reshape(1)}
+            return QuantizedTensor("fp4", "nvfp4", (n, k), parts, 16, True, {"fp4_format": "nvfp4"})
+        sc = _expect(f"{module}.weight_scale", _take(module, d, ("weight_scale",))["weight_scale"],
+                     (torch.uint8, torch.float8_e8m0fnu), (n, k // 32))
+        return QuantizedTensor("fp4", "mxfp4", (n, k), {"weight_fp4": codes, "weight_scale": sc.view(torch.uint8)},
+                               32, True, {"fp4_format": "mxfp4"})
+    return dec
+
+
+register(Layout("ct-nvfp4", "nvfp4", "compressed-tensors", (CT_TARGET,), None,
+                (DiskTensor("weight_packed", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "F8_E4M3", (N, ("k", 16))),
+                 DiskTensor("weight_global_scale", "F32", (1,))), _enc_fp4("weight_packed"), _dec_fp4("weight_packed")))
+register(Layout("ct-mxfp4", "mxfp4", "compressed-tensors", (CT_TARGET,), None,
+                (DiskTensor("weight_packed", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "U8", (N, ("k", 32)))),
+                _enc_fp4("weight_packed"), _dec_fp4("weight_packed")))
+register(Layout("ascend-mxfp4", "mxfp4", "ascend", ("vllm-ascend",), "W4A16_MXFP4",
+                (DiskTensor("weight", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "U8", (N, ("k", 32)))),
+                _enc_fp4("weight"), _dec_fp4("weight"), experts_only=True))
+
+
+# ---- selection -------------------------------------------------------------------------------------
+def kernel_fmt_of(scheme, static: bool = False) -> str:
+    """The runtime kernel format a scheme instance quantizes to (static: W8A8 static activations)."""
+    name = scheme if isinstance(scheme, str) else scheme.name
+    if name in ("w8a8", "w8a8c8"):
+        return "w8a8_static" if static else "w8a8_dynamic"
+    if name == "fp4":
+        return getattr(scheme, "fp4_format", "nvfp4")
+    return name
+
+
+def kernel_formats(scheme) -> set[str]:
+    """Every kernel format a scheme (instance, or a bare name) can produce."""
+    name = scheme if isinstance(scheme, str) else scheme.name
+    if name in ("w8a8", "w8a8c8"):
+        return {"w8a8_dynamic", "w8a8_static"}
+    if name == "fp4":
+        return {"nvfp4", "mxfp4"} if isinstance(scheme, str) else {scheme.fp4_format}
+    return {name}
+
+
+def targets_for(fmt: str) -> tuple[str, ...]:
+    return ASCEND_TARGETS if fmt == "ascend" else (CT_TARGET,)
+
+
+def check_target(fmt: str, target: str | None) -> str:
+    """The serving target of an output (default: vllm-ascend for ascend, vllm for c-t)."""
+    valid = targets_for(fmt)
+    if target is None:
+        return valid[0]
+    if target not in valid:
+        raise FormatError(f"--target {target!r} does not apply to the {fmt} format (valid: {', '.join(valid)})")
+    return target
+
+
+def candidates(fmt: str, kernel_fmt: str, target: str) -> list[Layout]:
+    return [lo for lo in LAYOUTS.values() if lo.format == fmt and lo.kernel_fmt == kernel_fmt and target in lo.targets]
+
+
+def select(fmt: str, kernel_fmt: str, target: str, *, expert: bool, group_size: int, k: int,
+           module: str = "") -> Layout:
+    """The layout `target` loads for a linear of `kernel_fmt` (routed expert or not); FormatError
+    saying why there is none (with what the stack does accept)."""
+    where = f"{module}: " if module else ""
+    found = candidates(fmt, kernel_fmt, target)
+    if not found:
+        other = sorted({t for lo in LAYOUTS.values() if lo.format == fmt and lo.kernel_fmt == kernel_fmt
+                        for t in lo.targets})
+        raise FormatError(f"{where}{fmt} for {target} has no layout for kernel format {kernel_fmt!r}"
+                          + (f" (--target {' / '.join(other)} has one)" if other else ""))
+    fit = [lo for lo in found if lo.holds(group_size, k)]
+    if not fit:
+        sizes = sorted({g for lo in found for g in lo.groups})
+        raise FormatError(f"{where}{target} loads {kernel_fmt} only with "
+                          + " or ".join(sorted({lo.grouping for lo in found})) + " scales"
+                          + (f" (group sizes {', '.join(map(str, sizes))})" if sizes else "") + ", not "
+                          + ("per channel" if group_size in (0, k) else f"group size {group_size}")
+                          + (" (vllm-ascend divides by the description's group_size: 0 fails); use --group-size "
+                             "32, 64 or 128" if target == "vllm-ascend" else ""))
+    lo = fit[0]
+    if lo.experts_only and not expert:
+        raise FormatError(f"{where}{target} loads {lo.tag or kernel_fmt} ({lo.name}) for MoE experts only (no "
+                          "linear method is registered for it); keep this module float or give it another "
+                          "scheme in a recipe")
+    return lo
+
+
+def experts_only_reason(fmt: str, kernel_fmt: str, target: str) -> str | None:
+    """Why a non-expert linear stays float by default under this target (None: it need not):
+    every layout the target has for `kernel_fmt` is loaded for MoE experts only."""
+    found = candidates(fmt, kernel_fmt, target)
+    if found and all(lo.experts_only for lo in found):
+        return (f"{target} loads {found[0].tag} ({kernel_fmt}) for MoE experts only (no linear method is "
+                "registered for it): kept float; a recipe can give it another scheme")
+    return None
+
+
+def read_layout(fmt: str, kernel_candidates, disk: dict[str, torch.Tensor]) -> Layout:
+    """Among `kernel_candidates` (layouts of one tag), the one whose required tensors `disk`
+    (suffix -> tensor) holds, preferring the most specific; int8 W4A16 by its scale shape."""
+    fits = [lo for lo in kernel_candidates if all(t.suffix in disk for t in lo.tensors if not t.optional)]
+    if not fits:
+        raise FormatError(f"{fmt}: none of the layouts {[lo.name for lo in kernel_candidates]} matches tensors "
+                          f"{sorted(disk)}")
+    return max(fits, key=lambda lo: len(lo.tensors))
+
+
+__all__ = ["ASCEND_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "DiskTensor", "Layout", "LAYOUTS", "register",
+           "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason"]
