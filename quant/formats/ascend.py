@@ -127,7 +127,8 @@ class Ascend:
         if clash:
             raise FormatError(f"ascend description: tensor names {clash} collide with the description's global keys")
         desc = dict(tags)
-        desc.update({"model_quant_type": model_quant_type(t for n, t in tags.items() if n.endswith(".weight")),
+        desc.update({"model_quant_type": model_quant_type(t for n, t in tags.items()
+                                                          if n.endswith((".weight", ".weight_packed"))),
                      "version": VERSION, "group_size": int(group_size)})
         if kv_cache == "C8":
             desc["kv_cache_type"] = desc["kv_quant_type"] = "C8"
@@ -170,7 +171,7 @@ def mindie_config(desc: dict, mla: bool) -> dict:
     MLP runs attention with ``mla_quantize: "w8a8"`` and everything else ``w8a8_dynamic``) and
     ``quantization_config`` with ``group_size``, ``kv_quant_type`` / ``fa_quant_type``."""
     mqt = desc["model_quant_type"]
-    tags = {t for n, t in desc.items() if n.endswith(".weight")}
+    tags = {t for n, t in desc.items() if n.endswith((".weight", ".weight_packed"))}
     out: dict = {}
     if mla and mqt == "W8A8" and "W8A8_DYNAMIC" in tags:
         out["quantize"], out["mla_quantize"] = "w8a8_dynamic", "w8a8"

@@ -1,0 +1,277 @@
+"""Ascend outputs per scheme x serving target, pinned to the consumers' code.
+
+Every tensor's name, dtype and shape, and the description / config.json keys, are compared
+with what the stacks declare and read -- written out here by hand from their code, not from
+cvt's layout table:
+
+* vllm-ascend 0.23.0.post1 ``vllm_ascend/quantization/``:
+  - ``methods/w8a8_dynamic.py`` AscendW8A8DynamicLinearMethod.get_weight / get_perchannel_param:
+    weight int8 [n, k], weight_scale / weight_offset [n, 1];
+  - ``methods/w8a8_static.py`` AscendW8A8LinearMethod: input_scale [1], input_offset [1],
+    quant_bias int32 [n], deq_scale float32 [n] (bf16 models), weight_scale / weight_offset [n, 1];
+  - ``methods/w4a16.py`` AscendW4A16FusedMoEMethod (registered ("W4A16", "moe") only):
+    weight_packed int32 [n, k/8], weight_scale [n, k/G], weight_shape int32 [2];
+  - ``methods/w4a16_mxfp4.py`` ("W4A16_MXFP4", "moe"): weight uint8 [n, k/2], weight_scale
+    uint8 [n, k/32];
+  - ``methods/kv_c8.py`` AscendFAQuantAttentionMethod: fa_q.scale [num_heads, 1], fa_k / fa_v
+    .scale [num_kv_heads=1, 1], offsets int8; ``modelslim_config.py`` get_cache_scale (GQA:
+    k_proj / v_proj .kv_cache_scale / .kv_cache_offset), _add_kvcache_quant_metadata
+    (``fa_quant_type``, ``kv_cache_type``), is_layer_skipped_ascend (every linear's
+    ``<prefix>.weight`` has a tag, FLOAT included);
+  - ``patch/worker/patch_gqa_c8.py``: C8 scales loaded for Qwen3 dense, not Qwen3-MoE.
+* msModelSlim 26.1 ``core/quant_service/modelslim_v1/save/ascendv1.py``: ``version`` 1.0.0,
+  ``model_quant_type`` by QUANT_TYPE_PRIORITY, ``group_size``, ``kv_cache_type`` +
+  ``kv_quant_type`` "C8", ``fa_quant_type`` "FAKQuant", tags ``FAQuant`` / ``C8`` / ``FLOAT``.
+* MindIE atb_llm ``utils/quantize/w4a16.py`` W4A16LinearStatic (int8 two per byte, per group
+  [n/2, k]; scale / offset [n, k/G]), ``models/base/config.py`` QuantizationConfig (group_size
+  in 0/64/128/256, kv_quant_type, fa_quant_type read from config.json ``quantization_config``),
+  ``models/deepseekv2/flash_causal_deepseekv2.py`` (``mla_quantize`` for the attention).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from cvt.convert.arch import Role, arch_for
+from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.errors import CvtError
+from cvt.quant.stage import quantize
+from cvt.runtime.loader import load_model
+from cvt.runtime.verify import verify
+
+I8, I32, U8, F32, BF16 = torch.int8, torch.int32, torch.uint8, torch.float32, torch.bfloat16
+
+
+def headers(folder) -> dict[str, tuple[torch.dtype, tuple]]:
+    out = {}
+    for f in sorted(folder.glob("quant_model_weights-*.safetensors")):
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                out[k] = (getattr(torch, {"I8": "int8", "I32": "int32", "U8": "uint8", "F32": "float32",
+                                          "BF16": "bfloat16", "F16": "float16", "I64": "int64"}[sl.get_dtype()]),
+                          tuple(sl.get_shape()))
+    return out
+
+
+def linears(config) -> dict[str, tuple[tuple[int, int], bool, bool]]:
+    """module -> ((n, k), quantizable by default, routed expert) for the decoder's linears."""
+    arch = arch_for(config)
+    out = {}
+    for name, shape in arch.shapes().items():
+        if not name.endswith(".weight") or len(shape) != 2:
+            continue
+        info = arch.classify(name)
+        if info.role not in (Role.LINEAR, Role.EXPERT, Role.SHARED_EXPERT):  # MTP layers alike
+            continue
+        out[info.module] = (shape, info.rule.quantizable and not info.rule.float_default, info.role is Role.EXPERT)
+    return out
+
+
+def expected(config, kind: str, g: int = 0, static_attn: bool = False) -> dict[str, tuple[torch.dtype, tuple]]:
+    """The tensors of every quantized linear, as the consumer declares them (module docstring)."""
+    out = {}
+    layers = config["num_hidden_layers"]
+    for m, ((n, k), quant, expert) in linears(config).items():
+        if not quant:
+            continue
+        if kind == "w8a8":
+            # static attention is calibrated on the decoder layers (the MTP layer's stays dynamic)
+            if static_attn and ".self_attn." in m and int(m.split(".")[2]) < layers:
+                out.update({f"{m}.weight": (I8, (n, k)), f"{m}.input_scale": (F32, (1,)),
+                            f"{m}.input_offset": (F32, (1,)), f"{m}.deq_scale": (F32, (n,)),
+                            f"{m}.quant_bias": (I32, (n,)), f"{m}.weight_scale": (F32, (n, 1)),
+                            f"{m}.weight_offset": (F32, (n, 1))})
+            else:
+                out.update({f"{m}.weight": (I8, (n, k)), f"{m}.weight_scale": (F32, (n, 1)),
+                            f"{m}.weight_offset": (F32, (n, 1))})
+        elif kind == "w4a16-vllm-ascend" and expert:
+            out.update({f"{m}.weight_packed": (I32, (n, k // 8)), f"{m}.weight_scale": (BF16, (n, k // g)),
+                        f"{m}.weight_shape": (I32, (2,))})
+        elif kind == "mxfp4-vllm-ascend" and expert:
+            out.update({f"{m}.weight": (U8, (n, k // 2)), f"{m}.weight_scale": (U8, (n, k // 32))})
+        elif kind == "w4a16-mindie":
+            out.update({f"{m}.weight": (I8, (n // 2, k)), f"{m}.weight_scale": (F32, (n, k // g)),
+                        f"{m}.weight_offset": (F32, (n, k // g))})
+    return out
+
+
+def kv_expected(config) -> dict[str, tuple[torch.dtype, tuple]]:
+    cfg = config
+    out = {}
+    for i in range(cfg["num_hidden_layers"]):
+        a = f"model.layers.{i}.self_attn."
+        if "kv_lora_rank" in cfg:
+            h = cfg["num_attention_heads"]
+            for r, rows in (("q", h), ("k", 1), ("v", 1)):
+                out[f"{a}fa_{r}.scale"], out[f"{a}fa_{r}.offset"] = (F32, (rows, 1)), (I8, (rows, 1))
+        else:
+            ch = cfg["num_key_value_heads"] * cfg["head_dim"]
+            for p in ("k_proj", "v_proj"):
+                out[f"{a}{p}.kv_cache_scale"], out[f"{a}{p}.kv_cache_offset"] = (F32, (ch,)), (F32, (ch,))
+    return out
+
+
+def check(folder, config, want: dict, tags: dict[str, str], desc_keys: dict) -> dict:
+    got = headers(folder)
+    desc = json.loads((folder / "quant_model_description.json").read_text())
+    for name, spec in want.items():
+        assert got.get(name) == spec, (name, got.get(name), spec)
+    # every tensor is tagged; quantized ones with their tag, the rest FLOAT
+    assert set(got) <= set(desc)
+    static = {n.rsplit(".", 1)[0] for n in want if n.endswith(".input_scale")}
+    for name in got:
+        want_tag = next((t for pat, t in tags.items() if pat in name and name in want
+                         and (t != "W8A8" or name.rsplit(".", 1)[0] in static)), "FLOAT")
+        assert desc[name] == want_tag, (name, desc[name], want_tag)
+    # the float tensors are the source's, no quantized part left out or invented
+    quantized_modules = {n.rsplit(".", 1)[0] for n in want}
+    extra = [n for n in got if n.rsplit(".", 1)[0] in quantized_modules and n not in want]
+    assert not extra, extra
+    for m, (shape, _, _) in linears(config).items():  # every linear answers vllm-ascend's <prefix>.weight lookup
+        assert f"{m}.weight" in desc or f"{m}.weight_packed" in desc, m
+    for k, v in desc_keys.items():
+        assert desc.get(k) == v, (k, desc.get(k), v)
+    for k in ("kv_cache_type", "kv_quant_type", "fa_quant_type"):
+        if k not in desc_keys:
+            assert k not in desc, k
+    return desc
+
+
+@pytest.fixture(scope="module")
+def sources(fp8_release_session, tmp_path_factory):
+    root = tmp_path_factory.mktemp("targets")
+    qmoe = write_bf16_checkpoint(root / "qwen3-moe", tiny_qwen3_config(moe=True, hidden_size=128, head_dim=32,
+                                                                       intermediate_size=256, moe_intermediate_size=64))
+    qdense = write_bf16_checkpoint(root / "qwen3", tiny_qwen3_config(moe=False))
+    return {"ds": fp8_release_session, "qmoe": qmoe, "qdense": qdense, "root": root}
+
+
+def cfg(src) -> dict:
+    return json.loads((src / "config.json").read_text())
+
+
+def run(sources, name, src, **kw):
+    dst = sources["root"] / name
+    if not dst.exists():
+        quantize(sources[src], dst, fmt="ascend", quiet=True, calib_tokens=64, **kw)
+    return dst
+
+
+# ---- vllm-ascend (the default target) ------------------------------------------------------------
+
+def test_vllm_ascend_w8a8_dynamic_and_static(sources):
+    c = cfg(sources["ds"])
+    d = run(sources, "ds-w8a8", "ds", scheme="w8a8")
+    check(d, c, expected(c, "w8a8"), {".": "W8A8_DYNAMIC"},
+          {"model_quant_type": "W8A8_DYNAMIC", "version": "1.0.0", "group_size": 0})
+    s = run(sources, "ds-w8a8-static", "ds", scheme="w8a8", static_attention=True)
+    want = expected(c, "w8a8", static_attn=True)
+    check(s, c, want, {".self_attn.": "W8A8", ".": "W8A8_DYNAMIC"},
+          {"model_quant_type": "W8A8", "version": "1.0.0", "group_size": 0})  # static outranks dynamic
+    assert "quantization_config" not in cfg(s) and "quantize" not in cfg(s)  # vllm-ascend: description only
+
+
+def test_vllm_ascend_w8a8c8_mla_is_fakquant(sources):
+    c = cfg(sources["ds"])
+    d = run(sources, "ds-w8a8c8", "ds", scheme="w8a8c8")
+    desc = check(d, c, {**expected(c, "w8a8"), **kv_expected(c)}, {".fa_": "FAQuant", ".": "W8A8_DYNAMIC"},
+                 {"model_quant_type": "W8A8_DYNAMIC", "fa_quant_type": "FAKQuant"})
+    assert not any("kv_cache_" in k for k in desc)  # the old kv_a_layernorm names raised KeyError in vLLM
+    # the latent's scale is what the runtime's int8 cache uses; fa_v equals it (one latent tensor)
+    m = load_model(d, dtype=torch.float32).model
+    from cvt.runtime.kv_cache import get_kv_cache_scales
+
+    got = get_kv_cache_scales(m)
+    for i in range(c["num_hidden_layers"]):
+        a = f"model.layers.{i}.self_attn."
+        assert m.model.layers[i].self_attn.kv_scales[1] is None  # the rope key stays float
+        assert torch.equal(got[a + "fa_v.scale"], got[a + "fa_k.scale"])
+
+
+def test_vllm_ascend_w4a16_experts_int32_others_float(sources):
+    c = cfg(sources["ds"])
+    d = run(sources, "ds-w4a16", "ds", scheme="w4a16", group_size=32)
+    want = expected(c, "w4a16-vllm-ascend", g=32)
+    assert want and all(".experts." in n for n in want)
+    desc = check(d, c, want, {".experts.": "W4A16"}, {"model_quant_type": "W4A16", "group_size": 32})
+    assert desc["model.layers.1.self_attn.q_b_proj.weight"] == "FLOAT"
+    m = json.loads((d / "cvt_manifest.json").read_text())["quant"]
+    assert m["target"] == "vllm-ascend"
+    assert "MoE experts only" in m["float_modules"]["model.layers.0.mlp.down_proj"]
+    assert {t["layout"] for t in m["tensors"].values()} == {"ascend-w4a16-int32"}
+    with pytest.raises(CvtError, match="group size > 0|not per channel"):
+        quantize(sources["ds"], sources["root"] / "g0", fmt="ascend", scheme="w4a16", group_size=0, quiet=True)
+
+
+def test_vllm_ascend_mxfp4_experts(sources):
+    c = cfg(sources["ds"])
+    d = run(sources, "ds-mxfp4", "ds", scheme="fp4", fp4_format="mxfp4")
+    check(d, c, expected(c, "mxfp4-vllm-ascend"), {".experts.": "W4A16_MXFP4"},
+          {"model_quant_type": "W4A16_MXFP4", "group_size": 32})
+    with pytest.raises(CvtError, match=r"fp4 on Ascend is MXFP4"):
+        quantize(sources["ds"], sources["root"] / "nv", fmt="ascend", scheme="fp4", quiet=True)
+
+
+def test_vllm_ascend_gqa_c8_dense_and_qwen3_moe_refused(sources):
+    c = cfg(sources["qdense"])
+    d = run(sources, "qd-w8a8c8", "qdense", scheme="w8a8c8")
+    check(d, c, {**expected(c, "w8a8"), **kv_expected(c)}, {".kv_cache_": "C8", ".": "W8A8_DYNAMIC"},
+          {"model_quant_type": "W8A8_DYNAMIC", "kv_cache_type": "C8", "kv_quant_type": "C8"})
+    with pytest.raises(CvtError, match="qwen3_moe on vllm-ascend.*drops them"):
+        quantize(sources["qmoe"], sources["root"] / "qm-c8", fmt="ascend", scheme="w8a8c8", quiet=True)
+
+
+# ---- MindIE -----------------------------------------------------------------------------------------
+
+def test_mindie_w4a16_int8_every_linear_and_config_keys(sources):
+    c = cfg(sources["ds"])
+    d = run(sources, "ds-w4a16-mindie", "ds", scheme="w4a16", target="mindie")  # default group 64
+    check(d, c, expected(c, "w4a16-mindie", g=64), {".": "W4A16"}, {"model_quant_type": "W4A16", "group_size": 64})
+    out = cfg(d)
+    assert out["quantize"] == "w4a16" and out["quantization_config"] == {"group_size": 64}
+    with pytest.raises(CvtError, match="group sizes 64, 128, 256"):
+        quantize(sources["ds"], sources["root"] / "m32", fmt="ascend", scheme="w4a16", group_size=32,
+                 target="mindie", quiet=True)
+
+
+def test_mindie_static_mla_and_c8_config_keys(sources):
+    c = cfg(sources["ds"])
+    d = run(sources, "ds-w8a8c8-static-mindie", "ds", scheme="w8a8c8", static_attention=True, target="mindie")
+    check(d, c, {**expected(c, "w8a8", static_attn=True), **kv_expected(c)},
+          {".fa_": "FAQuant", ".self_attn.": "W8A8", ".": "W8A8_DYNAMIC"},
+          {"model_quant_type": "W8A8", "fa_quant_type": "FAKQuant"})
+    out = cfg(d)
+    # static MLA + dynamic MLP: attention through mla_quantize, the rest w8a8_dynamic
+    assert (out["quantize"], out["mla_quantize"]) == ("w8a8_dynamic", "w8a8")
+    assert out["quantization_config"] == {"group_size": 0, "fa_quant_type": "FAKQuant"}
+    q = run(sources, "qm-w8a8c8-mindie", "qmoe", scheme="w8a8c8", target="mindie")
+    qc = cfg(sources["qmoe"])
+    check(q, qc, {**expected(qc, "w8a8"), **kv_expected(qc)}, {".kv_cache_": "C8", ".": "W8A8_DYNAMIC"},
+          {"kv_cache_type": "C8", "kv_quant_type": "C8", "model_quant_type": "W8A8_DYNAMIC"})
+    assert cfg(q)["quantization_config"] == {"group_size": 0, "kv_quant_type": "C8"}
+
+
+# ---- every new layout runs, verifies, shards and plans -------------------------------------------
+
+@pytest.mark.parametrize("name", ["ds-w4a16", "ds-mxfp4", "ds-w8a8c8", "ds-w4a16-mindie"])
+def test_new_layouts_run_and_verify(sources, name, tmp_path):
+    spec = {"ds-w4a16": dict(scheme="w4a16", group_size=32), "ds-mxfp4": dict(scheme="fp4", fp4_format="mxfp4"),
+            "ds-w8a8c8": dict(scheme="w8a8c8"), "ds-w4a16-mindie": dict(scheme="w4a16", target="mindie")}[name]
+    d = run(sources, name, "ds", **spec)
+    ref = sources["root"] / "ds-bf16"
+    if not ref.exists():
+        from cvt.convert.fp8_to_bf16 import fp8_to_bf16
+
+        fp8_to_bf16(sources["ds"], ref, quiet=True)
+    res = verify(d, ref, tmp_path / "report", seq_len=32, max_sequences=2)
+    # random tiny weights quantize coarsely: the point is that every layout loads, runs and compares
+    assert res.report.first_nonfinite_layer is None and res.report.logits.kl_mean < 1.0
+    assert min(r.cosine for r in res.report.layers) > 0.5
+    loaded = load_model(d, dtype=torch.float32)
+    fmts = {type(m).fmt for m in loaded.model.modules() if hasattr(m, "fmt")}
+    assert fmts & {"w4a16", "mxfp4", "w8a8_dynamic"}
