@@ -77,9 +77,25 @@ def fp8_config(config: Mapping[str, Any], where: str) -> Fp8Config:
     return Fp8Config(block=(block[0], block[1]), scale_fmt=qc.get("scale_fmt"))
 
 
-def bf16_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """config.json for a BF16 output: no quantization_config anywhere, dtype bfloat16."""
+def with_explicit_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of config.json with the architecture's reader-dependent keys written out
+    (`ArchTable.explicit_defaults`, e.g. DeepSeek's topk_method / scoring_func): every reader
+    then means what cvt's runtime means. Unknown model types are copied as they are."""
+    from cvt.convert.arch import TABLES, text_config
+
     out = copy.deepcopy(dict(config))
+    lm = text_config(out)
+    table = TABLES[lm["model_type"]] if lm.get("model_type") in TABLES else None
+    for key, value in (table.explicit_defaults if table else {}).items():
+        if lm.get(key) is None:
+            lm[key] = value
+    return out
+
+
+def bf16_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json for a BF16 output: no quantization_config anywhere, dtype bfloat16, the
+    reader-dependent defaults explicit (`with_explicit_defaults`)."""
+    out = with_explicit_defaults(config)
     targets = [out]
     if isinstance(out.get("text_config"), dict):
         targets.append(out["text_config"])

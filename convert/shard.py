@@ -52,7 +52,7 @@ from pathlib import Path
 
 from cvt import __version__
 from cvt.convert.arch import Parallel, Role, arch_for
-from cvt.convert.config import quantization_config, source_format
+from cvt.convert.config import quantization_config, source_format, with_explicit_defaults
 from cvt.convert.layout import Layout, Placement, contiguous_placement, coords, moe_layers, placement_json
 from cvt.convert.plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint, read_manifest
@@ -379,7 +379,7 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
                 rank_entries.append(RankShard(
                     rank=r, dir=d, coords={k: v for k, v in vars(c).items() if k != "rank"},
                     files=[rel for rel, _ in per], tensors=len(ranks[r]), bytes=nbytes, experts=experts))
-            infos.append(out.copy_file(ckpt.root / "config.json", "config.json"))
+            infos.append(out.write_json("config.json", with_explicit_defaults(ckpt.config)))
             if placement is not None:
                 for fmt_name, rel in (("mindie", "expert_placement.json"), ("eplb", "expert_placement_eplb.json")):
                     infos.append(out.write_small(rel, placement_json(placement, ckpt.config, fmt_name)))

@@ -125,6 +125,10 @@ class ArchTable:
     config_keys: Mapping[str, str] = field(default_factory=dict)
     # config -> {weight name: shape}, for planning from config.json alone (no weights)
     param_shapes: Callable[[Mapping[str, Any]], dict[str, tuple[int, ...]]] | None = None
+    # keys whose default differs between the readers of the family's config.json (e.g. vLLM
+    # falls back to softmax routing where transformers means sigmoid / noaux_tc): the value
+    # an absent key means to cvt's runtime, written explicitly into every output config
+    explicit_defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

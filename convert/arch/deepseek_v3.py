@@ -73,9 +73,16 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# What an absent routing key means to transformers' DeepseekV3Config and cvt's runtime (which
+# takes these as its defaults); vLLM's deepseek_v2.py reads topk_method / scoring_func with other
+# defaults (softmax routing, no correction bias), so every output config states them.
+DEFAULTS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4}
+
 TABLE = ArchTable(
     name="deepseek_v3",
     param_shapes=param_shapes,
+    explicit_defaults=DEFAULTS,
     model_types=("deepseek_v3", "kimi_k2"),
     config_keys={
         "layers": "num_hidden_layers",

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvt.errors import CvtError
+from cvt.convert.arch.deepseek_v3 import DEFAULTS as ROUTING
 from cvt.runtime import kv_cache
 from cvt.runtime.kernels import Linear
 from cvt.runtime.models.base import MLP, ConfigError, ModelArgs, RMSNorm, build_experts, run_experts
@@ -112,12 +113,13 @@ class Args(ModelArgs):
     n_routed_experts: int = 256
     n_shared_experts: int | None = 1
     num_experts_per_tok: int = 8
-    n_group: int | None = 8
-    topk_group: int | None = 4
-    routed_scaling_factor: float = 2.5
-    norm_topk_prob: bool = True
-    scoring_func: str = "sigmoid"
-    topk_method: str = "noaux_tc"
+    # routing defaults: the arch table's (written explicitly into every output config)
+    n_group: int | None = ROUTING["n_group"]
+    topk_group: int | None = ROUTING["topk_group"]
+    routed_scaling_factor: float = ROUTING["routed_scaling_factor"]
+    norm_topk_prob: bool = ROUTING["norm_topk_prob"]
+    scoring_func: str = ROUTING["scoring_func"]
+    topk_method: str = ROUTING["topk_method"]
     first_k_dense_replace: int | None = 3
     moe_layer_freq: int = 1
     # misc
