@@ -56,6 +56,9 @@ class Plan:
     methods: dict[str, str] = field(default_factory=dict)
     float_reasons: dict[str, str] = field(default_factory=dict)
     experts: dict[str, bool] = field(default_factory=dict)  # quantized module -> is a routed expert
+    # quantized module -> the fused group sharing its per-tensor scale (NVFP4's global scale;
+    # `ArchTable.fused_groups`), members quantized with the same scheme
+    shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _sqnr(w: torch.Tensor, w_hat: torch.Tensor) -> float | str:
@@ -152,6 +155,11 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
     if not plan.schemes:
         raise CvtError(f"{ckpt.root}: nothing to quantize with scheme {scheme_name} (every linear is float by "
                        "default, ignored or not quantizable)")
+    for module, scheme in plan.schemes.items():
+        if getattr(scheme, "per_tensor_scale", False):
+            group = tuple(m for m in (arch.fused_group(module) or ()) if plan.schemes.get(m) is scheme)
+            if len(group) > 1:
+                plan.shared[module] = group
     return plan
 
 
@@ -220,7 +228,20 @@ class _Quantizer:
         self._lock = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
         self._ready: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
+        self._shared: dict[tuple[str, ...], torch.Tensor] = {}
         self.info: dict[str, QuantTensorInfo] = {}
+
+    def shared_scale(self, group: tuple[str, ...]) -> torch.Tensor:
+        """The per-tensor scale of a fused group: from every member's weight (each read once more
+        here; only amax is kept), computed once per group."""
+        with self._lock:
+            lock = self._locks.setdefault("|".join(group), threading.Lock())
+        with lock:
+            if group not in self._shared:
+                scheme = self.plan.schemes[group[0]]
+                self._shared[group] = scheme.shared_scale(
+                    [self.source.float_weight(self.plan.modules[m]) for m in group])
+            return self._shared[group]
 
     def part(self, module: str, name: str, n_parts: int) -> torch.Tensor:
         with self._lock:
@@ -256,7 +277,9 @@ class _Quantizer:
         if q is None:
             if method != "rtn":
                 method = "rtn-fallback"
-            q = scheme.quantize(w, name=module + ".weight")
+            group = self.plan.shared.get(module)
+            q = (scheme.quantize(w, name=module + ".weight", global_scale=self.shared_scale(group)) if group
+                 else scheme.quantize(w, name=module + ".weight"))
         bias = self.source.ckpt.read(params["bias"]).clone() if "bias" in params else None
         if module in self.static_inputs:
             q = static_parts(q, *self.static_inputs[module], bias=bias)

@@ -129,6 +129,11 @@ class ArchTable:
     # falls back to softmax routing where transformers means sigmoid / noaux_tc): the value
     # an absent key means to cvt's runtime, written explicitly into every output config
     explicit_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # linears a serving stack fuses into one GEMM (vLLM 0.32: qkv_proj, gate_up_proj, MLA's
+    # fused_qkv_a_proj, each expert's w13), as module patterns: a per-tensor quantization scale
+    # (NVFP4's global scale) must be shared inside a group, or the fused layer uses one member's
+    # scale for all and computes other weights than the file means
+    fused_groups: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,18 @@ class ArchSpec:
         self._rules = [(_compile(r.pattern), r) for r in table.rules]
         self.counts = {k: _count(config, k, v) for k, v in table.config_keys.items()}
         self._shapes: dict[str, tuple[int, ...]] | None = None
+
+    def fused_group(self, module: str) -> tuple[str, ...] | None:
+        """The modules fused with `module` by the serving stacks (itself included, in the table's
+        order), or None when it is fused with nothing."""
+        for group in self.table.fused_groups:
+            for pattern in group:
+                m = _compile(pattern).fullmatch(module)
+                if m is not None:
+                    g = m.groupdict()
+                    return tuple(p.replace("{L}", g.get("layer") or "").replace("{E}", g.get("expert") or "")
+                                 for p in group)
+        return None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight the config describes with its shape (the table's `param_shapes`),

@@ -83,6 +83,12 @@ TABLE = ArchTable(
     name="deepseek_v3",
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
+    fused_groups=(  # vLLM deepseek_v2.py: fused_qkv_a_proj, gate_up_proj (dense, shared), experts' w13
+        (f"{L}.self_attn.q_a_proj", f"{L}.self_attn.kv_a_proj_with_mqa"),
+        (f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj"),
+        (f"{L}.mlp.shared_experts.gate_proj", f"{L}.mlp.shared_experts.up_proj"),
+        (f"{L}.mlp.experts.{{E}}.gate_proj", f"{L}.mlp.experts.{{E}}.up_proj"),
+    ),
     model_types=("deepseek_v3", "kimi_k2"),
     config_keys={
         "layers": "num_hidden_layers",

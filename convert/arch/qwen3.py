@@ -84,8 +84,13 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# vLLM qwen3.py / qwen3_moe.py / llama.py: qkv_proj, gate_up_proj, each expert's w13
+_FUSED = ((f"{L}.self_attn.q_proj", f"{L}.self_attn.k_proj", f"{L}.self_attn.v_proj"),
+          (f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj"))
+
 DENSE = ArchTable(
-    name="qwen3", model_types=("qwen3", "qwen2", "llama"), rules=_COMMON, config_keys=_KEYS, param_shapes=param_shapes
+    name="qwen3", model_types=("qwen3", "qwen2", "llama"), rules=_COMMON, config_keys=_KEYS, param_shapes=param_shapes,
+    fused_groups=_FUSED,
 )
 
 MOE = ArchTable(
@@ -93,6 +98,7 @@ MOE = ArchTable(
     param_shapes=param_shapes,
     model_types=("qwen3_moe",),
     config_keys={**_KEYS, "experts": "num_experts", "experts_per_token": "num_experts_per_tok"},  # see param_shapes
+    fused_groups=_FUSED + ((f"{L}.mlp.experts.{{E}}.gate_proj", f"{L}.mlp.experts.{{E}}.up_proj"),),
     rules=_COMMON
     + (
         Rule(f"{L}.mlp.gate", Role.ROUTER, REP, Block.MOE, float_default=True),

@@ -67,13 +67,27 @@ class FP4:
             return q.parts["weight_scale"].to(torch.float32) / q.parts["weight_global_scale"].to(torch.float32)
         return P.e8m0_to_f32(q.parts["weight_scale"])
 
-    def quantize(self, w: torch.Tensor, name: str | None = None) -> QuantizedTensor:
+    @property
+    def per_tensor_scale(self) -> bool:
+        """nvfp4's global scale is per tensor: fused linears must share it (`shared_scale`)."""
+        return self.fp4_format == "nvfp4"
+
+    def shared_scale(self, ws: list[torch.Tensor]) -> torch.Tensor:
+        """One global scale for weights a serving stack fuses into one GEMM: 448 * 6 / the
+        largest amax among them (the smallest member scale), so no member's block scales
+        overflow E4M3 -- what llm-compressor equalizes fused layers to."""
+        amax = max(float(w.to(torch.float32).abs().amax()) for w in ws)
+        return P.nvfp4_global_scale(torch.tensor([amax]))
+
+    def quantize(self, w: torch.Tensor, name: str | None = None,
+                 global_scale: torch.Tensor | None = None) -> QuantizedTensor:
+        """RTN; nvfp4 with `global_scale` given (a fused group's `shared_scale`) uses it."""
         self.check(name or "weight", tuple(w.shape))
         P.check_finite(w, name)
         w = w.to(torch.float32)
         n, k = w.shape
         if self.fp4_format == "nvfp4":
-            gs = P.nvfp4_global_scale(w)
+            gs = P.nvfp4_global_scale(w) if global_scale is None else global_scale.to(torch.float32).reshape(1)
             scale = P.nvfp4_block_scales(w, gs, self.group_size)
             parts = {"weight_scale": scale, "weight_global_scale": gs}
             mult = scale.to(torch.float32) / gs
