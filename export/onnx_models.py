@@ -396,3 +396,10 @@ def check_exportable(model) -> None:
     """ArchError for a runtime model this exporter has no emitter for."""
     if not hasattr(model, "args") or not hasattr(model, "inv_freq"):
         raise ArchError(f"{type(model).__name__}: not a runtime model the ONNX exporter knows")
+    from cvt.runtime.kv_cache import kv_codec
+
+    if kv_codec(model) == "fp8":
+        from cvt.errors import CvtError
+
+        raise CvtError("the model has an FP8 KV cache (a compressed-tensors w8a8c8 output): the ONNX exporter "
+                       "writes float or int8 caches; export the Ascend w8a8c8 output (int8 cache), or the w8a8 one")

@@ -338,7 +338,9 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
 
         needs_model = (any(m != "rtn" for m in plan.methods.values()) or static_attention
                        or any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
-        calib_result = _calibrate(ckpt, plan, calib, calib_tokens, static_attention) if needs_model else _Calib()
+        # the KV cache each format's stacks load: Ascend int8 (C8 / FAKQuant), compressed-tensors FP8 (vLLM)
+        calib_result = (_calibrate(ckpt, plan, calib, calib_tokens, static_attention,
+                                   "int8" if fmt == "ascend" else "fp8") if needs_model else _Calib())
         return _write(ckpt, dst, plan, form, source, src_fmt, calib_result, scheme, fmt, method, group_size, asym,
                       fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet, target)
     finally:
@@ -372,7 +374,8 @@ class _Calib:
     tokens_sha256: str | None = None
 
 
-def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_attention: bool) -> _Calib:
+def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_attention: bool,
+               kv_codec: str = "int8") -> _Calib:
     """Run the runtime model on calibration text: KV-cache scales (w8a8c8), static activation
     scales (--static-attention), and the calibrated methods."""
     from cvt.quant.methods.calib import calib_tokens as calib_tokens_of
@@ -389,7 +392,7 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
     if any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()):
         from cvt.runtime.kv_cache import calibrate_kv_scales
 
-        out.kv_scales = calibrate_kv_scales(model, tokens)
+        out.kv_scales = calibrate_kv_scales(model, tokens, codec=kv_codec)
     if static_attention:
         out.static_inputs = _static_input_scales(model, tokens, plan)
     methods = {m for m in plan.methods.values() if m != "rtn"}
@@ -501,13 +504,13 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     mla = "kv_lora_rank" in arch.config
     if c8:
         from cvt.quant.kv_layout import KV_CONVENTION, kv_tag
-        from cvt.runtime import kv_cache
 
-        if fmt == "ascend":
-            kv_tensors = dict(cal.kv_scales)
-        else:
-            kv_tensors = kv_cache.to_compressed_tensors(cal.kv_scales, ckpt.config, "tensor", torch.float32)
-        kv_meta = {"convention": KV_CONVENTION, "tensors": sorted(kv_tensors)}
+        kv_tensors = dict(cal.kv_scales)  # Ascend int8 names, or compressed-tensors fp8 k_scale / v_scale
+        kv_meta = ({"convention": KV_CONVENTION, "tensors": sorted(kv_tensors)} if fmt == "ascend" else
+                   {"convention": {"name": "vllm-fp8-kv", "dtype": "float8_e4m3fn", "granularity": "tensor",
+                                   "scale": "amax / 448 (MLA: one scale for [latent | rope key])",
+                                   "quantize": "e4m3(clamp(x / scale, -448, 448))", "dequantize": "x = q * scale"},
+                    "tensors": sorted(kv_tensors)})
         for n, t in kv_tensors.items():
             outs.append(OutTensor(TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)), produce=lambda t=t: t.contiguous()))
             tags[n] = kv_tag(mla)
@@ -531,9 +534,9 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
         used = list(schemes_used.values())
         if len(used) > 1:
             used = [(s, [m for m, x in plan.schemes.items() if x is s]) for s in used]
-        from cvt.quant.formats.compressed_tensors import kv_cache_int8
+        from cvt.quant.formats.compressed_tensors import kv_cache_fp8
 
-        qc = form.quantization_config(used, ignore_list=float_linears, kv_cache_scheme=kv_cache_int8("tensor") if c8 else None)
+        qc = form.quantization_config(used, ignore_list=float_linears, kv_cache_scheme=kv_cache_fp8() if c8 else None)
         lm_cfg = config["text_config"] if isinstance(config.get("text_config"), dict) and "model_type" not in config else config
         lm_cfg["quantization_config"] = qc
 

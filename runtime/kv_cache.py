@@ -79,13 +79,21 @@ from cvt.quant.kv_layout import (  # noqa: F401  (the convention is quant's; re-
     kv_tensor_specs, kv_tensor_specs_for_config)
 
 # ---------------------------------------------------------------------------------- math
-def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """Per-channel scale (float32) from per-channel amax: max(amax / 127, 2**-14)."""
-    return (amax.float() / SCALE_DIVISOR).clamp_min(SCALE_MIN)
+CODECS = ("int8", "fp8")
+FP8_MAX = 448.0
+STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 q = clamp(round_half_even(float32(x) / scale), -128, 127); scale broadcasts to x."""
+def scales_from_amax(amax: torch.Tensor, codec: str = "int8") -> torch.Tensor:
+    """Scale (float32) from amax: int8 max(amax / 127, 2**-14); fp8 max(amax / 448, 2**-14)."""
+    return (amax.float() / (FP8_MAX if codec == "fp8" else SCALE_DIVISOR)).clamp_min(SCALE_MIN)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, codec: str = "int8") -> torch.Tensor:
+    """int8: q = clamp(round_half_even(float32(x) / scale), -128, 127); fp8 (e4m3, vLLM's FP8 KV
+    cache): q = e4m3(clamp(float32(x) / scale, -448, 448)). The scale broadcasts to x."""
+    if codec == "fp8":
+        return (x.float() / scale.float()).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return torch.round(x.float() / scale.float()).clamp_(QMIN, QMAX).to(torch.int8)
 
 
@@ -94,14 +102,32 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale.float()).to(dtype)
 
 
-def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """dequantize(quantize(x)) in x's dtype: what the int8 cache returns for x."""
-    return dequantize(quantize(x, scale), scale, x.dtype)
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, codec: str = "int8") -> torch.Tensor:
+    """dequantize(quantize(x)) in x's dtype: what the quantized cache returns for x."""
+    return dequantize(quantize(x, scale, codec), scale, x.dtype)
+
+
+def codec_of_config(config: Mapping[str, Any]) -> str:
+    """The cache codec a checkpoint's KV-cache scales are for: "fp8" for a compressed-tensors
+    ``kv_cache_scheme`` of type float (vLLM's FP8 cache), else "int8" (Ascend C8 / FAKQuant, and
+    older cvt compressed-tensors outputs with type int)."""
+    from cvt.convert.config import quantization_config
+
+    kv = (quantization_config(config) or {}).get("kv_cache_scheme") or {}
+    return "fp8" if kv.get("type") == "float" else "int8"
+
+
+def kv_codec(model: nn.Module) -> str | None:
+    """The attached cache codec ("int8" or "fp8"), None when the model has no KV-cache scales."""
+    if not has_kv_cache_scales(model):
+        return None
+    return getattr(_attentions(model)[0], "kv_codec", "int8")
 
 
 def broadcast_scale(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A flat per-channel scale shaped for x: MLA [b, s, C] -> [C]; GQA [b, K, s, D] -> [K, 1, D]."""
-    if x.dim() == 4:
+    """A flat scale shaped for x: per channel MLA [b, s, C] -> [C], GQA [b, K, s, D] -> [K, 1, D];
+    a per-tensor [1] scale broadcasts as it is."""
+    if x.dim() == 4 and scale.numel() > 1:
         return scale.view(x.shape[1], 1, x.shape[3])
     return scale
 
@@ -184,22 +210,30 @@ def _runtime_scales(mla: bool, got: dict[str, torch.Tensor]) -> tuple[torch.Tens
     return got["k"].reshape(-1), got["v"].reshape(-1)
 
 
-def attach_kv_cache_scales(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Put the model in C8 mode with `tensors` (name -> tensor), either the Ascend set
-    (`kv_cache_tensor_specs`: MLA needs every layer's ``fa_k.scale``, GQA every ``kv_cache_scale``;
-    other scales optional; offsets optional and zero) or the compressed-tensors set
-    (``self_attn.k_scale`` / ``v_scale`` per layer, shape [1] or [kv_heads, 1, 1], broadcast
-    exactly). Anything else is a CvtError naming it."""
+def attach_kv_cache_scales(model: nn.Module, tensors: Mapping[str, torch.Tensor], codec: str = "int8") -> None:
+    """Put the model in quantized-KV mode with `tensors` (name -> tensor), either the Ascend int8
+    set (`kv_cache_tensor_specs`: MLA needs every layer's ``fa_k.scale``, GQA every
+    ``kv_cache_scale``; other scales optional; offsets optional and zero) or the
+    compressed-tensors set (``self_attn.k_scale`` / ``v_scale`` per layer; `codec` "fp8": vLLM's
+    FP8 cache, per-tensor scales; "int8": shape [1] or [kv_heads, 1, 1], broadcast exactly to
+    cvt's int8 channels). Anything else is a CvtError naming it."""
     args = model.args
     mla = is_mla(args)
+    if codec not in CODECS:
+        raise CvtError(f"KV-cache codec {codec!r} is not supported (supported: {', '.join(CODECS)})")
     names = set(tensors)
     ct = {n for n in names if _CT_NAME_RE.match(n)}
     if ct:
         if ct != names:
             raise CvtError(f"KV-cache tensors mix compressed-tensors names ({sorted(ct)[0]}) with others "
                            f"({sorted(names - ct)[0]})")
+        if codec == "fp8":
+            return _attach_fp8(model, tensors)
         tensors = from_compressed_tensors(tensors, model)
         names = set(tensors)
+    elif codec != "int8":
+        raise CvtError("Ascend KV-cache scales (C8 / FAKQuant) are int8; an fp8 cache takes compressed-tensors "
+                       "self_attn.k_scale / v_scale")
     specs = {s.name: s for s in kv_cache_tensor_specs(args)}
     unknown = sorted(names - set(specs))
     if unknown:
@@ -234,7 +268,31 @@ def attach_kv_cache_scales(model: nn.Module, tensors: Mapping[str, torch.Tensor]
         dev = _device_of(attn)
         a, b = _runtime_scales(mla, got)
         attn.kv_scales = (a.to(dev), None if b is None else b.to(dev))
-        attn.kv_extra = ext
+        attn.kv_extra, attn.kv_codec = ext, "int8"
+
+
+def _attach_fp8(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """vLLM's FP8 KV cache: per layer k_scale / v_scale [1] (MLA: k_scale for the whole
+    [latent | rope key] entry, vLLM's reading; v_scale unused)."""
+    args = model.args
+    for i, attn in enumerate(_attentions(model)):
+        got = {}
+        for kv in ("k", "v"):
+            name = f"model.layers.{i}.self_attn.{kv}_scale"
+            t = tensors.get(name)
+            if t is None:
+                raise CvtError(f"the fp8 KV cache needs {name}: missing")
+            t = t.detach().float()
+            if t.numel() != 1 or not torch.isfinite(t).all() or bool((t <= 0).any()):
+                raise CvtError(f"KV-cache scale {name}: {list(t.shape)} {t.flatten()[:2].tolist()}, expected one "
+                               "positive finite value (per-tensor fp8)")
+            got[kv] = t.reshape(1)
+        zp = [n for n in tensors if n.endswith("_zero_point") and bool((tensors[n] != 0).any())]
+        if zp:
+            raise CvtError(f"{zp[0]}: asymmetric KV caches are not supported")
+        dev = _device_of(attn)
+        a, b = (got["k"], got["k"]) if is_mla(args) else (got["k"], got["v"])
+        attn.kv_scales, attn.kv_extra, attn.kv_codec = (a.to(dev), b.to(dev)), {}, "fp8"
 
 
 def detach_kv_cache_scales(model: nn.Module) -> None:
@@ -246,11 +304,18 @@ def detach_kv_cache_scales(model: nn.Module) -> None:
 
 def get_kv_cache_scales(model: nn.Module, offsets: bool = True) -> dict[str, torch.Tensor]:
     """The attached scales by their on-disk names (scales float32 on the CPU; offsets zeros of
-    their dtype). MLA: fa_v defaults to fa_k's scale, fa_q to 1 when not attached."""
+    their dtype). int8: the Ascend names (MLA: fa_v defaults to fa_k's scale, fa_q to 1 when not
+    attached); fp8: compressed-tensors ``self_attn.k_scale`` / ``v_scale`` [1]."""
     scales = layer_kv_scales(model)
     if scales is None:
         raise CvtError("the model has no KV-cache scales (not a C8 model; calibrate or load them first)")
     mla = is_mla(model)
+    if kv_codec(model) == "fp8":
+        out = {}
+        for i, (a, b) in enumerate(scales):
+            out[f"model.layers.{i}.self_attn.k_scale"] = a.detach().float().cpu().reshape(1).clone()
+            out[f"model.layers.{i}.self_attn.v_scale"] = (a if mla else b).detach().float().cpu().reshape(1).clone()
+        return out
     out = {}
     for spec, attn in ((s, _attentions(model)[s.layer]) for s in kv_cache_tensor_specs(model)):
         if spec.kind == "offset":
@@ -270,13 +335,14 @@ def get_kv_cache_scales(model: nn.Module, offsets: bool = True) -> dict[str, tor
 @contextlib.contextmanager
 def float_kv(model: nn.Module) -> Iterator[None]:
     """Temporarily leave C8 mode (scales restored on exit)."""
-    saved = [(getattr(a, "kv_scales", None), getattr(a, "kv_extra", {})) for a in _attentions(model)]
+    saved = [(getattr(a, "kv_scales", None), getattr(a, "kv_extra", {}), getattr(a, "kv_codec", "int8"))
+             for a in _attentions(model)]
     try:
         detach_kv_cache_scales(model)
         yield
     finally:
-        for a, (s_, e) in zip(_attentions(model), saved):
-            a.kv_scales, a.kv_extra = s_, e
+        for a, (s_, e, c) in zip(_attentions(model), saved):
+            a.kv_scales, a.kv_extra, a.kv_codec = s_, e, c
 
 
 # ------------------------------------------------------------------- attention hook
@@ -293,8 +359,9 @@ def cache_input(attn: nn.Module, cached: bool, a: torch.Tensor, b: torch.Tensor)
     if cached or scales is None:
         return a, b
     sa, sb = scales
-    return (fake_quantize(a, broadcast_scale(sa, a)),
-            b if sb is None else fake_quantize(b, broadcast_scale(sb, b)))
+    codec = getattr(attn, "kv_codec", "int8")
+    return (fake_quantize(a, broadcast_scale(sa, a), codec),
+            b if sb is None else fake_quantize(b, broadcast_scale(sb, b), codec))
 
 
 def query_input(attn: nn.Module, q_abs: torch.Tensor) -> None:
@@ -323,6 +390,7 @@ class KVObserver:
         def observe(a: torch.Tensor, b: torch.Tensor) -> None:
             if self.mla:
                 self._update(i, "k", a.detach().float().abs().amax().reshape(1).cpu())
+                self._update(i, "pe", b.detach().float().abs().amax().reshape(1).cpu())
             else:
                 self._update(i, "k", _channel_amax(a).cpu())
                 self._update(i, "v", _channel_amax(b).cpu())
@@ -333,8 +401,23 @@ class KVObserver:
         observe.query = query
         return observe
 
+    def fp8_scales(self) -> dict[str, torch.Tensor]:
+        """compressed-tensors ``self_attn.k_scale`` / ``v_scale`` [1] of vLLM's FP8 cache: amax / 448
+        per tensor (MLA: one scale for the [latent | rope key] entry, k = v)."""
+        out = {}
+        for i, am in enumerate(self.amax):
+            if "k" not in am:
+                raise CvtError(f"no calibration data reached layer {i}'s attention")
+            if self.mla:
+                k = v = torch.maximum(am["k"].max(), am["pe"].max())
+            else:
+                k, v = am["k"].max(), am["v"].max()
+            out[f"model.layers.{i}.self_attn.k_scale"] = scales_from_amax(k, "fp8").reshape(1)
+            out[f"model.layers.{i}.self_attn.v_scale"] = scales_from_amax(v, "fp8").reshape(1)
+        return out
+
     def scales(self) -> dict[str, torch.Tensor]:
-        """{name: tensor} of every scale (and zero offset) from the observed amax."""
+        """{name: tensor} of every int8 scale (and zero offset) from the observed amax."""
         out = {}
         for spec in kv_cache_tensor_specs(self.model):
             role = "k" if self.mla and spec.role == "v" else spec.role  # the latent is K and V
@@ -379,12 +462,14 @@ def _sequences(tokens: Any) -> Iterable[torch.Tensor]:
 
 
 @torch.no_grad()
-def calibrate_kv_scales(model: nn.Module, tokens: Any, max_len: int | None = None) -> dict[str, torch.Tensor]:
+def calibrate_kv_scales(model: nn.Module, tokens: Any, max_len: int | None = None,
+                        codec: str = "int8") -> dict[str, torch.Tensor]:
     """Static KV-cache scales from one float forward per batch of `tokens` ([b, s] or [s]
     tensor, or an iterable of sequences / batches); sequences longer than `max_len` (default
     the model's max_positions) are cut into windows. Returns {name: tensor} for every
-    `kv_cache_tensor_specs` entry (scales from amax / 127, offsets zero); the model is left as
-    it was (attach the result with `attach_kv_cache_scales`)."""
+    `kv_cache_tensor_specs` entry (scales from amax / 127, offsets zero), or with `codec` "fp8"
+    the compressed-tensors k_scale / v_scale of vLLM's FP8 cache; the model is left as it was
+    (attach the result with `attach_kv_cache_scales`).""" 
     limit = min(max_len or model.max_positions, model.max_positions)
     dev = _device_of(model)
     seen = 0
@@ -397,7 +482,7 @@ def calibrate_kv_scales(model: nn.Module, tokens: Any, max_len: int | None = Non
                     seen += chunk.numel()
         if not seen:
             raise CvtError("KV-cache calibration got no tokens")
-        return obs.scales()
+        return obs.fp8_scales() if codec == "fp8" else obs.scales()
 
 
 # -------------------------------------------------------------------- compressed-tensors

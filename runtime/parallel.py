@@ -348,9 +348,11 @@ class RankModel:
 
 
 def _local_kv(kv: dict[str, torch.Tensor], ctx: ParallelContext, mla: bool) -> dict[str, torch.Tensor]:
-    """GQA KV-cache scales cover every KV head (replicated by the sharder): keep the rank's heads."""
+    """KV-cache scales that cover every head (replicated by the sharder: GQA per-channel scales
+    over the KV heads, MLA's fa_q [heads, 1]) keep the rank's heads; per-tensor ones ([1], [1, 1])
+    stay whole. `mla` is kept for callers; the rule is the same."""
     tp = ctx.size("tp")
-    if mla or tp == 1:
+    if tp == 1:
         return kv
     return {n: t if t.shape[0] == 1 else t.chunk(tp, dim=0)[ctx.coord("tp")].clone() for n, t in kv.items()}
 
@@ -396,7 +398,8 @@ def load_rank(root, manifest: Manifest, config: dict, ctx: ParallelContext, *, d
         ckpt.close()
     if kv:
         kv = _local_kv(kv, ctx, kv_cache.is_mla(largs))
-        kv_cache.attach_kv_cache_scales(model, {k: v.to(ctx.device) for k, v in kv.items()})
+        kv_cache.attach_kv_cache_scales(model, {k: v.to(ctx.device) for k, v in kv.items()},
+                                        kv_cache.codec_of_config(config))
     check_complete(model, root / entry.dir)
     holders = expert_holders(layout, config)
     _wrap(model, ctx, holders)

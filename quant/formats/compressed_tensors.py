@@ -38,6 +38,15 @@ SUPPORTED = ("w8a8", "w8a8c8", "w4a16", "fp4")
 _FP4_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 
 
+def kv_cache_fp8() -> dict:
+    """The ``kv_cache_scheme`` cvt writes for w8a8c8: vLLM's FP8 (e4m3) KV cache, per-tensor
+    static scales ``self_attn.k_scale`` / ``v_scale`` [1]. vLLM accepts only ``type: float`` KV
+    schemes (``compressed_tensors.py`` get_cache_scale / ``CompressedTensorsKVCacheMethod``:
+    "int" fails at load for GQA models and is ignored for MLA)."""
+    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor",
+            "dynamic": False}
+
+
 def kv_cache_int8(strategy: str = "tensor") -> dict:
     """A ``kv_cache_scheme`` for an int8 KV cache (scales ``self_attn.k_scale`` / ``v_scale``)."""
     if strategy not in ("tensor", "attn_head"):
@@ -124,7 +133,8 @@ class CompressedTensors:
         ``re:`` regexes) and make the top-level format ``mixed-precision``. `ignore_list`:
         modules kept float (exact names / ``re:`` regexes, c-t's `match_name` rule; the
         model-free dequantizer matches by name only, so list embeddings and heads too).
-        `kv_cache_scheme`: e.g. `kv_cache_int8()`; required when a scheme has an int8 KV cache.
+        `kv_cache_scheme`: `kv_cache_fp8()` (what cvt writes: vLLM loads only FP8 caches) or
+        `kv_cache_int8()` (readable by cvt); required when a scheme has a quantized KV cache.
         """
         pairs = [(s, None) if not isinstance(s, tuple) else (s[0], s[1]) for s in schemes_used]
         if not pairs:
@@ -142,8 +152,8 @@ class CompressedTensors:
             raise FormatError("compressed-tensors: several schemes are used, so each needs explicit targets "
                               f"(module names or 're:' regexes); got formats {[g[0] for g in groups]}")
         if any(getattr(s, "kv_cache", None) == "int8" for s, _ in pairs) and kv_cache_scheme is None:
-            raise FormatError("compressed-tensors: a scheme with an int8 KV cache needs kv_cache_scheme "
-                              "(e.g. kv_cache_int8('tensor') or kv_cache_int8('attn_head'))")
+            raise FormatError("compressed-tensors: a scheme with a quantized KV cache needs kv_cache_scheme "
+                              "(kv_cache_fp8(): vLLM loads only FP8 KV caches)")
         ignore: list[str] = []
         for i in ignore_list:
             if not isinstance(i, str) or not i:
@@ -181,6 +191,6 @@ class CompressedTensors:
             q = L.LAYOUTS.get(name).decode(module, by_suffix)
         except FormatError as exc:
             raise FormatError(f"compressed-tensors: {exc}") from None
-        if q.scheme == "w8a8" and kv.get("type") == "int" and kv.get("num_bits") == 8:
+        if q.scheme == "w8a8" and kv.get("type") in ("int", "float") and kv.get("num_bits") == 8:
             q.scheme = "w8a8c8"
         return q

@@ -294,14 +294,15 @@ class Int8MLACache(MLACache):
     q * scale in `dtype`); pe int8 too when ``pe_scale`` is given, else kept in `dtype` (the
     Ascend stacks quantize only the latent)."""
 
-    quant = "int8"
+    quant = "int8"  # or "fp8" (vLLM's FP8 cache, compressed-tensors outputs)
 
     def __init__(self, batch: int, max_len: int, kv_lora_rank: int, rope_dim: int, kv_scale: torch.Tensor,
-                 pe_scale: torch.Tensor | None = None, dtype=None, device=None):
+                 pe_scale: torch.Tensor | None = None, dtype=None, device=None, codec: str = "int8"):
         device = device if device is not None else kv_scale.device
-        self.dtype = dtype or torch.get_default_dtype()
-        self.kv = torch.zeros(batch, max_len, kv_lora_rank, dtype=torch.int8, device=device)
-        self.pe = torch.zeros(batch, max_len, rope_dim, dtype=torch.int8 if pe_scale is not None else self.dtype,
+        self.dtype, self.quant = dtype or torch.get_default_dtype(), codec
+        store = kv_cache.STORAGE[codec]
+        self.kv = torch.zeros(batch, max_len, kv_lora_rank, dtype=store, device=device)
+        self.pe = torch.zeros(batch, max_len, rope_dim, dtype=store if pe_scale is not None else self.dtype,
                               device=device)
         self.kv_scale = kv_scale.float().to(device)
         self.pe_scale = None if pe_scale is None else pe_scale.float().to(device)
@@ -309,8 +310,8 @@ class Int8MLACache(MLACache):
     def write(self, start_pos: int, kv: torch.Tensor, pe: torch.Tensor) -> None:
         b, end = kv.shape[0], start_pos + kv.shape[1]
         self._check(b, start_pos, end)
-        self.kv[:b, start_pos:end] = kv_cache.quantize(kv, self.kv_scale)
-        self.pe[:b, start_pos:end] = pe if self.pe_scale is None else kv_cache.quantize(pe, self.pe_scale)
+        self.kv[:b, start_pos:end] = kv_cache.quantize(kv, self.kv_scale, self.quant)
+        self.pe[:b, start_pos:end] = pe if self.pe_scale is None else kv_cache.quantize(pe, self.pe_scale, self.quant)
 
     def read(self, batch: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         pe = self.pe[:batch, :end]
@@ -510,18 +511,19 @@ class Model(nn.Module):
         carries KV-cache scales (C8, `cvt.runtime.kv_cache`), else None; None = storage in the
         compute dtype (`dtype`, default the model's); "int8" = `Int8MLACache` (reads return
         `dtype`), a CvtError when the model has no scales."""
-        if quant not in (None, "auto", "int8"):
-            raise CvtError(f"MLA cache quantization {quant!r} is not supported (supported: None, auto, int8)")
+        if quant not in (None, "auto", "int8", "fp8"):
+            raise CvtError(f"MLA cache quantization {quant!r} is not supported (supported: None, auto, int8, fp8)")
         if max_len > self.max_positions:
             raise CvtError(f"cache max_len {max_len} exceeds max_position_embeddings {self.max_positions}")
         w, a = self.model.embed_tokens.weight, self.args
-        scales = kv_cache.layer_kv_scales(self)
-        if quant == "int8" and scales is None:
-            raise CvtError("an int8 KV cache needs calibrated KV-cache scales and this model has none "
-                           "(load a w8a8c8 output, or calibrate_kv_scales + attach_kv_cache_scales)")
-        if quant == "int8" or (quant == "auto" and scales is not None):
+        scales, codec = kv_cache.layer_kv_scales(self), kv_cache.kv_codec(self)
+        if quant in ("int8", "fp8") and quant != codec:
+            raise CvtError(f"an {quant} KV cache needs calibrated {quant} KV-cache scales and this model has "
+                           f"{'none' if codec is None else codec + ' ones'} (load a w8a8c8 output, or "
+                           "calibrate_kv_scales + attach_kv_cache_scales)")
+        if quant in ("int8", "fp8") or (quant == "auto" and scales is not None):
             return [Int8MLACache(batch, max_len, a.kv_lora_rank, a.qk_rope_head_dim, ks, ps, dtype or w.dtype,
-                                 device or w.device) for ks, ps in scales]
+                                 device or w.device, codec) for ks, ps in scales]
         return [MLACache(batch, max_len, a.kv_lora_rank, a.qk_rope_head_dim, dtype or w.dtype, device or w.device)
                 for _ in range(a.num_hidden_layers)]
 

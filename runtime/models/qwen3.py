@@ -268,18 +268,20 @@ class Int8KVCache(KVCache):
     quant = "int8"
 
     def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, k_scale: torch.Tensor,
-                 v_scale: torch.Tensor, device=None):
+                 v_scale: torch.Tensor, device=None, codec: str = "int8"):
         device = device if device is not None else k_scale.device
-        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=torch.int8, device=device)
+        self.quant = codec
+        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=kv_cache.STORAGE[codec], device=device)
         self.v = torch.zeros_like(self.k)
-        self.k_scale = k_scale.float().to(device).view(kv_heads, 1, head_dim)
-        self.v_scale = v_scale.float().to(device).view(kv_heads, 1, head_dim)
+        shape = (kv_heads, 1, head_dim) if k_scale.numel() > 1 else (1,)  # per channel (int8) / per tensor (fp8)
+        self.k_scale = k_scale.float().to(device).view(shape)
+        self.v_scale = v_scale.float().to(device).view(shape)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         b, end = k.shape[0], start_pos + k.shape[2]
         self._check(b, start_pos, end)
-        self.k[:b, :, start_pos:end] = kv_cache.quantize(k, self.k_scale)
-        self.v[:b, :, start_pos:end] = kv_cache.quantize(v, self.v_scale)
+        self.k[:b, :, start_pos:end] = kv_cache.quantize(k, self.k_scale, self.quant)
+        self.v[:b, :, start_pos:end] = kv_cache.quantize(v, self.v_scale, self.quant)
         return (kv_cache.dequantize(self.k[:b, :, :end], self.k_scale, k.dtype),
                 kv_cache.dequantize(self.v[:b, :, :end], self.v_scale, v.dtype))
 
@@ -402,18 +404,19 @@ class Model(nn.Module):
         default). `quant`: "auto" (default) = "int8" when the model carries KV-cache scales (C8,
         `cvt.runtime.kv_cache`), else None; None = storage in `dtype`; "int8" = `Int8KVCache`,
         a CvtError when the model has no scales."""
-        if quant not in (None, "auto", "int8"):
-            raise CvtError(f"KV cache quantization {quant!r} is not supported (supported: None, auto, int8)")
+        if quant not in (None, "auto", "int8", "fp8"):
+            raise CvtError(f"KV cache quantization {quant!r} is not supported (supported: None, auto, int8, fp8)")
         if max_len > self.max_positions:
             raise CvtError(f"KV cache max_len {max_len} exceeds max_position_embeddings {self.max_positions}")
         w = self.model.embed_tokens.weight
         a = self.args
-        scales = kv_cache.layer_kv_scales(self)
-        if quant == "int8" and scales is None:
-            raise CvtError("an int8 KV cache needs calibrated KV-cache scales and this model has none "
-                           "(load a w8a8c8 output, or calibrate_kv_scales + attach_kv_cache_scales)")
-        if quant == "int8" or (quant == "auto" and scales is not None):
-            return [Int8KVCache(batch, a.kv_heads, max_len, a.dim_head, ks, vs, device or w.device)
+        scales, codec = kv_cache.layer_kv_scales(self), kv_cache.kv_codec(self)
+        if quant in ("int8", "fp8") and quant != codec:
+            raise CvtError(f"an {quant} KV cache needs calibrated {quant} KV-cache scales and this model has "
+                           f"{'none' if codec is None else codec + ' ones'} (load a w8a8c8 output, or "
+                           "calibrate_kv_scales + attach_kv_cache_scales)")
+        if quant in ("int8", "fp8") or (quant == "auto" and scales is not None):
+            return [Int8KVCache(batch, a.kv_heads, max_len, a.dim_head, ks, vs, device or w.device, codec)
                     for ks, vs in scales]
         return [KVCache(batch, a.kv_heads, max_len, a.dim_head, dtype or w.dtype, device or w.device)
                 for _ in range(a.num_hidden_layers)]

@@ -92,12 +92,20 @@ def test_written_weights_are_the_scheme_applied_to_the_source(outputs, fp8_relea
             else json.loads((folder / "config.json").read_text())["quantization_config"])
     floats = source_float_weights(fp8_release_session)
     loaded = load_model(folder, dtype=torch.float32).model
+    from cvt.convert.arch import arch_for
+
+    arch = arch_for(json.loads((folder / "config.json").read_text()))
     checked = 0
     for module, info in quant["tensors"].items():
         scheme = get_scheme(info["scheme"], **({"group_size": info["group_size"], "symmetric": info["symmetric"]}
                                                if info["scheme"] == "w4a16" else
                                                {"fp4_format": info["kernel_fmt"]} if info["scheme"] == "fp4" else {}))
-        want = scheme.quantize(floats[module + ".weight"])
+        group = arch.fused_group(module) if getattr(scheme, "per_tensor_scale", False) else None
+        if group and all(m in quant["tensors"] for m in group):  # NVFP4: one global scale per fused group
+            want = scheme.quantize(floats[module + ".weight"],
+                                   global_scale=scheme.shared_scale([floats[m + ".weight"] for m in group]))
+        else:
+            want = scheme.quantize(floats[module + ".weight"])
         got = form.read(module, {k: v for k, v in disk.items() if k.startswith(module + ".")}, meta)
         parts = got.parts if info["kernel_fmt"] != "w8a8_static" else {"weight": got.parts["weight"]}
         for p, t in parts.items():
