@@ -1,0 +1,45 @@
+"""Calibration data: ``--calib FILE`` (text or .jsonl) or the built-in sample, tokenized into
+``[b, s]`` sequences for the calibrated methods, KV-cache scales and static activation scales."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cvt.errors import CvtError
+
+
+def calib_tokens(tokenizer, calib: Path | str | None = None, *, seq_len: int = 512, max_sequences: int = 128,
+                 max_len: int | None = None) -> torch.Tensor:
+    """Token ids [b, s] for calibration: ``calib`` (text or .jsonl with "text"), or the
+    built-in sample (`cvt.runtime.verify.SAMPLE_TEXT`) when None.
+
+    All texts are tokenized (each with the tokenizer's BOS), concatenated and cut into up to
+    `max_sequences` sequences of `seq_len` (capped at `max_len`, the model's positions); a text
+    shorter than one sequence gives one shorter sequence. Missing / empty files are errors."""
+    from cvt.runtime.tokenizer import read_texts
+    from cvt.runtime.verify import SAMPLE_TEXT
+
+    if calib is not None:
+        path = Path(calib)
+        if not path.is_file():
+            raise CvtError(f"--calib {path}: no such file (the calibration file does not exist)")
+        texts = [t for t in read_texts(path) if t.strip()]
+        if not texts:
+            raise CvtError(f"--calib {path}: no text to calibrate on (the file is empty; expected text, "
+                           "or .jsonl lines with a \"text\" field)")
+        where = str(path)
+    else:
+        texts, where = [SAMPLE_TEXT], "the built-in calibration sample"
+    if max_len:
+        seq_len = min(seq_len, max_len)
+    ids: list[int] = []
+    for t in texts:
+        ids += tokenizer.encode(t)
+    if len(ids) < 2:
+        raise CvtError(f"{where}: {len(ids)} token(s), too few to calibrate")
+    n = min(max_sequences, len(ids) // seq_len)
+    if n == 0:
+        return torch.tensor(ids[:seq_len], dtype=torch.long)[None]
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
