@@ -1,10 +1,12 @@
-"""Test-only fault injection: kill this process with SIGKILL at an exact byte of output.
+"""Test-only fault injection: kill this process with SIGKILL at an exact byte of output, or
+after a calibrated decoder layer.
 
 `CVT_TEST_KILL_AT_BYTE=N` makes the N-th byte written through `AtomicFile` (counting every
 output file: shards, index, config, manifest) the point where the process SIGKILLs itself,
 exactly as `kill -9` would, so the kill-and-resume tests can stop a run mid-tensor,
 mid-file, between files or before the manifest, deterministically. Unset, this costs one
-integer comparison per write.
+integer comparison per write. `CVT_TEST_KILL_AFTER_LAYER=i` SIGKILLs a calibrated quantize
+right after layer i's state is saved (`cvt.quant.methods.stream`).
 """
 
 from __future__ import annotations
@@ -30,3 +32,12 @@ def write(f, data: memoryview) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             _written += len(data)
     f.write(data)
+
+
+_kill_layer = os.environ.get("CVT_TEST_KILL_AFTER_LAYER", "")
+
+
+def after_layer(i: int) -> None:
+    """SIGKILL now when `CVT_TEST_KILL_AFTER_LAYER` names layer i."""
+    if _kill_layer and int(_kill_layer) == i:
+        os.kill(os.getpid(), signal.SIGKILL)

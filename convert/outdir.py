@@ -10,6 +10,7 @@ size and sha256 still match), another run's output or foreign files (refused unl
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -192,3 +193,35 @@ class _Sink:
 
 def manifest_bytes(manifest: Manifest) -> bytes:
     return (manifest.model_dump_json(indent=2) + "\n").encode()
+
+
+@contextlib.contextmanager
+def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
+    """DST's hidden calibration state folder (``.cvt-calib``, `cvt.quant.methods.stream`), for a
+    stage that calibrates before it writes: DST checked first as `OutputDir` will (not SRC, not
+    foreign files unless --overwrite), the folder locked for the run (a second run is refused),
+    cleared with --no-resume, and removed once the stage finished."""
+    check_disjoint(source, dst, "quantize")
+    if dst.exists() and not dst.is_dir():
+        raise OutputError(f"{dst}: exists and is not a directory")
+    if dst.is_dir() and not overwrite and not (dst / STATE_NAME).is_file() and not (dst / MANIFEST_NAME).is_file():
+        visible = sorted(p.name for p in dst.iterdir() if not p.name.startswith("."))
+        if visible:
+            raise OutputError(f"{dst}: not empty ({len(visible)} entries, e.g. {visible[0]}) and not a cvt output to "
+                              "resume; choose an empty directory or pass --overwrite")
+    state = dst / ".cvt-calib"
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+        fd = os.open(state / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise OutputError(f"{dst}: cannot create the output directory: {exc.strerror or exc}") from None
+    try:
+        lock_fd(fd, dst)
+        if not resume:
+            for p in state.iterdir():
+                if p.name != ".lock":
+                    p.unlink()
+        yield state
+        shutil.rmtree(state, ignore_errors=True)
+    finally:
+        os.close(fd)

@@ -490,7 +490,8 @@ def write_checkpoint(
     pid = run_plan_id(
         ckpt, src, stage, max_shard_size=max_shard_size, prefix=prefix,
         tensors=[(t.spec.name, t.spec.dtype, t.spec.shape) for t in tensors],
-        quant=quant.model_dump(exclude={"tensors", "fallbacks", "float_modules"}) if quant is not None else None)
+        quant=quant.model_dump(exclude={"tensors", "fallbacks", "float_modules", "calibration"})
+        if quant is not None else None)
     total_out = sum(t.spec.nbytes for t in tensors)
     with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
                    verb=stage.name) as out:

@@ -125,6 +125,9 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
               help="nvfp4: group 16, E4M3 scales + a global scale; mxfp4: group 32, E8M0 scales.")
 @click.option("--calib", type=click.Path(dir_okay=False), help="Calibration text or .jsonl (\"text\" field); default: a built-in sample.")
 @click.option("--calib-tokens", type=click.IntRange(16), default=2048, show_default=True, help="Calibration tokens to use.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="cpu", show_default=True,
+              help="Where calibration computes (gptq / awq / smoothquant, --static-attention, w8a8c8): each decoder "
+                   "layer is read from SRC onto it, calibrated and dropped; RTN needs no device.")
 @click.option("--static-attention", is_flag=True,
               help="w8a8 (ascend): static per-tensor activation scales on attention projections, calibrated "
                    "(Ascend W8A8 with input_scale / deq_scale / quant_bias); MLPs and experts stay dynamic.")
@@ -136,8 +139,8 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @_common
-def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_format, calib, calib_tokens, static_attention,
-                 ignore, recipe, revision, workers, max_shard_size, resume, overwrite, quiet):
+def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_format, calib, calib_tokens, device,
+                 static_attention, ignore, recipe, revision, workers, max_shard_size, resume, overwrite, quiet):
     """Quantize SRC (BF16, an FP8 release - dequantized on the fly - or compressed-tensors INT4)
     into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
     tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay
@@ -147,16 +150,21 @@ def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_fo
     from cvt.units import parse_size
     from cvt.quant.recipe import load_recipe
     from cvt.quant.stage import quantize
+    from cvt.runtime.device import resolve_device
 
     r = quantize(src, dst, scheme=scheme, fmt=fmt, method=method, group_size=group_size, asym=asym,
                  fp4_format=fp4_format, calib=Path(calib) if calib else None, calib_tokens=calib_tokens,
                  static_attention=static_attention, ignore=tuple(ignore), recipe=load_recipe(Path(recipe)) if recipe else None, revision=revision,
                  workers=workers, max_shard_size=parse_size(max_shard_size), resume=resume, overwrite=overwrite,
-                 quiet=quiet, target=target)
+                 quiet=quiet, target=target, device=resolve_device(device))
     if not quiet:
         x = r.extra
         click.echo(f"quantized {x['quantized']} linears ({scheme}, {method}, {fmt}), kept {x['float_modules']} float, "
                    f"{x['fallbacks']} RTN fallbacks; worst SQNR {x['min_sqnr_db']}\n"
+                   + (f"calibrated {c['layers']} layers on {c['tokens']} tokens ({c['device']}): {c['seconds_per_layer']} "
+                      f"s/layer, peak RSS {_human(c['peak_rss_bytes'])}"
+                      + (f", {c['resumed_layers']} layers resumed" if c['resumed_layers'] else "") + "\n"
+                      if (c := r.manifest.quant.calibration) else "") +
                    f"wrote {r.written_files} weight files ({r.skipped_files} already done) to {r.dst}: "
                    f"{_human(r.bytes_out)} in {r.seconds:.1f} s")
 

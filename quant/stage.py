@@ -221,8 +221,10 @@ class _Quantizer:
     parts; drops the result when all parts were taken. Thread-safe (files are written in parallel)."""
 
     def __init__(self, source: _Source, plan: Plan, fmt, static_inputs: dict, precomputed: dict,
-                 methods_applied: dict | None = None, sqnr_known: dict | None = None, target: str | None = None):
+                 methods_applied: dict | None = None, sqnr_known: dict | None = None, target: str | None = None,
+                 loader=None):
         self.source, self.plan, self.fmt, self.target = source, plan, fmt, target
+        self.loader = loader or precomputed.get
         self.static_inputs, self.precomputed = static_inputs, precomputed
         self.methods_applied, self.sqnr_known = methods_applied or {}, sqnr_known or {}
         self._lock = threading.Lock()
@@ -262,7 +264,7 @@ class _Quantizer:
         params = self.plan.modules[module]
         scheme = self.plan.schemes[module]
         method = self.plan.methods[module]
-        q = self.precomputed.get(module)
+        q = self.loader(module) if module in self.precomputed else None  # calibrated (from the state folder)
         if "weight_packed" in params:  # an INT4 source: read it once, as its own quantized tensor
             src_q = self.source.source_quantized(params)
             w = get_scheme(src_q.scheme, group_size=src_q.group_size, symmetric=src_q.symmetric).dequantize(src_q)
@@ -306,7 +308,7 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
              calib_tokens: int = 2048, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
              static_attention: bool = False, revision: str | None = None, workers: int | None = None,
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
-             quiet: bool = False, target: str | None = None) -> WriteResult:
+             quiet: bool = False, target: str | None = None, device: str = "cpu") -> WriteResult:
     """Quantize SRC into DST (see the module docstring) for the serving `target` (ascend:
     vllm-ascend, the default, or mindie; `cvt.quant.layouts`). Returns the writer's result,
     with counts in `.extra`."""
@@ -338,11 +340,17 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
 
         needs_model = (any(m != "rtn" for m in plan.methods.values()) or static_attention
                        or any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
-        # the KV cache each format's stacks load: Ascend int8 (C8 / FAKQuant), compressed-tensors FP8 (vLLM)
-        calib_result = (_calibrate(ckpt, plan, calib, calib_tokens, static_attention,
-                                   "int8" if fmt == "ascend" else "fp8") if needs_model else _Calib())
-        return _write(ckpt, dst, plan, form, source, src_fmt, calib_result, scheme, fmt, method, group_size, asym,
-                      fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet, target)
+        if not needs_model:
+            return _write(ckpt, dst, plan, form, source, src_fmt, _Calib(), scheme, fmt, method, group_size, asym,
+                          fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet, target)
+        from cvt.convert.outdir import calibration_dir
+
+        with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume) as state:
+            # the KV cache each format's stacks load: Ascend int8 (C8 / FAKQuant), compressed-tensors FP8 (vLLM)
+            cal = _calibrate(ckpt, plan, calib, calib_tokens, static_attention, "int8" if fmt == "ascend" else "fp8",
+                             state, device, quiet)
+            return _write(ckpt, dst, plan, form, source, src_fmt, cal, scheme, fmt, method, group_size, asym,
+                          fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet, target)
     finally:
         ckpt.close()
 
@@ -372,62 +380,55 @@ class _Calib:
     sqnr: dict[str, float] = field(default_factory=dict)
     tokens: int = 0
     tokens_sha256: str | None = None
+    # calibrated results stay in the state folder: `quantized` / `float_overrides` list the names,
+    # these read one when the writer asks for it
+    loader: Any = None
+    float_loader: Any = None
+    summary: dict | None = None
 
 
 def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_attention: bool,
-               kv_codec: str = "int8") -> _Calib:
-    """Run the runtime model on calibration text: KV-cache scales (w8a8c8), static activation
-    scales (--static-attention), and the calibrated methods."""
-    from cvt.quant.methods.calib import calib_tokens as calib_tokens_of
-    from cvt.runtime.loader import load_model
-    from cvt.runtime.tokenizer import load_tokenizer
-
-    loaded = load_model(ckpt.source, dtype=torch.float32)
-    model = loaded.model
-    tokens = calib_tokens_of(load_tokenizer(ckpt.root, ckpt.config), calib, seq_len=256,
-                             max_sequences=max(1, calib_tokens // 256), max_len=model.max_positions)
+               kv_codec: str, state_dir: Path, device, quiet: bool) -> _Calib:
+    """Calibration text through the model, one decoder layer from disk at a time
+    (`cvt.quant.methods.stream`): the calibrated methods, static activation scales of the
+    attention projections (--static-attention: amax / 127 of what they see, after smoothing and
+    with the earlier layers quantized) and KV-cache scales (w8a8c8). Resumable per layer."""
     import hashlib
 
+    from cvt.quant.methods.data import calib_tokens as calib_tokens_of
+    from cvt.quant.methods.stream import calibrate_streaming, kv_scales
+    from cvt.runtime.models import family
+    from cvt.runtime.tokenizer import load_tokenizer
+    from cvt.schemas.manifest import Fallback as ManifestFallback
+
+    mod, cfg = family(ckpt.config)
+    tokens = calib_tokens_of(load_tokenizer(ckpt.root, ckpt.config), calib, seq_len=256,
+                             max_sequences=max(1, calib_tokens // 256),
+                             max_len=mod.Args.from_config(cfg).max_position_embeddings)
+    c8 = any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
+    res = calibrate_streaming(ckpt, plan, tokens, state_dir, device=device, observe_kv=c8, quiet=quiet,
+                              collect_stats=static_attention)
+    store = res.store
     out = _Calib(tokens=int(tokens.numel()), tokens_sha256=hashlib.sha256(tokens.numpy().tobytes()).hexdigest())
-    if any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()):
-        from cvt.runtime.kv_cache import calibrate_kv_scales
-
-        out.kv_scales = calibrate_kv_scales(model, tokens, codec=kv_codec)
+    out.quantized = {m: None for m in store.modules()}            # read from the state folder when written
+    out.loader = store.quantized
+    out.float_overrides = {n: None for n in store.floats()}
+    out.float_loader = store.float_tensor
+    out.fallbacks = [ManifestFallback(module=f.name, method=plan.methods.get(f.name, "rtn"), reason=f.reason,
+                                      tokens=f.tokens) for f in res.fallbacks]
+    out.methods_applied = {m: ("rtn-fallback" if a == "rtn" and plan.methods.get(m, "rtn") != "rtn" else a)
+                           for m, a in res.methods.items()}
+    out.sqnr = {m: st["sqnr_db"] for m, st in res.stats.items() if "sqnr_db" in st}
     if static_attention:
-        out.static_inputs = _static_input_scales(model, tokens, plan)
-    methods = {m for m in plan.methods.values() if m != "rtn"}
-    if methods:
-        from cvt.quant.methods import run_methods
-
-        res = run_methods(model, tokens, plan)
-        out.quantized, out.float_overrides, out.fallbacks = res.quantized, res.float_overrides, res.fallbacks
-        out.methods_applied = {m: ("rtn-fallback" if a == "rtn" and plan.methods.get(m, "rtn") != "rtn" else a)
-                               for m, a in res.calib.methods.items()}
-        out.sqnr = {m: st["sqnr_db"] for m, st in res.calib.stats.items() if "sqnr_db" in st}
-        if static_attention:  # smoothed inputs: static scales from what the linears see after smoothing
-            out.static_inputs.update({m: (torch.tensor([max(a, 1e-8) / 127.0]), torch.zeros(1))
-                                      for m, a in res.act_absmax.items() if m in out.static_inputs})
+        targets = {m for m, s in plan.schemes.items() if s.name in ("w8a8", "w8a8c8") and ".self_attn." in m}
+        out.static_inputs = {m: (torch.tensor([max(abs(st["act_min"]), abs(st["act_max"]), 1e-8) / 127.0]),
+                                 torch.zeros(1)) for m, st in res.stats.items() if m in targets and "act_min" in st}
+    if c8:
+        out.kv_scales = kv_scales(res, ckpt.config, kv_codec)
+    out.summary = {"tokens": int(tokens.numel()), "layers": len(res.seconds_per_layer), "device": str(device),
+                   "seconds_per_layer": round(sum(res.seconds_per_layer) / max(1, len(res.seconds_per_layer)), 3),
+                   "peak_rss_bytes": res.peak_rss, "resumed_layers": res.resumed_layers}
     return out
-
-
-def _static_input_scales(model, tokens: torch.Tensor, plan: Plan) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per-tensor symmetric input scales (amax / 127, offset 0) of the attention projections
-    that are W8A8, measured on the float model."""
-    amax: dict[str, float] = {}
-    hooks = []
-    targets = {m for m, s in plan.schemes.items() if s.name in ("w8a8", "w8a8c8") and ".self_attn." in m}
-    for name, mod in model.named_modules():
-        if name in targets:
-            def hook(_m, args, name=name):
-                amax[name] = max(amax.get(name, 0.0), float(args[0].detach().abs().max()))
-            hooks.append(mod.register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            model(tokens)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {m: (torch.tensor([max(a, 1e-8) / 127.0]), torch.zeros(1)) for m, a in amax.items()}
 
 
 LINEAR_ROLES = ("linear", "expert", "shared_expert", "mtp_proj", "head", "router")
@@ -440,7 +441,7 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
 
     arch = arch_for(ckpt.config)
     quantizer = _Quantizer(source, plan, form, cal.static_inputs, cal.quantized, cal.methods_applied, cal.sqnr,
-                           target)
+                           target, cal.loader)
     layouts = _Layouts(form, target)
     outs: list[OutTensor] = []
     tags: dict[str, str] = {}
@@ -486,7 +487,8 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
             continue
         dt = "BF16" if ref.dtype == "F8_E4M3" else ref.dtype
         if name in cal.float_overrides:
-            produce = (lambda n=name, d=dt: cal.float_overrides[n].to(getattr(torch, _torch_name(d))).contiguous())
+            read = cal.float_loader or cal.float_overrides.get
+            produce = (lambda n=name, d=dt, read=read: read(n).to(getattr(torch, _torch_name(d))).contiguous())
         elif ref.dtype == "F8_E4M3":
             produce = (lambda n=name: source.float_tensor(n))
         else:
@@ -543,7 +545,7 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     fallbacks = list(cal.fallbacks)
     quant = QuantInfo(scheme=scheme, format=fmt, target=target, method=method, group_size=group_size, symmetric=not asym,
                       fp4_format=fp4_format if scheme == "fp4" else None, kv_cache=kv_meta,
-                      float_modules=dict(plan.float_reasons), fallbacks=fallbacks)
+                      float_modules=dict(plan.float_reasons), fallbacks=fallbacks, calibration=cal.summary)
 
     def on_meta(meta: dict[str, dict]) -> None:
         quant.tensors = {m: QuantTensorInfo(**v) for m, v in sorted(meta.items())}

@@ -103,6 +103,8 @@ class QuantInfo(_Strict):
     tensors: dict[str, QuantTensorInfo] = Field(default_factory=dict, description="by module name")
     float_modules: dict[str, str] = Field(default_factory=dict, description="module -> why it stayed float")
     fallbacks: list[Fallback] = Field(default_factory=list)
+    calibration: dict[str, Any] | None = Field(None, description="calibrated runs: tokens, layers, device, mean "
+                                                                  "seconds per layer, peak RSS, layers resumed")
 
 
 class TensorShard(_Strict):

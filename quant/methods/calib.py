@@ -306,7 +306,7 @@ class _LayerCalib:
         return None
 
     def run(self, x, args, kwargs) -> None:
-        if not any(m in DATA_METHODS for m in self.method.values()):
+        if not any(m in DATA_METHODS for m in self.method.values()) and not self.o.get("collect_stats"):
             for n in self.schemes:
                 _quantize_rtn(self.linears[n], n, self.schemes[n], self.res)
             return

@@ -157,7 +157,7 @@ def cfg(src) -> dict:
 
 def run(sources, name, src, **kw):
     dst = sources["root"] / name
-    if not dst.exists():
+    if not (dst / "cvt_manifest.json").exists():  # built once per session (a failed attempt is redone)
         quantize(sources[src], dst, fmt="ascend", quiet=True, calib_tokens=64, **kw)
     return dst
 

@@ -1,0 +1,310 @@
+"""Streaming calibration: the quantize stage's data-driven work, one decoder layer in memory.
+
+`calibrate_streaming` runs the calibration driver (`cvt.quant.methods.calib`: GPTQ, AWQ,
+SmoothQuant, RTN in place, the true-sequential stages) over a runtime model built on the meta
+device, so that a 0.7-2 TB checkpoint calibrates on a host with less RAM than the model:
+
+1. The calibration tokens are embedded by reading only their rows of ``embed_tokens`` from the
+   checkpoint (mmap), and the model's own forward gives the arguments of decoder layer 0 (rope,
+   mask) through the driver's capture hook; no other weight is loaded.
+2. For each decoder layer i: its tensors are read from the source and assigned in the compute
+   dtype on `device` (FP8 blocks dequantized, compressed-tensors INT4 unpacked to float, BF16
+   as is); the layer is calibrated; its quantized parts, changed float tensors, statistics and
+   observed KV-cache ranges are written to the state folder (``DST/.cvt-calib``), with the
+   layer's output (the next layer's input, float32); the layer's weights are dropped (back to
+   meta) before the next is read. Layer inputs larger than `spill_bytes` are used from the
+   state folder through mmap instead of RAM.
+3. A killed run restarts after its last finished layer (`state.json` names the plan: source
+   files, schemes and methods, tokens, options, device); the persisted inputs and results are
+   the exact float32 bytes an uninterrupted run has, so the output is byte-identical.
+
+Peak memory: one decoder layer in float32 (all of a MoE layer's experts: a layer is the unit),
+the layer's input and output activations (or mmap pages of them), the driver's statistics
+(GPTQ Hessians bounded by `max_hessian_bytes`), and a constant. Everything else of the stage
+streams as RTN does: the writer reads each calibrated module's parts from the state folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from cvt.errors import CvtError
+from cvt.quant.schemes.base import QuantizedTensor
+
+log = logging.getLogger(__name__)
+
+STATE_DIR = ".cvt-calib"
+SPILL_BYTES = 1 << 30  # layer activations above this are used through mmap from the state folder
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class StreamResult:
+    """What the stage needs from calibration; tensors stay on disk until the writer asks."""
+
+    store: "LayerStore"
+    methods: dict[str, str] = field(default_factory=dict)
+    fallbacks: list = field(default_factory=list)              # calib.Fallback
+    stats: dict[str, dict] = field(default_factory=dict)
+    kv_amax: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    seconds_per_layer: list[float] = field(default_factory=list)
+    peak_rss: int = 0
+    resumed_layers: int = 0
+
+
+class LayerStore:
+    """The state folder: per finished layer ``layer-{i}.safetensors`` (quantized parts as
+    ``q/{module}/{part}``, changed float tensors as ``f/{name}``, KV ranges as ``kv/{role}``) +
+    ``layer-{i}.json`` (the parts' QuantizedTensor fields, methods, stats, fallbacks), the next
+    layer's input ``x-{i+1}.bin`` and ``state.json`` (plan id, layers done)."""
+
+    def __init__(self, root: Path, plan_id: str):
+        self.root, self.plan_id = Path(root), plan_id
+        self._index: dict[str, tuple[int, dict]] = {}   # module -> (layer, QuantizedTensor fields)
+        self._floats: dict[str, int] = {}                # float tensor name -> layer
+
+    # -- state ------------------------------------------------------------------------------------
+    def done(self) -> int:
+        """Layers an earlier run of the same plan finished (0: start afresh, state cleared)."""
+        p = self.root / "state.json"
+        try:
+            st = json.loads(p.read_text())
+            if st.get("plan_id") == self.plan_id:
+                return int(st["done"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if self.root.exists():
+            for f in self.root.iterdir():
+                if f.name != ".lock":
+                    f.unlink()
+        self.root.mkdir(parents=True, exist_ok=True)
+        return 0
+
+    def _mark(self, done: int) -> None:
+        from cvt.convert.safetensors_io import write_json_atomic
+
+        write_json_atomic(self.root / "state.json", {"plan_id": self.plan_id, "done": done})
+
+    # -- per layer ----------------------------------------------------------------------------------
+    def save_layer(self, i: int, lres, kv_amax: dict[str, torch.Tensor], x_next: torch.Tensor) -> None:
+        from cvt.convert.safetensors_io import write_bytes_atomic, write_json_atomic
+        from cvt.convert.synthetic import write_safetensors
+
+        tensors, fields = {}, {}
+        for module, q in lres.quantized.items():
+            for part, t in q.parts.items():
+                tensors[f"q/{module}/{part}"] = t.detach().cpu().contiguous()
+            for k, t in q.extra.items():
+                if isinstance(t, torch.Tensor):
+                    tensors[f"e/{module}/{k}"] = t.detach().cpu().contiguous()
+            fields[module] = {"scheme": q.scheme, "kernel_fmt": q.kernel_fmt, "shape": list(q.shape),
+                              "group_size": q.group_size, "symmetric": q.symmetric,
+                              "extra": {k: v for k, v in q.extra.items() if not isinstance(v, torch.Tensor)}}
+        for name, t in lres.float_weights.items():
+            tensors[f"f/{name}"] = t.detach().cpu().contiguous()
+        for role, t in kv_amax.items():
+            tensors[f"kv/{role}"] = t.detach().float().cpu().contiguous()
+        tmp = self.root / f".layer-{i}.safetensors.tmp"
+        write_safetensors(tmp, tensors)
+        os.replace(tmp, self.root / f"layer-{i}.safetensors")
+        write_json_atomic(self.root / f"layer-{i}.json", {
+            "quantized": fields, "floats": sorted(lres.float_weights), "methods": lres.methods,
+            "stats": lres.stats, "seconds": lres.seconds_per_layer,
+            "fallbacks": [[f.name, f.tokens, f.reason] for f in lres.fallbacks]})
+        write_bytes_atomic(self.root / f"x-{i + 1}.bin", x_next.detach().float().cpu().contiguous().numpy().tobytes())
+        self._mark(i + 1)
+        (self.root / f"x-{i}.bin").unlink(missing_ok=True)
+
+    def load_layer(self, i: int) -> dict:
+        """The json of finished layer i, registering its tensors for `quantized` / `float_tensor`."""
+        meta = json.loads((self.root / f"layer-{i}.json").read_text())
+        for module, f in meta["quantized"].items():
+            self._index[module] = (i, f)
+        for name in meta["floats"]:
+            self._floats[name] = i
+        return meta
+
+    def kv_amax(self, i: int) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        with safe_open(self.root / f"layer-{i}.safetensors", framework="pt") as h:
+            return {k[3:]: h.get_tensor(k) for k in h.keys() if k.startswith("kv/")}
+
+    def x(self, i: int, shape: tuple[int, ...], spill: bool) -> torch.Tensor:
+        """Layer i's input: read into RAM, or (`spill`) an mmap of the state file."""
+        path = self.root / f"x-{i}.bin"
+        n = 1
+        for d in shape:
+            n *= d
+        if spill:
+            return torch.from_file(str(path), shared=False, size=n, dtype=torch.float32).view(shape)
+        return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32).view(shape).clone()
+
+    # -- what the writer reads ---------------------------------------------------------------------
+    def modules(self) -> list[str]:
+        return list(self._index)
+
+    def quantized(self, module: str) -> QuantizedTensor:
+        from safetensors import safe_open
+
+        i, f = self._index[module]
+        with safe_open(self.root / f"layer-{i}.safetensors", framework="pt") as h:
+            keys = [k for k in h.keys() if k.startswith(f"q/{module}/") or k.startswith(f"e/{module}/")]
+            parts = {k.rsplit("/", 1)[1]: h.get_tensor(k) for k in keys if k.startswith("q/")}
+            extra = {**f["extra"], **{k.rsplit("/", 1)[1]: h.get_tensor(k) for k in keys if k.startswith("e/")}}
+        return QuantizedTensor(f["scheme"], f["kernel_fmt"], tuple(f["shape"]), parts, f["group_size"],
+                               f["symmetric"], extra)
+
+    def floats(self) -> list[str]:
+        return list(self._floats)
+
+    def float_tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.root / f"layer-{self._floats[name]}.safetensors", framework="pt") as h:
+            return h.get_tensor(f"f/{name}")
+
+
+def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict) -> str:
+    """The calibration's identity: a resumed run continues only the same one."""
+    ident = {
+        "source": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.weight_files],
+        "modules": sorted((m, s.name, s.group_size, s.symmetric, getattr(s, "fp4_format", None),
+                           plan.methods.get(m, "rtn")) for m, s in plan.schemes.items()),
+        "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "shape": list(tokens.shape),
+        "device": str(device), "opts": {k: str(v) for k, v in sorted(opts.items())},
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _dense_linears(layer: nn.Module) -> None:
+    """Quantized source modules (compressed-tensors INT4) become float Linears to calibrate."""
+    from cvt.runtime.kernels import Linear
+
+    for name, mod in list(layer.named_modules()):
+        if isinstance(mod, Linear) and mod.fmt != "dense":
+            parent, _, attr = name.rpartition(".")
+            w = mod.dense_weight()
+            setattr(layer.get_submodule(parent) if parent else layer, attr,
+                    Linear.from_parts({"weight": w}, None if mod.bias is None else mod.bias.float()))
+
+
+def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, device="cpu",
+                        observe_kv: bool = False, spill_bytes: int | None = None, quiet: bool = True,
+                        on_layer: Callable[[int], None] | None = None, **opts) -> StreamResult:
+    """Calibrate `plan` (``plan.schemes``, ``plan.methods``) on `tokens` [b, s], one decoder layer
+    at a time (module doc). `opts` go to the driver (`cvt.quant.methods.calib.calibrate`'s
+    options). `on_layer(i)` is called after layer i is saved (tests kill runs there)."""
+    from tqdm import tqdm
+
+    from cvt.convert import faults
+    from cvt.quant.methods import calib as C
+    from cvt.runtime import kv_cache
+    from cvt.runtime.loader import assign_tensors, fp8_block
+    from cvt.runtime.models import build_model
+    from cvt.convert.config import source_format
+
+    device = torch.device(device)
+    o = dict(min_tokens=32, batch_size=8, damp=0.01, act_order=False, block_size=128, static_groups=None,
+             true_sequential=True, alpha=0.5, n_grid=20, duo_scaling=True, awq_clip_search=True, max_samples=512,
+             max_hessian_bytes=4 << 30, hessian_dtype=torch.float32, collect_stats=False)
+    unknown = set(opts) - set(o)
+    if unknown:
+        raise CvtError(f"unknown calibration option(s) {sorted(unknown)}")
+    o.update(opts)
+    store = LayerStore(state_dir, stream_plan_id(ckpt, plan, tokens, device, o))
+    with torch.device("meta"):
+        model = build_model(ckpt.config, dtype=torch.float32)
+    n_layers = model.args.num_hidden_layers
+    block = fp8_block(ckpt, source_format(ckpt.config))
+    emb = ckpt.read("model.embed_tokens.weight")          # rows read through mmap, never the whole table
+    model.model.embed_tokens.forward = lambda t: emb[t.cpu()].to(device=device, dtype=torch.float32)
+    x, args, kwargs = C._layer_args(model, tokens.to(device))
+    del model.model.embed_tokens.forward
+    shape = tuple(x.shape)
+    spill = x.numel() * 4 > (SPILL_BYTES if spill_bytes is None else spill_bytes)
+    start = store.done()
+    res = StreamResult(store, resumed_layers=start)
+    for i in range(start):
+        meta = store.load_layer(i)
+        _merge(res, meta)
+        res.kv_amax.append(store.kv_amax(i))
+    if start:
+        x = store.x(start, shape, spill).to(device)
+        log.info("calibration resumes after %d finished layers", start)
+    observer = kv_cache.KVObserver(model) if observe_kv else None
+    bar = tqdm(total=n_layers, initial=start, unit="layer", desc="calibrate", disable=quiet, dynamic_ncols=True)
+    try:
+        for i in range(start, n_layers):
+            t0 = time.perf_counter()
+            layer = model.model.layers[i]
+            prefix = f"model.layers.{i}."
+            assign_tensors(model, ckpt, device, block, skip=lambda name: not name.startswith(prefix))
+            _dense_linears(layer)
+            if observer is not None:
+                layer.self_attn.kv_observer = observer._observer(i)
+            lres = C.CalibResult()
+            C._LayerCalib(layer, f"model.layers.{i}", plan.schemes.get, lambda n: plan.methods.get(n, "rtn"),
+                          lres, o).run(x, args, kwargs)
+            x = C._run_layer(layer, x, args, kwargs, o["batch_size"])
+            if observer is not None:
+                layer.self_attn.kv_observer = None
+            lres.seconds_per_layer.append(time.perf_counter() - t0)
+            amax = observer.amax[i] if observer is not None else {}
+            store.save_layer(i, lres, amax, x)
+            if spill:  # the next input from the state file, not RAM
+                x = store.x(i + 1, shape, True).to(device)
+            layer.to("meta")                                  # the layer's weights are dropped here
+            meta = store.load_layer(i)
+            _merge(res, meta)
+            res.kv_amax.append(amax)
+            bar.update(1)
+            bar.set_postfix_str(f"{lres.seconds_per_layer[0]:.1f} s/layer, peak RSS {peak_rss_bytes() / 2**30:.2f} GiB")
+            log.info("calibrated layer %d/%d in %.1f s", i + 1, n_layers, lres.seconds_per_layer[0])
+            faults.after_layer(i)
+            if on_layer is not None:
+                on_layer(i)
+    finally:
+        bar.close()
+        ckpt.release("model.embed_tokens.weight")
+    res.peak_rss = peak_rss_bytes()
+    return res
+
+
+def _merge(res: StreamResult, meta: dict) -> None:
+    from cvt.quant.methods.calib import Fallback
+
+    res.methods.update(meta["methods"])
+    res.stats.update(meta["stats"])
+    res.fallbacks += [Fallback(*f) for f in meta["fallbacks"]]
+    res.seconds_per_layer += meta["seconds"]
+
+
+def kv_scales(res: StreamResult, model_or_config, codec: str) -> dict[str, torch.Tensor]:
+    """The KV-cache scales from the per-layer ranges observed while calibrating (the runtime's
+    `KVObserver` rules: int8 Ascend C8 / FAKQuant, or fp8 compressed-tensors)."""
+    from cvt.runtime import kv_cache
+
+    class _Obs(kv_cache.KVObserver):
+        def __init__(self):  # noqa: D401 - the observer's scale rules over stored ranges
+            self.model = model_or_config
+            self.mla = kv_cache.is_mla(model_or_config)
+            self.amax = res.kv_amax
+
+    obs = _Obs()
+    return obs.fp8_scales() if codec == "fp8" else obs.scales()
