@@ -23,8 +23,8 @@ Measured, in this one run, best of --repeat:
      (quantize materializes each weight as float32 [n, k] before quantizing it).
   c. calibrated methods (gptq w4a16 g32, awq w4a16 g32, smoothquant w8a8) on the demo model
      (write_fp8_release) and the trained fixture (--fixture, BF16, when present): the same CLI
-     in a child that wraps `cvt.quant.methods.calib.calibrate` to record
-     CalibResult.seconds_per_layer; wall time, calibration time, s / decoder layer, peak RSS.
+     in a child, the per-layer seconds from the manifest's quant.calibration; wall time,
+     calibration time, s / decoder layer, peak RSS. (bench/calibrate.py: RSS vs layer count.)
 A report, not a test: exit 0 unless something crashes.
 """
 
@@ -51,21 +51,20 @@ CALIBRATED = (("gptq", "w4a16", ["--group-size", "32"]), ("awq", "w4a16", ["--gr
 
 
 def calib_child(out: str, argv: list[str]) -> None:
-    """Child mode: run the CLI with `calibrate` wrapped to record its per-layer seconds."""
-    import cvt.quant.methods.calib as calib
+    """Child mode: run the CLI, then record the calibration the manifest reports (the stage's
+    streaming driver times every decoder layer: `quant.calibration.seconds_per_layer`)."""
     from cvt.cli import main as cli_main
 
-    orig, rec = calib.calibrate, {}
-
-    def wrapped(*a, **k):
-        t0 = time.perf_counter()
-        res = orig(*a, **k)
-        rec.update(calibrate_s=time.perf_counter() - t0, seconds_per_layer=list(res.seconds_per_layer))
-        return res
-
-    calib.calibrate = wrapped
-    cli_main(argv)
-    Path(out).write_text(json.dumps(rec))
+    t0 = time.perf_counter()
+    try:
+        cli_main(argv)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    wall = time.perf_counter() - t0
+    cal = json.loads((Path(argv[2]) / "cvt_manifest.json").read_text())["quant"]["calibration"]
+    Path(out).write_text(json.dumps({"calibrate_s": sum(cal["seconds_per_layer"]), "wall_s": wall,
+                                     "seconds_per_layer": cal["seconds_per_layer"]}))
 
 
 def load_fp8_bench():
@@ -115,15 +114,9 @@ def calib_rows(models: dict[str, Path], root: Path) -> list[tuple]:
             dst, rec = root / f"calib-{model}-{method}", root / f"calib-{model}-{method}.json"
             argv = ["quantize", str(src), str(dst), "--scheme", scheme, *extra, "--method", method, "--quiet"]
             cmd = [sys.executable, str(Path(__file__).resolve()), "--calib-child", str(rec), *argv]
-            t0 = time.perf_counter()
-            pid = os.posix_spawn(cmd[0], cmd, os.environ)
-            _, status, ru = os.wait4(pid, 0)
-            wall = time.perf_counter() - t0
-            if os.waitstatus_to_exitcode(status) != 0:
-                raise SystemExit(f"quantize failed (exit {os.waitstatus_to_exitcode(status)}): {shlex.join(cmd)}")
+            wall, rss = load_fp8_bench().run_cvt(cmd)
             info = json.loads(rec.read_text())
-            rows.append((model, method, scheme, wall, info["calibrate_s"], info["seconds_per_layer"],
-                         ru.ru_maxrss * 1024, argv))
+            rows.append((model, method, scheme, wall, info["calibrate_s"], info["seconds_per_layer"], rss, argv))
     return rows
 
 
@@ -194,7 +187,7 @@ def main() -> None:
         print(f"  {model + ' ' + method + ' ' + scheme:28}{wall:8.2f}{cal:9.2f}{sum(spl) / len(spl):9.2f}"
               f"{per:>24}{rss / GB:7.2f} GB")
     print(f"  (demo = write_fp8_release, {FIXTURE.name} = --fixture; wall includes interpreter start, "
-          "model load and writing; s/layer = mean of CalibResult.seconds_per_layer)")
+          "layer loads and writing; s/layer = mean of the manifest's quant.calibration.seconds_per_layer)")
     for model, method, scheme, *_, argv in crows[:len(CALIBRATED)]:
         print(f"  cvt run: {shlex.join([sys.executable, '-m', 'cvt', argv[0], 'SRC', 'DST', *argv[3:]])}")
     print(f"  (run through {shlex.join([sys.executable, 'bench/quantize.py', '--calib-child', 'JSON'])} + the "

@@ -161,8 +161,9 @@ def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_fo
         x = r.extra
         click.echo(f"quantized {x['quantized']} linears ({scheme}, {method}, {fmt}), kept {x['float_modules']} float, "
                    f"{x['fallbacks']} RTN fallbacks; worst SQNR {x['min_sqnr_db']}\n"
-                   + (f"calibrated {c['layers']} layers on {c['tokens']} tokens ({c['device']}): {c['seconds_per_layer']} "
-                      f"s/layer, peak RSS {_human(c['peak_rss_bytes'])}"
+                   + (f"calibrated {c['layers']} layers on {c['tokens']} tokens ({c['device']}): "
+                      f"{sum(c['seconds_per_layer']) / max(1, len(c['seconds_per_layer'])):.2f} s/layer, "
+                      f"peak RSS {_human(c['peak_rss_bytes'])}"
                       + (f", {c['resumed_layers']} layers resumed" if c['resumed_layers'] else "") + "\n"
                       if (c := r.manifest.quant.calibration) else "") +
                    f"wrote {r.written_files} weight files ({r.skipped_files} already done) to {r.dst}: "

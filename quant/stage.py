@@ -426,7 +426,7 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
     if c8:
         out.kv_scales = kv_scales(res, ckpt.config, kv_codec)
     out.summary = {"tokens": int(tokens.numel()), "layers": len(res.seconds_per_layer), "device": str(device),
-                   "seconds_per_layer": round(sum(res.seconds_per_layer) / max(1, len(res.seconds_per_layer)), 3),
+                   "seconds_per_layer": [round(x, 3) for x in res.seconds_per_layer],
                    "peak_rss_bytes": res.peak_rss, "resumed_layers": res.resumed_layers}
     return out
 

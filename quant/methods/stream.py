@@ -180,6 +180,17 @@ class LayerStore:
             return h.get_tensor(f"f/{name}")
 
 
+def _trim() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps a dropped layer's many mid-sized
+    buffers in its arenas otherwise, and RSS would creep up layer by layer)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict) -> str:
     """The calibration's identity: a resumed run continues only the same one."""
     ident = {
@@ -270,6 +281,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
             if spill:  # the next input from the state file, not RAM
                 x = store.x(i + 1, shape, True).to(device)
             layer.to("meta")                                  # the layer's weights are dropped here
+            _trim()
             meta = store.load_layer(i)
             _merge(res, meta)
             res.kv_amax.append(amax)

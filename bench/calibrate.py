@@ -1,0 +1,112 @@
+"""Benchmark calibrated `cvt quantize`: peak memory against the number of decoder layers.
+
+Usage: .venv/bin/python bench/calibrate.py [--layers 2] [--hidden 2048] [--experts 16]
+       [--method gptq] [--calib-tokens 512] [--dir DIR] [--keep]
+
+Why: the calibrated methods must run on checkpoints larger than RAM (DeepSeek-R1: 61 layers,
+641 GB), so the streaming driver holds one decoder layer at a time: its peak RSS must not grow
+with the layer count, and its cost is seconds per decoder layer (times 61 for R1).
+
+Fixture (setup, not timed): two DeepSeek-V3-shaped FP8 releases written by
+`cvt.convert.synthetic.write_fp8_release` with the same shapes (hidden --hidden, MLA with
+q_lora 1536 / kv_lora 512 / 128-dim heads scaled to the hidden size, --experts routed experts
+of moe_intermediate hidden/4, one shared; the first layer dense), one with --layers decoder
+layers and one with twice as many.
+
+Measured, in this one run: `python -m cvt quantize SRC DST --scheme w4a16 --group-size 128
+--method M --calib-tokens N --quiet` in a child process per release: wall time, its peak RSS
+(a small wrapper process's RUSAGE_CHILDREN), and the per-layer seconds the manifest records (quant.calibration). Printed: both
+rows, the RSS ratio (target: within 20% when the layers double) and the mean s/layer.
+A report, not a test: exit 0 unless something crashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GB = 1e9
+
+
+def config(layers: int, hidden: int, experts: int) -> dict:
+    from cvt.convert.synthetic import tiny_deepseek_config
+
+    heads = max(4, hidden // 128)
+    return tiny_deepseek_config(
+        hidden_size=hidden, intermediate_size=hidden * 2, moe_intermediate_size=hidden // 4, n_routed_experts=experts,
+        n_group=2, topk_group=1, num_experts_per_tok=2, num_hidden_layers=layers, num_nextn_predict_layers=0,
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=min(1536, hidden // 2),
+        kv_lora_rank=min(512, hidden // 4), qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        first_k_dense_replace=1, vocab_size=2048)
+
+
+def run(src: Path, dst: Path, method: str, tokens: int) -> tuple[float, int, list[float], list[str]]:
+    argv = ["quantize", str(src), str(dst), "--scheme", "w4a16", "--group-size", "128", "--method", method,
+            "--calib-tokens", str(tokens), "--quiet"]
+    wall, rss = load_fp8_bench().run_cvt([sys.executable, "-m", "cvt", *argv])  # a clean peak RSS (see there)
+    cal = json.loads((dst / "cvt_manifest.json").read_text())["quant"]["calibration"]
+    return wall, rss, cal["seconds_per_layer"], argv
+
+
+def load_fp8_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_fp8_to_bf16", Path(__file__).resolve().parent / "fp8_to_bf16.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers of the smaller release (doubled for the other)")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--method", default="gptq", choices=["gptq", "awq"])
+    ap.add_argument("--calib-tokens", type=int, default=512)
+    ap.add_argument("--dir", help="where temp dirs go (default: the system temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dirs")
+    args = ap.parse_args()
+
+    import torch
+
+    from cvt.convert.synthetic import write_fp8_release
+
+    root = Path(tempfile.mkdtemp(prefix="cvt-bench-calibrate-", dir=args.dir))
+    rows = []
+    try:
+        for layers in (args.layers, 2 * args.layers):
+            t0 = time.perf_counter()
+            src = write_fp8_release(root / f"src-{layers}", config(layers, args.hidden, args.experts), n_shards=4)
+            t_build = time.perf_counter() - t0
+            size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+            wall, rss, spl, argv = run(src, root / f"out-{layers}", args.method, args.calib_tokens)
+            rows.append((layers, size, t_build, wall, rss, spl, argv))
+            shutil.rmtree(src, ignore_errors=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    print(f"\ncvt calibrated quantize: peak RSS vs decoder layers  (torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; {os.cpu_count()} CPUs)")
+    print(f"command:  {shlex.join([sys.executable, *sys.argv])}")
+    print(f"release:  DeepSeek-V3-shaped FP8, hidden {args.hidden}, {args.experts} routed experts + 1 shared, "
+          f"first layer dense; w4a16 g128, --method {args.method}, {args.calib_tokens} calibration tokens")
+    print(f"\n{'layers':>7}{'FP8 GB':>9}{'wall s':>9}{'s/layer':>9}{'peak RSS':>11}   per-layer s")
+    for layers, size, _, wall, rss, spl, _ in rows:
+        print(f"{layers:7d}{size / GB:9.2f}{wall:9.1f}{sum(spl) / len(spl):9.2f}{rss / GB:8.2f} GB   "
+              + " ".join(f"{x:.1f}" for x in spl))
+    print(f"\npeak RSS {rows[1][0]} layers / {rows[0][0]} layers: {rows[1][4] / rows[0][4]:.2f}x "
+          "(target: within 1.20x)")
+    print(f"cvt run: {shlex.join([sys.executable, '-m', 'cvt', *rows[0][6][:1], 'SRC', 'DST', *rows[0][6][3:]])}")
+
+
+if __name__ == "__main__":
+    main()
