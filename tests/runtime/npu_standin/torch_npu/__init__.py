@@ -29,11 +29,14 @@ def _need(cond: bool, msg: str) -> None:
 
 
 def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
-    """Per-token symmetric dynamic quant: scale = rowMax(|x|) / 127 (DTYPE_MAX), y = round(x / scale).
+    """Per-token symmetric dynamic quant, as the kernel computes it (torch_npu 2.14
+    ``_op_plugin_docs.py`` npu_dynamic_quant; CANN ops-nn dynamic_quant: the per-row factor is
+    127 / rowMax(|x|) and x is MULTIPLIED by it): y = round_half_even(x * (127 / rowMax(|x|))),
+    and the returned scale = rowMax(|x|) / 127.
 
     Returns (y int8 shaped like x, scale float32 shaped x.shape[:-1]). smooth_scales (1-D, x's
-    last dim, x's dtype) multiplies x first. An all-zero row is not covered by the reference;
-    it gives scale 0 and y 0 here.
+    last dim, x's dtype) multiplies x first. An all-zero row is not covered by the reference
+    (127 / 0); it gives scale 0 and y 0 here.
     """
     CALLS.append("npu_dynamic_quant")
     _need(x.dtype in _HALF, f"x must be float16/bfloat16, got {x.dtype}")
@@ -43,25 +46,35 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None)
     if smooth_scales is not None:
         _need(smooth_scales.dtype == x.dtype and tuple(smooth_scales.shape) == (x.shape[-1],), "bad smooth_scales")
         xf = xf * smooth_scales.to(torch.float32)
-    scale = xf.abs().amax(dim=-1) / 127.0
-    div = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-    y = torch.round(xf / div).clamp(-128, 127)
+    amax = xf.abs().amax(dim=-1)
+    scale = amax / 127.0
+    factor = (127.0 / torch.where(amax > 0, amax, torch.ones_like(amax))).unsqueeze(-1)
+    y = torch.round(xf * factor).clamp(-128, 127)
     y = torch.where((scale > 0).unsqueeze(-1), y, torch.zeros_like(y))
     return y.to(torch.int8), scale
 
 
 def _int64_scale_to_f32(scale):
-    # npu_trans_quant_param's int64 carries the float32 scale's bits in its low 32 bits.
+    # the hardware scale: bits 0-31 of the int64 hold a float32 whose low 13 mantissa bits are
+    # zero (FP19); bit 46 is a flag (and bits 37-45 an offset, not modelled)
     low = scale & 0xFFFFFFFF
     return torch.where(low >= 2**31, low - 2**32, low).to(torch.int32).view(torch.float32)
 
 
-def npu_trans_quant_param(scale, offset=None):
-    """float32 scale (t,) or (1, n) -> int64 of the same shape, the hardware form npu_quant_matmul takes."""
+FP19_MASK = 0xFFFFE000  # sign, 8 exponent bits, 10 mantissa bits
+
+
+def npu_trans_quant_param(scale, offset=None, round_mode=0):
+    """float32 scale (t,) or (1, n) -> int64 of the same shape, the form npu_quant_matmul takes
+    (torch_npu 2.14 ``_op_plugin_docs.py`` npu_trans_quant_param; op-plugin TransQuantParamV2):
+    the float32 truncated to FP19 (round_mode 0: the low 13 mantissa bits cleared) in bits 0-31,
+    bit 46 set."""
     CALLS.append("npu_trans_quant_param")
     _need(scale.dtype == torch.float32 and scale.dim() in (1, 2), f"scale must be float32 1-D/2-D, got {scale.dtype}")
     _need(offset is None, "offset is not modelled")
-    return scale.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    _need(round_mode == 0, "only round_mode 0 (truncation) is modelled")
+    bits = scale.contiguous().view(torch.int32).to(torch.int64) & FP19_MASK
+    return bits | (1 << 46)
 
 
 def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None):
@@ -174,7 +187,11 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
     x (m, k) float16/bfloat16; weight int8 (k, n) or int32 (k, n / 8) carrying int4 (from
     npu_convert_weight_to_int4pack); antiquant_scale in x's dtype, (n,) / (1, n) per channel,
     (1,) per tensor, (ceil(k / antiquant_group_size), n) per group; antiquant_offset same shape
-    and dtype; bias float16/float32 (n,). Output in x's dtype.
+    and dtype. torch_npu 2.14 ``_op_plugin_docs.py`` npu_weight_quant_batchmatmul:
+    antiquant_group_size is 0 or a multiple of 32 in [32, k - 1] (the binary's check:
+    "antiquant_group_size can be either 0 or a multiple of 32 within the range 32 to
+    weight_k_dim - 1"); bias (n,) is float16 when x is float16 and float32 when x is bfloat16.
+    Output in x's dtype.
     """
     CALLS.append("npu_weight_quant_batchmatmul")
     _need(quant_scale is None and quant_offset is None, "output quantization is not modelled")
@@ -187,6 +204,10 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
     k, n = w.shape
     _need(x.shape[1] == k, f"x {list(x.shape)} does not match weight (k={k}, n={n})")
     _need(antiquant_scale.dtype == x.dtype, f"antiquant_scale dtype {antiquant_scale.dtype} must equal x's {x.dtype}")
+    g = antiquant_group_size
+    _need(g == 0 or (g % 32 == 0 and 32 <= g <= k - 1),
+          f"antiquant_group_size can be either 0 or a multiple of 32 within the range 32 to weight_k_dim - 1 "
+          f"(got {g}, k {k})")
     if antiquant_group_size:
         groups = -(-k // antiquant_group_size)
         _need(tuple(antiquant_scale.shape) == (groups, n), f"per-group scale must be ({groups}, {n})")
@@ -202,6 +223,8 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
     wd = (wf * expand(antiquant_scale)).to(x.dtype)
     y = x.to(torch.float32) @ wd.to(torch.float32)
     if bias is not None:
-        _need(bias.dtype in (torch.float16, torch.float32) and bias.numel() == n, f"bad bias {bias.dtype}")
+        want = torch.float16 if x.dtype == torch.float16 else torch.float32
+        _need(bias.dtype == want and bias.numel() == n,
+              f"bias must be {want} ({n},) when x is {x.dtype}, got {bias.dtype} {list(bias.shape)}")
         y = y + bias.to(torch.float32).reshape(1, n)
     return y.to(x.dtype)
