@@ -214,8 +214,12 @@ register(Layout("ascend-w8a8-dynamic", "w8a8_dynamic", "ascend", ASCEND_TARGETS,
 register(Layout("ascend-w8a8-static", "w8a8_static", "ascend", ASCEND_TARGETS, "W8A8",
                 (DiskTensor("weight", "I8", (N, K)), DiskTensor("input_scale", "F32", (1,)),
                  DiskTensor("input_offset", "F32", (1,)), DiskTensor("deq_scale", "F32", (N,)),
-                 DiskTensor("quant_bias", "I32", (N,)), DiskTensor("weight_scale", "F32", (N, 1)),
-                 DiskTensor("weight_offset", "F32", (N, 1))), _enc_w8a8_static, _dec_w8a8_static))
+                 DiskTensor("quant_bias", "I32", (N,)),
+                 # cvt writes these (vllm-ascend's MLA fused paths read weight_scale); msModelSlim 26.1's
+                 # ascendv1_saver does not (static W8A8 linears: weight, input_scale, input_offset,
+                 # deq_scale, quant_bias), and the static kernel needs neither: optional on reading
+                 DiskTensor("weight_scale", "F32", (N, 1), optional=True),
+                 DiskTensor("weight_offset", "F32", (N, 1), optional=True)), _enc_w8a8_static, _dec_w8a8_static))
 
 
 def _enc_ct_int8(q):
@@ -449,13 +453,14 @@ def experts_only_reason(fmt: str, kernel_fmt: str, target: str) -> str | None:
     return None
 
 
-def read_layout(fmt: str, kernel_candidates, disk: dict[str, torch.Tensor]) -> Layout:
+def read_layout(module: str, kernel_candidates, disk: dict[str, torch.Tensor]) -> Layout:
     """Among `kernel_candidates` (layouts of one tag), the one whose required tensors `disk`
     (suffix -> tensor) holds, preferring the most specific; int8 W4A16 by its scale shape."""
     fits = [lo for lo in kernel_candidates if all(t.suffix in disk for t in lo.tensors if not t.optional)]
     if not fits:
-        raise FormatError(f"{fmt}: none of the layouts {[lo.name for lo in kernel_candidates]} matches tensors "
-                          f"{sorted(disk)}")
+        need = sorted({t.suffix for lo in kernel_candidates for t in lo.tensors if not t.optional} - set(disk))
+        raise FormatError(f"{module}: none of the layouts {[lo.name for lo in kernel_candidates]} matches its "
+                          f"tensors {sorted(disk)} (missing {', '.join(need)})")
     return max(fits, key=lambda lo: len(lo.tensors))
 
 

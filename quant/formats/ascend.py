@@ -156,7 +156,7 @@ class Ascend:
         prefix = module + "."
         by_suffix = {n[len(prefix):]: t for n, t in disk.items() if n.startswith(prefix)}
         try:
-            q = L.read_layout(self.name, found, by_suffix).decode(module, by_suffix)
+            q = L.read_layout(module, found, by_suffix).decode(module, by_suffix)
         except FormatError as exc:
             raise FormatError(f"ascend: {exc}") from None
         if q.scheme == "w8a8" and (desc.get("kv_cache_type") == "C8" or desc.get("fa_quant_type")):

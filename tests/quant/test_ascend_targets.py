@@ -275,3 +275,56 @@ def test_new_layouts_run_and_verify(sources, name, tmp_path):
     loaded = load_model(d, dtype=torch.float32)
     fmts = {type(m).fmt for m in loaded.model.modules() if hasattr(m, "fmt")}
     assert fmts & {"w4a16", "mxfp4", "w8a8_dynamic"}
+
+
+# ---- reading what msModelSlim writes -------------------------------------------------------------
+
+def test_msmodelslim_static_w8a8_layout_loads(sources, tmp_path):
+    """msModelSlim 26.1's ascendv1_saver writes static W8A8 linears as weight, input_scale,
+    input_offset, deq_scale, quant_bias -- no weight_scale / weight_offset (the run in
+    bench/msmodelslim_peer.py). cvt's static kernel reads neither, so that output loads and gives
+    the same logits as cvt's own (which writes both for vllm-ascend's MLA fused paths)."""
+    from safetensors.torch import load_file, save_file
+
+    s = run(sources, "ds-w8a8-static", "ds", scheme="w8a8", static_attention=True)
+    ms = tmp_path / "msmodelslim-like"
+    ms.mkdir()
+    desc = json.loads(next(s.glob("quant_model_description*.json")).read_text())
+    static = {n[:-len(".weight")] for n, tag in desc.items() if n.endswith(".weight") and tag == "W8A8"}
+    assert static
+    dropped = 0
+    for f in s.iterdir():
+        if f.name == "cvt_manifest.json":
+            continue  # msModelSlim writes none
+        if f.suffix == ".safetensors":
+            t = load_file(f)
+            keep = {n: v for n, v in t.items()
+                    if not (n.rsplit(".", 1)[0] in static and n.rsplit(".", 1)[1] in ("weight_scale", "weight_offset"))}
+            dropped += len(t) - len(keep)
+            save_file(keep, ms / f.name)
+        elif f.name.endswith(".index.json"):
+            idx = json.loads(f.read_text())
+            idx["weight_map"] = {n: v for n, v in idx["weight_map"].items()
+                                 if not (n.rsplit(".", 1)[0] in static
+                                         and n.rsplit(".", 1)[1] in ("weight_scale", "weight_offset"))}
+            (ms / f.name).write_text(json.dumps(idx))
+        elif f.is_file():
+            (ms / f.name).write_bytes(f.read_bytes())
+    assert dropped == 2 * len(static)
+    ids = torch.arange(1, 17)[None]
+    a = load_model(s, dtype=torch.float32).model(ids)
+    b = load_model(ms, dtype=torch.float32).model(ids)
+    torch.testing.assert_close(b, a, rtol=0, atol=0)
+    # a static linear missing a tensor the kernel does need names the module and what is missing
+    name = sorted(static)[0]
+    for f in ms.glob("*.safetensors"):
+        t = load_file(f)
+        if f"{name}.deq_scale" in t:
+            del t[f"{name}.deq_scale"]
+            save_file(t, f)
+    for f in ms.glob("*.index.json"):
+        idx = json.loads(f.read_text())
+        del idx["weight_map"][f"{name}.deq_scale"]
+        f.write_text(json.dumps(idx))
+    with pytest.raises(CvtError, match=rf"{name}: none of the layouts .* \(missing deq_scale\)"):
+        load_model(ms, dtype=torch.float32)

@@ -1,0 +1,236 @@
+"""vllm-ascend's own quantization package referees cvt's ``--format ascend`` outputs.
+
+Optional: skipped unless ``CVT_VLLM_ASCEND_SRC`` names a local vllm-ascend source tree (the
+directory holding the ``vllm_ascend`` package, e.g. the unpacked 0.23.0.post1 sdist). Nothing is
+downloaded; vllm and torch_npu are stubbed (tests/quant/vllm_ascend_referee.py), vllm-ascend's
+``AscendModelSlimConfig``, scheme registry and ``create_weights`` are its own code, and every
+output must come back with zero problems. A case that shows problems is marked
+``xfail(strict=True)`` with the problems as its reason (none does at the time of writing).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.quant.stage import quantize
+from cvt.tests.quant.vllm_ascend_referee import check_output, inspect_output
+
+_ENV = os.environ.get("CVT_VLLM_ASCEND_SRC", "")
+pytestmark = pytest.mark.skipif(not _ENV or not Path(_ENV).exists(),
+                                reason="set CVT_VLLM_ASCEND_SRC to a local vllm-ascend source tree (the directory "
+                                       "holding vllm_ascend/) to run vllm-ascend's own quantization package")
+
+CASES = [
+    pytest.param("ds", {"scheme": "w8a8"}, id="deepseek-w8a8"),
+    pytest.param("ds", {"scheme": "w8a8", "static_attention": True}, id="deepseek-w8a8-static-attention"),
+    pytest.param("ds", {"scheme": "w8a8c8"}, id="deepseek-w8a8c8-fakquant"),
+    pytest.param("ds", {"scheme": "w4a16", "group_size": 32}, id="deepseek-w4a16-g32"),
+    pytest.param("ds", {"scheme": "fp4", "fp4_format": "mxfp4"}, id="deepseek-mxfp4"),
+    pytest.param("qmoe", {"scheme": "w8a8"}, id="qwen3-moe-w8a8"),
+    pytest.param("qmoe", {"scheme": "w4a16", "group_size": 32}, id="qwen3-moe-w4a16-g32"),
+    pytest.param("qdense", {"scheme": "w8a8"}, id="qwen3-w8a8"),
+    pytest.param("qdense", {"scheme": "w8a8c8"}, id="qwen3-w8a8c8"),
+]
+
+
+@pytest.fixture(scope="module")
+def va_src() -> Path:
+    src = Path(_ENV)
+    if not (src / "vllm_ascend").is_dir() and src.name == "vllm_ascend":
+        src = src.parent  # the package directory itself was given
+    if not (src / "vllm_ascend" / "quantization" / "modelslim_config.py").is_file():
+        pytest.fail(f"CVT_VLLM_ASCEND_SRC={_ENV}: no vllm_ascend/quantization/modelslim_config.py under it")
+    return src
+
+
+@pytest.fixture(scope="module")
+def sources(fp8_release_session, tmp_path_factory):
+    root = tmp_path_factory.mktemp("va-referee")
+    # Qwen3-MoE sizes every vllm-ascend W4A16 assert divides (I % 8, H % 8, I and H % group)
+    qmoe = write_bf16_checkpoint(root / "qwen3-moe", tiny_qwen3_config(moe=True, hidden_size=128, head_dim=32,
+                                                                       intermediate_size=256, moe_intermediate_size=64))
+    qdense = write_bf16_checkpoint(root / "qwen3", tiny_qwen3_config(moe=False))
+    return {"ds": fp8_release_session, "qmoe": qmoe, "qdense": qdense, "root": root}
+
+
+def build(sources, src: str, opts: dict) -> Path:
+    name = src + "-" + "-".join(f"{k}={v}" for k, v in opts.items())
+    dst = sources["root"] / "out" / name
+    if not (dst / "cvt_manifest.json").exists():
+        quantize(sources[src], dst, fmt="ascend", quiet=True, calib_tokens=64, **opts)
+    return dst
+
+
+@pytest.mark.parametrize("src, opts", CASES)
+def test_vllm_ascend_loads_every_output(sources, va_src, src, opts):
+    dst = build(sources, src, opts)
+    assert json.loads((dst / "cvt_manifest.json").read_text())["quant"]["target"] == "vllm-ascend"
+    problems = check_output(dst, va_src)
+    assert problems == [], f"{len(problems)} problems:\n" + "\n".join(problems[:60])
+
+
+def test_referee_sees_the_schemes_and_leaves_no_stubs(sources, va_src):
+    """The referee really ran vllm-ascend's dispatch (schemes per module, FA params on the MLA layer,
+    the MTP draft's parameters) and left sys.modules, builtins.__import__, torch.empty and the
+    default dtype as it found them."""
+    def ours():
+        return {k for k in sys.modules if k.split(".")[0] in ("vllm", "vllm_ascend", "torch_npu")}
+
+    before, imp, empty, dtype = ours(), builtins.__import__, torch.empty, torch.get_default_dtype()
+    r = inspect_output(build(sources, "ds", {"scheme": "w8a8", "static_attention": True}), va_src)
+    assert ours() == before and builtins.__import__ is imp
+    assert torch.empty is empty and torch.get_default_dtype() == dtype
+    assert r.schemes["model.layers.1.self_attn.fused_qkv_a_proj"] == "AscendW8A8LinearMethod"
+    assert r.schemes["model.layers.0.mlp.gate_up_proj"] == "AscendW8A8DynamicLinearMethod"  # dense layer
+    assert r.schemes["model.layers.1.mlp.experts"] == "AscendW8A8DynamicFusedMoEMethod"
+    assert r.schemes["model.layers.1.self_attn.kv_b_proj"] == "unquantized linear"
+    ds = r.slots[("model.layers.1.self_attn.fused_qkv_a_proj.deq_scale", 1, None)]
+    assert ds.dtype == torch.float32 and ds.filled_by == ["model.layers.1.self_attn.kv_a_proj_with_mqa.deq_scale"]
+    # the MTP layer (index num_hidden_layers = 3) is the DeepSeekMTP draft's, under .mtp_block.
+    assert any("MTP layers [3] checked" in n for n in r.notes)
+    w = r.mtp_slots[("model.layers.3.mtp_block.mlp.experts.w13_weight", "w3", 2)]
+    assert w.dtype == torch.int8 and w.filled_by == ["model.layers.3.mlp.experts.2.up_proj.weight"]
+    assert r.mtp_slots[("model.embed_tokens.weight", None, None)].filled_by == ["model.layers.3.embed_tokens.weight"]
+    assert all(s.filled_by for s in r.mtp_slots.values() if s.required)
+
+    c8 = inspect_output(build(sources, "ds", {"scheme": "w8a8c8"}), va_src)
+    assert c8.schemes["model.layers.1.self_attn.attn"] == "AscendFAQuantAttentionMethod"
+    fa = c8.slots[("model.layers.1.self_attn.mla_attn.mla_attn.fa_k.scale", None, None)]
+    assert fa.shape == (1, 1) and fa.filled_by == ["model.layers.1.self_attn.fa_k.scale"]
+    gqa = inspect_output(build(sources, "qdense", {"scheme": "w8a8c8"}), va_src)
+    assert gqa.schemes["model.layers.1.self_attn.attn"] == "AscendC8KVCacheAttentionMethod"
+    assert gqa.slots[("model.layers.1.self_attn.attn.v_cache_offset", None, None)].filled_by == [
+        "model.layers.1.self_attn.v_proj.kv_cache_offset"]
+    w4 = inspect_output(build(sources, "qmoe", {"scheme": "w4a16", "group_size": 32}), va_src)
+    assert w4.schemes["model.layers.1.mlp.experts"] == "AscendW4A16FusedMoEMethod"
+    assert w4.schemes["model.layers.1.mlp.gate"] == "unquantized linear"  # the router is built with quant_config
+    mx = inspect_output(build(sources, "ds", {"scheme": "fp4", "fp4_format": "mxfp4"}), va_src)
+    assert mx.schemes["model.layers.1.mlp.experts"] == "AscendW4A16MXFP4FusedMoEMethod"
+
+
+# ---- the referee finds what is wrong ------------------------------------------------------------
+
+def _mutate(src: Path, dst: Path, edit=None, edit_desc=None) -> Path:
+    """A copy of ``src`` with its tensors (all shards merged into one dict) and description edited."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if edit is not None:
+        files = sorted(dst.glob("*.safetensors"))
+        tensors = {}
+        for f in files:
+            tensors.update(load_file(f))
+            f.unlink()
+        edit(tensors)
+        save_file(tensors, dst / "quant_model_weights-00001-of-00001.safetensors", metadata={"format": "pt"})
+    if edit_desc is not None:
+        desc = json.loads((dst / "quant_model_description.json").read_text())
+        edit_desc(desc)
+        (dst / "quant_model_description.json").write_text(json.dumps(desc))
+    return dst
+
+
+def _expect(problems: list[str], want: list[str]) -> None:
+    for w in want:
+        assert any(p.startswith(w) for p in problems), (w, problems)
+    assert len(problems) == len(want), problems
+
+
+def test_referee_reports_specific_problems(sources, va_src, tmp_path):
+    """A broken W8A8 output: each defect comes back as its own named problem."""
+    def edit(t):
+        t["model.layers.1.self_attn.kv_a_layernorm.kv_cache_scale"] = torch.ones(1)  # the old MLA C8 name
+        del t["model.layers.1.self_attn.q_a_proj.weight_scale"]
+        t["model.layers.0.mlp.gate_proj.weight"] = t["model.layers.0.mlp.gate_proj.weight"].to(torch.int32)
+        t["model.layers.0.mlp.down_proj.weight_scale"] = t["model.layers.0.mlp.down_proj.weight_scale"].flatten()
+
+    bad = _mutate(build(sources, "ds", {"scheme": "w8a8"}), tmp_path / "bad", edit,
+                  lambda d: d.pop("model.layers.2.self_attn.o_proj.weight"))
+    _expect(check_output(bad, va_src), [
+        ("model.layers.1.self_attn.kv_a_layernorm.kv_cache_scale: checkpoint tensor with no parameter in vLLM "
+         "(KeyError in load_weights"),
+        "model.layers.1.self_attn.fused_qkv_a_proj.weight_scale: declared by AscendW8A8DynamicLinearMethod",
+        "model.layers.0.mlp.gate_proj.weight: integer payload is torch.int32",
+        "model.layers.0.mlp.down_proj.weight_scale: shape [256] but",
+        "model.layers.2.self_attn.o_proj: KeyError in vllm-ascend",
+    ])
+
+
+def test_referee_reports_static_attention_problems(sources, va_src, tmp_path):
+    """Static W8A8: the fused q_a / kv_a shards must agree on the shared per-tensor input_scale, shapes
+    are [1], deq_scale is float32 for a bf16 model and quant_bias int32."""
+    a = "model.layers.1.self_attn."
+
+    def edit(t):
+        t[a + "kv_a_proj_with_mqa.input_scale"] = t[a + "kv_a_proj_with_mqa.input_scale"] * 2
+        t[a + "q_a_proj.input_offset"] = t[a + "q_a_proj.input_offset"].reshape([])
+        t[a + "o_proj.deq_scale"] = t[a + "o_proj.deq_scale"].to(torch.bfloat16)
+        t[a + "o_proj.quant_bias"] = t[a + "o_proj.quant_bias"].float()
+
+    bad = _mutate(build(sources, "ds", {"scheme": "w8a8", "static_attention": True}), tmp_path / "bad", edit)
+    _expect(check_output(bad, va_src), [
+        a + "fused_qkv_a_proj.input_scale: the fused shards carry different per-tensor values",
+        a + "q_a_proj.input_offset: shape [] but",
+        a + "o_proj.deq_scale: deq_scale is torch.bfloat16 but AscendW8A8LinearMethod",
+        a + "o_proj.quant_bias: float tensor (torch.float32) for integer parameter",
+    ])
+
+
+def test_referee_reports_moe_kv_and_mtp_problems(sources, va_src, tmp_path):
+    """W4A16 / MXFP4 experts, FAKQuant and GQA C8 scales, the MTP draft and the group size."""
+    e = "model.layers.1.mlp.experts.1."
+
+    def w4(t):
+        t[e + "gate_proj.weight_packed"] = t[e + "gate_proj.weight_packed"].view(torch.float32)
+        del t[e + "down_proj.weight_shape"]
+        t[e + "up_proj.weight_offset"] = torch.zeros_like(t[e + "up_proj.weight_scale"])  # loads: zero offsets
+
+    bad = _mutate(build(sources, "qmoe", {"scheme": "w4a16", "group_size": 32}), tmp_path / "w4", w4,
+                  lambda d: d.update(group_size=64))  # every group scale now has the wrong width
+    problems = check_output(bad, va_src)
+    assert any(p.startswith(e + "gate_proj.weight_packed: float tensor (torch.float32)") for p in problems)
+    assert any(p.startswith("model.layers.1.mlp.experts.w2_weight_shape: declared by AscendW4A16FusedMoEMethod")
+               and "model.layers.1.mlp.experts.1.down_proj.weight_shape" in p for p in problems)
+    assert any(p.startswith("model.layers.1.mlp.experts.0.down_proj.weight_scale: shape [128, 2] but") for p in problems)
+    # W4A16 declares (zero) offsets, so a checkpoint offset loads; here only its group width is wrong
+    assert [p.split(" but")[0] for p in problems if e + "up_proj.weight_offset" in p] == [
+        e + "up_proj.weight_offset: shape [64, 4]"]
+
+    def mx(t):
+        t[e + "down_proj.weight_scale"] = t[e + "down_proj.weight_scale"].float()
+        t["model.layers.3.eh_proj.weight"] = t["model.layers.3.eh_proj.weight"].to(torch.int8)
+        t["model.layers.3.mlp.experts.9.up_proj.weight"] = t["model.layers.3.mlp.experts.0.up_proj.weight"].clone()
+
+    _expect(check_output(_mutate(build(sources, "ds", {"scheme": "fp4", "fp4_format": "mxfp4"}), tmp_path / "mx",
+                                 mx), va_src), [
+        e + "down_proj.weight_scale: float tensor (torch.float32) for integer parameter",
+        "[MTP draft] model.layers.3.eh_proj.weight: integer tensor (torch.int8) for float parameter",
+        "[MTP draft] model.layers.3.mlp.experts.9.up_proj.weight: checkpoint tensor with no parameter in vLLM",
+    ])
+
+    a = "model.layers.2.self_attn."
+    _expect(check_output(_mutate(build(sources, "ds", {"scheme": "w8a8c8"}), tmp_path / "fa",
+                                 lambda t: t.update({a + "fa_q.scale": t[a + "fa_q.scale"][:1]}),
+                                 lambda d: d.pop("model.layers.1.self_attn.fa_k.scale")), va_src), [
+        a + "fa_q.scale: shape [1, 1] but model.layers.2.self_attn.mla_attn.mla_attn.fa_q.scale",
+        # layer 1 is no longer an FA layer (its fa_k.scale tag is gone): its six tensors have no parameter
+        *[f"model.layers.1.self_attn.fa_{x}.{y}: checkpoint tensor with no parameter" for x in "kqv"
+          for y in ("offset", "scale")],
+    ])
+
+    g = "model.layers.1.self_attn."
+    _expect(check_output(_mutate(build(sources, "qdense", {"scheme": "w8a8c8"}), tmp_path / "c8",
+                                 lambda t: (t.pop(g + "v_proj.kv_cache_scale"),
+                                            t.update({g + "k_proj.kv_cache_scale": t[g + "k_proj.kv_cache_scale"][:5]}))),
+                         va_src), [
+        g + "k_proj.kv_cache_scale: shape [5]: the C8 scale must squeeze",
+        g + "attn.v_cache_scale: declared by AscendC8KVCacheAttentionMethod",
+    ])
