@@ -31,7 +31,8 @@ Bytes per tensor shard under a scheme:
 KV cache for ``kv_tokens``: the tokens in flight over the whole world; attention DP splits
 sequences evenly over the dp ranks (``ceil(kv_tokens / dp)`` per rank), TP ranks of a group
 hold the same tokens. Per token and decoder layer (MTP layers excluded): MLA caches
-``kv_lora_rank + qk_rope_head_dim`` values (whole on every TP rank: the latent has no heads);
+``kv_lora_rank + qk_rope_head_dim`` values (whole on every TP rank: the latent has no heads),
+plus DeepSeek-V3.2's indexer key (``index_head_dim``, bf16);
 GQA caches ``2 x kv_heads / tp x head_dim``. bf16, or int8 under w8a8c8 (MLA: the latent
 only; the rope key stays bf16).
 """
@@ -398,7 +399,9 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
                                                          for sp in kv_tensor_specs_for_config(config))
     elem = 1 if int8_kv else 2
     # MLA: latent int8 under C8 (FAKQuant), rope key always bf16; GQA: k and v
-    per_token = n_layers * (cfg["kv_lora_rank"] * elem + cfg["qk_rope_head_dim"] * 2 if mla
+    # DeepSeek-V3.2: the lightning indexer caches its own key (index_head_dim, bf16 in cvt's runtime)
+    index_dim = cfg.get("index_head_dim", 128) if arch.model_type == "deepseek_v32" else 0
+    per_token = n_layers * (cfg["kv_lora_rank"] * elem + cfg["qk_rope_head_dim"] * 2 + index_dim * 2 if mla
                             else 2 * -(-kv_heads // layout.tp) * head_dim * elem)
     kv_rank = -(-kv_tokens // layout.dp) * per_token
 
@@ -440,7 +443,8 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
             + f"{f', group {sch.group_size}' if getattr(sch, 'group_size', 0) else ''}; the rest bf16"),
         f"KV cache: {kv_tokens} tokens in flight over the world, split evenly over dp {layout.dp} "
         f"({-(-kv_tokens // layout.dp)} per rank); " + (
-            f"MLA latent {cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']} per token and layer, whole on "
+            f"MLA latent {cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}"
+            + (f" + indexer key {index_dim} (bf16)" if index_dim else "") + " per token and layer, whole on "
             "every TP rank" if mla else f"GQA k+v {kv_heads} KV heads / tp x {head_dim}")
         + f"; {'int8' if int8_kv else 'bf16'}; {n_layers} decoder layers (MTP layers not cached)"]
     return Plan(arch.model_type, scheme, layout, ranks, model, kv_tokens,

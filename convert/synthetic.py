@@ -76,6 +76,18 @@ def tiny_deepseek_config(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+def tiny_deepseek_v32_config(**overrides: Any) -> dict[str, Any]:
+    """`tiny_deepseek_config` as a DeepSeek-V3.2 (sparse attention): a lightning indexer of 8 heads x
+    40 dims (wq_b [320, 128] and wk [40, 256]: partial FP8 blocks like q_b_proj's) keeping the top 8
+    past tokens. No ``rope_interleave`` key: V3.2's MLA rope is always interleaved (transformers'
+    DeepseekV32Config has no such attribute) and its release config.json has none."""
+    cfg = tiny_deepseek_config(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+                               index_n_heads=8, index_head_dim=40, index_topk=8)
+    cfg.pop("rope_interleave")
+    cfg.update(overrides)
+    return cfg
+
+
 def quantize_fp8_block(w, block: tuple[int, int] = (128, 128), scale_dtype: str = "F32"):
     """float weight [n, k] -> (float8_e4m3fn [n, k], scale [ceil(n/bn), ceil(k/bk)]) as releases do:
     scale = amax(block) / 448, w_fp8 = w / scale. `scale_dtype` F8_E8M0 rounds scales up to powers of 2."""
@@ -156,9 +168,15 @@ def random_weights(config: dict[str, Any], seed: int = 0):
     return out
 
 
+# Float tensors a release stores in F32 (the rest of the float tensors are BF16): the router's
+# correction bias, and DeepSeek-V3.2's indexer LayerNorm (the official demo keeps its weight and
+# bias float32, inference/model.py `LayerNorm`; loaders list them F32 in the HF release)
+F32_IN_RELEASE = ("e_score_correction_bias", ".indexer.k_norm.weight", ".indexer.k_norm.bias")
+
+
 def release_tensors(config: dict[str, Any], seed: int = 0, scale_dtype: str = "F32"):
     """name -> tensor in release dtypes: FP8 + scales for quantizable linears (per the table),
-    F32 router bias, BF16 for everything else."""
+    F32 for `F32_IN_RELEASE`, BF16 for everything else."""
     import torch
 
     arch = arch_for(config)
@@ -170,7 +188,7 @@ def release_tensors(config: dict[str, Any], seed: int = 0, scale_dtype: str = "F
             q, s = quantize_fp8_block(w, block, scale_dtype)
             out[name] = q
             out[name + "_scale_inv"] = s
-        elif info.param == "e_score_correction_bias":
+        elif name.endswith(F32_IN_RELEASE):
             out[name] = w.float()
         else:
             out[name] = w.to(torch.bfloat16)

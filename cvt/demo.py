@@ -4,7 +4,8 @@ Builds the checkpoint with `cvt.convert.synthetic` (random weights; one dense la
 MoE layers, an MTP layer, dims that are not multiples of 128, scales split across shards),
 then runs the stages in pipeline order: fp8-to-bf16, run, verify, quantize, shard + a 4-rank
 torchrun on CPU checked against one process, ONNX export checked with onnxruntime, the atc
-pre-check and command.
+pre-check and command; then a tiny DeepSeek-V3.2 (lightning indexer, top-k sparse attention)
+through fp8-to-bf16, quantize and verify.
 """
 
 from __future__ import annotations
@@ -31,17 +32,17 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     out = {"fp8": root / "source-fp8", "bf16": root / "bf16"}
 
     say = (lambda s: None) if quiet else echo
-    say(f"[1/8] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
+    say(f"[1/9] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
     write_fp8_release(out["fp8"])
     say(inspect_checkpoint(out["fp8"]).render())
 
-    say(f"\n[2/8] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
+    say(f"\n[2/9] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
     r = fp8_to_bf16(out["fp8"], out["bf16"], quiet=True)
     say(f"dequantized {r.extra['dequantized']} tensors, passed {r.extra['passed_through']} through, "
         f"{r.bytes_out} bytes in {len(r.files)} files")
     say(inspect_checkpoint(out["bf16"]).render())
 
-    say(f"\n[3/8] cvt run {out['bf16']} --prompt 'Hello' --max-new-tokens 8   (random weights: the text is noise)")
+    say(f"\n[3/9] cvt run {out['bf16']} --prompt 'Hello' --max-new-tokens 8   (random weights: the text is noise)")
     import torch
 
     from cvt.runtime.generate import generate
@@ -56,7 +57,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     del loaded
 
     out["report"] = root / "verify-report"
-    say(f"\n[4/8] cvt verify {out['fp8']} --reference {out['bf16']} --report {out['report']}")
+    say(f"\n[4/9] cvt verify {out['fp8']} --reference {out['bf16']} --report {out['report']}")
     v = verify(out["fp8"], out["bf16"], out["report"], seq_len=32, max_sequences=2).report
     worst = min(row.cosine for row in v.layers)
     say(f"FP8 dequantized on load vs the BF16 output: min layer cosine {worst:.6f}, mean KL {v.logits.kl_mean:.3g}, "
@@ -65,7 +66,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     from cvt.quant.stage import quantize
 
     out["w4a16"] = root / "w4a16-compressed-tensors"
-    say(f"\n[5/8] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
+    say(f"\n[5/9] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
     q = quantize(out["fp8"], out["w4a16"], scheme="w4a16", fmt="compressed-tensors", quiet=True)
     say(f"quantized {q.extra['quantized']} linears from the FP8 release (dequantized on the fly), "
         f"{q.extra['float_modules']} kept float; worst SQNR {q.extra['min_sqnr_db']}")
@@ -74,7 +75,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     say(f"cvt quantize {out['bf16']} {out['w8a8']} --scheme w8a8 --format ascend: {q.extra['quantized']} linears, "
         f"worst SQNR {q.extra['min_sqnr_db']}")
 
-    say(f"\n[6/8] cvt verify, each quantized model against {out['bf16']} (random weights: a smoke test)")
+    say(f"\n[6/9] cvt verify, each quantized model against {out['bf16']} (random weights: a smoke test)")
     for key in ("w4a16", "w8a8"):
         out[f"report-{key}"] = root / f"verify-{key}"
         v = verify(out[key], out["bf16"], out[f"report-{key}"], seq_len=32, max_sequences=2).report
@@ -83,6 +84,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
 
     step_shard(root, out, say)
     step_export(root, out, say)
+    step_v32(root, out, say)
 
     say("\noutputs:")
     for key, path in out.items():
@@ -106,7 +108,7 @@ def step_shard(root: Path, out: dict[str, Path], say) -> None:
 
     out["w4a16-ascend"] = root / "w4a16-ascend"
     out["shards"] = root / "w4a16-ascend-tp2-ep4"
-    say(f"\n[7/8] cvt quantize {out['bf16']} {out['w4a16-ascend']} --scheme w4a16 --format ascend --group-size 64; "
+    say(f"\n[7/9] cvt quantize {out['bf16']} {out['w4a16-ascend']} --scheme w4a16 --format ascend --group-size 64; "
         f"cvt shard {out['w4a16-ascend']} {out['shards']} --world-size 4 --tp 2 --ep 4")
     quantize(out["bf16"], out["w4a16-ascend"], scheme="w4a16", fmt="ascend", group_size=64, quiet=True)
     r = shard(out["w4a16-ascend"], out["shards"], make_layout(world_size=4, tp=2, ep=4), quiet=True)
@@ -140,7 +142,7 @@ def step_export(root: Path, out: dict[str, Path], say) -> None:
     from cvt.export.onnx_export import export_onnx
 
     out["onnx-w4a16"] = root / "onnx-w4a16"
-    say(f"\n[8/8] cvt export onnx {out['w4a16']} {out['onnx-w4a16']} --int4-op matmulnbits --verify")
+    say(f"\n[8/9] cvt export onnx {out['w4a16']} {out['onnx-w4a16']} --int4-op matmulnbits --verify")
     r = export_onnx(out["w4a16"], out["onnx-w4a16"], int4_op="matmulnbits", verify=True, quiet=True)
     for check in r.parity:
         say(check.render())
@@ -161,3 +163,26 @@ def step_export(root: Path, out: dict[str, Path], say) -> None:
                    dry_run=True)
     say("cvt export om ... --dry-run: on an Ascend host with CANN (decode step, batch 1, 15 cached tokens):\n  "
         + om.command_line)
+
+
+def step_v32(root: Path, out: dict[str, Path], say) -> None:
+    """A tiny DeepSeek-V3.2 FP8 release (indexer included) -> BF16 -> W8A8 Ascend (indexer kept
+    float), verified against the BF16 model on sequences longer than its index_topk."""
+    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
+    from cvt.convert.synthetic import tiny_deepseek_v32_config, write_fp8_release
+    from cvt.quant.stage import quantize
+    from cvt.runtime.verify import verify
+
+    cfg = tiny_deepseek_v32_config()
+    out["v32-fp8"], out["v32-bf16"], out["v32-w8a8"] = (root / "v32-source-fp8", root / "v32-bf16",
+                                                        root / "v32-w8a8-ascend")
+    say(f"\n[9/9] DeepSeek-V3.2 (index_topk {cfg['index_topk']}): cvt fp8-to-bf16 {out['v32-fp8']} {out['v32-bf16']}; "
+        f"cvt quantize ... {out['v32-w8a8']} --scheme w8a8 --format ascend; cvt verify")
+    write_fp8_release(out["v32-fp8"], cfg)
+    fp8_to_bf16(out["v32-fp8"], out["v32-bf16"], quiet=True)
+    q = quantize(out["v32-bf16"], out["v32-w8a8"], scheme="w8a8", fmt="ascend", quiet=True)
+    out["report-v32"] = root / "verify-v32-w8a8"
+    v = verify(out["v32-w8a8"], out["v32-bf16"], out["report-v32"], seq_len=32, max_sequences=2).report
+    say(f"{q.extra['quantized']} linears quantized, the indexer kept float; 32-token sequences (sparse past "
+        f"{cfg['index_topk']} keys): min layer cosine {min(r.cosine for r in v.layers):.4f}, "
+        f"mean KL {v.logits.kl_mean:.3g}")

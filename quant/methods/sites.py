@@ -135,11 +135,19 @@ def _smooth_groups(layer: nn.Module, prefix: str) -> list[_Group]:
     ap = f"{prefix}.self_attn"
     if attn is not None and hasattr(layer, "input_layernorm"):
         cons = [f"{ap}.{n}" for n in ATTN_INPUTS if isinstance(getattr(attn, n, None), Linear)]
+        # DeepSeek-V3.2's lightning indexer reads the same two activations (wk, weights_proj: the
+        # normed hidden state; wq_b: q_a_layernorm's output) and stays float: a fold into either norm
+        # must scale its columns too, as the router's
+        idx = getattr(attn, "indexer", None)
+        ip = f"{ap}.indexer"
         if cons:
-            groups.append(_Group(f"{prefix}.input_layernorm", cons))
+            groups.append(_Group(f"{prefix}.input_layernorm", cons,
+                                 extras=[f"{ip}.{n}" for n in ("wk", "weights_proj")
+                                         if isinstance(getattr(idx, n, None), Linear)]))
         if isinstance(getattr(attn, "q_a_layernorm", None), nn.Module) and isinstance(getattr(attn, "q_b_proj", None),
                                                                                      Linear):
-            groups.append(_Group(f"{ap}.q_a_layernorm", [f"{ap}.q_b_proj"]))
+            groups.append(_Group(f"{ap}.q_a_layernorm", [f"{ap}.q_b_proj"],
+                                 extras=[f"{ip}.wq_b"] if isinstance(getattr(idx, "wq_b", None), Linear) else []))
         kv_b = getattr(attn, "kv_b_proj", None)
         if isinstance(kv_b, Linear) and hasattr(attn, "kv_a_layernorm"):
             groups.append(_Group(f"{ap}.kv_a_layernorm", [f"{ap}.kv_b_proj"], awq_only=True))

@@ -351,7 +351,8 @@ class MLA(nn.Module):
                 start_pos: int, cache: MLACache | None) -> torch.Tensor:
         """x [b, s, h]; cos, sin [s, dr/2]; mask [s, T] bool (True = may attend) -> [b, s, h]."""
         b, s, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        qr = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora else None              # [b, s, q_lora]
+        q = self.q_b_proj(qr) if self.q_lora else self.q_proj(x)
         q_nope, q_pe = q.view(b, s, self.n_heads, -1).split([self.nope, self.rope], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin, self.interleave)                         # [b, s, H, dr]
         kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
@@ -367,11 +368,19 @@ class MLA(nn.Module):
         kv_cache.query_input(self, q_abs)                                          # fa_q calibration
         scores = (torch.einsum("bshc,btc->bsht", q_abs, kv)
                   + torch.einsum("bshr,btr->bsht", q_pe, k_pe)) * self.softmax_scale  # [b, s, H, T]
-        scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
+        keep = self.keep(x, qr, cos, sin, mask, start_pos, cache)                   # [1 or b, s, T]
+        scores = scores.masked_fill(~keep[:, :, None, :], float("-inf"))
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
         o = torch.einsum("bsht,btc->bshc", probs, kv)                              # [b, s, H, C]
         o = torch.einsum("bshc,hdc->bshd", o, wkv_b[:, -self.v_dim:])              # [b, s, H, dv]
         return self.o_proj(o.flatten(2))
+
+    def keep(self, x: torch.Tensor, qr: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+             mask: torch.Tensor, start_pos: int, cache) -> torch.Tensor:
+        """The keys each query attends, bool [1 or b, s, T]: here the causal mask; DeepSeek-V3.2's
+        sparse attention (`deepseek_v32.SparseMLA`) narrows it to its indexer's top-k. Called after
+        the MLA cache write, with qr = q_a_layernorm(q_a_proj(x)) (None without q_lora)."""
+        return mask[None]
 
 
 class Gate(nn.Module):
@@ -432,11 +441,11 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: Args, i: int, dtype=None, device=None, experts=None):
+    def __init__(self, args: Args, i: int, dtype=None, device=None, experts=None, attention=MLA):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **kw)
-        self.self_attn = MLA(args, **kw)
+        self.self_attn = attention(args, **kw)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **kw)
         self.mlp = (MLP(args.hidden_size, args.intermediate_size, **kw) if i < args.n_dense
                     else MoE(args, **kw, experts=experts))
@@ -457,8 +466,8 @@ class MTPLayer(DecoderLayer):
     """Multi-token-prediction layer: a full decoder layer plus its own embed_tokens, enorm, hnorm,
     eh_proj [h, 2h] and shared_head (norm, head). Loadable by name; `Model.forward` skips it."""
 
-    def __init__(self, args: Args, i: int, dtype=None, device=None, experts=None):
-        super().__init__(args, i, dtype, device, experts)
+    def __init__(self, args: Args, i: int, dtype=None, device=None, experts=None, attention=MLA):
+        super().__init__(args, i, dtype, device, experts, attention)
         h = args.hidden_size
         self.embed_tokens = nn.Embedding(args.vocab_size, h, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
@@ -471,14 +480,14 @@ class MTPLayer(DecoderLayer):
 class Backbone(nn.Module):
     """The checkpoint's `model.` prefix: embed_tokens, layers (decoder + MTP), norm."""
 
-    def __init__(self, args: Args, dtype=None, device=None, mtp: bool = True, experts=None):
+    def __init__(self, args: Args, dtype=None, device=None, mtp: bool = True, experts=None, attention=MLA):
         super().__init__()
         n = args.num_hidden_layers
         ids = (lambda i: None) if experts is None else experts.get
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList([DecoderLayer(args, i, dtype, device, ids(i)) for i in range(n)]
-                                    + [MTPLayer(args, n + j, dtype, device, ids(n + j))
+        self.layers = nn.ModuleList([DecoderLayer(args, i, dtype, device, ids(i), attention) for i in range(n)]
+                                    + [MTPLayer(args, n + j, dtype, device, ids(n + j), attention)
                                        for j in range(args.n_mtp if mtp else 0)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype, device=device)
 
@@ -489,13 +498,16 @@ class Model(nn.Module):
     dtype (default: torch's default dtype) applies to every weight but the float32 router bias;
     `mtp=False` leaves the MTP layers out (their tensors are then simply not loaded);
     `experts` (MoE layer -> global expert ids) builds only those routed experts (a rank of
-    `cvt.runtime.parallel`; None: all).
+    `cvt.runtime.parallel`; None: all). `attention`: the attention class of every layer (DeepSeek-V3.2
+    sets its sparse one).
     """
+
+    attention: ClassVar[type[nn.Module]] = MLA
 
     def __init__(self, args: Args, dtype=None, device=None, mtp: bool = True, experts=None):
         super().__init__()
         self.args = args
-        self.model = Backbone(args, dtype, device, mtp, experts)
+        self.model = Backbone(args, dtype, device, mtp, experts, self.attention)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, dtype=dtype, device=device)
         # plain attributes, not buffers: computed on CPU even for device="meta", not in state_dict
         self.inv_freq, self.rope_scale, self.softmax_scale = rope_tables(args)
