@@ -124,7 +124,9 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
 @click.option("--fp4-format", type=click.Choice(["nvfp4", "mxfp4"]), default="nvfp4", show_default=True,
               help="nvfp4: group 16, E4M3 scales + a global scale; mxfp4: group 32, E8M0 scales.")
 @click.option("--calib", type=click.Path(dir_okay=False), help="Calibration text or .jsonl (\"text\" field); default: a built-in sample.")
-@click.option("--calib-tokens", type=click.IntRange(16), default=2048, show_default=True, help="Calibration tokens to use.")
+@click.option("--calib-tokens", type=click.IntRange(16), default=32768, show_default=True,
+              help="Calibration tokens to use, in sequences of 256 (the default: 128 x 256, the budget "
+                   "llm-compressor's GPTQ examples use at that length; fewer leave MoE experts few rows).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="cpu", show_default=True,
               help="Where calibration computes (gptq / awq / smoothquant, --static-attention, w8a8c8): each decoder "
                    "layer is read from SRC onto it, calibrated and dropped; RTN needs no device.")

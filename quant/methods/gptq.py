@@ -31,6 +31,14 @@ the result is built from the RTN parts with the code part replaced, so the scale
   g_idx is needed on disk) and for schemes with a per-tensor part (nvfp4's global scale: a
   slice would get its own), and on request.
 
+Scale search (``scale_search``, on by default in the calibration drivers): instead of the
+absmax grid, each group takes the grid of its weight clipped to ``r * [min, max]`` for the
+``r`` in 1.0 .. 0.8 that quantizes it with the least error weighted by diag(H) ("hdiag"; "mse"
+unweighted). With ``act_order`` (static groups) the search runs once on the original weight,
+otherwise on each group's current columns when the group starts. On the trained fixture
+(W4A16 g128, 32768 calibration tokens, held-out text) act_order + the hdiag search lowered the
+mean KL from 0.00375 to 0.00304 (README).
+
 Supported kernel formats: w4a16 (int4 sym/asym, any group size), w8a8_dynamic (int8 per
 channel: one group = the row), nvfp4, mxfp4. w8a8_static (static activation scales) is
 refused: its parts fold the weight scale into deq_scale / quant_bias.
@@ -56,6 +64,10 @@ E2M1_MIDS = (E2M1[1:] + E2M1[:-1]) / 2
 INT_RANGES = {"w4a16": ("weight_int4", -8, 7), "w8a8_dynamic": ("weight", -128, 127)}
 FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}
 SUPPORTED = ("w4a16", "w8a8_dynamic", "nvfp4", "mxfp4")
+METRICS = ("mse", "hdiag")
+# clipping ratios tried by the scale search: 1.0 (absmax) down to 0.8 in steps of 0.01, as
+# llm-compressor's MSE observer (maxshrink 0.2) and AutoAWQ's clip search cover
+SHRINKS = tuple(1 - i / 100 for i in range(21))
 
 
 class HessianAccumulator:
@@ -162,6 +174,24 @@ class _Grid:
         code = idx + 8 * neg.to(idx.dtype)
         return code.to(torch.float32), torch.where(neg, -mag, mag) * s
 
+    def fake(self, W: torch.Tensor) -> torch.Tensor:
+        """Every column of ``W [n, n_groups * G]`` on its group's grid (column j in group j // G),
+        dequantized: the values `quant` gives column by column, computed at once."""
+        n, k = W.shape
+        G = k // self.n_groups
+        s = self.scale.repeat_interleave(G, dim=1)
+        zero = s == 0
+        safe = torch.where(zero, torch.ones_like(s), s)
+        if self.offset is not None:
+            off = self.offset.repeat_interleave(G, dim=1)
+            q = torch.round(W / safe + off).clamp_(self.qmin, self.qmax)
+            q = torch.where(zero, torch.round(off).clamp(self.qmin, self.qmax), q)
+            return (q - off) * s
+        v = torch.where(zero, torch.zeros_like(W), W / safe)
+        idx = torch.bucketize(v.abs(), self._mids)          # #(MIDS < |v|), as `quant`
+        mag = self._e2m1[idx]
+        return torch.where((v < 0) & (idx > 0), -mag, mag) * s
+
     def parts(self, rtn: QuantizedTensor, codes: torch.Tensor) -> dict[str, torch.Tensor]:
         """`rtn`'s parts with the codes replaced and, for dynamic groups, the group scales."""
         out = dict(rtn.parts)
@@ -191,16 +221,77 @@ def _dynamic_parts(fmt: str, parts: dict, n: int, n_groups: int) -> dict[str, to
             and k not in ("weight", "weight_int4", "weight_fp4")}
 
 
+def _clip(W: torch.Tensor, G: int, r: float) -> torch.Tensor:
+    """W with every group's range shrunk by r: clamp to [r * min(w, 0), r * max(w, 0)] per row and group."""
+    n, k = W.shape
+    g = W.reshape(n, k // G, G)
+    lo = g.amin(dim=-1, keepdim=True).clamp(max=0.0) * r
+    hi = g.amax(dim=-1, keepdim=True).clamp(min=0.0) * r
+    return torch.maximum(torch.minimum(g, hi), lo).reshape(n, k)
+
+
+def _group_loss(err: torch.Tensor, H: torch.Tensor, G: int, metric: str) -> torch.Tensor:
+    """[n, k/G] loss of the error ``err [n, k]`` per row and group: "mse" sum e^2; "hdiag" sum
+    e^2 diag(H) (each column's error weighted by its input's energy: the output error a column
+    causes when the inputs are uncorrelated)."""
+    n, k = err.shape
+    e = err.reshape(n, k // G, G)
+    if metric == "mse":
+        return e.pow(2).sum(-1)
+    return (e.pow(2) * torch.diagonal(H).reshape(1, k // G, G)).sum(-1)
+
+
+def search_scales(W: torch.Tensor, H: torch.Tensor, scheme: Scheme, G: int, shrinks, metric: str) -> QuantizedTensor:
+    """The scheme's quantization of ``W [n, k]`` whose per-group parts (scales, offsets) are, per
+    row and group, those of the clipped weight `_clip(W, G, r)` for the r in `shrinks` whose grid
+    quantizes W (unclipped) with the least `_group_loss`. shrinks[0] should be 1.0 (plain absmax):
+    ties keep the earlier candidate, so the chosen grid is never worse than it on the metric."""
+    n, k = W.shape
+    ng = k // G
+    best_loss = best = None
+    cands = []
+    for i, r in enumerate(shrinks):
+        qt = scheme.quantize(_clip(W, G, r) if r != 1.0 else W)
+        loss = _group_loss(W - _Grid(qt, ng).fake(W), H, G, metric)
+        cands.append(qt)
+        if best is None:
+            best_loss, best = loss, torch.zeros(n, ng, dtype=torch.long, device=W.device)
+        else:
+            better = loss < best_loss
+            best_loss = torch.where(better, loss, best_loss)
+            best = torch.where(better, torch.full_like(best, i), best)
+    base = cands[0]
+    parts = {}
+    for key, v0 in base.parts.items():
+        v = torch.stack([c.parts[key].reshape(n, -1) for c in cands])      # [c, n, m]
+        m = v.shape[2]
+        if m == ng:
+            idx = best[None]
+        elif m == k:
+            idx = best.repeat_interleave(G, dim=1)[None]
+        else:
+            raise CvtError(f"GPTQ scale search: part {key!r} {list(v0.shape)} is neither per group nor per element")
+        parts[key] = v.gather(0, idx)[0].reshape(v0.shape)
+    return QuantizedTensor(base.scheme, base.kernel_fmt, tuple(base.shape), parts, base.group_size, base.symmetric,
+                           dict(base.extra))
+
+
 @torch.no_grad()
 def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: float = 0.01,
                   act_order: bool = False, block_size: int = 128, static_groups: bool | None = None,
-                  name: str = "weight") -> GPTQResult:
+                  name: str = "weight", scale_search: str | None = None,
+                  shrinks: tuple[float, ...] = SHRINKS) -> GPTQResult:
     """GPTQ of one linear weight ``w [n, k]`` given its input Hessian ``H [k, k]`` (2/N sum x x^T).
 
     damp: relative dampening (times mean diag H). act_order: quantize columns in order of
     descending diag(H) (implies static groups). static_groups: None = the reference (dynamic
     group scales) unless act_order or the scheme has a per-tensor part. block_size: lazy-batch
-    width (raised to the group size when they do not nest). `name` is used in messages."""
+    width (raised to the group size when they do not nest). `name` is used in messages.
+    scale_search: None (the reference: each group's scales from the scheme's RTN, absmax) or a
+    `_group_loss` metric ("mse", "hdiag"): each group's scales are those of the clipped weight
+    `_clip(w, G, r)` for the r in `shrinks` whose grid quantizes the group with the least loss
+    (`search_scales`; plain absmax r = 1 included, so never worse on that metric). Not for
+    schemes with a per-tensor part (nvfp4's global scale): ignored there."""
     w0 = w.detach().to(torch.float32)
     n, k = w0.shape
     if H.shape != (k, k):
@@ -231,6 +322,12 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: flo
                        "only static groups are possible")
     if block_size % G and G % block_size:
         block_size = G
+    if scale_search is not None and scale_search not in METRICS:
+        raise CvtError(f"GPTQ {name}: unknown scale_search {scale_search!r} (known: {', '.join(METRICS)})")
+    search = scale_search is not None and not has_global
+    if search and static_groups:
+        rtn = search_scales(W, H, scheme, G, shrinks, scale_search)
+        grid = _Grid(rtn, n_groups)
 
     if act_order and not static_groups:
         raise CvtError(f"GPTQ {name}: act_order needs static groups (dynamic ones would need a g_idx on disk)")
@@ -256,7 +353,8 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: flo
                 # the group's current columns: in this block (W1, up to date) and beyond it (W, lazily
                 # updated by every previous block; this block has not pushed errors yet when i == 0)
                 cur = torch.cat((W1[:, i:], W[:, i2:]), dim=1)[:, :G]
-                gq = scheme.quantize(cur.contiguous())
+                gq = (search_scales(cur.contiguous(), H[j:j + G, j:j + G], scheme, G, shrinks, scale_search)
+                      if search else scheme.quantize(cur.contiguous()))
                 grid.set_group(g, gq)
                 for key in dyn_parts:
                     dyn_parts[key][:, g] = gq.parts[key].reshape(n, -1)[:, 0]

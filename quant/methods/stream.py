@@ -231,7 +231,8 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     from cvt.convert.config import source_format
 
     device = torch.device(device)
-    o = dict(min_tokens=32, batch_size=8, damp=0.01, act_order=False, block_size=128, static_groups=None,
+    o = dict(min_tokens=32, batch_size=8, damp=0.01, act_order=True, scale_search="hdiag", block_size=128,
+             static_groups=None,
              true_sequential=True, alpha=0.5, n_grid=20, duo_scaling=True, awq_clip_search=True, max_samples=512,
              max_hessian_bytes=4 << 30, hessian_dtype=torch.float32, collect_stats=False)
     unknown = set(opts) - set(o)

@@ -361,7 +361,9 @@ def test_fixture_gptq_beats_rtn_w4a16(fixture_data):
     for method in ("rtn", "gptq", "awq"):
         model = d.load()
         res = calibrate(model, d.calib, _w4(model), method)
-        assert not res.fallbacks or method == "rtn"
+        # only routed experts that the (small) calibration batch barely reaches fall back to RTN
+        assert all(".mlp.experts." in f.name and f.tokens < 32 for f in res.fallbacks), res.fallbacks
+        assert len(res.fallbacks) <= 6 or method == "rtn", res.fallbacks
         kl[method] = _kl(model, d)
     assert kl["gptq"] < 0.8 * kl["rtn"], kl
     # the fixture has no activation outliers (max / median of mean|x| <= ~2 at every norm), so AWQ's
