@@ -245,7 +245,9 @@ def search_scales(W: torch.Tensor, H: torch.Tensor, scheme: Scheme, G: int, shri
     """The scheme's quantization of ``W [n, k]`` whose per-group parts (scales, offsets) are, per
     row and group, those of the clipped weight `_clip(W, G, r)` for the r in `shrinks` whose grid
     quantizes W (unclipped) with the least `_group_loss`. shrinks[0] should be 1.0 (plain absmax):
-    ties keep the earlier candidate, so the chosen grid is never worse than it on the metric."""
+    ties keep the earlier candidate, so the chosen grid is never worse than it on the metric.
+    The loss is that of W on each grid (`_Grid.fake`: codes of the unclipped weight, as GPTQ picks
+    them); the returned codes are the clipped weight's RTN codes, which GPTQ replaces."""
     n, k = W.shape
     ng = k // G
     best_loss = best = None

@@ -413,3 +413,29 @@ def test_fixture_experts_with_few_tokens_fall_back_to_rtn(fixture_data):
         if name not in fell:
             assert res.methods[name] == "gptq" and res.stats[name]["tokens"] >= threshold
     assert out.act_absmax["model.layers.0.self_attn.q_a_proj"] > 0
+
+
+@pytest.mark.parametrize("scheme", [get_scheme("w4a16", group_size=32), get_scheme("w4a16", group_size=32, symmetric=False),
+                                    get_scheme("w8a8"), get_scheme("fp4", fp4_format="mxfp4")],
+                         ids=["int4-sym", "int4-asym", "int8", "mxfp4"])
+def test_scale_search_never_worse_than_absmax_on_its_metric(scheme):
+    """`search_scales` picks, per row and group, the clip ratio with the least diag(H)-weighted
+    error; the absmax grid (ratio 1.0) is a candidate, so no group is worse than with it, and with
+    only that candidate the result is the scheme's own quantization, part for part."""
+    from cvt.quant.methods.gptq import _Grid, _group_loss, search_scales
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 128, generator=g) * torch.rand(48, 1, generator=g)
+    w[:, 5] *= 8                                                    # an outlier column: clipping helps
+    x = torch.randn(512, 128, generator=g) * torch.rand(128, generator=g)
+    H = 2 * x.T @ x / 512
+    rtn = scheme.quantize(w)
+    G = 128 if rtn.kernel_fmt == "w8a8_dynamic" else 32
+    # the loss of w (unclipped) on each grid, as GPTQ will quantize on it (`_Grid.fake`)
+    base = _group_loss(w - _Grid(rtn, 128 // G).fake(w), H, G, "hdiag")
+    found = search_scales(w, H, scheme, G, tuple(1 - i / 100 for i in range(21)), "hdiag")
+    loss = _group_loss(w - _Grid(found, 128 // G).fake(w), H, G, "hdiag")
+    assert (loss <= base).all() and (loss < base).any()
+    same = search_scales(w, H, scheme, G, (1.0,), "hdiag")
+    assert same.parts.keys() == rtn.parts.keys()
+    assert all(torch.equal(same.parts[k], rtn.parts[k]) for k in rtn.parts)
