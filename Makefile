@@ -30,4 +30,4 @@ bench: $(STAMP)
 	$(PY) bench/fp8_to_bf16.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info convert/*.so
+	rm -rf $(VENV) build *.egg-info convert/*.so quant/*.so

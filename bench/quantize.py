@@ -1,7 +1,7 @@
 """Benchmark `cvt quantize`: RTN schemes against the IO floor, and the calibrated methods per layer.
 
 Usage: .venv/bin/python bench/quantize.py [--size-gb 0.5] [--dir DIR] [--repeat 1]
-       [--fixture DIR] [--keep]
+       [--fixture DIR] [--keep] [--rtn-only] [--no-reference] [--kernel-only]
 
 Why: RTN quantize is a streaming stage like fp8-to-bf16 (read FP8, dequantize, quantize,
 write, hash), so its yardstick is the same IO floor and its memory must stay flat whatever the
@@ -16,11 +16,17 @@ dense one (0.58 GB). Input page-cache warm for every run (just written and synce
 Measured, in this one run, best of --repeat:
   a. per RTN scheme (w8a8; w4a16 group 128; fp4 nvfp4; compressed-tensors):
      `python -m cvt quantize SRC DST --scheme S --quiet` in a child process: wall time
-     (interpreter start and imports included) and its peak RSS (os.wait4);
+     (interpreter start and imports included) and its peak RSS (os.wait4), with the fused
+     kernels (`cvt.quant.qkernel`: the C kernel when built) and, unless --no-reference, again
+     with CVT_QUANT_KERNEL=reference (the unfused torch path: float32 copies of each weight);
   b. the IO floor for that scheme's output: read every input byte, write as many bytes as
      cvt wrote in files of the same sizes, fsync per file (bench/fp8_to_bf16.py's io_floor);
-     reported: GB/s of input, cvt's speed vs the floor, RSS vs the largest weight as float32
-     (quantize materializes each weight as float32 [n, k] before quantizing it).
+     reported: GB/s of input, cvt's speed vs the floor, peak RSS vs the largest weight as
+     float32 and vs the memory budget (2 x the largest tensor in its source dtype + 1 GB);
+  k. the kernels alone on one large FP8 weight (in this process, best of 3): the fused C
+     kernel (all cores, and one thread), the blockwise torch fallback and the reference
+     (dequantize to float32, scheme.quantize, layout encode, SQNR), each checked bit-identical
+     to the reference (--kernel-only runs just this part).
   c. calibrated methods (gptq w4a16 g32, awq w4a16 g32, smoothquant w8a8) on the demo model
      (write_fp8_release) and the trained fixture (--fixture, BF16, when present): the same CLI
      in a child, the per-layer seconds from the manifest's quant.calibration; wall time,
@@ -86,7 +92,30 @@ def largest_f32_weight(fb, cfg: dict) -> tuple[str, int]:
     return w.name, 4 * math.prod(w.shape)
 
 
-def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool) -> list[tuple]:
+def largest_source_tensor(fb, cfg: dict) -> tuple[str, int]:
+    s = max(fb.tensor_specs(cfg), key=lambda s: s.nbytes)
+    return s.name, s.nbytes
+
+
+def _run_env(fb, cmd: list[str], kernel: str) -> tuple[float, int]:
+    old = os.environ.get("CVT_QUANT_KERNEL")
+    os.environ["CVT_QUANT_KERNEL"] = kernel
+    try:
+        return fb.run_cvt(cmd)
+    finally:
+        if old is None:
+            del os.environ["CVT_QUANT_KERNEL"]
+        else:
+            os.environ["CVT_QUANT_KERNEL"] = old
+
+
+def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, reference: bool) -> list[tuple]:
+    """Per scheme: (scheme, cvt s, peak RSS, floor s, out bytes, cmd, reference s, reference RSS, same bytes)."""
+    import hashlib
+
+    def digest(d: Path) -> list[str]:
+        return [hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.glob("*.safetensors"))]
+
     src_files = sorted(src.glob("*.safetensors"))
     rows = []
     for scheme, extra in RTN:
@@ -95,16 +124,97 @@ def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool) -> l
             with fb.scratch(root / f"{scheme}-{r}", keep) as dst:
                 cmd = [sys.executable, "-m", "cvt", "quantize", str(src), str(dst), "--scheme", scheme, *extra,
                        "--quiet"]
-                t, rss = fb.run_cvt(cmd)
+                t, rss = _run_env(fb, cmd, "")
                 sizes = [p.stat().st_size for p in sorted(dst.glob("*.safetensors"))]
+                fused = digest(dst) if reference and r == 0 else None
+            t_ref = rss_ref = same = None
+            if reference and r == 0:
+                with fb.scratch(root / f"{scheme}-ref", keep) as dst:
+                    t_ref, rss_ref = _run_env(fb, cmd[:5] + [str(dst)] + cmd[6:], "reference")
+                    same = digest(dst) == fused
             with fb.scratch(root / f"floor-{scheme}-{r}", keep) as out:
                 t_floor = sum(fb.io_floor(src_files, out, sizes))
-            if best is None or t < best[1]:
-                best = (scheme, t, rss, t_floor, sum(sizes), cmd)
+            if best is None:
+                best = (scheme, t, rss, t_floor, sum(sizes), cmd, t_ref, rss_ref, same)
+            elif t < best[1]:
+                best = (scheme, t, rss, min(best[3], t_floor), sum(sizes), cmd) + best[6:]
             else:
                 best = best[:3] + (min(best[3], t_floor),) + best[4:]
         rows.append(best)
     return rows
+
+
+KERNEL_CASES = (("w8a8", {}, "ct-int8"), ("w4a16", {"group_size": 128}, "ct-int4"),
+                ("w4a16", {"group_size": 128, "symmetric": False}, "ct-int4"), ("fp4", {}, "ct-nvfp4"),
+                ("fp4", {"fp4_format": "mxfp4"}, "ct-mxfp4"))
+
+
+def kernel_rows(n: int = 7168, k: int = 2048, n_rep: int = 3) -> list[tuple]:
+    """The fused kernels alone on one FP8 [n, k] weight (a routed expert's by default)."""
+    import torch
+
+    from cvt.quant import qkernel as QK
+    from cvt.quant.layouts import LAYOUTS
+    from cvt.quant.schemes import get_scheme
+    from cvt.runtime.metrics import sqnr_db
+
+    g = torch.Generator().manual_seed(1)
+    u = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+    u[(u & 0x7F) == 0x7F] -= 1
+    s = torch.rand(math.ceil(n / 128), math.ceil(k / 128), generator=g) * 2e-3 + 1e-4
+    src = QK.WeightSource.fp8(u.view(torch.float8_e4m3fn), s, (128, 128))
+
+    def best(fn, reps):
+        out, t = None, math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = fn()
+            t = min(t, time.perf_counter() - t0)
+        return out, t
+
+    def reference(sch, lo):
+        w = src.rows_float(0, n)
+        q = sch.quantize(w, name="w")
+        return lo.encode(q), sqnr_db(w, sch.dequantize(q))
+
+    def torch_fallback(sch, lo):
+        os.environ["CVT_QUANT_KERNEL"] = "torch"
+        QK._c_kernel.cache_clear()
+        try:
+            return QK.quantize_to_layout(src, sch, lo, name="w")
+        finally:
+            del os.environ["CVT_QUANT_KERNEL"]
+            QK._c_kernel.cache_clear()
+
+    def same(a: dict, b: dict) -> bool:
+        return list(a) == list(b) and all(
+            a[x].dtype == b[x].dtype and torch.equal(a[x].reshape(-1).view(torch.uint8), b[x].reshape(-1).view(torch.uint8))
+            for x in a)
+
+    rows = []
+    for name, opts, layout in KERNEL_CASES:
+        sch, lo = get_scheme(name, **opts), LAYOUTS.get(layout)
+        (want, sq), t_ref = best(lambda: reference(sch, lo), 1)
+        label = f"{name} {layout}" + ("" if opts.get("symmetric", True) else " asym")
+        rows.append((label, "reference", t_ref, True, 0.0))
+        runs = {"torch blocks": (lambda: torch_fallback(sch, lo), 1)}
+        if QK.kernel_name() == "c":
+            runs = {f"c ({os.cpu_count()} thr)": (lambda: QK.quantize_to_layout(src, sch, lo, name="w"), n_rep),
+                    "c (1 thr)": (lambda: QK.quantize_to_layout(src, sch, lo, name="w", threads=1), n_rep), **runs}
+        for kname, (fn, reps) in runs.items():
+            res, t = best(fn, reps)
+            rows.append((label, kname, t, same(res.tensors, want), abs(res.sqnr_db - sq)))
+    return rows
+
+
+def print_kernel_rows(rows, n: int, k: int) -> None:
+    print(f"\nkernels alone, one FP8 [{n}, {k}] weight (in process, best of 3; GB/s of FP8 input)")
+    print(f"  {'scheme / layout':26}{'kernel':14}{'s':>8}{'GB/s':>8}{'vs ref':>8}  {'bits':6}{'|dSQNR| dB':>11}")
+    ref = {}
+    for label, kname, t, ok, dsq in rows:
+        ref.setdefault(label, t)
+        print(f"  {label:26}{kname:14}{t:8.3f}{n * k / t / GB:8.2f}{ref[label] / t:7.1f}x  "
+              f"{'same' if ok else 'DIFF':6}{dsq:11.1e}")
 
 
 def calib_rows(models: dict[str, Path], root: Path) -> list[tuple]:
@@ -129,6 +239,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="best of N for the RTN runs and their floors")
     ap.add_argument("--fixture", default=str(FIXTURE), help="trained BF16 fixture (skipped when absent)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dirs")
+    ap.add_argument("--rtn-only", action="store_true", help="skip the calibrated methods")
+    ap.add_argument("--no-reference", action="store_true", help="skip the unfused reference runs of the RTN schemes")
+    ap.add_argument("--kernel-only", action="store_true", help="only the kernels on one large weight")
+    ap.add_argument("--kernel-shape", default="7168x2048", help="that weight's [n, k] (default: a routed expert)")
     args = ap.parse_args()
 
     import shutil
@@ -136,7 +250,15 @@ def main() -> None:
     import torch
 
     from cvt.convert.synthetic import write_fp8_release
+    from cvt.quant.qkernel import kernel_name
 
+    kn, kk = (int(x) for x in args.kernel_shape.lower().split("x"))
+    if args.kernel_only:
+        print(f"cvt quantize kernels (torch {torch.__version__}, {os.cpu_count()} CPUs, kernel {kernel_name()}; "
+              f"load average {os.getloadavg()[0]:.2f})")
+        print(f"command:  {shlex.join([sys.executable, *sys.argv])}")
+        print_kernel_rows(kernel_rows(kn, kk), kn, kk)
+        return
     fb = load_fp8_bench()
     load0 = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="cvt-bench-quantize-", dir=args.dir))
@@ -150,36 +272,58 @@ def main() -> None:
         in_total = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         fp8_total = sum(s.nbytes for s in specs if s.dtype == "F8_E4M3")
         big_name, big = largest_f32_weight(fb, cfg)
-        rows = rtn_rows(fb, src, root, cfg, args.repeat, args.keep)
+        src_name, src_big = largest_source_tensor(fb, cfg)
+        rows = rtn_rows(fb, src, root, cfg, args.repeat, args.keep, not args.no_reference)
         shutil.rmtree(src, ignore_errors=True)
-        models = {"demo": write_fp8_release(root / "demo")}
-        fixture = Path(args.fixture)
-        if (fixture / "config.json").is_file():
-            models["trained"] = fixture
-        crows = calib_rows(models, root)
+        crows = []
+        if not args.rtn_only:
+            models = {"demo": write_fp8_release(root / "demo")}
+            fixture = Path(args.fixture)
+            if (fixture / "config.json").is_file():
+                models["trained"] = fixture
+            crows = calib_rows(models, root)
+        krows = kernel_rows(kn, kk)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
 
     n_moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
     print(f"\ncvt quantize benchmark  (torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{os.cpu_count()} CPUs)")
+          f"{os.cpu_count()} CPUs; quantize kernel: {kernel_name()})")
     print(f"command:  {shlex.join([sys.executable, *sys.argv])}")
     print(f"input:    {cfg['num_hidden_layers']} layers ({cfg['first_k_dense_replace']} dense + {n_moe} MoE), "
           f"{cfg['n_routed_experts']} routed experts + 1 shared, vocab {cfg['vocab_size']}, "
           f"hidden {cfg['hidden_size']}: "
           f"{fp8_total / GB:.2f} GB FP8, {in_total / GB:.2f} GB on disk, {len(specs)} tensors "
           f"(written + synced in {t_build:.1f} s); page-cache warm; best of {args.repeat}")
-    print(f"largest weight as float32: {big_name} {big / GB:.2f} GB")
+    budget = 2 * src_big + GB
+    print(f"largest weight as float32: {big_name} {big / GB:.2f} GB; largest tensor as stored: {src_name} "
+          f"{src_big / GB:.2f} GB -> RSS budget 2 x {src_big / GB:.2f} + 1 = {budget / GB:.2f} GB")
     print(f"\n{'RTN, compressed-tensors':24}{'out GB':>8}{'cvt s':>8}{'floor s':>9}{'GB/s in':>9}"
-          f"{'vs floor':>10}{'peak RSS':>10}{'RSS/largest':>13}")
-    for scheme, t, rss, t_floor, out, _ in rows:
-        print(f"  {scheme:22}{out / GB:8.2f}{t:8.2f}{t_floor:9.2f}{in_total / t / GB:9.3f}{t_floor / t:9.2f}x"
-              f"{rss / GB:8.2f} GB{rss / big:12.1f}x")
-    print("  (floor: read the input + write the same output bytes + fsync, no compute)")
-    for *_, cmd in rows:
+          f"{'vs floor':>10}{'peak RSS':>10}{'RSS/largest':>13}{'/budget':>9}"
+          + ("" if args.no_reference else f"{'ref s':>8}{'ref RSS':>10}{'ref vs floor':>14}{'same bytes':>12}"))
+    for scheme, t, rss, t_floor, out, _, t_ref, rss_ref, same in rows:
+        line = (f"  {scheme:22}{out / GB:8.2f}{t:8.2f}{t_floor:9.2f}{in_total / t / GB:9.3f}{t_floor / t:9.2f}x"
+                f"{rss / GB:8.2f} GB{rss / big:12.1f}x{rss / budget:8.2f}x")
+        if t_ref is not None:
+            line += f"{t_ref:8.2f}{rss_ref / GB:7.2f} GB{t_floor / t_ref:13.2f}x{'yes' if same else 'NO':>12}"
+        print(line)
+    print("  (floor: read the input + write the same output bytes + fsync, no compute"
+          + ("" if args.no_reference else "; ref: the same command with CVT_QUANT_KERNEL=reference, the unfused "
+             "torch path; same bytes: every output .safetensors identical") + ")")
+    for *_, cmd, _t, _r, _s in rows:
         print(f"  cvt run: {shlex.join(cmd[:4] + ['SRC', 'DST'] + cmd[6:])}")
+    print_kernel_rows(krows, kn, kk)
 
+    if crows:
+        print_calib_rows(crows)
+    print(f"  (load average 1 min: {load0:.2f} before, {os.getloadavg()[0]:.2f} after; other work on the "
+          "machine skews all rows)")
+    if args.keep:
+        print(f"\nkept: {root}")
+
+
+def print_calib_rows(crows) -> None:
     print(f"\n{'calibrated (built-in sample)':30}{'wall s':>8}{'calib s':>9}{'s/layer':>9}{'per layer s':>24}"
           f"{'peak RSS':>10}")
     for model, method, scheme, wall, cal, spl, rss, _ in crows:
@@ -192,10 +336,6 @@ def main() -> None:
         print(f"  cvt run: {shlex.join([sys.executable, '-m', 'cvt', argv[0], 'SRC', 'DST', *argv[3:]])}")
     print(f"  (run through {shlex.join([sys.executable, 'bench/quantize.py', '--calib-child', 'JSON'])} + the "
           "same arguments: the CLI with calibrate() timed)")
-    print(f"  (load average 1 min: {load0:.2f} before, {os.getloadavg()[0]:.2f} after; other work on the "
-          "machine skews all rows)")
-    if args.keep:
-        print(f"\nkept: {root}")
 
 
 if __name__ == "__main__":

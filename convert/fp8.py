@@ -68,13 +68,10 @@ def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tupl
     return (math.ceil(n / block[0]), math.ceil(k / block[1]))
 
 
-def dequant_fp8_block(w, scale, block: tuple[int, int] = (128, 128), threads: int | None = None, simd: bool = True):
-    """FP8 e4m3fn ``[n, k]`` + scale ``[ceil(n/bn), ceil(k/bk)]`` -> bfloat16 ``[n, k]``.
-
-    Bit-identical to ``(w.float() * s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]).bfloat16()``
-    for every finite input; NaN codes give NaN. `simd=False` keeps the C kernel on its scalar
-    loop (the tests compare both).
-    """
+def checked_scale(w, scale, block: tuple[int, int]):
+    """The float32 contiguous block scale of FP8 weight `w`, after checking both (TensorError
+    naming the shapes and dtypes): what `dequant_fp8_block` and the fused quantize kernels
+    (`cvt.quant.qkernel`) read."""
     import torch
 
     if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
@@ -85,6 +82,19 @@ def dequant_fp8_block(w, scale, block: tuple[int, int] = (128, 128), threads: in
             f"scale shape {list(s.shape)} does not match weight {list(w.shape)} with blocks {list(block)}: "
             f"expected {list(expected_scale_shape(tuple(w.shape), block))}"
         )
+    return s
+
+
+def dequant_fp8_block(w, scale, block: tuple[int, int] = (128, 128), threads: int | None = None, simd: bool = True):
+    """FP8 e4m3fn ``[n, k]`` + scale ``[ceil(n/bn), ceil(k/bk)]`` -> bfloat16 ``[n, k]``.
+
+    Bit-identical to ``(w.float() * s.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]).bfloat16()``
+    for every finite input; NaN codes give NaN. `simd=False` keeps the C kernel on its scalar
+    loop (the tests compare both).
+    """
+    import torch
+
+    s = checked_scale(w, scale, block)
     w = w.contiguous()
     n, k = w.shape
     out = torch.empty((n, k), dtype=torch.bfloat16)

@@ -60,9 +60,14 @@ def check_finite(w: torch.Tensor, name: str | None = None) -> None:
     """Raise TensorError on NaN/Inf in a weight (naming it when `name` is given)."""
     bad = ~torch.isfinite(w)
     if bool(bad.any()):
-        who = f"weight {name!r}" if name else "weight"
-        raise TensorError(f"{who} ({_desc(w)}) holds {int(bad.sum())} non-finite value(s) (NaN/Inf): "
-                          "cannot quantize it")
+        raise nonfinite_error(name, _desc(w), int(bad.sum()))
+
+
+def nonfinite_error(name: str | None, desc: str, count: int) -> TensorError:
+    """`check_finite`'s error for a weight described as `desc` (e.g. ``"float32 [n, k]"``) holding
+    `count` NaN/Inf values (also raised by the fused kernels, `cvt.quant.qkernel`)."""
+    who = f"weight {name!r}" if name else "weight"
+    return TensorError(f"{who} ({desc}) holds {count} non-finite value(s) (NaN/Inf): cannot quantize it")
 
 
 def check_group(name: str, shape: tuple[int, int], group_size: int, scheme: str = "") -> None:

@@ -3,7 +3,12 @@ weights in the Ascend (msModelSlim AscendV1) or compressed-tensors format.
 
 Streaming like every stage: tensors are read one at a time (FP8 weights dequantized on the
 fly, so no BF16 copy is ever written), each quantized linear is quantized once when its first
-part is written, and the writer shards, hashes, resumes and writes the manifest. Checked
+part is written, and the writer shards, hashes, resumes and writes the manifest. RTN goes
+straight from the stored weight (BF16, or FP8 with its block scale, over the mmap) to the
+on-disk tensors and the SQNR in one pass (`cvt.quant.qkernel`: the C kernel, or its blockwise
+torch fallback), bit-identical to the unfused path ``layout.encode(scheme.quantize(float32
+weight))``, which still serves calibrated, static-activation and packed-INT4-source modules,
+layouts the kernels do not cover, and ``CVT_QUANT_KERNEL=reference``. Checked
 before anything is written: names (architecture table), schemes against the format, group
 sizes against every tensor, FP8 scales (present, shaped, finite). A NaN/Inf weight is refused
 when its module is quantized (one pass over the weights, not two); like any failure, it
@@ -35,6 +40,7 @@ from cvt.convert.reader import Checkpoint, open_checkpoint
 from cvt.convert.safetensors_io import TensorSpec, dtype_code
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_checkpoint
 from cvt.errors import CvtError, FormatError, TensorError
+from cvt.quant import qkernel
 from cvt.quant.formats import get_format
 from cvt.quant.layouts import check_target, kernel_fmt_of
 from cvt.quant.recipe import Policy, Recipe
@@ -89,6 +95,19 @@ class _Source:
         t = ck.read(params["weight"]).float()
         ck.release(params["weight"])
         return t
+
+    def weight_source(self, params: dict[str, str]):
+        """A linear's weight as stored, for the fused kernels (`cvt.quant.qkernel.WeightSource`:
+        BF16, or FP8 with its scale, over the mmap); None for other dtypes and packed sources."""
+        from cvt.quant.qkernel import WeightSource
+
+        name = params.get("weight")
+        dt = self.ckpt.tensors[name].dtype if name is not None else None
+        if dt == "F8_E4M3":
+            return WeightSource.fp8(self.ckpt.read(name), self.ckpt.read(name + FP8_SCALE), self.block)
+        if dt == "BF16":
+            return WeightSource(self.ckpt.read(name))
+        return None
 
     def source_quantized(self, params: dict[str, str]) -> QuantizedTensor:
         module = params["weight_packed"].rpartition(".")[0]
@@ -193,9 +212,16 @@ def _probe_q(scheme: Scheme, shape: tuple[int, int], static: bool) -> QuantizedT
 
 class _Layouts:
     """On-disk {suffix: (shape, dtype)} and Ascend tags per (scheme, shape, static, bias),
-    computed once on a zero probe and reused for every module of that kind."""
+    computed once on a zero probe and reused for every module of that kind.
+
+    The probe has `PROBE_ROWS` rows (k and the group size as the module's; the same layout),
+    and the layout's dims (`cvt.quant.layouts.DiskTensor`) scale its shapes to n rows: a probe
+    of the module's full size costs what quantizing it does (the int4 packers' int64
+    temporaries: ~1 GB for a 7168 x 16384 weight). Row counts that are not a multiple of it
+    keep the full-size probe."""
 
     PROBE = "probe"
+    PROBE_ROWS = 16  # a multiple of every row packing (pairs; c-t zero points, 8 per word)
 
     def __init__(self, form, target: str):
         self.form, self.target = form, target
@@ -204,16 +230,34 @@ class _Layouts:
     def get(self, module: str, scheme: Scheme, shape, static: bool, bias_shape, bias_dtype, expert: bool):
         key = (id(scheme), tuple(shape), static, bias_shape, bias_dtype, expert)
         if key not in self._cache:
-            q = _probe_q(scheme, tuple(shape), static)
+            n, k = shape
+            small = n % self.PROBE_ROWS == 0 and n > self.PROBE_ROWS
+            q = _probe_q(scheme, (self.PROBE_ROWS, k) if small else tuple(shape), static)
             b = None if bias_shape is None else torch.zeros(bias_shape, dtype=bias_dtype)
             kw = {"target": self.target, "expert": expert}
             disk = self.form.disk_tensors(self.PROBE, q, b, **kw)
-            specs = {n[len(self.PROBE):]: (tuple(t.shape), dtype_code(t.dtype)) for n, t in disk.items()}
+            specs = {n_[len(self.PROBE):]: (tuple(t.shape), dtype_code(t.dtype)) for n_, t in disk.items()}
+            if small:
+                specs = self._scaled(specs, self.form.layout_for(self.PROBE, q, **kw), scheme, n, k)
             tags = ({n[len(self.PROBE):]: t for n, t in self.form.tags(self.PROBE, q, bias=b is not None, **kw).items()}
                     if hasattr(self.form, "tags") else {})
             self._cache[key] = (specs, tags)
         specs, tags = self._cache[key]
         return ({module + k: v for k, v in specs.items()}, {module + k: v for k, v in tags.items()})
+
+    def _scaled(self, specs: dict, layout, scheme: Scheme, n: int, k: int) -> dict:
+        g = 0 if scheme.group_size in (0, k) else scheme.group_size
+        out = {}
+        for suffix, (shape, code) in specs.items():
+            t = layout.tensor(suffix[1:])
+            if t is None:  # the bias: probed at its real shape
+                out[suffix] = (shape, code)
+                continue
+            if t.shape(self.PROBE_ROWS, k, g) != shape:
+                raise RuntimeError(f"internal: layout {layout.name} says {suffix[1:]} of [{self.PROBE_ROWS}, {k}] is "
+                                   f"{list(t.shape(self.PROBE_ROWS, k, g))}, its encoder wrote {list(shape)}")
+            out[suffix] = (t.shape(n, k, g), code)
+        return out
 
 
 class _Quantizer:
@@ -241,9 +285,24 @@ class _Quantizer:
         with lock:
             if group not in self._shared:
                 scheme = self.plan.schemes[group[0]]
-                self._shared[group] = scheme.shared_scale(
-                    [self.source.float_weight(self.plan.modules[m]) for m in group])
+                amax = None if qkernel.kernel_name() == "reference" else [self._absmax(m) for m in group]
+                if amax is not None and None not in amax:  # the same number from max |w| alone, no float32 copies
+                    self._shared[group] = scheme.shared_scale([torch.tensor([a]) for a in amax])
+                else:
+                    self._shared[group] = scheme.shared_scale(
+                        [self.source.float_weight(self.plan.modules[m]) for m in group])
             return self._shared[group]
+
+    def _absmax(self, module: str) -> float | None:
+        """max |w| of a module's float32 weight by the fused kernels (None: not readable so, or NaN/Inf)."""
+        params = self.plan.modules[module]
+        src = self.source.weight_source(params)
+        if src is None:
+            return None
+        try:
+            return qkernel.absmax(src)
+        finally:
+            self.source.ckpt.release(params["weight"])
 
     def part(self, module: str, name: str, n_parts: int) -> torch.Tensor:
         with self._lock:
@@ -275,6 +334,10 @@ class _Quantizer:
                     kernel_fmt_of(scheme), scheme.symmetric):
                 q, method = src_q, "source"  # same int4 grid: re-emitted as is, without loss
         else:
+            if q is None and module not in self.static_inputs and qkernel.kernel_name() != "reference":
+                fused = self._quantize_fused(module, params, scheme, method)
+                if fused is not None:
+                    return fused
             w = self.source.float_weight(params)
         if q is None:
             if method != "rtn":
@@ -298,6 +361,37 @@ class _Quantizer:
                                             group_size=scheme.group_size, symmetric=scheme.symmetric, sqnr_db=sqnr)
         return self.fmt.disk_tensors(module, q, bias, target=self.target, expert=expert)
 
+    def _quantize_fused(self, module: str, params: dict[str, str], scheme: Scheme, method: str):
+        """RTN straight from the stored weight to the on-disk tensors (`cvt.quant.qkernel`): the
+        same tensors as the path below, without float32 copies of the weight. None when the
+        layout or the source dtype is not fused (the caller then takes that path)."""
+        src = self.source.weight_source(params)
+        if src is None:
+            return None
+        n, k = src.shape
+        kf = kernel_fmt_of(scheme)
+        probe = QuantizedTensor(scheme.name, kf, (n, k), {}, 0 if scheme.group_size in (0, k) else scheme.group_size,
+                                scheme.symmetric, {"fp4_format": kf} if scheme.name == "fp4" else {})
+        expert = self.plan.experts[module]
+        layout = self.fmt.layout_for(module, probe, target=self.target, expert=expert)
+        if not qkernel.supports(layout, scheme, src):
+            return None
+        group = self.plan.shared.get(module)
+        try:
+            res = qkernel.quantize_to_layout(src, scheme, layout, name=module + ".weight",
+                                             global_scale=self.shared_scale(group) if group else None)
+        finally:
+            self.source.ckpt.release(params["weight"])
+        bias = self.source.ckpt.read(params["bias"]).clone() if "bias" in params else None
+        self.info[module] = QuantTensorInfo(
+            scheme=scheme.name, kernel_fmt=kf, layout=layout.name, method="rtn" if method == "rtn" else "rtn-fallback",
+            group_size=scheme.group_size, symmetric=scheme.symmetric,
+            sqnr_db="Infinity" if res.sqnr_db == float("inf") else res.sqnr_db)
+        out = {f"{module}.{s}": t for s, t in res.tensors.items()}
+        if bias is not None:
+            out[f"{module}.bias"] = bias
+        return {name: t.contiguous() for name, t in out.items()}
+
 
 def _static_dequant(q: QuantizedTensor) -> torch.Tensor:
     return q.parts["weight"].float() * q.extra["weight_scale"]
@@ -305,7 +399,7 @@ def _static_dequant(q: QuantizedTensor) -> torch.Tensor:
 
 def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: str = "rtn",
              group_size: int | None = None, asym: bool = False, fp4_format: str = "nvfp4", calib: Path | None = None,
-             calib_tokens: int = 2048, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
+             calib_tokens: int = 32768, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
              static_attention: bool = False, revision: str | None = None, workers: int | None = None,
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
              quiet: bool = False, target: str | None = None, device: str = "cpu") -> WriteResult:

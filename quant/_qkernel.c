@@ -1,0 +1,721 @@
+/*
+ * Fused RTN quantization: a BF16 or FP8 (e4m3fn, block scale_inv) weight [n, k] -> the packed
+ * on-disk weight, its scales and the SQNR sums, in one pass over memory (`cvt.quant.qkernel`).
+ *
+ * Bit-identical to cvt's torch reference (`cvt.quant.schemes` + `cvt.quant.layouts` encoders):
+ * the same float32 operations in the same order, one IEEE rounding each (x86-64 and aarch64
+ * use no excess precision; built with -ffp-contract=off so nothing is fused into an FMA):
+ *
+ *   source     w = float(bf16)                        (BF16)
+ *              w = float(bf16_rne(e4m3(c) * s[i/bn, j/bk]))   (FP8: dequantized to BF16 first,
+ *                                                      as `cvt.convert.fp8.dequant_fp8_block`)
+ *   int sym    scale = bf16(amax / qdiv), 0 -> 1;  q = clamp(rint(w / scale), qmin, qmax)
+ *   int asym   lo = min(min w, 0), hi = max(max w, 0); s0 = (hi - lo) / (qmax - qmin), 0 -> 1;
+ *              offset = clamp(rint(qmin - lo / s0), qmin, qmax) + 0.0;  scale = bf16(s0), 0 -> 1;
+ *              q = clamp(rint(w / scale + offset), qmin, qmax)
+ *   nvfp4      s = e4m3(min(amax16 / 6 * gs, 448)), 0 -> 0.125;  mult = float(s) / gs
+ *   mxfp4      e = clamp(((bits(amax32) + 2**21) >> 23 & 255) - 2, 0, 254);  mult = 2**(e - 127)
+ *   fp4 codes  x = clamp(w / mult, -6, 6); index by the E2M1 thresholds; sign bit = signbit(x)
+ *
+ * rint is round-half-even (torch.round). Packings (`cvt.quant.primitives`): int8 [n, k];
+ * compressed-tensors int32 [n, ceil(k/8)] (value + 8, element i of 8 at bits 4i, zero padding);
+ * Ascend int8 nibbles along k [n, k/2] or in output-row pairs [n/2, k] (even element low);
+ * fp4 codes [n, k/2] (even element low).
+ *
+ * The SQNR sums sum(w^2) and sum((w - w_hat)^2), w_hat the dequantized value computed in float32
+ * exactly as the schemes' `dequantize` does: float32 squares (so they underflow where the
+ * reference's float32 dot products do) accumulated in double, in another order than the
+ * reference's: the dB figures agree to a tolerance, not bit for bit.
+ *
+ * Rows are split over `nthreads` pthreads; each thread keeps one or two decoded rows (k floats)
+ * and their int8 codes, so temporaries stay a few rows whatever the weight's size. Non-finite
+ * values are counted, not quantized: the caller refuses the weight (its outputs are garbage).
+ * On x86-64 with AVX2 + F16C (checked at run time) the inner loops are vectorized with the same
+ * operations (bit-identical; the tests compare both). The module init below only exists so that
+ * setuptools can build this file as an importable extension; it is called through ctypes.
+ */
+#include <Python.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CVT_X86 1
+#endif
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF /* GCC: -ffp-contract=off (pyproject.toml) */
+#endif
+
+enum { SRC_BF16 = 0, SRC_FP8 = 1 };
+enum { MODE_AMAX = 0, MODE_SYM = 1, MODE_ASYM = 2, MODE_NVFP4 = 3, MODE_MXFP4 = 4 };
+enum { PACK_I8 = 0, PACK_CT32 = 1, PACK_NIB_K = 2, PACK_NIB_ROWS = 3, PACK_FP4 = 4 };
+
+/* Mirrors `cvt.quant.qkernel._Args` (ctypes.Structure): keep the field order in sync. */
+typedef struct {
+    const void *src;        /* [n, k]: bf16 bits (uint16) or e4m3fn codes (uint8) */
+    const float *fp8_scale; /* [ceil(n/bn), s_cols] float32 (SRC_FP8) */
+    void *q;                /* packed weight (see PACK_*) */
+    float *scale;           /* [n, ng] float32 (int modes) */
+    float *offset;          /* [n, ng] float32 (MODE_ASYM; zeros for MODE_SYM; or NULL) */
+    uint8_t *scale8;        /* [n, ng] e4m3fn (nvfp4) / E8M0 (mxfp4) codes */
+    double *sums;           /* out [2]: sum w^2, sum (w - w_hat)^2 */
+    int64_t *nonfinite;     /* out [1]: count of NaN / Inf source values */
+    float *amax;            /* out [1] (MODE_AMAX): max |w| */
+    int64_t n, k, src_kind, s_cols, bn, bk;
+    int64_t mode, group, qmin, qmax, pack;
+    float qdiv, global_scale;
+    int64_t nthreads, simd;
+    int64_t f64_squares;    /* square in double (the caller's retry when a float32 square overflowed) */
+    uint16_t *scale_bf16;   /* [n, ng] the int scales' bfloat16 bits too (or NULL) */
+} cvt_qargs;
+
+static float LUT[256];
+static pthread_once_t lut_once = PTHREAD_ONCE_INIT;
+static const float E2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+static void init_lut(void) {
+    for (int c = 0; c < 256; c++) {
+        int sign = c >> 7, e = (c >> 3) & 15, m = c & 7;
+        float v;
+        if (e == 15 && m == 7)
+            v = NAN;
+        else if (e == 0)
+            v = ldexpf((float)m / 8.0f, -6);
+        else
+            v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        LUT[c] = sign ? -v : v;
+    }
+}
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* float32 -> nearest-even bfloat16, back to float32 (NaN kept quiet; torch's rounding) */
+static inline float bf16_round(float f) {
+    uint32_t b = f2u(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return u2f((b | 0x00400000u) & 0xffff0000u);
+    return u2f(((b + 0x7fffu + ((b >> 16) & 1u)) >> 16) << 16);
+}
+
+/* c10's fp8e4m3fn_from_fp32_value: nearest even, >= 480 -> NaN (0x7f) */
+static inline uint8_t e4m3_from_f32(float f) {
+    uint32_t b = f2u(f), sign = b & 0x80000000u, r;
+    b ^= sign;
+    if (b >= (1087u << 20))
+        r = 0x7f;
+    else if (b < (121u << 23))
+        r = (uint8_t)(f2u(u2f(b) + u2f(141u << 23)) - (141u << 23));
+    else {
+        uint32_t odd = (b >> 20) & 1u;
+        b += ((uint32_t)(7 - 127) << 23) + 0x7ffffu;
+        b += odd;
+        r = (uint8_t)(b >> 20);
+    }
+    return (uint8_t)(r | (sign >> 24));
+}
+
+static inline int not_finite(float f) { return (f2u(f) & 0x7f800000u) == 0x7f800000u; }
+static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+static inline uint8_t e2m1_code(float x) {
+    float a = fabsf(x);
+    uint8_t idx = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                            (a > 5.0f));
+    return (uint8_t)(idx | (signbit(x) ? 8 : 0));
+}
+
+/* ---- scalar row pieces ------------------------------------------------------------------------ */
+
+static int64_t decode_scalar(const cvt_qargs *a, int64_t i, float *out) {
+    int64_t k = a->k, bad = 0;
+    if (a->src_kind == SRC_BF16) {
+        const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
+        for (int64_t j = 0; j < k; j++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * j, 2);
+            out[j] = u2f((uint32_t)h << 16);
+            bad += not_finite(out[j]);
+        }
+    } else {
+        const uint8_t *row = (const uint8_t *)a->src + i * k;
+        const float *srow = a->fp8_scale + (i / a->bn) * a->s_cols;
+        for (int64_t j = 0; j < k; j++) {
+            out[j] = bf16_round(LUT[row[j]] * srow[j / a->bk]);
+            bad += not_finite(out[j]);
+        }
+    }
+    return bad;
+}
+
+static float amax_scalar(const float *w, int64_t len) {
+    float m = 0.0f;
+    for (int64_t j = 0; j < len; j++) {
+        float v = fabsf(w[j]);
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+static void minmax_scalar(const float *w, int64_t len, float *mn, float *mx) {
+    float lo = w[0], hi = w[0];
+    for (int64_t j = 1; j < len; j++) {
+        lo = w[j] < lo ? w[j] : lo;
+        hi = w[j] > hi ? w[j] : hi;
+    }
+    *mn = lo;
+    *mx = hi;
+}
+
+/* q = clamp(rint(w / sc [+ off]), qmin, qmax); returns sum (w - (q - off) * sc)^2 */
+/* squares: float32 (as the reference's float32 dot products, underflow included), or double
+ * (f64: the retry after a float32 square overflowed, as the reference redoes that in float64) */
+#define SQ(d, f64) ((f64) ? (double)(d) * (double)(d) : (double)((d) * (d)))
+
+static double qint_scalar_sq(const float *w, int8_t *q, int64_t len, float sc, float off, int asym, float qmin,
+                             float qmax, int f64) {
+    double err = 0.0;
+    for (int64_t j = 0; j < len; j++) {
+        float x = w[j] / sc;
+        if (asym) x = x + off;
+        float r = clampf(rintf(x), qmin, qmax);
+        q[j] = (int8_t)r;
+        float d = w[j] - (r - off) * sc;
+        err += SQ(d, f64);
+    }
+    return err;
+}
+
+static double fp4_scalar_sq(const float *w, uint8_t *c, int64_t len, float mult, int f64) {
+    double err = 0.0;
+    for (int64_t j = 0; j < len; j++) {
+        float x = clampf(w[j] / mult, -6.0f, 6.0f);
+        uint8_t code = e2m1_code(x);
+        c[j] = code;
+        float v = (code & 8) ? -E2M1[code & 7] : E2M1[code & 7];
+        float d = w[j] - v * mult;
+        err += SQ(d, f64);
+    }
+    return err;
+}
+
+static double sumsq_scalar_sq(const float *w, int64_t len, int f64) {
+    double s = 0.0;
+    for (int64_t j = 0; j < len; j++) s += SQ(w[j], f64);
+    return s;
+}
+
+static double qint_scalar(const float *w, int8_t *q, int64_t len, float sc, float off, int asym, float qmin,
+                          float qmax) {
+    return qint_scalar_sq(w, q, len, sc, off, asym, qmin, qmax, 0);
+}
+static double fp4_scalar(const float *w, uint8_t *c, int64_t len, float mult) {
+    return fp4_scalar_sq(w, c, len, mult, 0);
+}
+static double sumsq_scalar(const float *w, int64_t len) { return sumsq_scalar_sq(w, len, 0); }
+
+#ifdef CVT_X86
+/* ---- AVX2 row pieces: the same float32 operations, 8 lanes at a time ---------------------------- */
+
+#define AVX __attribute__((target("avx2,f16c")))
+
+/* 8 bf16 results of e4m3 codes times sc, as float32 (see convert/_fp8kernel.c's span_simd:
+ * e4m3 bits moved into float16 bits are w * 2**-8 exactly; sc256 = sc * 256 is exact when
+ * sc < 2**100; one rounding of the product, then nearest-even to bfloat16). NaN codes are
+ * flagged in *nan (the caller redoes the row in scalar). */
+AVX static inline __m256 fp8x8(const uint8_t *p, __m256 sc256, __m128i *nan) {
+    const __m128i m7f = _mm_set1_epi16(0x7f), m80 = _mm_set1_epi16(0x80);
+    __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i mag = _mm_and_si128(x, m7f);
+    *nan = _mm_or_si128(*nan, _mm_cmpeq_epi16(mag, m7f));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(x, m80), 8));
+    __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(h), sc256));
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(r, 16), 16));
+}
+
+AVX static inline __m256i exp_all_ones(__m256 v) {
+    const __m256i e = _mm256_set1_epi32(0x7f800000);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), e), e);
+}
+
+AVX static int64_t decode_avx2(const cvt_qargs *a, int64_t i, float *out) {
+    int64_t k = a->k, j = 0;
+    __m256i bad = _mm256_setzero_si256();
+    if (a->src_kind == SRC_BF16) {
+        const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
+        for (; j + 8 <= k; j += 8) {
+            __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * j)));
+            __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+            bad = _mm256_sub_epi32(bad, exp_all_ones(v));
+            _mm256_storeu_ps(out + j, v);
+        }
+        int64_t cnt = 0;
+        for (; j < k; j++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * j, 2);
+            out[j] = u2f((uint32_t)h << 16);
+            cnt += not_finite(out[j]);
+        }
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, bad);
+        for (int t = 0; t < 8; t++) cnt += lanes[t];
+        return cnt;
+    }
+    const uint8_t *row = (const uint8_t *)a->src + i * k;
+    const float *srow = a->fp8_scale + (i / a->bn) * a->s_cols;
+    __m128i nan = _mm_setzero_si128();
+    for (int64_t c0 = 0, b = 0; c0 < k; c0 += a->bk, b++) {
+        int64_t end = c0 + a->bk < k ? c0 + a->bk : k;
+        float sc = srow[b];
+        __m256 sc256 = _mm256_set1_ps(sc * 256.0f);
+        for (j = c0; j + 8 <= end; j += 8) {
+            __m256 v = fp8x8(row + j, sc256, &nan);
+            bad = _mm256_sub_epi32(bad, exp_all_ones(v));
+            _mm256_storeu_ps(out + j, v);
+        }
+        for (; j < end; j++) {
+            out[j] = bf16_round(LUT[row[j]] * sc);
+            bad = _mm256_sub_epi32(bad, _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, not_finite(out[j])));
+        }
+    }
+    if (_mm_movemask_epi8(nan)) return decode_scalar(a, i, out); /* a NaN code: the plain path */
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, bad);
+    int64_t cnt = 0;
+    for (int t = 0; t < 8; t++) cnt += lanes[t];
+    return cnt;
+}
+
+AVX static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+AVX static inline float hmin8(__m256 v) {
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_min_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+AVX static inline double hsum4d(__m256d v) {
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+/* max |w| is exact whatever the order: the vector and scalar maxima are the same number */
+AVX static float amax_avx2(const float *w, int64_t len) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(w + j), absm));
+    float r = hmax8(m);
+    for (; j < len; j++) {
+        float v = fabsf(w[j]);
+        r = v > r ? v : r;
+    }
+    return r;
+}
+
+AVX static void minmax_avx2(const float *w, int64_t len, float *mn, float *mx) {
+    if (len < 8) {
+        minmax_scalar(w, len, mn, mx);
+        return;
+    }
+    __m256 lo = _mm256_loadu_ps(w), hi = lo;
+    int64_t j = 8;
+    for (; j + 8 <= len; j += 8) {
+        __m256 v = _mm256_loadu_ps(w + j);
+        lo = _mm256_min_ps(lo, v);
+        hi = _mm256_max_ps(hi, v);
+    }
+    float l = hmin8(lo), h = hmax8(hi);
+    for (; j < len; j++) {
+        l = w[j] < l ? w[j] : l;
+        h = w[j] > h ? w[j] : h;
+    }
+    *mn = l;
+    *mx = h;
+}
+
+/* float32 squares of d, widened and added pairwise: 4 doubles */
+AVX static inline __m256d sq4(__m256 d) {
+    __m256 s = _mm256_mul_ps(d, d);
+    return _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(s)), _mm256_cvtps_pd(_mm256_extractf128_ps(s, 1)));
+}
+
+/* 8 lanes of q = clamp(rint(w / sc [+ off]), qmin, qmax) stored as int8; returns the 4-double sum of
+ * float32 (w - (q - off) * sc)^2 */
+AVX static inline __m256d qint8(const float *w, int8_t *q, __m256 vs, __m256 vo, int asym, __m256 lo, __m256 hi) {
+    __m256 v = _mm256_loadu_ps(w);
+    __m256 x = _mm256_div_ps(v, vs);
+    if (asym) x = _mm256_add_ps(x, vo);
+    __m256 r = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+    __m256i r32 = _mm256_cvtps_epi32(r);
+    __m128i r16 = _mm_packs_epi32(_mm256_castsi256_si128(r32), _mm256_extracti128_si256(r32, 1));
+    _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(r16, r16));
+    return sq4(_mm256_sub_ps(v, _mm256_mul_ps(_mm256_sub_ps(r, vo), vs)));
+}
+
+AVX static double qint_avx2(const float *w, int8_t *q, int64_t len, float sc, float off, int asym, float qmin,
+                            float qmax) {
+    const __m256 vs = _mm256_set1_ps(sc), vo = _mm256_set1_ps(off), lo = _mm256_set1_ps(qmin),
+                 hi = _mm256_set1_ps(qmax);
+    __m256d acc = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, qint8(w + j, q + j, vs, vo, asym, lo, hi));
+    return hsum4d(acc) + qint_scalar(w + j, q + j, len - j, sc, off, asym, qmin, qmax);
+}
+
+/* a whole row of k = ng * g elements, g a multiple of 8: group t uses sc[t], off[t] */
+AVX static double qint_row_avx2(const float *w, int8_t *q, int64_t k, int64_t g, const float *sc, const float *off,
+                                int asym, float qmin, float qmax) {
+    const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax);
+    __m256d acc = _mm256_setzero_pd();
+    for (int64_t t = 0, j = 0; j < k; t++) {
+        const __m256 vs = _mm256_set1_ps(sc[t]), vo = _mm256_set1_ps(off[t]);
+        for (int64_t end = j + g; j < end; j += 8) acc = _mm256_add_pd(acc, qint8(w + j, q + j, vs, vo, asym, lo, hi));
+    }
+    return hsum4d(acc);
+}
+
+typedef struct {
+    __m256 six, msix, absm, table, t1, t2, t3, t4, t5, t6, t7;
+} fp4k;
+
+AVX static inline fp4k fp4_consts(void) {
+    fp4k c = {_mm256_set1_ps(6.0f), _mm256_set1_ps(-6.0f), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)),
+              _mm256_loadu_ps(E2M1), _mm256_set1_ps(0.25f), _mm256_set1_ps(0.75f), _mm256_set1_ps(1.25f),
+              _mm256_set1_ps(1.75f), _mm256_set1_ps(2.5f), _mm256_set1_ps(3.5f), _mm256_set1_ps(5.0f)};
+    return c;
+}
+
+/* 8 lanes of E2M1 codes of clamp(w / mult, -6, 6); returns the 4-double sum of float32 (w - fp4 * mult)^2 */
+AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, const fp4k *k) {
+    __m256 v = _mm256_loadu_ps(w);
+    __m256 x = _mm256_div_ps(v, vm);
+    /* clamp as x < lo ? lo : (x > hi ? hi : x): keeps -0.0 */
+    x = _mm256_blendv_ps(x, k->six, _mm256_cmp_ps(x, k->six, _CMP_GT_OQ));
+    x = _mm256_blendv_ps(x, k->msix, _mm256_cmp_ps(x, k->msix, _CMP_LT_OQ));
+    __m256 a = _mm256_and_ps(x, k->absm);
+    __m256i idx = _mm256_setzero_si256();
+    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t1, _CMP_GT_OQ)));
+    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t2, _CMP_GE_OQ)));
+    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t3, _CMP_GT_OQ)));
+    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t4, _CMP_GE_OQ)));
+    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t5, _CMP_GT_OQ)));
+    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t6, _CMP_GE_OQ)));
+    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t7, _CMP_GT_OQ)));
+    __m256i sgn = _mm256_srli_epi32(_mm256_castps_si256(x), 31);
+    __m256i code = _mm256_or_si256(idx, _mm256_slli_epi32(sgn, 3));
+    __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64((__m128i *)c, _mm_packus_epi16(c16, c16));
+    __m256 mag = _mm256_permutevar8x32_ps(k->table, idx);
+    __m256 val = _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32(sgn, 31)));
+    return sq4(_mm256_sub_ps(v, _mm256_mul_ps(val, vm)));
+}
+
+AVX static double fp4_avx2(const float *w, uint8_t *c, int64_t len, float mult) {
+    const fp4k k = fp4_consts();
+    const __m256 vm = _mm256_set1_ps(mult);
+    __m256d acc = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, &k));
+    return hsum4d(acc) + fp4_scalar(w + j, c + j, len - j, mult);
+}
+
+/* a whole row, g a multiple of 8: group t uses mult[t] */
+AVX static double fp4_row_avx2(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult) {
+    const fp4k kk = fp4_consts();
+    __m256d acc = _mm256_setzero_pd();
+    for (int64_t t = 0, j = 0; j < k; t++) {
+        const __m256 vm = _mm256_set1_ps(mult[t]);
+        for (int64_t end = j + g; j < end; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, &kk));
+    }
+    return hsum4d(acc);
+}
+
+/* per-group max |w| (minmax = 0) or min and max (minmax = 1) of a row, g a multiple of 8: exact
+ * whatever the order, so the same numbers as the scalar loops */
+AVX static void gstats_avx2(const float *w, int64_t k, int64_t g, int minmax, float *ga, float *gb) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t t = 0, j = 0; j < k; t++) {
+        int64_t end = j + g;
+        if (minmax) {
+            __m256 lo = _mm256_loadu_ps(w + j), hi = lo;
+            for (j += 8; j < end; j += 8) {
+                __m256 v = _mm256_loadu_ps(w + j);
+                lo = _mm256_min_ps(lo, v);
+                hi = _mm256_max_ps(hi, v);
+            }
+            ga[t] = hmin8(lo);
+            gb[t] = hmax8(hi);
+        } else {
+            __m256 m = _mm256_setzero_ps();
+            for (; j < end; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(w + j), absm));
+            ga[t] = hmax8(m);
+        }
+    }
+}
+
+AVX static double sumsq_avx2(const float *w, int64_t len) {
+    __m256d acc = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        __m256 v = _mm256_loadu_ps(w + j);
+        acc = _mm256_add_pd(acc, sq4(v));
+    }
+    return hsum4d(acc) + sumsq_scalar(w + j, len - j);
+}
+
+static int cpu_simd(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+#define PICK(name, simd) ((simd) ? name##_avx2 : name##_scalar)
+#else
+static int cpu_simd(void) { return 0; }
+#define PICK(name, simd) name##_scalar
+#endif
+
+/* ---- one row: decode, group statistics, quantize, error sums ---------------------------------- */
+
+typedef struct {
+    const cvt_qargs *a;
+    int64_t row0, row1;
+    int simd;
+    float *wbuf;     /* 2 rows of k floats */
+    float *gbuf;     /* 4 x k floats: per-group statistics and parameters of one row */
+    int8_t *qbuf;    /* 2 rows of k codes */
+    double sig, err; /* partial sums */
+    int64_t bad;
+    float amax;
+    int failed;
+} job_t;
+
+/* quantize row i (decoded in w) into codes q (int8 values, or fp4 codes), scales to row i's slots.
+ * Two phases: each group's statistics and scale (scalar formulas, outputs written), then the
+ * elements -- per group, or in one loop over the row when SIMD runs and g is a multiple of 8. */
+static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
+    const cvt_qargs *a = jb->a;
+    int64_t k = a->k, g = a->group, ng = k / g;
+    int simd = jb->simd, f64 = (int)a->f64_squares, row = simd && !f64 && g % 8 == 0;
+    int asym = a->mode == MODE_ASYM, fp4 = a->mode == MODE_NVFP4 || a->mode == MODE_MXFP4;
+    float qmin = (float)a->qmin, qmax = (float)a->qmax;
+    float *ga = jb->gbuf, *gb = ga + ng, *sc = gb + ng, *off = sc + ng; /* sc: the fp4 multipliers too */
+#ifdef CVT_X86
+    if (row)
+        gstats_avx2(w, k, g, asym, ga, gb);
+    else
+#endif
+        for (int64_t t = 0; t < ng; t++) {
+            if (asym)
+                PICK(minmax, simd)(w + t * g, g, ga + t, gb + t);
+            else
+                ga[t] = PICK(amax, simd)(w + t * g, g);
+        }
+    for (int64_t t = 0; t < ng; t++) {
+        int64_t o = i * ng + t;
+        if (a->mode == MODE_SYM) {
+            sc[t] = bf16_round(ga[t] / a->qdiv);
+            if (sc[t] == 0.0f) sc[t] = 1.0f;
+            off[t] = 0.0f;
+        } else if (asym) {
+            float lo = ga[t] < 0.0f ? ga[t] : 0.0f, hi = gb[t] > 0.0f ? gb[t] : 0.0f;
+            float s0 = (hi - lo) / a->qdiv;
+            if (s0 == 0.0f) s0 = 1.0f;
+            off[t] = clampf(rintf(qmin - lo / s0), qmin, qmax) + 0.0f;
+            sc[t] = bf16_round(s0);
+            if (sc[t] == 0.0f) sc[t] = 1.0f;
+        } else if (a->mode == MODE_NVFP4) {
+            float s = clampf((ga[t] / 6.0f) * a->global_scale, -448.0f, 448.0f);
+            uint8_t code = e4m3_from_f32(s);
+            if (LUT[code] == 0.0f) code = 0x20; /* 0.125, the e4m3 eps */
+            a->scale8[o] = code;
+            sc[t] = LUT[code] / a->global_scale;
+        } else { /* MODE_MXFP4 */
+            uint32_t bits = f2u(ga[t]);
+            int64_t e = (int64_t)(((bits + (1u << 21)) >> 23) & 0xffu) - 2;
+            e = e < 0 ? 0 : (e > 254 ? 254 : e);
+            a->scale8[o] = (uint8_t)e;
+            sc[t] = u2f(e == 0 ? 0x00400000u : (uint32_t)e << 23);
+        }
+        if (!fp4) {
+            a->scale[o] = sc[t];
+            if (a->scale_bf16) a->scale_bf16[o] = (uint16_t)(f2u(sc[t]) >> 16); /* a bf16 value */
+            if (a->offset) a->offset[o] = off[t];
+        }
+    }
+    double err = 0.0;
+#ifdef CVT_X86
+    if (row)
+        err = fp4 ? fp4_row_avx2(w, (uint8_t *)q, k, g, sc) : qint_row_avx2(w, q, k, g, sc, off, asym, qmin, qmax);
+    else
+#endif
+        for (int64_t t = 0; t < ng; t++) {
+            const float *wg = w + t * g;
+            int8_t *qg = q + t * g;
+            if (fp4)
+                err += f64 ? fp4_scalar_sq(wg, (uint8_t *)qg, g, sc[t], 1) : PICK(fp4, simd)(wg, (uint8_t *)qg, g, sc[t]);
+            else
+                err += f64 ? qint_scalar_sq(wg, qg, g, sc[t], off[t], asym, qmin, qmax, 1)
+                           : PICK(qint, simd)(wg, qg, g, sc[t], off[t], asym, qmin, qmax);
+        }
+    jb->err += err;
+    jb->sig += f64 ? sumsq_scalar_sq(w, k, 1) : PICK(sumsq, simd)(w, k);
+}
+
+static void pack_row(const cvt_qargs *a, int64_t i, const int8_t *q) {
+    int64_t k = a->k;
+    if (a->pack == PACK_I8) {
+        memcpy((int8_t *)a->q + i * k, q, (size_t)k);
+    } else if (a->pack == PACK_CT32) {
+        int64_t words = (k + 7) / 8;
+        uint32_t *out = (uint32_t *)a->q + i * words;
+        int64_t full = k / 8;
+        for (int64_t w = 0; w < full; w++) {
+            const int8_t *p = q + 8 * w;
+            uint32_t v = 0;
+            for (int b = 0; b < 8; b++) v |= (uint32_t)((p[b] + 8) & 0xf) << (4 * b);
+            out[w] = v;
+        }
+        if (full < words) {
+            uint32_t v = 0;
+            for (int64_t b = 0; 8 * full + b < k; b++) v |= (uint32_t)((q[8 * full + b] + 8) & 0xf) << (4 * b);
+            out[full] = v;
+        }
+    } else if (a->pack == PACK_NIB_K || a->pack == PACK_FP4) {
+        uint8_t *out = (uint8_t *)a->q + i * (k / 2);
+        for (int64_t j = 0; j < k / 2; j++)
+            out[j] = (uint8_t)(((uint8_t)q[2 * j] & 0xf) | (((uint8_t)q[2 * j + 1] & 0xf) << 4));
+    }
+}
+
+static void pack_row_pair(const cvt_qargs *a, int64_t i, const int8_t *q0, const int8_t *q1) {
+    int64_t k = a->k;
+    uint8_t *out = (uint8_t *)a->q + (i / 2) * k;
+    for (int64_t j = 0; j < k; j++) out[j] = (uint8_t)(((uint8_t)q0[j] & 0xf) | (((uint8_t)q1[j] & 0xf) << 4));
+}
+
+static int64_t decode(job_t *jb, int64_t i, float *out) {
+#ifdef CVT_X86
+    if (jb->simd) return decode_avx2(jb->a, i, out);
+#endif
+    return decode_scalar(jb->a, i, out);
+}
+
+static void *run(void *arg) {
+    job_t *jb = (job_t *)arg;
+    const cvt_qargs *a = jb->a;
+    int64_t k = a->k;
+    if (a->mode == MODE_AMAX) {
+        float m = 0.0f;
+        for (int64_t i = jb->row0; i < jb->row1; i++) {
+            jb->bad += decode(jb, i, jb->wbuf);
+            float r = PICK(amax, jb->simd)(jb->wbuf, k);
+            m = r > m ? r : m;
+        }
+        jb->amax = m;
+        return NULL;
+    }
+    if (a->pack == PACK_NIB_ROWS) {
+        for (int64_t i = jb->row0; i + 1 < jb->row1; i += 2) {
+            jb->bad += decode(jb, i, jb->wbuf) + decode(jb, i + 1, jb->wbuf + k);
+            quantize_row(jb, i, jb->wbuf, jb->qbuf);
+            quantize_row(jb, i + 1, jb->wbuf + k, jb->qbuf + k);
+            pack_row_pair(a, i, jb->qbuf, jb->qbuf + k);
+        }
+        return NULL;
+    }
+    for (int64_t i = jb->row0; i < jb->row1; i++) {
+        jb->bad += decode(jb, i, jb->wbuf);
+        int8_t *q = a->pack == PACK_I8 ? (int8_t *)a->q + i * k : jb->qbuf;
+        quantize_row(jb, i, jb->wbuf, q);
+        if (a->pack != PACK_I8) pack_row(a, i, q);
+    }
+    return NULL;
+}
+
+/* Returns 0, or -1 on bad arguments, -2 when out of memory. See cvt_qargs for the buffers. */
+int cvt_quantize(const cvt_qargs *a) {
+    pthread_once(&lut_once, init_lut);
+    int64_t n = a->n, k = a->k;
+    if (n < 0 || k <= 0 || a->group <= 0 || k % a->group) return -1;
+    if (a->mode < MODE_AMAX || a->mode > MODE_MXFP4 || a->pack < PACK_I8 || a->pack > PACK_FP4) return -1;
+    if (a->src_kind == SRC_FP8 && (a->bn <= 0 || a->bk <= 0 || a->s_cols < (k + a->bk - 1) / a->bk)) return -1;
+    if ((a->pack == PACK_NIB_ROWS && n % 2) || ((a->pack == PACK_NIB_K || a->pack == PACK_FP4) && k % 2)) return -1;
+    int simd = a->simd && cpu_simd();
+    if (simd && a->src_kind == SRC_FP8) /* the exact power-of-two rescale needs finite scales below 2**100 */
+        for (int64_t i = 0; i < ((n + a->bn - 1) / a->bn) * a->s_cols; i++)
+            if (!(a->fp8_scale[i] < 0x1p100f && a->fp8_scale[i] > -0x1p100f)) { simd = 0; break; }
+    int64_t nt = a->nthreads < 1 ? 1 : (a->nthreads > 64 ? 64 : a->nthreads);
+    int64_t unit = a->pack == PACK_NIB_ROWS ? 2 : 1, units = (n + unit - 1) / unit;
+    if (nt > units) nt = units > 0 ? units : 1;
+    int64_t per = (units + nt - 1) / nt * unit;
+    pthread_t th[64];
+    int joined[64] = {0};
+    job_t jobs[64];
+    int failed = 0;
+    for (int64_t t = 0; t < nt; t++) {
+        job_t jb = {a, t * per < n ? t * per : n, (t + 1) * per < n ? (t + 1) * per : n, simd, NULL, NULL, NULL,
+                    0.0, 0.0, 0, 0.0f, 0};
+        jb.wbuf = (float *)malloc(sizeof(float) * 2 * (size_t)k);
+        jb.gbuf = (float *)malloc(sizeof(float) * 4 * (size_t)k);
+        jb.qbuf = (int8_t *)malloc(2 * (size_t)k);
+        if (!jb.wbuf || !jb.gbuf || !jb.qbuf) failed = 1;
+        jobs[t] = jb;
+    }
+    if (!failed) {
+        for (int64_t t = 1; t < nt; t++) {
+            joined[t] = pthread_create(&th[t], NULL, run, &jobs[t]) == 0;
+            if (!joined[t]) run(&jobs[t]); /* no thread: do it here */
+        }
+        run(&jobs[0]);
+        for (int64_t t = 1; t < nt; t++)
+            if (joined[t]) pthread_join(th[t], NULL);
+    }
+    double sig = 0.0, err = 0.0;
+    int64_t bad = 0;
+    float m = 0.0f;
+    for (int64_t t = 0; t < nt; t++) {
+        sig += jobs[t].sig;
+        err += jobs[t].err;
+        bad += jobs[t].bad;
+        m = jobs[t].amax > m ? jobs[t].amax : m;
+        free(jobs[t].wbuf);
+        free(jobs[t].gbuf);
+        free(jobs[t].qbuf);
+    }
+    if (failed) return -2;
+    if (a->sums) {
+        a->sums[0] = sig;
+        a->sums[1] = err;
+    }
+    if (a->nonfinite) *a->nonfinite = bad;
+    if (a->amax) *a->amax = m;
+    return 0;
+}
+
+/* compressed-tensors zero points: offsets float32 [n, ng] (integers -8..7) -> int32 [ceil(n/8), ng],
+ * value + 8 of row 8w + i at bits 4i of word (w, t), zero nibbles past row n
+ * (`cvt.quant.primitives.pack_int4_ct(offset, dim=0)`) */
+void cvt_pack_zero_points(const float *offset, uint32_t *out, int64_t n, int64_t ng) {
+    for (int64_t w = 0; w < (n + 7) / 8; w++)
+        for (int64_t t = 0; t < ng; t++) {
+            uint32_t v = 0;
+            for (int64_t i = 0; i < 8 && 8 * w + i < n; i++)
+                v |= (uint32_t)(((int)offset[(8 * w + i) * ng + t] + 8) & 0xf) << (4 * i);
+            out[w * ng + t] = v;
+        }
+}
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_qkernel",
+                                    "fused RTN quantization kernels (called through ctypes)", -1, NULL};
+
+PyMODINIT_FUNC PyInit__qkernel(void) { return PyModule_Create(&moddef); }

@@ -1,0 +1,401 @@
+"""Fused RTN quantization: one linear weight, as stored (BF16, or FP8 e4m3 with its block
+scale_inv), straight to its on-disk layout (`cvt.quant.layouts`) and SQNR, in one pass.
+
+The reference is the unfused path: ``w = float32(source)`` (FP8 dequantized to BF16 first,
+`cvt.convert.fp8.dequant_fp8_block`), ``q = scheme.quantize(w)``, ``layout.encode(q)``, and
+``sqnr_db(w, scheme.dequantize(q))``. `quantize_to_layout` returns the same tensors, bit for
+bit, without the float32 copies (DeepSeek-V3's 18432 x 7168 dense MLP weights take ~0.5 GB as
+float32 for w alone, and the reference makes several more). Two implementations:
+
+* `_qkernel.c` (built at install when a C compiler is present; pthreads over row blocks, a
+  few decoded rows per thread, AVX2 on x86-64 checked at run time): the reference's float32
+  operations in the same order (division, not a reciprocal multiply; torch.round's half-even;
+  c10's e4m3 rounding), so the same bits;
+* a torch fallback (no compiler, or ``CVT_QUANT_KERNEL=torch``): the reference functions
+  themselves (`scheme.quantize` and the primitives' packers) applied to blocks of rows, so
+  temporaries are a block, not the weight. Every scheme is row-local (groups run along k);
+  nvfp4's per-tensor global scale comes from a first pass (max |w|), as the kernel does.
+
+==========================  ====================================================================
+layout                      fused output (w [n, k], group G)
+==========================  ====================================================================
+ascend-w8a8-dynamic         weight i8 [n,k], weight_scale f32 [n,1], weight_offset f32 zeros
+ct-int8                     weight i8 [n,k], weight_scale f32 [n,1]
+ascend-w4a16-int8-grouped   weight i8 [n/2,k] (row pairs), weight_scale / weight_offset f32 [n,k/G]
+ascend-w4a16-int8-channel   weight i8 [n,k/2], weight_scale / weight_offset f32 [n,1]
+ascend-w4a16-int32          weight_packed i32 [n,ceil(k/8)], weight_scale bf16, weight_shape (sym)
+ct-int4                     ditto + weight_zero_point i32 [ceil(n/8),k/G] when asymmetric
+ct-nvfp4                    weight_packed u8 [n,k/2], weight_scale e4m3 [n,k/16], weight_global_scale
+ct-mxfp4, ascend-mxfp4      weight_packed / weight u8 [n,k/2], weight_scale u8 E8M0 [n,k/32]
+==========================  ====================================================================
+
+API: ``WeightSource(bf16)`` / ``WeightSource.fp8(codes, scale_inv, block)``;
+``supports(layout, scheme, src)``; ``quantize_to_layout(src, scheme, layout, name, global_scale=None,
+threads=None) -> Fused(tensors, sqnr_db, kernel)``; ``absmax(src)`` (nvfp4's global scale, a
+fused group's shared one); ``kernel_name()``. The C side is one entry point, ``int
+cvt_quantize(const cvt_qargs *)`` (source, mode, group, packing, output buffers; see the C file),
+plus ``cvt_pack_zero_points``.
+
+Anything else (static W8A8, other source dtypes, an asymmetric int32 layout that refuses zero
+points) is not fused: `supports` says so and the caller takes the reference path, which also
+raises the reference's errors. NaN/Inf in the source is refused with the reference's message
+(`cvt.quant.primitives.nonfinite_error`). The SQNR's sums (sum w^2, sum (w - w_hat)^2) are
+float32 squares like the reference's, but added in another order (the kernel: float64 per
+thread; the reference: float32 dot products of 1M-element chunks, added in float64), so the
+dB figure agrees to a tolerance (the tests allow 0.01 dB), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from cvt.quant import primitives as P
+
+SRC_BF16, SRC_FP8 = 0, 1
+MODE_AMAX, MODE_SYM, MODE_ASYM, MODE_NVFP4, MODE_MXFP4 = range(5)
+PACK_I8, PACK_CT32, PACK_NIB_K, PACK_NIB_ROWS, PACK_FP4 = range(5)
+LAYOUTS = ("ascend-w8a8-dynamic", "ct-int8", "ascend-w4a16-int8-grouped", "ascend-w4a16-int8-channel",
+           "ascend-w4a16-int32", "ct-int4", "ct-nvfp4", "ct-mxfp4", "ascend-mxfp4")
+_PACK = {"ascend-w8a8-dynamic": PACK_I8, "ct-int8": PACK_I8, "ascend-w4a16-int8-grouped": PACK_NIB_ROWS,
+         "ascend-w4a16-int8-channel": PACK_NIB_K, "ascend-w4a16-int32": PACK_CT32, "ct-int4": PACK_CT32,
+         "ct-nvfp4": PACK_FP4, "ct-mxfp4": PACK_FP4, "ascend-mxfp4": PACK_FP4}
+ROWS_PER_BLOCK = 1 << 22  # torch fallback: about this many elements per block of rows
+
+
+class _Args(ctypes.Structure):
+    """`cvt_qargs` in _qkernel.c (same field order)."""
+
+    _fields_ = ([(f, ctypes.c_void_p) for f in ("src", "fp8_scale", "q", "scale", "offset", "scale8", "sums",
+                                                "nonfinite", "amax")]
+                + [(f, ctypes.c_int64) for f in ("n", "k", "src_kind", "s_cols", "bn", "bk", "mode", "group",
+                                                 "qmin", "qmax", "pack")]
+                + [("qdiv", ctypes.c_float), ("global_scale", ctypes.c_float)]
+                + [(f, ctypes.c_int64) for f in ("nthreads", "simd", "f64_squares")]
+                + [("scale_bf16", ctypes.c_void_p)])
+
+
+def _env() -> str:
+    return os.environ.get("CVT_QUANT_KERNEL", "").lower()
+
+
+@lru_cache(maxsize=1)
+def _c_kernel():
+    if _env() in ("torch", "reference"):
+        return None
+    try:
+        from cvt.quant import _qkernel  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    lib = ctypes.CDLL(_qkernel.__file__)
+    lib.cvt_quantize.argtypes = [ctypes.POINTER(_Args)]
+    lib.cvt_quantize.restype = ctypes.c_int
+    lib.cvt_pack_zero_points.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.cvt_pack_zero_points.restype = None
+    return lib
+
+
+def kernel_name() -> str:
+    """"c" (the fused C kernel), "torch" (the blockwise torch fallback: no compiled kernel, or
+    ``CVT_QUANT_KERNEL=torch``) or "reference" (``CVT_QUANT_KERNEL=reference``: the stage does
+    not fuse, it runs the reference path, whole-weight float32 copies included)."""
+    if _env() == "reference":
+        return "reference"
+    return "c" if _c_kernel() is not None else "torch"
+
+
+@dataclass
+class WeightSource:
+    """One linear weight as stored: BF16 ``[n, k]``, or FP8 e4m3fn ``[n, k]`` with its float32
+    block scale_inv ``[ceil(n/bn), ceil(k/bk)]`` (`fp8`, which checks both)."""
+
+    w: torch.Tensor
+    scale: torch.Tensor | None = None
+    block: tuple[int, int] | None = None
+
+    @classmethod
+    def fp8(cls, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> "WeightSource":
+        from cvt.convert.fp8 import checked_scale
+
+        return cls(w, checked_scale(w, scale, tuple(block)), tuple(block))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.w.shape)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.scale is not None
+
+    def rows_float(self, r0: int, r1: int) -> torch.Tensor:
+        """float32 rows ``[r0, r1)``, exactly what the stage's reference quantizes (`r0` a
+        multiple of the FP8 block's rows)."""
+        if not self.is_fp8:
+            return self.w[r0:r1].float()
+        from cvt.convert.fp8 import dequant_fp8_block
+
+        bn = self.block[0]
+        return dequant_fp8_block(self.w[r0:r1], self.scale[r0 // bn: -(-r1 // bn)], self.block).float()
+
+
+def supports(layout, scheme, src: WeightSource) -> bool:
+    """Whether `quantize_to_layout` produces this layout for this weight (else: the reference)."""
+    if layout.name not in _PACK or src.w.dim() != 2 or src.w.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        return False
+    if (src.w.dtype == torch.float8_e4m3fn) != src.is_fp8:
+        return False
+    n, k = src.shape
+    if n == 0 or k == 0 or layout.kernel_fmt != _kernel_fmt(scheme):
+        return False
+    if layout.name == "ascend-w4a16-int32" and not scheme.symmetric:
+        return False  # the reference raises (vllm-ascend loads no zero points)
+    pack = _PACK[layout.name]
+    return not ((pack == PACK_NIB_ROWS and n % 2) or (pack in (PACK_NIB_K, PACK_FP4) and k % 2))
+
+
+def _kernel_fmt(scheme) -> str:
+    from cvt.quant.layouts import kernel_fmt_of
+
+    return kernel_fmt_of(scheme)
+
+
+def _config(layout, scheme, k: int) -> dict:
+    kf = layout.kernel_fmt
+    if kf == "w8a8_dynamic":
+        return dict(mode=MODE_SYM, group=k, qdiv=P.INT8_QDIV, qmin=-128, qmax=127)
+    if kf == "w4a16":
+        g = 0 if scheme.group_size in (0, k) else scheme.group_size
+        if scheme.symmetric:
+            return dict(mode=MODE_SYM, group=g or k, qdiv=P.INT4_QDIV, qmin=-8, qmax=7)
+        return dict(mode=MODE_ASYM, group=g or k, qdiv=15.0, qmin=-8, qmax=7)
+    if kf == "nvfp4":
+        return dict(mode=MODE_NVFP4, group=16, qdiv=0.0, qmin=0, qmax=0)
+    return dict(mode=MODE_MXFP4, group=32, qdiv=0.0, qmin=0, qmax=0)
+
+
+@dataclass
+class Fused:
+    """`quantize_to_layout`'s result: the layout's tensors (suffix -> tensor, in the layout
+    encoder's order), the SQNR in dB against the float32 source, and which kernel ran."""
+
+    tensors: dict[str, torch.Tensor]
+    sqnr_db: float
+    kernel: str
+
+
+def sqnr_from_sums(sig: float, err: float) -> float:
+    """`cvt.runtime.metrics.sqnr_db` from its two sums (sum w^2, sum (w - w_hat)^2)."""
+    if math.isnan(sig) or math.isnan(err) or math.isinf(sig):
+        return math.nan
+    if math.isinf(err):
+        return -math.inf
+    noise, signal = math.sqrt(err), math.sqrt(sig)
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    r = signal / noise
+    if r == 0.0 or math.isinf(r):
+        return 20.0 * (math.log10(signal) - math.log10(noise))
+    return 20.0 * math.log10(r)
+
+
+def _desc(shape) -> str:
+    return f"float32 {list(shape)}"
+
+
+# ---- the C kernel ---------------------------------------------------------------------------------
+
+def _call(fn, src: WeightSource, mode: int, threads: int | None, simd: bool, **kw) -> tuple[int, float, float, float]:
+    """Run the kernel; returns (non-finite count, amax, sum w^2, sum err^2)."""
+    n, k = src.shape
+    sums = torch.zeros(2, dtype=torch.float64)
+    bad = torch.zeros(1, dtype=torch.int64)
+    amax = torch.zeros(1, dtype=torch.float32)
+    w = src.w.contiguous()
+    a = _Args(src=w.data_ptr(), n=n, k=k, mode=mode, sums=sums.data_ptr(), nonfinite=bad.data_ptr(),
+              amax=amax.data_ptr(), nthreads=max(1, threads or os.cpu_count() or 1), simd=int(simd),
+              group=kw.pop("group", k), **kw)
+    if src.is_fp8:
+        a.src_kind, a.fp8_scale, a.s_cols = SRC_FP8, src.scale.data_ptr(), src.scale.shape[1]
+        a.bn, a.bk = src.block
+    rc = fn(ctypes.byref(a))
+    if rc == -2:
+        raise MemoryError("cvt quantize kernel: out of memory for its row buffers")
+    if rc != 0:
+        raise RuntimeError(f"internal: cvt quantize kernel refused its arguments (rc {rc}) for {list(src.shape)}")
+    return int(bad), float(amax), float(sums[0]), float(sums[1])
+
+
+def absmax(src: WeightSource, threads: int | None = None, simd: bool = True) -> float | None:
+    """max |w| over the float32 source (FP8: after its BF16 dequantization); None when the
+    weight holds NaN/Inf (the caller then takes the reference path, which refuses it)."""
+    lib = _c_kernel()
+    if lib is None:
+        m = 0.0
+        for r0, r1 in _row_blocks(src):
+            w = src.rows_float(r0, r1)
+            if not bool(torch.isfinite(w).all()):
+                return None
+            m = max(m, float(w.abs().amax())) if w.numel() else m
+        return m
+    bad, m, _, _ = _call(lib.cvt_quantize, src, MODE_AMAX, threads, simd)
+    return None if bad else m
+
+
+def quantize_to_layout(src: WeightSource, scheme, layout, name: str | None = None,
+                       global_scale: torch.Tensor | None = None, threads: int | None = None,
+                       simd: bool = True) -> Fused:
+    """`layout.encode(scheme.quantize(w))` and its SQNR for the weight `src` (see the module
+    docstring); `global_scale`: nvfp4's shared per-tensor scale (a fused group's), else computed
+    from the weight. Raises the reference's errors (shape, group size, NaN/Inf)."""
+    n, k = src.shape
+    scheme.check(name or "weight", (n, k))
+    if not supports(layout, scheme, src):
+        raise ValueError(f"internal: layout {layout.name} of {scheme!r} is not fused for {src.w.dtype} {[n, k]}")
+    cfg = _config(layout, scheme, k)
+    gs = None
+    if cfg["mode"] == MODE_NVFP4:
+        if global_scale is None:
+            m = absmax(src, threads, simd)
+            if m is None:
+                raise P.nonfinite_error(name, _desc((n, k)), _count_nonfinite(src))
+            global_scale = P.nvfp4_global_scale(torch.tensor([m], dtype=torch.float32))
+        gs = global_scale.to(torch.float32).reshape(1)
+    lib = _c_kernel()
+    if lib is None:
+        raw, sig, err = _torch_blocks(src, scheme, layout, cfg, name, gs)
+        kernel = "torch"
+    else:
+        raw, sig, err = _c_blocks(lib, src, layout, cfg, name, gs, threads, simd)
+        kernel = "c"
+    return Fused(_assemble(layout, scheme, (n, k), cfg, raw, gs), sqnr_from_sums(sig, err), kernel)
+
+
+def _outputs(layout, shape, cfg, c: bool) -> dict[str, torch.Tensor]:
+    """Uninitialized outputs: the kernel writes every element (torch fills would wake torch's
+    OpenMP pool, whose spinning threads then compete with the kernel's)."""
+    n, k = shape
+    ng = k // cfg["group"]
+    pack = _PACK[layout.name]
+    q = {PACK_I8: lambda: torch.empty((n, k), dtype=torch.int8),
+         PACK_CT32: lambda: torch.empty((n, -(-k // 8)), dtype=torch.int32),
+         PACK_NIB_K: lambda: torch.empty((n, k // 2), dtype=torch.int8),
+         PACK_NIB_ROWS: lambda: torch.empty((n // 2, k), dtype=torch.int8),
+         PACK_FP4: lambda: torch.empty((n, k // 2), dtype=torch.uint8)}[pack]()
+    out = {"q": q}
+    if cfg["mode"] in (MODE_SYM, MODE_ASYM):
+        out["scale"] = torch.empty((n, ng), dtype=torch.float32)
+        out["offset"] = (torch.empty if c or cfg["mode"] == MODE_ASYM else torch.zeros)((n, ng), dtype=torch.float32)
+        if c and pack == PACK_CT32:
+            out["scale_bf16"] = torch.empty((n, ng), dtype=torch.bfloat16)
+    else:
+        out["scale8"] = torch.empty((n, ng), dtype=torch.uint8)
+    return out
+
+
+def _c_blocks(lib, src, layout, cfg, name, gs, threads, simd):
+    raw = _outputs(layout, src.shape, cfg, c=True)
+    ptr = {k_: v.data_ptr() for k_, v in raw.items()}
+    kw = dict(group=cfg["group"], qdiv=cfg["qdiv"], qmin=cfg["qmin"], qmax=cfg["qmax"], pack=_PACK[layout.name],
+              q=ptr["q"], scale=ptr.get("scale"), offset=ptr.get("offset"), scale8=ptr.get("scale8"),
+              scale_bf16=ptr.get("scale_bf16"), global_scale=float(gs) if gs is not None else 0.0)
+    fn = lib.cvt_quantize
+    bad, _, sig, err = _call(fn, src, cfg["mode"], threads, simd, **kw)
+    if bad:
+        raise P.nonfinite_error(name, _desc(src.shape), bad)
+    if math.isinf(sig) or math.isinf(err):  # a float32 square overflowed: the reference sums in float64 then
+        _, _, sig, err = _call(fn, src, cfg["mode"], threads, simd, f64_squares=1, **kw)
+    if cfg["mode"] == MODE_ASYM and _PACK[layout.name] == PACK_CT32:
+        n, ng = raw["offset"].shape
+        raw["zero_point"] = torch.empty((-(-n // 8), ng), dtype=torch.int32)
+        lib.cvt_pack_zero_points(raw["offset"].data_ptr(), raw["zero_point"].data_ptr(), n, ng)
+    return raw, sig, err
+
+
+# ---- the torch fallback: the reference, a block of rows at a time --------------------------------
+
+def _row_blocks(src: WeightSource):
+    n, k = src.shape
+    unit = math.lcm(8, src.block[0] if src.is_fp8 else 1)  # whole FP8 block rows; 8 rows per zero-point word
+    step = max(unit, ROWS_PER_BLOCK // max(k, 1) // unit * unit)
+    for r0 in range(0, n, step):
+        yield r0, min(n, r0 + step)
+
+
+def _count_nonfinite(src: WeightSource) -> int:
+    return sum(int((~torch.isfinite(src.rows_float(r0, r1))).sum()) for r0, r1 in _row_blocks(src))
+
+
+def _sq_sums(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(x.x, (x - y).(x - y)) as `cvt.runtime.metrics.sqnr_db` sums them: float32 dot products,
+    redone in float64 when one overflows."""
+    d = x - y
+    s, e = float(torch.dot(x, x)), float(torch.dot(d, d))
+    if math.isinf(s) or math.isinf(e):
+        x, d = x.double(), d.double()
+        s, e = float(torch.dot(x, x)), float(torch.dot(d, d))
+    return s, e
+
+
+def _torch_blocks(src, scheme, layout, cfg, name, gs):
+    raw = _outputs(layout, src.shape, cfg, c=False)
+    pack = _PACK[layout.name]
+    sig = err = 0.0
+    kw = {"global_scale": gs} if gs is not None else {}
+    for r0, r1 in _row_blocks(src):
+        w = src.rows_float(r0, r1)
+        if not bool(torch.isfinite(w).all()):
+            raise P.nonfinite_error(name, _desc(src.shape), _count_nonfinite(src))
+        q = scheme.quantize(w, name=name, **kw)
+        s, e = _sq_sums(w.reshape(-1), scheme.dequantize(q).reshape(-1))
+        sig, err = sig + s, err + e
+        p = q.parts
+        if cfg["mode"] in (MODE_SYM, MODE_ASYM):
+            qi = p["weight"] if "weight" in p else p["weight_int4"]
+            raw["scale"][r0:r1] = p["weight_scale"]
+            if cfg["mode"] == MODE_ASYM:
+                raw["offset"][r0:r1] = p["weight_offset"]
+            if pack == PACK_I8:
+                raw["q"][r0:r1] = qi
+            elif pack == PACK_CT32:
+                raw["q"][r0:r1] = P.pack_int4_ct(qi, 1)
+            elif pack == PACK_NIB_K:
+                raw["q"][r0:r1] = P.pack_int4_ascend(qi, 1)
+            else:
+                raw["q"][r0 // 2: r1 // 2] = P.pack_int4_ascend(qi, 0)
+        else:
+            raw["q"][r0:r1] = P.pack_fp4(p["weight_fp4"])
+            raw["scale8"][r0:r1] = p["weight_scale"].view(torch.uint8)
+    return raw, sig, err
+
+
+# ---- the layout's tensors from the raw outputs (as `cvt.quant.layouts`' encoders write them) ------
+
+def _assemble(layout, scheme, shape, cfg, raw, gs) -> dict[str, torch.Tensor]:
+    n, k = shape
+    name = layout.name
+    if name in ("ascend-w8a8-dynamic", "ct-int8"):
+        out = {"weight": raw["q"], "weight_scale": raw["scale"]}
+        if name == "ascend-w8a8-dynamic":
+            out["weight_offset"] = raw["offset"]
+        return out
+    if name.startswith("ascend-w4a16-int8"):
+        return {"weight": raw["q"], "weight_scale": raw["scale"], "weight_offset": raw["offset"]}
+    if name in ("ascend-w4a16-int32", "ct-int4"):
+        scale = raw["scale_bf16"] if "scale_bf16" in raw else raw["scale"].to(torch.bfloat16)  # bf16 values already
+        out = {"weight_packed": raw["q"], "weight_scale": scale, "weight_shape": torch.tensor([n, k], dtype=torch.int32)}
+        if not scheme.symmetric:
+            out["weight_zero_point"] = (raw["zero_point"] if "zero_point" in raw
+                                        else P.pack_int4_ct(raw["offset"].to(torch.int8), 0))
+        return out
+    packed = "weight" if name == "ascend-mxfp4" else "weight_packed"
+    if name == "ct-nvfp4":
+        return {packed: raw["q"], "weight_scale": raw["scale8"].view(torch.float8_e4m3fn),
+                "weight_global_scale": gs.float().reshape(1)}
+    return {packed: raw["q"], "weight_scale": raw["scale8"]}

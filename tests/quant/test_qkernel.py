@@ -1,0 +1,488 @@
+"""Fused RTN kernels (`cvt.quant.qkernel`): the same bytes as the torch reference path.
+
+The oracle is the reference itself: ``w = float32(source)`` (FP8 dequantized to BF16 first),
+``layout.encode(scheme.quantize(w))`` and ``sqnr_db(w, scheme.dequantize(q))``. Every fused
+layout, every source dtype (BF16; FP8 with float32 / bfloat16 / E8M0 block scales), awkward
+shapes (edge blocks, odd rows, k not a multiple of 8), every group size of k, three
+implementations (C with AVX2, C scalar, the blockwise torch fallback). The SQNR is a float sum
+in another order: compared to 0.01 dB.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cvt.errors import TensorError
+from cvt.quant import qkernel as QK
+from cvt.quant.layouts import LAYOUTS
+from cvt.quant.schemes import get_scheme
+from cvt.runtime.metrics import sqnr_db
+
+SQNR_TOL_DB = 0.01
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+@pytest.fixture(params=["c-simd", "c-scalar", "torch"])
+def kernel(request, monkeypatch):
+    """Which implementation runs: the C kernel (AVX2 / scalar loops) or the torch fallback."""
+    QK._c_kernel.cache_clear()
+    if request.param == "torch":
+        monkeypatch.setenv("CVT_QUANT_KERNEL", "torch")
+    elif QK._c_kernel() is None:
+        pytest.skip("C quantize kernel not built (no C compiler at install time)")
+    yield request.param
+    QK._c_kernel.cache_clear()
+
+
+def run(kind: str, src, scheme, layout, **kw) -> QK.Fused:
+    return QK.quantize_to_layout(src, scheme, layout, name="m.weight", simd=(kind != "c-scalar"), threads=3, **kw)
+
+
+def reference(src: QK.WeightSource, scheme, layout, global_scale=None):
+    w = src.rows_float(0, src.shape[0])
+    q = scheme.quantize(w, name="m.weight", **({"global_scale": global_scale} if global_scale is not None else {}))
+    return layout.encode(q), sqnr_db(w, scheme.dequantize(q))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def assert_same(got: QK.Fused, want: tuple[dict, float]) -> None:
+    tensors, sq = want
+    assert list(got.tensors) == list(tensors)
+    for suffix, t in tensors.items():
+        assert same_bytes(got.tensors[suffix], t), suffix
+    if math.isinf(sq):
+        assert got.sqnr_db == sq
+    else:
+        assert abs(got.sqnr_db - sq) < SQNR_TOL_DB, (got.sqnr_db, sq)
+
+
+def bf16_weight(shape, seed=0, scale=0.05) -> QK.WeightSource:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * scale
+    w[0, : min(16, shape[1])] = 0.0  # an all-zero group
+    if shape[0] > 1:
+        w[1, 0] = -0.0
+        w[1, 1 : min(40, shape[1])] *= 1e-30  # tiny values: bf16 subnormal scales
+    return QK.WeightSource(w.to(torch.bfloat16))
+
+
+def fp8_weight(shape, seed=0, scale_dtype="F32", block=(128, 128)) -> QK.WeightSource:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+    codes[0, : min(32, shape[1])] = 0x80  # -0.0: an all-(-0) group
+    sshape = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+    s = torch.rand(sshape, generator=g) * 0.02 + 1e-4
+    if scale_dtype == "BF16":
+        s = s.to(torch.bfloat16)
+    elif scale_dtype == "F8_E8M0":
+        s = torch.randint(110, 125, sshape, generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return QK.WeightSource.fp8(codes.view(torch.float8_e4m3fn), s, block)
+
+
+SOURCES = {"bf16": bf16_weight, "fp8": fp8_weight}
+
+# (layout, scheme, options); w4a16 group sizes come from the shape (every divisor of k below)
+INT8 = [("ascend-w8a8-dynamic", "w8a8", {}), ("ct-int8", "w8a8", {})]
+INT4 = [("ascend-w4a16-int8-grouped", True), ("ascend-w4a16-int8-grouped", False),
+        ("ascend-w4a16-int32", True), ("ct-int4", True), ("ct-int4", False)]
+INT4_CHANNEL = [("ascend-w4a16-int8-channel", True), ("ascend-w4a16-int8-channel", False),
+                ("ct-int4", True), ("ct-int4", False)]
+FP4 = [("ct-nvfp4", {}), ("ct-mxfp4", {"fp4_format": "mxfp4"}), ("ascend-mxfp4", {"fp4_format": "mxfp4"})]
+# 80x256; 136x352: partial FP8 blocks along both dims (like V3's 576x7168 kv_a_proj), groups such
+# as 11, 22, 44 and 88 that do not fill SIMD registers
+SHAPES = [(80, 256), (136, 352)]
+
+
+def divisors(k: int) -> list[int]:
+    return [d for d in range(1, k + 1) if k % d == 0]
+
+
+# ---- bit-identical to the reference ----------------------------------------------------------------
+
+@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("layout,scheme,opts", INT8, ids=[c[0] for c in INT8])
+def test_int8_per_channel(kernel, source, shape, layout, scheme, opts):
+    src = SOURCES[source](shape)
+    sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+    assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("layout,sym", INT4, ids=[f"{a}-{'sym' if s else 'asym'}" for a, s in INT4])
+def test_int4_every_group_size(kernel, source, shape, layout, sym):
+    """Every group size cvt accepts for this k (any divisor; k itself is per channel)."""
+    src = SOURCES[source](shape)
+    lo = LAYOUTS.get(layout)
+    for g in divisors(shape[1]):
+        if g == shape[1]:
+            continue  # per channel: the channel layouts' test
+        sch = get_scheme("w4a16", group_size=g, symmetric=sym)
+        got = run(kernel, src, sch, lo)
+        try:
+            assert_same(got, reference(src, sch, lo))
+        except AssertionError as exc:
+            raise AssertionError(f"group size {g}: {exc}") from None
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize("shape", SHAPES + [(7, 100), (6, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("layout,sym", INT4_CHANNEL, ids=[f"{a}-{'sym' if s else 'asym'}" for a, s in INT4_CHANNEL])
+def test_int4_per_channel(kernel, source, shape, layout, sym):
+    """Group 0 and group k (the same thing); k = 100 / 200: c-t int32 words padded with zero nibbles."""
+    src = SOURCES[source](shape)
+    lo = LAYOUTS.get(layout)
+    for g in (0, shape[1]):
+        sch = get_scheme("w4a16", group_size=g, symmetric=sym)
+        assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize("shape", SHAPES + [(3, 32)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("layout,opts", FP4, ids=[c[0] for c in FP4])
+def test_fp4(kernel, source, shape, layout, opts):
+    src = SOURCES[source](shape)
+    sch, lo = get_scheme("fp4", **opts), LAYOUTS.get(layout)
+    assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
+def test_nvfp4_shared_global_scale(kernel):
+    """A fused group's scale (`FP4.shared_scale`), given from outside, is used as given."""
+    src = bf16_weight((80, 256), seed=4)
+    sch, lo = get_scheme("fp4"), LAYOUTS.get("ct-nvfp4")
+    gs = sch.shared_scale([src.rows_float(0, 80), torch.full((2, 2), 3.0)])
+    assert_same(run(kernel, src, sch, lo, global_scale=gs), reference(src, sch, lo, gs))
+
+
+@pytest.mark.parametrize("scale_dtype", ["BF16", "F8_E8M0"])
+@pytest.mark.parametrize("layout,scheme,opts", [("ct-int8", "w8a8", {}), ("ct-int4", "w4a16", {"symmetric": False}),
+                                                ("ct-nvfp4", "fp4", {})], ids=["w8a8", "w4a16-asym", "nvfp4"])
+def test_fp8_scale_dtypes_and_blocks(kernel, scale_dtype, layout, scheme, opts):
+    sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+    for block in ((128, 128), (64, 32), (1, 128)):
+        src = fp8_weight((150, 256), seed=2, scale_dtype=scale_dtype, block=block)
+        assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize("layout,scheme,opts", [
+    ("ascend-w8a8-dynamic", "w8a8", {}), ("ct-int4", "w4a16", {"group_size": 128}),
+    ("ct-int4", "w4a16", {"group_size": 128, "symmetric": False}), ("ascend-w4a16-int8-grouped", "w4a16", {"group_size": 64}),
+    ("ct-nvfp4", "fp4", {}), ("ct-mxfp4", "fp4", {"fp4_format": "mxfp4"})],
+    ids=["w8a8", "w4a16-g128", "w4a16-g128-asym", "ascend-w4a16-g64", "nvfp4", "mxfp4"])
+def test_v3_kv_a_proj_shape(kernel, source, layout, scheme, opts):
+    """576 x 7168, DeepSeek-V3's kv_a_proj_with_mqa: 4.5 FP8 blocks of rows."""
+    if kernel == "c-scalar":
+        pytest.skip("the SIMD and torch runs cover this shape")
+    src = SOURCES[source]((576, 7168), seed=5)
+    sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+    assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
+@pytest.mark.parametrize("layout,scheme,opts", [("ct-int8", "w8a8", {}), ("ct-int4", "w4a16", {"symmetric": False}),
+                                                ("ct-nvfp4", "fp4", {}), ("ct-mxfp4", "fp4", {"fp4_format": "mxfp4"})],
+                         ids=["w8a8", "w4a16-asym", "nvfp4", "mxfp4"])
+def test_extreme_values(kernel, layout, scheme, opts):
+    """bf16's largest and smallest magnitudes: saturating scales, subnormal scales and results,
+    float32 squares that overflow (the SQNR is then summed in float64, as the reference does)."""
+    w = torch.zeros(16, 128)
+    w[0] = 3.0e38
+    w[1, ::2] = -3.3e38
+    w[2] = torch.linspace(-1e-38, 1e-38, 128)
+    w[3] = 9.2e-41  # bf16 subnormal
+    w[4, 7] = 1.0
+    w[5] = torch.linspace(-7.0, 7.0, 128)
+    w[6:] = torch.randn(10, 128, generator=torch.Generator().manual_seed(3)) * 1e19
+    src = QK.WeightSource(w.to(torch.bfloat16))
+    sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+    assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
+def test_fp8_scales_beyond_the_simd_rescale(kernel):
+    """Block scales >= 2**100 (finite results up to ~6e35): the C kernel's exact power-of-two
+    FP8 rescale would overflow, so it runs its scalar loops; float32 squares overflow too."""
+    src = fp8_weight((130, 256), seed=11)
+    scale = src.scale.clone()
+    scale[1, 1] = 2.0**110
+    src = QK.WeightSource.fp8(src.w, scale, (128, 128))
+    for layout, scheme, opts in [("ct-int8", "w8a8", {}), ("ct-int4", "w4a16", {"group_size": 32, "symmetric": False}),
+                                 ("ct-nvfp4", "fp4", {})]:
+        sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+        assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
+def test_e2m1_and_e4m3_rounding_ties(kernel):
+    """Values on every E2M1 threshold (ties to the even code), both signs, and -0.0."""
+    ties = torch.tensor([0.0, -0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 0.5, 1.0, 1.5, 3.0, 4.0])
+    w = torch.cat([ties, -ties, ties * 2, ties / 2]).reshape(2, 32)
+    src = QK.WeightSource(w.to(torch.bfloat16))
+    for layout, opts in FP4:
+        sch, lo = get_scheme("fp4", **opts), LAYOUTS.get(layout)
+        assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
+def test_int_rounding_half_even(kernel):
+    """w / scale landing exactly on .5: torch.round's half-to-even, not half away from zero."""
+    w = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5]]).repeat(2, 1)
+    src = QK.WeightSource(w.to(torch.bfloat16))
+    sch, lo = get_scheme("w8a8"), LAYOUTS.get("ct-int8")
+    got = run(kernel, src, sch, lo)
+    assert got.tensors["weight"][0].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+    assert_same(got, reference(src, sch, lo))
+
+
+def test_thread_counts_give_identical_bits():
+    if QK._c_kernel() is None:
+        pytest.skip("C quantize kernel not built")
+    src = fp8_weight((300, 256), seed=6)
+    for layout, scheme, opts in [("ascend-w4a16-int8-grouped", "w4a16", {"group_size": 32}),
+                                 ("ct-int8", "w8a8", {}), ("ct-nvfp4", "fp4", {})]:
+        sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+        outs = [QK.quantize_to_layout(src, sch, lo, threads=t) for t in (1, 2, 3, 7, 64)]
+        for o in outs[1:]:
+            assert all(same_bytes(o.tensors[x], outs[0].tensors[x]) for x in o.tensors)
+            assert abs(o.sqnr_db - outs[0].sqnr_db) < 1e-9
+
+
+# ---- refusals and fallbacks ------------------------------------------------------------------------
+
+def reference_error(src, scheme) -> str:
+    w = src.rows_float(0, src.shape[0])
+    with pytest.raises(TensorError) as exc:
+        scheme.quantize(w, name="m.weight")
+    return str(exc.value)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "fp8-nan-code", "fp8-overflow"])
+@pytest.mark.parametrize("layout,scheme,opts", [("ct-int8", "w8a8", {}), ("ct-int4", "w4a16", {"group_size": 32}),
+                                                ("ct-nvfp4", "fp4", {}), ("ct-mxfp4", "fp4", {"fp4_format": "mxfp4"})],
+                         ids=["w8a8", "w4a16", "nvfp4", "mxfp4"])
+def test_non_finite_refused_with_the_reference_message(kernel, bad, layout, scheme, opts):
+    if bad.startswith("fp8"):
+        src = fp8_weight((200, 256), seed=7)
+        codes = src.w.view(torch.uint8).clone()
+        scale = src.scale.clone()
+        if bad == "fp8-nan-code":
+            codes[150, 3] = 0x7F
+            codes[7, 200] = 0xFF
+        else:  # 448 * 1e36 overflows float32: Inf after dequantization
+            codes[130, :5] = 0x7E
+            scale[1, 0] = 1e36
+        src = QK.WeightSource.fp8(codes.view(torch.float8_e4m3fn), scale, (128, 128))
+    else:
+        w = torch.randn(200, 256) * 0.1
+        w[150, 3] = float(bad)
+        w[7, 200] = -float(bad) if bad == "inf" else float(bad)
+        src = QK.WeightSource(w.to(torch.bfloat16))
+    sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+    want = reference_error(src, sch)
+    with pytest.raises(TensorError) as exc:
+        run(kernel, src, sch, lo)
+    assert str(exc.value) == want
+    assert "m.weight" in want and "float32 [200, 256]" in want
+
+
+def test_group_size_refused_with_the_reference_message(kernel):
+    src = bf16_weight((8, 96))
+    sch = get_scheme("w4a16", group_size=64)
+    with pytest.raises(Exception) as want:
+        sch.quantize(src.rows_float(0, 8), name="m.weight")
+    with pytest.raises(type(want.value)) as got:
+        run(kernel, src, sch, LAYOUTS.get("ct-int4"))
+    assert str(got.value) == str(want.value)
+
+
+def test_unfused_cases_are_declined():
+    """What `supports` declines goes to the reference path (which raises its own errors)."""
+    src = bf16_weight((7, 64))
+    int32, grouped = LAYOUTS.get("ascend-w4a16-int32"), LAYOUTS.get("ascend-w4a16-int8-grouped")
+    assert QK.supports(int32, get_scheme("w4a16", group_size=32), src)
+    assert not QK.supports(int32, get_scheme("w4a16", group_size=32, symmetric=False), src)  # no zero points there
+    assert not QK.supports(grouped, get_scheme("w4a16", group_size=32), src)  # odd rows: cannot pair
+    assert not QK.supports(LAYOUTS.get("ascend-w8a8-static"), get_scheme("w8a8"), src)
+    assert not QK.supports(LAYOUTS.get("ct-int8"), get_scheme("w8a8"), QK.WeightSource(src.w.to(torch.float16)))
+    assert not QK.supports(LAYOUTS.get("ct-int8"), get_scheme("w4a16"), src)  # layout of another kernel format
+    assert set(QK.LAYOUTS) <= set(LAYOUTS.names())
+
+
+def test_kernel_name_follows_the_environment(monkeypatch):
+    QK._c_kernel.cache_clear()
+    try:
+        monkeypatch.setenv("CVT_QUANT_KERNEL", "torch")
+        assert QK.kernel_name() == "torch"
+        monkeypatch.setenv("CVT_QUANT_KERNEL", "reference")
+        assert QK.kernel_name() == "reference"
+        monkeypatch.delenv("CVT_QUANT_KERNEL")
+        QK._c_kernel.cache_clear()
+        assert QK.kernel_name() in ("c", "torch")
+    finally:
+        QK._c_kernel.cache_clear()
+
+
+def test_without_the_compiled_kernel(monkeypatch):
+    """No C compiler at install time (the module cannot be imported): the torch fallback runs."""
+    import sys
+
+    import cvt.quant
+
+    monkeypatch.setitem(sys.modules, "cvt.quant._qkernel", None)  # import raises ImportError
+    monkeypatch.delattr(cvt.quant, "_qkernel", raising=False)
+    monkeypatch.delenv("CVT_QUANT_KERNEL", raising=False)
+    QK._c_kernel.cache_clear()
+    try:
+        assert QK.kernel_name() == "torch"
+        src = fp8_weight((136, 352), seed=10)
+        sch, lo = get_scheme("w4a16", group_size=32, symmetric=False), LAYOUTS.get("ct-int4")
+        got = QK.quantize_to_layout(src, sch, lo, name="m.weight")
+        assert got.kernel == "torch"
+        assert_same(got, reference(src, sch, lo))
+    finally:
+        QK._c_kernel.cache_clear()
+
+
+def test_absmax_matches_torch(kernel):
+    src = fp8_weight((136, 352), seed=8)
+    want = float(src.rows_float(0, 136).abs().amax())
+    assert QK.absmax(src, simd=(kernel != "c-scalar")) == want
+    w = src.rows_float(0, 136)
+    w[100, 3] = float("nan")
+    assert QK.absmax(QK.WeightSource(w.to(torch.bfloat16))) is None
+
+
+def test_torch_fallback_works_in_row_blocks(monkeypatch):
+    """Small blocks of rows (several per FP8 block row would be wrong: blocks are whole FP8 rows)."""
+    QK._c_kernel.cache_clear()
+    monkeypatch.setenv("CVT_QUANT_KERNEL", "torch")
+    monkeypatch.setattr(QK, "ROWS_PER_BLOCK", 1)
+    try:
+        for src in (bf16_weight((37, 64), seed=9), fp8_weight((300, 64), seed=9, block=(64, 32))):
+            assert [b for b in QK._row_blocks(src)][0] == (0, 8 if not src.is_fp8 else 64)
+            for layout, scheme, opts in [("ct-int4", "w4a16", {"group_size": 16, "symmetric": False}),
+                                         ("ascend-w4a16-int8-channel", "w4a16", {"group_size": 0}),
+                                         ("ct-nvfp4", "fp4", {})]:
+                sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+                got = QK.quantize_to_layout(src, sch, lo, name="m.weight")
+                assert got.kernel == "torch"
+                assert_same(got, reference(src, sch, lo))
+    finally:
+        QK._c_kernel.cache_clear()
+
+
+# ---- the stage uses the kernels, and writes the reference's bytes ----------------------------------
+
+STAGE_CASES = [
+    ("compressed-tensors", "w8a8", {}),
+    ("compressed-tensors", "w4a16", {"asym": True, "group_size": 32}),
+    ("compressed-tensors", "fp4", {}),  # nvfp4: fused groups share a global scale
+    ("compressed-tensors", "fp4", {"fp4_format": "mxfp4"}),
+    ("ascend", "w8a8", {}),
+    ("ascend", "w4a16", {}),  # vllm-ascend int32 experts
+    ("ascend", "w4a16", {"target": "mindie", "group_size": 64}),
+    ("ascend", "w4a16", {"target": "mindie", "group_size": 0, "asym": True}),
+]
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}
+
+
+@pytest.mark.parametrize("fmt,scheme,opts", STAGE_CASES,
+                         ids=[f"{f}-{s}" + "".join(f"-{k}={v}" for k, v in o.items()) for f, s, o in STAGE_CASES])
+@pytest.mark.parametrize("impl", ["c", "torch"])
+def test_stage_writes_the_reference_bytes(fp8_release_session, tmp_path, monkeypatch, fmt, scheme, opts, impl):
+    from cvt.convert.reader import read_manifest
+    from cvt.quant.stage import quantize
+
+    if impl == "c" and (QK._c_kernel.cache_clear() or QK._c_kernel() is None):
+        pytest.skip("C quantize kernel not built")
+    calls = []
+    real = QK.quantize_to_layout
+    monkeypatch.setattr(QK, "quantize_to_layout", lambda *a, **k: calls.append(a[2].name) or real(*a, **k))
+    try:
+        monkeypatch.setenv("CVT_QUANT_KERNEL", "reference")
+        QK._c_kernel.cache_clear()
+        quantize(fp8_release_session, tmp_path / "ref", scheme=scheme, fmt=fmt, quiet=True, **opts)
+        assert calls == []
+        monkeypatch.setenv("CVT_QUANT_KERNEL", "" if impl == "c" else "torch")
+        QK._c_kernel.cache_clear()
+        quantize(fp8_release_session, tmp_path / "fused", scheme=scheme, fmt=fmt, quiet=True, **opts)
+    finally:
+        QK._c_kernel.cache_clear()
+    ref, fused = read_manifest(tmp_path / "ref"), read_manifest(tmp_path / "fused")
+    assert len(calls) == len(fused.quant.tensors) > 0  # every quantized module went through the fused path
+    assert _files(tmp_path / "ref") == _files(tmp_path / "fused")
+    for m, info in ref.quant.tensors.items():
+        got = fused.quant.tensors[m]
+        assert got.model_dump(exclude={"sqnr_db"}) == info.model_dump(exclude={"sqnr_db"})
+        if isinstance(info.sqnr_db, float):
+            assert abs(got.sqnr_db - info.sqnr_db) < SQNR_TOL_DB
+        else:
+            assert got.sqnr_db == info.sqnr_db
+
+
+def test_stage_refuses_non_finite_weight_like_the_reference(fp8_release, tmp_path, monkeypatch):
+    """A NaN code in an FP8 weight: the same one-line error on both paths, nothing written."""
+    import json
+
+    from cvt.quant.stage import quantize
+
+    index = json.loads((fp8_release / "model.safetensors.index.json").read_text())
+    name = next(n for n in index["weight_map"] if n.endswith("mlp.experts.1.up_proj.weight"))
+    path = fp8_release / index["weight_map"][name]
+    data = bytearray(path.read_bytes())
+    hlen = int.from_bytes(data[:8], "little")
+    start = json.loads(data[8: 8 + hlen])[name]["data_offsets"][0]
+    data[8 + hlen + start + 5] = 0x7F
+    path.write_bytes(bytes(data))
+    errors = []
+    for mode in ("reference", ""):
+        monkeypatch.setenv("CVT_QUANT_KERNEL", mode)
+        QK._c_kernel.cache_clear()
+        with pytest.raises(TensorError) as exc:
+            quantize(fp8_release, tmp_path / f"out{mode}", scheme="w8a8", quiet=True)
+        errors.append(str(exc.value))
+        assert not (tmp_path / f"out{mode}" / "cvt_manifest.json").exists()
+    QK._c_kernel.cache_clear()
+    assert errors[0] == errors[1] and name in errors[0] and "non-finite" in errors[0]
+
+
+@pytest.mark.parametrize("fmt,target", [("compressed-tensors", None), ("ascend", "vllm-ascend"), ("ascend", "mindie")])
+def test_stage_layout_probe_scaled_from_a_few_rows(monkeypatch, fmt, target):
+    """The writer plans each module's tensors from a probe of 16 rows scaled by the layout's dims:
+    the same specs as a probe of the module's full size (which costs a full quantization)."""
+    from cvt.errors import CvtError
+    from cvt.quant import stage
+    from cvt.quant.formats import get_format
+    from cvt.quant.layouts import check_target
+
+    form, target = get_format(fmt), check_target(fmt, target)
+    schemes = [get_scheme("w8a8"), get_scheme("w8a8c8"), get_scheme("fp4"), get_scheme("fp4", fp4_format="mxfp4")]
+    schemes += [get_scheme("w4a16", group_size=g, symmetric=s) for g in (0, 32, 64, 128, 256) for s in (True, False)]
+    checked = 0
+    for sch in schemes:
+        for shape in [(48, 256), (576, 1024), (1040, 512), (16 * 9, 256)]:
+            for expert, static in [(False, False), (True, False), (False, True)]:
+                if static and sch.name != "w8a8":
+                    continue
+                try:
+                    big = stage._Layouts(form, target)
+                    monkeypatch.setattr(stage._Layouts, "PROBE_ROWS", 1 << 30)
+                    want = big.get("m", sch, shape, static, (shape[0],), torch.bfloat16, expert)
+                except CvtError:
+                    continue  # no layout for this scheme / module / shape on this target
+                finally:
+                    monkeypatch.setattr(stage._Layouts, "PROBE_ROWS", 16)
+                got = stage._Layouts(form, target).get("m", sch, shape, static, (shape[0],), torch.bfloat16, expert)
+                assert got == want, (sch, shape, expert, static)
+                checked += 1
+    assert checked > 20
