@@ -22,7 +22,7 @@ Bytes per tensor shard under a scheme:
   1.1: not embeddings, heads, norms, router, nor MTP's eh_proj, a plain nn.Linear in vLLM /
   SGLang) take 1 byte per element + float32 block scales ``ceil(n/128) x ceil(k/128)`` of the
   shard; everything else as bf16.
-* ``w8a8`` / ``w8a8c8`` / ``w4a16`` / ``fp4``: quantizable linears that are not float by default
+* ``w8a8`` / ``w8a8c8`` / ``w4a16`` / ``w4a8`` / ``fp4``: quantizable linears that are not float by default
   (arch table) take the scheme's ``param_info`` parts of the shard, 4-bit parts packed two per
   byte as stored; the rest stays bf16. w8a8c8 adds the replicated KV-cache scales and
   offsets of `cvt.runtime.kv_cache` (MLA FAKQuant: fa_q [heads, 1], fa_k / fa_v [1, 1] per
@@ -50,7 +50,7 @@ from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors
 from cvt.units import parse_size
 from cvt.errors import CvtError
 
-SCHEMES = ("bf16", "fp8", "w8a8", "w8a8c8", "w4a16", "fp4")
+SCHEMES = ("bf16", "fp8", "w8a8", "w8a8c8", "w4a16", "w4a8", "fp4")
 CATEGORIES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embedding", "head", "norm",
               "mtp_proj", "kv_scales")
 _ROLE_CATEGORY = {Role.EMBEDDING: "embedding", Role.HEAD: "head", Role.NORM: "norm", Role.ROUTER: "router",
@@ -439,7 +439,7 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
          "fp8": "fp8: attention, dense MLP and expert linears 1 byte/element + float32 128x128 block scales; "
                 "embeddings, heads, norms, router, eh_proj bf16"}.get(scheme,
             f"{scheme}: quantizable linears not float by default take the scheme's param_info parts"
-            + (" (4-bit values packed two per byte)" if scheme in ("w4a16", "fp4") else "")
+            + (" (4-bit values packed two per byte)" if scheme in ("w4a16", "w4a8", "fp4") else "")
             + f"{f', group {sch.group_size}' if getattr(sch, 'group_size', 0) else ''}; the rest bf16"),
         f"KV cache: {kv_tokens} tokens in flight over the world, split evenly over dp {layout.dp} "
         f"({-(-kv_tokens // layout.dp)} per rank); " + (

@@ -98,7 +98,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 
 
 # Kept in step with the registries by a test (importing them here would import torch).
-SCHEMES = ("fp4", "w4a16", "w8a8", "w8a8c8")
+SCHEMES = ("fp4", "w4a16", "w4a8", "w8a8", "w8a8c8")
 FORMATS = ("ascend", "compressed-tensors")
 METHODS = ("rtn", "smoothquant", "gptq", "awq")
 
@@ -108,7 +108,9 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
 @click.argument("dst", type=click.Path())
 @click.option("--scheme", type=click.Choice(SCHEMES), required=True,
               help="w8a8: int8 weights per channel, int8 dynamic per-token activations; w8a8c8: plus an int8 KV "
-                   "cache; w4a16: int4 weights in groups, bf16 activations; fp4: E2M1 weights with group scales.")
+                   "cache; w4a16: int4 weights in groups, bf16 activations; w4a8: int4 weights per channel, int8 "
+                   "dynamic per-token activations (Ascend W4A8_DYNAMIC, MoE experts); fp4: E2M1 weights with group "
+                   "scales.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="compressed-tensors", show_default=True,
               help="ascend: msModelSlim AscendV1 (quant_model_description.json); compressed-tensors: vLLM/transformers.")
 @click.option("--target", type=click.Choice(["vllm-ascend", "mindie"]), default=None,

@@ -1,8 +1,8 @@
 """Quantized weight layouts as data: one entry per on-disk form of a kernel format.
 
 A scheme (`cvt.quant.schemes`) produces a `QuantizedTensor` of canonical parts for a runtime
-kernel format (``kernel_fmt``: w8a8_dynamic, w8a8_static, w4a16, nvfp4, mxfp4). A `Layout`
-says how those parts sit on disk for one output format and the serving stacks that load it:
+kernel format (``kernel_fmt``: w8a8_dynamic, w8a8_static, w4a16, w4a8_dynamic, nvfp4, mxfp4). A
+`Layout` says how those parts sit on disk for one output format and the serving stacks that load it:
 the tensors (suffix, dtype, and per dim which logical axis it follows and in what unit), the
 Ascend type tag, which modules the stack accepts it for, and the encode / decode between
 canonical parts and disk. The formats, the quantize stage, `cvt plan`, `cvt shard` and the
@@ -28,6 +28,11 @@ ascend-w4a16-int32         ascend      vllm-ascend / W4A16  MoE experts only: we
 ascend-mxfp4               ascend      vllm-ascend /        MoE experts only: weight u8 [n,k/2] (E2M1,
                                        W4A16_MXFP4          element 2j low nibble); weight_scale u8
                                                             E8M0 [n,k/32]
+ascend-w4a8-dynamic(-row)  ascend      vllm-ascend /        MoE experts only: weight i8 [n/2,k] (two int4
+                                       W4A8_DYNAMIC         per byte along n, row 2j low nibble);
+                                                            weight_scale f32 [n,1]; weight_offset f32
+                                                            zeros [n,1]; scale_bias f32 [n,1] (gate,
+                                                            up) or [n,16] (-row: down); G = 0
 ct-int8                    c-t         vllm                 weight i8 [n,k]; weight_scale f32 [n,1]
 ct-int4                    c-t         vllm                 weight_packed i32 [n,ceil(k/8)]; weight_scale
                                                             bf16 [n,k/G]; weight_shape i32 [2];
@@ -45,13 +50,18 @@ declared parameters; W4A16 and W4A16_MXFP4 are registered for ``"moe"`` only, W4
 size is divided by, so 0 fails) and ``modelslim_config.py``; MindIE atb_llm
 ``utils/quantize/w4a16.py`` (the int8 two-per-byte W4A16, per group packed along n);
 msModelSlim 26.1 ``save/ascendv1.py`` and ``llm_ptq .../complex_quantifier.py``
-(``_w4a16_pack_int4``); compressed-tensors' compressors for ``ct-*``.
+(``_w4a16_pack_int4``); compressed-tensors' compressors for ``ct-*``. W4A8_DYNAMIC: vllm-ascend
+``methods/w4a8.py`` (AscendW4A8DynamicFusedMoEMethod, version "1.0.0", group_size 0) and
+msModelSlim 26.1 ``save/ascendv1.py`` on_w4a8_dynamic + ``save/utils/pack.py`` (the role-dependent
+``scale_bias``: `scale_bias_role`).
 
 Dims: per on-disk dim, ``("n", u)`` / ``("k", u)`` -- that dim runs along the weight's output /
 input features, one on-disk element per ``u`` logical elements (``u`` may be ``"G"``, the
-group size; per channel: k) -- or a fixed size (an int). `cvt shard` splits a tensor along
-the dim that follows the module's TP axis (a tensor without one is whole on every holder);
-`cvt plan` counts bytes and the units a split must keep whole from the same data.
+group size, per channel k; or ``"K/16"``, a sixteenth of k: W4A8's row ``scale_bias``) -- or
+a fixed size (an int). `cvt shard` splits a tensor along the dim that follows the module's TP
+axis (a tensor without one is whole on every holder); `cvt plan` counts bytes and the units a
+split must keep whole from the same data. A layout whose ``parallel`` is "column" / "row" holds
+only the modules of that role (`scale_bias_role`, from the module name); `select` picks by it.
 """
 
 from __future__ import annotations
@@ -88,7 +98,7 @@ class DiskTensor:
                 out.append(d)
                 continue
             axis, unit = d
-            u = (g or k) if unit == "G" else unit
+            u = _unit(unit, g, k)
             out.append(-(-(n if axis == "n" else k) // u))
         return tuple(out)
 
@@ -96,8 +106,19 @@ class DiskTensor:
         """(on-disk dim, logical unit) of the dim that follows `axis` ("n" / "k"), or None."""
         for i, d in enumerate(self.dims):
             if not isinstance(d, int) and d[0] == axis:
-                return i, ((g or k) if d[1] == "G" else d[1])
+                return i, _unit(d[1], g, k)
         return None
+
+
+K16 = "K/16"  # a dim unit: one on-disk element per k/16 logical ones, i.e. 16 elements along k
+
+
+def _unit(unit, g: int, k: int) -> int:
+    if unit == "G":
+        return g or k
+    if unit == K16:
+        return max(k // 16, 1)
+    return unit
 
 
 @dataclass(frozen=True)
@@ -113,6 +134,7 @@ class Layout:
     experts_only: bool = False      # the stack loads this layout for routed experts only
     grouping: str = "any"           # "any" | "grouped" | "channel": which group sizes this entry holds
     groups: tuple[int, ...] = ()    # the group sizes the stack accepts (empty: any)
+    parallel: str = "any"           # "any" | "column" | "row": the modules it holds (`scale_bias_role`)
 
     def holds(self, group_size: int, k: int) -> bool:
         per_channel = group_size in (0, k)
@@ -376,12 +398,100 @@ register(Layout("ascend-mxfp4", "mxfp4", "ascend", ("vllm-ascend",), "W4A16_MXFP
                 _enc_fp4("weight"), _dec_fp4("weight"), experts_only=True))
 
 
+# ---- W4A8_DYNAMIC ------------------------------------------------------------------------------------
+# msModelSlim 26.1 save/utils/pack.py process_scale: which modules' scale_bias is summed whole along k
+# ([n, 1]) and which in 16 runs of k/16 ([n, 16], so that each of up to 16 TP ranks splitting k gets
+# the sum over its own slice). vllm-ascend agrees: w13 (gate / up) [E, 2I, 1], w2 (down) [E, H, 16 //
+# tp] (methods/w4a8.py get_dynamic_quant_param_modelslim); linears: RowParallelLinear -> 16.
+SCALE_BIAS_COLUMN = ("up_proj", "gate_proj", "q_proj", "k_proj", "v_proj", "w1", "w3")
+SCALE_BIAS_ROW = ("down_proj", "o_proj", "w2")
+SCALE_BIAS_RUNS = 16
+
+
+def scale_bias_role(module: str) -> str:
+    """"column" ([n, 1] scale_bias) or "row" ([n, 16]) for a W4A8_DYNAMIC module, by msModelSlim's
+    name rule (`SCALE_BIAS_COLUMN` first, then `SCALE_BIAS_ROW`, on the module's own name); FormatError
+    for a name in neither list (msModelSlim would write the unsummed [n, k] product there)."""
+    own = module.rsplit(".", 1)[-1]
+    if any(s in own for s in SCALE_BIAS_COLUMN):
+        return "column"
+    if any(s in own for s in SCALE_BIAS_ROW):
+        return "row"
+    raise FormatError(f"{module}: W4A8_DYNAMIC's scale_bias is [n, 1] for {', '.join(SCALE_BIAS_COLUMN)} and "
+                      f"[n, {SCALE_BIAS_RUNS}] for {', '.join(SCALE_BIAS_ROW)} (msModelSlim's process_scale, by the "
+                      f"module name); {own!r} is neither, so its scale_bias shape is unknown")
+
+
+def _w4a8_encoder(runs: int):
+    def enc(q):
+        p, (n, k) = q.parts, q.shape
+        if n % 8:
+            raise FormatError(f"W4A8_DYNAMIC packs two int4 per byte along out_features and vllm-ascend views the "
+                              f"[k, n/2] bytes as int32 (methods/w4a8.py pack_to_int32): out_features must be a "
+                              f"multiple of 8, got {n}")
+        if k % runs:
+            raise FormatError(f"W4A8_DYNAMIC row-parallel scale_bias sums in_features in {runs} runs: in_features "
+                              f"must be a multiple of {runs}, got {k}")
+        qi, sc = p["weight_int4"], p["weight_scale"].to(torch.float32).reshape(n, 1)
+        # ascendv1.py on_w4a8_dynamic: deq_weight = weight.float().T * weight_scale; process_scale(name,
+        # deq_weight.T, 16) -- summed, then times 8 (the order and views are msModelSlim's)
+        deq = (qi.to(torch.float32).T * sc.reshape(n)).T
+        if runs == 1:
+            sb = 8 * deq.sum(dim=1, keepdim=True)
+        else:
+            sb = (8 * deq.reshape(-1, k // runs).sum(dim=1, keepdim=True)).reshape(n, -1)
+        return {"weight": P.pack_int4_ascend(qi, 0), "weight_scale": sc, "weight_offset": torch.zeros_like(sc),
+                "scale_bias": sb.to(torch.float32)}
+    return enc
+
+
+def _dec_w4a8(module, d):
+    if "weight_scale_second" in d or "weight_offset_second" in d:
+        raise FormatError(f"{module}: per-group W4A8_DYNAMIC (weight_scale_second / weight_offset_second, "
+                          "msModelSlim's older two-level form) is not supported; cvt reads the per-channel form")
+    t = _take(module, d, ("weight", "weight_scale", "weight_offset", "scale_bias"))
+    packed = _expect(f"{module}.weight", t["weight"], (torch.int8,))
+    if packed.dim() != 2:
+        raise FormatError(f"{module}.weight is {list(packed.shape)}: expected 2-D [n/2, k]")
+    n, k = 2 * packed.shape[0], packed.shape[1]
+    sc = _expect(f"{module}.weight_scale", t["weight_scale"], FLOATS)
+    if sc.numel() != n or sc.dim() > 2:
+        raise FormatError(f"{module}.weight_scale is {list(sc.shape)}: expected [{n}, 1] (per channel; the weight "
+                          f"[{n // 2}, {k}] packs two output channels per byte)")
+    off = _expect(f"{module}.weight_offset", t["weight_offset"], FLOATS)
+    if off.numel() != n or bool((off != 0).any()):
+        raise FormatError(f"{module}.weight_offset must be {n} zeros (W4A8_DYNAMIC is symmetric)")
+    sb = _expect(f"{module}.scale_bias", t["scale_bias"], (torch.float32,))
+    if sb.dim() != 2 or sb.shape[0] != n or SCALE_BIAS_RUNS % sb.shape[1]:
+        raise FormatError(f"{module}.scale_bias is {list(sb.shape)}: expected [{n}, 1] or [{n}, "
+                          f"{SCALE_BIAS_RUNS} / tp]")
+    parts = {"weight_int4": P.unpack_int4_ascend(packed, 0), "weight_scale": sc.to(torch.float32).reshape(n, 1)}
+    return QuantizedTensor("w4a8", "w4a8_dynamic", (n, k), parts)
+
+
+def _w4a8_tensors(scale_bias: tuple) -> tuple[DiskTensor, ...]:
+    return (DiskTensor("weight", "I8", (("n", 2), K)), DiskTensor("weight_scale", "F32", (N, 1)),
+            DiskTensor("weight_offset", "F32", (N, 1)), DiskTensor("scale_bias", "F32", scale_bias))
+
+
+# vllm-ascend's linear method for W4A8_DYNAMIC divides by the description's group_size (0 here:
+# ZeroDivisionError) and runs it as weight-only W4A16 anyway: loaded for MoE experts only
+register(Layout("ascend-w4a8-dynamic", "w4a8_dynamic", "ascend", ("vllm-ascend",), "W4A8_DYNAMIC",
+                _w4a8_tensors((N, 1)), _w4a8_encoder(1), _dec_w4a8, experts_only=True, grouping="channel",
+                parallel="column"))
+register(Layout("ascend-w4a8-dynamic-row", "w4a8_dynamic", "ascend", ("vllm-ascend",), "W4A8_DYNAMIC",
+                _w4a8_tensors((N, ("k", K16))), _w4a8_encoder(SCALE_BIAS_RUNS), _dec_w4a8, experts_only=True,
+                grouping="channel", parallel="row"))
+
+
 # ---- selection -------------------------------------------------------------------------------------
 def kernel_fmt_of(scheme, static: bool = False) -> str:
     """The runtime kernel format a scheme instance quantizes to (static: W8A8 static activations)."""
     name = scheme if isinstance(scheme, str) else scheme.name
     if name in ("w8a8", "w8a8c8"):
         return "w8a8_static" if static else "w8a8_dynamic"
+    if name == "w4a8":
+        return "w4a8_dynamic"
     if name == "fp4":
         return getattr(scheme, "fp4_format", "nvfp4")
     return name
@@ -392,6 +502,8 @@ def kernel_formats(scheme) -> set[str]:
     name = scheme if isinstance(scheme, str) else scheme.name
     if name in ("w8a8", "w8a8c8"):
         return {"w8a8_dynamic", "w8a8_static"}
+    if name == "w4a8":
+        return {"w4a8_dynamic"}
     if name == "fp4":
         return {"nvfp4", "mxfp4"} if isinstance(scheme, str) else {scheme.fp4_format}
     return {name}
@@ -438,8 +550,12 @@ def select(fmt: str, kernel_fmt: str, target: str, *, expert: bool, group_size: 
     lo = fit[0]
     if lo.experts_only and not expert:
         raise FormatError(f"{where}{target} loads {lo.tag or kernel_fmt} ({lo.name}) for MoE experts only (no "
-                          "linear method is registered for it); keep this module float or give it another "
-                          "scheme in a recipe")
+                          "linear method loads it); keep this module float or give it another scheme in a recipe")
+    if any(x.parallel != "any" for x in fit):  # e.g. W4A8_DYNAMIC: scale_bias by the module's role
+        role = scale_bias_role(module)
+        lo = next((x for x in fit if x.parallel in ("any", role)), None)
+        if lo is None:
+            raise FormatError(f"{where}{target} has no {kernel_fmt} layout for {role}-parallel modules")
     return lo
 
 
@@ -448,8 +564,8 @@ def experts_only_reason(fmt: str, kernel_fmt: str, target: str) -> str | None:
     every layout the target has for `kernel_fmt` is loaded for MoE experts only."""
     found = candidates(fmt, kernel_fmt, target)
     if found and all(lo.experts_only for lo in found):
-        return (f"{target} loads {found[0].tag} ({kernel_fmt}) for MoE experts only (no linear method is "
-                "registered for it): kept float; a recipe can give it another scheme")
+        return (f"{target} loads {found[0].tag} ({kernel_fmt}) for MoE experts only (no linear method loads "
+                "it): kept float; a recipe can give it another scheme")
     return None
 
 
@@ -465,4 +581,5 @@ def read_layout(module: str, kernel_candidates, disk: dict[str, torch.Tensor]) -
 
 
 __all__ = ["ASCEND_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "DiskTensor", "Layout", "LAYOUTS", "register",
-           "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason"]
+           "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason",
+           "scale_bias_role", "K16"]

@@ -130,6 +130,8 @@ def _scheme_for(name: str, fmt_name: str, group_size: int | None, asym: bool, fp
         opts: dict[str, Any] = {}
         if name == "w4a16":
             opts = {"group_size": gs, "symmetric": not asym}
+        elif name == "w4a8":
+            opts = {"group_size": gs}  # per channel only: the scheme refuses a group size
         elif name == "fp4":
             opts = {"fp4_format": fp4_format}
         elif asym:
@@ -228,18 +230,21 @@ class _Layouts:
         self._cache: dict = {}
 
     def get(self, module: str, scheme: Scheme, shape, static: bool, bias_shape, bias_dtype, expert: bool):
-        key = (id(scheme), tuple(shape), static, bias_shape, bias_dtype, expert)
+        # a layout may depend on the module's own name (W4A8_DYNAMIC's scale_bias shape,
+        # `cvt.quant.layouts.scale_bias_role`): probe under it, once per distinct last component
+        probe = f"{self.PROBE}.{module.rsplit('.', 1)[-1]}"
+        key = (id(scheme), tuple(shape), static, bias_shape, bias_dtype, expert, probe)
         if key not in self._cache:
             n, k = shape
             small = n % self.PROBE_ROWS == 0 and n > self.PROBE_ROWS
             q = _probe_q(scheme, (self.PROBE_ROWS, k) if small else tuple(shape), static)
             b = None if bias_shape is None else torch.zeros(bias_shape, dtype=bias_dtype)
             kw = {"target": self.target, "expert": expert}
-            disk = self.form.disk_tensors(self.PROBE, q, b, **kw)
-            specs = {n_[len(self.PROBE):]: (tuple(t.shape), dtype_code(t.dtype)) for n_, t in disk.items()}
+            disk = self.form.disk_tensors(probe, q, b, **kw)
+            specs = {n_[len(probe):]: (tuple(t.shape), dtype_code(t.dtype)) for n_, t in disk.items()}
             if small:
-                specs = self._scaled(specs, self.form.layout_for(self.PROBE, q, **kw), scheme, n, k)
-            tags = ({n[len(self.PROBE):]: t for n, t in self.form.tags(self.PROBE, q, bias=b is not None, **kw).items()}
+                specs = self._scaled(specs, self.form.layout_for(probe, q, **kw), scheme, n, k)
+            tags = ({n[len(probe):]: t for n, t in self.form.tags(probe, q, bias=b is not None, **kw).items()}
                     if hasattr(self.form, "tags") else {})
             self._cache[key] = (specs, tags)
         specs, tags = self._cache[key]

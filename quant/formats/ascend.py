@@ -2,7 +2,7 @@
 ``quant_model_description.json`` (every tensor name -> type tag, plus global keys).
 
 The tensors of each quantized linear are its layout's (`cvt.quant.layouts`: ascend-w8a8-dynamic,
-ascend-w8a8-static, ascend-w4a16-int8-*, ascend-w4a16-int32, ascend-mxfp4), chosen per serving
+ascend-w8a8-static, ascend-w4a16-int8-*, ascend-w4a16-int32, ascend-mxfp4, ascend-w4a8-dynamic[-row]), chosen per serving
 target (``--target vllm-ascend|mindie``, default vllm-ascend) and module (some layouts are
 loaded for MoE experts only). A float bias is tagged FLOAT; offsets are the documented form
 ``w = (q - offset) * scale``. `read` needs the tag (``meta``: the description dict, or a tag

@@ -4,6 +4,7 @@
 w8a8        per-channel symmetric int8 weights; dynamic (or static) int8 activations
 w8a8c8      w8a8 + int8 KV cache (Ascend C8)
 w4a16       int4 weights, groups along k (0 = per channel), symmetric or asymmetric
+w4a8        int4 weights per channel (symmetric); dynamic per-token int8 activations (Ascend W4A8_DYNAMIC)
 fp4         E2M1 weights: nvfp4 (group 16, e4m3 scales + global scale) or mxfp4 (group 32, E8M0)
 ==========  =========================================================================
 
@@ -11,7 +12,7 @@ fp4         E2M1 weights: nvfp4 (group 16, e4m3 scales + global scale) or mxfp4 
 """
 
 from cvt.quant.schemes.base import SCHEMES, QuantizedTensor, Scheme, get_scheme, register, scheme_names
-from cvt.quant.schemes import w8a8, w8a8c8, w4a16, fp4  # noqa: E402,F401  isort: skip  (registers)
+from cvt.quant.schemes import w8a8, w8a8c8, w4a16, w4a8, fp4  # noqa: E402,F401  isort: skip  (registers)
 from cvt.quant.schemes.w8a8 import static_parts  # noqa: E402
 
 __all__ = ["SCHEMES", "QuantizedTensor", "Scheme", "get_scheme", "register", "scheme_names", "static_parts"]

@@ -23,6 +23,8 @@ Formats (canonical in-memory parts; `cvt.quant.layouts` reads every packed on-di
   w8a8_static   weight i8, input_scale [1], input_offset [1], deq_scale [n] f32|i64,
                 quant_bias i32 [n]                                                   (int8.py)
   w4a16         weight_int4 i8 [n,k] (-8..7), weight_scale [n,k/G], weight_offset    (int4.py)
+  w4a8_dynamic  weight_int4 i8 [n,k] (-8..7), weight_scale [n,1]; per-token int8
+                activations                                                          (w4a8.py)
   nvfp4         weight_fp4 u8 codes [n,k], weight_scale f8e4m3 [n,k/16],
                 weight_global_scale [1]                                              (fp4.py)
   mxfp4         weight_fp4 u8 codes [n,k], weight_scale u8 E8M0 [n,k/32]             (fp4.py)
@@ -36,11 +38,12 @@ from __future__ import annotations
 from cvt.runtime.kernels.linear import FORMATS, Linear, for_parts, get, register
 
 # Importing a format module registers its class (registration order = for_parts search order).
-from cvt.runtime.kernels import fp8_block, int8, int4, fp4, npu  # noqa: E402,F401  isort: skip
+from cvt.runtime.kernels import fp8_block, int8, int4, w4a8, fp4, npu  # noqa: E402,F401  isort: skip
 from cvt.runtime.kernels.fp4 import MxFp4Linear, NvFp4Linear  # noqa: E402
 from cvt.runtime.kernels.fp8_block import Fp8BlockLinear  # noqa: E402
 from cvt.runtime.kernels.int4 import W4A16Linear  # noqa: E402
 from cvt.runtime.kernels.int8 import W8A8DynamicLinear, W8A8StaticLinear  # noqa: E402
+from cvt.runtime.kernels.w4a8 import W4A8DynamicLinear  # noqa: E402
 
 __all__ = ["FORMATS", "Linear", "for_parts", "get", "register", "Fp8BlockLinear", "W8A8DynamicLinear",
-           "W8A8StaticLinear", "W4A16Linear", "NvFp4Linear", "MxFp4Linear"]
+           "W8A8StaticLinear", "W4A16Linear", "W4A8DynamicLinear", "NvFp4Linear", "MxFp4Linear"]
