@@ -612,7 +612,7 @@ def report(args, root: Path, fixture: Path, cvt: str, venv_py: Path, env: dict, 
               f"{r['float_same']}/{r['float_tensors']} float tensors bit-identical to the fixture; "
               f"{quant[key]['inner']}")
 
-    print(f"\n| tool | method | calibration tokens | quantize wall s | mean KL | same top-1 | PPL ratio | KL / llm-compressor's |"
+    print("\n| tool | method | calibration tokens | quantize wall s | mean KL | same top-1 | PPL ratio | KL / llm-compressor's |"
           + (" cvt verify KL | cvt verify top-1 |" if args.cvt_verify else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|---|" if args.cvt_verify else ""))
     for tool, method, key in rows:

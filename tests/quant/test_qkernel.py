@@ -461,7 +461,7 @@ def test_stage_layout_probe_scaled_from_a_few_rows(monkeypatch, fmt, target):
     """The writer plans each module's tensors from a probe of 16 rows scaled by the layout's dims:
     the same specs as a probe of the module's full size (which costs a full quantization)."""
     from cvt.errors import CvtError
-    from cvt.quant import stage
+    from cvt.quant.disk_layouts import DiskLayouts
     from cvt.quant.formats import get_format
     from cvt.quant.layouts import check_target
 
@@ -475,14 +475,14 @@ def test_stage_layout_probe_scaled_from_a_few_rows(monkeypatch, fmt, target):
                 if static and sch.name != "w8a8":
                     continue
                 try:
-                    big = stage._Layouts(form, target)
-                    monkeypatch.setattr(stage._Layouts, "PROBE_ROWS", 1 << 30)
+                    big = DiskLayouts(form, target)
+                    monkeypatch.setattr(DiskLayouts, "PROBE_ROWS", 1 << 30)
                     want = big.get("m", sch, shape, static, (shape[0],), torch.bfloat16, expert)
                 except CvtError:
                     continue  # no layout for this scheme / module / shape on this target
                 finally:
-                    monkeypatch.setattr(stage._Layouts, "PROBE_ROWS", 16)
-                got = stage._Layouts(form, target).get("m", sch, shape, static, (shape[0],), torch.bfloat16, expert)
+                    monkeypatch.setattr(DiskLayouts, "PROBE_ROWS", 16)
+                got = DiskLayouts(form, target).get("m", sch, shape, static, (shape[0],), torch.bfloat16, expert)
                 assert got == want, (sch, shape, expert, static)
                 checked += 1
     assert checked > 20

@@ -26,7 +26,6 @@ def release(root, layers: int):
 def largest_tensor_bytes(src) -> int:
     import json
 
-    from cvt.convert.safetensors_io import DTYPES
 
     best = 0
     for f in src.glob("*.safetensors"):

@@ -1,0 +1,88 @@
+"""The on-disk tensors of a quantized module, planned before anything is quantized: the writer
+needs every file's tensor names, shapes and dtypes up front (it shards, reserves and resumes by
+them), so the quantize stage asks `DiskLayouts` for each module's {name: (shape, dtype)} and
+Ascend tags, computed on a small zero probe through the format's own encoder and scaled by the
+layout's dims (`cvt.quant.layouts.DiskTensor`)."""
+
+from __future__ import annotations
+
+import torch
+
+from cvt.convert.safetensors_io import dtype_code
+from cvt.quant.layouts import kernel_fmt_of
+from cvt.quant.schemes.base import QuantizedTensor, Scheme
+
+
+def probe_q(scheme: Scheme, shape: tuple[int, int], static: bool) -> QuantizedTensor:
+    """A QuantizedTensor of zeros with the scheme's part shapes and dtypes, for planning the
+    on-disk layout (formats validate values, so meta tensors will not do)."""
+    z = lambda s_, d: torch.zeros(s_, dtype=d)  # noqa: E731
+    parts = {p: z(s_, d) for p, (s_, d) in scheme.param_info(shape).items()}
+    if "weight_scale" in parts and parts["weight_scale"].is_floating_point():
+        parts["weight_scale"] = torch.ones_like(parts["weight_scale"])
+    if "weight_global_scale" in parts:
+        parts["weight_global_scale"] = torch.ones_like(parts["weight_global_scale"])
+    extra = {}
+    if static:
+        n = shape[0]
+        parts = {"weight": parts["weight"], "input_scale": torch.ones(1), "input_offset": z((1,), torch.float32),
+                 "deq_scale": torch.ones(n), "quant_bias": z((n,), torch.int32)}
+        extra = {"weight_scale": torch.ones(n, 1)}
+    return QuantizedTensor(scheme.name, kernel_fmt_of(scheme, static), shape, parts, scheme.group_size,
+                           scheme.symmetric, extra)
+
+
+class DiskLayouts:
+    """On-disk {suffix: (shape, dtype)} and Ascend tags per (scheme, shape, static, bias),
+    computed once on a zero probe and reused for every module of that kind.
+
+    The probe has `PROBE_ROWS` rows (k and the group size as the module's; the same layout),
+    and the layout's dims (`cvt.quant.layouts.DiskTensor`) scale its shapes to n rows: a probe
+    of the module's full size costs what quantizing it does (the int4 packers' int64
+    temporaries: ~1 GB for a 7168 x 16384 weight). Row counts that are not a multiple of it
+    keep the full-size probe."""
+
+    PROBE = "probe"
+    PROBE_ROWS = 16  # a multiple of every row packing (pairs; c-t zero points, 8 per word)
+
+    def __init__(self, form, target: str):
+        self.form, self.target = form, target
+        self._cache: dict = {}
+
+    def get(self, module: str, scheme: Scheme, shape, static: bool, bias_shape, bias_dtype, expert: bool):
+        # a layout may depend on the module's own name (W4A8_DYNAMIC's scale_bias shape,
+        # `cvt.quant.layouts.scale_bias_role`): probe under it, once per distinct last component
+        probe = f"{self.PROBE}.{module.rsplit('.', 1)[-1]}"
+        key = (id(scheme), tuple(shape), static, bias_shape, bias_dtype, expert, probe)
+        if key not in self._cache:
+            n, k = shape
+            small = n % self.PROBE_ROWS == 0 and n > self.PROBE_ROWS
+            q = probe_q(scheme, (self.PROBE_ROWS, k) if small else tuple(shape), static)
+            b = None if bias_shape is None else torch.zeros(bias_shape, dtype=bias_dtype)
+            kw = {"target": self.target, "expert": expert}
+            disk = self.form.disk_tensors(probe, q, b, **kw)
+            specs = {n_[len(probe):]: (tuple(t.shape), dtype_code(t.dtype)) for n_, t in disk.items()}
+            if small:
+                specs = self._scaled(specs, self.form.layout_for(probe, q, **kw), scheme, n, k)
+            tags = ({n[len(probe):]: t for n, t in self.form.tags(probe, q, bias=b is not None, **kw).items()}
+                    if hasattr(self.form, "tags") else {})
+            self._cache[key] = (specs, tags)
+        specs, tags = self._cache[key]
+        return ({module + k: v for k, v in specs.items()}, {module + k: v for k, v in tags.items()})
+
+    def _scaled(self, specs: dict, layout, scheme: Scheme, n: int, k: int) -> dict:
+        g = 0 if scheme.group_size in (0, k) else scheme.group_size
+        out = {}
+        for suffix, (shape, code) in specs.items():
+            t = layout.tensor(suffix[1:])
+            if t is None:  # the bias: probed at its real shape
+                out[suffix] = (shape, code)
+                continue
+            if t.shape(self.PROBE_ROWS, k, g) != shape:
+                raise RuntimeError(f"internal: layout {layout.name} says {suffix[1:]} of [{self.PROBE_ROWS}, {k}] is "
+                                   f"{list(t.shape(self.PROBE_ROWS, k, g))}, its encoder wrote {list(shape)}")
+            out[suffix] = (t.shape(n, k, g), code)
+        return out
+
+
+__all__ = ["DiskLayouts", "probe_q"]
