@@ -107,8 +107,9 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
 @click.argument("src")
 @click.argument("dst", type=click.Path())
 @click.option("--scheme", type=click.Choice(SCHEMES), required=True,
-              help="w8a8: int8 weights per channel, int8 dynamic per-token activations; w8a8c8: plus an int8 KV "
-                   "cache; w4a16: int4 weights in groups, bf16 activations; w4a8: int4 weights per channel, int8 "
+              help="w8a8: int8 weights per channel, int8 dynamic per-token activations; w8a8c8: plus a quantized KV "
+                   "cache with calibrated scales (Ascend: int8 C8 / FAKQuant; compressed-tensors: FP8, the kind "
+                   "vLLM loads); w4a16: int4 weights in groups, bf16 activations; w4a8: int4 weights per channel, int8 "
                    "dynamic per-token activations (Ascend W4A8_DYNAMIC, MoE experts); fp4: E2M1 weights with group "
                    "scales.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="compressed-tensors", show_default=True,
