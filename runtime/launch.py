@@ -280,7 +280,12 @@ def main(argv=None, *, setup_logging: bool = False) -> int:
             log.debug("rank(s) %s failed the start-up checks; stopping", failed)
             return 1
         clean = False  # from here `_run` synchronizes the ranks itself (ParallelContext.close)
-        return _run(args, pre, rank, device)
+        rc = _run(args, pre, rank, device)
+        # every rank that returns came through ParallelContext.close: one more barrier before the
+        # world group goes, so no rank tears its gloo pairs down while a peer is still destroying
+        # the sub-groups (seen once as a SIGABRT of rank 0 at exit, after its output was printed)
+        clean = True
+        return rc
     except KeyboardInterrupt:
         sys.stderr.write(f"cvt: rank {rank}: interrupted\n")
         return 130
@@ -291,7 +296,10 @@ def main(argv=None, *, setup_logging: bool = False) -> int:
             import torch.distributed as dist
 
             if clean:  # all ranks are here: none tears its pairs down under a peer still using them
-                dist.barrier()
+                try:
+                    dist.barrier()
+                except RuntimeError as exc:  # a peer that failed late already left: nothing to wait for
+                    log.debug("rank %d: final barrier: %s", rank, exc)
             dist.destroy_process_group()
 
 
