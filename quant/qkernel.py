@@ -211,15 +211,45 @@ def _desc(shape) -> str:
 
 # ---- the C kernel ---------------------------------------------------------------------------------
 
+def _cpus() -> int:
+    """CPUs this process may run on (affinity / cgroup cpusets), not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _check_source(src: WeightSource) -> None:
+    """What the C kernel assumes of `src` (`WeightSource.fp8` and the stage guarantee it; a source
+    built by hand might not): a 2-D BF16 weight, or a 2-D e4m3fn weight with its float32
+    contiguous block scale of exactly ``expected_scale_shape``."""
+    from cvt.convert.fp8 import expected_scale_shape
+
+    w = src.w
+    if w.dim() != 2 or w.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        raise ValueError(f"cvt quantize kernel: expected a 2-D bfloat16 or float8_e4m3fn weight, got {w.dtype} "
+                         f"{list(w.shape)}")
+    if (w.dtype == torch.float8_e4m3fn) != src.is_fp8:
+        raise ValueError("cvt quantize kernel: an FP8 weight needs its block scale and a BF16 one has none "
+                         "(build FP8 sources with WeightSource.fp8)")
+    if src.is_fp8:
+        sc = src.scale
+        want = expected_scale_shape(tuple(w.shape), tuple(src.block))
+        if sc.dtype != torch.float32 or not sc.is_contiguous() or tuple(sc.shape) != want:
+            raise ValueError(f"cvt quantize kernel: FP8 block scale must be float32 contiguous {list(want)}, got "
+                             f"{sc.dtype} {list(sc.shape)} (build FP8 sources with WeightSource.fp8)")
+
+
 def _call(fn, src: WeightSource, mode: int, threads: int | None, simd: bool, **kw) -> tuple[int, float, float, float]:
     """Run the kernel; returns (non-finite count, amax, sum w^2, sum err^2)."""
+    _check_source(src)  # the C side reads raw pointers: shapes and dtypes must be what it assumes
     n, k = src.shape
     sums = torch.zeros(2, dtype=torch.float64)
     bad = torch.zeros(1, dtype=torch.int64)
     amax = torch.zeros(1, dtype=torch.float32)
     w = src.w.contiguous()
     a = _Args(src=w.data_ptr(), n=n, k=k, mode=mode, sums=sums.data_ptr(), nonfinite=bad.data_ptr(),
-              amax=amax.data_ptr(), nthreads=max(1, threads or os.cpu_count() or 1), simd=int(simd),
+              amax=amax.data_ptr(), nthreads=max(1, threads or _cpus()), simd=int(simd),
               group=kw.pop("group", k), **kw)
     if src.is_fp8:
         a.src_kind, a.fp8_scale, a.s_cols = SRC_FP8, src.scale.data_ptr(), src.scale.shape[1]

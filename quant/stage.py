@@ -42,6 +42,7 @@ from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.quant import qkernel
 from cvt.quant.formats import get_format
+from cvt.quant.methods.gptq import SUPPORTED as GPTQ_KERNELS
 from cvt.quant.disk_layouts import DiskLayouts
 from cvt.quant.layouts import check_target, kernel_fmt_of
 from cvt.quant.recipe import Policy, Recipe
@@ -174,6 +175,10 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
         plan.schemes[module] = scheme
         plan.experts[module] = expert
         plan.methods[module] = choice.method
+        if choice.method == "gptq" and layouts.kernel_fmt_of(scheme) not in GPTQ_KERNELS:
+            raise CvtError(f"{module}: --method gptq does not support scheme {scheme.name} "
+                           f"({layouts.kernel_fmt_of(scheme)}; GPTQ handles {', '.join(GPTQ_KERNELS)}): use rtn, "
+                           "or give this module another method or scheme in a recipe")
     if not plan.schemes:
         raise CvtError(f"{ckpt.root}: nothing to quantize with scheme {scheme_name} (every linear is float by "
                        "default, ignored or not quantizable)")

@@ -491,7 +491,9 @@ class _LayerCalib:
             _quantize_rtn(mod, name, scheme, self.res)
             return
         if meth == "gptq":
-            r = gptq_quantize(mod.weight, site.hessian(), scheme, damp=o["damp"], act_order=o["act_order"],
+            # an explicit static_groups=False asks for the reference's dynamic groups: no act_order then
+            act_order = o["act_order"] and o["static_groups"] is not False
+            r = gptq_quantize(mod.weight, site.hessian(), scheme, damp=o["damp"], act_order=act_order,
                               block_size=o["block_size"], static_groups=o["static_groups"], name=name,
                               scale_search=o["scale_search"])
             self.res.quantized[name] = r.qtensor

@@ -247,33 +247,28 @@ def search_scales(W: torch.Tensor, H: torch.Tensor, scheme: Scheme, G: int, shri
     quantizes W (unclipped) with the least `_group_loss`. shrinks[0] should be 1.0 (plain absmax):
     ties keep the earlier candidate, so the chosen grid is never worse than it on the metric.
     The loss is that of W on each grid (`_Grid.fake`: codes of the unclipped weight, as GPTQ picks
-    them); the returned codes are the clipped weight's RTN codes, which GPTQ replaces."""
+    them); the returned per-element parts (codes) are the absmax RTN's, which GPTQ replaces.
+    One candidate is alive at a time: memory is one quantization of W plus the per-group best."""
     n, k = W.shape
     ng = k // G
-    best_loss = best = None
-    cands = []
-    for i, r in enumerate(shrinks):
+    base = best_loss = None
+    best: dict[str, torch.Tensor] = {}
+    for r in shrinks:
         qt = scheme.quantize(_clip(W, G, r) if r != 1.0 else W)
         loss = _group_loss(W - _Grid(qt, ng).fake(W), H, G, metric)
-        cands.append(qt)
-        if best is None:
-            best_loss, best = loss, torch.zeros(n, ng, dtype=torch.long, device=W.device)
-        else:
-            better = loss < best_loss
-            best_loss = torch.where(better, loss, best_loss)
-            best = torch.where(better, torch.full_like(best, i), best)
-    base = cands[0]
-    parts = {}
-    for key, v0 in base.parts.items():
-        v = torch.stack([c.parts[key].reshape(n, -1) for c in cands])      # [c, n, m]
-        m = v.shape[2]
-        if m == ng:
-            idx = best[None]
-        elif m == k:
-            idx = best.repeat_interleave(G, dim=1)[None]
-        else:
-            raise CvtError(f"GPTQ scale search: part {key!r} {list(v0.shape)} is neither per group nor per element")
-        parts[key] = v.gather(0, idx)[0].reshape(v0.shape)
+        per_group = {key: v.reshape(n, -1) for key, v in qt.parts.items() if v.numel() == n * ng}
+        if base is None:
+            base, best_loss, best = qt, loss, {key: v.clone() for key, v in per_group.items()}
+            for key, v in qt.parts.items():
+                if v.numel() not in (n * ng, n * k):
+                    raise CvtError(f"GPTQ scale search: part {key!r} {list(v.shape)} is neither per group nor per "
+                                   "element")
+            continue
+        better = loss < best_loss                                   # ties keep the earlier (larger) ratio
+        best_loss = torch.where(better, loss, best_loss)
+        for key, v in per_group.items():
+            best[key] = torch.where(better, v, best[key])
+    parts = {key: (best[key].reshape(v.shape) if key in best else v) for key, v in base.parts.items()}
     return QuantizedTensor(base.scheme, base.kernel_fmt, tuple(base.shape), parts, base.group_size, base.symmetric,
                            dict(base.extra))
 

@@ -443,3 +443,12 @@ def test_w4a8_shards_like_vllm_ascend_loads_it(sources, tmp_path):
     assert torch.equal(torch.cat(held[e + "down_proj.weight"], 1), whole[e + "down_proj.weight"])
     for p in ("weight", "weight_scale", "scale_bias"):
         assert torch.equal(torch.cat(held[e + "gate_proj." + p], 0), whole[e + "gate_proj." + p]), p
+
+
+def test_w4a8_with_gptq_is_refused_before_calibrating(sources, tmp_path):
+    """GPTQ has no grid for W4A8_DYNAMIC (`cvt.quant.methods.gptq.SUPPORTED`): refused while
+    planning, naming the module, before any layer is calibrated or any file written."""
+    dst = tmp_path / "w4a8-gptq"
+    with pytest.raises(CvtError, match=r"mlp\.experts\.\d+\.\w+_proj: --method gptq does not support scheme w4a8"):
+        quantize(sources["ds"], dst, scheme="w4a8", fmt="ascend", method="gptq", quiet=True)
+    assert not dst.exists() or not any(dst.rglob("*.safetensors"))

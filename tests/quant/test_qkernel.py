@@ -486,3 +486,16 @@ def test_stage_layout_probe_scaled_from_a_few_rows(monkeypatch, fmt, target):
                 assert got == want, (sch, shape, expert, static)
                 checked += 1
     assert checked > 20
+
+
+@pytest.mark.skipif(QK.kernel_name() != "c", reason="the C kernel is not built here")
+def test_hand_built_sources_are_checked_before_the_c_kernel_reads_them():
+    """The kernel reads raw pointers: a source not built by `WeightSource.fp8` (a FP8 weight without
+    its scale, a bf16 or short scale, a float32 weight) is refused instead of read out of bounds."""
+    w = torch.randn(256, 256).to(torch.float8_e4m3fn)
+    good = torch.ones(2, 2)
+    for src in (QK.WeightSource(w), QK.WeightSource(w, good.bfloat16(), (128, 128)),
+                QK.WeightSource(w, torch.ones(1, 2), (128, 128)), QK.WeightSource(torch.randn(8, 8))):
+        with pytest.raises(ValueError, match="cvt quantize kernel"):
+            QK.absmax(src)
+    assert QK.absmax(QK.WeightSource(w, good, (128, 128))) is not None
