@@ -159,8 +159,13 @@ def test_bf16_output_loads_in_transformers_with_reference_logits(fp8_release_ses
     # (state_dict, not named_parameters: e_score_correction_bias is a persistent buffer)
     assert sorted(want) == sorted(sd_out), "the loaded state_dict does not match the checkpoint's non-MTP weights"
     for k, t in want.items():
-        assert sd_out[k].dtype == t.dtype, f"{k}: loaded as {sd_out[k].dtype}, stored {t.dtype}"
-        assert torch.equal(sd_out[k], t), f"{k}: loaded tensor differs from the reference"
+        # transformers may keep some modules in float32 whatever the checkpoint stores (5.24 does so
+        # for the DeepSeek router `mlp.gate`, `_keep_in_fp32_modules`): a widening is exact, any
+        # other dtype change is not
+        got = sd_out[k]
+        assert got.dtype == t.dtype or (got.dtype == torch.float32 and t.dtype == torch.bfloat16), \
+            f"{k}: loaded as {got.dtype}, stored {t.dtype}"
+        assert torch.equal(got, t.to(got.dtype)), f"{k}: loaded tensor differs from the reference"
 
     # the logits
     g = torch.Generator().manual_seed(0)
