@@ -56,6 +56,7 @@ from functools import lru_cache
 import torch
 
 from cvt.quant import primitives as P
+from cvt.runtime.metrics import sqnr_from_sums
 
 SRC_BF16, SRC_FP8 = 0, 1
 MODE_AMAX, MODE_SYM, MODE_ASYM, MODE_NVFP4, MODE_MXFP4 = range(5)
@@ -186,23 +187,6 @@ class Fused:
     tensors: dict[str, torch.Tensor]
     sqnr_db: float
     kernel: str
-
-
-def sqnr_from_sums(sig: float, err: float) -> float:
-    """`cvt.runtime.metrics.sqnr_db` from its two sums (sum w^2, sum (w - w_hat)^2)."""
-    if math.isnan(sig) or math.isnan(err) or math.isinf(sig):
-        return math.nan
-    if math.isinf(err):
-        return -math.inf
-    noise, signal = math.sqrt(err), math.sqrt(sig)
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    r = signal / noise
-    if r == 0.0 or math.isinf(r):
-        return 20.0 * (math.log10(signal) - math.log10(noise))
-    return 20.0 * math.log10(r)
 
 
 def _desc(shape) -> str:

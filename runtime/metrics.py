@@ -234,6 +234,12 @@ def sqnr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
             s, e = _sq_sums(x.double(), y.double())
         sig += s
         err += e
+    return sqnr_from_sums(sig, err)
+
+
+def sqnr_from_sums(sig: float, err: float) -> float:
+    """`sqnr_db` from its two sums, sum w^2 and sum (w - w_hat)^2 (also what the fused quantize
+    kernels accumulate, `cvt.quant.qkernel`)."""
     if math.isnan(sig) or math.isnan(err) or math.isinf(sig):
         return math.nan  # a NaN on either side, Inf - Inf, or an Inf in w: undefined
     if math.isinf(err):

@@ -57,12 +57,18 @@ PARITY_CONFIGS = {
 # transformers reference
 # ---------------------------------------------------------------------------------------------
 
+HF_CLASSES = {"deepseek_v3": "DeepseekV3", "deepseek_v32": "DeepseekV32"}  # model_type -> transformers prefix
+
+
 def hf_model(cfg: dict, seed: int = 0, bias_scale: float = 0.2):
-    """DeepseekV3ForCausalLM with every tensor redrawn (norms around 1, non-zero router bias)."""
+    """transformers' DeepseekV3ForCausalLM (or DeepseekV32, by model_type) with every tensor
+    redrawn (norms around 1, non-zero router bias; any other bias, e.g. V3.2's k_norm.bias, drawn
+    like a weight)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    hcfg = transformers.DeepseekV3Config(**cfg, attn_implementation="eager")
-    model = transformers.DeepseekV3ForCausalLM(hcfg).eval()
+    prefix = HF_CLASSES[cfg.get("model_type", "deepseek_v3")]
+    hcfg = getattr(transformers, f"{prefix}Config")(**cfg, attn_implementation="eager")
+    model = getattr(transformers, f"{prefix}ForCausalLM")(hcfg).eval()
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for name, t in model.state_dict().items():
@@ -94,8 +100,9 @@ def unfuse(sd: dict) -> dict:
     return out
 
 
-def runtime_from_hf(cfg: dict, hf) -> Model:
-    model = Model(Args.from_config(cfg), dtype=torch.float32)
+def runtime_from_hf(cfg: dict, hf):
+    """cvt's runtime model of `cfg`'s family (`build_model`) with `hf`'s weights."""
+    model = build_model(cfg, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(unfuse(hf.state_dict()), strict=False)
     assert not unexpected
     mtp = f"model.layers.{cfg['num_hidden_layers']}."

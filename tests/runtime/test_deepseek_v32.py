@@ -10,7 +10,6 @@ first checks that no query's top-k edge is a near tie (two keys whose index scor
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 
@@ -23,7 +22,8 @@ from cvt.runtime.models import build_model, family  # noqa: E402
 from cvt.runtime.models import deepseek_v3 as v3  # noqa: E402
 from cvt.runtime.models.base import ConfigError  # noqa: E402
 from cvt.runtime.models.deepseek_v32 import Args, DSACache, Indexer, Model  # noqa: E402
-from cvt.tests.runtime.test_deepseek_v3 import YARN, assert_logits_close, tokens, unfuse  # noqa: E402
+from cvt.tests.runtime.test_deepseek_v3 import (YARN, assert_logits_close, hf_model, runtime_from_hf,  # noqa: E402
+                                                tokens)
 
 
 def fp32_config(**overrides) -> dict:
@@ -44,34 +44,6 @@ PARITY_CONFIGS = {
     "groups_no_dense": fp32_config(index_topk=3, index_n_heads=16, n_routed_experts=8, n_group=2, topk_group=1,
                                    num_experts_per_tok=3, first_k_dense_replace=0),
 }
-
-
-def hf_model(cfg: dict, seed: int = 0):
-    """DeepseekV32ForCausalLM with every tensor redrawn (norms around 1, non-zero biases)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV32ForCausalLM(
-        transformers.DeepseekV32Config(**cfg, attn_implementation="eager")).eval()
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("norm.weight"):
-            sd[name] = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
-        elif name.endswith("e_score_correction_bias"):
-            sd[name] = 0.2 * torch.randn(t.shape, generator=g)
-        else:  # k_norm.bias included: a LayerNorm bias that is not zero
-            sd[name] = torch.randn(t.shape, generator=g) / math.sqrt(t.shape[-1])
-    model.load_state_dict(sd, strict=True)
-    return model
-
-
-def runtime_from_hf(cfg: dict, hf) -> Model:
-    model = Model(Args.from_config(cfg), dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(unfuse(hf.state_dict()), strict=False)
-    assert not unexpected
-    mtp = f"model.layers.{cfg['num_hidden_layers']}."
-    assert missing and all(k.startswith(mtp) for k in missing), missing  # MTP: not in transformers
-    return model
 
 
 class IndexRecorder:
