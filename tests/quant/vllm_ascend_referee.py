@@ -1072,6 +1072,11 @@ def _deepseek_body(name: str, params: set[str], c: dict):
     return "load", (remapped, None, None)
 
 
+# (fused param, checkpoint name, shard id): the stacked_params_mapping of qwen3.py and qwen3_moe.py
+_QWEN3_STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+                  ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+
 def _route_qwen3(name: str, params: set[str], c: dict, cfg):
     """Qwen3ForCausalLM.load_weights as patched by vllm-ascend (patch_gqa_c8: C8 scales through
     get_cache_scale first), then Qwen2Model.load_weights (qwen2.py)."""
@@ -1081,9 +1086,7 @@ def _route_qwen3(name: str, params: set[str], c: dict, cfg):
     scale_name = cfg.get_cache_scale(name)
     if scale_name is not None:
         return ("load", (scale_name, None, None)) if scale_name in params else ("drop", scale_name)
-    stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-               ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
-    for pn, wn, sid in stacked:
+    for pn, wn, sid in _QWEN3_STACKED:
         if wn not in name:
             continue
         name = name.replace(wn, pn)
@@ -1118,9 +1121,7 @@ def _route_qwen3_moe(name: str, params: set[str], c: dict, cfg):
         if r is None:
             return "drop", name
         name = r
-    stacked = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-               ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
-    for pn, wn, sid in stacked:
+    for pn, wn, sid in _QWEN3_STACKED:
         if wn not in name:
             continue
         if "mlp.experts" in name:
