@@ -109,8 +109,10 @@ def _run_env(fb, cmd: list[str], kernel: str) -> tuple[float, int]:
             os.environ["CVT_QUANT_KERNEL"] = old
 
 
-def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, reference: bool) -> list[tuple]:
-    """Per scheme: (scheme, cvt s, peak RSS, floor s, out bytes, cmd, reference s, reference RSS, same bytes)."""
+def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, reference: bool,
+             spread: dict[str, list[float]]) -> list[tuple]:
+    """Per scheme: (scheme, cvt s, peak RSS, floor s, out bytes, cmd, reference s, reference RSS, same bytes);
+    every repeat's cvt and floor seconds go to `spread`."""
     import hashlib
 
     def digest(d: Path) -> list[str]:
@@ -140,8 +142,25 @@ def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, refe
                 best = (scheme, t, rss, min(best[3], t_floor), sum(sizes), cmd) + best[6:]
             else:
                 best = best[:3] + (min(best[3], t_floor),) + best[4:]
+            spread.setdefault("cvt " + scheme, []).append(t)
+            spread.setdefault("floor " + scheme, []).append(t_floor)
         rows.append(best)
     return rows
+
+
+def fixed_costs() -> tuple[float, float]:
+    """(seconds to start python and import torch + cvt's quantize stage, sha256 GB/s on one core):
+    the two costs no pipelining hides on a small release (cvt hashes each output file in order)."""
+    import hashlib
+
+    t0 = time.perf_counter()
+    os.spawnv(os.P_WAIT, sys.executable, [sys.executable, "-c", "import torch, cvt.cli, cvt.quant.stage"])
+    t_start = time.perf_counter() - t0
+    buf = os.urandom(64 << 20)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        hashlib.sha256(buf).digest()
+    return t_start, 4 * len(buf) / (time.perf_counter() - t0) / GB
 
 
 KERNEL_CASES = (("w8a8", {}, "ct-int8"), ("w4a16", {"group_size": 128}, "ct-int4"),
@@ -273,7 +292,9 @@ def main() -> None:
         fp8_total = sum(s.nbytes for s in specs if s.dtype == "F8_E4M3")
         big_name, big = largest_f32_weight(fb, cfg)
         src_name, src_big = largest_source_tensor(fb, cfg)
-        rows = rtn_rows(fb, src, root, cfg, args.repeat, args.keep, not args.no_reference)
+        spread: dict[str, list[float]] = {}
+        rows = rtn_rows(fb, src, root, cfg, args.repeat, args.keep, not args.no_reference, spread)
+        t_start, sha_gbs = fixed_costs()
         shutil.rmtree(src, ignore_errors=True)
         crows = []
         if not args.rtn_only:
@@ -313,6 +334,11 @@ def main() -> None:
              "torch path; same bytes: every output .safetensors identical") + ")")
     for *_, cmd, _t, _r, _s in rows:
         print(f"  cvt run: {shlex.join(cmd[:4] + ['SRC', 'DST'] + cmd[6:])}")
+    if args.repeat > 1:
+        print("  every repeat, seconds: " + "; ".join(f"{k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in spread.items()))
+    print(f"  fixed costs inside cvt's time: python + torch + cvt imports {t_start:.2f} s; sha256 on one core "
+          f"{sha_gbs:.2f} GB/s, i.e. {max(r[4] for r in rows) / GB / sha_gbs:.2f} s for the largest output "
+          "(one file: hashed in order, on one thread)")
     print_kernel_rows(krows, kn, kk)
 
     if crows:

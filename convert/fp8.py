@@ -63,6 +63,52 @@ def scale_to_f32(scale):
     raise TensorError(f"scale dtype {scale.dtype} is not float32, bfloat16, float16 or float8_e8m0fnu")
 
 
+def scale_to_f32_np(raw: memoryview, dtype: str, shape: tuple[int, ...]):
+    """`scale_to_f32` on a stored scale's raw bytes (safetensors dtype code), in numpy: a
+    float32 ``ndarray`` of `shape`, the same values. The torch-free path of fp8-to-bf16, whose
+    process then never imports torch (about 0.8 s of its start)."""
+    import numpy as np
+
+    b = np.frombuffer(raw, dtype=np.uint8)
+    if dtype == "F32":
+        f = b.view("<f4")
+    elif dtype == "BF16":
+        f = (b.view("<u2").astype(np.uint32) << 16).view(np.float32)  # bf16 is the top half of float32
+    elif dtype == "F16":
+        f = b.view("<f2").astype(np.float32)
+    elif dtype == "F8_E8M0":
+        e = b.astype(np.uint32)
+        f = np.where(e == 0, np.uint32(0x00400000), np.where(e == 255, np.uint32(0x7FC00000), e << 23)).astype(
+            np.uint32).view(np.float32)
+    else:
+        raise TensorError(f"scale dtype {dtype} is not F32, BF16, F16 or F8_E8M0")
+    return f.reshape(shape)
+
+
+def dequant_fp8_block_np(w: memoryview, shape: tuple[int, int], scale_f32, block: tuple[int, int] = (128, 128),
+                         threads: int | None = None, out=None):
+    """`dequant_fp8_block` without torch, through the C kernel: e4m3 bytes `w` of a ``[n, k]``
+    weight and its float32 scale (``ndarray`` of ``expected_scale_shape``) -> the BF16 bytes,
+    a ``uint16`` ``ndarray [n, k]`` (written into `out`, a buffer of 2nk bytes, when given);
+    the same bits. None when the C kernel is not built (the caller then takes the torch path)."""
+    import numpy as np
+
+    fn = _c_kernel()
+    if fn is None:
+        return None
+    n, k = shape
+    if tuple(scale_f32.shape) != expected_scale_shape(shape, block) or len(w) != n * k:
+        raise TensorError(f"FP8 weight of {len(w)} bytes as {list(shape)}, scale {list(scale_f32.shape)}: "
+                          f"expected {n * k} bytes and a {list(expected_scale_shape(shape, block))} scale")
+    s = np.ascontiguousarray(scale_f32, dtype=np.float32)
+    out = np.empty((n, k), dtype=np.uint16) if out is None else np.frombuffer(out, dtype=np.uint16).reshape(n, k)
+    if n and k:
+        wa = np.frombuffer(w, dtype=np.uint8)
+        fn(wa.ctypes.data, s.ctypes.data, out.ctypes.data, n, k, s.shape[1], block[0], block[1],
+           max(1, threads or os.cpu_count() or 1), 1)
+    return out
+
+
 def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
     n, k = shape
     return (math.ceil(n / block[0]), math.ceil(k / block[1]))

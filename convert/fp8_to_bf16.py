@@ -17,11 +17,11 @@ from pathlib import Path
 from cvt import __version__
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config
-from cvt.convert.fp8 import dequant_fp8_block, expected_scale_shape, scale_to_f32
+from cvt.convert.fp8 import dequant_fp8_block, dequant_fp8_block_np, expected_scale_shape, kernel_name, scale_to_f32_np
 from cvt.convert.reader import Checkpoint, open_checkpoint
 from cvt.convert.validate import check_weights
 from cvt.convert.safetensors_io import TensorRef, TensorSpec
-from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_checkpoint
+from cvt.convert.writer import DEFAULT_MAX_SHARD, BufferPool, OutTensor, WriteResult, write_checkpoint
 from cvt.errors import TensorError
 from cvt.schemas.manifest import StageInfo
 
@@ -69,13 +69,15 @@ def pair_fp8_weights(ckpt: Checkpoint, block: tuple[int, int]) -> dict[str, Fp8P
 
 
 def check_scales_finite(ckpt: Checkpoint, pairs: dict[str, Fp8Pair]) -> None:
-    import torch
+    """TensorError naming the first scale with a NaN/Inf (and where). numpy, not torch: this
+    stage's process never imports torch when the C kernel is built."""
+    import numpy as np
 
     for p in pairs.values():
-        s = scale_to_f32(ckpt.read(p.scale.name))
-        bad = ~torch.isfinite(s)
+        s = scale_to_f32_np(ckpt.view(p.scale.name), p.scale.dtype, p.scale.shape)
+        bad = ~np.isfinite(s)
         if bad.any():
-            idx = [int(i) for i in bad.nonzero()[0]]
+            idx = [int(i[0]) for i in bad.nonzero()]
             raise TensorError(
                 f"scale {p.scale.describe()}: {int(bad.sum())} non-finite value(s), first {float(s[tuple(idx)])} at block {idx}"
             )
@@ -108,6 +110,7 @@ def fp8_to_bf16(
         workers = max(1, workers or min(2, os.cpu_count() or 1))
         threads = max(1, (os.cpu_count() or 1) // workers)
         outs: list[OutTensor] = []
+        pool = BufferPool()
         for name, ref in ckpt.tensors.items():
             if name.endswith(SCALE_SUFFIX):
                 continue
@@ -115,7 +118,7 @@ def fp8_to_bf16(
             if pair is None:
                 outs.append(_passthrough(ckpt, ref))
             else:
-                outs.append(_dequantized(ckpt, pair, block, threads))
+                outs.append(_dequantized(ckpt, pair, block, threads, pool))
         n_deq = len(pairs)
         result = write_checkpoint(
             ckpt,
@@ -151,13 +154,28 @@ def _passthrough(ckpt: Checkpoint, ref: TensorRef) -> OutTensor:
     )
 
 
-def _dequantized(ckpt: Checkpoint, pair: Fp8Pair, block: tuple[int, int], threads: int) -> OutTensor:
+def _dequantized(ckpt: Checkpoint, pair: Fp8Pair, block: tuple[int, int], threads: int, pool: BufferPool) -> OutTensor:
     w, s = pair.weight, pair.scale
+    held: list = []  # the pooled buffer between produce and release (each tensor is produced once)
 
     def produce():
-        out = dequant_fp8_block(ckpt.read(w.name), ckpt.read(s.name), block, threads=threads)
+        # the C kernel straight over the mmap into a recycled buffer (numpy pointers: no torch
+        # import at all), else torch
+        if kernel_name() == "c":
+            buf = pool.take(2 * w.nbytes)  # e4m3: one byte per element in, two out
+            dequant_fp8_block_np(ckpt.view(w.name), w.shape, scale_to_f32_np(ckpt.view(s.name), s.dtype, s.shape),
+                                 block, threads=threads, out=buf)
+            held.append(buf)
+            out = memoryview(buf)
+        else:
+            out = dequant_fp8_block(ckpt.read(w.name), ckpt.read(s.name), block, threads=threads)
         ckpt.release(w.name)
         ckpt.release(s.name)
         return out
 
-    return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=produce, read_bytes=w.nbytes + s.nbytes)
+    def release():
+        if held:
+            pool.give(held.pop())
+
+    return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=produce, release=release,
+                     read_bytes=w.nbytes + s.nbytes)

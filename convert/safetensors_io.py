@@ -19,6 +19,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
@@ -311,12 +312,48 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+WRITEBACK_EVERY = 64 << 20
+
+
+@lru_cache(maxsize=1)
+def _sync_file_range():
+    """Linux's sync_file_range(2) through libc, or None elsewhere (Python's os lacks it)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing [offset, offset + nbytes) of `fd` to disk, without
+    waiting (SYNC_FILE_RANGE_WRITE). Purely a hint: `commit`'s fsync is what makes data
+    durable. Errors are ignored (the fsync reports any real one)."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, nbytes, 2)
+
+
 class AtomicFile:
     """Write to `<dir>/.<name>.tmp`, hashing as it goes; `commit()` fsyncs and renames.
 
     Until commit nothing named `name` exists, so a killed or failed run never leaves a file
     that looks complete. Every byte goes through `write`, which also feeds the test-only
     kill switch (see `cvt.convert.faults`).
+
+    Every `WRITEBACK_EVERY` bytes the kernel is asked to start writing the finished range to
+    disk (`start_writeback`), so the disk works while cvt computes and `commit`'s fsync only
+    waits for the tail: without it the whole file sat dirty in the page cache until the
+    final fsync (measured: 0.5 s of a 3.3 s quantize run spent in that one fsync), and a
+    1 TB run filled the page cache with dirty pages.
     """
 
     def __init__(self, path: Path):
@@ -327,6 +364,7 @@ class AtomicFile:
         self._faults = faults
         self.sha = hashlib.sha256()
         self.size = 0
+        self._synced = 0  # bytes handed to start_writeback
         try:
             self._f = open(self.tmp, "wb")
         except OSError as exc:
@@ -347,6 +385,10 @@ class AtomicFile:
             self.abort()
             raise OutputError(f"{self.path}: write failed after {self.size} bytes: {exc.strerror or exc} (disk full?)") from exc
         self.size += len(mv)
+        if self.size - self._synced >= WRITEBACK_EVERY:
+            self._f.flush()
+            start_writeback(self._f.fileno(), self._synced, self.size - self._synced)
+            self._synced = self.size
 
     def commit(self) -> tuple[int, str]:
         try:

@@ -57,7 +57,7 @@ from cvt.convert.layout import Layout, Placement, contiguous_placement, coords, 
 from cvt.convert.plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint, read_manifest
 from cvt.convert.validate import check_weights
-from cvt.convert.safetensors_io import TensorSpec, load_json, tensor_from_view
+from cvt.convert.safetensors_io import DTYPES, TensorSpec, load_json
 from cvt.convert.writer import (
     DEFAULT_MAX_SHARD,
     FileSet,
@@ -285,10 +285,15 @@ def _slice(ckpt: Checkpoint, name: str, sp: Split, index: int):
     """The bytes of run `index` of `name` (a memoryview of the mmap when contiguous)."""
     if sp.dim is None:
         return ckpt.view(name)
+    import numpy as np
+
     ref = ckpt.tensors[name]
-    t = tensor_from_view(ckpt.view(name), ref.dtype, ref.shape)
     start, n = sp.run(ref.shape[sp.dim], index)
-    return t.narrow(sp.dim, start, n).contiguous()
+    # raw bytes as [*shape, itemsize] uint8, whatever the dtype: a run along `dim` is a plain
+    # numpy slice (a view for dim 0, one strided copy otherwise), and torch is never imported
+    raw = np.frombuffer(ckpt.view(name), dtype=np.uint8).reshape(*ref.shape, DTYPES[ref.dtype][1])
+    part = np.ascontiguousarray(raw[(slice(None),) * sp.dim + (slice(start, start + n),)])
+    return memoryview(part).cast("B") if part.size else b""
 
 
 def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], order: list[str],

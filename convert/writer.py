@@ -147,6 +147,36 @@ class _ByteBudget:
             self._cond.notify_all()
 
 
+class BufferPool:
+    """Output buffers (uint8 ``ndarray``) recycled by size, for a stage whose every tensor is a
+    new buffer (fp8-to-bf16's BF16 weights). A fresh buffer costs a page fault and zeroing per
+    page on first touch; reusing one does not (4.4 GB of 117 MB buffers: 0.95 s fresh, 0.19 s
+    reused, on the bench machine). `give` after the writer has hashed the bytes (an
+    `OutTensor.release`); idle buffers are capped at `max_idle` bytes, the rest freed, so the
+    pool adds at most that to peak RSS."""
+
+    def __init__(self, max_idle: int = IN_FLIGHT_BYTES // 2):
+        self.max_idle, self.idle = max_idle, 0
+        self._free: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int):
+        import numpy as np
+
+        with self._lock:
+            bufs = self._free.get(nbytes)
+            if bufs:
+                self.idle -= nbytes
+                return bufs.pop()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, buf) -> None:
+        with self._lock:
+            if self.idle + buf.nbytes <= self.max_idle:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+                self.idle += buf.nbytes
+
+
 class Charge:
     """One produced buffer's bytes, held against the write budget until every file it goes to
     (`holders`) has hashed it; then the bytes are released and `on_last` runs (e.g. dropping the

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cvt.convert import fp8
+from cvt.convert.safetensors_io import dtype_code
 from cvt.errors import TensorError
 
 from cvt.tests.convert.fp8_reference import decode_e4m3, decode_scale, dequant, same_bits_nan_aware
@@ -26,7 +27,7 @@ SHAPES = [
 
 def _kernels():
     return [pytest.param("torch", id="torch-kernel"), pytest.param("c", id="c-kernel-simd"),
-            pytest.param("c-scalar", id="c-kernel-scalar")]
+            pytest.param("c-scalar", id="c-kernel-scalar"), pytest.param("c-numpy", id="c-kernel-numpy-entry")]
 
 
 def run_kernel(kind: str, w, s, block, threads=2):
@@ -35,6 +36,12 @@ def run_kernel(kind: str, w, s, block, threads=2):
         return fp8._dequant_torch(w.contiguous(), fp8.scale_to_f32(s).contiguous(), block, out)
     if fp8._c_kernel() is None:
         pytest.skip("C kernel not built (no C compiler at install time)")
+    if kind == "c-numpy":  # fp8-to-bf16's torch-free entry: raw bytes in, uint16 bf16 bits out
+        s32 = fp8.scale_to_f32_np(memoryview(s.contiguous().view(torch.uint8).numpy()), dtype_code(s.dtype),
+                                  tuple(s.shape))
+        out = fp8.dequant_fp8_block_np(memoryview(w.contiguous().view(torch.uint8).numpy()).cast("B"),
+                                       tuple(w.shape), s32, block, threads=threads)
+        return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
     return fp8.dequant_fp8_block(w, s, block, threads=threads, simd=(kind == "c"))
 
 
@@ -160,3 +167,34 @@ def test_rejects_wrong_scale_shape_and_dtype():
 def test_empty_tensor():
     w = torch.empty((0, 256), dtype=torch.float8_e4m3fn)
     assert fp8.dequant_fp8_block(w, torch.empty((0, 2))).shape == (0, 256)
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16", "F16", "F8_E8M0"])
+def test_numpy_scale_decoding_matches_torch_on_every_pattern(dtype):
+    """`scale_to_f32_np` (fp8-to-bf16 without torch) gives `scale_to_f32`'s float32 bits for every
+    16-bit pattern of BF16/F16, every E8M0 code (0: 2^-127, 255: NaN) and F32 specials."""
+    if dtype == "F32":
+        t = torch.tensor([0.0, -0.0, 1e-45, 3.4e38, float("inf"), -float("inf"), float("nan"), 0.0078125])
+    elif dtype == "F8_E8M0":
+        t = torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    else:
+        t = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(
+            torch.bfloat16 if dtype == "BF16" else torch.float16)
+    t = t.reshape(-1, 4 if dtype == "F32" else 256)
+    got = fp8.scale_to_f32_np(memoryview(t.contiguous().view(torch.uint8).numpy()), dtype, tuple(t.shape))
+    want = fp8.scale_to_f32(t).numpy()
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(got.view(np.uint32)[~np.isnan(got)], want.view(np.uint32)[~np.isnan(want)])
+    if dtype == "F8_E8M0":  # and the independent formula
+        assert np.array_equal(got[0, :255], decode_scale(np.arange(255, dtype=np.uint8), dtype))
+
+
+def test_numpy_entry_refuses_a_misshaped_scale():
+    if fp8._c_kernel() is None:
+        pytest.skip("C kernel not built (no C compiler at install time)")
+    w = memoryview(bytes(80 * 256))
+    with pytest.raises(TensorError, match=r"\[1, 2\] scale"):
+        fp8.dequant_fp8_block_np(w, (80, 256), np.ones((1, 1), np.float32))
+    with pytest.raises(TensorError, match="20480 bytes"):
+        fp8.dequant_fp8_block_np(w[:100], (80, 256), np.ones((1, 2), np.float32))

@@ -1,0 +1,49 @@
+"""The streaming verbs that need no torch never import it: `import torch` is ~0.8 s of a
+process's start on a 2-core machine, as much as the IO floor of a whole small conversion
+(README, Performance). fp8-to-bf16 (with the C kernel built) and shard read, dequantize or
+slice through numpy and the mmap; a module-level `import torch` anywhere on their path would
+fail this test. Run in a subprocess: this test process has torch loaded already."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cvt.convert import fp8
+from cvt.tests.convert.test_shard import _bf16_config
+from cvt.convert.synthetic import write_bf16_checkpoint
+
+PROBE = """
+import json, sys
+from cvt.cli import main
+rc = 0
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    rc = e.code or 0
+print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}))
+"""
+
+
+def _run(*args) -> dict:
+    p = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_fp8_to_bf16_never_imports_torch(fp8_release_session, tmp_path):
+    if fp8._c_kernel() is None:
+        pytest.skip("C kernel not built: the torch fallback is the dequantizer then")
+    r = _run("fp8-to-bf16", fp8_release_session, tmp_path / "out", "--quiet")
+    assert r == {"rc": 0, "torch": False}
+    assert (tmp_path / "out" / "cvt_manifest.json").is_file()
+
+
+def test_shard_never_imports_torch(tmp_path):
+    src = write_bf16_checkpoint(tmp_path / "src", _bf16_config())
+    r = _run("shard", src, tmp_path / "out", "--tp", "2", "--ep", "4", "--quiet")  # dim-0 and dim-1 runs
+    assert r == {"rc": 0, "torch": False}
+    assert (tmp_path / "out" / "cvt_manifest.json").is_file()
