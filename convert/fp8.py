@@ -100,7 +100,7 @@ def dequant_fp8_block_np(w: memoryview, shape: tuple[int, int], scale_f32, block
     if tuple(scale_f32.shape) != expected_scale_shape(shape, block) or len(w) != n * k:
         raise TensorError(f"FP8 weight of {len(w)} bytes as {list(shape)}, scale {list(scale_f32.shape)}: "
                           f"expected {n * k} bytes and a {list(expected_scale_shape(shape, block))} scale")
-    s = np.ascontiguousarray(scale_f32, dtype=np.float32)
+    s = np.require(scale_f32, np.float32, ["C", "A"])  # a view of the mmap may sit at an unaligned offset
     out = np.empty((n, k), dtype=np.uint16) if out is None else np.frombuffer(out, dtype=np.uint16).reshape(n, k)
     if n and k:
         wa = np.frombuffer(w, dtype=np.uint8)
