@@ -23,6 +23,9 @@ Measured, in this one run, best of --repeat:
      cvt wrote in files of the same sizes, fsync per file (bench/fp8_to_bf16.py's io_floor);
      reported: GB/s of input, cvt's speed vs the floor, peak RSS vs the largest weight as
      float32 and vs the memory budget (2 x the largest tensor in its source dtype + 1 GB);
+     with --repeat N every repeat's seconds too (the floor swings 2-3x between runs on a VM);
+  f. the fixed costs inside cvt's time: a child that starts python and imports torch and the
+     quantize stage, and sha256 GB/s on one core (each output file is hashed in order);
   k. the kernels alone on one large FP8 weight (in this process, best of 3): the fused C
      kernel (all cores, and one thread), the blockwise torch fallback and the reference
      (dequantize to float32, scheme.quantize, layout encode, SQNR), each checked bit-identical
