@@ -213,6 +213,20 @@ def scratch(path: Path, keep: bool):
             shutil.rmtree(path, ignore_errors=True)
 
 
+def import_seconds(modules: str) -> float:
+    """Wall seconds of a child python that imports `modules` (comma-separated) and exits: the
+    part of a cvt run spent before its first byte (shared with bench/quantize.py)."""
+    t0 = time.perf_counter()
+    os.spawnv(os.P_WAIT, sys.executable, [sys.executable, "-c", f"import {modules}"])
+    return time.perf_counter() - t0
+
+
+def sha256_rate() -> float:
+    """sha256 bytes/s on one core (best of 2 over 256 MB): what hashing one output file costs."""
+    buf = os.urandom(64 << 20)
+    return len(buf) * 4 / best_of(lambda: [hashlib.sha256(buf).digest() for _ in range(4)], 2)
+
+
 def best_of(fn, n: int) -> float:
     times = []
     for _ in range(n):
@@ -283,14 +297,10 @@ def main() -> None:
             if not args.skip_reference_e2e:
                 with scratch(root / f"reference-{r}", args.keep) as out:
                     ref_runs.append(reference_e2e(src, out))
-        t0 = time.perf_counter()
         # what the stage's process imports (numpy and the C kernel; torch only without the kernel)
-        os.spawnv(os.P_WAIT, sys.executable, [sys.executable, "-c", "import cvt.cli, cvt.convert.fp8_to_bf16, numpy"
-                                              + ("" if kernel_name() == "c" else ", torch")])
-        t_start = time.perf_counter() - t0
+        t_start = import_seconds("cvt.cli, cvt.convert.fp8_to_bf16, numpy" + ("" if kernel_name() == "c" else ", torch"))
         krows = kernel_rows()
-        buf = os.urandom(64 << 20)
-        sha_rate = len(buf) * 4 / best_of(lambda: [hashlib.sha256(buf).digest() for _ in range(4)], 2)
+        sha_rate = sha256_rate()
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

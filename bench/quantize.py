@@ -151,21 +151,6 @@ def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, refe
     return rows
 
 
-def fixed_costs() -> tuple[float, float]:
-    """(seconds to start python and import torch + cvt's quantize stage, sha256 GB/s on one core):
-    the two costs no pipelining hides on a small release (cvt hashes each output file in order)."""
-    import hashlib
-
-    t0 = time.perf_counter()
-    os.spawnv(os.P_WAIT, sys.executable, [sys.executable, "-c", "import torch, cvt.cli, cvt.quant.stage"])
-    t_start = time.perf_counter() - t0
-    buf = os.urandom(64 << 20)
-    t0 = time.perf_counter()
-    for _ in range(4):
-        hashlib.sha256(buf).digest()
-    return t_start, 4 * len(buf) / (time.perf_counter() - t0) / GB
-
-
 KERNEL_CASES = (("w8a8", {}, "ct-int8"), ("w4a16", {"group_size": 128}, "ct-int4"),
                 ("w4a16", {"group_size": 128, "symmetric": False}, "ct-int4"), ("fp4", {}, "ct-nvfp4"),
                 ("fp4", {"fp4_format": "mxfp4"}, "ct-mxfp4"))
@@ -297,7 +282,8 @@ def main() -> None:
         src_name, src_big = largest_source_tensor(fb, cfg)
         spread: dict[str, list[float]] = {}
         rows = rtn_rows(fb, src, root, cfg, args.repeat, args.keep, not args.no_reference, spread)
-        t_start, sha_gbs = fixed_costs()
+        # fixed costs no pipelining hides on a small release: start + imports, and hashing in order
+        t_start, sha_gbs = fb.import_seconds("torch, cvt.cli, cvt.quant.stage"), fb.sha256_rate() / GB
         shutil.rmtree(src, ignore_errors=True)
         crows = []
         if not args.rtn_only:

@@ -90,12 +90,13 @@ def dequant_fp8_block_np(w: memoryview, shape: tuple[int, int], scale_f32, block
     """`dequant_fp8_block` without torch, through the C kernel: e4m3 bytes `w` of a ``[n, k]``
     weight and its float32 scale (``ndarray`` of ``expected_scale_shape``) -> the BF16 bytes,
     a ``uint16`` ``ndarray [n, k]`` (written into `out`, a buffer of 2nk bytes, when given);
-    the same bits. None when the C kernel is not built (the caller then takes the torch path)."""
+    the same bits. Needs the C kernel (``kernel_name() == "c"``); without it callers take
+    `dequant_fp8_block`, the torch path."""
     import numpy as np
 
     fn = _c_kernel()
     if fn is None:
-        return None
+        raise RuntimeError("internal: dequant_fp8_block_np needs the C kernel (kernel_name() == 'c')")
     n, k = shape
     if tuple(scale_f32.shape) != expected_scale_shape(shape, block) or len(w) != n * k:
         raise TensorError(f"FP8 weight of {len(w)} bytes as {list(shape)}, scale {list(scale_f32.shape)}: "
