@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable
 from cvt import __version__
 from cvt.convert.outdir import OutputDir
 from cvt.convert.reader import Checkpoint
-from cvt.convert.safetensors_io import AtomicFile, TensorSpec, dtype_code, encode_header
+from cvt.convert.safetensors_io import DTYPES, AtomicFile, TensorSpec, dtype_code, encode_header
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -107,7 +107,19 @@ def source_info(ckpt: Checkpoint, fmt: str) -> SourceInfo:
 
 
 def _as_buffer(data, spec: TensorSpec) -> memoryview:
-    if hasattr(data, "dtype") and hasattr(data, "shape") and not isinstance(data, memoryview):
+    """The bytes of what a producer returned: raw bytes (a buffer), a torch tensor of the spec's
+    dtype, or a numpy array -- of the spec's dtype, or an unsigned array of the same item size
+    holding the bits of a dtype numpy lacks (BF16 as ``uint16``, F8 as ``uint8``)."""
+    if type(data).__module__ == "numpy":
+        want, size = DTYPES[spec.dtype]
+        if (tuple(data.shape) != spec.shape or data.dtype.itemsize != size
+                or (data.dtype.name != want and data.dtype.kind != "u")):
+            raise RuntimeError(f"internal: {spec.name} produced numpy {data.dtype} {list(data.shape)}, planned "
+                               f"{spec.dtype} {list(spec.shape)}")
+        import numpy as np
+
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    elif hasattr(data, "dtype") and hasattr(data, "shape") and not isinstance(data, memoryview):
         code = dtype_code(data.dtype)
         if code != spec.dtype or tuple(data.shape) != spec.shape:
             raise RuntimeError(f"internal: {spec.name} produced {code} {list(data.shape)}, planned {spec.dtype} {list(spec.shape)}")

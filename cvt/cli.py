@@ -155,13 +155,16 @@ def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_fo
     from cvt.units import parse_size
     from cvt.quant.recipe import load_recipe
     from cvt.quant.stage import quantize
-    from cvt.runtime.device import resolve_device
 
+    if device != "cpu":  # "cpu" needs no check; resolving imports torch, which RTN with the C kernels never does
+        from cvt.runtime.device import resolve_device
+
+        device = resolve_device(device)
     r = quantize(src, dst, scheme=scheme, fmt=fmt, method=method, group_size=group_size, asym=asym,
                  fp4_format=fp4_format, calib=Path(calib) if calib else None, calib_tokens=calib_tokens,
                  static_attention=static_attention, ignore=tuple(ignore), recipe=load_recipe(Path(recipe)) if recipe else None, revision=revision,
                  workers=workers, max_shard_size=parse_size(max_shard_size), resume=resume, overwrite=overwrite,
-                 quiet=quiet, target=target, device=resolve_device(device))
+                 quiet=quiet, target=target, device=device)
     if not quiet:
         x = r.extra
         click.echo(f"quantized {x['quantized']} linears ({scheme}, {method}, {fmt}), kept {x['float_modules']} float, "

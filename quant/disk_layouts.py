@@ -6,7 +6,7 @@ layout's dims (`cvt.quant.layouts.DiskTensor`)."""
 
 from __future__ import annotations
 
-import torch
+from cvt.lazy import torch
 
 from cvt.convert.safetensors_io import dtype_code
 from cvt.quant.layouts import kernel_fmt_of
@@ -32,9 +32,24 @@ def probe_q(scheme: Scheme, shape: tuple[int, int], static: bool) -> QuantizedTe
                            scheme.symmetric, extra)
 
 
+def data_planned(layout, scheme, shape: tuple[int, int], static: bool, bias: bool) -> bool:
+    """Whether a module's on-disk tensors are exactly its layout entry's non-optional ones, in
+    table order, so `DiskLayouts` plans them from the table, without a probe and without torch:
+    what the fused RTN kernels write (`cvt.quant.qkernel.fuses`; where an encoder would refuse,
+    they do not fuse, and the probe raises that refusal before anything is written), with no
+    bias, static inputs or optional tensors in play (ct-int4's zero points are written only when
+    asymmetric). ``tests/quant/test_qkernel.py::test_stage_plans_fused_layouts_from_the_table``
+    holds this equal to the probe."""
+    from cvt.quant.qkernel import fuses
+
+    return (not static and not bias and fuses(layout, scheme, shape)
+            and (scheme.symmetric or not any(t.optional for t in layout.tensors)))
+
+
 class DiskLayouts:
     """On-disk {suffix: (shape, dtype)} and Ascend tags per (scheme, shape, static, bias),
-    computed once on a zero probe and reused for every module of that kind.
+    computed once on a zero probe and reused for every module of that kind; for the fused
+    RTN layouts (`data_planned`), read from the layout table instead (no torch needed).
 
     The probe has `PROBE_ROWS` rows (k and the group size as the module's; the same layout),
     and the layout's dims (`cvt.quant.layouts.DiskTensor`) scale its shapes to n rows: a probe
@@ -50,25 +65,44 @@ class DiskLayouts:
         self._cache: dict = {}
 
     def get(self, module: str, scheme: Scheme, shape, static: bool, bias_shape, bias_dtype, expert: bool):
+        """``({disk name: (shape, dtype code)}, {disk name: tag})`` of one quantized module;
+        `bias_dtype` a torch dtype (None without a bias)."""
         # a layout may depend on the module's own name (W4A8_DYNAMIC's scale_bias shape,
         # `cvt.quant.layouts.scale_bias_role`): probe under it, once per distinct last component
         probe = f"{self.PROBE}.{module.rsplit('.', 1)[-1]}"
         key = (id(scheme), tuple(shape), static, bias_shape, bias_dtype, expert, probe)
         if key not in self._cache:
-            n, k = shape
-            small = n % self.PROBE_ROWS == 0 and n > self.PROBE_ROWS
-            q = probe_q(scheme, (self.PROBE_ROWS, k) if small else tuple(shape), static)
-            b = None if bias_shape is None else torch.zeros(bias_shape, dtype=bias_dtype)
-            kw = {"target": self.target, "expert": expert}
-            disk = self.form.disk_tensors(probe, q, b, **kw)
-            specs = {n_[len(probe):]: (tuple(t.shape), dtype_code(t.dtype)) for n_, t in disk.items()}
-            if small:
-                specs = self._scaled(specs, self.form.layout_for(probe, q, **kw), scheme, n, k)
-            tags = ({n[len(probe):]: t for n, t in self.form.tags(probe, q, bias=b is not None, **kw).items()}
-                    if hasattr(self.form, "tags") else {})
-            self._cache[key] = (specs, tags)
+            self._cache[key] = (self._from_table(probe, scheme, tuple(shape), static, bias_shape is not None, expert)
+                                or self._probed(probe, scheme, tuple(shape), static, bias_shape, bias_dtype, expert))
         specs, tags = self._cache[key]
         return ({module + k: v for k, v in specs.items()}, {module + k: v for k, v in tags.items()})
+
+    def _from_table(self, probe: str, scheme: Scheme, shape, static: bool, bias: bool, expert: bool):
+        n, k = shape
+        g = 0 if scheme.group_size in (0, k) else scheme.group_size
+        kf = kernel_fmt_of(scheme, static)
+        shell = QuantizedTensor(scheme.name, kf, shape, {}, g, scheme.symmetric,
+                                {"fp4_format": kf} if scheme.name == "fp4" else {})
+        lo = self.form.layout_for(probe, shell, target=self.target, expert=expert)
+        if not data_planned(lo, scheme, shape, static, bias):
+            return None
+        specs = {f".{t.suffix}": (t.shape(n, k, g), t.dtype) for t in lo.tensors if not t.optional}
+        tags = lo.tags("", [s[1:] for s in specs]) if hasattr(self.form, "tags") else {}
+        return specs, tags
+
+    def _probed(self, probe: str, scheme: Scheme, shape, static: bool, bias_shape, bias_dtype, expert: bool):
+        n, k = shape
+        small = n % self.PROBE_ROWS == 0 and n > self.PROBE_ROWS
+        q = probe_q(scheme, (self.PROBE_ROWS, k) if small else shape, static)
+        b = None if bias_shape is None else torch.zeros(bias_shape, dtype=bias_dtype)
+        kw = {"target": self.target, "expert": expert}
+        disk = self.form.disk_tensors(probe, q, b, **kw)
+        specs = {n_[len(probe):]: (tuple(t.shape), dtype_code(t.dtype)) for n_, t in disk.items()}
+        if small:
+            specs = self._scaled(specs, self.form.layout_for(probe, q, **kw), scheme, n, k)
+        tags = ({n_[len(probe):]: t for n_, t in self.form.tags(probe, q, bias=b is not None, **kw).items()}
+                if hasattr(self.form, "tags") else {})
+        return specs, tags
 
     def _scaled(self, specs: dict, layout, scheme: Scheme, n: int, k: int) -> dict:
         g = 0 if scheme.group_size in (0, k) else scheme.group_size

@@ -70,7 +70,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
+from cvt.lazy import torch
 
 from cvt.errors import FormatError
 from cvt.quant import primitives as P
@@ -80,8 +80,6 @@ from cvt.registry import Registry
 ASCEND_TARGETS = ("vllm-ascend", "mindie")
 DEFAULT_TARGET = "vllm-ascend"
 CT_TARGET = "vllm"  # compressed-tensors: vLLM and transformers
-_DTYPE = {"I8": torch.int8, "I32": torch.int32, "U8": torch.uint8, "F32": torch.float32, "BF16": torch.bfloat16,
-          "F8_E4M3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -172,9 +170,12 @@ def register(layout: Layout) -> Layout:
 
 
 def _expect(name: str, t: torch.Tensor, dtypes, shape=None) -> torch.Tensor:
-    if t.dtype not in tuple(dtypes) or (shape is not None and tuple(t.shape) != tuple(shape)):
-        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise FormatError(f"tensor {name!r} is {str(t.dtype).replace('torch.', '')} {list(t.shape)}: expected "
+    """`t` after checking its dtype (one of `dtypes`: torch dtypes or their names) and shape."""
+    names = [str(d).replace("torch.", "") for d in dtypes]
+    have = str(t.dtype).replace("torch.", "")
+    if have not in names or (shape is not None and tuple(t.shape) != tuple(shape)):
+        want = " or ".join(names)
+        raise FormatError(f"tensor {name!r} is {have} {list(t.shape)}: expected "
                           f"{want}" + (f" {list(shape)}" if shape is not None else ""))
     return t
 
@@ -186,7 +187,7 @@ def _take(module: str, disk: dict, suffixes) -> dict[str, torch.Tensor]:
     return {s: disk[s] for s in suffixes}
 
 
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+FLOATS = ("float32", "bfloat16", "float16")  # names: torch is imported on first use (`cvt.lazy`)
 N, K, G = ("n", 1), ("k", 1), ("k", "G")
 
 

@@ -38,8 +38,7 @@ Rules (and where they come from):
 
 from __future__ import annotations
 
-import torch
-from torch.nn import functional as F
+from cvt.lazy import torch
 
 from cvt.errors import CvtError, TensorError
 
@@ -186,6 +185,19 @@ def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
     return gs.reshape(1).to(torch.float32)
 
 
+def nvfp4_global_scale_of(amax: float) -> float:
+    """`nvfp4_global_scale` from a float32 ``amax`` (max |w|, e.g. the fused kernel's), in
+    numpy float32: the same value, without torch (`cvt.quant.qkernel`'s numpy path)."""
+    import numpy as np
+
+    a = max(np.float32(amax), np.finfo(np.float32).tiny)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        # torch's `number / tensor` is `tensor.reciprocal() * number` (Tensor.__rtruediv__): two
+        # float32 roundings, which a single division would not match bit for bit
+        gs = (np.float32(1.0) / a) * np.float32(E4M3_MAX * E2M1_MAX)
+    return float(gs) if np.isfinite(gs) else 1.0
+
+
 def nvfp4_block_scales(w: torch.Tensor, global_scale: torch.Tensor, group: int = 16) -> torch.Tensor:
     """float8_e4m3fn ``[n, k/16]``: ``e4m3(clamp(amax_block / 6 * global_scale, +-448))``, 0 -> 0.125."""
     amax = groups(w.to(torch.float32), group).abs().amax(dim=-1)
@@ -269,7 +281,7 @@ def pack_int4_ct(q: torch.Tensor, dim: int = 1) -> torch.Tensor:
         u = u.t()
     pad = (-u.shape[1]) % 8
     if pad:
-        u = F.pad(u, (0, pad))
+        u = torch.nn.functional.pad(u, (0, pad))
     u = u.reshape(u.shape[0], -1, 8)
     word = torch.zeros(u.shape[:2], dtype=torch.int64, device=q.device)
     for i in range(8):

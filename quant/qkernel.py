@@ -52,8 +52,9 @@ import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
-import torch
+from cvt.lazy import torch
 
 from cvt.quant import primitives as P
 from cvt.runtime.metrics import sqnr_from_sums
@@ -113,17 +114,46 @@ def kernel_name() -> str:
 @dataclass
 class WeightSource:
     """One linear weight as stored: BF16 ``[n, k]``, or FP8 e4m3fn ``[n, k]`` with its float32
-    block scale_inv ``[ceil(n/bn), ceil(k/bk)]`` (`fp8`, which checks both)."""
+    block scale_inv ``[ceil(n/bn), ceil(k/bk)]`` (`fp8`, which checks both). Either torch
+    tensors, or (`raw`) numpy arrays over the stored bytes -- ``uint16`` for BF16, ``uint8`` for
+    e4m3, numpy having neither dtype -- which the C kernel reads without torch ever being
+    imported (the stage's RTN path, `cvt.lazy`). A numpy source needs the C kernel."""
 
-    w: torch.Tensor
-    scale: torch.Tensor | None = None
+    w: Any
+    scale: Any = None
     block: tuple[int, int] | None = None
+    dtype: str = ""  # safetensors code of w ("BF16" / "F8_E4M3"); set by `raw`, derived for torch
+
+    def __post_init__(self):
+        if not self.dtype:
+            self.dtype = _torch_code(self.w)
 
     @classmethod
     def fp8(cls, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> "WeightSource":
         from cvt.convert.fp8 import checked_scale
 
         return cls(w, checked_scale(w, scale, tuple(block)), tuple(block))
+
+    @classmethod
+    def raw(cls, data, dtype: str, shape: tuple[int, int], scale=None,
+            block: tuple[int, int] | None = None) -> "WeightSource":
+        """A stored weight's bytes (`data`: a buffer, e.g. the mmap view) as a numpy source;
+        FP8 (`dtype` "F8_E4M3") with its float32 ``ndarray`` scale, checked against `block`."""
+        import numpy as np
+
+        from cvt.convert.fp8 import expected_scale_shape
+        from cvt.errors import TensorError
+
+        if dtype not in ("BF16", "F8_E4M3") or len(shape) != 2:
+            raise ValueError(f"internal: a raw weight source is a 2-D BF16 or F8_E4M3 weight, not {dtype} {list(shape)}")
+        w = np.frombuffer(data, dtype=np.uint16 if dtype == "BF16" else np.uint8).reshape(shape)
+        if dtype == "BF16":
+            return cls(w, None, None, dtype)
+        want = expected_scale_shape(tuple(shape), tuple(block))
+        if scale is None or tuple(scale.shape) != want:
+            raise TensorError(f"scale shape {None if scale is None else list(scale.shape)} does not match weight "
+                              f"{list(shape)} with blocks {list(block)}: expected {list(want)}")
+        return cls(w, np.require(scale, np.float32, ["C", "A"]), tuple(block), dtype)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -133,24 +163,55 @@ class WeightSource:
     def is_fp8(self) -> bool:
         return self.scale is not None
 
+    @property
+    def is_numpy(self) -> bool:
+        return type(self.w).__module__ == "numpy"
+
     def rows_float(self, r0: int, r1: int) -> torch.Tensor:
         """float32 rows ``[r0, r1)``, exactly what the stage's reference quantizes (`r0` a
         multiple of the FP8 block's rows)."""
+        w, scale = self.w, self.scale
+        if self.is_numpy:  # the torch fallback on a numpy source: a zero-copy view as torch
+            w = torch.from_numpy(w).view(torch.bfloat16 if self.dtype == "BF16" else torch.float8_e4m3fn)
+            scale = None if scale is None else torch.from_numpy(scale)
         if not self.is_fp8:
-            return self.w[r0:r1].float()
+            return w[r0:r1].float()
         from cvt.convert.fp8 import dequant_fp8_block
 
         bn = self.block[0]
-        return dequant_fp8_block(self.w[r0:r1], self.scale[r0 // bn: -(-r1 // bn)], self.block).float()
+        return dequant_fp8_block(w[r0:r1], scale[r0 // bn: -(-r1 // bn)], self.block).float()
+
+
+def _torch_code(w) -> str:
+    """The safetensors code of a torch tensor's dtype ("" for anything else, e.g. numpy)."""
+    if type(w).__module__.split(".")[0] != "torch":
+        return ""
+    from cvt.convert.safetensors_io import dtype_code
+
+    try:
+        return dtype_code(w.dtype)
+    except Exception:  # a dtype safetensors has no code for: not a fused source
+        return ""
+
+
+def _ptr(a) -> int:
+    return a.ctypes.data if type(a).__module__ == "numpy" else a.data_ptr()
 
 
 def supports(layout, scheme, src: WeightSource) -> bool:
     """Whether `quantize_to_layout` produces this layout for this weight (else: the reference)."""
-    if layout.name not in _PACK or src.w.dim() != 2 or src.w.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+    if len(src.w.shape) != 2 or src.dtype not in ("BF16", "F8_E4M3") or (src.dtype == "F8_E4M3") != src.is_fp8:
         return False
-    if (src.w.dtype == torch.float8_e4m3fn) != src.is_fp8:
+    return fuses(layout, scheme, src.shape)
+
+
+def fuses(layout, scheme, shape: tuple[int, int]) -> bool:
+    """Whether the fused kernels write `layout` for a ``[n, k]`` weight of `scheme`, whatever
+    its source dtype: the cases where the reference's encoder raises (and the stage then reports
+    that) are not fused."""
+    if layout.name not in _PACK:
         return False
-    n, k = src.shape
+    n, k = shape
     if n == 0 or k == 0 or layout.kernel_fmt != _kernel_fmt(scheme):
         return False
     if layout.name == "ascend-w4a16-int32" and not scheme.symmetric:
@@ -182,9 +243,11 @@ def _config(layout, scheme, k: int) -> dict:
 @dataclass
 class Fused:
     """`quantize_to_layout`'s result: the layout's tensors (suffix -> tensor, in the layout
-    encoder's order), the SQNR in dB against the float32 source, and which kernel ran."""
+    encoder's order; torch tensors for a torch source, numpy arrays for a numpy one, BF16 and
+    e4m3 as ``uint16`` / ``uint8`` raw bits), the SQNR in dB against the float32 source, and
+    which kernel ran."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, Any]
     sqnr_db: float
     kernel: str
 
@@ -210,16 +273,18 @@ def _check_source(src: WeightSource) -> None:
     from cvt.convert.fp8 import expected_scale_shape
 
     w = src.w
-    if w.dim() != 2 or w.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+    if len(w.shape) != 2 or src.dtype not in ("BF16", "F8_E4M3"):
         raise ValueError(f"cvt quantize kernel: expected a 2-D bfloat16 or float8_e4m3fn weight, got {w.dtype} "
                          f"{list(w.shape)}")
-    if (w.dtype == torch.float8_e4m3fn) != src.is_fp8:
+    if (src.dtype == "F8_E4M3") != src.is_fp8:
         raise ValueError("cvt quantize kernel: an FP8 weight needs its block scale and a BF16 one has none "
                          "(build FP8 sources with WeightSource.fp8)")
     if src.is_fp8:
         sc = src.scale
         want = expected_scale_shape(tuple(w.shape), tuple(src.block))
-        if sc.dtype != torch.float32 or not sc.is_contiguous() or tuple(sc.shape) != want:
+        f32 = str(sc.dtype).replace("torch.", "") == "float32"
+        contiguous = sc.flags["C_CONTIGUOUS"] if src.is_numpy else sc.is_contiguous()
+        if not f32 or not contiguous or tuple(sc.shape) != want:
             raise ValueError(f"cvt quantize kernel: FP8 block scale must be float32 contiguous {list(want)}, got "
                              f"{sc.dtype} {list(sc.shape)} (build FP8 sources with WeightSource.fp8)")
 
@@ -227,23 +292,25 @@ def _check_source(src: WeightSource) -> None:
 def _call(fn, src: WeightSource, mode: int, threads: int | None, simd: bool, **kw) -> tuple[int, float, float, float]:
     """Run the kernel; returns (non-finite count, amax, sum w^2, sum err^2)."""
     _check_source(src)  # the C side reads raw pointers: shapes and dtypes must be what it assumes
+    import numpy as np
+
     n, k = src.shape
-    sums = torch.zeros(2, dtype=torch.float64)
-    bad = torch.zeros(1, dtype=torch.int64)
-    amax = torch.zeros(1, dtype=torch.float32)
-    w = src.w.contiguous()
-    a = _Args(src=w.data_ptr(), n=n, k=k, mode=mode, sums=sums.data_ptr(), nonfinite=bad.data_ptr(),
-              amax=amax.data_ptr(), nthreads=max(1, threads or _cpus()), simd=int(simd),
+    sums = np.zeros(2, dtype=np.float64)
+    bad = np.zeros(1, dtype=np.int64)
+    amax = np.zeros(1, dtype=np.float32)
+    w = np.ascontiguousarray(src.w) if src.is_numpy else src.w.contiguous()
+    a = _Args(src=_ptr(w), n=n, k=k, mode=mode, sums=sums.ctypes.data, nonfinite=bad.ctypes.data,
+              amax=amax.ctypes.data, nthreads=max(1, threads or _cpus()), simd=int(simd),
               group=kw.pop("group", k), **kw)
     if src.is_fp8:
-        a.src_kind, a.fp8_scale, a.s_cols = SRC_FP8, src.scale.data_ptr(), src.scale.shape[1]
+        a.src_kind, a.fp8_scale, a.s_cols = SRC_FP8, _ptr(src.scale), src.scale.shape[1]
         a.bn, a.bk = src.block
     rc = fn(ctypes.byref(a))
     if rc == -2:
         raise MemoryError("cvt quantize kernel: out of memory for its row buffers")
     if rc != 0:
         raise RuntimeError(f"internal: cvt quantize kernel refused its arguments (rc {rc}) for {list(src.shape)}")
-    return int(bad), float(amax), float(sums[0]), float(sums[1])
+    return int(bad[0]), float(amax[0]), float(sums[0]), float(sums[1])
 
 
 def absmax(src: WeightSource, threads: int | None = None, simd: bool = True) -> float | None:
@@ -263,15 +330,16 @@ def absmax(src: WeightSource, threads: int | None = None, simd: bool = True) -> 
 
 
 def quantize_to_layout(src: WeightSource, scheme, layout, name: str | None = None,
-                       global_scale: torch.Tensor | None = None, threads: int | None = None,
-                       simd: bool = True) -> Fused:
+                       global_scale=None, threads: int | None = None, simd: bool = True) -> Fused:
     """`layout.encode(scheme.quantize(w))` and its SQNR for the weight `src` (see the module
-    docstring); `global_scale`: nvfp4's shared per-tensor scale (a fused group's), else computed
-    from the weight. Raises the reference's errors (shape, group size, NaN/Inf)."""
+    docstring); `global_scale`: nvfp4's shared per-tensor scale (a fused group's; a float or a
+    one-element tensor), else computed from the weight. Raises the reference's errors (shape,
+    group size, NaN/Inf)."""
     n, k = src.shape
     scheme.check(name or "weight", (n, k))
     if not supports(layout, scheme, src):
-        raise ValueError(f"internal: layout {layout.name} of {scheme!r} is not fused for {src.w.dtype} {[n, k]}")
+        raise ValueError(f"internal: layout {layout.name} of {scheme!r} is not fused for {src.dtype or src.w.dtype} "
+                         f"{[n, k]}")
     cfg = _config(layout, scheme, k)
     gs = None
     if cfg["mode"] == MODE_NVFP4:
@@ -279,8 +347,9 @@ def quantize_to_layout(src: WeightSource, scheme, layout, name: str | None = Non
             m = absmax(src, threads, simd)
             if m is None:
                 raise P.nonfinite_error(name, _desc((n, k)), _count_nonfinite(src))
-            global_scale = P.nvfp4_global_scale(torch.tensor([m], dtype=torch.float32))
-        gs = global_scale.to(torch.float32).reshape(1)
+            gs = P.nvfp4_global_scale_of(m)
+        else:
+            gs = float(global_scale if isinstance(global_scale, float) else global_scale.reshape(-1)[0])
     lib = _c_kernel()
     if lib is None:
         raw, sig, err = _torch_blocks(src, scheme, layout, cfg, name, gs)
@@ -288,37 +357,50 @@ def quantize_to_layout(src: WeightSource, scheme, layout, name: str | None = Non
     else:
         raw, sig, err = _c_blocks(lib, src, layout, cfg, name, gs, threads, simd)
         kernel = "c"
-    return Fused(_assemble(layout, scheme, (n, k), cfg, raw, gs), sqnr_from_sums(sig, err), kernel)
+    tensors = _assemble(layout, scheme, (n, k), raw, gs)
+    return Fused(tensors if src.is_numpy else _as_torch(tensors, layout), sqnr_from_sums(sig, err), kernel)
 
 
-def _outputs(layout, shape, cfg, c: bool) -> dict[str, torch.Tensor]:
-    """Uninitialized outputs: the kernel writes every element (torch fills would wake torch's
-    OpenMP pool, whose spinning threads then compete with the kernel's)."""
+# safetensors code -> the numpy dtype holding its bits (numpy has no bfloat16 / float8)
+_NP_BITS = {"I8": "int8", "I32": "int32", "U8": "uint8", "F32": "float32", "BF16": "uint16", "F8_E4M3": "uint8"}
+
+
+def _outputs(layout, shape, cfg, c: bool) -> dict[str, Any]:
+    """Uninitialized outputs: numpy arrays for the C kernel, torch tensors for the fallback.
+    The kernel writes every element (torch fills would wake torch's OpenMP pool, whose
+    spinning threads then compete with the kernel's)."""
+    import numpy as np
+
+    from cvt.convert.safetensors_io import torch_dtype
+
+    def empty(shape_, code, zeros=False):
+        if c:
+            return np.empty(shape_, dtype=_NP_BITS[code])
+        return (torch.zeros if zeros else torch.empty)(shape_, dtype=torch_dtype(code))
+
     n, k = shape
     ng = k // cfg["group"]
-    pack = _PACK[layout.name]
-    q = {PACK_I8: lambda: torch.empty((n, k), dtype=torch.int8),
-         PACK_CT32: lambda: torch.empty((n, -(-k // 8)), dtype=torch.int32),
-         PACK_NIB_K: lambda: torch.empty((n, k // 2), dtype=torch.int8),
-         PACK_NIB_ROWS: lambda: torch.empty((n // 2, k), dtype=torch.int8),
-         PACK_FP4: lambda: torch.empty((n, k // 2), dtype=torch.uint8)}[pack]()
-    out = {"q": q}
+    q = {PACK_I8: ((n, k), "I8"), PACK_CT32: ((n, -(-k // 8)), "I32"), PACK_NIB_K: ((n, k // 2), "I8"),
+         PACK_NIB_ROWS: ((n // 2, k), "I8"), PACK_FP4: ((n, k // 2), "U8")}[_PACK[layout.name]]
+    out = {"q": empty(*q)}
     if cfg["mode"] in (MODE_SYM, MODE_ASYM):
-        out["scale"] = torch.empty((n, ng), dtype=torch.float32)
-        out["offset"] = (torch.empty if c or cfg["mode"] == MODE_ASYM else torch.zeros)((n, ng), dtype=torch.float32)
-        if c and pack == PACK_CT32:
-            out["scale_bf16"] = torch.empty((n, ng), dtype=torch.bfloat16)
+        out["scale"] = empty((n, ng), "F32")
+        out["offset"] = empty((n, ng), "F32", zeros=cfg["mode"] != MODE_ASYM)  # the fallback writes no sym offset
+        if c and _PACK[layout.name] == PACK_CT32:
+            out["scale_bf16"] = empty((n, ng), "BF16")
     else:
-        out["scale8"] = torch.empty((n, ng), dtype=torch.uint8)
+        out["scale8"] = empty((n, ng), "U8")
     return out
 
 
 def _c_blocks(lib, src, layout, cfg, name, gs, threads, simd):
+    import numpy as np
+
     raw = _outputs(layout, src.shape, cfg, c=True)
-    ptr = {k_: v.data_ptr() for k_, v in raw.items()}
+    ptr = {k_: v.ctypes.data for k_, v in raw.items()}
     kw = dict(group=cfg["group"], qdiv=cfg["qdiv"], qmin=cfg["qmin"], qmax=cfg["qmax"], pack=_PACK[layout.name],
               q=ptr["q"], scale=ptr.get("scale"), offset=ptr.get("offset"), scale8=ptr.get("scale8"),
-              scale_bf16=ptr.get("scale_bf16"), global_scale=float(gs) if gs is not None else 0.0)
+              scale_bf16=ptr.get("scale_bf16"), global_scale=gs if gs is not None else 0.0)
     fn = lib.cvt_quantize
     bad, _, sig, err = _call(fn, src, cfg["mode"], threads, simd, **kw)
     if bad:
@@ -327,8 +409,8 @@ def _c_blocks(lib, src, layout, cfg, name, gs, threads, simd):
         _, _, sig, err = _call(fn, src, cfg["mode"], threads, simd, f64_squares=1, **kw)
     if cfg["mode"] == MODE_ASYM and _PACK[layout.name] == PACK_CT32:
         n, ng = raw["offset"].shape
-        raw["zero_point"] = torch.empty((-(-n // 8), ng), dtype=torch.int32)
-        lib.cvt_pack_zero_points(raw["offset"].data_ptr(), raw["zero_point"].data_ptr(), n, ng)
+        raw["zero_point"] = np.empty((-(-n // 8), ng), dtype=np.int32)
+        lib.cvt_pack_zero_points(raw["offset"].ctypes.data, raw["zero_point"].ctypes.data, n, ng)
     return raw, sig, err
 
 
@@ -361,7 +443,7 @@ def _torch_blocks(src, scheme, layout, cfg, name, gs):
     raw = _outputs(layout, src.shape, cfg, c=False)
     pack = _PACK[layout.name]
     sig = err = 0.0
-    kw = {"global_scale": gs} if gs is not None else {}
+    kw = {"global_scale": torch.tensor([gs], dtype=torch.float32)} if gs is not None else {}
     for r0, r1 in _row_blocks(src):
         w = src.rows_float(r0, r1)
         if not bool(torch.isfinite(w).all()):
@@ -386,12 +468,26 @@ def _torch_blocks(src, scheme, layout, cfg, name, gs):
         else:
             raw["q"][r0:r1] = P.pack_fp4(p["weight_fp4"])
             raw["scale8"][r0:r1] = p["weight_scale"].view(torch.uint8)
-    return raw, sig, err
+    if pack == PACK_CT32:  # what the C kernel writes beside: the bf16 scale, the packed zero points
+        raw["scale_bf16"] = raw["scale"].to(torch.bfloat16)  # bf16 values already
+        if cfg["mode"] == MODE_ASYM:
+            raw["zero_point"] = P.pack_int4_ct(raw["offset"].to(torch.int8), 0)
+    return {k_: _bits(v) for k_, v in raw.items()}, sig, err
+
+
+def _bits(t):
+    """A torch tensor as the numpy array of its bits (`_NP_BITS`; zero-copy)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view("uint16")
+    return t.numpy()
 
 
 # ---- the layout's tensors from the raw outputs (as `cvt.quant.layouts`' encoders write them) ------
 
-def _assemble(layout, scheme, shape, cfg, raw, gs) -> dict[str, torch.Tensor]:
+def _assemble(layout, scheme, shape, raw, gs) -> dict[str, Any]:
+    """numpy arrays (bits as `_NP_BITS`) of the layout's tensors, in its encoder's order."""
+    import numpy as np
+
     n, k = shape
     name = layout.name
     if name in ("ascend-w8a8-dynamic", "ct-int8"):
@@ -402,14 +498,23 @@ def _assemble(layout, scheme, shape, cfg, raw, gs) -> dict[str, torch.Tensor]:
     if name.startswith("ascend-w4a16-int8"):
         return {"weight": raw["q"], "weight_scale": raw["scale"], "weight_offset": raw["offset"]}
     if name in ("ascend-w4a16-int32", "ct-int4"):
-        scale = raw["scale_bf16"] if "scale_bf16" in raw else raw["scale"].to(torch.bfloat16)  # bf16 values already
-        out = {"weight_packed": raw["q"], "weight_scale": scale, "weight_shape": torch.tensor([n, k], dtype=torch.int32)}
+        out = {"weight_packed": raw["q"], "weight_scale": raw["scale_bf16"],
+               "weight_shape": np.array([n, k], dtype=np.int32)}
         if not scheme.symmetric:
-            out["weight_zero_point"] = (raw["zero_point"] if "zero_point" in raw
-                                        else P.pack_int4_ct(raw["offset"].to(torch.int8), 0))
+            out["weight_zero_point"] = raw["zero_point"]
         return out
     packed = "weight" if name == "ascend-mxfp4" else "weight_packed"
     if name == "ct-nvfp4":
-        return {packed: raw["q"], "weight_scale": raw["scale8"].view(torch.float8_e4m3fn),
-                "weight_global_scale": gs.float().reshape(1)}
+        return {packed: raw["q"], "weight_scale": raw["scale8"], "weight_global_scale": np.array([gs], dtype=np.float32)}
     return {packed: raw["q"], "weight_scale": raw["scale8"]}
+
+
+def _as_torch(tensors: dict[str, Any], layout) -> dict[str, torch.Tensor]:
+    """`_assemble`'s arrays as torch tensors of the layout's dtypes (zero-copy views)."""
+    from cvt.convert.safetensors_io import torch_dtype
+
+    out = {}
+    for suffix, a in tensors.items():
+        t = torch.from_numpy(a.view("int16") if a.dtype.name == "uint16" else a)
+        out[suffix] = t.view(torch_dtype(layout.tensor(suffix).dtype))
+    return out

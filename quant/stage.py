@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+from cvt.lazy import torch
 
 from cvt import __version__
 from cvt.convert.arch import Role, arch_for
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config, source_format
-from cvt.convert.fp8 import dequant_fp8_block
+from cvt.convert.fp8 import dequant_fp8_block, dequant_fp8_block_np, scale_to_f32_np
+from cvt.convert.fp8 import kernel_name as fp8_kernel_name
 from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
 from cvt.convert.validate import check_weights
 from cvt.convert.reader import Checkpoint, open_checkpoint
@@ -42,7 +43,6 @@ from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.quant import qkernel
 from cvt.quant.formats import get_format
-from cvt.quant.methods.gptq import SUPPORTED as GPTQ_KERNELS
 from cvt.quant.disk_layouts import DiskLayouts
 from cvt.quant.layouts import check_target, kernel_fmt_of
 from cvt.quant.recipe import Policy, Recipe
@@ -104,23 +104,34 @@ class _Source:
         from cvt.quant.qkernel import WeightSource
 
         name = params.get("weight")
-        dt = self.ckpt.tensors[name].dtype if name is not None else None
-        if dt == "F8_E4M3":
+        ref = self.ckpt.tensors[name] if name is not None else None
+        if ref is None or ref.dtype not in ("F8_E4M3", "BF16"):
+            return None
+        if qkernel.kernel_name() == "c":  # numpy over the mmap: this process never needs torch
+            if ref.dtype == "BF16":
+                return WeightSource.raw(self.ckpt.view(name), "BF16", ref.shape)
+            s = self.ckpt.tensors[name + FP8_SCALE]
+            scale = scale_to_f32_np(self.ckpt.view(s.name), s.dtype, s.shape)
+            return WeightSource.raw(self.ckpt.view(name), "F8_E4M3", ref.shape, scale, self.block)
+        if ref.dtype == "F8_E4M3":
             return WeightSource.fp8(self.ckpt.read(name), self.ckpt.read(name + FP8_SCALE), self.block)
-        if dt == "BF16":
-            return WeightSource(self.ckpt.read(name))
-        return None
+        return WeightSource(self.ckpt.read(name))
 
     def source_quantized(self, params: dict[str, str]) -> QuantizedTensor:
         module = params["weight_packed"].rpartition(".")[0]
         disk = {n: self.ckpt.read(n).clone() for p, n in params.items() if p in CT_PARTS}
         return self.ct.read(module, disk, self.ckpt.config)
 
-    def float_tensor(self, name: str) -> torch.Tensor:
-        """A tensor kept float: FP8 ones dequantized to BF16, others as stored."""
+    def float_tensor(self, name: str):
+        """A tensor kept float: FP8 ones dequantized to BF16 (with the C kernel: a numpy
+        ``uint16`` array of the BF16 bits, no torch), others as stored."""
         ref = self.ckpt.tensors[name]
         if ref.dtype == "F8_E4M3":
-            return dequant_fp8_block(self.ckpt.read(name), self.ckpt.read(name + FP8_SCALE), self.block)
+            s = self.ckpt.tensors[name + FP8_SCALE]
+            if fp8_kernel_name() == "c":
+                return dequant_fp8_block_np(self.ckpt.view(name), ref.shape,
+                                            scale_to_f32_np(self.ckpt.view(s.name), s.dtype, s.shape), self.block)
+            return dequant_fp8_block(self.ckpt.read(name), self.ckpt.read(s.name), self.block)
         return self.ckpt.read(name)
 
 
@@ -175,9 +186,9 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
         plan.schemes[module] = scheme
         plan.experts[module] = expert
         plan.methods[module] = choice.method
-        if choice.method == "gptq" and layouts.kernel_fmt_of(scheme) not in GPTQ_KERNELS:
+        if choice.method == "gptq" and layouts.kernel_fmt_of(scheme) not in _gptq_kernels():
             raise CvtError(f"{module}: --method gptq does not support scheme {scheme.name} "
-                           f"({layouts.kernel_fmt_of(scheme)}; GPTQ handles {', '.join(GPTQ_KERNELS)}): use rtn, "
+                           f"({layouts.kernel_fmt_of(scheme)}; GPTQ handles {', '.join(_gptq_kernels())}): use rtn, "
                            "or give this module another method or scheme in a recipe")
     if not plan.schemes:
         raise CvtError(f"{ckpt.root}: nothing to quantize with scheme {scheme_name} (every linear is float by "
@@ -188,6 +199,12 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
             if len(group) > 1:
                 plan.shared[module] = group
     return plan
+
+
+def _gptq_kernels() -> tuple[str, ...]:
+    from cvt.quant.methods.gptq import SUPPORTED  # the methods import torch eagerly: only when asked
+
+    return SUPPORTED
 
 
 def _weight_shape(ckpt: Checkpoint, params: dict[str, str]) -> tuple[int, int]:
@@ -216,9 +233,10 @@ class _Quantizer:
         self._shared: dict[tuple[str, ...], torch.Tensor] = {}
         self.info: dict[str, QuantTensorInfo] = {}
 
-    def shared_scale(self, group: tuple[str, ...]) -> torch.Tensor:
+    def shared_scale(self, group: tuple[str, ...]):
         """The per-tensor scale of a fused group: from every member's weight (each read once more
-        here; only amax is kept), computed once per group."""
+        here; only amax is kept), computed once per group. A float when the fused kernels took
+        each member's amax, else a float32 ``[1]`` tensor."""
         with self._lock:
             lock = self._locks.setdefault("|".join(group), threading.Lock())
         with lock:
@@ -226,7 +244,7 @@ class _Quantizer:
                 scheme = self.plan.schemes[group[0]]
                 amax = None if qkernel.kernel_name() == "reference" else [self._absmax(m) for m in group]
                 if amax is not None and None not in amax:  # the same number from max |w| alone, no float32 copies
-                    self._shared[group] = scheme.shared_scale([torch.tensor([a]) for a in amax])
+                    self._shared[group] = scheme.shared_scale_of(amax)  # a float: no torch on the fused path
                 else:
                     self._shared[group] = scheme.shared_scale(
                         [self.source.float_weight(self.plan.modules[m]) for m in group])
@@ -282,7 +300,10 @@ class _Quantizer:
             if method != "rtn":
                 method = "rtn-fallback"
             group = self.plan.shared.get(module)
-            q = (scheme.quantize(w, name=module + ".weight", global_scale=self.shared_scale(group)) if group
+            gs = self.shared_scale(group) if group else None
+            if isinstance(gs, float):
+                gs = torch.tensor([gs], dtype=torch.float32)
+            q = (scheme.quantize(w, name=module + ".weight", global_scale=gs) if group
                  else scheme.quantize(w, name=module + ".weight"))
         bias = self.source.ckpt.read(params["bias"]).clone() if "bias" in params else None
         if module in self.static_inputs:
@@ -326,10 +347,10 @@ class _Quantizer:
             scheme=scheme.name, kernel_fmt=kf, layout=layout.name, method="rtn" if method == "rtn" else "rtn-fallback",
             group_size=scheme.group_size, symmetric=scheme.symmetric,
             sqnr_db="Infinity" if res.sqnr_db == float("inf") else res.sqnr_db)
-        out = {f"{module}.{s}": t for s, t in res.tensors.items()}
+        out = {f"{module}.{s}": t for s, t in res.tensors.items()}  # numpy (a raw source) or torch
         if bias is not None:
-            out[f"{module}.bias"] = bias
-        return {name: t.contiguous() for name, t in out.items()}
+            out[f"{module}.bias"] = bias.contiguous()
+        return out
 
 
 def _static_dequant(q: QuantizedTensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from cvt.lazy import torch
 
 EPS = 1e-9
 """Default `eps`: a reference element with `|b| <= EPS` counts as zero for relative errors."""

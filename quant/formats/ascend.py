@@ -25,7 +25,7 @@ what the consumers read (vllm-ascend 0.23 ``modelslim_config.py``: ``kv_cache_ty
 
 from __future__ import annotations
 
-import torch
+from cvt.lazy import torch
 
 from cvt.errors import FormatError
 from cvt.quant import layouts as L

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-import torch
+from cvt.lazy import torch
 
 from cvt.errors import FormatError
 from cvt.quant import layouts as L

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-import torch
+from cvt.lazy import torch
 
 from cvt.registry import Registry
 

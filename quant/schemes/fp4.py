@@ -16,7 +16,7 @@ Symmetric only (compressed-tensors refuses asymmetric fp4).
 
 from __future__ import annotations
 
-import torch
+from cvt.lazy import torch
 
 from cvt.errors import CvtError
 from cvt.quant import primitives as P
@@ -78,6 +78,11 @@ class FP4:
         overflow E4M3 -- what llm-compressor equalizes fused layers to."""
         amax = max(float(w.to(torch.float32).abs().amax()) for w in ws)
         return P.nvfp4_global_scale(torch.tensor([amax]))
+
+    def shared_scale_of(self, amaxes: list[float]) -> float:
+        """`shared_scale` from each member's max |w| (float32 values, e.g. the fused kernel's
+        `cvt.quant.qkernel.absmax`): the same number, without torch."""
+        return P.nvfp4_global_scale_of(max(amaxes))
 
     def quantize(self, w: torch.Tensor, name: str | None = None,
                  global_scale: torch.Tensor | None = None) -> QuantizedTensor:

@@ -20,7 +20,7 @@ then holds exactly these numbers. Default group size: 128 (compressed-tensors' W
 
 from __future__ import annotations
 
-import torch
+from cvt.lazy import torch
 
 from cvt.errors import CvtError
 from cvt.quant import primitives as P

@@ -33,7 +33,7 @@ the int8 codes, from a compiled kernel) which this scheme does not produce.
 
 from __future__ import annotations
 
-import torch
+from cvt.lazy import torch
 
 from cvt.errors import CvtError
 from cvt.quant import primitives as P

@@ -21,7 +21,7 @@ kernel does not take it but the Ascend files carry it).
 
 from __future__ import annotations
 
-import torch
+from cvt.lazy import torch
 
 from cvt.errors import CvtError, TensorError
 from cvt.quant import primitives as P

@@ -204,3 +204,25 @@ def test_buffer_pool_recycles_by_size_within_its_idle_cap():
     pool.give(c)  # 2000 + 2000 > 3000: freed, not kept
     assert pool.idle == 2000 and pool.take(2000) is not c
     assert {id(pool.take(1000)), id(pool.take(1000))} == {id(a), id(b)} and pool.idle == 0
+
+
+def test_writer_takes_numpy_arrays_holding_the_planned_bits():
+    """Producers may return numpy arrays (the torch-free fast paths): of the planned dtype, or an
+    unsigned array of the same item size holding the bits of a dtype numpy lacks (BF16 as
+    uint16, F8 as uint8). Anything else is an internal error naming the tensor, not bytes
+    written under the wrong dtype."""
+    import numpy as np
+
+    from cvt.convert.safetensors_io import TensorSpec
+    from cvt.convert.writer import _as_buffer
+
+    bf16 = np.arange(6, dtype=np.uint16).reshape(2, 3)
+    assert bytes(_as_buffer(bf16, TensorSpec("a", "BF16", (2, 3)))) == bf16.tobytes()
+    f32 = np.ones((2, 3), dtype=np.float32)[:, ::-1]  # not contiguous: copied in order
+    assert bytes(_as_buffer(f32, TensorSpec("b", "F32", (2, 3)))) == np.ascontiguousarray(f32).tobytes()
+    e4m3 = np.zeros(4, dtype=np.uint8)
+    assert len(_as_buffer(e4m3, TensorSpec("c", "F8_E4M3", (4,)))) == 4
+    for arr, spec in [(bf16, TensorSpec("d", "BF16", (3, 2))), (f32, TensorSpec("e", "I32", (2, 3))),
+                      (bf16.view(np.int16), TensorSpec("f", "BF16", (2, 3))), (f32, TensorSpec("g", "F16", (2, 3)))]:
+        with pytest.raises(RuntimeError, match=f"internal: {spec.name} produced numpy"):
+            _as_buffer(arr, spec)

@@ -1,8 +1,9 @@
 """The streaming verbs that need no torch never import it: `import torch` is ~0.8 s of a
 process's start on a 2-core machine, as much as the IO floor of a whole small conversion
-(README, Performance). fp8-to-bf16 (with the C kernel built) and shard read, dequantize or
-slice through numpy and the mmap; a module-level `import torch` anywhere on their path would
-fail this test. Run in a subprocess: this test process has torch loaded already."""
+(README, Performance). fp8-to-bf16 (with the C kernel built), shard and RTN quantize (with the C
+kernels built) read, dequantize, quantize or slice through numpy and the mmap; a module-level
+`import torch` (or ``torch.<attr>`` on a `cvt.lazy` stand-in) anywhere on their path would fail
+this test. Run in a subprocess: this test process has torch loaded already."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from cvt.convert import fp8
+from cvt.quant import qkernel
 from cvt.tests.convert.test_shard import _bf16_config
 from cvt.convert.synthetic import write_bf16_checkpoint
 
@@ -47,3 +49,40 @@ def test_shard_never_imports_torch(tmp_path):
     r = _run("shard", src, tmp_path / "out", "--tp", "2", "--ep", "4", "--quiet")  # dim-0 and dim-1 runs
     assert r == {"rc": 0, "torch": False}
     assert (tmp_path / "out" / "cvt_manifest.json").is_file()
+
+
+# every fused RTN layout family, FP8 and BF16 sources; nvfp4's fused groups share a global scale
+RTN_CASES = [
+    ("compressed-tensors", "w8a8", []),
+    ("compressed-tensors", "w4a16", ["--group-size", "32"]),
+    ("compressed-tensors", "fp4", []),
+    ("ascend", "w8a8", []),
+    ("ascend", "w4a16", []),
+    ("ascend", "w4a16", ["--target", "mindie", "--group-size", "0", "--asym"]),
+    ("ascend", "fp4", ["--fp4-format", "mxfp4"]),
+]
+
+
+@pytest.mark.parametrize("fmt,scheme,opts", RTN_CASES, ids=[f"{f}-{s}-{len(o)}" for f, s, o in RTN_CASES])
+def test_rtn_quantize_never_imports_torch(fp8_release_session, tmp_path, fmt, scheme, opts):
+    if qkernel._c_kernel() is None or fp8._c_kernel() is None:
+        pytest.skip("C kernels not built: the torch fallbacks quantize then")
+    r = _run("quantize", fp8_release_session, tmp_path / "out", "--scheme", scheme, "--format", fmt, *opts, "--quiet")
+    assert r == {"rc": 0, "torch": False}
+    assert (tmp_path / "out" / "cvt_manifest.json").is_file()
+
+
+def test_rtn_quantize_of_a_bf16_checkpoint_never_imports_torch(tmp_path):
+    if qkernel._c_kernel() is None:
+        pytest.skip("C quantize kernel not built")
+    src = write_bf16_checkpoint(tmp_path / "src", _bf16_config())
+    r = _run("quantize", src, tmp_path / "out", "--scheme", "w8a8", "--quiet")
+    assert r == {"rc": 0, "torch": False}
+
+
+def test_what_needs_torch_still_imports_it(fp8_release_session, tmp_path):
+    """The probe sees a torch import: compressed-tensors asymmetric int4 plans its zero points on
+    a probe (`cvt.quant.disk_layouts.data_planned`)."""
+    r = _run("quantize", fp8_release_session, tmp_path / "out", "--scheme", "w4a16", "--group-size", "32", "--asym",
+             "--quiet")
+    assert r == {"rc": 0, "torch": True}

@@ -194,3 +194,20 @@ def test_runtime_kernels_reexport_the_primitives():
         assert getattr(int4, name) is getattr(P, name)
     for name in ("decode_e2m1", "pack_fp4", "unpack_fp4", "E2M1_VALUES"):
         assert getattr(fp4, name) is getattr(P, name)
+
+
+def test_nvfp4_global_scale_of_a_float_is_the_torch_value():
+    """The torch-free form the fused path uses (`cvt.quant.qkernel`'s numpy path) gives the same
+    float32 as `nvfp4_global_scale` on a weight of that amax, bit for bit: zero, subnormal and
+    tiny amax (quotient overflows -> 1.0), every binade, float32 max."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 0x7F800000, 4000, dtype=np.uint32)  # every finite non-negative float32
+    amax = np.concatenate([np.array([0.0, 1e-45, 1.1754944e-38, 1e-38, 1.0, 448.0, 2688.0, 3.4028235e38],
+                                    dtype=np.float32), bits.view(np.float32), rng.random(2000, dtype=np.float32) * 8])
+    for a in amax.tolist():
+        w = torch.tensor([[a, -a / 2]], dtype=torch.float32)
+        want = float(P.nvfp4_global_scale(w))
+        got = P.nvfp4_global_scale_of(a)
+        assert got == want, (a, got, want)

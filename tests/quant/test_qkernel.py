@@ -26,9 +26,10 @@ SQNR_TOL_DB = 0.01
 
 # ---- helpers ---------------------------------------------------------------------------------------
 
-@pytest.fixture(params=["c-simd", "c-scalar", "torch"])
+@pytest.fixture(params=["c-simd", "c-scalar", "c-numpy", "torch"])
 def kernel(request, monkeypatch):
-    """Which implementation runs: the C kernel (AVX2 / scalar loops) or the torch fallback."""
+    """Which implementation runs: the C kernel (AVX2 / scalar loops; "c-numpy": on a numpy
+    source, as the stage gives it, with numpy outputs) or the torch fallback."""
     QK._c_kernel.cache_clear()
     if request.param == "torch":
         monkeypatch.setenv("CVT_QUANT_KERNEL", "torch")
@@ -39,7 +40,17 @@ def kernel(request, monkeypatch):
 
 
 def run(kind: str, src, scheme, layout, **kw) -> QK.Fused:
+    if kind == "c-numpy":
+        src = as_raw(src)
     return QK.quantize_to_layout(src, scheme, layout, name="m.weight", simd=(kind != "c-scalar"), threads=3, **kw)
+
+
+def as_raw(src: QK.WeightSource) -> QK.WeightSource:
+    """The same weight as a numpy source over its bytes (`WeightSource.raw`, the stage's form)."""
+    if src.is_fp8:
+        return QK.WeightSource.raw(src.w.view(torch.uint8).numpy(), "F8_E4M3", src.shape, src.scale.numpy(),
+                                   src.block)
+    return QK.WeightSource.raw(src.w.view(torch.int16).numpy(), "BF16", src.shape)
 
 
 def reference(src: QK.WeightSource, scheme, layout, global_scale=None):
@@ -48,7 +59,10 @@ def reference(src: QK.WeightSource, scheme, layout, global_scale=None):
     return layout.encode(q), sqnr_db(w, scheme.dequantize(q))
 
 
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bytes(a, b: torch.Tensor) -> bool:
+    if not isinstance(a, torch.Tensor):  # numpy: the bits in an array of the same item size
+        assert a.dtype.itemsize == b.element_size() and (a.dtype.kind == "u" or a.dtype.name == str(b.dtype)[6:])
+        a = torch.from_numpy(a.view("int16") if a.dtype.name == "uint16" else a).view(b.dtype)
     return (a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
             and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
@@ -182,7 +196,7 @@ def test_fp8_scale_dtypes_and_blocks(kernel, scale_dtype, layout, scheme, opts):
     ids=["w8a8", "w4a16-g128", "w4a16-g128-asym", "ascend-w4a16-g64", "nvfp4", "mxfp4"])
 def test_v3_kv_a_proj_shape(kernel, source, layout, scheme, opts):
     """576 x 7168, DeepSeek-V3's kv_a_proj_with_mqa: 4.5 FP8 blocks of rows."""
-    if kernel == "c-scalar":
+    if kernel in ("c-scalar", "c-numpy"):
         pytest.skip("the SIMD and torch runs cover this shape")
     src = SOURCES[source]((576, 7168), seed=5)
     sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
@@ -346,6 +360,9 @@ def test_without_the_compiled_kernel(monkeypatch):
         got = QK.quantize_to_layout(src, sch, lo, name="m.weight")
         assert got.kernel == "torch"
         assert_same(got, reference(src, sch, lo))
+        got = QK.quantize_to_layout(as_raw(src), sch, lo, name="m.weight")  # a numpy source: numpy outputs
+        assert got.kernel == "torch" and not isinstance(got.tensors["weight_packed"], torch.Tensor)
+        assert_same(got, reference(src, sch, lo))
     finally:
         QK._c_kernel.cache_clear()
 
@@ -353,7 +370,7 @@ def test_without_the_compiled_kernel(monkeypatch):
 def test_absmax_matches_torch(kernel):
     src = fp8_weight((136, 352), seed=8)
     want = float(src.rows_float(0, 136).abs().amax())
-    assert QK.absmax(src, simd=(kernel != "c-scalar")) == want
+    assert QK.absmax(as_raw(src) if kernel == "c-numpy" else src, simd=(kernel != "c-scalar")) == want
     w = src.rows_float(0, 136)
     w[100, 3] = float("nan")
     assert QK.absmax(QK.WeightSource(w.to(torch.bfloat16))) is None
@@ -486,6 +503,42 @@ def test_stage_layout_probe_scaled_from_a_few_rows(monkeypatch, fmt, target):
                 assert got == want, (sch, shape, expert, static)
                 checked += 1
     assert checked > 20
+
+
+@pytest.mark.parametrize("fmt,target", [("compressed-tensors", None), ("ascend", "vllm-ascend"), ("ascend", "mindie")])
+def test_stage_plans_fused_layouts_from_the_table(monkeypatch, fmt, target):
+    """The fused RTN layouts are planned from the layout table alone (no probe, no torch:
+    `cvt.quant.disk_layouts.data_planned`): the same names, order, shapes, dtypes and tags as a
+    probe of the module's full size through the format's own encoder."""
+    from cvt.errors import CvtError
+    from cvt.quant.disk_layouts import DiskLayouts
+    from cvt.quant.formats import get_format
+    from cvt.quant.layouts import check_target
+
+    form, target = get_format(fmt), check_target(fmt, target)
+    schemes = [get_scheme("w8a8"), get_scheme("w8a8c8"), get_scheme("fp4"), get_scheme("fp4", fp4_format="mxfp4")]
+    schemes += [get_scheme("w4a16", group_size=g, symmetric=s) for g in (0, 32, 64, 128, 256) for s in (True, False)]
+    probes = []
+    real = DiskLayouts._probed
+    monkeypatch.setattr(DiskLayouts, "_probed", lambda self, *a: probes.append(a) or real(self, *a))
+    from_table = 0
+    for sch in schemes:
+        for shape in [(48, 256), (576, 1024), (1040, 512), (16 * 9, 256)]:
+            for expert in (False, True):
+                try:
+                    got = DiskLayouts(form, target).get("m.gate_proj", sch, shape, False, None, None, expert)
+                except CvtError:
+                    continue  # no layout for this scheme / module / shape on this target
+                if probes:
+                    probes.clear()
+                    continue  # planned on a probe (asymmetric ct-int4): the probe tests cover it
+                from_table += 1
+                want = real(DiskLayouts(form, target), "probe.gate_proj", sch, shape, False, None, None, expert)
+                want = ({"m.gate_proj" + k: v for k, v in want[0].items()},
+                        {"m.gate_proj" + k: v for k, v in want[1].items()})
+                assert list(got[0].items()) == list(want[0].items()), (sch, shape, expert)
+                assert got[1] == want[1], (sch, shape, expert)
+    assert from_table > 20
 
 
 @pytest.mark.skipif(QK.kernel_name() != "c", reason="the C kernel is not built here")
