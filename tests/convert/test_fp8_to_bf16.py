@@ -150,6 +150,18 @@ def test_workers_do_not_change_the_bytes(fp8_release, tmp_path):
         assert p.read_bytes() == (tmp_path / "w3" / p.name).read_bytes(), p.name
 
 
+def test_direct_and_buffered_writes_give_the_same_files(fp8_release, tmp_path, monkeypatch):
+    """Weight files are written with O_DIRECT where the filesystem takes it, else (and with
+    CVT_DIRECT_IO=0) buffered: the same files either way, several shards and workers."""
+    for d in ("1", "0"):
+        monkeypatch.setenv("CVT_DIRECT_IO", d)
+        fp8_to_bf16(fp8_release, tmp_path / f"d{d}", quiet=True, workers=2, max_shard_size=700_000)
+    names = sorted(p.name for p in (tmp_path / "d1").iterdir() if p.name != "cvt_manifest.json")
+    assert len([n for n in names if n.endswith(".safetensors")]) > 1
+    for n in names:
+        assert (tmp_path / "d1" / n).read_bytes() == (tmp_path / "d0" / n).read_bytes(), n
+
+
 def test_quantization_config_under_text_config(tmp_path):
     cfg = tiny_deepseek_config()
     qc = cfg.pop("quantization_config")

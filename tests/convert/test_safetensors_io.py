@@ -127,3 +127,85 @@ def test_writeback_starts_on_each_finished_range(tmp_path, monkeypatch):
     assert len(data) - (1 << 20) - 300_000 < calls[-1][0] + calls[-1][1] <= len(data)  # only the tail left
     if sys.platform.startswith("linux"):  # the real syscall is found and accepts the calls above
         assert S._sync_file_range() is not None
+
+
+def _write_direct(path, data: bytes, piece: int):
+    with AtomicFile(path, direct=True) as f:
+        for i in range(0, len(data), piece):
+            f.write(data[i:i + piece])
+        return f.commit()
+
+
+@pytest.mark.parametrize("size", [0, 100, 4096, (2 << 20) - 1, 2 << 20, (5 << 20) + 12345])
+def test_direct_file_writes_the_same_bytes(tmp_path, monkeypatch, size):
+    """Weight files go out through O_DIRECT (`DirectFile`: whole staging buffers as aligned
+    writes, the unaligned tail buffered at commit): the same bytes and sha256 as the data, for
+    empty, sub-page, page-sized, stage-sized and multi-stage files written in odd pieces."""
+    import hashlib
+    import os
+
+    from cvt.convert import safetensors_io as S
+
+    if not S.direct_io_enabled():
+        pytest.skip("no O_DIRECT here (or CVT_DIRECT_IO=0)")
+    opened = []
+    real = S.DirectFile.__init__
+    monkeypatch.setattr(S.DirectFile, "__init__", lambda self, p: (real(self, p), opened.append(self.direct))[0])
+    data = os.urandom(size)
+    assert _write_direct(tmp_path / "w.bin", data, 300_001) == (size, hashlib.sha256(data).hexdigest())
+    assert (tmp_path / "w.bin").read_bytes() == data
+    assert len(opened) == 1  # O_DIRECT itself, or a buffered file where the filesystem refuses it: same bytes
+
+
+def test_direct_file_falls_back_where_the_filesystem_refuses(tmp_path, monkeypatch):
+    """tmpfs refuses O_DIRECT at open, some FUSE filesystems only at the first write (EINVAL):
+    both become ordinary buffered files with the same bytes; other errors still fail."""
+    import errno
+    import os
+
+    from cvt.convert import safetensors_io as S
+    from cvt.errors import OutputError
+
+    data = os.urandom((3 << 20) + 77)
+    real_open, real_write = os.open, os.write
+
+    def refuse_open(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(S, "direct_io_enabled", lambda: True)
+    monkeypatch.setattr(os, "O_DIRECT", getattr(os, "O_DIRECT", 0o40000), raising=False)
+    monkeypatch.setattr(os, "open", refuse_open)
+    _write_direct(tmp_path / "a.bin", data, 1 << 20)
+    assert (tmp_path / "a.bin").read_bytes() == data
+    monkeypatch.setattr(os, "open", real_open)
+
+    refused = []
+
+    def refuse_direct_write(fd, view):
+        import fcntl
+
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(len(view))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, view)
+
+    try:  # does this filesystem take O_DIRECT at open? then the writes are what it refuses below
+        os.close(real_open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o666))
+        opens_direct = True
+    except OSError:
+        opens_direct = False
+    monkeypatch.setattr(os, "write", refuse_direct_write)
+    _write_direct(tmp_path / "b.bin", data, 1 << 20)
+    assert (tmp_path / "b.bin").read_bytes() == data
+    assert bool(refused) == opens_direct  # refused once, then buffered
+    assert len(refused) <= 1
+
+    def full(fd, view):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OutputError, match=r"c\.bin: .*No space left on device"):
+        _write_direct(tmp_path / "c.bin", data, 1 << 20)
+    assert not list(tmp_path.glob(".c.bin*"))  # nothing half-written left behind
