@@ -24,8 +24,9 @@ Measured, in this one run, best of --repeat:
      reported: GB/s of input, cvt's speed vs the floor, peak RSS vs the largest weight as
      float32 and vs the memory budget (2 x the largest tensor in its source dtype + 1 GB);
      with --repeat N every repeat's seconds too (the floor swings 2-3x between runs on a VM);
-  f. the fixed costs inside cvt's time: a child that starts python and imports torch and the
-     quantize stage, and sha256 GB/s on one core (each output file is hashed in order);
+  f. the fixed costs inside cvt's time: a child that starts python and imports what an RTN
+     run imports (the CLI and the quantize stage; not torch, which the C-kernel path never
+     imports), and sha256 GB/s on one core (each output file is hashed in order);
   k. the kernels alone on one large FP8 weight (in this process, best of 3): the fused C
      kernel (all cores, and one thread), the blockwise torch fallback and the reference
      (dequantize to float32, scheme.quantize, layout encode, SQNR), each checked bit-identical
@@ -283,7 +284,7 @@ def main() -> None:
         spread: dict[str, list[float]] = {}
         rows = rtn_rows(fb, src, root, cfg, args.repeat, args.keep, not args.no_reference, spread)
         # fixed costs no pipelining hides on a small release: start + imports, and hashing in order
-        t_start, sha_gbs = fb.import_seconds("torch, cvt.cli, cvt.quant.stage"), fb.sha256_rate() / GB
+        t_start, sha_gbs = fb.import_seconds("cvt.cli, cvt.quant.stage"), fb.sha256_rate() / GB
         shutil.rmtree(src, ignore_errors=True)
         crows = []
         if not args.rtn_only:
@@ -325,7 +326,7 @@ def main() -> None:
         print(f"  cvt run: {shlex.join(cmd[:4] + ['SRC', 'DST'] + cmd[6:])}")
     if args.repeat > 1:
         print("  every repeat, seconds: " + "; ".join(f"{k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in spread.items()))
-    print(f"  fixed costs inside cvt's time: python + torch + cvt imports {t_start:.2f} s; sha256 on one core "
+    print(f"  fixed costs inside cvt's time: python + cvt imports (no torch) {t_start:.2f} s; sha256 on one core "
           f"{sha_gbs:.2f} GB/s, i.e. {max(r[4] for r in rows) / GB / sha_gbs:.2f} s for the largest output "
           "(one file: hashed in order, on one thread)")
     print_kernel_rows(krows, kn, kk)

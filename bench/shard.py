@@ -97,6 +97,8 @@ def main() -> None:
         v_head_dim=128, first_k_dense_replace=0, num_hidden_layers=1, n_routed_experts=a.experts,
         n_shared_experts=1, n_group=8, topk_group=4, num_experts_per_tok=8, num_nextn_predict_layers=0,
         vocab_size=16384, max_position_embeddings=163840)
+    if a.dir is not None:
+        a.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="cvt-bench-shard-", dir=a.dir))
     try:
         src = root / "src"
