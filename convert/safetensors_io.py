@@ -347,9 +347,40 @@ DIRECT_STAGE = 2 << 20  # bytes per O_DIRECT write (a multiple of every block si
 _DIRECT_ALIGN = 4096
 
 
-def direct_io_enabled() -> bool:
-    """Whether large outputs are written with O_DIRECT (`DirectFile`); ``CVT_DIRECT_IO=0`` turns it off."""
-    return hasattr(os, "O_DIRECT") and os.environ.get("CVT_DIRECT_IO", "1") != "0"
+# local block filesystems, where an O_DIRECT write is one DMA from the staging buffer; on network
+# and cluster filesystems (nfs, cifs, lustre, gpfs, fuse...) each one may be a synchronous round
+# trip, so those keep buffered writes with write-behind
+DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "ext3", "xfs", "btrfs", "f2fs", "bcachefs"})
+
+
+def direct_io_enabled(directory: Path | None = None) -> bool:
+    """Whether weight files in `directory` are written with O_DIRECT (`DirectFile`): Linux, a
+    local filesystem (`DIRECT_IO_FILESYSTEMS`, from /proc/self/mounts), and not
+    ``CVT_DIRECT_IO=0``."""
+    if not hasattr(os, "O_DIRECT") or os.environ.get("CVT_DIRECT_IO", "1") == "0":
+        return False
+    return directory is None or filesystem_type(directory) in DIRECT_IO_FILESYSTEMS
+
+
+def filesystem_type(directory: Path) -> str | None:
+    """The type of the filesystem holding `directory` (the longest mount point above its real
+    path in /proc/self/mounts), or None where that is not readable."""
+    return _fs_type(os.path.realpath(directory))
+
+
+@lru_cache(maxsize=64)
+def _fs_type(real: str) -> str | None:
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return None
+    best, fs = -1, None
+    for point, kind in mounts:
+        point = point.replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > best:
+            best, fs = len(point), kind
+    return fs
 
 
 class DirectFile:
@@ -378,7 +409,12 @@ class DirectFile:
                 raise
             self._fd = os.open(path, flags, 0o666)
             self.direct = False
-        self._map = mmap.mmap(-1, DIRECT_STAGE)  # page-aligned, as O_DIRECT needs
+        try:
+            self._map = mmap.mmap(-1, DIRECT_STAGE)  # page-aligned, as O_DIRECT needs
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            raise
         self._stage = np.frombuffer(self._map, dtype=np.uint8)
         self._fill = 0
 
@@ -428,8 +464,12 @@ class DirectFile:
             view = view[n:]
 
     def close(self) -> None:
+        """Close once: a second call must not close whatever file has reused the number."""
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
         try:
-            os.close(self._fd)
+            os.close(fd)
         finally:
             self._stage = None
             try:
@@ -464,8 +504,12 @@ class AtomicFile:
         self.size = 0
         self._synced = 0  # bytes handed to start_writeback
         try:
-            self._f = DirectFile(self.tmp) if direct and direct_io_enabled() else open(self.tmp, "wb")
+            self._f = DirectFile(self.tmp) if direct and direct_io_enabled(path.parent) else open(self.tmp, "wb")
         except OSError as exc:
+            try:
+                self.tmp.unlink()
+            except OSError:
+                pass
             raise OutputError(f"{self.tmp}: cannot create: {exc.strerror or exc}") from exc
 
     def write(self, data) -> None:
@@ -483,7 +527,7 @@ class AtomicFile:
             self.abort()
             raise OutputError(f"{self.path}: write failed after {self.size} bytes: {exc.strerror or exc} (disk full?)") from exc
         self.size += len(mv)
-        if self.size - self._synced >= WRITEBACK_EVERY and not isinstance(self._f, DirectFile):
+        if self.size - self._synced >= WRITEBACK_EVERY and not getattr(self._f, "direct", False):
             self._f.flush()
             start_writeback(self._f.fileno(), self._synced, self.size - self._synced)
             self._synced = self.size

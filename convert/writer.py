@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -112,8 +113,10 @@ def _as_buffer(data, spec: TensorSpec) -> memoryview:
     holding the bits of a dtype numpy lacks (BF16 as ``uint16``, F8 as ``uint8``)."""
     if type(data).__module__ == "numpy":
         want, size = DTYPES[spec.dtype]
+        bits = spec.dtype == "BF16" or spec.dtype.startswith("F8_")  # dtypes numpy lacks: held in uint16 / uint8
         if (tuple(data.shape) != spec.shape or data.dtype.itemsize != size
-                or (data.dtype.name != want and data.dtype.kind != "u")):
+                or not (data.dtype.name == want or (bits and data.dtype.kind == "u"))
+                or data.dtype.byteorder == (">" if sys.byteorder == "little" else "<")):  # safetensors: little-endian
             raise RuntimeError(f"internal: {spec.name} produced numpy {data.dtype} {list(data.shape)}, planned "
                                f"{spec.dtype} {list(spec.shape)}")
         import numpy as np

@@ -24,9 +24,12 @@ class LazyModule:
         self._module: ModuleType | None = None
 
     def __getattr__(self, attr: str):
-        mod = self._module
+        d = self.__dict__
+        if attr.startswith("__") or "_name" not in d:  # copy / pickle probes, a half-built instance
+            raise AttributeError(attr)
+        mod = d.get("_module")
         if mod is None:  # importlib serializes concurrent first imports (per-module import lock)
-            mod = self._module = importlib.import_module(self._name)
+            mod = d["_module"] = importlib.import_module(d["_name"])
         return getattr(mod, attr)
 
     def __repr__(self) -> str:

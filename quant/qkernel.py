@@ -273,9 +273,12 @@ def _check_source(src: WeightSource) -> None:
     from cvt.convert.fp8 import expected_scale_shape
 
     w = src.w
-    if len(w.shape) != 2 or src.dtype not in ("BF16", "F8_E4M3"):
+    itemsize = w.dtype.itemsize if src.is_numpy else w.element_size()
+    real = src.dtype if src.is_numpy else _torch_code(w)  # the field must not claim more bytes than w has
+    if (len(w.shape) != 2 or src.dtype not in ("BF16", "F8_E4M3") or real != src.dtype
+            or itemsize != (2 if src.dtype == "BF16" else 1)):
         raise ValueError(f"cvt quantize kernel: expected a 2-D bfloat16 or float8_e4m3fn weight, got {w.dtype} "
-                         f"{list(w.shape)}")
+                         f"{list(w.shape)} as {src.dtype or '?'}")
     if (src.dtype == "F8_E4M3") != src.is_fp8:
         raise ValueError("cvt quantize kernel: an FP8 weight needs its block scale and a BF16 one has none "
                          "(build FP8 sources with WeightSource.fp8)")

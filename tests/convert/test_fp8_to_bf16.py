@@ -235,6 +235,8 @@ def test_writer_takes_numpy_arrays_holding_the_planned_bits():
     e4m3 = np.zeros(4, dtype=np.uint8)
     assert len(_as_buffer(e4m3, TensorSpec("c", "F8_E4M3", (4,)))) == 4
     for arr, spec in [(bf16, TensorSpec("d", "BF16", (3, 2))), (f32, TensorSpec("e", "I32", (2, 3))),
-                      (bf16.view(np.int16), TensorSpec("f", "BF16", (2, 3))), (f32, TensorSpec("g", "F16", (2, 3)))]:
+                      (bf16.view(np.int16), TensorSpec("f", "BF16", (2, 3))), (f32, TensorSpec("g", "F16", (2, 3))),
+                      (f32.view(np.uint32), TensorSpec("h", "F32", (2, 3))),  # unsigned stands in for BF16 / F8 only
+                      (np.ones((2, 3), dtype=">f4"), TensorSpec("i", "F32", (2, 3)))]:  # safetensors is little-endian
         with pytest.raises(RuntimeError, match=f"internal: {spec.name} produced numpy"):
             _as_buffer(arr, spec)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -174,7 +176,7 @@ def test_direct_file_falls_back_where_the_filesystem_refuses(tmp_path, monkeypat
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *a)
 
-    monkeypatch.setattr(S, "direct_io_enabled", lambda: True)
+    monkeypatch.setattr(S, "direct_io_enabled", lambda *a: True)
     monkeypatch.setattr(os, "O_DIRECT", getattr(os, "O_DIRECT", 0o40000), raising=False)
     monkeypatch.setattr(os, "open", refuse_open)
     _write_direct(tmp_path / "a.bin", data, 1 << 20)
@@ -209,3 +211,43 @@ def test_direct_file_falls_back_where_the_filesystem_refuses(tmp_path, monkeypat
     with pytest.raises(OutputError, match=r"c\.bin: .*No space left on device"):
         _write_direct(tmp_path / "c.bin", data, 1 << 20)
     assert not list(tmp_path.glob(".c.bin*"))  # nothing half-written left behind
+
+
+def test_direct_io_only_on_local_filesystems(tmp_path, monkeypatch):
+    """O_DIRECT is for local block filesystems (a network or cluster filesystem may make every
+    2 MB write a synchronous round trip): the filesystem is read from /proc/self/mounts by the
+    longest mount point above the directory; CVT_DIRECT_IO=0 turns it off everywhere."""
+    import os
+
+    from cvt.convert import safetensors_io as S
+
+    if not os.path.exists("/proc/self/mounts") or not hasattr(os, "O_DIRECT"):
+        pytest.skip("Linux only")
+    kind = S.filesystem_type(tmp_path)
+    assert kind is not None
+    assert S.direct_io_enabled(tmp_path) == (kind in S.DIRECT_IO_FILESYSTEMS)
+    if os.path.isdir("/proc/self"):
+        assert S.filesystem_type(Path("/proc/self")) == "proc" and not S.direct_io_enabled(Path("/proc/self"))
+    monkeypatch.setenv("CVT_DIRECT_IO", "0")
+    assert not S.direct_io_enabled(tmp_path)
+
+
+def test_direct_file_closes_once(tmp_path):
+    """A failed write aborts the file, and its caller may abort again: the second close must not
+    close whatever file has reused the descriptor number since."""
+    import os
+
+    from cvt.convert.safetensors_io import DirectFile
+
+    f = DirectFile(tmp_path / "a.bin")
+    f.write(b"x" * 5000)
+    f.flush()
+    f.close()
+    other = os.open(tmp_path / "b.bin", os.O_WRONLY | os.O_CREAT)  # likely the number f had
+    try:
+        f.close()
+        os.write(other, b"still open")
+    finally:
+        os.close(other)
+    assert (tmp_path / "b.bin").read_bytes() == b"still open"
+    assert (tmp_path / "a.bin").read_bytes() == b"x" * 5000

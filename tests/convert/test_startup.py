@@ -86,3 +86,28 @@ def test_what_needs_torch_still_imports_it(fp8_release_session, tmp_path):
     r = _run("quantize", fp8_release_session, tmp_path / "out", "--scheme", "w4a16", "--group-size", "32", "--asym",
              "--quiet")
     assert r == {"rc": 0, "torch": True}
+
+
+def test_lazy_module_imports_on_first_use_only():
+    """`cvt.lazy.LazyModule`: nothing is imported until an attribute is read; threads racing to
+    the first read get the same module; copy / pickle probes (dunder lookups) fail cleanly
+    instead of importing or recursing."""
+    import copy
+    import threading
+
+    from cvt.lazy import LazyModule
+
+    name = "cvt.tests.convert.fp8_reference"  # a module this test process has not imported yet
+    sys.modules.pop(name, None)
+    lazy = LazyModule(name)
+    assert name not in sys.modules and "(imported)" not in repr(lazy)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(lazy.__getattr__("decode_e4m3"))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert name in sys.modules and len(got) == 8 and len({id(g) for g in got}) == 1
+    with pytest.raises(AttributeError):
+        lazy.__deepcopy__  # noqa: B018
+    copy.copy(lazy)  # a shallow copy of the proxy, no recursion

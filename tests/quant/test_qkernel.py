@@ -543,12 +543,19 @@ def test_stage_plans_fused_layouts_from_the_table(monkeypatch, fmt, target):
 
 @pytest.mark.skipif(QK.kernel_name() != "c", reason="the C kernel is not built here")
 def test_hand_built_sources_are_checked_before_the_c_kernel_reads_them():
-    """The kernel reads raw pointers: a source not built by `WeightSource.fp8` (a FP8 weight without
-    its scale, a bf16 or short scale, a float32 weight) is refused instead of read out of bounds."""
+    """The kernel reads raw pointers: a source not built by `WeightSource.fp8` / `raw` (a FP8 weight
+    without its scale, a bf16 or short scale, a float32 weight, a dtype field claiming wider
+    elements than the array holds) is refused instead of read out of bounds."""
+    import numpy as np
+
     w = torch.randn(256, 256).to(torch.float8_e4m3fn)
     good = torch.ones(2, 2)
+    bytes_ = np.zeros((64, 64), dtype=np.uint8)
     for src in (QK.WeightSource(w), QK.WeightSource(w, good.bfloat16(), (128, 128)),
-                QK.WeightSource(w, torch.ones(1, 2), (128, 128)), QK.WeightSource(torch.randn(8, 8))):
+                QK.WeightSource(w, torch.ones(1, 2), (128, 128)), QK.WeightSource(torch.randn(8, 8)),
+                QK.WeightSource(bytes_, dtype="BF16"), QK.WeightSource(w.view(torch.uint8), dtype="BF16"),
+                QK.WeightSource(bytes_.view(np.uint16)[:, :32].copy(), good.numpy(), (128, 128), "F8_E4M3")):
         with pytest.raises(ValueError, match="cvt quantize kernel"):
             QK.absmax(src)
     assert QK.absmax(QK.WeightSource(w, good, (128, 128))) is not None
+    assert QK.absmax(QK.WeightSource.raw(bytes_, "F8_E4M3", (64, 64), np.ones((1, 1), np.float32), (128, 128))) == 0
