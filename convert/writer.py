@@ -255,7 +255,7 @@ class _FilePipeline:
         while (item := self.q_hash.get()) is not self._END:
             buf, keep, nbytes, charge = item
             try:
-                if self.error is None:
+                if self.error is None and not self.f.hashes_on_write:  # else hashed as written, cache-hot
                     self.f.sha.update(buf)
                 del buf, keep, item
                 if self.error is None:

@@ -152,7 +152,7 @@ def test_direct_file_writes_the_same_bytes(tmp_path, monkeypatch, size):
         pytest.skip("no O_DIRECT here (or CVT_DIRECT_IO=0)")
     opened = []
     real = S.DirectFile.__init__
-    monkeypatch.setattr(S.DirectFile, "__init__", lambda self, p: (real(self, p), opened.append(self.direct))[0])
+    monkeypatch.setattr(S.DirectFile, "__init__", lambda self, *a: (real(self, *a), opened.append(self.direct))[0])
     data = os.urandom(size)
     assert _write_direct(tmp_path / "w.bin", data, 300_001) == (size, hashlib.sha256(data).hexdigest())
     assert (tmp_path / "w.bin").read_bytes() == data
