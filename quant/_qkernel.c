@@ -603,6 +603,45 @@ static void pack_row_pair(const cvt_qargs *a, int64_t i, const int8_t *q0, const
     for (int64_t j = 0; j < k; j++) out[j] = (uint8_t)(((uint8_t)q0[j] & 0xf) | (((uint8_t)q1[j] & 0xf) << 4));
 }
 
+/* max |w| of row i without decoding it (MODE_AMAX: nvfp4's global scale, a fused group's):
+ * e4m3fn and bf16 magnitudes order like their bit patterns (sign bit cleared), and
+ * bf16(x * s) is monotonic in x for a fixed scale s, so each FP8 block's largest magnitude code
+ * gives the block's max |w| exactly, as decoding every element would. Returns how many blocks
+ * hold a non-finite value (a NaN code, or a product that is not finite: the caller only needs
+ * whether any does). */
+static int64_t amax_row(const cvt_qargs *a, int64_t i, float *out) {
+    int64_t k = a->k, bad = 0;
+    float m = 0.0f;
+    if (a->src_kind == SRC_BF16) {
+        const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
+        uint16_t mx = 0;
+        for (int64_t j = 0; j < k; j++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * j, 2);
+            h &= 0x7fff;
+            mx = h > mx ? h : mx;
+        }
+        if (mx >= 0x7f80) bad = 1; /* an Inf or a NaN */
+        else m = u2f((uint32_t)mx << 16);
+    } else {
+        const uint8_t *row = (const uint8_t *)a->src + i * k;
+        const float *srow = a->fp8_scale + (i / a->bn) * a->s_cols;
+        for (int64_t b0 = 0; b0 < k; b0 += a->bk) {
+            int64_t b1 = b0 + a->bk < k ? b0 + a->bk : k;
+            uint8_t mc = 0;
+            for (int64_t j = b0; j < b1; j++) {
+                uint8_t c = row[j] & 0x7f;
+                mc = c > mc ? c : mc;
+            }
+            float v = fabsf(bf16_round(LUT[mc] * srow[b0 / a->bk]));
+            if (mc == 0x7f || not_finite(v)) { bad++; continue; }
+            m = v > m ? v : m;
+        }
+    }
+    *out = m;
+    return bad;
+}
+
 static int64_t decode(job_t *jb, int64_t i, float *out) {
 #ifdef CVT_X86
     if (jb->simd) return decode_avx2(jb->a, i, out);
@@ -617,8 +656,8 @@ static void *run(void *arg) {
     if (a->mode == MODE_AMAX) {
         float m = 0.0f;
         for (int64_t i = jb->row0; i < jb->row1; i++) {
-            jb->bad += decode(jb, i, jb->wbuf);
-            float r = PICK(amax, jb->simd)(jb->wbuf, k);
+            float r;
+            jb->bad += amax_row(a, i, &r);
             m = r > m ? r : m;
         }
         jb->amax = m;

@@ -376,6 +376,43 @@ def test_absmax_matches_torch(kernel):
     assert QK.absmax(QK.WeightSource(w.to(torch.bfloat16))) is None
 
 
+@pytest.mark.parametrize("case", ["bf16", "fp8", "fp8-negative-scales", "fp8-bf16-scales", "fp8-nan-code",
+                                  "fp8-overflow", "bf16-inf", "bf16-nan", "zeros"])
+def test_absmax_without_decoding_every_element(kernel, case):
+    """The C kernel takes max |w| from each block's largest magnitude code (e4m3 and bf16
+    magnitudes order like their bits; bf16(x * s) is monotonic in x): the same float as the
+    decoded weight's ``abs().amax()``, and None wherever the decoded weight holds NaN/Inf."""
+    g = torch.Generator().manual_seed(11)
+    if case.startswith("bf16") or case == "zeros":
+        w = (torch.randn(72, 200, generator=g) * 3).to(torch.bfloat16)
+        w[5, 7] = -40.0  # the max is negative
+        if case == "bf16-inf":
+            w[70, 199] = float("-inf")
+        elif case == "bf16-nan":
+            w[0, 0] = float("nan")
+        elif case == "zeros":
+            w.zero_()
+            w[3, :] = -0.0
+        src = QK.WeightSource(w)
+    else:
+        src = fp8_weight((136, 352), seed=12, scale_dtype="BF16" if case == "fp8-bf16-scales" else "F32")
+        codes, scale = src.w.view(torch.uint8).clone(), src.scale.clone()
+        if case == "fp8-negative-scales":
+            scale[0, 1] = -scale[0, 1] * 50
+        elif case == "fp8-nan-code":
+            codes[135, 351] = 0xFF
+        elif case == "fp8-overflow":
+            codes[7, 300] = 0x7E  # 448
+            scale[0, 2] = 3e38  # 448 x 3e38 is Inf in float32
+        src = QK.WeightSource(codes.view(torch.float8_e4m3fn), scale, (128, 128))
+    if kernel == "c-numpy":
+        src = as_raw(src)
+    dec = src.rows_float(0, src.shape[0])
+    want = None if not bool(torch.isfinite(dec).all()) else float(dec.abs().amax())
+    assert QK.absmax(src, simd=(kernel != "c-scalar")) == want
+    assert (want is None) == (case in ("fp8-nan-code", "fp8-overflow", "bf16-inf", "bf16-nan"))
+
+
 def test_torch_fallback_works_in_row_blocks(monkeypatch):
     """Small blocks of rows (several per FP8 block row would be wrong: blocks are whole FP8 rows)."""
     QK._c_kernel.cache_clear()
