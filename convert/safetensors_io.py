@@ -398,14 +398,19 @@ class DirectFile:
     L2) ran at 1.9 GB/s on the bench machine, against 1.15 GB/s for the same bytes read back
     from memory by a separate hasher; with one output file the hash is a run's critical path.
 
-    Layout: the caller's thread copies into one of `STAGES` buffers and hashes it; a disk
-    thread writes full buffers (aligned O_DIRECT writes) while the next one fills. `flush`
-    waits for those, then writes the staged rest itself, its unaligned tail through a buffered
+    Layout: the caller's thread copies into a staging buffer and hashes it; for the first
+    `DOUBLE_BUFFERED` files open at once, a disk thread writes each full buffer (aligned
+    O_DIRECT writes) while a second one fills; further files (`cvt shard` feeds every rank's
+    file at once) write full buffers in the caller's thread, so staging memory stays
+    2 x DIRECT_STAGE x DOUBLE_BUFFERED + DIRECT_STAGE per other open file. `flush` waits for
+    the disk thread, then writes the staged rest itself, its unaligned tail through a buffered
     write (the file is buffered from then on). A filesystem that refuses O_DIRECT at open or
     at the first write (EINVAL) gets buffered writes of the same bytes.
     """
 
-    STAGES = 2
+    DOUBLE_BUFFERED = 4
+    _open_double = 0
+    _count_lock = threading.Lock()
 
     def __init__(self, path: Path, sha=None):
         import numpy as np
@@ -420,17 +425,21 @@ class DirectFile:
             self._fd = os.open(path, flags, 0o666)
             self.direct = False
         self.sha = sha
+        with DirectFile._count_lock:
+            self._double = self._counted = DirectFile._open_double < self.DOUBLE_BUFFERED
+            DirectFile._open_double += self._double
         self._maps: list = []
         try:
-            for _ in range(self.STAGES):
+            for _ in range(2 if self._double else 1):
                 self._maps.append(mmap.mmap(-1, DIRECT_STAGE))  # page-aligned, as O_DIRECT needs
         except BaseException:
             self._release_maps()
+            self._uncount()
             os.close(self._fd)
             self._fd = -1
             raise
         self._arrays = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
-        self._free = list(range(self.STAGES))  # stage indices the caller may fill
+        self._free = list(range(len(self._maps)))  # stage indices the caller may fill
         self._cur = self._free.pop()
         self._fill = 0
         self._cond = threading.Condition()
@@ -459,7 +468,12 @@ class DirectFile:
                 self._submit()
 
     def _submit(self) -> None:
-        """Hand the full current stage to the disk thread; take a free one (waiting for it)."""
+        """Hand the full current stage to the disk thread; take a free one (waiting for it).
+        Single-buffered: write it here."""
+        if not self._double:
+            self._write(memoryview(self._maps[self._cur]))
+            self._fill = 0
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._disk, name="cvt-direct-write", daemon=True)
             self._thread.start()
@@ -545,6 +559,13 @@ class DirectFile:
         finally:
             self._arrays = []
             self._release_maps()
+            self._uncount()
+
+    def _uncount(self) -> None:
+        with DirectFile._count_lock:
+            if self._counted:
+                self._counted = False
+                DirectFile._open_double -= 1
 
     def _release_maps(self) -> None:
         for m in self._maps:

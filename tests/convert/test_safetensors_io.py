@@ -251,3 +251,28 @@ def test_direct_file_closes_once(tmp_path):
         os.close(other)
     assert (tmp_path / "b.bin").read_bytes() == b"still open"
     assert (tmp_path / "a.bin").read_bytes() == b"x" * 5000
+
+
+def test_direct_files_beyond_the_double_buffered_ones_write_in_place(tmp_path, monkeypatch):
+    """`cvt shard` feeds every rank's file at once: only the first DOUBLE_BUFFERED open files get a
+    second staging buffer and a disk thread (memory), the rest write each full buffer in the
+    caller's thread; the same bytes either way, and closing gives the slots back."""
+    import hashlib
+    import os
+
+    from cvt.convert import safetensors_io as S
+
+    if not S.direct_io_enabled(tmp_path):
+        pytest.skip("no O_DIRECT on this filesystem")
+    monkeypatch.setattr(S.DirectFile, "DOUBLE_BUFFERED", 2)
+    before = S.DirectFile._open_double
+    data = [os.urandom((3 << 20) + 17 * i) for i in range(4)]
+    files = [AtomicFile(tmp_path / f"f{i}.bin", direct=True) for i in range(4)]
+    assert [f._f._double for f in files] == [True, True, False, False]
+    for piece in range(0, max(map(len, data)), 700_000):  # interleaved, as the shard writer does
+        for f, d in zip(files, data):
+            f.write(d[piece:piece + 700_000])
+    for i, (f, d) in enumerate(zip(files, data)):
+        assert f.commit() == (len(d), hashlib.sha256(d).hexdigest())
+        assert (tmp_path / f"f{i}.bin").read_bytes() == d
+    assert S.DirectFile._open_double == before
