@@ -61,22 +61,6 @@ CALIBRATED = (("gptq", "w4a16", ["--group-size", "32"]), ("awq", "w4a16", ["--gr
               ("smoothquant", "w8a8", []))
 
 
-def sha256_in_cache() -> float:
-    """sha256 bytes/s on one core over a 2 MB chunk already in cache, repeated (best of 2 over
-    256 MB): the rate at which `cvt.convert.safetensors_io.DirectFile` hashes each chunk it has
-    just copied into its staging buffer."""
-    import hashlib
-
-    buf = memoryview(os.urandom(2 << 20))
-    best = math.inf
-    for _ in range(2):
-        h, t0 = hashlib.sha256(), time.perf_counter()
-        for _ in range(128):
-            h.update(buf)
-        best = min(best, time.perf_counter() - t0)
-    return 128 * len(buf) / best
-
-
 def calib_child(out: str, argv: list[str]) -> None:
     """Child mode: run the CLI, then record the calibration the manifest reports (the stage's
     streaming driver times every decoder layer: `quant.calibration.seconds_per_layer`)."""
@@ -302,7 +286,7 @@ def main() -> None:
         rows = rtn_rows(fb, src, root, cfg, args.repeat, args.keep, not args.no_reference, spread)
         # fixed costs no pipelining hides on a small release: start + imports, and hashing in order
         t_start, sha_gbs = fb.import_seconds("cvt.cli, cvt.quant.stage"), fb.sha256_rate() / GB
-        sha_hot = sha256_in_cache() / GB
+        sha_hot = fb.sha256_rate(2 << 20) / GB
         shutil.rmtree(src, ignore_errors=True)
         crows = []
         if not args.rtn_only:

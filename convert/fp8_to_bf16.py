@@ -154,21 +154,29 @@ def _passthrough(ckpt: Checkpoint, ref: TensorRef) -> OutTensor:
     )
 
 
+def dequantize_stored(ckpt: Checkpoint, weight: str, scale: str, block: tuple[int, int], threads: int | None = None,
+                      out=None):
+    """A stored FP8 weight ``[n, k]`` as BF16: with the C kernel, a ``uint16 [n, k]`` ndarray of
+    its bits, computed straight over the mmap through numpy pointers (into `out`, a buffer of
+    2nk bytes, when given; torch is never imported), else a torch bfloat16 tensor."""
+    w, s = ckpt.tensors[weight], ckpt.tensors[scale]
+    if kernel_name() == "c":
+        return dequant_fp8_block_np(ckpt.view(weight), w.shape, scale_to_f32_np(ckpt.view(scale), s.dtype, s.shape),
+                                    block, threads=threads, out=out)
+    return dequant_fp8_block(ckpt.read(weight), ckpt.read(scale), block, threads=threads)
+
+
 def _dequantized(ckpt: Checkpoint, pair: Fp8Pair, block: tuple[int, int], threads: int, pool: BufferPool) -> OutTensor:
     w, s = pair.weight, pair.scale
     held: list = []  # the pooled buffer between produce and release (each tensor is produced once)
 
     def produce():
-        # the C kernel straight over the mmap into a recycled buffer (numpy pointers: no torch
-        # import at all), else torch
-        if kernel_name() == "c":
-            buf = pool.take(2 * w.nbytes)  # e4m3: one byte per element in, two out
-            dequant_fp8_block_np(ckpt.view(w.name), w.shape, scale_to_f32_np(ckpt.view(s.name), s.dtype, s.shape),
-                                 block, threads=threads, out=buf)
+        # with the C kernel into a recycled buffer (e4m3: one byte per element in, two out)
+        buf = pool.take(2 * w.nbytes) if kernel_name() == "c" else None
+        out = dequantize_stored(ckpt, w.name, s.name, block, threads, out=buf)
+        if buf is not None:
             held.append(buf)
             out = memoryview(buf)
-        else:
-            out = dequant_fp8_block(ckpt.read(w.name), ckpt.read(s.name), block, threads=threads)
         ckpt.release(w.name)
         ckpt.release(s.name)
         return out

@@ -32,6 +32,15 @@ def probe_q(scheme: Scheme, shape: tuple[int, int], static: bool) -> QuantizedTe
                            scheme.symmetric, extra)
 
 
+def shell_q(scheme: Scheme, shape: tuple[int, int], static: bool = False) -> QuantizedTensor:
+    """A QuantizedTensor without parts: all a format's `layout_for` reads (kernel format, shape,
+    group size, symmetry), so the layout is chosen before anything is quantized."""
+    k = shape[1]
+    kf = kernel_fmt_of(scheme, static)
+    return QuantizedTensor(scheme.name, kf, tuple(shape), {}, 0 if scheme.group_size in (0, k) else scheme.group_size,
+                           scheme.symmetric, {"fp4_format": kf} if scheme.name == "fp4" else {})
+
+
 def data_planned(layout, scheme, shape: tuple[int, int], static: bool, bias: bool) -> bool:
     """Whether a module's on-disk tensors are exactly its layout entry's non-optional ones, in
     table order, so `DiskLayouts` plans them from the table, without a probe and without torch:
@@ -79,14 +88,11 @@ class DiskLayouts:
 
     def _from_table(self, probe: str, scheme: Scheme, shape, static: bool, bias: bool, expert: bool):
         n, k = shape
-        g = 0 if scheme.group_size in (0, k) else scheme.group_size
-        kf = kernel_fmt_of(scheme, static)
-        shell = QuantizedTensor(scheme.name, kf, shape, {}, g, scheme.symmetric,
-                                {"fp4_format": kf} if scheme.name == "fp4" else {})
+        shell = shell_q(scheme, shape, static)
         lo = self.form.layout_for(probe, shell, target=self.target, expert=expert)
         if not data_planned(lo, scheme, shape, static, bias):
             return None
-        specs = {f".{t.suffix}": (t.shape(n, k, g), t.dtype) for t in lo.tensors if not t.optional}
+        specs = {f".{t.suffix}": (t.shape(n, k, shell.group_size), t.dtype) for t in lo.tensors if not t.optional}
         tags = lo.tags("", [s[1:] for s in specs]) if hasattr(self.form, "tags") else {}
         return specs, tags
 
@@ -119,4 +125,4 @@ class DiskLayouts:
         return out
 
 
-__all__ = ["DiskLayouts", "probe_q"]
+__all__ = ["DiskLayouts", "data_planned", "probe_q", "shell_q"]

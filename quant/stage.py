@@ -33,9 +33,8 @@ from cvt.lazy import torch
 from cvt import __version__
 from cvt.convert.arch import Role, arch_for
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config, source_format
-from cvt.convert.fp8 import dequant_fp8_block, dequant_fp8_block_np, scale_to_f32_np
-from cvt.convert.fp8 import kernel_name as fp8_kernel_name
-from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
+from cvt.convert.fp8 import dequant_fp8_block, scale_to_f32_np
+from cvt.convert.fp8_to_bf16 import check_scales_finite, dequantize_stored, pair_fp8_weights
 from cvt.convert.validate import check_weights
 from cvt.convert.reader import Checkpoint, open_checkpoint
 from cvt.convert.safetensors_io import TensorSpec, dtype_code
@@ -43,7 +42,7 @@ from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.quant import qkernel
 from cvt.quant.formats import get_format
-from cvt.quant.disk_layouts import DiskLayouts
+from cvt.quant.disk_layouts import DiskLayouts, shell_q
 from cvt.quant.layouts import check_target, kernel_fmt_of
 from cvt.quant.recipe import Policy, Recipe
 from cvt.quant.schemes import get_scheme
@@ -125,13 +124,8 @@ class _Source:
     def float_tensor(self, name: str):
         """A tensor kept float: FP8 ones dequantized to BF16 (with the C kernel: a numpy
         ``uint16`` array of the BF16 bits, no torch), others as stored."""
-        ref = self.ckpt.tensors[name]
-        if ref.dtype == "F8_E4M3":
-            s = self.ckpt.tensors[name + FP8_SCALE]
-            if fp8_kernel_name() == "c":
-                return dequant_fp8_block_np(self.ckpt.view(name), ref.shape,
-                                            scale_to_f32_np(self.ckpt.view(s.name), s.dtype, s.shape), self.block)
-            return dequant_fp8_block(self.ckpt.read(name), self.ckpt.read(s.name), self.block)
+        if self.ckpt.tensors[name].dtype == "F8_E4M3":
+            return dequantize_stored(self.ckpt, name, name + FP8_SCALE, self.block)
         return self.ckpt.read(name)
 
 
@@ -328,12 +322,9 @@ class _Quantizer:
         src = self.source.weight_source(params)
         if src is None:
             return None
-        n, k = src.shape
         kf = kernel_fmt_of(scheme)
-        probe = QuantizedTensor(scheme.name, kf, (n, k), {}, 0 if scheme.group_size in (0, k) else scheme.group_size,
-                                scheme.symmetric, {"fp4_format": kf} if scheme.name == "fp4" else {})
         expert = self.plan.experts[module]
-        layout = self.fmt.layout_for(module, probe, target=self.target, expert=expert)
+        layout = self.fmt.layout_for(module, shell_q(scheme, src.shape), target=self.target, expert=expert)
         if not qkernel.supports(layout, scheme, src):
             return None
         group = self.plan.shared.get(module)
