@@ -27,7 +27,8 @@ Measured, in this one run, best of --repeat:
   f. the fixed costs inside cvt's time: a child that starts python and imports what an RTN
      run imports (the CLI and the quantize stage; not torch, which the C-kernel path never
      imports), and sha256 GB/s on one core, from memory and on 2 MB chunks in cache (each
-     output file is hashed in order; files written with O_DIRECT chunk by chunk as staged);
+     output file is hashed in order, files in parallel; written with O_DIRECT chunk by chunk as
+     staged);
   k. the kernels alone on one large FP8 weight (in this process, best of 3): the fused C
      kernel (all cores, and one thread), the blockwise torch fallback and the reference
      (dequantize to float32, scheme.quantize, layout encode, SQNR), each checked bit-identical
@@ -115,9 +116,9 @@ def _run_env(fb, cmd: list[str], kernel: str) -> tuple[float, int]:
 
 
 def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, reference: bool,
-             spread: dict[str, list[float]]) -> list[tuple]:
+             spread: dict[str, list[float]], out_files: dict[str, list[int]]) -> list[tuple]:
     """Per scheme: (scheme, cvt s, peak RSS, floor s, out bytes, cmd, reference s, reference RSS, same bytes);
-    every repeat's cvt and floor seconds go to `spread`."""
+    every repeat's cvt and floor seconds go to `spread`, the output's file sizes to `out_files`."""
     import hashlib
 
     def digest(d: Path) -> list[str]:
@@ -133,6 +134,7 @@ def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, refe
                        "--quiet"]
                 t, rss = _run_env(fb, cmd, "")
                 sizes = [p.stat().st_size for p in sorted(dst.glob("*.safetensors"))]
+                out_files[scheme] = sizes
                 fused = digest(dst) if reference and r == 0 else None
             t_ref = rss_ref = same = None
             if reference and r == 0:
@@ -269,6 +271,7 @@ def main() -> None:
         print_kernel_rows(kernel_rows(kn, kk), kn, kk)
         return
     fb = load_fp8_bench()
+    bytecode = fb.compile_bytecode()
     load0 = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="cvt-bench-quantize-", dir=args.dir))
     try:
@@ -283,7 +286,8 @@ def main() -> None:
         big_name, big = largest_f32_weight(fb, cfg)
         src_name, src_big = largest_source_tensor(fb, cfg)
         spread: dict[str, list[float]] = {}
-        rows = rtn_rows(fb, src, root, cfg, args.repeat, args.keep, not args.no_reference, spread)
+        out_files: dict[str, list[int]] = {}
+        rows = rtn_rows(fb, src, root, cfg, args.repeat, args.keep, not args.no_reference, spread, out_files)
         # fixed costs no pipelining hides on a small release: start + imports, and hashing in order
         t_start, sha_gbs = fb.import_seconds("cvt.cli, cvt.quant.stage"), fb.sha256_rate() / GB
         sha_hot = fb.sha256_rate(2 << 20) / GB
@@ -303,7 +307,7 @@ def main() -> None:
     n_moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
     print(f"\ncvt quantize benchmark  (torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{os.cpu_count()} CPUs; quantize kernel: {kernel_name()})")
-    print(f"command:  {shlex.join([sys.executable, *sys.argv])}")
+    print(f"command:  {shlex.join([sys.executable, *sys.argv])}  ({bytecode})")
     print(f"input:    {cfg['num_hidden_layers']} layers ({cfg['first_k_dense_replace']} dense + {n_moe} MoE), "
           f"{cfg['n_routed_experts']} routed experts + 1 shared, vocab {cfg['vocab_size']}, "
           f"hidden {cfg['hidden_size']}: "
@@ -330,8 +334,9 @@ def main() -> None:
         print("  every repeat, seconds: " + "; ".join(f"{k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in spread.items()))
     print(f"  fixed costs inside cvt's time: python + cvt imports (no torch) {t_start:.2f} s; sha256 on one core "
           f"{sha_gbs:.2f} GB/s from memory, {sha_hot:.2f} GB/s on 2 MB chunks in cache (how cvt hashes what it "
-          f"stages for O_DIRECT), i.e. {max(r[4] for r in rows) / GB / sha_hot:.2f} s for the largest output "
-          "(one file: hashed in order, on one thread)")
+          f"stages for O_DIRECT), i.e. {max(max(v) for v in out_files.values()) / GB / sha_hot:.2f} s for the "
+          f"largest output file (each file hashed in order on one thread; files per output: "
+          f"{', '.join(f'{k} {len(v)}' for k, v in out_files.items())})")
     print_kernel_rows(krows, kn, kk)
 
     if crows:

@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
     fb = load_fp8_bench()
+    print(fb.compile_bytecode())
     from cvt.convert.synthetic import tiny_deepseek_config
 
     cfg = tiny_deepseek_config(

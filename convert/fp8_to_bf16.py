@@ -21,7 +21,7 @@ from cvt.convert.fp8 import dequant_fp8_block, dequant_fp8_block_np, expected_sc
 from cvt.convert.reader import Checkpoint, open_checkpoint
 from cvt.convert.validate import check_weights
 from cvt.convert.safetensors_io import TensorRef, TensorSpec
-from cvt.convert.writer import DEFAULT_MAX_SHARD, BufferPool, OutTensor, WriteResult, write_checkpoint
+from cvt.convert.writer import DEFAULT_MAX_SHARD, BufferPool, OutTensor, WriteResult, default_workers, write_checkpoint
 from cvt.errors import TensorError
 from cvt.schemas.manifest import StageInfo
 
@@ -107,7 +107,7 @@ def fp8_to_bf16(
         check_scales_finite(ckpt, pairs)
         check_weights(ckpt, arch, "fp8-to-bf16", block)
 
-        workers = max(1, workers or min(2, os.cpu_count() or 1))
+        workers = default_workers(workers)
         threads = max(1, (os.cpu_count() or 1) // workers)
         outs: list[OutTensor] = []
         pool = BufferPool()

@@ -3,9 +3,9 @@
 Every stage describes its output as an ordered list of `OutTensor` (name, dtype, shape and
 a function producing the bytes). `write_checkpoint` then
 
-1. plans shards up front (greedy, in order, each at most `max_shard_size` unless one tensor
-   is larger): the plan depends only on the tensor list, so a resumed run writes the same
-   file names with the same contents;
+1. plans shards up front (in order, each at most `max_shard_size` unless one tensor is
+   larger; a small output cut into up to `BALANCED_FILES` balanced files, see `plan_shards`): the plan depends only on the tensor list and the arguments, so a
+   resumed run writes the same file names with the same contents;
 2. enters DST (`cvt.convert.outdir.OutputDir`: refuses a DST overlapping SRC, locks it, and
    finds what an earlier run of the same plan finished: recorded in `.cvt-state.json` after
    each file, trusted only when size and sha256 on disk still match);
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import threading
 import time
@@ -37,6 +38,17 @@ from cvt.convert.safetensors_io import DTYPES, AtomicFile, TensorSpec, dtype_cod
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
 DEFAULT_MAX_SHARD = 5 * 10**9
+DEFAULT_WORKERS = 2  # output files written at once (1 on a 1-core machine)
+# a small output is cut into this many balanced files (`plan_shards`), so that workers hash in
+# parallel (sha256 is sequential within a file); a constant, not the worker count: the same
+# command must write the same files whatever the machine or --workers
+BALANCED_FILES = 4
+# ... unless they would be smaller than this (below it a further file saves little)
+MIN_BALANCED_SHARD = 256 << 20
+
+
+def default_workers(workers: int | None) -> int:
+    return max(1, workers or min(DEFAULT_WORKERS, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -75,9 +87,13 @@ class WriteResult:
         return self.bytes_out / self.seconds if self.seconds > 0 else 0.0
 
 
-def plan_shards(tensors: list, max_shard_size: int, prefix: str = "model") -> list[tuple[str, list]]:
-    """Greedy file plan: consecutive runs of `tensors` (anything with a ``.spec``) of at most
-    `max_shard_size` bytes each (a larger tensor alone), named ``{prefix}-00001-of-0000N.safetensors``."""
+def plan_shards(tensors: list, max_shard_size: int, prefix: str = "model", balanced: int = 1) -> list[tuple[str, list]]:
+    """File plan: consecutive runs of `tensors` (anything with a ``.spec``) of at most
+    `max_shard_size` bytes each (a larger tensor alone), greedy in order, named
+    ``{prefix}-00001-of-0000N.safetensors``. When that gives fewer than m = min(`balanced`,
+    total bytes // `MIN_BALANCED_SHARD`) files, the tensors are instead cut into m runs of about
+    equal bytes (each tensor goes to the run its middle byte falls in), unless one would pass
+    `max_shard_size` with more than one tensor. Depends only on the arguments."""
     groups: list[list[OutTensor]] = []
     size = 0
     for t in tensors:
@@ -86,6 +102,18 @@ def plan_shards(tensors: list, max_shard_size: int, prefix: str = "model") -> li
             size = 0
         groups[-1].append(t)
         size += t.spec.nbytes
+    total = sum(t.spec.nbytes for t in tensors)
+    m = min(balanced, total // MIN_BALANCED_SHARD)
+    if len(groups) < m:
+        runs: list[list[OutTensor]] = [[] for _ in range(m)]
+        start = 0
+        for t in tensors:
+            runs[min(m - 1, (2 * start + t.spec.nbytes) * m // (2 * total))].append(t)
+            start += t.spec.nbytes
+        runs = [g for g in runs if g]
+        if len(runs) > len(groups) and all(len(g) == 1 or sum(t.spec.nbytes for t in g) <= max_shard_size
+                                           for g in runs):
+            groups = runs
     n = len(groups)
     return [(f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
 
@@ -520,6 +548,7 @@ def write_checkpoint(
     summary: dict[str, int],
     max_shard_size: int = DEFAULT_MAX_SHARD,
     workers: int = 1,
+    balanced: int = BALANCED_FILES,
     resume: bool = True,
     overwrite: bool = False,
     quiet: bool = False,
@@ -528,12 +557,13 @@ def write_checkpoint(
     quant=None,
     on_meta: Callable[[dict[str, dict]], None] | None = None,
 ) -> WriteResult:
-    """Plan, write and finalize a Hugging Face style checkpoint directory (see module doc)."""
+    """Plan, write and finalize a Hugging Face style checkpoint directory (see module doc);
+    `balanced`: see `plan_shards`."""
     t0 = time.perf_counter()
-    shards = plan_shards(tensors, max_shard_size, prefix)
+    shards = plan_shards(tensors, max_shard_size, prefix, balanced)
     src = source_info(ckpt, source_format)
     pid = run_plan_id(
-        ckpt, src, stage, max_shard_size=max_shard_size, prefix=prefix,
+        ckpt, src, stage, max_shard_size=max_shard_size, prefix=prefix, files=[(rel, len(ts)) for rel, ts in shards],
         tensors=[(t.spec.name, t.spec.dtype, t.spec.shape) for t in tensors],
         quant=quant.model_dump(exclude={"tensors", "fallbacks", "float_modules", "calibration"})
         if quant is not None else None)

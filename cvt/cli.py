@@ -70,7 +70,9 @@ def _human(n: float) -> str:
 @click.option("--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id.")
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="Output files written in parallel (default: 2, or 1 on a 1-core machine). Peak memory grows with it.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output file, e.g. 5GB, 500MB, 2GiB.")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest output file, e.g. 5GB, 500MB, 2GiB. An output under 4 such files is written as up to 4 "
+                   "files of about equal size, each at least 256 MiB, so they are hashed in parallel.")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Keep output files an interrupted run of the same conversion finished (size and sha256 checked).")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
@@ -139,8 +141,11 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
 @click.option("--ignore", multiple=True, help="Regex of module names to keep float (repeatable).")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False), help="JSON/YAML rules: pattern -> scheme/method/group size.")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
-@click.option("--workers", type=click.IntRange(1, 64), default=None, help="Output files written in parallel (default 2).")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output file.")
+@click.option("--workers", type=click.IntRange(1, 64), default=None,
+              help="Output files written in parallel (default: 2, or 1 on a 1-core machine).")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest output file. An output under 4 such files is written as up to 4 files of about equal "
+                   "size, each at least 256 MiB, so they are hashed in parallel.")
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @_common

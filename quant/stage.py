@@ -22,7 +22,6 @@ fallback to RTN is recorded in the manifest.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ from cvt.convert.fp8_to_bf16 import check_scales_finite, dequantize_stored, pair
 from cvt.convert.validate import check_weights
 from cvt.convert.reader import Checkpoint, open_checkpoint
 from cvt.convert.safetensors_io import TensorSpec, dtype_code
-from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, write_checkpoint
+from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.quant import qkernel
 from cvt.quant.formats import get_format
@@ -607,7 +606,7 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     params["modules"] = hashlib.sha256(json.dumps(
         {m: [s.name, s.group_size, s.symmetric, plan.methods[m]] for m, s in plan.schemes.items()}, sort_keys=True
     ).encode()).hexdigest()
-    workers = max(1, workers or min(2, os.cpu_count() or 1))
+    workers = default_workers(workers)
     result = write_checkpoint(
         ckpt, Path(dst), outs,
         stage=StageInfo(name="quantize", tool_version=__version__, parameters=params),
