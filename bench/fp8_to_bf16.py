@@ -234,7 +234,9 @@ def compile_bytecode() -> str:
     dirs = sorted({Path(p) for name in ("cvt", "cvt.convert", "cvt.quant", "cvt.export", "cvt.runtime", "cvt.schemas")
                    for p in importlib.import_module(name).__path__})
     ok = all(compileall.compile_dir(d, quiet=1) for d in dirs)
-    return f"cvt {cvt.__version__}: bytecode {'compiled' if ok else 'NOT compiled'} ({len(dirs)} package dirs)"
+    cap = os.environ.get("OPENSSL_ia32cap")  # e.g. ":~0x20000000" masks the SHA extensions (a CPU without them)
+    return (f"cvt {cvt.__version__}: bytecode {'compiled' if ok else 'NOT compiled'} ({len(dirs)} package dirs)"
+            + (f"; OPENSSL_ia32cap={cap} (OpenSSL's CPU features masked, sha256 rate below)" if cap else ""))
 
 
 def sha256_rate(chunk: int = 64 << 20) -> float:
