@@ -23,8 +23,10 @@ w4a16           matmulnbits       com.microsoft.MatMulNBits(bits=4, block_size=B
 w4a16           qdq (opset 21)    MatMul(x, DequantizeLinear(int4 W^T [k, n], scale [k/G, n],
                                   int4 zero point = offset, axis=0, block_size=G))
 w8a8_dynamic    integer           per-token symmetric int8: s = max|x| / 127, q = Cast<int8>(
-                                  Clip(Round(x / s))); Cast<float>(MatMulInteger(q, W^T)) * w_scale * s
-w8a8_dynamic    qdq               the same quantization as Quantize/DequantizeLinear per row, times
+                                  Clip(Round(x * (127 / max|x|)))) (the runtime's and the serving
+                                  kernels' rounding); Cast<float>(MatMulInteger(q, W^T)) * w_scale * s
+w8a8_dynamic    qdq               Quantize/DequantizeLinear per row with scale s (QuantizeLinear
+                                  divides: one int8 step off the integer path at a tie), times
                                   DequantizeLinear(W^T, w_scale, axis=1)
 w8a8_static     integer           q = Cast<int8>(Clip(Round(x / s_in + off))); (MatMulInteger(q, W^T)
                                   + quant_bias) * deq_scale
@@ -380,10 +382,15 @@ def _w4a16_qdq(g: Graph, mod, x: str, hint: str) -> str:
 
 
 def _per_token_quant(g: Graph, x: str) -> tuple[str, str]:
-    """Symmetric per-row int8 of x [..., k]: (q float (integers in -128..127), scale [..., 1])."""
-    s = g.op("Div", [g.reduce("ReduceMax", g.op("Abs", [x]), [-1]), g.fconst(127.0)])
-    safe = g.op("Where", [g.op("Greater", [s, g.fconst(0.0)]), s, g.fconst(1.0)])
-    q = g.op("Clip", [g.op("Round", [g.op("Div", [x, safe])]), g.fconst(-128.0), g.fconst(127.0)])
+    """Symmetric per-row int8 of x [..., k]: (q float (integers in -128..127), scale [..., 1]);
+    q = round(x * (127 / amax)), as the runtime (`cvt.runtime.kernels.int8.per_token_quant`)
+    and the serving kernels compute it (0 for an all-zero row)."""
+    amax = g.reduce("ReduceMax", g.op("Abs", [x]), [-1])
+    s = g.op("Div", [amax, g.fconst(127.0)])
+    pos = g.op("Greater", [amax, g.fconst(0.0)])
+    factor = g.op("Where", [pos, g.op("Div", [g.fconst(127.0), g.op("Where", [pos, amax, g.fconst(1.0)])]),
+                            g.fconst(0.0)])
+    q = g.op("Clip", [g.op("Round", [g.op("Mul", [x, factor])]), g.fconst(-128.0), g.fconst(127.0)])
     return q, s
 
 

@@ -1,9 +1,11 @@
 """Ascend int8 formats (msModelSlim "AscendV1", FORMATS.md 2.2): `w8a8_dynamic` and `w8a8_static`.
 
 `w8a8_dynamic` (tag W8A8_DYNAMIC) -- parts ``weight`` int8 ``[n, k]``, ``weight_scale`` ``[n, 1]``,
-``weight_offset`` ``[n, 1]`` (zeros: symmetric). Activations are quantized per token at run time::
+``weight_offset`` ``[n, 1]`` (zeros: symmetric). Activations are quantized per token at run time
+as both serving stacks do it (`per_token_quant`)::
 
-    x_scale = amax(|x|, -1) / 127;  x_q = clamp(round(x / x_scale), -128, 127)   (0 for an all-zero row)
+    x_scale = amax(|x|, -1) / 127;  x_q = clamp(round(x * (127 / amax(|x|, -1))), -128, 127)
+                                                  (float32, half to even; 0 for an all-zero row)
     y = float32(x_q @ w_q^T) * weight_scale^T * x_scale  (+ bias)  -> x.dtype
 
 `w8a8_static` (tag W8A8) -- parts ``weight`` int8 ``[n, k]``, ``input_scale`` ``[1]``,
@@ -32,13 +34,19 @@ from cvt.runtime.kernels.linear import Linear, register
 
 
 def per_token_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 quantization of ``x2 [m, k]``: (x_q int8, x_scale float32 [m])."""
+    """Symmetric per-row int8 quantization of ``x2 [m, k]``: (x_q int8, x_scale float32 [m]).
+
+    The codes multiply by the float32 factor ``127 / amax`` and round half to even, the scale
+    is ``amax / 127``: what vLLM's CUDA kernel (csrc/quantization/w8a8/int8/scaled_quant.cu,
+    ``dynamic_scaled_int8_quant_kernel``: ``inv_s = 127.f / absmax``, 0 for a zero row, then
+    ``cvt.rni.sat.s8.f32(x * inv_s)``) and torch_npu's ``npu_dynamic_quant`` (ops-nn
+    dynamic_quant.h, see `cvt.runtime.kernels.npu`) compute. ``round(x / x_scale)`` is one code
+    off wherever ``x * 127 / amax`` is a half-integer (a few % of bf16 rows)."""
     xf = x2.to(torch.float32)
-    scale = xf.abs().amax(dim=-1) / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(xf / safe[:, None]).clamp_(-128, 127)
-    q = torch.where((scale > 0)[:, None], q, torch.zeros_like(q))
-    return q.to(torch.int8), scale
+    amax = xf.abs().amax(dim=-1)
+    factor = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # float32 division, as the kernels
+    q = torch.round(xf * factor[:, None]).clamp_(-128, 127)
+    return q.to(torch.int8), amax / 127.0
 
 
 def static_quant(x2: torch.Tensor, input_scale: torch.Tensor, input_offset: torch.Tensor) -> torch.Tensor:

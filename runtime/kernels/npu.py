@@ -20,9 +20,9 @@ Call patterns cross-checked in vllm-ascend (w8a8.py, w8a8_dynamic.py, w4a16.py).
   ``quant/dynamic_quant/op_kernel/dynamic_quant.h``) computes the factor ``127 / rowMax(|x|)``
   in float32 and MULTIPLIES: ``y = round_half_even(x * (127 / rowmax))``, scale = rowmax / 127
   (to within the last bit: ``1 / (127 / rowmax)`` or ``rowmax * (1 / 127)`` depending on the
-  tiling). The multiply by a rounded reciprocal can differ from ``round(x / scale)`` -- what
-  cvt's reference (`int8.per_token_quant`) computes -- by one int8 step, where ``x * 127 /
-  rowmax`` is exactly a half-integer (a tie: ``x = +-rowmax / 2``, or other half-integer
+  tiling). cvt's reference (`int8.per_token_quant`) computes these codes too (so does vLLM's
+  CUDA kernel). The docstring's ``round(x / scale)`` can differ by one int8 step where ``x *
+  127 / rowmax`` is exactly a half-integer (a tie: ``x = +-rowmax / 2``, or other half-integer
   multiples of ``rowmax / 127`` when rowmax's significand has the factor 127); the two
   roundings of the reciprocal then push the tie opposite ways. On 96-wide standard-normal rows
   about 5% of bf16 rows and 1% of fp16 rows have such a tie. An all-zero row is not guarded
@@ -63,11 +63,9 @@ Call patterns cross-checked in vllm-ascend (w8a8.py, w8a8_dynamic.py, w4a16.py).
   offset passed here is ``-weight_offset``.
 
 Exactness against the references (`int8`, `int4`):
-W8A8_DYNAMIC: the int GEMM and the float steps are the reference's; the per-token codes are
-the kernel's (above), so in a row with a tie each tied element's code is one int8 step off the
-reference's (its output moves by that step times the weights), and the pertoken scale may
-differ in its last bit by tiling. Rows without a tie, given the documented scale rowmax / 127,
-are the reference's bit for bit.
+W8A8_DYNAMIC: the int GEMM, the float steps and the per-token codes are the reference's (both
+multiply by the float32 ``127 / rowmax``); the pertoken scale may differ in its last bit by
+tiling. Given the documented scale rowmax / 127 the output is the reference's bit for bit.
 W8A8 static: exact. x is quantized by npu_quantize only when ``1 / input_scale`` and
 ``input_offset`` are exact in x's dtype (e.g. a power-of-two scale); otherwise with torch ops on
 the device, because the fused op would multiply by a rounded reciprocal. For fp16 output the

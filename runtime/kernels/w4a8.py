@@ -20,7 +20,7 @@ low``, then ``+ bias``, then ``* per_token_scale``), and ``8 * sum_k(w * scale)`
 GroupedMatmulWeightNz: "Bias ... 8 x weight x scale, summed over k") restores the offset the
 signed low half leaves out. So the op's result is::
 
-    x_scale = amax(|x|, -1) / 127;  x_q = clamp(round(x / x_scale), -128, 127)
+    x_scale = amax(|x|, -1) / 127;  x_q = clamp(round(x * (127 / amax(|x|, -1))), -128, 127)
     y = float32(x_q @ weight_int4^T) * weight_scale^T * x_scale  (+ bias)  -> x.dtype
 
 which is the reference here: the int GEMM is exact (`_common.int8_matmul`: int4 values are int8

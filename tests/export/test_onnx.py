@@ -188,6 +188,15 @@ def test_w8a8_linear_quantizes_as_the_runtime(tmp_path, fmt, op):
     ties = (torch.randint(-127, 127, (4, k), generator=g) + 0.5) / 16     # x * 16 = j + 0.5 exactly
     ties[:, 0] = 127 / 16                   # per-token scale amax / 127 = 1/16: the dynamic rows tie as well
     x = torch.cat([ties, torch.randn(12, k, generator=g) * 3])
+    if op == "integer" and fmt == "w8a8_dynamic":
+        # a per-token tie the factor 127 / amax rounds one way and x / (amax / 127) the other
+        # (-1.3984375 * fl(127 / 2.796875) is exactly -63.5 -> -64; by division -63): the runtime
+        # and the serving kernels multiply (test_npu_contract), so must the integer graph
+        row = torch.zeros(1, k)
+        row[0, :3] = torch.tensor([2.796875, -1.3984375, 0.5])
+        amax = row.abs().amax()
+        assert torch.round(row[0, 1] * (127 / amax)) == -64 and torch.round(row[0, 1] / (amax / 127)) == -63
+        x = torch.cat([x, row])
     graph = Graph(opset=13)
     y = linear(graph, mod, graph.add_input("x", onnx.TensorProto.FLOAT, ["m", k]), "lin", LinearOptions(w8a8_op=op))
     graph.add_output(y, "y", onnx.TensorProto.FLOAT, ["m", n])

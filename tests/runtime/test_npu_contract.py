@@ -326,10 +326,10 @@ def test_w8a8_dynamic(monkeypatch, standin, dtype, bias):
     assert calls == ["npu_dynamic_quant", "npu_quant_matmul"]
     assert got.dtype == dtype and got.shape == (2, 7, 40)
     assert torch.equal(got, dynamic_as_documented(mod, x))
-    # rows whose codes agree with the reference's quantization give its output bit for bit
+    # the reference quantizes tokens as the kernel does (ties included), so it is the same output
     x2 = x.reshape(-1, 96)
-    same = (kernel_per_token_quant(x2)[0] == int8.per_token_quant(x2)[0]).all(-1).reshape(2, 7)
-    assert same.sum() >= 10 and torch.equal(got[same], ref[same])
+    assert torch.equal(kernel_per_token_quant(x2)[0], int8.per_token_quant(x2)[0])
+    assert torch.equal(got, ref)
     assert mod._npu_state["w_kn"].shape == (96, 40) and mod._npu_state["w_kn"].is_contiguous()
 
 
@@ -346,6 +346,23 @@ def test_dynamic_quant_multiplies_by_127_over_rowmax(standin, dtype, row, col, k
     assert int(y[0, col]) == kernel_code and int(by_division[0, col]) == division_code
     assert float(scale[0]) == float(torch.tensor(row[0]) / 127.0)
     assert torch.equal(y, kernel_per_token_quant(x)[0])
+
+
+@pytest.mark.parametrize("dtype,row,col,kernel_code", [
+    (torch.bfloat16, TIES[torch.bfloat16], 1, -64), (torch.float16, TIES[torch.float16], 1, 63)])
+def test_reference_per_token_quant_rounds_as_the_serving_kernels(dtype, row, col, kernel_code):
+    """cvt's reference per-token quantization (`int8.per_token_quant`, the CPU/GPU path of every
+    W8A8_DYNAMIC and W4A8 linear) multiplies by the float32 factor 127 / rowmax, as vLLM's CUDA
+    kernel (csrc/quantization/w8a8/int8/scaled_quant.cu, dynamic_scaled_int8_quant_kernel:
+    inv_s = 127.f / absmax, cvt.rni.sat.s8.f32) and npu_dynamic_quant (ops-nn dynamic_quant.h)
+    do: on these tie rows x / scale would round the other way (the codes are worked by hand in
+    TIES). A zero row gets codes 0 and scale 0 (vLLM: inv_s = 0)."""
+    x = torch.tensor([row, [0.0] * len(row)], dtype=torch.float32).to(dtype)
+    q, scale = int8.per_token_quant(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (2,)
+    assert int(q[0, col]) == kernel_code
+    assert float(scale[0]) == float(torch.tensor(abs(row[0])) / 127.0)
+    assert q[1].tolist() == [0] * len(row) and float(scale[1]) == 0.0
 
 
 def test_w8a8_dynamic_zero_row_codes_are_not_used(monkeypatch, standin):
@@ -719,10 +736,10 @@ def test_whole_model_npu_path_matches_reference_kernels(trained_fixture, standin
     """The DeepSeek-V3 fixture with W8A8-dynamic attention and W4A16 experts (bf16 activations, as
     on an NPU): every quantized linear, fed the input it got in the reference forward, gives the
     reference kernel's output through the (stand-in) Ascend ops; the whole forward through them
-    stays near the reference logits. The reference forward here quantizes activations per token
-    the way npu_dynamic_quant's kernel rounds (`kernel_per_token_quant`): with the reference's
-    own x / scale, the ties it rounds the other way (a few % of rows) move this tiny model's
-    logits by far more than the accumulation order below, which is what this test measures.
+    stays near the reference logits. (The reference quantizes activations per token the way
+    npu_dynamic_quant's kernel rounds; when it divided by the scale instead, the ties it rounded
+    the other way, a few % of rows, moved this tiny model's logits far more than the
+    accumulation order below, which is what this test measures.)
 
     Per linear, on identical inputs: a W4A16 matmul rounds to bf16 after summing in another
     order than the reference's bf16 GEMM (which one differs by a unit depends on the CPU), so
@@ -745,9 +762,7 @@ def test_whole_model_npu_path_matches_reference_kernels(trained_fixture, standin
 
     hooks = [m.register_forward_hook(keep(n)) for n, m in quantized.items()]
     tokens = torch.tensor([[256, 35, 105, 110, 99, 108, 117, 100, 101, 32, 60, 108]])
-    with monkeypatch.context() as mp:
-        mp.setattr(int8, "per_token_quant", kernel_per_token_quant)
-        ref = model(tokens)
+    ref = model(tokens)
     for h in hooks:
         h.remove()
     monkeypatch.setenv(npu.ENV_FORCE, "1")
