@@ -71,8 +71,9 @@ def _human(n: float) -> str:
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="Output files written in parallel (default: 2, or 1 on a 1-core machine). Peak memory grows with it.")
 @click.option("--max-shard-size", default="5GB", show_default=True,
-              help="Largest output file, e.g. 5GB, 500MB, 2GiB. An output under 4 such files is written as up to 4 "
-                   "files of about equal size, each at least 256 MiB, so they are hashed in parallel.")
+              help="Largest output file, e.g. 5GB, 500MB, 2GiB. An output under 4 such files is cut into up to 4 "
+                   "files of about equal shares (at least 256 MiB each; a large tensor keeps its own file), "
+                   "so they are hashed in parallel.")
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Keep output files an interrupted run of the same conversion finished (size and sha256 checked).")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
@@ -144,8 +145,8 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="Output files written in parallel (default: 2, or 1 on a 1-core machine).")
 @click.option("--max-shard-size", default="5GB", show_default=True,
-              help="Largest output file. An output under 4 such files is written as up to 4 files of about equal "
-                   "size, each at least 256 MiB, so they are hashed in parallel.")
+              help="Largest output file. An output under 4 such files is cut into up to 4 files of about equal "
+                   "shares (at least 256 MiB each; a large tensor keeps its own file), so they are hashed in parallel.")
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @_common

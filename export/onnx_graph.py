@@ -390,7 +390,9 @@ def _per_token_quant(g: Graph, x: str) -> tuple[str, str]:
     pos = g.op("Greater", [amax, g.fconst(0.0)])
     factor = g.op("Where", [pos, g.op("Div", [g.fconst(127.0), g.op("Where", [pos, amax, g.fconst(1.0)])]),
                             g.fconst(0.0)])
-    q = g.op("Clip", [g.op("Round", [g.op("Mul", [x, factor])]), g.fconst(-128.0), g.fconst(127.0)])
+    p = g.op("Mul", [x, factor])
+    p = g.op("Where", [g.op("IsNaN", [p]), g.fconst(0.0), p])  # 0 * inf (amax < 127 / FLT_MAX): 0, as the runtime
+    q = g.op("Clip", [g.op("Round", [p]), g.fconst(-128.0), g.fconst(127.0)])
     return q, s
 
 

@@ -41,11 +41,16 @@ def per_token_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``dynamic_scaled_int8_quant_kernel``: ``inv_s = 127.f / absmax``, 0 for a zero row, then
     ``cvt.rni.sat.s8.f32(x * inv_s)``) and torch_npu's ``npu_dynamic_quant`` (ops-nn
     dynamic_quant.h, see `cvt.runtime.kernels.npu`) compute. ``round(x / x_scale)`` is one code
-    off wherever ``x * 127 / amax`` is a half-integer (a few % of bf16 rows)."""
+    off wherever ``x * 127 / amax`` is a half-integer (a few % of bf16 rows).
+
+    The factor is one correctly rounded float32 division: torch's ``127.0 / t`` is
+    ``t.reciprocal() * 127`` (two roundings, a last-bit difference for ~27% of bf16 amax values).
+    An amax below ~3.7e-37 makes the factor inf: the row saturates (+-127 / -128, zeros stay 0),
+    as ``cvt.rni.sat`` does."""
     xf = x2.to(torch.float32)
     amax = xf.abs().amax(dim=-1)
-    factor = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # float32 division, as the kernels
-    q = torch.round(xf * factor[:, None]).clamp_(-128, 127)
+    factor = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * factor[:, None]).nan_to_num_(nan=0.0).clamp_(-128, 127)  # 0 * inf: 0
     return q.to(torch.int8), amax / 127.0
 
 

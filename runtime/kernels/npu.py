@@ -65,7 +65,8 @@ Call patterns cross-checked in vllm-ascend (w8a8.py, w8a8_dynamic.py, w4a16.py).
 Exactness against the references (`int8`, `int4`):
 W8A8_DYNAMIC: the int GEMM, the float steps and the per-token codes are the reference's (both
 multiply by the float32 ``127 / rowmax``); the pertoken scale may differ in its last bit by
-tiling. Given the documented scale rowmax / 127 the output is the reference's bit for bit.
+tiling. Given the documented scale rowmax / 127, and a correctly rounded Div in the kernel (not
+checked on hardware: no NPU here), the output is the reference's bit for bit.
 W8A8 static: exact. x is quantized by npu_quantize only when ``1 / input_scale`` and
 ``input_offset`` are exact in x's dtype (e.g. a power-of-two scale); otherwise with torch ops on
 the device, because the fused op would multiply by a rounded reciprocal. For fp16 output the

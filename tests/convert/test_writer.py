@@ -13,6 +13,7 @@ from safetensors import safe_open
 from cvt.convert import writer
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
 from cvt.convert.writer import BALANCED_FILES, MIN_BALANCED_SHARD, plan_shards
+from cvt.errors import CvtError
 from cvt.tests.conftest import run_cvt
 
 MB = 10**6
@@ -97,6 +98,11 @@ def test_a_balanced_checkpoint_holds_the_same_tensors(fp8_release, tmp_path, mon
     again = fp8_to_bf16(fp8_release, tmp_path / "bal", quiet=True, workers=2)
     assert again.written_files == 0 and again.skipped_files == BALANCED_FILES
     assert one.bytes_out == bal.bytes_out
+    # the file assignment is part of the plan: the same command with another cut (here: one
+    # file) must not mix into the balanced output, whose files hold other tensors
+    monkeypatch.setattr(writer, "MIN_BALANCED_SHARD", 10**15)
+    with pytest.raises(CvtError, match="different run"):
+        fp8_to_bf16(fp8_release, tmp_path / "bal", quiet=True)
 
 
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])

@@ -189,14 +189,20 @@ def test_w8a8_linear_quantizes_as_the_runtime(tmp_path, fmt, op):
     ties[:, 0] = 127 / 16                   # per-token scale amax / 127 = 1/16: the dynamic rows tie as well
     x = torch.cat([ties, torch.randn(12, k, generator=g) * 3])
     if op == "integer" and fmt == "w8a8_dynamic":
-        # a per-token tie the factor 127 / amax rounds one way and x / (amax / 127) the other
-        # (-1.3984375 * fl(127 / 2.796875) is exactly -63.5 -> -64; by division -63): the runtime
-        # and the serving kernels multiply (test_npu_contract), so must the integer graph
-        row = torch.zeros(1, k)
-        row[0, :3] = torch.tensor([2.796875, -1.3984375, 0.5])
-        amax = row.abs().amax()
-        assert torch.round(row[0, 1] * (127 / amax)) == -64 and torch.round(row[0, 1] / (amax / 127)) == -63
-        x = torch.cat([x, row])
+        # per-token ties where multiplying by the factor fl(127 / amax) and dividing by the scale
+        # part (-1.3984375 * fl(127 / 2.796875) is exactly -63.5 -> -64, by division -63), and
+        # where one float32 division and torch's 127.0 / t (t.reciprocal() * 127) part (1.484375 *
+        # fl(127 / 2.96875) = 63.499996 -> 63; 63.500004 -> 64); a row small enough that the
+        # factor is inf; 400 random bf16 rows, a few % of which hold a tie. The runtime and the
+        # serving kernels multiply by one division (test_npu_contract), so must the graph.
+        rows = torch.zeros(3, k)
+        rows[0, :3] = torch.tensor([2.796875, -1.3984375, 0.5])
+        rows[1, :3] = torch.tensor([2.96875, 1.484375, 0.0])
+        rows[2, :3] = torch.tensor([1e-37, -5e-38, 2e-38])
+        a0, a1, x0 = torch.tensor(2.796875), torch.tensor(2.96875), torch.tensor(-1.3984375)
+        assert torch.round(x0 * (torch.tensor(127.0) / a0)) == -64 and torch.round(x0 / (a0 / 127)) == -63
+        assert torch.round(1.484375 * (torch.tensor(127.0) / a1)) == 63 and torch.round(1.484375 * (127.0 / a1)) == 64
+        x = torch.cat([x, rows, torch.randn(400, k, generator=g).bfloat16().float()])
     graph = Graph(opset=13)
     y = linear(graph, mod, graph.add_input("x", onnx.TensorProto.FLOAT, ["m", k]), "lin", LinearOptions(w8a8_op=op))
     graph.add_output(y, "y", onnx.TensorProto.FLOAT, ["m", n])

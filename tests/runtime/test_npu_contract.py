@@ -118,7 +118,7 @@ def dynamic_quant(calls):
                   "smooth_scales must be (H,) in x's dtype")
             xf = xf * smooth_scales.to(torch.float32)
         amax = xf.abs().amax(dim=-1, keepdim=True)
-        factor = 127.0 / amax                                    # float32 division: Div(127, rowmax)
+        factor = torch.full_like(amax, 127.0) / amax             # float32 division: Div(127, rowmax)
         y = torch.round(xf * factor).clamp(-128, 127)            # Muls, then round half to even
         y = torch.where(amax > 0, y, torch.full_like(y, 127.0))  # unspecified on a zero row
         return y.to(torch.int8), (amax / 127.0).squeeze(-1)
@@ -285,8 +285,8 @@ def _dynamic(n, k, bias, seed=0):
 TIES = {  # rows whose second element is -+rowmax / 2, where the two roundings part
     # bf16: x * fl(127 / rowmax) is exactly -63.5 (-> -64, half to even), x / fl(rowmax / 127) -63.499996 (-> -63)
     torch.bfloat16: [2.796875, -1.3984375, 0.5],
-    # fp16, the other way round: x / scale is exactly 63.5 (-> 64), x * (127 / rowmax) 63.499996 (-> 63)
-    torch.float16: [2.126953125, 1.0634765625, -0.25],
+    # fp16: x * fl(127 / rowmax) is exactly 63.5 (-> 64, half to even), x / fl(rowmax / 127) 63.499996 (-> 63)
+    torch.float16: [2.001953125, 1.0009765625, -0.25],
 }
 
 
@@ -296,7 +296,7 @@ def kernel_per_token_quant(x2):
     codes round_half_even(x * (127 / rowmax)), scale rowmax / 127 (0 and codes 0 for a zero row)."""
     xf = x2.to(torch.float32)
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    q = torch.round(xf * (127.0 / amax)).clamp(-128, 127)
+    q = torch.round(xf * (torch.full_like(amax, 127.0) / amax)).clamp(-128, 127)  # one division, not 1/t * 127
     q = torch.where(amax > 0, q, torch.zeros_like(q))
     return q.to(torch.int8), (amax / 127.0).squeeze(-1)
 
@@ -334,7 +334,7 @@ def test_w8a8_dynamic(monkeypatch, standin, dtype, bias):
 
 
 @pytest.mark.parametrize("dtype,row,col,kernel_code,division_code", [
-    (torch.bfloat16, TIES[torch.bfloat16], 1, -64, -63), (torch.float16, TIES[torch.float16], 1, 63, 64)])
+    (torch.bfloat16, TIES[torch.bfloat16], 1, -64, -63), (torch.float16, TIES[torch.float16], 1, 64, 63)])
 def test_dynamic_quant_multiplies_by_127_over_rowmax(standin, dtype, row, col, kernel_code, division_code):
     """npu_dynamic_quant's codes are round(x * (127 / rowmax)), not the docstring's round(x / scale)
     (ops-nn dynamic_quant.h; DOCS npu_dynamic_quant for the scale = rowMax(|x|) / 127 it returns)."""
@@ -349,20 +349,32 @@ def test_dynamic_quant_multiplies_by_127_over_rowmax(standin, dtype, row, col, k
 
 
 @pytest.mark.parametrize("dtype,row,col,kernel_code", [
-    (torch.bfloat16, TIES[torch.bfloat16], 1, -64), (torch.float16, TIES[torch.float16], 1, 63)])
+    (torch.bfloat16, TIES[torch.bfloat16], 1, -64), (torch.float16, TIES[torch.float16], 1, 64),
+    # the factor must be ONE float32 division: fl(127 / 2.96875) gives 63.499996 (-> 63), where
+    # torch's 127.0 / t (t.reciprocal() * 127) gives 63.500004 (-> 64), as does x / scale (63.5)
+    (torch.bfloat16, [2.96875, 1.484375, 0.0], 1, 63)])
 def test_reference_per_token_quant_rounds_as_the_serving_kernels(dtype, row, col, kernel_code):
     """cvt's reference per-token quantization (`int8.per_token_quant`, the CPU/GPU path of every
     W8A8_DYNAMIC and W4A8 linear) multiplies by the float32 factor 127 / rowmax, as vLLM's CUDA
     kernel (csrc/quantization/w8a8/int8/scaled_quant.cu, dynamic_scaled_int8_quant_kernel:
     inv_s = 127.f / absmax, cvt.rni.sat.s8.f32) and npu_dynamic_quant (ops-nn dynamic_quant.h)
     do: on these tie rows x / scale would round the other way (the codes are worked by hand in
-    TIES). A zero row gets codes 0 and scale 0 (vLLM: inv_s = 0)."""
+    TIES and below). A zero row gets codes 0 and scale 0 (vLLM: inv_s = 0)."""
     x = torch.tensor([row, [0.0] * len(row)], dtype=torch.float32).to(dtype)
     q, scale = int8.per_token_quant(x)
     assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (2,)
     assert int(q[0, col]) == kernel_code
     assert float(scale[0]) == float(torch.tensor(abs(row[0])) / 127.0)
     assert q[1].tolist() == [0] * len(row) and float(scale[1]) == 0.0
+
+
+def test_reference_per_token_quant_saturates_a_tiny_row():
+    """amax below 127 / FLT_MAX: the float32 factor is inf, so the row saturates as vLLM's
+    cvt.rni.sat.s8.f32 does (+-inf -> 127 / -128), and its zeros (0 * inf = NaN) stay 0."""
+    x = torch.tensor([[1e-37, -5e-38, 0.0, 2e-38], [3.0, -1.5, 0.0, 0.75]])
+    q, scale = int8.per_token_quant(x)
+    assert q.tolist() == [[127, -128, 0, 127], [127, -64, 0, 32]]  # 0.75 * 127 / 3 = 31.75 -> 32
+    assert float(scale[0]) == float(torch.tensor(1e-37) / 127.0) and float(scale[1]) == float(torch.tensor(3.0) / 127)
 
 
 def test_w8a8_dynamic_zero_row_codes_are_not_used(monkeypatch, standin):

@@ -48,7 +48,8 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None)
         xf = xf * smooth_scales.to(torch.float32)
     amax = xf.abs().amax(dim=-1)
     scale = amax / 127.0
-    factor = (127.0 / torch.where(amax > 0, amax, torch.ones_like(amax))).unsqueeze(-1)
+    # one float32 division (torch's 127.0 / t would be t.reciprocal() * 127, rounded twice)
+    factor = (torch.full_like(amax, 127.0) / torch.where(amax > 0, amax, torch.ones_like(amax))).unsqueeze(-1)
     y = torch.round(xf * factor).clamp(-128, 127)
     y = torch.where((scale > 0).unsqueeze(-1), y, torch.zeros_like(y))
     return y.to(torch.int8), scale
