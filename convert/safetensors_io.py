@@ -611,24 +611,20 @@ class AtomicFile:
                 pass
             raise OutputError(f"{self.tmp}: cannot create: {exc.strerror or exc}") from exc
 
-    @property
-    def hashes_on_write(self) -> bool:
-        """Whether `write_unhashed` hashes too (a `DirectFile` hashes each chunk it stages, while
-        it is in cache): then nobody else may feed `sha`."""
-        return isinstance(self._f, DirectFile) and self._f.sha is not None
-
     def write(self, data) -> None:
-        """Hash and write `data` (small files, headers)."""
+        """Write and hash `data`, each chunk of at most `DIRECT_STAGE` bytes hashed right after it
+        was copied (into the staging buffer, or into the page cache by a buffered write), while
+        it is still in cache: sha256 ran at 1.9 GB/s so, against 1.15 GB/s for a separate hasher
+        reading the bytes back from memory (a buffered quantize: 1.9-2.0 s -> 1.8 s)."""
         mv = memoryview(data).cast("B")
-        if not self.hashes_on_write:
-            self.sha.update(mv)
-        self.write_unhashed(mv)
-
-    def write_unhashed(self, mv: memoryview) -> None:
-        """Write without hashing (unless `hashes_on_write`): the caller feeds `sha` itself, in the
-        same byte order (a pipelined writer hashes one buffer while writing the next)."""
         try:
-            self._faults.write(self._f, mv)
+            if isinstance(self._f, DirectFile):  # hashes each chunk as it stages it
+                self._faults.write(self._f, mv)
+            else:
+                for i in range(0, len(mv), DIRECT_STAGE):
+                    chunk = mv[i:i + DIRECT_STAGE]
+                    self._faults.write(self._f, chunk)
+                    self.sha.update(chunk)
         except OSError as exc:
             self.abort()
             raise OutputError(f"{self.path}: write failed after {self.size} bytes: {exc.strerror or exc} (disk full?)") from exc

@@ -35,8 +35,8 @@ made once (zero-copy for dim-0 runs and whole tensors, one copy for dim-1 runs),
 against the writer's in-flight byte budget, and handed to every rank file that holds them (a
 replicated 1.85 GB embedding goes to all W ranks at once, not one rank at a time). The files
 are the writer's (`cvt.convert.writer.FileSet`): a rank's files are consecutive runs of its
-tensors in that same order, so at most one file per rank is open, each with a writer and a
-hasher thread; peak memory is a few tensors whatever W or the model size. The source
+tensors in that same order, so at most one file per rank is open, each with a writer thread
+(which hashes as it writes); peak memory is a few tensors whatever W or the model size. The source
 tensor's pages are released once every rank file has hashed its slice. Resume, locking and
 atomic files are the writer's too (`OutputDir`): finished rank files are skipped on a rerun
 and source tensors only they need are not read.

@@ -240,14 +240,12 @@ class Charge:
 
 
 class _FilePipeline:
-    """One output file's back half: a writer thread (file.write) and a hasher thread (sha256)
-    working on consecutive buffers, while the caller's thread produces the next tensor.
-
-    On this class of machine sha256 (~0.3 GB/s a core) is slower than the disk, so hashing
-    must overlap with dequantizing and writing. Each buffer's `Charge` is settled once hashed
-    (the last stage). `depth` bounds each queue (a worker per file runs at most that far ahead);
-    0 leaves them unbounded, memory bounded by the byte budget alone (one thread feeding many
-    files: a full queue would stall every other file)."""
+    """One output file's back half: a writer thread that writes (and so hashes, chunk by chunk
+    while each is in cache: `AtomicFile.write`) the buffers the caller's thread hands it, while
+    that thread produces the next tensor. Each buffer's `Charge` is settled once written.
+    `depth` bounds the queue (a worker per file runs at most that far ahead); 0 leaves it
+    unbounded, memory bounded by the byte budget alone (one thread feeding many files: a full
+    queue would stall every other file)."""
 
     _END = object()
 
@@ -256,41 +254,27 @@ class _FilePipeline:
 
         self.f, self.update = f, update
         self.error: BaseException | None = None
-        self.q_write: "queue.Queue" = queue.Queue(maxsize=depth)
-        self.q_hash: "queue.Queue" = queue.Queue(maxsize=depth)
-        self.threads = [threading.Thread(target=self._writer, name="cvt-file-write", daemon=True),
-                        threading.Thread(target=self._hasher, name="cvt-file-hash", daemon=True)]
-        for t in self.threads:
-            t.start()
+        self.queue: "queue.Queue" = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._writer, name="cvt-file-write", daemon=True)
+        self.thread.start()
 
     def put(self, buf: memoryview, keep, nbytes: int, charge: Charge) -> None:
         if self.error is not None:
             charge.done()
             raise self.error
-        self.q_write.put((buf, keep, nbytes, charge))
+        self.queue.put((buf, keep, nbytes, charge))
 
     def _writer(self) -> None:
-        while (item := self.q_write.get()) is not self._END:
+        while (item := self.queue.get()) is not self._END:
+            buf, keep, nbytes, charge = item
+            del item
             if self.error is None:
                 try:
-                    self.f.write_unhashed(item[0])
-                except BaseException as exc:  # reported by close()
-                    self.error = exc
-            self.q_hash.put(item)
-        self.q_hash.put(self._END)
-
-    def _hasher(self) -> None:
-        while (item := self.q_hash.get()) is not self._END:
-            buf, keep, nbytes, charge = item
-            try:
-                if self.error is None and not self.f.hashes_on_write:  # else hashed as written, cache-hot
-                    self.f.sha.update(buf)
-                del buf, keep, item
-                if self.error is None:
+                    self.f.write(buf)
                     self.update(nbytes)
-            except BaseException as exc:  # reported by close(); keep draining so nobody blocks
-                if self.error is None:
+                except BaseException as exc:  # reported by close(); keep draining so nobody blocks
                     self.error = exc
+            del buf, keep
             try:
                 charge.done()  # the budget is released first, whatever its `on_last` does
             except BaseException as exc:
@@ -300,9 +284,8 @@ class _FilePipeline:
     def close(self, abort: bool = False) -> None:
         if abort and self.error is None:
             self.error = _Cancelled()
-        self.q_write.put(self._END)
-        for t in self.threads:
-            t.join()
+        self.queue.put(self._END)
+        self.thread.join()
         if self.error is not None and not abort:
             raise self.error
 

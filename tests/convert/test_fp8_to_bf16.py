@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -119,8 +120,6 @@ def test_outputs_load_with_torch_through_safetensors(fp8_release, tmp_path):
 
 
 def test_manifest_validates_and_matches_files(fp8_release, tmp_path):
-    import hashlib
-
     dst = tmp_path / "out"
     fp8_to_bf16(fp8_release, dst, quiet=True)
     manifest = json.loads((dst / "cvt_manifest.json").read_text())
@@ -160,6 +159,11 @@ def test_direct_and_buffered_writes_give_the_same_files(fp8_release, tmp_path, m
     assert len([n for n in names if n.endswith(".safetensors")]) > 1
     for n in names:
         assert (tmp_path / "d1" / n).read_bytes() == (tmp_path / "d0" / n).read_bytes(), n
+    # each way hashes chunk by chunk as it writes: the recorded sha256 is the file's
+    for d in ("d1", "d0"):
+        for f in json.loads((tmp_path / d / "cvt_manifest.json").read_text())["files"]:
+            data = (tmp_path / d / f["path"]).read_bytes()
+            assert f["size"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest(), (d, f["path"])
 
 
 def test_quantization_config_under_text_config(tmp_path):

@@ -159,7 +159,7 @@ def test_resume_refuses_another_source_with_the_same_config_and_index(tmp_path):
     assert r.rc != 0 and "different run" in r.err
 
 
-def test_a_failure_in_the_hashing_thread_is_reported_not_hung(fp8_release_session, tmp_path):
+def test_a_failure_in_the_writer_thread_is_reported_not_hung(fp8_release_session, tmp_path):
     import threading
 
     from cvt.convert.reader import open_checkpoint
