@@ -210,14 +210,29 @@ def weight_only(model, bf16_experts: bool = False):
 TOKENS = torch.tensor([[256, 35, 105, 110, 99, 108, 117, 100, 101, 32, 60, 108]])
 
 
-def test_transformers_loads_w4a16_deepseek_and_logits_match(trained_fixture, tmp_path):
+@pytest.mark.parametrize("files", [1, 4])
+def test_transformers_loads_w4a16_deepseek_and_logits_match(trained_fixture, tmp_path, monkeypatch, files):
     """The trained DeepSeek-V3 fixture as compressed-tensors W4A16 g32 loads in transformers and
     its logits match cvt's runtime on the same output. transformers decompresses the fused
     experts to bf16 (equal bit for bit to cvt's dequant rounded to bf16, checked here) and runs
-    them in bf16, hence the 2e-3 relative tolerance; the top-1 tokens are identical."""
+    them in bf16, hence the 2e-3 relative tolerance; the top-1 tokens are identical. files=4:
+    the output cut into balanced files (the writer's threshold lowered, as a release of 1 GB or
+    more is), so that an expert's parts transformers fuses may sit in different files."""
+    from cvt.convert import writer
+
     transformers = pytest.importorskip("transformers")
     dst = tmp_path / "w4a16"
+    if files > 1:
+        monkeypatch.setattr(writer, "MIN_BALANCED_SHARD", 1)
     quantize(trained_fixture, dst, scheme="w4a16", fmt="compressed-tensors", group_size=32, quiet=True)
+    assert len(list(dst.glob("model-*.safetensors"))) == files
+    if files > 1:  # what this case is for: some expert's parts in two files
+        where = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+        homes: dict[str, set] = {}
+        for k, f in where.items():
+            if ".mlp.experts." in k:
+                homes.setdefault(k.rsplit(".", 2)[0], set()).add(f)
+        assert any(len(v) > 1 for v in homes.values())
     hf = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
     ours = load_model(dst, dtype=torch.float32).model
     fused = hf.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]
