@@ -4,8 +4,9 @@ Every stage describes its output as an ordered list of `OutTensor` (name, dtype,
 a function producing the bytes). `write_checkpoint` then
 
 1. plans shards up front (in order, each at most `max_shard_size` unless one tensor is
-   larger; a small output cut into up to `BALANCED_FILES` balanced files, see `plan_shards`): the plan depends only on the tensor list and the arguments, so a
-   resumed run writes the same file names with the same contents;
+   larger; a small output cut into up to `BALANCED_FILES` balanced files, see `plan_shards`):
+   the plan depends only on the tensor list and the arguments, so a resumed run writes the
+   same file names with the same contents;
 2. enters DST (`cvt.convert.outdir.OutputDir`: refuses a DST overlapping SRC, locks it, and
    finds what an earlier run of the same plan finished: recorded in `.cvt-state.json` after
    each file, trusted only when size and sha256 on disk still match);
