@@ -23,10 +23,13 @@ Bytes per tensor shard under a scheme:
   SGLang) take 1 byte per element + float32 block scales ``ceil(n/128) x ceil(k/128)`` of the
   shard; everything else as bf16.
 * ``w8a8`` / ``w8a8c8`` / ``w4a16`` / ``w4a8`` / ``fp4``: quantizable linears that are not float by default
-  (arch table) take the scheme's ``param_info`` parts of the shard, 4-bit parts packed two per
-  byte as stored; the rest stays bf16. w8a8c8 adds the replicated KV-cache scales and
+  (arch table) take the bytes `cvt quantize --format F --target T` writes for their shard: the
+  on-disk tensors of the layout the layout table picks (`DiskBytes`, the table quantize and
+  shard read; F defaults to compressed-tensors, or ascend for a scheme only it has), or bf16
+  where T loads that kernel format for MoE experts only; the rest stays bf16. w4a16's group
+  size defaults as quantize's does per format. w8a8c8 adds the replicated KV-cache scales and
   offsets of `cvt.runtime.kv_cache` (MLA FAKQuant: fa_q [heads, 1], fa_k / fa_v [1, 1] per
-  layer; GQA: per channel).
+  layer; GQA: per channel). A test holds each rank's bytes equal to what `cvt shard` writes.
 
 KV cache for ``kv_tokens``: the tokens in flight over the whole world; attention DP splits
 sequences evenly over the dp ranks (``ceil(kv_tokens / dp)`` per rank), TP ranks of a group
@@ -126,16 +129,54 @@ class Violation:
         return msg + (f" (and {self.more} more tensors like it)" if self.more else "")
 
 
-def _scheme(scheme: str | None, group_size: int | None):
+def _scheme(scheme: str | None, group_size: int | None, fmt: str | None = None, fp4_format: str | None = None):
     if scheme in (None, "bf16", "fp8"):
         if group_size is not None:
             raise CvtError(f"group_size applies to quantized schemes, not {scheme or 'the source'}")
         return None
     if scheme not in SCHEMES:
         raise CvtError(f"unknown scheme {scheme!r} for the plan (known: {', '.join(SCHEMES)})")
+    from cvt.quant.formats import DEFAULT_GROUP
     from cvt.quant.schemes import get_scheme
 
-    return get_scheme(scheme, **({} if group_size is None else {"group_size": group_size}))
+    if group_size is None and fmt is not None:
+        group_size = DEFAULT_GROUP.get((scheme, fmt))  # what cvt quantize writes for that format
+    opts = {} if group_size is None else {"group_size": group_size}
+    if fp4_format is not None:
+        if scheme != "fp4":
+            raise CvtError(f"fp4_format applies to scheme fp4, not {scheme}")
+        opts["fp4_format"] = fp4_format
+    return get_scheme(scheme, **opts)
+
+
+class DiskBytes:
+    """Bytes of a quantized linear's shard as `cvt quantize` writes it for `fmt` / `target`
+    (the layout table, `cvt.quant.disk_layouts`: the one owner quantize and shard read), or
+    None where that target keeps the module float (a layout loaded for MoE experts only).
+    `fmt` None: compressed-tensors when it has the scheme (cvt quantize's default), else ascend."""
+
+    def __init__(self, scheme, fmt: str | None, target: str | None):
+        from cvt.quant import layouts as L
+        from cvt.quant.disk_layouts import DiskLayouts
+        from cvt.quant.formats import get_format
+
+        kf = L.kernel_fmt_of(scheme)
+        if fmt is None:
+            fmt = "compressed-tensors" if L.candidates("compressed-tensors", kf, L.check_target(
+                "compressed-tensors", None)) else "ascend"
+        self.fmt, self.target, self.scheme = fmt, L.check_target(fmt, target), scheme
+        form = get_format(fmt)
+        form.supports(scheme, self.target)
+        self.layouts = DiskLayouts(form, self.target)
+        self.float_reason = L.experts_only_reason(fmt, kf, self.target)
+
+    def __call__(self, module: str, shape: tuple, expert: bool) -> int | None:
+        from cvt.convert.safetensors_io import DTYPES
+
+        if self.float_reason is not None and not expert:
+            return None
+        specs, _ = self.layouts.get(module, self.scheme, tuple(shape), False, None, None, expert)
+        return sum(math.prod(s) * DTYPES[code][1] for s, code in specs.values())
 
 
 def _holds_fp8(config: Mapping[str, Any], scheme: str | None) -> tuple[int, int] | None:
@@ -236,8 +277,10 @@ def check(layout: Layout, config: Mapping[str, Any], scheme: str | None = None,
 
 
 # ------------------------------------------------------------------------------ memory plan
-def _tensor_bytes(kind: Kind, shape: tuple, dim: int | None, deg: int, sch, block) -> int:
-    """Bytes of one shard (dim split `deg` ways, the largest shard when it does not divide)."""
+def _tensor_bytes(kind: Kind, shape: tuple, dim: int | None, deg: int, sch, block, disk: DiskBytes | None = None,
+                  module: str = "") -> int:
+    """Bytes of one shard (dim split `deg` ways, the largest shard when it does not divide);
+    a quantized linear's as `disk` says (`DiskBytes`), else from the scheme's parts."""
     shape = list(shape)
     if dim is not None and deg > 1:
         shape[dim] = -(-shape[dim] // deg)
@@ -247,6 +290,9 @@ def _tensor_bytes(kind: Kind, shape: tuple, dim: int | None, deg: int, sch, bloc
     if block and kind.fp8 and len(shape) == 2:
         n, k = shape
         return n * k + -(-n // block[0]) * -(-k // block[1]) * 4
+    if disk is not None and kind.quantized and len(shape) == 2:
+        b = disk(module, shape, kind.info.role is Role.EXPERT)
+        return 2 * numel if b is None else b
     if sch is not None and kind.quantized and len(shape) == 2:
         total = 0
         for part, (pshape, dtype) in sch.param_info(tuple(shape)).items():
@@ -357,16 +403,36 @@ class Plan:
         return "\n".join(lines)
 
 
+def _scheme_assumption(scheme: str, sch, disk: DiskBytes | None) -> str:
+    if disk is None:
+        return {"bf16": "bf16: 2 bytes per element (e_score_correction_bias float32)",
+                "fp8": "fp8: attention, dense MLP and expert linears 1 byte/element + float32 128x128 block scales; "
+                       "embeddings, heads, norms, router, eh_proj bf16"}[scheme]
+    return (f"{scheme}" + (f" group {sch.group_size}" if getattr(sch, "group_size", 0) else "")
+            + (f" ({sch.fp4_format})" if scheme == "fp4" else "")
+            + f": linears not float by default as cvt quantize --format {disk.fmt} --target {disk.target} writes "
+            "them (its layout table)"
+            + (f"; {disk.target} loads this kernel format for MoE experts only, so the other linears stay bf16"
+               if disk.float_reason else "") + "; the rest bf16")
+
+
 def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16", group_size: int | None = None,
-                kv_tokens: int = 0, hbm_bytes: int | str | None = None) -> Plan:
-    """Per-rank bytes of `layout` for this config under `scheme` (module docstring), no weights read."""
+                kv_tokens: int = 0, hbm_bytes: int | str | None = None, fmt: str | None = None,
+                target: str | None = None, fp4_format: str | None = None) -> Plan:
+    """Per-rank bytes of `layout` for this config under `scheme` (module docstring), no weights
+    read; a quantized scheme's linears as `cvt quantize --format fmt --target target` writes
+    them (`DiskBytes`)."""
     if scheme not in SCHEMES:
         raise CvtError(f"unknown scheme {scheme!r} for the memory plan (known: {', '.join(SCHEMES)})")
     if not isinstance(kv_tokens, int) or kv_tokens < 0:
         raise CvtError(f"kv_tokens must be a non-negative integer, got {kv_tokens!r}")
     arch = arch_for(config)
     cfg = arch.config
-    sch = _scheme(scheme, group_size)
+    disk = DiskBytes(_scheme(scheme, group_size, fmt or "compressed-tensors", fp4_format), fmt, target) \
+        if scheme not in ("bf16", "fp8") else None
+    sch = _scheme(scheme, group_size, disk.fmt if disk is not None else None, fp4_format)
+    if disk is not None:
+        disk.scheme = sch
     qc = cfg.get("quantization_config") or config.get("quantization_config") or {}
     block = tuple(qc.get("weight_block_size") or (128, 128)) if scheme == "fp8" else None
     per_rank = dict.fromkeys(CATEGORIES, 0)
@@ -374,12 +440,13 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     experts: dict[int, dict[int, int]] = {}
     memo: dict[tuple, int] = {}
     items = list(tensors(config, layout.shared_experts))
-    for _, shape, kind, nums in items:
+    for name, shape, kind, nums in items:
         deg = getattr(layout, kind.axis) if kind.axis else 1
         key = (kind.info.rule.pattern, kind.info.param, shape, deg)
         if key not in memo:
-            memo[key] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, sch, block)
-            memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, None, 1, sch, block)
+            module = name.rsplit(".", 1)[0]
+            memo[key] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, sch, block, disk, module)
+            memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, None, 1, sch, block, disk, module)
         model[kind.category] += memo[key[:3] + (0,)]
         if kind.info.role is Role.EXPERT:
             layer = experts.setdefault(nums[0], {})
@@ -435,12 +502,7 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         "bytes are weights + KV cache only (no activations, workspace, communication buffers or allocator slack)",
         f"shared experts: {'split moe_tp ways' if layout.shared_experts == 'moe_tp' else 'whole on every rank'}; "
         "norms, router, q_a/kv_a projections and eh_proj replicated",
-        {"bf16": "bf16: 2 bytes per element (e_score_correction_bias float32)",
-         "fp8": "fp8: attention, dense MLP and expert linears 1 byte/element + float32 128x128 block scales; "
-                "embeddings, heads, norms, router, eh_proj bf16"}.get(scheme,
-            f"{scheme}: quantizable linears not float by default take the scheme's param_info parts"
-            + (" (4-bit values packed two per byte)" if scheme in ("w4a16", "w4a8", "fp4") else "")
-            + f"{f', group {sch.group_size}' if getattr(sch, 'group_size', 0) else ''}; the rest bf16"),
+        _scheme_assumption(scheme, sch, disk),
         f"KV cache: {kv_tokens} tokens in flight over the world, split evenly over dp {layout.dp} "
         f"({-(-kv_tokens // layout.dp)} per rank); " + (
             f"MLA latent {cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}"
@@ -449,4 +511,5 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         + f"; {'int8' if int8_kv else 'bf16'}; {n_layers} decoder layers (MTP layers not cached)"]
     return Plan(arch.model_type, scheme, layout, ranks, model, kv_tokens,
                 None if hbm_bytes is None else parse_bytes(hbm_bytes),
-                validate(layout, config, scheme, group_size, items), assumptions)
+                validate(layout, config, scheme, getattr(sch, "group_size", None) if scheme == "w4a16" else group_size,
+                         items), assumptions)

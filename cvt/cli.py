@@ -239,10 +239,11 @@ def _read_config(model: str) -> dict:
     return load_json(cfg_path)
 
 
-def _print_plan(config, layout, scheme, group_size, hbm, kv_tokens) -> None:
+def _print_plan(config, layout, scheme, group_size, hbm, kv_tokens, fmt=None, target=None, fp4_format=None) -> None:
     from cvt.convert.plan import memory_plan
 
-    plan = memory_plan(config, layout, scheme=scheme, group_size=group_size, kv_tokens=kv_tokens, hbm_bytes=hbm)
+    plan = memory_plan(config, layout, scheme=scheme, group_size=group_size, kv_tokens=kv_tokens, hbm_bytes=hbm,
+                       fmt=fmt, target=target, fp4_format=fp4_format)
     click.echo(plan.render())
     if plan.violations or plan.over_budget:
         sys.exit(EXIT_PROBLEMS)
@@ -255,17 +256,27 @@ _PLAN_SCHEMES = ("bf16", "fp8", *SCHEMES)
 @click.argument("model")
 @_layout_options
 @click.option("--scheme", type=click.Choice(_PLAN_SCHEMES), default="bf16", show_default=True)
-@click.option("--group-size", type=click.IntRange(0), default=None, help="Quantization group size (w4a16).")
+@click.option("--group-size", type=click.IntRange(0), default=None,
+              help="Quantization group size (w4a16; default as cvt quantize's for --format).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="The output format the weights are written in, as cvt quantize --format (default: "
+                   "compressed-tensors, or ascend for a scheme only it has): each quantized linear counts the bytes "
+                   "its on-disk tensors take.")
+@click.option("--target", type=click.Choice(["vllm-ascend", "mindie"]), default=None,
+              help="ascend: the serving stack, as cvt quantize --target (vllm-ascend keeps W4A16 and MXFP4 for MoE "
+                   "experts only: the other linears count as bf16).")
+@click.option("--fp4-format", type=click.Choice(["nvfp4", "mxfp4"]), default=None,
+              help="fp4: nvfp4 (default) or mxfp4 (Ascend).")
 @click.option("--hbm", default=None, help="Device memory per rank, e.g. 64GB or 64GiB: ranks above it are flagged.")
 @click.option("--kv-tokens", type=click.IntRange(0), default=0, show_default=True, help="Tokens of KV cache in flight (whole world).")
 @_common
-def plan_cmd(model, scheme, group_size, hbm, kv_tokens, quiet, **degrees):
+def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens, quiet, **degrees):
     """Per-rank memory plan of an EP/TP layout from config.json alone (MODEL: a checkpoint
     directory or a config.json): weights by role plus KV cache, min/max/mean, the heaviest rank,
     ranks over --hbm, and every divisibility problem of the layout. Exit code 3 when the layout
     is invalid or a rank does not fit. Same as `cvt shard --dry-run`."""
     config = _read_config(model)
-    _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens)
+    _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens, fmt, target, fp4_format)
 
 
 @cli.command("shard")
@@ -301,12 +312,17 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, hbm, kv_tok
             from cvt.convert.shard import manifest_quant, weights_scheme
             from cvt.errors import CvtError
 
+            quant = manifest_quant(src) if Path(src).is_dir() else None
             try:
-                own, group = weights_scheme(config, manifest_quant(src) if Path(src).is_dir() else None, src)
+                own, group = weights_scheme(config, quant, src)
             except CvtError:  # another tool's quantization: planned as bf16 unless --scheme says
-                own, group = "bf16", None
+                own, group, quant = "bf16", None, None
             scheme = "fp8" if own is None else own
             group_size = group if group_size is None else group_size
+            if quant and quant.get("scheme"):  # a cvt quantize output: its format, target and fp4 format
+                fmt, target, fp4 = quant.get("format"), quant.get("target"), quant.get("fp4_format")
+                _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens, fmt, target, fp4)
+                return
         _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens)
         return
     if dst is None:

@@ -40,7 +40,7 @@ from cvt.convert.safetensors_io import TensorSpec, dtype_code
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.quant import qkernel
-from cvt.quant.formats import get_format
+from cvt.quant.formats import DEFAULT_GROUP, get_format
 from cvt.quant.disk_layouts import DiskLayouts, shell_q
 from cvt.quant.layouts import check_target, kernel_fmt_of
 from cvt.quant.recipe import Policy, Recipe
@@ -50,7 +50,6 @@ from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
 
 FP8_SCALE = "_scale_inv"
 CT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_global_scale")
-DEFAULT_GROUP = {("w4a16", "compressed-tensors"): 128, ("w4a16", "ascend"): 64}
 
 
 @dataclass

@@ -63,6 +63,10 @@ def get_format(name: str) -> Format:
     return FORMATS.get(name)()
 
 
+# w4a16's group size when --group-size is not given: what each format's consumers load best
+DEFAULT_GROUP = {("w4a16", "compressed-tensors"): 128, ("w4a16", "ascend"): 64}
+
+
 def scheme_name(scheme) -> str:
     """The registry name of a scheme instance (or a name passed as a string)."""
     return scheme if isinstance(scheme, str) else scheme.name
@@ -70,4 +74,4 @@ def scheme_name(scheme) -> str:
 
 from cvt.quant.formats import ascend, compressed_tensors  # noqa: E402,F401  isort: skip  (registers)
 
-__all__ = ["FORMATS", "Format", "format_names", "get_format", "register"]
+__all__ = ["DEFAULT_GROUP", "FORMATS", "Format", "format_names", "get_format", "register"]

@@ -258,17 +258,21 @@ def _hand_count(cfg, lin, kvb, experts_per_rank, bf=lambda n, k: 2 * n * k):
     return total + mtp * (layer + moe + bf(V, h) * 2 + bf(h, 2 * h) + 3 * 2 * h)
 
 
-W8 = lambda n, k: n * k + 8 * n  # noqa: E731  int8 + f32 scale + f32 offset per row
-W4 = lambda n, k: n * k // 2 + 2 * 4 * n * (k // 128)  # noqa: E731  packed int4 + f32 scale/offset per group
+# bytes of one n x k linear as stored (FORMATS.md; compressed-tensors pack-quantized / int-quantized,
+# msModelSlim AscendV1 W8A8_DYNAMIC):
+W8 = lambda n, k: n * k + 4 * n  # noqa: E731  c-t: int8 weight + f32 weight_scale [n, 1]
+W8A = lambda n, k: n * k + 8 * n  # noqa: E731  ascend: int8 + f32 weight_scale and weight_offset [n, 1]
+W4 = lambda n, k: n * k // 2 + 2 * n * (k // 128) + 8  # noqa: E731  c-t: int32-packed int4, bf16 scale per 128, shape i32 [2]
 F8 = lambda n, k: n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)  # noqa: E731
 BF = lambda n, k: 2 * n * k  # noqa: E731
 
 
-@pytest.mark.parametrize("cfg,ep,scheme,lin,kvb", [
-    (KIMI, 64, "w8a8", W8, BF), (KIMI, 64, "w4a16", W4, BF), (DSV3, 32, "fp8", F8, F8), (DSV3, 32, "bf16", BF, BF),
-], ids=["kimi-ep64-w8a8", "kimi-ep64-w4a16", "dsv3-ep32-fp8", "dsv3-ep32-bf16"])
-def test_real_configs_match_a_hand_count(cfg, ep, scheme, lin, kvb):
-    plan = memory_plan(cfg, make_layout(ep=ep), scheme)
+@pytest.mark.parametrize("cfg,ep,scheme,lin,kvb,fmt", [
+    (KIMI, 64, "w8a8", W8, BF, None), (KIMI, 64, "w8a8", W8A, BF, "ascend"), (KIMI, 64, "w4a16", W4, BF, None),
+    (DSV3, 32, "fp8", F8, F8, None), (DSV3, 32, "bf16", BF, BF, None),
+], ids=["kimi-ep64-w8a8", "kimi-ep64-w8a8-ascend", "kimi-ep64-w4a16", "dsv3-ep32-fp8", "dsv3-ep32-bf16"])
+def test_real_configs_match_a_hand_count(cfg, ep, scheme, lin, kvb, fmt):
+    plan = memory_plan(cfg, make_layout(ep=ep), scheme, fmt=fmt)
     want = _hand_count(cfg, lin, kvb, cfg["n_routed_experts"] // ep)
     assert plan.min == plan.max == pytest.approx(want, rel=0.01)
     assert plan.max == want  # exact, in fact
@@ -345,3 +349,67 @@ def test_cli_plan_on_the_real_configs():
     assert bad.rc == 3 and "down_proj.weight dim 1 (size 18432 = 144 FP8 128-blocks)" in bad.out
     k2 = run_cvt("plan", data / "kimi-k2.json", "--ep", "64", "--scheme", "w4a16", "--hbm", "16GiB")
     assert k2.rc == 3 and "64 of 64 ranks exceed it" in k2.out
+
+
+# ------------------------------------------------------------------------------ plan == what shard writes
+PLAN_CASES = [  # (scheme, format, target, quantize options)
+    ("w8a8", "compressed-tensors", None, {}), ("w8a8", "ascend", "vllm-ascend", {}), ("w8a8", "ascend", "mindie", {}),
+    ("w8a8c8", "ascend", "vllm-ascend", {}), ("w4a16", "compressed-tensors", None, {"group_size": 32}),
+    ("w4a16", "ascend", "vllm-ascend", {"group_size": 32}),
+    ("w4a16", "ascend", "mindie", {}),  # group 64 by default: attention at tp 1 (tp 2 leaves no whole group)
+    ("fp4", "compressed-tensors", None, {}), ("fp4", "ascend", "vllm-ascend", {"fp4_format": "mxfp4"}),
+    ("w4a8", "ascend", "vllm-ascend", {}),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_release(tmp_path_factory):
+    from cvt.convert.synthetic import write_fp8_release
+
+    return write_fp8_release(tmp_path_factory.mktemp("plan") / "src")
+
+
+@pytest.mark.parametrize("scheme,fmt,target,opts", PLAN_CASES, ids=lambda v: v if isinstance(v, str) else None)
+def test_plan_bytes_are_what_shard_writes(tiny_release, tmp_path, scheme, fmt, target, opts):
+    """Every rank's weight bytes in the plan equal the tensor bytes `cvt shard` writes for that
+    rank from a `cvt quantize --format fmt --target target` output: the plan counts each
+    quantized linear through the same layout table (the plan once counted the scheme's logical
+    parts: W4A8 without weight_offset / scale_bias and with every linear int4, where
+    vllm-ascend keeps non-experts float: 48% under on this model), and w4a16's default group as
+    quantize's per format (64 for ascend)."""
+    from safetensors import safe_open
+
+    from cvt.convert.safetensors_io import DTYPES
+    from cvt.convert.shard import shard
+    from cvt.quant.stage import quantize
+
+    q = tmp_path / "q"
+    quantize(tiny_release, q, scheme=scheme, fmt=fmt, target=target, quiet=True, **opts)
+    cfg = json.loads((tiny_release / "config.json").read_text())
+    lay = make_layout(world_size=4, tp=1 if target == "mindie" and scheme == "w4a16" else 2, ep=4)
+    shard(q, tmp_path / "s", lay, quiet=True)
+    plan = memory_plan(cfg, lay, scheme, opts.get("group_size"), fmt=fmt, target=target,
+                       fp4_format=opts.get("fp4_format"))
+    assert not plan.violations
+    for r in plan.ranks:
+        written = 0
+        for f in (tmp_path / "s" / f"rank-{r.rank:05d}").glob("*.safetensors"):
+            with safe_open(f, "pt") as h:
+                for k in h.keys():
+                    sl = h.get_slice(k)
+                    written += math.prod(sl.get_shape()) * DTYPES[sl.get_dtype()][1]
+        assert r.weight_bytes == written, (r.rank, r.weight_bytes, written)
+
+
+def test_cli_shard_dry_run_plans_a_quantized_output_in_its_own_format(tiny_release, tmp_path):
+    """`cvt shard --dry-run` on a cvt quantize output plans it in the format and target it was
+    written in (its manifest), as `cvt plan --format --target` does."""
+    from cvt.quant.stage import quantize
+    from cvt.tests.conftest import run_cvt
+
+    q = tmp_path / "q"
+    quantize(tiny_release, q, scheme="w4a8", fmt="ascend", target="vllm-ascend", quiet=True)
+    dry = run_cvt("shard", q, "--dry-run", "--world-size", "4", "--tp", "2", "--ep", "4")
+    plan = run_cvt("plan", q, "--world-size", "4", "--tp", "2", "--ep", "4", "--scheme", "w4a8", "--format", "ascend")
+    assert dry.rc == 0 and plan.rc == 0, (dry.err, plan.err)
+    assert "--format ascend --target vllm-ascend" in dry.out and dry.out == plan.out
