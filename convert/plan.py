@@ -175,7 +175,11 @@ class DiskBytes:
 
         if self.float_reason is not None and not expert:
             return None
-        specs, _ = self.layouts.get(module, self.scheme, tuple(shape), False, None, None, expert)
+        try:
+            specs, _ = self.layouts.get(module, self.scheme, tuple(shape), False, None, None, expert)
+        except CvtError as exc:  # worded for the layouts' probe module: name the real one
+            probe = f"{self.layouts.PROBE}.{module.rsplit('.', 1)[-1]}"
+            raise type(exc)(str(exc).replace(probe, module)) from exc
         return sum(math.prod(s) * DTYPES[code][1] for s, code in specs.values())
 
 
@@ -426,6 +430,8 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         raise CvtError(f"unknown scheme {scheme!r} for the memory plan (known: {', '.join(SCHEMES)})")
     if not isinstance(kv_tokens, int) or kv_tokens < 0:
         raise CvtError(f"kv_tokens must be a non-negative integer, got {kv_tokens!r}")
+    if scheme in ("bf16", "fp8") and (fmt or target or fp4_format):
+        raise CvtError(f"--format, --target and --fp4-format describe quantized weights, not {scheme}")
     arch = arch_for(config)
     cfg = arch.config
     disk = DiskBytes(_scheme(scheme, group_size, fmt or "compressed-tensors", fp4_format), fmt, target) \

@@ -413,3 +413,18 @@ def test_cli_shard_dry_run_plans_a_quantized_output_in_its_own_format(tiny_relea
     plan = run_cvt("plan", q, "--world-size", "4", "--tp", "2", "--ep", "4", "--scheme", "w4a8", "--format", "ascend")
     assert dry.rc == 0 and plan.rc == 0, (dry.err, plan.err)
     assert "--format ascend --target vllm-ascend" in dry.out and dry.out == plan.out
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(scheme="bf16", fmt="ascend"), "describe quantized weights, not bf16"),
+    (dict(scheme="fp8", target="mindie"), "describe quantized weights, not fp8"),
+    (dict(scheme="w8a8", fp4_format="mxfp4"), "fp4_format applies to scheme fp4"),
+    (dict(scheme="w4a8", fmt="compressed-tensors"), "not supported"),
+    (dict(scheme="fp4", fmt="ascend"), "no layout for scheme 'fp4' \\(nvfp4\\)"),
+    (dict(scheme="w8a8", target="mindie"), "does not apply to the compressed-tensors format"),
+    # a layout refusal names the model's module, not the layout table's probe
+    (dict(scheme="w4a16", fmt="ascend", target="mindie", group_size=32), "^model.layers.0.self_attn.q_a_proj: mindie"),
+])
+def test_plan_refuses_what_quantize_refuses(kw, msg):
+    with pytest.raises(CvtError, match=msg):
+        memory_plan(DSV3, make_layout(ep=64), **kw)
