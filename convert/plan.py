@@ -51,7 +51,7 @@ from typing import Any, Iterator, Mapping
 from cvt.convert.arch import Block, Role, TensorInfo, arch_for
 from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
 from cvt.units import parse_size
-from cvt.errors import CvtError
+from cvt.errors import CvtError, FormatError
 
 SCHEMES = ("bf16", "fp8", "w8a8", "w8a8c8", "w4a16", "w4a8", "fp4")
 CATEGORIES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embedding", "head", "norm",
@@ -439,6 +439,12 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     sch = _scheme(scheme, group_size, disk.fmt if disk is not None else None, fp4_format)
     if disk is not None:
         disk.scheme = sch
+        if getattr(sch, "kv_cache", None) == "int8":  # what cvt quantize refuses, the plan refuses
+            from cvt.quant.kv_layout import kv_target_problem
+
+            why = kv_target_problem(config, disk.fmt, disk.target)
+            if why is not None:
+                raise FormatError(why)
     qc = cfg.get("quantization_config") or config.get("quantization_config") or {}
     block = tuple(qc.get("weight_block_size") or (128, 128)) if scheme == "fp8" else None
     per_rank = dict.fromkeys(CATEGORIES, 0)

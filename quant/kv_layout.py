@@ -108,6 +108,18 @@ def kv_tensor_specs_for_config(config: Mapping[str, Any]) -> list[KVTensorSpec]:
     return kv_tensor_specs(int(cfg["num_hidden_layers"]), mla, heads, 0 if mla else kv_heads * head_dim)
 
 
+def kv_target_problem(config: Mapping[str, Any], fmt: str, target: str) -> str | None:
+    """Why `target` would load an int8 KV cache of this model wrong (None: it loads it)."""
+    from cvt.convert.arch import text_config
+
+    mt = text_config(config).get("model_type")
+    if fmt == "ascend" and target == "vllm-ascend" and mt == "qwen3_moe":
+        return ("w8a8c8 for qwen3_moe on vllm-ascend: vllm-ascend 0.23 loads C8 KV-cache scales only for Qwen3 "
+                "dense, GLM4-MoE and MiniMax-M2 (patch/worker/patch_gqa_c8.py); for Qwen3-MoE it drops them and "
+                "runs the int8 cache with scale 1 (wrong results, no error). Use --scheme w8a8, or --target mindie")
+    return None
+
+
 def kv_tag(mla: bool) -> str:
     """The Ascend description tag of a KV-cache tensor."""
     return "FAQuant" if mla else "C8"

@@ -402,14 +402,11 @@ def _check_kv_target(config, plan: Plan, fmt: str, target: str) -> None:
     """An int8 KV cache the target would load wrong is refused, saying why."""
     if not any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()):
         return
-    from cvt.convert.arch import text_config
+    from cvt.quant.kv_layout import kv_target_problem
 
-    mt = text_config(config).get("model_type")
-    if fmt == "ascend" and target == "vllm-ascend" and mt == "qwen3_moe":
-        raise FormatError("w8a8c8 for qwen3_moe on vllm-ascend: vllm-ascend 0.23 loads C8 KV-cache scales only for "
-                          "Qwen3 dense, GLM4-MoE and MiniMax-M2 (patch/worker/patch_gqa_c8.py); for Qwen3-MoE it "
-                          "drops them and runs the int8 cache with scale 1 (wrong results, no error). Use --scheme "
-                          "w8a8, or --target mindie")
+    why = kv_target_problem(config, fmt, target)
+    if why is not None:
+        raise FormatError(why)
 
 
 @dataclass

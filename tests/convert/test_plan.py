@@ -428,3 +428,14 @@ def test_cli_shard_dry_run_plans_a_quantized_output_in_its_own_format(tiny_relea
 def test_plan_refuses_what_quantize_refuses(kw, msg):
     with pytest.raises(CvtError, match=msg):
         memory_plan(DSV3, make_layout(ep=64), **kw)
+
+
+def test_plan_refuses_an_int8_kv_cache_the_target_would_load_wrong():
+    """The same rule as cvt quantize (`cvt.quant.kv_layout.kv_target_problem`): vllm-ascend drops
+    Qwen3-MoE's C8 scales."""
+    cfg = tiny_qwen3_config(moe=True)
+    lay = make_layout(world_size=2, tp=2, ep=2)
+    with pytest.raises(CvtError, match="vllm-ascend 0.23 loads C8 KV-cache scales only"):
+        memory_plan(cfg, lay, "w8a8c8", fmt="ascend")
+    assert memory_plan(cfg, lay, "w8a8c8", fmt="ascend", target="mindie").ranks
+    assert memory_plan(tiny_qwen3_config(moe=False), make_layout(world_size=2, tp=2), "w8a8c8", fmt="ascend").ranks
