@@ -268,11 +268,13 @@ def _quantize_rtn(mod, name, scheme, res: CalibResult, w: torch.Tensor | None = 
 class _LayerCalib:
     """Calibrate the linears of one decoder layer (see the module doc)."""
 
-    def __init__(self, layer, prefix, scheme_for, method_for, res: CalibResult, opts: dict):
-        self.layer, self.prefix, self.res, self.o = layer, prefix, res, opts
-        self.mods = dict(layer.named_modules(prefix=prefix))
-        self.linears = {n: m for n, m in self.mods.items() if isinstance(m, Linear)}
+    def __init__(self, layer, prefix, scheme_for, method_for, res: CalibResult, opts: dict, experts=None):
+        # experts: a `expert_stream.ExpertStream` loading the routed experts a chunk at a time
+        # (the streaming driver, when a layer's experts pass its memory budget), or None
+        self.layer, self.prefix, self.res, self.o, self.experts = layer, prefix, res, opts, experts
+        self._refresh()
         self.schemes = {n: s for n in self.linears if (s := scheme_for(n)) is not None}
+        self.h_users: dict[tuple, int] = {}
         self.method = {n: method_for(n) for n in self.schemes}
         for n, m in self.method.items():
             if m not in METHODS:
@@ -283,6 +285,12 @@ class _LayerCalib:
             self.site_of[n] = _site_key(n, self.linears[n], self.mods[parent_name], parent_name)
         self.groups = _smooth_groups(layer, prefix)
         self.changed: set[str] = set()      # float params changed by folds
+
+    def _refresh(self) -> None:
+        """Module maps (again after an expert chunk is loaded: a quantized source's linears are
+        replaced by dense ones then)."""
+        self.mods = dict(self.layer.named_modules(prefix=self.prefix))
+        self.linears = {n: m for n, m in self.mods.items() if isinstance(m, Linear)}
 
     # -- planning -------------------------------------------------------------------------------
     def _stages(self) -> list[tuple[str, list[str]]]:
@@ -309,7 +317,8 @@ class _LayerCalib:
         return None
 
     def run(self, x, args, kwargs) -> None:
-        if not any(m in DATA_METHODS for m in self.method.values()) and not self.o.get("collect_stats"):
+        streamed = self.experts is not None   # the experts are loaded by the stages, a chunk at a time
+        if not streamed and not any(m in DATA_METHODS for m in self.method.values()) and not self.o.get("collect_stats"):
             for n in self.schemes:
                 _quantize_rtn(self.linears[n], n, self.schemes[n], self.res)
             return
@@ -328,7 +337,11 @@ class _LayerCalib:
             return []
         return [self.mods[n] for n in names[names.index(stage) + 1:]]
 
-    def _run_stage(self, stage, targets, x, args, kwargs) -> None:
+    def _run_stage(self, stage, targets, x, args, kwargs, stub_experts=None) -> None:
+        """Statistics, smoothing folds and quantization of `targets`; `stub_experts`: the routed
+        experts the passes run (the others return zeros), None: all of them."""
+        if self.experts is not None and stub_experts is None and self.experts.owns(stage):
+            return self.experts.run_stage(self, stage, targets, x, args, kwargs)
         o = self.o
         tset = set(targets)
         groups = [g for g in self.groups if set(g.consumers) & tset and self._group_method(g)]
@@ -374,7 +387,7 @@ class _LayerCalib:
             h = need_h.get(key, False) and (key not in expert_of or key in first_chunk)
             sites[key] = _Site(self._k(key), hessian=h, samples=o["max_samples"] if need_s.get(key) else 0,
                                hessian_dtype=o["hessian_dtype"], seed=zlib.crc32(key[1].encode()))
-        self._collect(stage, sites, x, args, kwargs, stub_experts=None)
+        self._collect(stage, sites, x, args, kwargs, stub_experts=stub_experts)
 
         # smoothing folds
         for g in groups:

@@ -18,9 +18,11 @@ device, so that a 0.7-2 TB checkpoint calibrates on a host with less RAM than th
    files, schemes and methods, tokens, options, device); the persisted inputs and results are
    the exact float32 bytes an uninterrupted run has, so the output is byte-identical.
 
-Peak memory: one decoder layer in float32 (all of a MoE layer's experts: a layer is the unit),
-the layer's input and output activations (or mmap pages of them), the driver's statistics
-(GPTQ Hessians bounded by `max_hessian_bytes`), and a constant. Everything else of the stage
+Peak memory: one decoder layer in float32, except a MoE layer whose routed experts pass
+`max_expert_bytes` (DeepSeek-V3: ~45 GB per layer): those are read, calibrated and dropped a chunk
+of experts at a time (`cvt.quant.methods.expert_stream`; not when AWQ / SmoothQuant smooth across
+the experts, which needs them all); plus the layer's input and output activations (or mmap pages
+of them), the driver's statistics (GPTQ Hessians bounded by `max_hessian_bytes`), and a constant. Everything else of the stage
 streams as RTN does: the writer reads each calibrated module's parts from the state folder.
 """
 
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 STATE_DIR = ".cvt-calib"
 SPILL_BYTES = 1 << 30  # layer activations above this are used through mmap from the state folder
+MAX_EXPERT_BYTES = 4 << 30  # a MoE layer's routed experts above this (float32) are read a chunk at a time
 
 
 def peak_rss_bytes() -> int:
@@ -203,6 +206,51 @@ def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
+def _streams_experts(layer: nn.Module, prefix: str, plan, o: dict) -> bool:
+    """Whether this layer's routed experts are calibrated a chunk at a time (module doc)."""
+    from cvt.quant.methods.expert_stream import expert_bytes
+
+    if not o["true_sequential"] or expert_bytes(layer) <= o["max_expert_bytes"]:
+        return False
+    smoothed = sorted(m for m, meth in plan.methods.items()
+                      if m.startswith(prefix + "mlp.") and meth in ("awq", "smoothquant"))
+    if smoothed:
+        log.info("%sexperts: calibrated whole (%s smooths across them: %s)", prefix,
+                 plan.methods[smoothed[0]], smoothed[0])
+        return False
+    return True
+
+
+def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o: dict):
+    from cvt.quant.methods.expert_stream import ExpertStream
+    from cvt.runtime.loader import assign_tensors
+
+    prefix = f"model.layers.{i}"
+
+    def gptq_sites(e: int) -> list[int]:
+        ex, name = layer.mlp.experts[e], f"{prefix}.mlp.experts.{e}."
+        ks = []
+        if any(plan.methods.get(name + p) == "gptq" and name + p in plan.schemes for p in ("gate_proj", "up_proj")):
+            ks.append(ex.gate_proj.weight.shape[1])
+        if plan.methods.get(name + "down_proj") == "gptq" and name + "down_proj" in plan.schemes:
+            ks.append(ex.down_proj.weight.shape[1])
+        return ks
+
+    def load(ids: list[int]) -> None:
+        heads = tuple(f"{prefix}.mlp.experts.{e}." for e in ids)
+        assign_tensors(model, ckpt, device, block, skip=lambda name: not name.startswith(heads))
+        _dense_linears(layer)
+
+    def drop(ids: list[int]) -> None:
+        for e in ids:
+            layer.mlp.experts[e].to("meta")
+        _trim()
+
+    chunks = ExpertStream.plan_chunks(layer, gptq_sites, o["max_expert_bytes"], o["max_hessian_bytes"])
+    log.info("%s: %d routed experts in %d chunks", prefix, len(layer.mlp.experts), len(chunks))
+    return ExpertStream(layer, prefix, chunks, load, drop)
+
+
 def _dense_linears(layer: nn.Module) -> None:
     """Quantized source modules (compressed-tensors INT4) become float Linears to calibrate."""
     from cvt.runtime.kernels import Linear
@@ -234,7 +282,8 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     o = dict(min_tokens=32, batch_size=8, damp=0.01, act_order=True, scale_search="hdiag", block_size=128,
              static_groups=None,
              true_sequential=True, alpha=0.5, n_grid=20, duo_scaling=True, awq_clip_search=True, max_samples=512,
-             max_hessian_bytes=4 << 30, hessian_dtype=torch.float32, collect_stats=False)
+             max_hessian_bytes=4 << 30, hessian_dtype=torch.float32, collect_stats=False,
+             max_expert_bytes=MAX_EXPERT_BYTES)
     unknown = set(opts) - set(o)
     if unknown:
         raise CvtError(f"unknown calibration option(s) {sorted(unknown)}")
@@ -266,14 +315,18 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
             t0 = time.perf_counter()
             layer = model.model.layers[i]
             prefix = f"model.layers.{i}."
-            assign_tensors(model, ckpt, device, block, skip=lambda name: not name.startswith(prefix))
+            streamed = _streams_experts(layer, prefix, plan, o)
+            experts_at = prefix + "mlp.experts."
+            assign_tensors(model, ckpt, device, block, skip=lambda name: not name.startswith(prefix)
+                           or (streamed and name.startswith(experts_at)))
             _dense_linears(layer)
+            es = _expert_stream(model, ckpt, device, block, layer, i, plan, o) if streamed else None
             if observer is not None:
                 layer.self_attn.kv_observer = observer._observer(i)
             lres = C.CalibResult()
             C._LayerCalib(layer, f"model.layers.{i}", plan.schemes.get, lambda n: plan.methods.get(n, "rtn"),
-                          lres, o).run(x, args, kwargs)
-            x = C._run_layer(layer, x, args, kwargs, o["batch_size"])
+                          lres, o, experts=es).run(x, args, kwargs)
+            x = es.x_next if es is not None else C._run_layer(layer, x, args, kwargs, o["batch_size"])
             if observer is not None:
                 layer.self_attn.kv_observer = None
             lres.seconds_per_layer.append(time.perf_counter() - t0)

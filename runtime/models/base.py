@@ -113,13 +113,16 @@ def build_experts(ids: Iterable[int] | None, count: int, make: Callable[[], nn.M
     return nn.ModuleDict({str(e): make() for e in ids})
 
 
-def run_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+def run_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: nn.ModuleList,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert sum: x [n, h], idx / weights [n, k] -> y [n, h] = sum_k weights * expert_idx(x).
 
     Loops over the experts that received tokens (each sees only its tokens), accumulating with
-    index_add_: the reference-clear form, and what calibration hooks on experts rely on."""
+    index_add_: the reference-clear form, and what calibration hooks on experts rely on. `out`:
+    an accumulator to continue (in place) instead of zeros -- calibration runs a layer's experts
+    a chunk at a time and sums them in this same order (`cvt.quant.methods.expert_stream`)."""
     weights = weights.to(x.dtype)
-    y = torch.zeros_like(x)
+    y = torch.zeros_like(x) if out is None else out
     counts = torch.bincount(idx.flatten(), minlength=len(experts)).tolist()
     for e, count in enumerate(counts):
         if count:

@@ -94,6 +94,81 @@ def test_spilled_activations_give_the_same_output(fp8_release_session, tmp_path,
     assert a.manifest.quant.calibration["layers"] > 0
 
 
+def _qwen3_moe_release(root):
+    from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+
+    cfg = tiny_qwen3_config(moe=True, hidden_size=128, intermediate_size=256, head_dim=32, moe_intermediate_size=64)
+    return write_bf16_checkpoint(root / "qwen3-moe", cfg)
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3-fp8", "qwen3-moe"])
+def test_experts_read_a_chunk_at_a_time_give_the_same_output(fp8_release_session, tmp_path, monkeypatch, model):
+    """A MoE layer whose routed experts pass `max_expert_bytes` is calibrated a chunk of experts
+    at a time (`expert_stream`): never more than one chunk's experts hold weights, and the output
+    is byte-identical to calibrating each layer whole (each expert sees the same tokens; the
+    routed sum continues one accumulator in expert order). Chunks of one expert, then two."""
+    import cvt.runtime.loader as loader
+    from cvt.quant.methods import stream
+
+    src = fp8_release_session if model == "deepseek-v3-fp8" else _qwen3_moe_release(tmp_path)
+    args = dict(scheme="w4a16", fmt="compressed-tensors", method="gptq", group_size=32, calib_tokens=256, quiet=True)
+    quantize(src, tmp_path / "whole", **args)
+    want = snapshot(tmp_path / "whole")
+    real = loader.assign_tensors
+    for per_chunk in (1, 2):
+        loaded: list[int] = []
+        models = []
+
+        def counting(m, *a, **k):
+            out = real(m, *a, **k)
+            models.append(m)
+            loaded.append(max(sum(any(not p.is_meta for p in ex.parameters()) for ex in layer.mlp.experts)
+                              for layer in m.model.layers if hasattr(layer.mlp, "experts")))
+            return out
+
+        monkeypatch.setattr(loader, "assign_tensors", counting)
+        experts = next(layer.mlp.experts for layer in _meta_model(src).model.layers if hasattr(layer.mlp, "experts"))
+        one = 4 * sum(p.numel() for p in experts[0].parameters())
+        monkeypatch.setattr(stream, "MAX_EXPERT_BYTES", per_chunk * one)
+        quantize(src, tmp_path / f"chunks{per_chunk}", **args)
+        assert snapshot(tmp_path / f"chunks{per_chunk}") == want
+        assert max(loaded) == per_chunk and 0 in loaded, loaded  # a layer's first read leaves the experts out
+        monkeypatch.setattr(loader, "assign_tensors", real)
+
+
+def test_experts_smoothed_together_are_calibrated_whole(fp8_release_session, tmp_path, monkeypatch):
+    """AWQ smooths post_attention_layernorm into every expert's gate / up: it needs them all at
+    once, so such a layer is read whole whatever `max_expert_bytes` says."""
+    import cvt.runtime.loader as loader
+    from cvt.quant.methods import stream
+
+    real = loader.assign_tensors
+    loaded: list[int] = []
+
+    def counting(m, *a, **k):
+        out = real(m, *a, **k)
+        loaded.append(max(sum(any(not p.is_meta for p in ex.parameters()) for ex in layer.mlp.experts)
+                          for layer in m.model.layers if hasattr(layer.mlp, "experts")))
+        return out
+
+    monkeypatch.setattr(loader, "assign_tensors", counting)
+    monkeypatch.setattr(stream, "MAX_EXPERT_BYTES", 1)
+    quantize(fp8_release_session, tmp_path / "awq", scheme="w4a16", fmt="compressed-tensors", method="awq",
+             group_size=32, calib_tokens=256, quiet=True)
+    experts = len(next(layer.mlp.experts for layer in _meta_model(fp8_release_session).model.layers
+                       if hasattr(layer.mlp, "experts")))
+    assert loaded and max(loaded) == experts
+
+
+def _meta_model(src):
+    import json as _json
+
+    from cvt.runtime.models import build_model
+
+    with torch.device("meta"):
+        return build_model(_json.loads((src / "config.json").read_text()), dtype=torch.float32)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_streaming_calibration_on_cuda_matches_cpu_closely(fp8_release_session, tmp_path):

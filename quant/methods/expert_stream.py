@@ -1,0 +1,213 @@
+"""Routed experts a chunk at a time: calibration of a MoE layer larger than memory.
+
+DeepSeek-V3's MoE layer holds 256 experts, ~45 GB in float32: more than the hosts calibration
+must run on. `calibrate_streaming` therefore leaves a layer's routed experts on the meta device
+when they pass `max_expert_bytes` and hands the calibration of that layer an `ExpertStream`,
+which owns the stage holding the experts (the MLP stage of the true-sequential order):
+
+1. the stage's other linears (shared experts) are calibrated first, every routed expert stubbed
+   out (zeros); that pass records the attention output per batch, which the later passes replay
+   (attention is already quantized, so the MLP input is final);
+2. for each chunk of experts (in expert order, each chunk within `max_expert_bytes` of float32
+   weights and `max_hessian_bytes` of GPTQ Hessians): its weights are read from the source, one
+   pass collects its linears' statistics (the other experts stubbed), they are quantized, one more
+   pass adds the chunk's share of the layer's MoE output, and the weights are dropped.
+
+Each expert sees exactly the tokens and inputs it sees when the layer is whole, so its
+statistics and quantized tensors are the same bits. The layer's output (the next layer's input)
+is the same bits too: each chunk's pass continues one routed-sum accumulator per batch
+(`run_experts`' ``out``) in expert order, the shared experts' output is added after it and the
+residual last, as `MoE.forward` and the decoder layer do in one pass.
+
+Smoothing that spans the experts (AWQ / SmoothQuant on post_attention_layernorm, AWQ's
+up -> down folds) needs every expert at once: such layers are calibrated whole (`chunkable`).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch import nn
+
+from cvt.quant.methods.sites import _Site
+
+class ExpertStream:
+    """See the module doc. `load(ids)` / `drop(ids)`: read / free those experts' weights;
+    `chunks`: expert ids per chunk, in order."""
+
+    def __init__(self, layer: nn.Module, prefix: str, chunks: list[list[int]],
+                 load: Callable[[list[int]], None], drop: Callable[[list[int]], None]):
+        self.layer, self.prefix, self.chunks, self.load, self.drop = layer, prefix, chunks, load, drop
+        self.container = f"{prefix}.mlp.experts"
+        self.x_next: torch.Tensor | None = None   # the layer's output, once the MoE stage ran
+        self._attn: list[torch.Tensor] | None = None
+        self._shared: list[torch.Tensor] | None = None
+
+    # -- planning -------------------------------------------------------------------------------
+    @staticmethod
+    def plan_chunks(layer: nn.Module, gptq_site_k: Callable[[int], list[int]], max_bytes: int,
+                    max_hessian_bytes: int) -> list[list[int]]:
+        """Consecutive experts per chunk within both budgets (float32 weights; Hessians of the
+        GPTQ sites `gptq_site_k(e)` lists by width); at least one expert per chunk."""
+        chunks: list[list[int]] = []
+        cur: list[int] = []
+        wb = hb = 0
+        for e, ex in enumerate(layer.mlp.experts):
+            w = 4 * sum(p.numel() for p in ex.parameters())
+            h = sum(4 * k * k for k in gptq_site_k(e))
+            if cur and (wb + w > max_bytes or hb + h > max_hessian_bytes):
+                chunks.append(cur)
+                cur, wb, hb = [], 0, 0
+            cur.append(e)
+            wb, hb = wb + w, hb + h
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def owns(self, stage: str) -> bool:
+        """Whether this is the stage holding the routed experts (true-sequential: the MLP)."""
+        return stage == f"{self.prefix}.mlp"
+
+    def expert_of(self, name: str) -> int | None:
+        head = self.container + "."
+        return int(name[len(head):].split(".", 1)[0]) if name.startswith(head) else None
+
+    # -- the stage ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run_stage(self, lc, stage: str, targets: list[str], x, args, kwargs) -> None:
+        from cvt.quant.methods.calib import _run_layer
+
+        routed = [t for t in targets if self.expert_of(t) is not None]
+        others = [t for t in targets if self.expert_of(t) is None]
+        attn = self.layer.self_attn
+        hook = attn.register_forward_hook(lambda m, a, out: self._attn.append(out))
+        self._attn, self._shared = [], []
+        try:
+            if others:
+                lc._run_stage(stage, others, x, args, kwargs, stub_experts=set())
+            else:  # nothing else to calibrate: one pass just to record the attention output
+                with self._stubbed([e for c in self.chunks for e in c]):
+                    _run_layer(self.layer, x, args, kwargs, lc.o["batch_size"], out=False)
+        finally:
+            hook.remove()
+        h_in: list[torch.Tensor] = []
+        acc: list[torch.Tensor] = []
+        for c, chunk in enumerate(self.chunks):
+            self.load(chunk)
+            lc._refresh()
+            try:
+                mine = [t for t in routed if self.expert_of(t) in chunk]
+                if mine:
+                    self._calibrate(lc, stage, mine, chunk, x, args, kwargs)
+                self._accumulate(lc, chunk, first=c == 0, h_in=h_in, acc=acc, x=x, args=args, kwargs=kwargs)
+            finally:
+                self.drop(chunk)
+                lc._refresh()
+        # MoE.forward's y (+ shared experts' output), viewed as the input, then the residual add
+        shared = self._shared or [None] * len(acc)
+        self.x_next = torch.cat([h + (a if s is None else a + s).view(h.shape) for h, a, s in zip(h_in, acc, shared)])
+        self._attn = self._shared = None
+
+    def _calibrate(self, lc, stage, mine: list[str], chunk: list[int], x, args, kwargs) -> None:
+        """Statistics of the chunk's linears (the other experts stubbed), then quantize them."""
+        import zlib
+
+        o = lc.o
+        sites: dict[tuple, _Site] = {}
+        lc.h_users = {}
+        for t in mine:
+            key = lc.site_of[t]
+            gptq = lc.method[t] == "gptq"
+            if key not in sites:
+                sites[key] = _Site(lc._k(key), hessian=gptq, hessian_dtype=o["hessian_dtype"],
+                                   seed=zlib.crc32(key[1].encode()))
+            elif gptq and sites[key].hess is None:
+                sites[key] = _Site(lc._k(key), hessian=True, hessian_dtype=o["hessian_dtype"],
+                                   seed=zlib.crc32(key[1].encode()))
+            if gptq:
+                lc.h_users[key] = lc.h_users.get(key, 0) + 1
+        with self._replay():
+            lc._collect(stage, sites, x, args, kwargs, stub_experts={(self.container, e) for e in chunk})
+        for t in mine:
+            lc._quantize(t, sites)
+
+    def _accumulate(self, lc, chunk: list[int], *, first: bool, h_in: list, acc: list, x, args, kwargs) -> None:
+        """One pass running only `chunk`'s experts: their contributions continue each batch's
+        routed sum in `acc` (`run_experts`' accumulator, in expert order, as one pass over all
+        experts adds them). The first pass also keeps the MLP's residual input and the shared
+        experts' output; no pass adds the latter into the sum (it is added last, as MoE.forward does)."""
+        from cvt.quant.methods.calib import _run_layer, _stub, _unstub
+
+        mlp = self.layer.mlp
+        models = sys.modules[type(mlp).__module__]   # where MoE.forward looks run_experts up
+        real = models.run_experts
+        pos = [0]
+
+        def continuing(xs, idx, weights, experts):
+            b = pos[0]
+            pos[0] += 1
+            if b == len(acc):
+                acc.append(real(xs, idx, weights, experts))
+            else:
+                real(xs, idx, weights, experts, out=acc[b])
+            return acc[b]
+
+        hooks = []
+        shared = getattr(mlp, "shared_experts", None)
+        if first:
+            hooks.append(self.layer.post_attention_layernorm.register_forward_pre_hook(
+                lambda m, a: h_in.append(a[0])))
+            if shared is not None:
+                hooks.append(shared.register_forward_hook(lambda m, a, out: self._shared.append(out)))
+        try:
+            models.run_experts = continuing
+            if shared is not None and not first:
+                _stub(shared)
+            with self._replay(), self._stubbed([e for c in self.chunks for e in c if e not in set(chunk)]):
+                _run_layer(self.layer, x, args, kwargs, lc.o["batch_size"], out=False)
+        finally:
+            models.run_experts = real
+            for h in hooks:
+                h.remove()
+            if shared is not None and not first:
+                _unstub(shared)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    @contextmanager
+    def _replay(self):
+        """Attention returns the outputs recorded in the stage's first pass, batch by batch."""
+        from cvt.quant.methods.calib import _unstub
+
+        attn, recorded = self.layer.self_attn, iter(self._attn)
+        attn.forward = lambda *a, **k: next(recorded)
+        try:
+            yield
+        finally:
+            _unstub(attn)
+
+    @contextmanager
+    def _stubbed(self, ids: list[int]):
+        from cvt.quant.methods.calib import _stub, _unstub
+
+        mods = [self.layer.mlp.experts[e] for e in ids]
+        for m in mods:
+            _stub(m)
+        try:
+            yield
+        finally:
+            for m in mods:
+                _unstub(m)
+
+
+def expert_bytes(layer: nn.Module) -> int:
+    """float32 bytes of a layer's routed experts (0 without)."""
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    if not experts:
+        return 0
+    return 4 * sum(p.numel() for ex in experts for p in ex.parameters())
+
+
+__all__ = ["ExpertStream", "expert_bytes"]
