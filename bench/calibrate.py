@@ -47,12 +47,19 @@ def config(layers: int, hidden: int, experts: int) -> dict:
         first_k_dense_replace=1, vocab_size=2048)
 
 
-def run(src: Path, dst: Path, method: str, tokens: int) -> tuple[float, int, list[float], list[str]]:
+def run(src: Path, dst: Path, method: str, tokens: int, extra: tuple[str, ...] = ()
+        ) -> tuple[float, int, list[float], list[str]]:
     argv = ["quantize", str(src), str(dst), "--scheme", "w4a16", "--group-size", "128", "--method", method,
-            "--calib-tokens", str(tokens), "--quiet"]
+            "--calib-tokens", str(tokens), "--quiet", *extra]
     wall, rss = load_fp8_bench().run_cvt([sys.executable, "-m", "cvt", *argv])  # a clean peak RSS (see there)
     cal = json.loads((dst / "cvt_manifest.json").read_text())["quant"]["calibration"]
     return wall, rss, cal["seconds_per_layer"], argv
+
+
+def weights_digest(d: Path) -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.glob("*.safetensors"))]
 
 
 def load_fp8_bench():
@@ -73,6 +80,8 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=512)
     ap.add_argument("--dir", help="where temp dirs go (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dirs")
+    ap.add_argument("--expert-memory", help="also run the larger release with cvt quantize --expert-memory SIZE "
+                    "(each MoE layer's experts read a chunk at a time) and compare time, RSS and output bytes")
     args = ap.parse_args()
 
     import torch
@@ -81,6 +90,7 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="cvt-bench-calibrate-", dir=args.dir))
     rows = []
+    streamed = None
     try:
         for layers in (args.layers, 2 * args.layers):
             t0 = time.perf_counter()
@@ -89,6 +99,10 @@ def main() -> None:
             size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
             wall, rss, spl, argv = run(src, root / f"out-{layers}", args.method, args.calib_tokens)
             rows.append((layers, size, t_build, wall, rss, spl, argv))
+            if args.expert_memory and layers == 2 * args.layers:
+                out2 = root / f"out-{layers}-streamed"
+                w2, r2, spl2, _ = run(src, out2, args.method, args.calib_tokens, ("--expert-memory", args.expert_memory))
+                streamed = (w2, r2, spl2, weights_digest(out2) == weights_digest(root / f"out-{layers}"))
             shutil.rmtree(src, ignore_errors=True)
     finally:
         if not args.keep:
@@ -106,6 +120,13 @@ def main() -> None:
     print(f"\npeak RSS {rows[1][0]} layers / {rows[0][0]} layers: {rows[1][4] / rows[0][4]:.2f}x "
           "(target: within 1.20x)")
     print(f"cvt run: {shlex.join([sys.executable, '-m', 'cvt', *rows[0][6][:1], 'SRC', 'DST', *rows[0][6][3:]])}")
+    if streamed is not None:
+        w2, r2, spl2, same = streamed
+        per_layer = 4 * 3 * args.hidden * (args.hidden // 4) * args.experts
+        print(f"\n{rows[1][0]} layers with --expert-memory {args.expert_memory} (routed experts {per_layer / GB:.2f} GB "
+              f"per MoE layer in float32, read a chunk at a time): wall {w2:.1f} s ({w2 / rows[1][3]:.2f}x), "
+              f"peak RSS {r2 / GB:.2f} GB ({r2 / rows[1][4]:.2f}x), s/layer "
+              + " ".join(f"{x:.1f}" for x in spl2) + f"; weight files {'byte-identical' if same else 'DIFFER'}")
 
 
 if __name__ == "__main__":

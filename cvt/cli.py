@@ -136,6 +136,10 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="cpu", show_default=True,
               help="Where calibration computes (gptq / awq / smoothquant, --static-attention, w8a8c8): each decoder "
                    "layer is read from SRC onto it, calibrated and dropped; RTN needs no device.")
+@click.option("--expert-memory", default="4GiB", show_default=True,
+              help="Calibration reads at most this much of a MoE layer's routed experts at once (as float32): a layer "
+                   "above it (DeepSeek-V3: ~45 GB) is calibrated a chunk of experts at a time, same output. Not "
+                   "when AWQ / SmoothQuant smooth across the experts (they need them all).")
 @click.option("--static-attention", is_flag=True,
               help="w8a8 (ascend): static per-tensor activation scales on attention projections, calibrated "
                    "(Ascend W8A8 with input_scale / deq_scale / quant_bias); MLPs and experts stay dynamic.")
@@ -151,7 +155,8 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @_common
 def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_format, calib, calib_tokens, device,
-                 static_attention, ignore, recipe, revision, workers, max_shard_size, resume, overwrite, quiet):
+                 expert_memory, static_attention, ignore, recipe, revision, workers, max_shard_size, resume, overwrite,
+                 quiet):
     """Quantize SRC (BF16, an FP8 release - dequantized on the fly - or compressed-tensors INT4)
     into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
     tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay
@@ -170,7 +175,7 @@ def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_fo
                  fp4_format=fp4_format, calib=Path(calib) if calib else None, calib_tokens=calib_tokens,
                  static_attention=static_attention, ignore=tuple(ignore), recipe=load_recipe(Path(recipe)) if recipe else None, revision=revision,
                  workers=workers, max_shard_size=parse_size(max_shard_size), resume=resume, overwrite=overwrite,
-                 quiet=quiet, target=target, device=device)
+                 quiet=quiet, target=target, device=device, expert_memory=parse_size(expert_memory))
     if not quiet:
         x = r.extra
         click.echo(f"quantized {x['quantized']} linears ({scheme}, {method}, {fmt}), kept {x['float_modules']} float, "

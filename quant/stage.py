@@ -351,10 +351,12 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
              calib_tokens: int = 32768, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
              static_attention: bool = False, revision: str | None = None, workers: int | None = None,
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
-             quiet: bool = False, target: str | None = None, device: str = "cpu") -> WriteResult:
+             quiet: bool = False, target: str | None = None, device: str = "cpu",
+             expert_memory: int | None = None) -> WriteResult:
     """Quantize SRC into DST (see the module docstring) for the serving `target` (ascend:
     vllm-ascend, the default, or mindie; `cvt.quant.layouts`). Returns the writer's result,
-    with counts in `.extra`."""
+    with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
+    reads at once, as float32 (None: `cvt.quant.methods.stream.MAX_EXPERT_BYTES`)."""
     form = get_format(fmt)
     target = check_target(fmt, target)
     get_scheme(scheme, **({"fp4_format": fp4_format} if scheme == "fp4" else {}))  # unknown names fail here
@@ -391,7 +393,7 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume) as state:
             # the KV cache each format's stacks load: Ascend int8 (C8 / FAKQuant), compressed-tensors FP8 (vLLM)
             cal = _calibrate(ckpt, plan, calib, calib_tokens, static_attention, "int8" if fmt == "ascend" else "fp8",
-                             state, device, quiet)
+                             state, device, quiet, expert_memory)
             return _write(ckpt, dst, plan, form, source, src_fmt, cal, scheme, fmt, method, group_size, asym,
                           fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet, target)
     finally:
@@ -428,7 +430,7 @@ class _Calib:
 
 
 def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_attention: bool,
-               kv_codec: str, state_dir: Path, device, quiet: bool) -> _Calib:
+               kv_codec: str, state_dir: Path, device, quiet: bool, expert_memory: int | None = None) -> _Calib:
     """Calibration text through the model, one decoder layer from disk at a time
     (`cvt.quant.methods.stream`): the calibrated methods, static activation scales of the
     attention projections (--static-attention: amax / 127 of what they see, after smoothing and
@@ -447,7 +449,8 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
                              max_len=mod.Args.from_config(cfg).max_position_embeddings)
     c8 = any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
     res = calibrate_streaming(ckpt, plan, tokens, state_dir, device=device, observe_kv=c8, quiet=quiet,
-                              collect_stats=static_attention)
+                              collect_stats=static_attention,
+                              **({} if expert_memory is None else {"max_expert_bytes": expert_memory}))
     store = res.store
     out = _Calib(tokens=int(tokens.numel()), tokens_sha256=hashlib.sha256(tokens.numpy().tobytes()).hexdigest())
     out.quantized = {m: None for m in store.modules()}            # read from the state folder when written

@@ -34,6 +34,7 @@ from torch import nn
 
 from cvt.quant.methods.sites import _Site
 
+
 class ExpertStream:
     """See the module doc. `load(ids)` / `drop(ids)`: read / free those experts' weights;
     `chunks`: expert ids per chunk, in order."""

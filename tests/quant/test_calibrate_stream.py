@@ -108,7 +108,6 @@ def test_experts_read_a_chunk_at_a_time_give_the_same_output(fp8_release_session
     is byte-identical to calibrating each layer whole (each expert sees the same tokens; the
     routed sum continues one accumulator in expert order). Chunks of one expert, then two."""
     import cvt.runtime.loader as loader
-    from cvt.quant.methods import stream
 
     src = fp8_release_session if model == "deepseek-v3-fp8" else _qwen3_moe_release(tmp_path)
     args = dict(scheme="w4a16", fmt="compressed-tensors", method="gptq", group_size=32, calib_tokens=256, quiet=True)
@@ -129,11 +128,24 @@ def test_experts_read_a_chunk_at_a_time_give_the_same_output(fp8_release_session
         monkeypatch.setattr(loader, "assign_tensors", counting)
         experts = next(layer.mlp.experts for layer in _meta_model(src).model.layers if hasattr(layer.mlp, "experts"))
         one = 4 * sum(p.numel() for p in experts[0].parameters())
-        monkeypatch.setattr(stream, "MAX_EXPERT_BYTES", per_chunk * one)
-        quantize(src, tmp_path / f"chunks{per_chunk}", **args)
+        quantize(src, tmp_path / f"chunks{per_chunk}", expert_memory=per_chunk * one, **args)
         assert snapshot(tmp_path / f"chunks{per_chunk}") == want
         assert max(loaded) == per_chunk and 0 in loaded, loaded  # a layer's first read leaves the experts out
         monkeypatch.setattr(loader, "assign_tensors", real)
+
+
+def test_cli_expert_memory(fp8_release_session, tmp_path):
+    """`--expert-memory`: a size; 1MB streams the tiny release's experts (1.6 MB per MoE layer in
+    float32: chunks of two), same bytes as whole."""
+    args = ("quantize", fp8_release_session, None, "--scheme", "w4a16", "--method", "gptq", "--group-size", "32",
+            "--calib-tokens", "256", "--quiet")
+    bad = run_cvt(*[tmp_path / "bad" if a is None else a for a in args], "--expert-memory", "lots")
+    assert bad.rc != 0 and "size 'lots'" in bad.err
+    assert len(bad.err.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
+    for name, extra in (("whole", ()), ("streamed", ("--expert-memory", "1MB"))):
+        r = run_cvt(*[tmp_path / name if a is None else a for a in args], *extra)
+        assert r.rc == 0, r.err
+    assert snapshot(tmp_path / "whole") == snapshot(tmp_path / "streamed")
 
 
 def test_experts_smoothed_together_are_calibrated_whole(fp8_release_session, tmp_path, monkeypatch):
