@@ -317,8 +317,9 @@ class _LayerCalib:
         return None
 
     def run(self, x, args, kwargs) -> None:
-        streamed = self.experts is not None   # the experts are loaded by the stages, a chunk at a time
-        if not streamed and not any(m in DATA_METHODS for m in self.method.values()) and not self.o.get("collect_stats"):
+        if not any(m in DATA_METHODS for m in self.method.values()) and not self.o.get("collect_stats"):
+            if self.experts is not None:  # routed experts read a chunk at a time
+                return self.experts.run_rtn(self, x, args, kwargs)
             for n in self.schemes:
                 _quantize_rtn(self.linears[n], n, self.schemes[n], self.res)
             return

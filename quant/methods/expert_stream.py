@@ -94,15 +94,24 @@ class ExpertStream:
                     _run_layer(self.layer, x, args, kwargs, lc.o["batch_size"], out=False)
         finally:
             hook.remove()
+
+        def calibrate(chunk: list[int]) -> None:
+            mine = [t for t in routed if self.expert_of(t) in chunk]
+            if mine:
+                self._calibrate(lc, stage, mine, chunk, x, args, kwargs)
+
+        self._chunks_then_output(lc, x, args, kwargs, calibrate)
+
+    def _chunks_then_output(self, lc, x, args, kwargs, per_chunk: Callable[[list[int]], None]) -> None:
+        """Each chunk: read, `per_chunk` (quantize its experts), add its share of the output,
+        drop; then the layer's output (`x_next`)."""
         h_in: list[torch.Tensor] = []
         acc: list[torch.Tensor] = []
         for c, chunk in enumerate(self.chunks):
             self.load(chunk)
             lc._refresh()
             try:
-                mine = [t for t in routed if self.expert_of(t) in chunk]
-                if mine:
-                    self._calibrate(lc, stage, mine, chunk, x, args, kwargs)
+                per_chunk(chunk)
                 self._accumulate(lc, chunk, first=c == 0, h_in=h_in, acc=acc, x=x, args=args, kwargs=kwargs)
             finally:
                 self.drop(chunk)
@@ -111,6 +120,31 @@ class ExpertStream:
         shared = self._shared or [None] * len(acc)
         self.x_next = torch.cat([h + (a if s is None else a + s).view(h.shape) for h, a, s in zip(h_in, acc, shared)])
         self._attn = self._shared = None
+
+    @torch.no_grad()
+    def run_rtn(self, lc, x, args, kwargs) -> None:
+        """A layer with no data-driven method: RTN everywhere, as the whole layer gets it (no
+        statistics passes, so a KV-cache observer sees only the quantized attention), the routed
+        experts a chunk at a time, then the layer's output from the chunks' passes."""
+        from cvt.quant.methods.calib import _quantize_rtn, _run_layer
+
+        for n in lc.schemes:
+            if self.expert_of(n) is None:
+                _quantize_rtn(lc.linears[n], n, lc.schemes[n], lc.res)
+        self._attn, self._shared = [], []
+        hook = self.layer.self_attn.register_forward_hook(lambda m, a, out: self._attn.append(out))
+        try:
+            with self._stubbed([e for c in self.chunks for e in c]):
+                _run_layer(self.layer, x, args, kwargs, lc.o["batch_size"], out=False)
+        finally:
+            hook.remove()
+
+        def quantize(chunk: list[int]) -> None:
+            for n in lc.schemes:
+                if self.expert_of(n) in chunk:
+                    _quantize_rtn(lc.linears[n], n, lc.schemes[n], lc.res)
+
+        self._chunks_then_output(lc, x, args, kwargs, quantize)
 
     def _calibrate(self, lc, stage, mine: list[str], chunk: list[int], x, args, kwargs) -> None:
         """Statistics of the chunk's linears (the other experts stubbed), then quantize them."""

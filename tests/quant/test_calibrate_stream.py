@@ -134,6 +134,17 @@ def test_experts_read_a_chunk_at_a_time_give_the_same_output(fp8_release_session
         monkeypatch.setattr(loader, "assign_tensors", real)
 
 
+@pytest.mark.parametrize("kw", [dict(scheme="w8a8c8", fmt="ascend"), dict(scheme="w8a8", fmt="ascend", static_attention=True)],
+                         ids=["w8a8c8-rtn", "w8a8-static-attention"])
+def test_streamed_experts_keep_the_kv_and_activation_scales(fp8_release_session, tmp_path, kw):
+    """Runs that calibrate only scales (the int8 KV cache's observed ranges, the static attention
+    inputs) stream the experts too, with the same bytes: an RTN-only layer gets no statistics
+    passes streamed either (the KV observer would otherwise also see the float attention)."""
+    quantize(fp8_release_session, tmp_path / "whole", calib_tokens=256, quiet=True, **kw)
+    quantize(fp8_release_session, tmp_path / "streamed", calib_tokens=256, quiet=True, expert_memory=1, **kw)
+    assert snapshot(tmp_path / "whole") == snapshot(tmp_path / "streamed")
+
+
 def test_cli_expert_memory(fp8_release_session, tmp_path):
     """`--expert-memory`: a size; 1MB streams the tiny release's experts (1.6 MB per MoE layer in
     float32: chunks of two), same bytes as whole."""
