@@ -585,7 +585,7 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
         lm_cfg = config["text_config"] if isinstance(config.get("text_config"), dict) and "model_type" not in config else config
         lm_cfg["quantization_config"] = qc
 
-    fallbacks = list(cal.fallbacks)
+    fallbacks = sorted(cal.fallbacks, key=lambda f: f.module)  # one order whichever way the layers were calibrated
     quant = QuantInfo(scheme=scheme, format=fmt, target=target, method=method, group_size=group_size, symmetric=not asym,
                       fp4_format=fp4_format if scheme == "fp4" else None, kv_cache=kv_meta,
                       float_modules=dict(plan.float_reasons), fallbacks=fallbacks, calibration=cal.summary)

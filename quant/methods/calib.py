@@ -325,6 +325,8 @@ class _LayerCalib:
             return
         for stage, targets in self._stages():
             self._run_stage(stage, targets, x, args, kwargs)
+        if self.experts is not None:  # the layer's output, also when no stage ran the experts
+            self.experts.finish(self, x, args, kwargs)
         for p in sorted(self.changed):
             owner, attr = p.rsplit(".", 1)
             if owner in self.res.quantized:
@@ -409,7 +411,7 @@ class _LayerCalib:
             self._collect(stage, chunk_sites, x, args, kwargs, stub_experts=keep)
             for k in ch:
                 sites[k].hess, sites[k].hess_scaled = chunk_sites[k].hess, True   # captured after the folds
-            for t in {t for k in ch for t in self._target_of_site(k, targets)}:
+            for t in sorted({t for k in ch for t in self._target_of_site(k, targets)}):  # a fixed order
                 self._quantize(t, sites)
 
     def _target_of_site(self, key, targets) -> list[str]:

@@ -37,11 +37,15 @@ from cvt.quant.methods.sites import _Site
 
 class ExpertStream:
     """See the module doc. `load(ids)` / `drop(ids)`: read / free those experts' weights;
-    `chunks`: expert ids per chunk, in order."""
+    `chunks`: expert ids per chunk, in order; `save(c, {module: QuantizedTensor})`: store chunk
+    c's quantized experts (returns their fields, collected in `saved`), so that a layer's experts
+    are not all held in memory until the layer ends (None: they stay in the result)."""
 
     def __init__(self, layer: nn.Module, prefix: str, chunks: list[list[int]],
-                 load: Callable[[list[int]], None], drop: Callable[[list[int]], None]):
+                 load: Callable[[list[int]], None], drop: Callable[[list[int]], None],
+                 save: Callable[[int, dict], dict] | None = None):
         self.layer, self.prefix, self.chunks, self.load, self.drop = layer, prefix, chunks, load, drop
+        self.save, self.saved = save, {}
         self.container = f"{prefix}.mlp.experts"
         self.x_next: torch.Tensor | None = None   # the layer's output, once the MoE stage ran
         self._attn: list[torch.Tensor] | None = None
@@ -79,21 +83,17 @@ class ExpertStream:
     # -- the stage ------------------------------------------------------------------------------
     @torch.no_grad()
     def run_stage(self, lc, stage: str, targets: list[str], x, args, kwargs) -> None:
-        from cvt.quant.methods.calib import _run_layer
-
         routed = [t for t in targets if self.expert_of(t) is not None]
         others = [t for t in targets if self.expert_of(t) is None]
-        attn = self.layer.self_attn
-        hook = attn.register_forward_hook(lambda m, a, out: self._attn.append(out))
-        self._attn, self._shared = [], []
-        try:
-            if others:
+        if others:  # their statistics pass records the attention output too
+            self._attn, self._shared = [], []
+            hook = self.layer.self_attn.register_forward_hook(lambda m, a, out: self._attn.append(out))
+            try:
                 lc._run_stage(stage, others, x, args, kwargs, stub_experts=set())
-            else:  # nothing else to calibrate: one pass just to record the attention output
-                with self._stubbed([e for c in self.chunks for e in c]):
-                    _run_layer(self.layer, x, args, kwargs, lc.o["batch_size"], out=False)
-        finally:
-            hook.remove()
+            finally:
+                hook.remove()
+        else:
+            self._record_attention(lc, x, args, kwargs)
 
         def calibrate(chunk: list[int]) -> None:
             mine = [t for t in routed if self.expert_of(t) in chunk]
@@ -105,32 +105,44 @@ class ExpertStream:
     def _chunks_then_output(self, lc, x, args, kwargs, per_chunk: Callable[[list[int]], None]) -> None:
         """Each chunk: read, `per_chunk` (quantize its experts), add its share of the output,
         drop; then the layer's output (`x_next`)."""
-        h_in: list[torch.Tensor] = []
         acc: list[torch.Tensor] = []
         for c, chunk in enumerate(self.chunks):
             self.load(chunk)
             lc._refresh()
             try:
                 per_chunk(chunk)
-                self._accumulate(lc, chunk, first=c == 0, h_in=h_in, acc=acc, x=x, args=args, kwargs=kwargs)
+                self._accumulate(lc, chunk, first=c == 0, acc=acc, x=x, args=args, kwargs=kwargs)
             finally:
                 self.drop(chunk)
                 lc._refresh()
-        # MoE.forward's y (+ shared experts' output), viewed as the input, then the residual add
+            mods = [m for m in lc.res.quantized if self.expert_of(m) in chunk]
+            if self.save is not None and mods:
+                self.saved.update(self.save(c, {m: lc.res.quantized.pop(m) for m in mods}))
+        # the decoder layer's own arithmetic: h = x + attention, then h + (MoE.forward's y [+ shared
+        # experts' output], viewed as the input)
+        bs = lc.o["batch_size"]
+        starts = range(0, x.shape[0], bs)
+        if not len(acc) == len(self._attn) == len(starts):
+            raise RuntimeError(f"internal: {self.prefix}: {len(acc)} routed sums for {len(starts)} batches")
         shared = self._shared or [None] * len(acc)
-        self.x_next = torch.cat([h + (a if s is None else a + s).view(h.shape) for h, a, s in zip(h_in, acc, shared)])
+        outs = []
+        for b0, attn, a, s in zip(starts, self._attn, acc, shared):
+            h = x[b0:b0 + bs] + attn
+            outs.append(h + (a if s is None else a + s).view(h.shape))
+        self.x_next = torch.cat(outs)
         self._attn = self._shared = None
 
     @torch.no_grad()
-    def run_rtn(self, lc, x, args, kwargs) -> None:
-        """A layer with no data-driven method: RTN everywhere, as the whole layer gets it (no
-        statistics passes, so a KV-cache observer sees only the quantized attention), the routed
-        experts a chunk at a time, then the layer's output from the chunks' passes."""
-        from cvt.quant.methods.calib import _quantize_rtn, _run_layer
+    def finish(self, lc, x, args, kwargs) -> None:
+        """The layer's output when no stage ran the experts (its MLP is all float)."""
+        if self.x_next is None:
+            self._record_attention(lc, x, args, kwargs)
+            self._chunks_then_output(lc, x, args, kwargs, lambda chunk: None)
 
-        for n in lc.schemes:
-            if self.expert_of(n) is None:
-                _quantize_rtn(lc.linears[n], n, lc.schemes[n], lc.res)
+    def _record_attention(self, lc, x, args, kwargs) -> None:
+        """One pass, every routed expert stubbed, keeping the attention output per batch."""
+        from cvt.quant.methods.calib import _run_layer
+
         self._attn, self._shared = [], []
         hook = self.layer.self_attn.register_forward_hook(lambda m, a, out: self._attn.append(out))
         try:
@@ -138,6 +150,18 @@ class ExpertStream:
                 _run_layer(self.layer, x, args, kwargs, lc.o["batch_size"], out=False)
         finally:
             hook.remove()
+
+    @torch.no_grad()
+    def run_rtn(self, lc, x, args, kwargs) -> None:
+        """A layer with no data-driven method: RTN everywhere, as the whole layer gets it (no
+        statistics passes, so a KV-cache observer sees only the quantized attention), the routed
+        experts a chunk at a time, then the layer's output from the chunks' passes."""
+        from cvt.quant.methods.calib import _quantize_rtn
+
+        for n in lc.schemes:
+            if self.expert_of(n) is None:
+                _quantize_rtn(lc.linears[n], n, lc.schemes[n], lc.res)
+        self._record_attention(lc, x, args, kwargs)
 
         def quantize(chunk: list[int]) -> None:
             for n in lc.schemes:
@@ -169,11 +193,12 @@ class ExpertStream:
         for t in mine:
             lc._quantize(t, sites)
 
-    def _accumulate(self, lc, chunk: list[int], *, first: bool, h_in: list, acc: list, x, args, kwargs) -> None:
+    def _accumulate(self, lc, chunk: list[int], *, first: bool, acc: list, x, args, kwargs) -> None:
         """One pass running only `chunk`'s experts: their contributions continue each batch's
         routed sum in `acc` (`run_experts`' accumulator, in expert order, as one pass over all
-        experts adds them). The first pass also keeps the MLP's residual input and the shared
-        experts' output; no pass adds the latter into the sum (it is added last, as MoE.forward does)."""
+        experts adds them). The first pass also keeps the shared experts' output; no pass adds
+        it into the sum (it is added last, as MoE.forward does). The model module's
+        `run_experts` is swapped for the pass: only this thread runs forwards during calibration."""
         from cvt.quant.methods.calib import _run_layer, _stub, _unstub
 
         mlp = self.layer.mlp
@@ -192,11 +217,8 @@ class ExpertStream:
 
         hooks = []
         shared = getattr(mlp, "shared_experts", None)
-        if first:
-            hooks.append(self.layer.post_attention_layernorm.register_forward_pre_hook(
-                lambda m, a: h_in.append(a[0])))
-            if shared is not None:
-                hooks.append(shared.register_forward_hook(lambda m, a, out: self._shared.append(out)))
+        if first and shared is not None:
+            hooks.append(shared.register_forward_hook(lambda m, a, out: self._shared.append(out)))
         try:
             models.run_experts = continuing
             if shared is not None and not first:

@@ -21,8 +21,10 @@ device, so that a 0.7-2 TB checkpoint calibrates on a host with less RAM than th
 Peak memory: one decoder layer in float32, except a MoE layer whose routed experts pass
 `max_expert_bytes` (DeepSeek-V3: ~45 GB per layer): those are read, calibrated and dropped a chunk
 of experts at a time (`cvt.quant.methods.expert_stream`; not when AWQ / SmoothQuant smooth across
-the experts, which needs them all); plus the layer's input and output activations (or mmap pages
-of them), the driver's statistics (GPTQ Hessians bounded by `max_hessian_bytes`), and a constant. Everything else of the stage
+the experts, which needs them all; each chunk's quantized experts go to the state folder as it
+finishes, and the layer keeps a few activation-sized lists: attention output, routed sums);
+plus the layer's input and output activations (or mmap pages of them), the driver's statistics
+(GPTQ Hessians bounded by `max_hessian_bytes`), and a constant. Everything else of the stage
 streams as RTN does: the writer reads each calibrated module's parts from the state folder.
 """
 
@@ -104,12 +106,10 @@ class LayerStore:
         write_json_atomic(self.root / "state.json", {"plan_id": self.plan_id, "done": done})
 
     # -- per layer ----------------------------------------------------------------------------------
-    def save_layer(self, i: int, lres, kv_amax: dict[str, torch.Tensor], x_next: torch.Tensor) -> None:
-        from cvt.convert.safetensors_io import write_bytes_atomic, write_json_atomic
-        from cvt.convert.synthetic import write_safetensors
-
+    @staticmethod
+    def _pack(quantized: dict[str, QuantizedTensor]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         tensors, fields = {}, {}
-        for module, q in lres.quantized.items():
+        for module, q in quantized.items():
             for part, t in q.parts.items():
                 tensors[f"q/{module}/{part}"] = t.detach().cpu().contiguous()
             for k, t in q.extra.items():
@@ -118,6 +118,30 @@ class LayerStore:
             fields[module] = {"scheme": q.scheme, "kernel_fmt": q.kernel_fmt, "shape": list(q.shape),
                               "group_size": q.group_size, "symmetric": q.symmetric,
                               "extra": {k: v for k, v in q.extra.items() if not isinstance(v, torch.Tensor)}}
+        return tensors, fields
+
+    def save_part(self, i: int, c: int, quantized: dict[str, QuantizedTensor]) -> dict[str, dict]:
+        """Chunk c of layer i's streamed experts (`expert_stream`): their quantized tensors in
+        ``layer-{i}-e{c}.safetensors``, so a layer's experts are not all held until it ends;
+        returns their fields for `save_layer`'s ``parts``."""
+        from cvt.convert.synthetic import write_safetensors
+
+        tensors, fields = self._pack(quantized)
+        name = f"layer-{i}-e{c}.safetensors"
+        tmp = self.root / f".{name}.tmp"
+        write_safetensors(tmp, tensors)
+        os.replace(tmp, self.root / name)
+        return {m: {**f, "file": name} for m, f in fields.items()}
+
+    def save_layer(self, i: int, lres, kv_amax: dict[str, torch.Tensor], x_next: torch.Tensor,
+                   parts: dict[str, dict] | None = None) -> None:
+        """Layer i's results (and the fields of its experts already saved by `save_part`); then
+        the layer counts as done."""
+        from cvt.convert.safetensors_io import write_bytes_atomic, write_json_atomic
+        from cvt.convert.synthetic import write_safetensors
+
+        tensors, fields = self._pack(lres.quantized)
+        fields.update(parts or {})
         for name, t in lres.float_weights.items():
             tensors[f"f/{name}"] = t.detach().cpu().contiguous()
         for role, t in kv_amax.items():
@@ -166,7 +190,7 @@ class LayerStore:
         from safetensors import safe_open
 
         i, f = self._index[module]
-        with safe_open(self.root / f"layer-{i}.safetensors", framework="pt") as h:
+        with safe_open(self.root / f.get("file", f"layer-{i}.safetensors"), framework="pt") as h:
             keys = [k for k in h.keys() if k.startswith(f"q/{module}/") or k.startswith(f"e/{module}/")]
             parts = {k.rsplit("/", 1)[1]: h.get_tensor(k) for k in keys if k.startswith("q/")}
             extra = {**f["extra"], **{k.rsplit("/", 1)[1]: h.get_tensor(k) for k in keys if k.startswith("e/")}}
@@ -201,7 +225,9 @@ def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict) -> str:
         "modules": sorted((m, s.name, s.group_size, s.symmetric, getattr(s, "fp4_format", None),
                            plan.methods.get(m, "rtn")) for m, s in plan.schemes.items()),
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "shape": list(tokens.shape),
-        "device": str(device), "opts": {k: str(v) for k, v in sorted(opts.items())},
+        # max_expert_bytes changes how much is read at once, not a byte of the result: a run killed
+        # for memory may resume with a smaller --expert-memory
+        "device": str(device), "opts": {k: str(v) for k, v in sorted(opts.items()) if k != "max_expert_bytes"},
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
@@ -221,7 +247,7 @@ def _streams_experts(layer: nn.Module, prefix: str, plan, o: dict) -> bool:
     return True
 
 
-def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o: dict):
+def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o: dict, store: LayerStore):
     from cvt.quant.methods.expert_stream import ExpertStream
     from cvt.runtime.loader import assign_tensors
 
@@ -236,6 +262,9 @@ def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o
             ks.append(ex.down_proj.weight.shape[1])
         return ks
 
+    def save(c: int, quantized: dict) -> dict:
+        return store.save_part(i, c, quantized)
+
     def load(ids: list[int]) -> None:
         heads = tuple(f"{prefix}.mlp.experts.{e}." for e in ids)
         assign_tensors(model, ckpt, device, block, skip=lambda name: not name.startswith(heads))
@@ -248,7 +277,7 @@ def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o
 
     chunks = ExpertStream.plan_chunks(layer, gptq_sites, o["max_expert_bytes"], o["max_hessian_bytes"])
     log.info("%s: %d routed experts in %d chunks", prefix, len(layer.mlp.experts), len(chunks))
-    return ExpertStream(layer, prefix, chunks, load, drop)
+    return ExpertStream(layer, prefix, chunks, load, drop, save)
 
 
 def _dense_linears(layer: nn.Module) -> None:
@@ -320,7 +349,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
             assign_tensors(model, ckpt, device, block, skip=lambda name: not name.startswith(prefix)
                            or (streamed and name.startswith(experts_at)))
             _dense_linears(layer)
-            es = _expert_stream(model, ckpt, device, block, layer, i, plan, o) if streamed else None
+            es = _expert_stream(model, ckpt, device, block, layer, i, plan, o, store) if streamed else None
             if observer is not None:
                 layer.self_attn.kv_observer = observer._observer(i)
             lres = C.CalibResult()
@@ -331,7 +360,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
                 layer.self_attn.kv_observer = None
             lres.seconds_per_layer.append(time.perf_counter() - t0)
             amax = observer.amax[i] if observer is not None else {}
-            store.save_layer(i, lres, amax, x)
+            store.save_layer(i, lres, amax, x, es.saved if es is not None else None)
             if spill:  # the next input from the state file, not RAM
                 x = store.x(i + 1, shape, True).to(device)
             layer.to("meta")                                  # the layer's weights are dropped here

@@ -134,15 +134,50 @@ def test_experts_read_a_chunk_at_a_time_give_the_same_output(fp8_release_session
         monkeypatch.setattr(loader, "assign_tensors", real)
 
 
-@pytest.mark.parametrize("kw", [dict(scheme="w8a8c8", fmt="ascend"), dict(scheme="w8a8", fmt="ascend", static_attention=True)],
-                         ids=["w8a8c8-rtn", "w8a8-static-attention"])
-def test_streamed_experts_keep_the_kv_and_activation_scales(fp8_release_session, tmp_path, kw):
+@pytest.fixture
+def streamed_layers(monkeypatch):
+    """How many layers went through `ExpertStream` (its output step runs once per layer)."""
+    from cvt.quant.methods import expert_stream
+
+    seen = []
+    real = expert_stream.ExpertStream._chunks_then_output
+    monkeypatch.setattr(expert_stream.ExpertStream, "_chunks_then_output",
+                        lambda self, *a, **k: seen.append(self.prefix) or real(self, *a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("kw", [
+    dict(scheme="w8a8c8", fmt="ascend"), dict(scheme="w8a8", fmt="ascend", static_attention=True),
+    # every MLP float while GPTQ runs on attention: no stage runs the experts, the output still comes
+    dict(scheme="w4a16", fmt="compressed-tensors", method="gptq", group_size=32, ignore=(r"\.mlp\.", r"kv_b_proj")),
+], ids=["w8a8c8-rtn", "w8a8-static-attention", "gptq-float-mlp"])
+def test_streamed_experts_keep_the_kv_and_activation_scales(fp8_release_session, tmp_path, kw, streamed_layers):
     """Runs that calibrate only scales (the int8 KV cache's observed ranges, the static attention
     inputs) stream the experts too, with the same bytes: an RTN-only layer gets no statistics
-    passes streamed either (the KV observer would otherwise also see the float attention)."""
+    passes streamed either (the KV observer would otherwise also see the float attention). And a
+    layer whose MLP is all float still gets its output from the chunks."""
     quantize(fp8_release_session, tmp_path / "whole", calib_tokens=256, quiet=True, **kw)
+    assert not streamed_layers
     quantize(fp8_release_session, tmp_path / "streamed", calib_tokens=256, quiet=True, expert_memory=1, **kw)
+    assert streamed_layers  # the tiny release's MoE layers went through ExpertStream
     assert snapshot(tmp_path / "whole") == snapshot(tmp_path / "streamed")
+
+
+def test_resume_with_another_expert_memory_keeps_finished_layers(fp8_release_session, tmp_path):
+    """--expert-memory changes how much is read at once, not the result: a run killed (say, for
+    memory) resumes with a smaller one and keeps its finished layers; same bytes."""
+    args = ("quantize", fp8_release_session, None, "--scheme", "w4a16", "--method", "gptq", "--group-size", "32",
+            "--calib-tokens", "256")
+    golden = tmp_path / "golden"
+    assert run_cvt(*[golden if a is None else a for a in args], "--quiet").rc == 0
+    dst = tmp_path / "k"
+    argv = [dst if a is None else a for a in args]
+    killed = run_cvt(*argv, "--quiet", env={"CVT_TEST_KILL_AFTER_LAYER": "1"})
+    assert killed.rc == -signal.SIGKILL
+    again = run_cvt(*argv, "--expert-memory", "1MB")
+    assert again.rc == 0, again.err
+    assert "2 layers resumed" in again.out
+    assert snapshot(dst) == snapshot(golden)
 
 
 def test_cli_expert_memory(fp8_release_session, tmp_path):
