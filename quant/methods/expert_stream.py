@@ -54,7 +54,7 @@ class ExpertStream:
     # -- planning -------------------------------------------------------------------------------
     @staticmethod
     def plan_chunks(layer: nn.Module, gptq_site_k: Callable[[int], list[int]], max_bytes: int,
-                    max_hessian_bytes: int) -> list[list[int]]:
+                    max_hessian_bytes: int, hessian_itemsize: int = 4) -> list[list[int]]:
         """Consecutive experts per chunk within both budgets (float32 weights; Hessians of the
         GPTQ sites `gptq_site_k(e)` lists by width); at least one expert per chunk."""
         chunks: list[list[int]] = []
@@ -62,7 +62,7 @@ class ExpertStream:
         wb = hb = 0
         for e, ex in enumerate(layer.mlp.experts):
             w = 4 * sum(p.numel() for p in ex.parameters())
-            h = sum(4 * k * k for k in gptq_site_k(e))
+            h = sum(hessian_itemsize * k * k for k in gptq_site_k(e))
             if cur and (wb + w > max_bytes or hb + h > max_hessian_bytes):
                 chunks.append(cur)
                 cur, wb, hb = [], 0, 0
@@ -188,7 +188,8 @@ class ExpertStream:
                                    seed=zlib.crc32(key[1].encode()))
             if gptq:
                 lc.h_users[key] = lc.h_users.get(key, 0) + 1
-        with self._replay():
+        shared = getattr(self.layer.mlp, "shared_experts", None)
+        with self._replay(), self._stubbed([], also=[shared] if shared is not None else []):  # not needed here
             lc._collect(stage, sites, x, args, kwargs, stub_experts={(self.container, e) for e in chunk})
         for t in mine:
             lc._quantize(t, sites)
@@ -246,10 +247,10 @@ class ExpertStream:
             _unstub(attn)
 
     @contextmanager
-    def _stubbed(self, ids: list[int]):
+    def _stubbed(self, ids: list[int], also: list[nn.Module] = ()):
         from cvt.quant.methods.calib import _stub, _unstub
 
-        mods = [self.layer.mlp.experts[e] for e in ids]
+        mods = [self.layer.mlp.experts[e] for e in ids] + list(also)
         for m in mods:
             _stub(m)
         try:

@@ -275,7 +275,8 @@ def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o
             layer.mlp.experts[e].to("meta")
         _trim()
 
-    chunks = ExpertStream.plan_chunks(layer, gptq_sites, o["max_expert_bytes"], o["max_hessian_bytes"])
+    chunks = ExpertStream.plan_chunks(layer, gptq_sites, o["max_expert_bytes"], o["max_hessian_bytes"],
+                                      torch.finfo(o["hessian_dtype"]).bits // 8)
     log.info("%s: %d routed experts in %d chunks", prefix, len(layer.mlp.experts), len(chunks))
     return ExpertStream(layer, prefix, chunks, load, drop, save)
 
