@@ -241,7 +241,7 @@ def _streams_experts(layer: nn.Module, prefix: str, plan, o: dict) -> bool:
     smoothed = sorted(m for m, meth in plan.methods.items()
                       if m.startswith(prefix + "mlp.") and meth in ("awq", "smoothquant"))
     if smoothed:
-        log.info("%sexperts: calibrated whole (%s smooths across them: %s)", prefix,
+        log.info("%smlp.experts: calibrated whole (%s smooths across them: %s)", prefix,
                  plan.methods[smoothed[0]], smoothed[0])
         return False
     return True
