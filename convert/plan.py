@@ -152,18 +152,29 @@ def _scheme(scheme: str | None, group_size: int | None, fmt: str | None = None, 
 class DiskBytes:
     """Bytes of a quantized linear's shard as `cvt quantize` writes it for `fmt` / `target`
     (the layout table, `cvt.quant.disk_layouts`: the one owner quantize and shard read), or
-    None where that target keeps the module float (a layout loaded for MoE experts only).
-    `fmt` None: compressed-tensors when it has the scheme (cvt quantize's default), else ascend."""
+    None where that target keeps the module float (a layout loaded for MoE experts only)."""
 
-    def __init__(self, scheme, fmt: str | None, target: str | None):
+    @classmethod
+    def resolve(cls, scheme: str, group_size: int | None, fmt: str | None, target: str | None,
+                fp4_format: str | None):
+        """(scheme, DiskBytes) of a quantized scheme name: `fmt` None is compressed-tensors when it
+        has the scheme (cvt quantize's default), else ascend; then w4a16's group as quantize
+        defaults it for that format."""
+        from cvt.quant import layouts as L
+
+        if fmt is None:
+            kf = L.kernel_fmt_of(_scheme(scheme, group_size, None, fp4_format))
+            fmt = "compressed-tensors" if L.candidates("compressed-tensors", kf, L.check_target(
+                "compressed-tensors", None)) else "ascend"
+        sch = _scheme(scheme, group_size, fmt, fp4_format)
+        return sch, cls(sch, fmt, target)
+
+    def __init__(self, scheme, fmt: str, target: str | None):
         from cvt.quant import layouts as L
         from cvt.quant.disk_layouts import DiskLayouts
         from cvt.quant.formats import get_format
 
         kf = L.kernel_fmt_of(scheme)
-        if fmt is None:
-            fmt = "compressed-tensors" if L.candidates("compressed-tensors", kf, L.check_target(
-                "compressed-tensors", None)) else "ascend"
         self.fmt, self.target, self.scheme = fmt, L.check_target(fmt, target), scheme
         form = get_format(fmt)
         form.supports(scheme, self.target)
@@ -434,11 +445,9 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         raise CvtError(f"--format, --target and --fp4-format describe quantized weights, not {scheme}")
     arch = arch_for(config)
     cfg = arch.config
-    disk = DiskBytes(_scheme(scheme, group_size, fmt or "compressed-tensors", fp4_format), fmt, target) \
-        if scheme not in ("bf16", "fp8") else None
-    sch = _scheme(scheme, group_size, disk.fmt if disk is not None else None, fp4_format)
+    sch, disk = (None, None) if scheme in ("bf16", "fp8") else DiskBytes.resolve(
+        scheme, group_size, fmt, target, fp4_format)
     if disk is not None:
-        disk.scheme = sch
         if getattr(sch, "kv_cache", None) == "int8":  # what cvt quantize refuses, the plan refuses
             from cvt.quant.kv_layout import kv_target_problem
 

@@ -86,12 +86,8 @@ class ExpertStream:
         routed = [t for t in targets if self.expert_of(t) is not None]
         others = [t for t in targets if self.expert_of(t) is None]
         if others:  # their statistics pass records the attention output too
-            self._attn, self._shared = [], []
-            hook = self.layer.self_attn.register_forward_hook(lambda m, a, out: self._attn.append(out))
-            try:
+            with self._recording():
                 lc._run_stage(stage, others, x, args, kwargs, stub_experts=set())
-            finally:
-                hook.remove()
         else:
             self._record_attention(lc, x, args, kwargs)
 
@@ -143,13 +139,8 @@ class ExpertStream:
         """One pass, every routed expert stubbed, keeping the attention output per batch."""
         from cvt.quant.methods.calib import _run_layer
 
-        self._attn, self._shared = [], []
-        hook = self.layer.self_attn.register_forward_hook(lambda m, a, out: self._attn.append(out))
-        try:
-            with self._stubbed([e for c in self.chunks for e in c]):
-                _run_layer(self.layer, x, args, kwargs, lc.o["batch_size"], out=False)
-        finally:
-            hook.remove()
+        with self._recording(), self._stubbed([e for c in self.chunks for e in c]):
+            _run_layer(self.layer, x, args, kwargs, lc.o["batch_size"], out=False)
 
     @torch.no_grad()
     def run_rtn(self, lc, x, args, kwargs) -> None:
@@ -234,6 +225,16 @@ class ExpertStream:
                 _unstub(shared)
 
     # -- helpers ----------------------------------------------------------------------------------
+    @contextmanager
+    def _recording(self):
+        """Keep the attention output of each batch the passes inside run (for `_replay`)."""
+        self._attn, self._shared = [], []
+        hook = self.layer.self_attn.register_forward_hook(lambda m, a, out: self._attn.append(out))
+        try:
+            yield
+        finally:
+            hook.remove()
+
     @contextmanager
     def _replay(self):
         """Attention returns the outputs recorded in the stage's first pass, batch by batch."""

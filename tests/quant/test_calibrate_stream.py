@@ -121,8 +121,7 @@ def test_experts_read_a_chunk_at_a_time_give_the_same_output(fp8_release_session
         def counting(m, *a, **k):
             out = real(m, *a, **k)
             models.append(m)
-            loaded.append(max(sum(any(not p.is_meta for p in ex.parameters()) for ex in layer.mlp.experts)
-                              for layer in m.model.layers if hasattr(layer.mlp, "experts")))
+            loaded.append(_experts_loaded(m))
             return out
 
         monkeypatch.setattr(loader, "assign_tensors", counting)
@@ -205,8 +204,7 @@ def test_experts_smoothed_together_are_calibrated_whole(fp8_release_session, tmp
 
     def counting(m, *a, **k):
         out = real(m, *a, **k)
-        loaded.append(max(sum(any(not p.is_meta for p in ex.parameters()) for ex in layer.mlp.experts)
-                          for layer in m.model.layers if hasattr(layer.mlp, "experts")))
+        loaded.append(_experts_loaded(m))
         return out
 
     monkeypatch.setattr(loader, "assign_tensors", counting)
@@ -216,6 +214,12 @@ def test_experts_smoothed_together_are_calibrated_whole(fp8_release_session, tmp
     experts = len(next(layer.mlp.experts for layer in _meta_model(fp8_release_session).model.layers
                        if hasattr(layer.mlp, "experts")))
     assert loaded and max(loaded) == experts
+
+
+def _experts_loaded(model) -> int:
+    """The most routed experts holding weights in any one MoE layer of `model`."""
+    return max(sum(any(not p.is_meta for p in ex.parameters()) for ex in layer.mlp.experts)
+               for layer in model.model.layers if hasattr(layer.mlp, "experts"))
 
 
 def _meta_model(src):
