@@ -24,6 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/cvt demo
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

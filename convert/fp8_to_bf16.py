@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cvt import __version__
+from cvt.version import __version__
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config
 from cvt.convert.fp8 import dequant_fp8_block, dequant_fp8_block_np, expected_scale_shape, kernel_name, scale_to_f32_np

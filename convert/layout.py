@@ -303,6 +303,28 @@ def eplb_maps(placement: Placement, layers: list[int]) -> dict[str, list]:
             "logcnt": [[len(s) for s in layer] for layer in l2p]}
 
 
+def layout_for(config: Mapping[str, Any], world_size: int | None = None, tp: int | None = None,
+               ep: int | None = None, moe_tp: int | None = None, dense_tp: int | None = None,
+               embed_tp: int | None = None, lmhead_tp: int | None = None, *, placement: Path | str | None = None,
+               redundant: int = 0, shared_experts: str = "moe_tp") -> Layout:
+    """`make_layout`'s degrees for this model, with its expert placement: read from `placement`
+    (MindIE / vllm-ascend JSON or an EPLB phy2log), or contiguous with `redundant` extra slots
+    holding copies of experts 0..R-1, or contiguous."""
+    degrees = (world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp)
+    layout = make_layout(*degrees, shared_experts=shared_experts)
+    if placement and redundant:
+        raise CvtError("give either --placement or --redundant, not both")
+    if placement:
+        return make_layout(*degrees, shared_experts=shared_experts,
+                           placement=read_placement(placement, config, layout.ep))
+    if redundant:
+        if not moe_layers(config):
+            raise CvtError("--redundant: the model has no routed experts")
+        return make_layout(*degrees, shared_experts=shared_experts,
+                           placement=contiguous_placement(arch_for(config).num_experts, layout.ep, redundant))
+    return layout
+
+
 def read_placement(path: Path | str, config: Mapping[str, Any], ep: int) -> Placement:
     """A placement file (MindIE/vllm-ascend JSON or EPLB phy2log JSON), checked against the model."""
     path = Path(path)

@@ -46,14 +46,23 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from cvt.convert.arch import Block, Role, TensorInfo, arch_for
 from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
+from cvt.convert.safetensors_io import load_json
 from cvt.units import parse_size
 from cvt.errors import CvtError, FormatError
 
-SCHEMES = ("bf16", "fp8", "w8a8", "w8a8c8", "w4a16", "w4a8", "fp4")
+STORED = ("bf16", "fp8")  # weights planned as stored: float, or an FP8 release's blocks
+
+
+def plan_schemes() -> tuple[str, ...]:
+    """What a plan can count: the stored forms, then every registered quantization scheme."""
+    from cvt.quant.tensor.schemes import scheme_names
+
+    return (*STORED, *scheme_names())
 CATEGORIES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embedding", "head", "norm",
               "mtp_proj", "kv_scales")
 _ROLE_CATEGORY = {Role.EMBEDDING: "embedding", Role.HEAD: "head", Role.NORM: "norm", Role.ROUTER: "router",
@@ -134,13 +143,13 @@ def _scheme(scheme: str | None, group_size: int | None, fmt: str | None = None, 
         if group_size is not None:
             raise CvtError(f"group_size applies to quantized schemes, not {scheme or 'the source'}")
         return None
-    if scheme not in SCHEMES:
-        raise CvtError(f"unknown scheme {scheme!r} for the plan (known: {', '.join(SCHEMES)})")
-    from cvt.quant.formats import DEFAULT_GROUP
-    from cvt.quant.schemes import get_scheme
+    if scheme not in plan_schemes():
+        raise CvtError(f"unknown scheme {scheme!r} for the plan (known: {', '.join(plan_schemes())})")
+    from cvt.quant.tensor.formats import default_group
+    from cvt.quant.tensor.schemes import get_scheme
 
     if group_size is None and fmt is not None:
-        group_size = DEFAULT_GROUP.get((scheme, fmt))  # what cvt quantize writes for that format
+        group_size = default_group(fmt, scheme)  # what cvt quantize writes for that format
     opts = {} if group_size is None else {"group_size": group_size}
     if fp4_format is not None:
         if scheme != "fp4":
@@ -151,7 +160,7 @@ def _scheme(scheme: str | None, group_size: int | None, fmt: str | None = None, 
 
 class DiskBytes:
     """Bytes of a quantized linear's shard as `cvt quantize` writes it for `fmt` / `target`
-    (the layout table, `cvt.quant.disk_layouts`: the one owner quantize and shard read), or
+    (the layout table, `cvt.quant.tensor.disk_layouts`: the one owner quantize and shard read), or
     None where that target keeps the module float (a layout loaded for MoE experts only)."""
 
     @classmethod
@@ -160,7 +169,7 @@ class DiskBytes:
         """(scheme, DiskBytes) of a quantized scheme name: `fmt` None is compressed-tensors when it
         has the scheme (cvt quantize's default), else ascend; then w4a16's group as quantize
         defaults it for that format."""
-        from cvt.quant import layouts as L
+        from cvt.quant.tensor import layouts as L
 
         if fmt is None:
             kf = L.kernel_fmt_of(_scheme(scheme, group_size, None, fp4_format))
@@ -170,9 +179,9 @@ class DiskBytes:
         return sch, cls(sch, fmt, target)
 
     def __init__(self, scheme, fmt: str, target: str | None):
-        from cvt.quant import layouts as L
-        from cvt.quant.disk_layouts import DiskLayouts
-        from cvt.quant.formats import get_format
+        from cvt.quant.tensor import layouts as L
+        from cvt.quant.tensor.disk_layouts import DiskLayouts
+        from cvt.quant.tensor.formats import get_format
 
         kf = L.kernel_fmt_of(scheme)
         self.fmt, self.target, self.scheme = fmt, L.check_target(fmt, target), scheme
@@ -182,7 +191,7 @@ class DiskBytes:
         self.float_reason = L.experts_only_reason(fmt, kf, self.target)
 
     def __call__(self, module: str, shape: tuple, expert: bool) -> int | None:
-        from cvt.convert.safetensors_io import DTYPES
+        from cvt.dtypes import DTYPES
 
         if self.float_reason is not None and not expert:
             return None
@@ -206,12 +215,12 @@ def _holds_fp8(config: Mapping[str, Any], scheme: str | None) -> tuple[int, int]
 def _unit(kind: Kind, dim: int, block, sch, k: int) -> tuple[int, str]:
     """The granularity a shard along `dim` must keep whole: an FP8 block, and for a quantized
     module what every on-disk layout of its kernel format packs along that axis (groups, int4
-    pairs and int32 runs, fp4 pairs; `cvt.quant.layouts`), whichever format the shards are in."""
+    pairs and int32 runs, fp4 pairs; `cvt.quant.tensor.layouts`), whichever format the shards are in."""
     unit, names = 1, []
     if block and kind.fp8:
         unit, names = block[dim], [f"FP8 {block[dim]}-block"]
     if sch is not None and kind.quantized:
-        from cvt.quant.layouts import LAYOUTS, kernel_fmt_of
+        from cvt.quant.tensor.layouts import LAYOUTS, kernel_fmt_of
 
         axis = "n" if dim == 0 else "k"
         g = getattr(sch, "group_size", 0) or 0
@@ -431,14 +440,23 @@ def _scheme_assumption(scheme: str, sch, disk: DiskBytes | None) -> str:
                if disk.float_reason else "") + "; the rest bf16")
 
 
+def read_config(model: str | Path) -> dict:
+    """config.json of MODEL: a checkpoint directory or the config.json file itself."""
+    path = Path(model)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    if not cfg_path.is_file():
+        raise CvtError(f"{model}: no config.json (give a checkpoint directory or a config.json file)")
+    return load_json(cfg_path)
+
+
 def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16", group_size: int | None = None,
                 kv_tokens: int = 0, hbm_bytes: int | str | None = None, fmt: str | None = None,
                 target: str | None = None, fp4_format: str | None = None) -> Plan:
     """Per-rank bytes of `layout` for this config under `scheme` (module docstring), no weights
     read; a quantized scheme's linears as `cvt quantize --format fmt --target target` writes
     them (`DiskBytes`)."""
-    if scheme not in SCHEMES:
-        raise CvtError(f"unknown scheme {scheme!r} for the memory plan (known: {', '.join(SCHEMES)})")
+    if scheme not in plan_schemes():
+        raise CvtError(f"unknown scheme {scheme!r} for the memory plan (known: {', '.join(plan_schemes())})")
     if not isinstance(kv_tokens, int) or kv_tokens < 0:
         raise CvtError(f"kv_tokens must be a non-negative integer, got {kv_tokens!r}")
     if scheme in ("bf16", "fp8") and (fmt or target or fp4_format):
@@ -449,9 +467,9 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         scheme, group_size, fmt, target, fp4_format)
     if disk is not None:
         if getattr(sch, "kv_cache", None) == "int8":  # what cvt quantize refuses, the plan refuses
-            from cvt.quant.kv_layout import kv_target_problem
+            from cvt.quant.tensor.kv_layout import kv_target_problem
 
-            why = kv_target_problem(config, disk.fmt, disk.target)
+            why = kv_target_problem(cfg, disk.fmt, disk.target)
             if why is not None:
                 raise FormatError(why)
     qc = cfg.get("quantization_config") or config.get("quantization_config") or {}
@@ -481,10 +499,10 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     int8_kv = getattr(sch, "kv_cache", None) == "int8"
     if int8_kv:  # the KV-cache scale tensors of cvt.runtime.kv_cache, replicated
-        from cvt.quant.kv_layout import kv_tensor_specs_for_config
+        from cvt.quant.tensor.kv_layout import kv_tensor_specs_for_config
 
         per_rank["kv_scales"] = model["kv_scales"] = sum(math.prod(sp.shape) * sp.dtype.itemsize
-                                                         for sp in kv_tensor_specs_for_config(config))
+                                                         for sp in kv_tensor_specs_for_config(cfg))
     elem = 1 if int8_kv else 2
     # MLA: latent int8 under C8 (FAKQuant), rope key always bf16; GQA: k and v
     # DeepSeek-V3.2: the lightning indexer caches its own key (index_head_dim, bf16 in cvt's runtime)

@@ -24,44 +24,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
+from cvt.dtypes import DTYPES, torch_dtype
 from cvt.errors import CheckpointError, OutputError
 
-# safetensors dtype code -> (torch dtype name, bytes per element)
-DTYPES: dict[str, tuple[str, int]] = {
-    "BOOL": ("bool", 1),
-    "U8": ("uint8", 1),
-    "I8": ("int8", 1),
-    "U16": ("uint16", 2),
-    "I16": ("int16", 2),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-    "U32": ("uint32", 4),
-    "I32": ("int32", 4),
-    "F32": ("float32", 4),
-    "U64": ("uint64", 8),
-    "I64": ("int64", 8),
-    "F64": ("float64", 8),
-    "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E5M2": ("float8_e5m2", 1),
-    "F8_E8M0": ("float8_e8m0fnu", 1),
-}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 PAGE = mmap.PAGESIZE
 
 
-def dtype_code(torch_dtype) -> str:
-    """torch.dtype -> safetensors code, e.g. torch.bfloat16 -> 'BF16'."""
-    name = str(torch_dtype).removeprefix("torch.")
-    for code, (tname, _) in DTYPES.items():
-        if tname == name:
-            return code
-    raise CheckpointError(f"dtype {torch_dtype} has no safetensors code")
-
-
-def torch_dtype(code: str):
-    import torch
-
-    return getattr(torch, DTYPES[code][0])
 
 
 def _no_duplicate_keys(where: str):

@@ -50,14 +50,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cvt import __version__
+from cvt.version import __version__
 from cvt.convert.arch import Parallel, Role, arch_for
 from cvt.convert.config import quantization_config, source_format, with_explicit_defaults
 from cvt.convert.layout import Layout, Placement, contiguous_placement, coords, moe_layers, placement_json
 from cvt.convert.plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint, read_manifest
 from cvt.convert.validate import check_weights
-from cvt.convert.safetensors_io import DTYPES, TensorSpec, load_json
+from cvt.dtypes import DTYPES
+from cvt.convert.safetensors_io import TensorSpec, load_json
 from cvt.convert.writer import (
     DEFAULT_MAX_SHARD,
     FileSet,
@@ -97,7 +98,7 @@ class Split:
 
 def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layout=None) -> Split:
     """The split of tensor `name` (stored shape `shape`) under `layout` (module docstring).
-    `quant_layout`: the `cvt.quant.layouts.Layout` its module is stored in (from the manifest),
+    `quant_layout`: the `cvt.quant.tensor.layouts.Layout` its module is stored in (from the manifest),
     whose data says which on-disk dim follows the module's split axis (None: the arch table's
     rule for float / FP8 tensors)."""
     info = arch.classify(name)
@@ -122,12 +123,12 @@ def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layo
 
 
 def quant_layouts(ckpt: Checkpoint) -> dict[str, object]:
-    """module -> its on-disk `cvt.quant.layouts.Layout`, from a cvt quantize output's manifest
+    """module -> its on-disk `cvt.quant.tensor.layouts.Layout`, from a cvt quantize output's manifest
     (empty for float / FP8 checkpoints and outputs that predate the record)."""
     m = ckpt.manifest
     if m is None or m.quant is None:
         return {}
-    from cvt.quant.layouts import LAYOUTS
+    from cvt.quant.tensor.layouts import LAYOUTS
 
     return {mod: LAYOUTS.get(info.layout) for mod, info in m.quant.tensors.items() if info.layout}
 
@@ -168,6 +169,18 @@ def weights_scheme(config, quant: dict | None, where: str = "SRC") -> tuple[str 
         raise CvtError(f"{where}: a {qc.get('quant_method')} checkpoint not written by cvt quantize; "
                        "shard the bf16 / FP8 release or a cvt quantize output")
     return "bf16", None
+
+
+def source_weights(src, config) -> tuple[str, int | None, dict | None]:
+    """What SRC's weights are, for planning it as `cvt shard` would write it: (scheme, group
+    size, the cvt quantize manifest's quant section or None). An FP8 release is "fp8"; another
+    tool's quantization is planned as "bf16" (the caller can name a scheme instead)."""
+    quant = manifest_quant(src) if Path(src).is_dir() else None
+    try:
+        own, group = weights_scheme(config, quant, str(src))
+    except CvtError:
+        return "bf16", None, None
+    return ("fp8" if own is None else own), group, (quant if quant and quant.get("scheme") else None)
 
 
 def manifest_quant(root: Path) -> dict | None:

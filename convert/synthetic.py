@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from cvt.convert.arch import arch_for
-from cvt.convert.safetensors_io import TensorSpec, dtype_code, encode_header
+from cvt.dtypes import dtype_code
+from cvt.convert.safetensors_io import TensorSpec, encode_header
 
 FP8_MAX = 448.0
 

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from cvt import __version__
+from cvt.version import __version__
 from cvt.convert.outdir import OutputDir
 from cvt.convert.reader import Checkpoint
-from cvt.convert.safetensors_io import DTYPES, AtomicFile, TensorSpec, dtype_code, encode_header
+from cvt.dtypes import DTYPES, dtype_code
+from cvt.convert.safetensors_io import AtomicFile, TensorSpec, encode_header
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
 DEFAULT_MAX_SHARD = 5 * 10**9

@@ -21,7 +21,6 @@ Nothing heavy is imported at module level: the CLI imports this module to regist
 
 from __future__ import annotations
 
-import functools
 import logging
 import shlex
 import shutil
@@ -29,8 +28,6 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import click
 
 from cvt.errors import CvtError, OutputError
 from cvt.export.atc import (
@@ -50,7 +47,7 @@ from cvt.export.atc import (
 )
 
 __all__ = ["AtcFailedError", "AtcNotFoundError", "GraphCheckError", "OmResult", "Problem", "atc_command",
-           "check_for_atc", "export_om", "om_command", "precheck", "resolve_input_shape", "run_atc", "verify_om"]
+           "check_for_atc", "export_om", "precheck", "resolve_input_shape", "run_atc", "verify_om"]
 
 log = logging.getLogger("cvt.export.om")
 
@@ -264,68 +261,3 @@ def verify_om(onnx_path: Path, om_path: Path, shape: str | None, dynamic_dims: s
     if bad:
         raise CvtError(f"--verify: the OM disagrees with onnxruntime (cosine < {VERIFY_MIN_COSINE}): {', '.join(bad)}")
     return report
-
-
-# -- CLI --------------------------------------------------------------------------------------
-def _quiet_debug(fn):
-    """--quiet / --debug as on every cvt verb (same logic as cvt.cli._common, which is private)."""
-
-    @click.option("--quiet", "-q", is_flag=True, help="No summary.")
-    @click.option("--debug", is_flag=True, envvar="CVT_DEBUG", help="Show tracebacks and debug logging (atc's output).")
-    @functools.wraps(fn)
-    def wrapper(*args, quiet: bool, debug: bool, **kwargs):
-        click.get_current_context().ensure_object(dict)["debug"] = debug
-        logging.basicConfig(level=logging.DEBUG if debug else (logging.WARNING if quiet else logging.INFO),
-                            format="%(levelname)s %(name)s: %(message)s" if debug else "%(message)s")
-        return fn(*args, quiet=quiet, **kwargs)
-
-    return wrapper
-
-
-@click.command("om")
-@click.argument("onnx", type=click.Path(exists=True))
-@click.argument("dst", type=click.Path(file_okay=False))
-@click.option("--soc-version", required=True, help="Target SoC, e.g. Ascend910B3, Ascend310P3 ('Ascend' + npu-smi's Name).")
-@click.option("--input-shape", help="atc --input_shape, e.g. \"input_ids:1,128\" (-1 or a~b for dynamic dims); "
-                                    "default: the graph's own shapes when all are static.")
-@click.option("--dynamic-dims", help="atc --dynamic_dims profiles, one value per -1 in --input-shape, e.g. \"128;512;2048\".")
-@click.option("--precision-mode", type=click.Choice(PRECISION_MODES), metavar="MODE",
-              help=f"atc --precision_mode: {', '.join(PRECISION_MODES)}. atc's default is force_fp16; "
-                   "must_keep_origin_dtype keeps the graph's fp32/bf16.")
-@click.option("--input-format", type=click.Choice(INPUT_FORMATS), default="ND", show_default=True)
-@click.option("--atc-log", type=click.Choice(LOG_LEVELS), help="atc --log level (its output goes to DST/<name>.atc.log).")
-@click.option("--atc-arg", "extra", multiple=True, help="Extra atc flag passed as is, e.g. --atc-arg=--op_select_implmode=high_precision (repeatable).")
-@click.option("--allow-op", "allow_ops", multiple=True,
-              help="Accept this op (Op or domain.Op) although CANN's op list lacks it, for a CANN with a parser "
-                   "plugin for it; repeatable.")
-@click.option("--dry-run", is_flag=True, help="Check the graph and print the atc command without running it.")
-@click.option("--verify", is_flag=True, help="Run the OM (needs ais_bench) and onnxruntime on the same inputs and compare.")
-@click.option("--device-id", type=click.IntRange(0), default=0, show_default=True, help="NPU used by --verify.")
-@click.option("--overwrite", is_flag=True, help="Replace an OM (and its log) that DST already holds for this graph.")
-@_quiet_debug
-def om_command(onnx, dst, soc_version, input_shape, dynamic_dims, precision_mode, input_format, atc_log, extra,
-               allow_ops, dry_run, verify, device_id, overwrite, quiet):
-    """Convert an ONNX graph (a file, or a directory holding one) to an Ascend OM with atc,
-    written as DST/<name>.om with atc's log in DST/<name>.atc.log.
-
-    The graph is checked first against what atc accepts (ai.onnx opset 9-18, CANN's ONNX op
-    list, no int4/float8, bf16 only on A2/A3) and refused with every offending op named (exit
-    code 3). Without atc on PATH the exact command is printed to run on an Ascend host, and the
-    run fails (exit 1); --dry-run prints it and succeeds.
-    """
-    try:
-        r = export_om(onnx, dst, soc_version, input_shape=input_shape, dynamic_dims=dynamic_dims,
-                      precision_mode=precision_mode, input_format=input_format, atc_log=atc_log, extra=tuple(extra),
-                      allow_ops=tuple(allow_ops), dry_run=dry_run, verify=verify, device_id=device_id,
-                      overwrite=overwrite)
-    except AtcNotFoundError as exc:
-        click.echo(exc.command)
-        raise
-    if r.dry_run:
-        click.echo(r.command_line)
-        return
-    if not quiet:
-        click.echo(f"wrote {r.om_path} ({r.om_path.stat().st_size / 2**20:.1f} MiB) in {r.seconds:.1f} s; "
-                   f"atc log: {r.log_path}")
-        for name, m in r.verify.items():
-            click.echo(f"verify {name}: cosine {m['Cosine']:.6f}, max abs err {m['MaxAbsErr']:.4g}")

@@ -230,7 +230,7 @@ def _export(src, dst: Path, loaded, *, tmp: Path, scope, layer, dtype, opset, in
     import onnx
     from tqdm import tqdm
 
-    from cvt import __version__
+    from cvt.version import __version__
     from cvt.export import onnx_models as om
     from cvt.export.onnx_graph import Graph, LinearOptions, save_graph
 

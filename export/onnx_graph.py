@@ -383,7 +383,7 @@ def _w4a16_qdq(g: Graph, mod, x: str, hint: str) -> str:
 
 def _per_token_quant(g: Graph, x: str) -> tuple[str, str]:
     """Symmetric per-row int8 of x [..., k]: (q float (integers in -128..127), scale [..., 1]);
-    q = round(x * (127 / amax)), as the runtime (`cvt.runtime.kernels.int8.per_token_quant`)
+    q = round(x * (127 / amax)), as the runtime (`cvt.quant.tensor.primitives.per_token_quant`)
     and the serving kernels compute it (0 for an all-zero row)."""
     amax = g.reduce("ReduceMax", g.op("Abs", [x]), [-1])
     s = g.op("Div", [amax, g.fconst(127.0)])
@@ -419,7 +419,7 @@ def _w8a8_dynamic(g: Graph, mod, x: str, hint: str, op: str) -> str:
 
 
 def _w8a8_static(g: Graph, mod, x: str, hint: str, op: str) -> str:
-    from cvt.runtime.kernels.int8 import deq_scale_f32
+    from cvt.quant.tensor.primitives import deq_scale_f32
 
     wq = mod.weight
     s_in = float(mod.input_scale.float().reshape(()))

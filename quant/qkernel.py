@@ -1,5 +1,5 @@
 """Fused RTN quantization: one linear weight, as stored (BF16, or FP8 e4m3 with its block
-scale_inv), straight to its on-disk layout (`cvt.quant.layouts`) and SQNR, in one pass.
+scale_inv), straight to its on-disk layout (`cvt.quant.tensor.layouts`) and SQNR, in one pass.
 
 The reference is the unfused path: ``w = float32(source)`` (FP8 dequantized to BF16 first,
 `cvt.convert.fp8.dequant_fp8_block`), ``q = scheme.quantize(w)``, ``layout.encode(q)``, and
@@ -39,7 +39,7 @@ plus ``cvt_pack_zero_points``.
 Anything else (static W8A8, other source dtypes, an asymmetric int32 layout that refuses zero
 points) is not fused: `supports` says so and the caller takes the reference path, which also
 raises the reference's errors. NaN/Inf in the source is refused with the reference's message
-(`cvt.quant.primitives.nonfinite_error`). The SQNR's sums (sum w^2, sum (w - w_hat)^2) are
+(`cvt.quant.tensor.primitives.nonfinite_error`). The SQNR's sums (sum w^2, sum (w - w_hat)^2) are
 float32 squares like the reference's, but added in another order (the kernel: float64 per
 thread; the reference: float32 dot products of 1M-element chunks, added in float64), so the
 dB figure agrees to a tolerance (the tests allow 0.01 dB), not bit for bit.
@@ -56,17 +56,15 @@ from typing import Any
 
 from cvt.lazy import torch
 
-from cvt.quant import primitives as P
+from cvt.quant.tensor import primitives as P
+from cvt.quant.tensor.layouts import fuses
 from cvt.runtime.metrics import sqnr_from_sums
 
 SRC_BF16, SRC_FP8 = 0, 1
 MODE_AMAX, MODE_SYM, MODE_ASYM, MODE_NVFP4, MODE_MXFP4 = range(5)
 PACK_I8, PACK_CT32, PACK_NIB_K, PACK_NIB_ROWS, PACK_FP4 = range(5)
-LAYOUTS = ("ascend-w8a8-dynamic", "ct-int8", "ascend-w4a16-int8-grouped", "ascend-w4a16-int8-channel",
-           "ascend-w4a16-int32", "ct-int4", "ct-nvfp4", "ct-mxfp4", "ascend-mxfp4")
-_PACK = {"ascend-w8a8-dynamic": PACK_I8, "ct-int8": PACK_I8, "ascend-w4a16-int8-grouped": PACK_NIB_ROWS,
-         "ascend-w4a16-int8-channel": PACK_NIB_K, "ascend-w4a16-int32": PACK_CT32, "ct-int4": PACK_CT32,
-         "ct-nvfp4": PACK_FP4, "ct-mxfp4": PACK_FP4, "ascend-mxfp4": PACK_FP4}
+# the C kernel's packing codes for the layout table's `Layout.pack` names
+_PACK = {"i8": PACK_I8, "ct32": PACK_CT32, "nib_k": PACK_NIB_K, "nib_rows": PACK_NIB_ROWS, "fp4": PACK_FP4}
 ROWS_PER_BLOCK = 1 << 22  # torch fallback: about this many elements per block of rows
 
 
@@ -186,7 +184,7 @@ def _torch_code(w) -> str:
     """The safetensors code of a torch tensor's dtype ("" for anything else, e.g. numpy)."""
     if type(w).__module__.split(".")[0] != "torch":
         return ""
-    from cvt.convert.safetensors_io import dtype_code
+    from cvt.dtypes import dtype_code
 
     try:
         return dtype_code(w.dtype)
@@ -203,27 +201,6 @@ def supports(layout, scheme, src: WeightSource) -> bool:
     if len(src.w.shape) != 2 or src.dtype not in ("BF16", "F8_E4M3") or (src.dtype == "F8_E4M3") != src.is_fp8:
         return False
     return fuses(layout, scheme, src.shape)
-
-
-def fuses(layout, scheme, shape: tuple[int, int]) -> bool:
-    """Whether the fused kernels write `layout` for a ``[n, k]`` weight of `scheme`, whatever
-    its source dtype: the cases where the reference's encoder raises (and the stage then reports
-    that) are not fused."""
-    if layout.name not in _PACK:
-        return False
-    n, k = shape
-    if n == 0 or k == 0 or layout.kernel_fmt != _kernel_fmt(scheme):
-        return False
-    if layout.name == "ascend-w4a16-int32" and not scheme.symmetric:
-        return False  # the reference raises (vllm-ascend loads no zero points)
-    pack = _PACK[layout.name]
-    return not ((pack == PACK_NIB_ROWS and n % 2) or (pack in (PACK_NIB_K, PACK_FP4) and k % 2))
-
-
-def _kernel_fmt(scheme) -> str:
-    from cvt.quant.layouts import kernel_fmt_of
-
-    return kernel_fmt_of(scheme)
 
 
 def _config(layout, scheme, k: int) -> dict:
@@ -374,7 +351,7 @@ def _outputs(layout, shape, cfg, c: bool) -> dict[str, Any]:
     spinning threads then compete with the kernel's)."""
     import numpy as np
 
-    from cvt.convert.safetensors_io import torch_dtype
+    from cvt.dtypes import torch_dtype
 
     def empty(shape_, code, zeros=False):
         if c:
@@ -384,12 +361,12 @@ def _outputs(layout, shape, cfg, c: bool) -> dict[str, Any]:
     n, k = shape
     ng = k // cfg["group"]
     q = {PACK_I8: ((n, k), "I8"), PACK_CT32: ((n, -(-k // 8)), "I32"), PACK_NIB_K: ((n, k // 2), "I8"),
-         PACK_NIB_ROWS: ((n // 2, k), "I8"), PACK_FP4: ((n, k // 2), "U8")}[_PACK[layout.name]]
+         PACK_NIB_ROWS: ((n // 2, k), "I8"), PACK_FP4: ((n, k // 2), "U8")}[_PACK[layout.pack]]
     out = {"q": empty(*q)}
     if cfg["mode"] in (MODE_SYM, MODE_ASYM):
         out["scale"] = empty((n, ng), "F32")
         out["offset"] = empty((n, ng), "F32", zeros=cfg["mode"] != MODE_ASYM)  # the fallback writes no sym offset
-        if c and _PACK[layout.name] == PACK_CT32:
+        if c and _PACK[layout.pack] == PACK_CT32:
             out["scale_bf16"] = empty((n, ng), "BF16")
     else:
         out["scale8"] = empty((n, ng), "U8")
@@ -401,7 +378,7 @@ def _c_blocks(lib, src, layout, cfg, name, gs, threads, simd):
 
     raw = _outputs(layout, src.shape, cfg, c=True)
     ptr = {k_: v.ctypes.data for k_, v in raw.items()}
-    kw = dict(group=cfg["group"], qdiv=cfg["qdiv"], qmin=cfg["qmin"], qmax=cfg["qmax"], pack=_PACK[layout.name],
+    kw = dict(group=cfg["group"], qdiv=cfg["qdiv"], qmin=cfg["qmin"], qmax=cfg["qmax"], pack=_PACK[layout.pack],
               q=ptr["q"], scale=ptr.get("scale"), offset=ptr.get("offset"), scale8=ptr.get("scale8"),
               scale_bf16=ptr.get("scale_bf16"), global_scale=gs if gs is not None else 0.0)
     fn = lib.cvt_quantize
@@ -410,7 +387,7 @@ def _c_blocks(lib, src, layout, cfg, name, gs, threads, simd):
         raise P.nonfinite_error(name, _desc(src.shape), bad)
     if math.isinf(sig) or math.isinf(err):  # a float32 square overflowed: the reference sums in float64 then
         _, _, sig, err = _call(fn, src, cfg["mode"], threads, simd, f64_squares=1, **kw)
-    if cfg["mode"] == MODE_ASYM and _PACK[layout.name] == PACK_CT32:
+    if cfg["mode"] == MODE_ASYM and _PACK[layout.pack] == PACK_CT32:
         n, ng = raw["offset"].shape
         raw["zero_point"] = np.empty((-(-n // 8), ng), dtype=np.int32)
         lib.cvt_pack_zero_points(raw["offset"].ctypes.data, raw["zero_point"].ctypes.data, n, ng)
@@ -444,7 +421,7 @@ def _sq_sums(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
 
 def _torch_blocks(src, scheme, layout, cfg, name, gs):
     raw = _outputs(layout, src.shape, cfg, c=False)
-    pack = _PACK[layout.name]
+    pack = _PACK[layout.pack]
     sig = err = 0.0
     kw = {"global_scale": torch.tensor([gs], dtype=torch.float32)} if gs is not None else {}
     for r0, r1 in _row_blocks(src):
@@ -485,7 +462,7 @@ def _bits(t):
     return t.numpy()
 
 
-# ---- the layout's tensors from the raw outputs (as `cvt.quant.layouts`' encoders write them) ------
+# ---- the layout's tensors from the raw outputs (as `cvt.quant.tensor.layouts`' encoders write them) ------
 
 def _assemble(layout, scheme, shape, raw, gs) -> dict[str, Any]:
     """numpy arrays (bits as `_NP_BITS`) of the layout's tensors, in its encoder's order."""
@@ -514,7 +491,7 @@ def _assemble(layout, scheme, shape, raw, gs) -> dict[str, Any]:
 
 def _as_torch(tensors: dict[str, Any], layout) -> dict[str, torch.Tensor]:
     """`_assemble`'s arrays as torch tensors of the layout's dtypes (zero-copy views)."""
-    from cvt.convert.safetensors_io import torch_dtype
+    from cvt.dtypes import torch_dtype
 
     out = {}
     for suffix, a in tensors.items():

@@ -27,7 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cvt.convert.arch import ArchSpec
 from cvt.errors import CvtError, validation_summary
 
-METHODS = ("rtn", "smoothquant", "gptq", "awq")
+RTN = "rtn"
+METHODS = (RTN, "smoothquant", "gptq", "awq")  # the methods' names, defined here (recipes, CLI, calibration)
+DATA_METHODS = frozenset(METHODS) - {RTN}     # the ones that calibrate on data
 
 
 class RecipeRule(BaseModel):

@@ -29,23 +29,24 @@ from typing import Any
 
 from cvt.lazy import torch
 
-from cvt import __version__
-from cvt.convert.arch import Role, arch_for
+from cvt.version import __version__
+from cvt.convert.arch import Role, arch_for, text_config
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config, source_format
 from cvt.convert.fp8 import dequant_fp8_block, scale_to_f32_np
 from cvt.convert.fp8_to_bf16 import check_scales_finite, dequantize_stored, pair_fp8_weights
 from cvt.convert.validate import check_weights
 from cvt.convert.reader import Checkpoint, open_checkpoint
-from cvt.convert.safetensors_io import TensorSpec, dtype_code
+from cvt.dtypes import dtype_code
+from cvt.convert.safetensors_io import TensorSpec
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.quant import qkernel
-from cvt.quant.formats import DEFAULT_GROUP, get_format
-from cvt.quant.disk_layouts import DiskLayouts, shell_q
-from cvt.quant.layouts import check_target, kernel_fmt_of
-from cvt.quant.recipe import Policy, Recipe
-from cvt.quant.schemes import get_scheme
-from cvt.quant.schemes.base import QuantizedTensor, Scheme
+from cvt.quant.tensor.formats import DEFAULT_FORMAT, default_group, get_format
+from cvt.quant.tensor.disk_layouts import DiskLayouts, shell_q
+from cvt.quant.tensor.layouts import check_target, kernel_fmt_of
+from cvt.quant.recipe import RTN, Policy, Recipe
+from cvt.quant.tensor.schemes import get_scheme, scheme_from_options
+from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
 
 FP8_SCALE = "_scale_inv"
@@ -129,25 +130,17 @@ class _Source:
 
 def _scheme_for(name: str, fmt_name: str, group_size: int | None, asym: bool, fp4_format: str,
                 cache: dict) -> Scheme:
-    gs = group_size if group_size is not None else DEFAULT_GROUP.get((name, fmt_name), 0)
+    """One instance per distinct request (a recipe's modules share it: the plan groups by identity)."""
+    gs = group_size if group_size is not None else default_group(fmt_name, name)
     key = (name, gs, asym, fp4_format)
     if key not in cache:
-        opts: dict[str, Any] = {}
-        if name == "w4a16":
-            opts = {"group_size": gs, "symmetric": not asym}
-        elif name == "w4a8":
-            opts = {"group_size": gs}  # per channel only: the scheme refuses a group size
-        elif name == "fp4":
-            opts = {"fp4_format": fp4_format}
-        elif asym:
-            raise CvtError(f"--asym applies to w4a16 only, not {name}")
-        cache[key] = get_scheme(name, **opts)
+        cache[key] = scheme_from_options(name, group_size=gs, symmetric=not asym, fp4_format=fp4_format)
     return cache[key]
 
 
 def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_size: int | None, asym: bool,
               fp4_format: str, target: str | None = None) -> Plan:
-    from cvt.quant import layouts
+    from cvt.quant.tensor import layouts
 
     arch = policy.arch
     target = layouts.check_target(fmt.name, target)
@@ -267,7 +260,7 @@ class _Quantizer:
             return tensors[name]
 
     def _quantize(self, module: str) -> dict[str, torch.Tensor]:
-        from cvt.quant.schemes.w8a8 import static_parts
+        from cvt.quant.tensor.schemes.w8a8 import static_parts
 
         params = self.plan.modules[module]
         scheme = self.plan.schemes[module]
@@ -346,23 +339,27 @@ def _static_dequant(q: QuantizedTensor) -> torch.Tensor:
     return q.parts["weight"].float() * q.extra["weight_scale"]
 
 
-def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: str = "rtn",
-             group_size: int | None = None, asym: bool = False, fp4_format: str = "nvfp4", calib: Path | None = None,
+def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | None = None,
+             group_size: int | None = None, asym: bool = False, fp4_format: str | None = None, calib: Path | None = None,
              calib_tokens: int = 32768, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
              static_attention: bool = False, revision: str | None = None, workers: int | None = None,
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
              quiet: bool = False, target: str | None = None, device: str = "cpu",
              expert_memory: int | None = None) -> WriteResult:
     """Quantize SRC into DST (see the module docstring) for the serving `target` (ascend:
-    vllm-ascend, the default, or mindie; `cvt.quant.layouts`). Returns the writer's result,
+    vllm-ascend, the default, or mindie; `cvt.quant.tensor.layouts`). Returns the writer's result,
     with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
     reads at once, as float32 (None: `cvt.quant.methods.stream.MAX_EXPERT_BYTES`)."""
+    fmt, method = fmt or DEFAULT_FORMAT, method or RTN
     form = get_format(fmt)
     target = check_target(fmt, target)
-    get_scheme(scheme, **({"fp4_format": fp4_format} if scheme == "fp4" else {}))  # unknown names fail here
-    if static_attention and (fmt != "ascend" or scheme not in ("w8a8", "w8a8c8")):
+    sch = scheme_from_options(scheme, fp4_format=fp4_format)  # unknown names fail here
+    if static_attention and not (form.static_attention and getattr(sch, "static_attention", False)):
         raise FormatError("--static-attention (static W8A8 attention with input_scale / deq_scale / quant_bias) "
-                          "exists only in the ascend format with --scheme w8a8 or w8a8c8")
+                          f"exists only in the {_names(lambda f: f.static_attention, 'format')} format with --scheme "
+                          f"{_names(lambda s: getattr(s, 'static_attention', False), 'scheme')}")
+    req = _Request(scheme, fmt, target, method, group_size, asym, getattr(sch, "fp4_format", None),
+                   static_attention, workers, max_shard_size, resume, overwrite, quiet)
     ckpt = open_checkpoint(src, revision)
     try:
         src_fmt = source_format(ckpt.config, ckpt.has_manifest)
@@ -386,27 +383,53 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
         needs_model = (any(m != "rtn" for m in plan.methods.values()) or static_attention
                        or any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
         if not needs_model:
-            return _write(ckpt, dst, plan, form, source, src_fmt, _Calib(), scheme, fmt, method, group_size, asym,
-                          fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet, target)
+            return _write(ckpt, dst, plan, form, source, src_fmt, _Calib(), req)
         from cvt.convert.outdir import calibration_dir
 
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume) as state:
-            # the KV cache each format's stacks load: Ascend int8 (C8 / FAKQuant), compressed-tensors FP8 (vLLM)
-            cal = _calibrate(ckpt, plan, calib, calib_tokens, static_attention, "int8" if fmt == "ascend" else "fp8",
-                             state, device, quiet, expert_memory)
-            return _write(ckpt, dst, plan, form, source, src_fmt, cal, scheme, fmt, method, group_size, asym,
-                          fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet, target)
+            # the KV cache in the form the format's stacks load (`Format.kv_codec`)
+            cal = _calibrate(ckpt, plan, calib, calib_tokens, static_attention, form.kv_codec, state, device, quiet,
+                             expert_memory)
+            return _write(ckpt, dst, plan, form, source, src_fmt, cal, req)
     finally:
         ckpt.close()
+
+
+def _names(pred, kind: str) -> str:
+    """The registered formats or schemes for which `pred(class)` holds, for messages."""
+    from cvt.quant.tensor.formats import FORMATS
+    from cvt.quant.tensor.schemes import SCHEMES
+
+    reg = FORMATS if kind == "format" else SCHEMES
+    return " or ".join(n for n in reg.names() if pred(reg.get(n)))
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What the command asked for: recorded in the manifest, and how the output is written."""
+
+    scheme: str
+    fmt: str
+    target: str
+    method: str
+    group_size: int | None
+    asym: bool
+    fp4_format: str | None  # the fp4 scheme's format (None for the other schemes)
+    static_attention: bool
+    workers: int | None
+    max_shard_size: int
+    resume: bool
+    overwrite: bool
+    quiet: bool
 
 
 def _check_kv_target(config, plan: Plan, fmt: str, target: str) -> None:
     """An int8 KV cache the target would load wrong is refused, saying why."""
     if not any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()):
         return
-    from cvt.quant.kv_layout import kv_target_problem
+    from cvt.quant.tensor.kv_layout import kv_target_problem
 
-    why = kv_target_problem(config, fmt, target)
+    why = kv_target_problem(text_config(config), fmt, target)
     if why is not None:
         raise FormatError(why)
 
@@ -463,7 +486,7 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
                            for m, a in res.methods.items()}
     out.sqnr = {m: st["sqnr_db"] for m, st in res.stats.items() if "sqnr_db" in st}
     if static_attention:
-        targets = {m for m, s in plan.schemes.items() if s.name in ("w8a8", "w8a8c8") and ".self_attn." in m}
+        targets = {m for m, s in plan.schemes.items() if getattr(s, "static_attention", False) and ".self_attn." in m}
         out.static_inputs = {m: (torch.tensor([max(abs(st["act_min"]), abs(st["act_max"]), 1e-8) / 127.0]),
                                  torch.zeros(1)) for m, st in res.stats.items() if m in targets and "act_min" in st}
     if c8:
@@ -477,11 +500,11 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
 LINEAR_ROLES = ("linear", "expert", "shared_expert", "mtp_proj", "head", "router")
 
 
-def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, cal: _Calib, scheme: str, fmt: str,
-           method: str, group_size, asym: bool, fp4_format: str, static_attention: bool, workers, max_shard_size,
-           resume, overwrite, quiet, target: str) -> WriteResult:
+def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, cal: _Calib,
+           req: _Request) -> WriteResult:
     import hashlib
 
+    target = req.target
     arch = arch_for(ckpt.config)
     quantizer = _Quantizer(source, plan, form, cal.static_inputs, cal.quantized, cal.methods_applied, cal.sqnr,
                            target, cal.loader)
@@ -542,52 +565,23 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
         if info.param == "weight" and len(ref.shape) == 2 and info.role.value in LINEAR_ROLES and module not in float_linears:
             float_linears.append(module)
 
-    schemes_used = {id(s): s for s in plan.schemes.values()}
-    c8 = any(getattr(s, "kv_cache", None) == "int8" for s in schemes_used.values())
-    kv_tensors: dict[str, torch.Tensor] = {}
+    c8 = any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
     kv_meta = None
     mla = "kv_lora_rank" in arch.config
     if c8:
-        from cvt.quant.kv_layout import KV_CONVENTION, kv_tag
+        from cvt.quant.tensor.kv_layout import kv_tag
 
-        kv_tensors = dict(cal.kv_scales)  # Ascend int8 names, or compressed-tensors fp8 k_scale / v_scale
-        kv_meta = ({"convention": KV_CONVENTION, "tensors": sorted(kv_tensors)} if fmt == "ascend" else
-                   {"convention": {"name": "vllm-fp8-kv", "dtype": "float8_e4m3fn", "granularity": "tensor",
-                                   "scale": "amax / 448 (MLA: one scale for [latent | rope key])",
-                                   "quantize": "e4m3(clamp(x / scale, -448, 448))", "dequantize": "x = q * scale"},
-                    "tensors": sorted(kv_tensors)})
-        for n, t in kv_tensors.items():
+        kv_meta = form.kv_manifest(cal.kv_scales)  # Ascend int8 names, or compressed-tensors fp8 k_scale / v_scale
+        for n, t in cal.kv_scales.items():
             outs.append(OutTensor(TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)), produce=lambda t=t: t.contiguous()))
             tags[n] = kv_tag(mla)
-
     config = bf16_config(ckpt.config)
-    extra_files = []
-    gs_all = {s.group_size for s in schemes_used.values() if s.group_size}
-    if fmt == "ascend":
-        if len(gs_all) > 1:  # the stacks read one global group_size (vllm-ascend, MindIE)
-            raise FormatError(f"the ascend description has one global group_size, but the recipe uses "
-                              f"{sorted(gs_all)}: give every grouped module the same group size")
-        desc = form.description(tags, kv_cache=("FAKQuant" if mla else "C8") if c8 else None,
-                                group_size=gs_all.pop() if gs_all else 0)
-        extra_files.append(("quant_model_description.json", (json.dumps(desc, indent=2) + "\n").encode()))
-        if target == "mindie":  # MindIE reads its quantization keys from config.json
-            from cvt.quant.formats.ascend import mindie_config
-
-            target_cfg = config["text_config"] if isinstance(config.get("text_config"), dict) and "model_type" not in config else config
-            target_cfg.update(mindie_config(desc, mla))
-    else:
-        used = list(schemes_used.values())
-        if len(used) > 1:
-            used = [(s, [m for m, x in plan.schemes.items() if x is s]) for s in used]
-        from cvt.quant.formats.compressed_tensors import kv_cache_fp8
-
-        qc = form.quantization_config(used, ignore_list=float_linears, kv_cache_scheme=kv_cache_fp8() if c8 else None)
-        lm_cfg = config["text_config"] if isinstance(config.get("text_config"), dict) and "model_type" not in config else config
-        lm_cfg["quantization_config"] = qc
+    extra_files = form.write_metadata(config, tags, plan.schemes, float_linears=float_linears, kv_cache=c8, mla=mla,
+                                      target=target)
 
     fallbacks = sorted(cal.fallbacks, key=lambda f: f.module)  # one order whichever way the layers were calibrated
-    quant = QuantInfo(scheme=scheme, format=fmt, target=target, method=method, group_size=group_size, symmetric=not asym,
-                      fp4_format=fp4_format if scheme == "fp4" else None, kv_cache=kv_meta,
+    quant = QuantInfo(scheme=req.scheme, format=req.fmt, target=target, method=req.method, group_size=req.group_size,
+                      symmetric=not req.asym, fp4_format=req.fp4_format, kv_cache=kv_meta,
                       float_modules=dict(plan.float_reasons), fallbacks=fallbacks, calibration=cal.summary)
 
     def on_meta(meta: dict[str, dict]) -> None:
@@ -599,19 +593,19 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     calib_id = None
     if cal.tokens:  # the calibration identity: a resumed run must have calibrated on the same tokens
         calib_id = {"tokens": cal.tokens, "sha256": cal.tokens_sha256}
-    params = {"scheme": scheme, "format": fmt, "target": target, "method": method, "group_size": group_size, "asym": asym,
-              "fp4_format": fp4_format if scheme == "fp4" else None, "static_attention": static_attention,
-              "calibration": calib_id, "max_shard_size": max_shard_size}
+    params = {"scheme": req.scheme, "format": req.fmt, "target": target, "method": req.method,
+              "group_size": req.group_size, "asym": req.asym, "fp4_format": req.fp4_format,
+              "static_attention": req.static_attention, "calibration": calib_id, "max_shard_size": req.max_shard_size}
     params["modules"] = hashlib.sha256(json.dumps(
         {m: [s.name, s.group_size, s.symmetric, plan.methods[m]] for m, s in plan.schemes.items()}, sort_keys=True
     ).encode()).hexdigest()
-    workers = default_workers(workers)
     result = write_checkpoint(
         ckpt, Path(dst), outs,
         stage=StageInfo(name="quantize", tool_version=__version__, parameters=params),
-        source_format=src_fmt.value, out_format=f"{fmt}-{scheme}", config=config,
+        source_format=src_fmt.value, out_format=f"{req.fmt}-{req.scheme}", config=config,
         summary={"quantized": len(plan.schemes), "float_modules": len(plan.float_reasons)},
-        max_shard_size=max_shard_size, workers=workers, resume=resume, overwrite=overwrite, quiet=quiet,
+        max_shard_size=req.max_shard_size, workers=default_workers(req.workers), resume=req.resume,
+        overwrite=req.overwrite, quiet=req.quiet,
         prefix=form.weights_prefix, extra_files=extra_files, quant=quant, on_meta=on_meta,
     )
     sqnrs = [v.sqnr_db for v in quant.tensors.values() if isinstance(v.sqnr_db, float)]
@@ -621,6 +615,6 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
 
 
 def _torch_name(code: str) -> str:
-    from cvt.convert.safetensors_io import DTYPES
+    from cvt.dtypes import DTYPES
 
     return DTYPES[code][0]

@@ -73,9 +73,10 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from cvt.convert.arch import text_config
 from cvt.errors import CvtError
-from cvt.quant.kv_layout import (  # noqa: F401  (the convention is quant's; re-exported for the runtime)
-    _CT_NAME_RE, _NAME_RE, KV_CONVENTION, QMAX, QMIN, SCALE_DIVISOR, SCALE_MIN, KVTensorSpec,
+from cvt.quant.tensor.kv_layout import (
+    CT_NAME_RE, NAME_RE, KV_CONVENTION, QMAX, QMIN, SCALE_DIVISOR, SCALE_MIN, KVTensorSpec,
     kv_tensor_specs, kv_tensor_specs_for_config)
 
 # ---------------------------------------------------------------------------------- math
@@ -157,9 +158,9 @@ def is_mla(model_or_config: Any) -> bool:
 
 def kv_cache_tensor_specs(model_or_config: Any) -> list[KVTensorSpec]:
     """Every KV-cache tensor of a model (runtime model, config.json dict or Args), in layer
-    order: per layer, per role (MLA q, k, v; GQA k, v), scale then offset (`cvt.quant.kv_layout`)."""
+    order: per layer, per role (MLA q, k, v; GQA k, v), scale then offset (`cvt.quant.tensor.kv_layout`)."""
     if isinstance(model_or_config, Mapping):
-        return kv_tensor_specs_for_config(model_or_config)
+        return kv_tensor_specs_for_config(text_config(model_or_config))
     args = _args(model_or_config)
     mla = hasattr(args, "kv_lora_rank")
     return kv_tensor_specs(args.num_hidden_layers, mla, args.num_attention_heads,
@@ -175,7 +176,7 @@ def is_kv_cache_tensor(name: str) -> bool:
     """True for a KV-cache tensor name of either format (Ascend C8 / FAKQuant names, or
     compressed-tensors ``self_attn.k_scale`` / ``v_scale`` / ``*_zero_point``); a loader routes
     these to `attach_kv_cache_scales` instead of a module parameter."""
-    return bool(_NAME_RE.match(name) or _CT_NAME_RE.match(name))
+    return bool(NAME_RE.match(name) or CT_NAME_RE.match(name))
 
 
 # ------------------------------------------------------------------- model attachment
@@ -222,7 +223,7 @@ def attach_kv_cache_scales(model: nn.Module, tensors: Mapping[str, torch.Tensor]
     if codec not in CODECS:
         raise CvtError(f"KV-cache codec {codec!r} is not supported (supported: {', '.join(CODECS)})")
     names = set(tensors)
-    ct = {n for n in names if _CT_NAME_RE.match(n)}
+    ct = {n for n in names if CT_NAME_RE.match(n)}
     if ct:
         if ct != names:
             raise CvtError(f"KV-cache tensors mix compressed-tensors names ({sorted(ct)[0]}) with others "
@@ -533,7 +534,7 @@ def from_compressed_tensors(tensors: Mapping[str, torch.Tensor], model_or_config
     mla = hasattr(args, "kv_lora_rank")
     out = {}
     for name, t in tensors.items():
-        m = _CT_NAME_RE.match(name)
+        m = CT_NAME_RE.match(name)
         if m is None:
             raise CvtError(f"{name} is not a compressed-tensors KV-cache scale")
         i, kv, kind = int(m.group(1)), m.group(2), m.group(3)

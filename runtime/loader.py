@@ -198,7 +198,7 @@ def _by_module(ckpt: Checkpoint) -> dict[str, dict[str, str]]:
 
 class _QuantReader:
     """Reads quantized linears of an Ascend (quant_model_description.json) or
-    compressed-tensors (config quantization_config) checkpoint through cvt.quant.formats."""
+    compressed-tensors (config quantization_config) checkpoint through cvt.quant.tensor.formats."""
 
     def __init__(self, fmt, meta, tags: dict | None):
         self.fmt, self.meta, self.tags = fmt, meta, tags
@@ -213,7 +213,7 @@ class _QuantReader:
 def _quant_reader(ckpt: Checkpoint) -> _QuantReader | None:
     from cvt.convert.config import quantization_config
     from cvt.convert.safetensors_io import load_json
-    from cvt.quant.formats import get_format
+    from cvt.quant.tensor.formats import get_format
 
     desc_path = ckpt.root / "quant_model_description.json"
     if desc_path.is_file():

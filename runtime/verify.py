@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from cvt import __version__
+from cvt.version import __version__
 from cvt.errors import CvtError
 from cvt.runtime import metrics
 from cvt.runtime.kernels import Linear

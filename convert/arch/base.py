@@ -83,7 +83,7 @@ OTHER_PARAMS = frozenset(
         "input_global_scale",
         "deq_scale",
         "quant_bias",
-        "scale_bias",  # Ascend W4A8_DYNAMIC: 8 * sum_k(w * scale), [n, 1] or [n, 16] (cvt.quant.layouts)
+        "scale_bias",  # Ascend W4A8_DYNAMIC: 8 * sum_k(w * scale), [n, 1] or [n, 16] (cvt.quant.tensor.layouts)
         "kv_cache_scale",  # C8 (Ascend GQA naming, per cached channel)
         "kv_cache_offset",
         "scale",  # FAKQuant (Ascend MLA): self_attn.fa_{q,k,v}.scale / .offset

@@ -58,16 +58,15 @@ from torch import nn
 from cvt.errors import CvtError
 from cvt.quant.methods.awq import awq_clip, awq_search
 from cvt.quant.methods.data import calib_tokens  # noqa: F401  (re-exported)
+from cvt.quant.recipe import DATA_METHODS, METHODS  # noqa: F401  (re-exported)
 from cvt.quant.methods.gptq import gptq_quantize
 from cvt.quant.methods.sites import _children, _Group, _Site, _site_key, _smooth_groups
 from cvt.quant.methods.smoothquant import scale_columns, scale_rows, smooth_scales
-from cvt.quant.schemes.base import QuantizedTensor, Scheme
+from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
 from cvt.runtime.kernels import Linear
 
 log = logging.getLogger(__name__)
 
-METHODS = ("rtn", "smoothquant", "gptq", "awq")
-DATA_METHODS = frozenset({"smoothquant", "gptq", "awq"})
 EXPERT_RE = re.compile(r"^(?P<container>.*\.experts)\.(?P<expert>\d+)\.")
 # AWQ reference skips its clipping search for projections that produce attention queries / keys
 NO_CLIP = ("q_proj", "k_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")

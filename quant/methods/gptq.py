@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from cvt.errors import CvtError
-from cvt.quant.schemes.base import QuantizedTensor, Scheme
+from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
 
 E2M1 = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), dtype=torch.float32)
 # midpoints between consecutive E2M1 magnitudes: #(MIDS < v) = index of the nearest magnitude

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from cvt.errors import CvtError
-from cvt.quant.schemes.base import QuantizedTensor
+from cvt.quant.tensor.schemes.base import QuantizedTensor
 
 log = logging.getLogger(__name__)
 

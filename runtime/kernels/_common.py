@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from cvt.errors import TensorError
+from cvt.runtime.kernels import npu
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -121,8 +122,6 @@ class FusedOrReference:
 
     def prepare_for_npu(self) -> None:
         """Lay the weights out for the Ascend ops once (no-op unless `npu.enabled` for their device)."""
-        from cvt.runtime.kernels import npu
-
         npu.prepare(self)
 
     def reference(self, x2: torch.Tensor) -> torch.Tensor:
@@ -130,8 +129,6 @@ class FusedOrReference:
         return torch.nn.functional.linear(x2, w, None if self.bias is None else self.bias.to(x2.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from cvt.runtime.kernels import npu
-
         x2 = flat(x, self.in_features, self.fmt)
         y = npu.forward(self, x2) if npu.enabled(x.device) else None
         if y is None:

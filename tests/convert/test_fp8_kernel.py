@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cvt.convert import fp8
-from cvt.convert.safetensors_io import dtype_code
+from cvt.dtypes import dtype_code
 from cvt.errors import TensorError
 
 from cvt.tests.convert.fp8_reference import decode_e4m3, decode_scale, dequant, same_bits_nan_aware

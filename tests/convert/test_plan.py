@@ -379,7 +379,7 @@ def test_plan_bytes_are_what_shard_writes(tiny_release, tmp_path, scheme, fmt, t
     quantize's per format (64 for ascend)."""
     from safetensors import safe_open
 
-    from cvt.convert.safetensors_io import DTYPES
+    from cvt.dtypes import DTYPES
     from cvt.convert.shard import shard
     from cvt.quant.stage import quantize
 
@@ -431,7 +431,7 @@ def test_plan_refuses_what_quantize_refuses(kw, msg):
 
 
 def test_plan_refuses_an_int8_kv_cache_the_target_would_load_wrong():
-    """The same rule as cvt quantize (`cvt.quant.kv_layout.kv_target_problem`): vllm-ascend drops
+    """The same rule as cvt quantize (`cvt.quant.tensor.kv_layout.kv_target_problem`): vllm-ascend drops
     Qwen3-MoE's C8 scales."""
     cfg = tiny_qwen3_config(moe=True)
     lay = make_layout(world_size=2, tp=2, ep=2)

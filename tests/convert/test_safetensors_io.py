@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cvt.convert.safetensors_io import AtomicFile, TensorSpec, dtype_code, encode_header, read_header
+from cvt.dtypes import dtype_code
+
+from cvt.convert.safetensors_io import AtomicFile, TensorSpec, encode_header, read_header
 from cvt.errors import CheckpointError
 
 TENSORS = {

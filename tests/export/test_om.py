@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+from cvt.cli.export import om_cmd as om_command
 from cvt.errors import CvtError, OutputError
 from cvt.export.atc import MAX_OPSET, MIN_OPSET, PRECISION_MODES, SUPPORTED_OPS
 from cvt.export.om import (
@@ -30,7 +31,6 @@ from cvt.export.om import (
     GraphCheckError,
     atc_command,
     check_for_atc,
-    om_command,
     precheck,
     resolve_input_shape,
 )
@@ -449,8 +449,8 @@ def test_exit_codes_through_the_real_entry_point(tmp_path):
     script = textwrap.dedent(f"""\
         import contextlib, io, json, sys
         from cvt.cli import cli, main
-        from cvt.export.om import om_command
-        cli.add_command(om_command)
+        from cvt.cli.export import om_cmd
+        cli.add_command(om_cmd)
         res = []
         for argv in {[["om", str(ok), str(tmp_path / "d"), "--soc-version", SOC],
                       ["om", str(bad), str(tmp_path / "d"), "--soc-version", SOC],

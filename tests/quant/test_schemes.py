@@ -10,8 +10,8 @@ import torch
 
 import cvt.runtime.kernels as K
 from cvt.errors import CvtError, TensorError
-from cvt.quant.schemes import get_scheme, scheme_names, static_parts
-from cvt.quant.schemes.base import Scheme
+from cvt.quant.tensor.schemes import get_scheme, scheme_names, static_parts
+from cvt.quant.tensor.schemes.base import Scheme
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cvt.quant.tensor import primitives
 from cvt.errors import CvtError, TensorError
-from cvt.quant.formats import get_format
-from cvt.quant.schemes import get_scheme
+from cvt.quant.tensor.formats import get_format
+from cvt.quant.tensor.schemes import get_scheme
 from cvt.runtime import kernels as K
 from cvt.runtime.kernels import int8
 
@@ -43,7 +44,7 @@ def tokens(m=7, k=KF, seed=3, dtype=torch.float32):
 
 def msd(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, scale_bias: torch.Tensor) -> torch.Tensor:
     """The A8W4 MSD op's arithmetic (float64), from the tensors as vllm-ascend loads them."""
-    xq, xs = int8.per_token_quant(x)                 # npu_dynamic_quant
+    xq, xs = primitives.per_token_quant(x)                 # npu_dynamic_quant
     xi = xq.to(torch.int64)
     high, low = xi >> 4, (xi & 15) - 8               # x = 16 * high + low + 8, both int4
     assert int(high.min()) >= -8 and int(high.max()) <= 7 and int(low.min()) >= -8 and int(low.max()) <= 7
@@ -61,7 +62,7 @@ def test_reference_is_per_token_int8_times_int4(bias):
     assert isinstance(mod, K.W4A8DynamicLinear) and (mod.out_features, mod.in_features) == (N, KF)
     assert torch.equal(mod.dense_weight(), p["weight_int4"].float() * p["weight_scale"])
     x = tokens().reshape(7, 1, KF)
-    xq, xs = int8.per_token_quant(x.reshape(-1, KF))
+    xq, xs = primitives.per_token_quant(x.reshape(-1, KF))
     acc = (xq.double() @ p["weight_int4"].double().T).float()  # exact: small integers
     want = acc * p["weight_scale"].reshape(1, -1) * xs[:, None]  # the reference's float32 steps, in order
     if b is not None:

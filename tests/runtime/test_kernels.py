@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from cvt.quant.tensor import primitives
 from cvt.errors import CvtError, TensorError
 from cvt.runtime import kernels as K
 from cvt.runtime.kernels import fp4, int4, int8
 from cvt.runtime.kernels._common import int8_matmul
-from cvt.quant.layouts import LAYOUTS
+from cvt.quant.tensor.layouts import LAYOUTS
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -161,7 +162,7 @@ def test_w8a8_dynamic(bias):
     x[0, 1] = 0.0  # an all-zero token
     xs = x.reshape(-1, k).abs().amax(-1, keepdim=True) / 127.0
     xq = torch.where(xs > 0, torch.round(x.reshape(-1, k) / torch.where(xs > 0, xs, 1)), 0).clamp(-128, 127)
-    got_q, got_s = int8.per_token_quant(x.reshape(-1, k))
+    got_q, got_s = primitives.per_token_quant(x.reshape(-1, k))
     assert torch.equal(got_q.float(), xq) and torch.equal(got_s, xs.squeeze(1))
     ref = (xq.double() @ q.double().t()) * s.double().t() * xs.double()  # = dequant(x_q) @ dense^T
     ref = ref.reshape(2, 3, n) + (0 if b is None else b.double())
@@ -182,12 +183,12 @@ def test_w8a8_static(bias, deq_int64):
     in_off = torch.tensor([3.0])
     deq = (in_scale * ws.squeeze(1)).float()
     b = randx(n, seed=9) * 0.1 if bias else None
-    qb = int8.quant_bias_from(b, q, in_off, deq)
+    qb = primitives.quant_bias_from(b, q, in_off, deq)
     indep = torch.round((torch.zeros(n, dtype=torch.float64) if b is None else b.double() / deq.double())
                         - q.double().sum(1) * 3.0)
     assert qb.dtype == torch.int32 and torch.equal(qb.double(), indep)
     parts = {"weight": q, "input_scale": in_scale, "input_offset": in_off, "quant_bias": qb,
-             "deq_scale": int8.deq_scale_int64(deq) if deq_int64 else deq}
+             "deq_scale": primitives.deq_scale_int64(deq) if deq_int64 else deq}
     mod = K.get("w8a8_static").from_parts(parts)
     xq = torch.round(x / in_scale + in_off).clamp(-128, 127)
     ref = ((xq.double() @ q.double().t() + qb.double()) * deq.double())
@@ -201,8 +202,8 @@ def test_w8a8_static(bias, deq_int64):
 def test_deq_scale_int64_worked_example():
     # 0.5f = 0x3F000000; -2.0f = 0xC0000000 (int32 -1073741824, sign-extended when widened)
     d = torch.tensor([0.5, -2.0])
-    assert int8.deq_scale_int64(d).tolist() == [0x3F000000, -1073741824]
-    assert torch.equal(int8.deq_scale_f32(torch.tensor([0x3F000000, 0xC0000000, -1073741824])),
+    assert primitives.deq_scale_int64(d).tolist() == [0x3F000000, -1073741824]
+    assert torch.equal(primitives.deq_scale_f32(torch.tensor([0x3F000000, 0xC0000000, -1073741824])),
                        torch.tensor([0.5, -2.0, -2.0]))
 
 

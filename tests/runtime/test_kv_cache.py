@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.errors import CvtError
 from cvt.runtime import kv_cache as K
+from cvt.quant.tensor import kv_layout
 from cvt.runtime.generate import generate
 from cvt.runtime.loader import load_model
 from cvt.runtime.models.deepseek_v3 import Int8MLACache, MLACache
@@ -249,7 +250,7 @@ def test_convention_names_and_shapes_match_the_models(trained_fixture, tmp_path)
     import json
     cfg = json.loads((trained_fixture / "config.json").read_text())
     assert K.kv_cache_tensor_names(cfg) == K.kv_cache_tensor_names(dsv3)
-    assert K.is_mla(cfg) and K.KV_CONVENTION["version"] == 2
+    assert K.is_mla(cfg) and kv_layout.KV_CONVENTION["version"] == 2
 
     qcfg = tiny_qwen3_config(moe=False)
     qwen = load_model(write_bf16_checkpoint(tmp_path / "q", qcfg), dtype=torch.float32).model
@@ -517,7 +518,7 @@ def test_compressed_tensors_kv_scheme_is_one_vllm_loads():
     is the combination vLLM accepts (vLLM model_executor/layers/quantization/compressed_tensors/
     compressed_tensors.py: CompressedTensorsConfig._validate_kv_cache_scheme / kv cache method:
     only ``type: float``, 8 bits, ``strategy: tensor`` are loaded; ``type: int`` fails for GQA)."""
-    from cvt.quant.formats.compressed_tensors import kv_cache_fp8
+    from cvt.quant.tensor.formats.compressed_tensors import kv_cache_fp8
 
     scheme = kv_cache_fp8()
     assert (scheme["type"], scheme["num_bits"], scheme["strategy"], scheme["dynamic"]) == ("float", 8, "tensor", False)

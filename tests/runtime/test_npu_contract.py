@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cvt.quant.tensor import primitives
 from cvt.runtime import kernels as K
 from cvt.runtime.kernels import int4, int8, npu
 
@@ -328,7 +329,7 @@ def test_w8a8_dynamic(monkeypatch, standin, dtype, bias):
     assert torch.equal(got, dynamic_as_documented(mod, x))
     # the reference quantizes tokens as the kernel does (ties included), so it is the same output
     x2 = x.reshape(-1, 96)
-    assert torch.equal(kernel_per_token_quant(x2)[0], int8.per_token_quant(x2)[0])
+    assert torch.equal(kernel_per_token_quant(x2)[0], primitives.per_token_quant(x2)[0])
     assert torch.equal(got, ref)
     assert mod._npu_state["w_kn"].shape == (96, 40) and mod._npu_state["w_kn"].is_contiguous()
 
@@ -354,14 +355,14 @@ def test_dynamic_quant_multiplies_by_127_over_rowmax(standin, dtype, row, col, k
     # torch's 127.0 / t (t.reciprocal() * 127) gives 63.500004 (-> 64), as does x / scale (63.5)
     (torch.bfloat16, [2.96875, 1.484375, 0.0], 1, 63)])
 def test_reference_per_token_quant_rounds_as_the_serving_kernels(dtype, row, col, kernel_code):
-    """cvt's reference per-token quantization (`int8.per_token_quant`, the CPU/GPU path of every
+    """cvt's reference per-token quantization (`primitives.per_token_quant`, the CPU/GPU path of every
     W8A8_DYNAMIC and W4A8 linear) multiplies by the float32 factor 127 / rowmax, as vLLM's CUDA
     kernel (csrc/quantization/w8a8/int8/scaled_quant.cu, dynamic_scaled_int8_quant_kernel:
     inv_s = 127.f / absmax, cvt.rni.sat.s8.f32) and npu_dynamic_quant (ops-nn dynamic_quant.h)
     do: on these tie rows x / scale would round the other way (the codes are worked by hand in
     TIES and below). A zero row gets codes 0 and scale 0 (vLLM: inv_s = 0)."""
     x = torch.tensor([row, [0.0] * len(row)], dtype=torch.float32).to(dtype)
-    q, scale = int8.per_token_quant(x)
+    q, scale = primitives.per_token_quant(x)
     assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (2,)
     assert int(q[0, col]) == kernel_code
     assert float(scale[0]) == float(torch.tensor(abs(row[0])) / 127.0)
@@ -372,7 +373,7 @@ def test_reference_per_token_quant_saturates_a_tiny_row():
     """amax below 127 / FLT_MAX: the float32 factor is inf, so the row saturates as vLLM's
     cvt.rni.sat.s8.f32 does (+-inf -> 127 / -128), and its zeros (0 * inf = NaN) stay 0."""
     x = torch.tensor([[1e-37, -5e-38, 0.0, 2e-38], [3.0, -1.5, 0.0, 0.75]])
-    q, scale = int8.per_token_quant(x)
+    q, scale = primitives.per_token_quant(x)
     assert q.tolist() == [[127, -128, 0, 127], [127, -64, 0, 32]]  # 0.75 * 127 / 3 = 31.75 -> 32
     assert float(scale[0]) == float(torch.tensor(1e-37) / 127.0) and float(scale[1]) == float(torch.tensor(3.0) / 127)
 
@@ -415,10 +416,10 @@ def _static(n, k, in_scale, in_off, bias, deq_i64, seed=0, fp19=False):
     else:  # every value carries mantissa bits below FP19
         assert bool((deq.view(torch.int32) & FP19_LOW_BITS).ne(0).all())
     b = torch.randn(n, generator=gen(seed + 2)) if bias else None
-    qb = int8.quant_bias_from(b, q, torch.tensor([in_off]), deq)
+    qb = primitives.quant_bias_from(b, q, torch.tensor([in_off]), deq)
     return K.W8A8StaticLinear.from_parts({
         "weight": q, "input_scale": torch.tensor([in_scale]), "input_offset": torch.tensor([in_off]),
-        "deq_scale": int8.deq_scale_int64(deq) if deq_i64 else deq, "quant_bias": qb})
+        "deq_scale": primitives.deq_scale_int64(deq) if deq_i64 else deq, "quant_bias": qb})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -455,8 +456,8 @@ def test_w8a8_static_fp16_deq_scale_is_not_truncated_to_fp19(monkeypatch, standi
     (args, kw), = qmm
     assert args[2].dtype == torch.float32 and torch.equal(kw["pertoken_scale"], torch.ones(6))
     # ... and the int64 form would have been visibly off: the truncation matters on these inputs
-    xq = int8.static_quant(x, mod.input_scale, mod.input_offset)
-    deq = int8.deq_scale_f32(mod.deq_scale)
+    xq = primitives.static_quant(x, mod.input_scale, mod.input_offset)
+    deq = primitives.deq_scale_f32(mod.deq_scale)
     via_fp19 = standin.npu_quant_matmul(xq, mod._npu_state["w_kn"], standin.npu_trans_quant_param(deq),
                                         bias=mod.quant_bias, output_dtype=torch.float16)
     assert not torch.equal(via_fp19, ref)
@@ -479,7 +480,7 @@ def test_trans_quant_param_fp19_worked_example(standin):
 def test_quant_matmul_reads_scales_as_the_hardware_does(standin):
     """The stand-in's npu_quant_matmul multiplies by the scale the hardware uses: an int64 scale
     read as FP19 whoever produced it (npu_trans_quant_param, or cvt's own full-float32 int64
-    `int8.deq_scale_int64`), and a float32 scale for float16 output without pertoken_scale
+    `primitives.deq_scale_int64`), and a float32 scale for float16 output without pertoken_scale
     truncated the same way inside the op (op-plugin QuantMatmulKernelNpuOpApi.cpp calls
     npu_trans_quant_param); with a pertoken_scale the float32 scale is used as it is (DOCS
     npu_quant_matmul A2/A3 table: int8 x1, float32 scale, float32 pertoken_scale, float16 out)."""
@@ -488,7 +489,7 @@ def test_quant_matmul_reads_scales_as_the_hardware_does(standin):
     fp16 = {"output_dtype": torch.float16}
     truncated = [standin.npu_quant_matmul(x1, x2, s, **fp16),
                  standin.npu_quant_matmul(x1, x2, standin.npu_trans_quant_param(s), **fp16),
-                 standin.npu_quant_matmul(x1, x2, int8.deq_scale_int64(s), **fp16)]
+                 standin.npu_quant_matmul(x1, x2, primitives.deq_scale_int64(s), **fp16)]
     assert [float(t) for t in truncated] == [1.0, 1.0, 1.0]
     kept = standin.npu_quant_matmul(x1, x2, s, pertoken_scale=torch.ones(1), **fp16)
     assert float(kept) == 1.0 + 2.0 ** -10

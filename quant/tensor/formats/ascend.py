@@ -1,7 +1,7 @@
 """Ascend msModelSlim "AscendV1" (FORMATS.md 2.2): ``quant_model_weights-*.safetensors`` +
 ``quant_model_description.json`` (every tensor name -> type tag, plus global keys).
 
-The tensors of each quantized linear are its layout's (`cvt.quant.layouts`: ascend-w8a8-dynamic,
+The tensors of each quantized linear are its layout's (`cvt.quant.tensor.layouts`: ascend-w8a8-dynamic,
 ascend-w8a8-static, ascend-w4a16-int8-*, ascend-w4a16-int32, ascend-mxfp4, ascend-w4a8-dynamic[-row]), chosen per serving
 target (``--target vllm-ascend|mindie``, default vllm-ascend) and module (some layouts are
 loaded for MoE experts only). A float bias is tagged FLOAT; offsets are the documented form
@@ -25,12 +25,14 @@ what the consumers read (vllm-ascend 0.23 ``modelslim_config.py``: ``kv_cache_ty
 
 from __future__ import annotations
 
+import json
+
 from cvt.lazy import torch
 
 from cvt.errors import FormatError
-from cvt.quant import layouts as L
-from cvt.quant.formats import register, scheme_name
-from cvt.quant.schemes.base import QuantizedTensor
+from cvt.quant.tensor import layouts as L
+from cvt.quant.tensor.formats.base import lm_section, register, scheme_name
+from cvt.quant.tensor.schemes.base import QuantizedTensor
 
 FLOAT = "FLOAT"
 VERSION = "1.0.0"
@@ -59,6 +61,9 @@ class Ascend:
     name = "ascend"
     weights_prefix = "quant_model_weights"
     description_file = "quant_model_description.json"
+    kv_codec = "int8"          # a quantized KV cache is int8 (C8 / FAKQuant), what the Ascend stacks load
+    static_attention = True    # static W8A8 attention (input_scale / deq_scale / quant_bias) exists here
+    default_groups = {"w4a16": 64}  # the group MindIE and vllm-ascend both load
 
     # ---- what this format can hold ----------------------------------------------------------------
 
@@ -137,6 +142,25 @@ class Ascend:
         elif kv_cache is not None:
             raise FormatError(f"ascend description: kv_cache {kv_cache!r} is not supported (C8, FAKQuant or None)")
         return desc
+
+    def kv_manifest(self, kv_tensors) -> dict:
+        from cvt.quant.tensor.kv_layout import KV_CONVENTION
+
+        return {"convention": KV_CONVENTION, "tensors": sorted(kv_tensors)}
+
+    def write_metadata(self, config: dict, tags: dict[str, str], schemes: dict, *, float_linears: list[str],
+                       kv_cache: bool, mla: bool, target: str) -> list[tuple[str, bytes]]:
+        """quant_model_description.json (returned as an extra file); a target that reads its keys
+        from config.json (MindIE) gets them there too. `schemes`: module -> scheme."""
+        groups = {s.group_size for s in schemes.values() if s.group_size}
+        if len(groups) > 1:  # the stacks read one global group_size (vllm-ascend, MindIE)
+            raise FormatError(f"the ascend description has one global group_size, but the recipe uses "
+                              f"{sorted(groups)}: give every grouped module the same group size")
+        desc = self.description(tags, kv_cache=("FAKQuant" if mla else "C8") if kv_cache else None,
+                                group_size=groups.pop() if groups else 0)
+        if target in L.CONFIG_KEY_TARGETS:
+            lm_section(config).update(mindie_config(desc, mla))
+        return [(self.description_file, (json.dumps(desc, indent=2) + "\n").encode())]
 
     # ---- read ------------------------------------------------------------------------------------
 

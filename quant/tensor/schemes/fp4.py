@@ -9,7 +9,7 @@ Parts (kernels ``nvfp4`` / ``mxfp4``, `cvt.runtime.kernels.fp4`) for ``w [n, k]`
     mxfp4: weight_scale  uint8 E8M0 [n, k/32]
            w = fp4 * 2**(e - 127)
 
-The scale rules and the E2M1 rounding are compressed-tensors' (see `cvt.quant.primitives`):
+The scale rules and the E2M1 rounding are compressed-tensors' (see `cvt.quant.tensor.primitives`):
 its nvfp4 / mxfp4 quantizers and ours produce the same codes and scales for float32 weights.
 Symmetric only (compressed-tensors refuses asymmetric fp4).
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 from cvt.lazy import torch
 
 from cvt.errors import CvtError
-from cvt.quant import primitives as P
-from cvt.quant.schemes.base import QuantizedTensor, register
+from cvt.quant.tensor import primitives as P
+from cvt.quant.tensor.schemes.base import QuantizedTensor, register
 
 GROUPS = {"nvfp4": 16, "mxfp4": 32}
 
@@ -30,6 +30,7 @@ class FP4:
     name = "fp4"
     kv_cache = None
     static_activations = False
+    options = ("fp4_format",)
     symmetric = True
 
     def __init__(self, fp4_format: str | None = None, group_size: int | None = None, symmetric=None,

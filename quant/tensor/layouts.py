@@ -1,6 +1,6 @@
 """Quantized weight layouts as data: one entry per on-disk form of a kernel format.
 
-A scheme (`cvt.quant.schemes`) produces a `QuantizedTensor` of canonical parts for a runtime
+A scheme (`cvt.quant.tensor.schemes`) produces a `QuantizedTensor` of canonical parts for a runtime
 kernel format (``kernel_fmt``: w8a8_dynamic, w8a8_static, w4a16, w4a8_dynamic, nvfp4, mxfp4). A
 `Layout` says how those parts sit on disk for one output format and the serving stacks that load it:
 the tensors (suffix, dtype, and per dim which logical axis it follows and in what unit), the
@@ -73,13 +73,18 @@ from typing import Callable
 from cvt.lazy import torch
 
 from cvt.errors import FormatError
-from cvt.quant import primitives as P
-from cvt.quant.schemes.base import QuantizedTensor
+from cvt.quant.tensor import primitives as P
+from cvt.quant.tensor.schemes.base import QuantizedTensor
 from cvt.registry import Registry
 
-ASCEND_TARGETS = ("vllm-ascend", "mindie")
-DEFAULT_TARGET = "vllm-ascend"
+# The serving targets, defined here (the layout entries below name them): each format's first
+# target is its default.
+VLLM_ASCEND, MINDIE = "vllm-ascend", "mindie"
+ASCEND_TARGETS = (VLLM_ASCEND, MINDIE)
+DEFAULT_TARGET = VLLM_ASCEND
 CT_TARGET = "vllm"  # compressed-tensors: vLLM and transformers
+FORMAT_TARGETS = {"ascend": ASCEND_TARGETS, "compressed-tensors": (CT_TARGET,)}
+CONFIG_KEY_TARGETS = (MINDIE,)  # read their quantization keys from config.json (MindIE's atb_llm)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ class Layout:
     grouping: str = "any"           # "any" | "grouped" | "channel": which group sizes this entry holds
     groups: tuple[int, ...] = ()    # the group sizes the stack accepts (empty: any)
     parallel: str = "any"           # "any" | "column" | "row": the modules it holds (`scale_bias_role`)
+    pack: str | None = None         # how the fused RTN kernel (`cvt.quant.qkernel`) packs it; None: not fused
 
     def holds(self, group_size: int, k: int) -> bool:
         per_channel = group_size in (0, k)
@@ -212,7 +218,7 @@ def _enc_w8a8_static(q):
     ws = q.extra.get("weight_scale")
     if ws is None:
         raise FormatError("static W8A8 needs its weight scale to write weight_scale (vllm-ascend's MLA fused "
-                          "paths read it): quantize through cvt.quant.schemes.static_parts")
+                          "paths read it): quantize through cvt.quant.tensor.schemes.static_parts")
     ws = ws.float().reshape(n, 1)
     return {"weight": p["weight"], "input_scale": p["input_scale"].float().reshape(1),
             "input_offset": p["input_offset"].float().reshape(1), "deq_scale": p["deq_scale"],
@@ -233,7 +239,8 @@ def _dec_w8a8_static(module, d):
 
 register(Layout("ascend-w8a8-dynamic", "w8a8_dynamic", "ascend", ASCEND_TARGETS, "W8A8_DYNAMIC",
                 (DiskTensor("weight", "I8", (N, K)), DiskTensor("weight_scale", "F32", (N, 1)),
-                 DiskTensor("weight_offset", "F32", (N, 1))), _enc_w8a8_dynamic, _dec_w8a8_dynamic))
+                 DiskTensor("weight_offset", "F32", (N, 1))), _enc_w8a8_dynamic, _dec_w8a8_dynamic,
+                pack="i8"))
 register(Layout("ascend-w8a8-static", "w8a8_static", "ascend", ASCEND_TARGETS, "W8A8",
                 (DiskTensor("weight", "I8", (N, K)), DiskTensor("input_scale", "F32", (1,)),
                  DiskTensor("input_offset", "F32", (1,)), DiskTensor("deq_scale", "F32", (N,)),
@@ -267,7 +274,7 @@ def _dec_ct_int8(module, d):
 
 register(Layout("ct-int8", "w8a8_dynamic", "compressed-tensors", (CT_TARGET,), None,
                 (DiskTensor("weight", "I8", (N, K)), DiskTensor("weight_scale", "F32", (N, 1))),
-                _enc_ct_int8, _dec_ct_int8))
+                _enc_ct_int8, _dec_ct_int8, pack="i8"))
 
 
 # ---- W4A16 -----------------------------------------------------------------------------------------
@@ -302,14 +309,14 @@ def _dec_ascend_int8(module, d):
     return _w4a16(P.unpack_int4_ascend(t["weight"], P.ascend_pack_dim(sc, t["weight"])), sc, off)
 
 
-register(Layout("ascend-w4a16-int8-grouped", "w4a16", "ascend", ("mindie",), "W4A16",
+register(Layout("ascend-w4a16-int8-grouped", "w4a16", "ascend", (MINDIE,), "W4A16",
                 (DiskTensor("weight", "I8", (("n", 2), K)), DiskTensor("weight_scale", "F32", (N, G)),
                  DiskTensor("weight_offset", "F32", (N, G))), _ascend_int8_encoder(0), _dec_ascend_int8,
-                grouping="grouped", groups=(64, 128, 256)))  # MindIE models/base/config.py: group_size check
-register(Layout("ascend-w4a16-int8-channel", "w4a16", "ascend", ("mindie",), "W4A16",
+                grouping="grouped", groups=(64, 128, 256), pack="nib_rows"))  # MindIE models/base/config.py: group_size check
+register(Layout("ascend-w4a16-int8-channel", "w4a16", "ascend", (MINDIE,), "W4A16",
                 (DiskTensor("weight", "I8", (N, ("k", 2))), DiskTensor("weight_scale", "F32", (N, 1)),
                  DiskTensor("weight_offset", "F32", (N, 1))), _ascend_int8_encoder(1), _dec_ascend_int8,
-                grouping="channel"))
+                grouping="channel", pack="nib_k"))
 
 
 def _check_bf16(sc: torch.Tensor) -> torch.Tensor:
@@ -350,11 +357,12 @@ def _dec_int32(module, d):
 
 _INT32 = (DiskTensor("weight_packed", "I32", (N, ("k", 8))), DiskTensor("weight_scale", "BF16", (N, G)),
           DiskTensor("weight_shape", "I32", (2,)))
-register(Layout("ascend-w4a16-int32", "w4a16", "ascend", ("vllm-ascend",), "W4A16", _INT32,
-                lambda q: _enc_int32(q, zero_point=False), _dec_int32, experts_only=True, grouping="grouped"))
+register(Layout("ascend-w4a16-int32", "w4a16", "ascend", (VLLM_ASCEND,), "W4A16", _INT32,
+                lambda q: _enc_int32(q, zero_point=False), _dec_int32, experts_only=True, grouping="grouped",
+                pack="ct32"))
 register(Layout("ct-int4", "w4a16", "compressed-tensors", (CT_TARGET,), None,
                 _INT32 + (DiskTensor("weight_zero_point", "I32", (("n", 8), G), optional=True),),
-                lambda q: _enc_int32(q, zero_point=True), _dec_int32))
+                lambda q: _enc_int32(q, zero_point=True), _dec_int32, pack="ct32"))
 
 
 # ---- FP4 ---------------------------------------------------------------------------------------------
@@ -390,13 +398,14 @@ def _dec_fp4(packed_name: str):
 
 register(Layout("ct-nvfp4", "nvfp4", "compressed-tensors", (CT_TARGET,), None,
                 (DiskTensor("weight_packed", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "F8_E4M3", (N, ("k", 16))),
-                 DiskTensor("weight_global_scale", "F32", (1,))), _enc_fp4("weight_packed"), _dec_fp4("weight_packed")))
+                 DiskTensor("weight_global_scale", "F32", (1,))), _enc_fp4("weight_packed"), _dec_fp4("weight_packed"),
+                pack="fp4"))
 register(Layout("ct-mxfp4", "mxfp4", "compressed-tensors", (CT_TARGET,), None,
                 (DiskTensor("weight_packed", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "U8", (N, ("k", 32)))),
-                _enc_fp4("weight_packed"), _dec_fp4("weight_packed")))
-register(Layout("ascend-mxfp4", "mxfp4", "ascend", ("vllm-ascend",), "W4A16_MXFP4",
+                _enc_fp4("weight_packed"), _dec_fp4("weight_packed"), pack="fp4"))
+register(Layout("ascend-mxfp4", "mxfp4", "ascend", (VLLM_ASCEND,), "W4A16_MXFP4",
                 (DiskTensor("weight", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "U8", (N, ("k", 32)))),
-                _enc_fp4("weight"), _dec_fp4("weight"), experts_only=True))
+                _enc_fp4("weight"), _dec_fp4("weight"), experts_only=True, pack="fp4"))
 
 
 # ---- W4A8_DYNAMIC ------------------------------------------------------------------------------------
@@ -477,10 +486,10 @@ def _w4a8_tensors(scale_bias: tuple) -> tuple[DiskTensor, ...]:
 
 # vllm-ascend's linear method for W4A8_DYNAMIC divides by the description's group_size (0 here:
 # ZeroDivisionError) and runs it as weight-only W4A16 anyway: loaded for MoE experts only
-register(Layout("ascend-w4a8-dynamic", "w4a8_dynamic", "ascend", ("vllm-ascend",), "W4A8_DYNAMIC",
+register(Layout("ascend-w4a8-dynamic", "w4a8_dynamic", "ascend", (VLLM_ASCEND,), "W4A8_DYNAMIC",
                 _w4a8_tensors((N, 1)), _w4a8_encoder(1), _dec_w4a8, experts_only=True, grouping="channel",
                 parallel="column"))
-register(Layout("ascend-w4a8-dynamic-row", "w4a8_dynamic", "ascend", ("vllm-ascend",), "W4A8_DYNAMIC",
+register(Layout("ascend-w4a8-dynamic-row", "w4a8_dynamic", "ascend", (VLLM_ASCEND,), "W4A8_DYNAMIC",
                 _w4a8_tensors((N, ("k", K16))), _w4a8_encoder(SCALE_BIAS_RUNS), _dec_w4a8, experts_only=True,
                 grouping="channel", parallel="row"))
 
@@ -498,6 +507,18 @@ def kernel_fmt_of(scheme, static: bool = False) -> str:
     return name
 
 
+def fuses(layout: Layout, scheme, shape: tuple[int, int]) -> bool:
+    """Whether the fused RTN kernels (`cvt.quant.qkernel`) write `layout` for a ``[n, k]`` weight
+    of `scheme`, whatever its source dtype: the cases where the reference's encoder raises (and
+    the stage then reports that) are not fused."""
+    n, k = shape
+    if layout.pack is None or n == 0 or k == 0 or layout.kernel_fmt != kernel_fmt_of(scheme):
+        return False
+    if not scheme.symmetric and not any(t.suffix in ("weight_offset", "weight_zero_point") for t in layout.tensors):
+        return False  # no tensor holds zero points (vllm-ascend's int32 W4A16): the reference raises
+    return not ((layout.pack == "nib_rows" and n % 2) or (layout.pack in ("nib_k", "fp4") and k % 2))
+
+
 def kernel_formats(scheme) -> set[str]:
     """Every kernel format a scheme (instance, or a bare name) can produce."""
     name = scheme if isinstance(scheme, str) else scheme.name
@@ -511,7 +532,9 @@ def kernel_formats(scheme) -> set[str]:
 
 
 def targets_for(fmt: str) -> tuple[str, ...]:
-    return ASCEND_TARGETS if fmt == "ascend" else (CT_TARGET,)
+    if fmt not in FORMAT_TARGETS:
+        raise FormatError(f"unknown output format {fmt!r} (known: {', '.join(sorted(FORMAT_TARGETS))})")
+    return FORMAT_TARGETS[fmt]
 
 
 def check_target(fmt: str, target: str | None) -> str:
@@ -547,7 +570,7 @@ def select(fmt: str, kernel_fmt: str, target: str, *, expert: bool, group_size: 
                           + (f" (group sizes {', '.join(map(str, sizes))})" if sizes else "") + ", not "
                           + ("per channel" if group_size in (0, k) else f"group size {group_size}")
                           + (" (vllm-ascend divides by the description's group_size: 0 fails); use --group-size "
-                             "32, 64 or 128" if target == "vllm-ascend" else ""))
+                             "32, 64 or 128" if target == VLLM_ASCEND else ""))
     lo = fit[0]
     if lo.experts_only and not expert:
         raise FormatError(f"{where}{target} loads {lo.tag or kernel_fmt} ({lo.name}) for MoE experts only (no "
@@ -581,6 +604,6 @@ def read_layout(module: str, kernel_candidates, disk: dict[str, torch.Tensor]) -
     return max(fits, key=lambda lo: len(lo.tensors))
 
 
-__all__ = ["ASCEND_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "DiskTensor", "Layout", "LAYOUTS", "register",
+__all__ = ["ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
            "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason",
            "scale_bias_role", "K16"]

@@ -36,8 +36,8 @@ from __future__ import annotations
 from cvt.lazy import torch
 
 from cvt.errors import CvtError
-from cvt.quant import primitives as P
-from cvt.quant.schemes.base import QuantizedTensor, register
+from cvt.quant.tensor import primitives as P
+from cvt.quant.tensor.schemes.base import QuantizedTensor, register
 
 QMIN, QMAX = -8, 7
 QDIV = 7.0            # msModelSlim's symmetric INT4 max_bound, 2**(4-1) - 1
@@ -51,6 +51,7 @@ class W4A8:
     name = "w4a8"
     kv_cache = None
     static_activations = False
+    options = ("group_size",)  # --group-size (0 only: the scheme says why another is refused)
     group_size = 0
     symmetric = True
 

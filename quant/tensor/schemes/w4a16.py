@@ -23,8 +23,8 @@ from __future__ import annotations
 from cvt.lazy import torch
 
 from cvt.errors import CvtError
-from cvt.quant import primitives as P
-from cvt.quant.schemes.base import QuantizedTensor, register
+from cvt.quant.tensor import primitives as P
+from cvt.quant.tensor.schemes.base import QuantizedTensor, register
 
 QMIN, QMAX = -8, 7
 
@@ -34,6 +34,7 @@ class W4A16:
     name = "w4a16"
     kv_cache = None
     static_activations = False
+    options = ("group_size", "symmetric")  # what `cvt quantize` passes on (--group-size, --asym)
 
     def __init__(self, group_size: int | None = None, symmetric: bool | None = None, fp4_format=None,
                  static_activations=None):

@@ -1,7 +1,7 @@
 """Quantization primitives: scales, int rounding, E2M1 / E8M0 / nvfp4 scales, and bit packing.
 
 Everything here is a pure function of tensors (float32 math, no scheme or format knowledge);
-schemes (`cvt.quant.schemes`) compose them, formats (`cvt.quant.formats`) and the runtime
+schemes (`cvt.quant.tensor.schemes`) compose them, formats (`cvt.quant.tensor.formats`) and the runtime
 kernels (`cvt.runtime.kernels.int4` / `fp4`) use the pack helpers. This module imports only
 torch and `cvt.errors` so the runtime can import it without a cycle.
 
@@ -316,3 +316,60 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 ``[n, k/2]`` -> uint8 codes ``[n, k]`` (inverse of `pack_fp4`)."""
     lo, hi = packed & 0xF, packed >> 4
     return torch.stack((lo, hi), dim=-1).reshape(packed.shape[0], -1)
+
+
+# --- int8 activations and the static W8A8 constants (the serving kernels' arithmetic) ---
+
+def per_token_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 quantization of ``x2 [m, k]``: (x_q int8, x_scale float32 [m]).
+
+    The codes multiply by the float32 factor ``127 / amax`` and round half to even, the scale
+    is ``amax / 127``: what vLLM's CUDA kernel (csrc/quantization/w8a8/int8/scaled_quant.cu,
+    ``dynamic_scaled_int8_quant_kernel``: ``inv_s = 127.f / absmax``, 0 for a zero row, then
+    ``cvt.rni.sat.s8.f32(x * inv_s)``) and torch_npu's ``npu_dynamic_quant`` (ops-nn
+    dynamic_quant.h, see `cvt.runtime.kernels.npu`) compute. ``round(x / x_scale)`` is one code
+    off wherever ``x * 127 / amax`` is a half-integer (a few % of bf16 rows).
+
+    The factor is one correctly rounded float32 division: torch's ``127.0 / t`` is
+    ``t.reciprocal() * 127`` (two roundings, a last-bit difference for ~27% of bf16 amax values).
+    An amax below ~3.7e-37 makes the factor inf: the row saturates (+-127 / -128, zeros stay 0),
+    as ``cvt.rni.sat`` does."""
+    xf = x2.to(torch.float32)
+    amax = xf.abs().amax(dim=-1)
+    factor = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * factor[:, None]).nan_to_num_(nan=0.0).clamp_(-128, 127)  # 0 * inf: 0
+    return q.to(torch.int8), amax / 127.0
+
+
+def static_quant(x2: torch.Tensor, input_scale: torch.Tensor, input_offset: torch.Tensor) -> torch.Tensor:
+    """``clamp(round(x / input_scale + input_offset), -128, 127)`` as int8, computed in float32."""
+    s = input_scale.reshape(()).to(torch.float32)
+    off = input_offset.reshape(()).to(torch.float32)
+    return torch.round(x2.to(torch.float32) / s + off).clamp_(-128, 127).to(torch.int8)
+
+
+def deq_scale_f32(deq_scale: torch.Tensor) -> torch.Tensor:
+    """float32 view of a deq_scale stored as float32 or as int64 holding float32 bits (low 32 bits)."""
+    if deq_scale.dtype == torch.float32:
+        return deq_scale
+    if deq_scale.dtype == torch.int64:
+        low = deq_scale & 0xFFFFFFFF
+        low = torch.where(low >= 2**31, low - 2**32, low)
+        return low.to(torch.int32).view(torch.float32)
+    raise TensorError(f"deq_scale is {_desc(deq_scale)}: expected float32 or int64 (float32 bits)")
+
+
+def deq_scale_int64(deq_scale: torch.Tensor) -> torch.Tensor:
+    """The fp16-model storage of a float32 deq_scale: its bits as int32, widened to int64."""
+    return deq_scale.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+
+
+def quant_bias_from(bias: torch.Tensor | None, w_q: torch.Tensor, input_offset: torch.Tensor,
+                    deq_scale: torch.Tensor) -> torch.Tensor:
+    """``round(bias / deq_scale - sum_k(w_q) * input_offset)`` as int32 ``[n]`` (FORMATS.md 2.2), in float64."""
+    d = deq_scale_f32(deq_scale).to(torch.float64)
+    b = torch.zeros_like(d) if bias is None else bias.to(torch.float64) / d
+    v = torch.round(b - w_q.to(torch.float64).sum(dim=1) * input_offset.reshape(()).to(torch.float64))
+    if bool((v.abs() >= 2**31).any()):
+        raise TensorError("quant_bias does not fit int32 (bias / deq_scale too large)")
+    return v.to(torch.int32)

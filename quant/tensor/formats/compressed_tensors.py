@@ -13,7 +13,7 @@ fp4 nvfp4       nvfp4-pack-quantized   X.weight_packed uint8 [n,k/2] (element 2j
 fp4 mxfp4       mxfp4-pack-quantized   X.weight_packed uint8 [n,k/2]; X.weight_scale uint8 E8M0 [n,k/32]
 ==============  =====================  ===================================================================
 
-The tensors are the layouts' (`cvt.quant.layouts`: ct-int8, ct-int4, ct-nvfp4, ct-mxfp4); this
+The tensors are the layouts' (`cvt.quant.tensor.layouts`: ct-int8, ct-int4, ct-nvfp4, ct-mxfp4); this
 module adds config.json's ``quantization_config``.
 
 The compressed-tensors package's own decompressors reproduce cvt's dequantized weights
@@ -29,9 +29,9 @@ import re
 from cvt.lazy import torch
 
 from cvt.errors import FormatError
-from cvt.quant import layouts as L
-from cvt.quant.formats import register, scheme_name
-from cvt.quant.schemes.base import QuantizedTensor
+from cvt.quant.tensor import layouts as L
+from cvt.quant.tensor.formats.base import lm_section, register, scheme_name
+from cvt.quant.tensor.schemes.base import QuantizedTensor
 
 _F = "compressed-tensors"
 SUPPORTED = ("w8a8", "w8a8c8", "w4a16", "fp4")
@@ -87,6 +87,9 @@ def match_name(name: str, target: str) -> bool:
 class CompressedTensors:
     name = "compressed-tensors"
     weights_prefix = "model"
+    kv_codec = "fp8"           # a quantized KV cache is FP8 (e4m3, per tensor): the only kind vLLM loads
+    static_attention = False
+    default_groups = {"w4a16": 128}  # llm-compressor's and vLLM's usual group
 
     def supports(self, scheme, target: str | None = None) -> None:
         L.check_target(self.name, target)
@@ -175,6 +178,23 @@ class CompressedTensors:
                 "format": formats.pop() if len(formats) == 1 else "mixed-precision",
                 "quantization_status": "compressed", "config_groups": config_groups, "ignore": ignore,
                 "kv_cache_scheme": kv_cache_scheme}
+
+    def kv_manifest(self, kv_tensors) -> dict:
+        return {"convention": {"name": "vllm-fp8-kv", "dtype": "float8_e4m3fn", "granularity": "tensor",
+                               "scale": "amax / 448 (MLA: one scale for [latent | rope key])",
+                               "quantize": "e4m3(clamp(x / scale, -448, 448))", "dequantize": "x = q * scale"},
+                "tensors": sorted(kv_tensors)}
+
+    def write_metadata(self, config: dict, tags: dict[str, str], schemes: dict, *, float_linears: list[str],
+                       kv_cache: bool, mla: bool, target: str) -> list[tuple[str, bytes]]:
+        """config.json's quantization_config (one scheme: targets Linear; several: each its
+        modules); no extra files. `schemes`: module -> scheme."""
+        used = list({id(s): s for s in schemes.values()}.values())
+        if len(used) > 1:
+            used = [(s, [m for m, x in schemes.items() if x is s]) for s in used]
+        lm_section(config)["quantization_config"] = self.quantization_config(
+            used, ignore_list=float_linears, kv_cache_scheme=kv_cache_fp8() if kv_cache else None)
+        return []
 
     # ---- read ------------------------------------------------------------------------------------
 

@@ -1,7 +1,4 @@
-"""`cvt export ...`: the click group (imported by cvt.cli; stays cheap: no onnx / torch at import).
-
-Subcommands: ``onnx`` (here) and ``om`` (`cvt.export.om`, when present).
-"""
+"""`cvt export onnx|om`: the click group over `cvt.export` (stays cheap: no onnx / torch at import)."""
 
 from __future__ import annotations
 
@@ -9,17 +6,13 @@ import sys
 
 import click
 
-EXIT_THRESHOLD = 4
+from cvt.cli.options import EXIT_THRESHOLD, common
+from cvt.export.atc import INPUT_FORMATS, LOG_LEVELS, PRECISION_MODES  # plain constants (atc imports no onnx)
 
 
 @click.group("export")
 def export() -> None:
     """Export a model as graphs: ONNX (onnxruntime, and the input of atc) and OM (Ascend)."""
-
-
-# After `export` exists: cvt.cli imports this module at its end to register the group, so
-# importing this module first (cvt.cli half-initialized) still finds `export`.
-from cvt.cli import _common  # noqa: E402  (--quiet / --debug, as on every verb)
 
 
 @export.command("onnx")
@@ -50,7 +43,7 @@ from cvt.cli import _common  # noqa: E402  (--quiet / --debug, as on every verb)
                                              "runtime on SRC; exit 4 when beyond tolerance.")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists (only once the new export is complete).")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
-@_common
+@common
 def onnx_cmd(src, dst, scope, layer, dtype, int4_op, w8a8_op, opset, accuracy_level, moe, verify, overwrite,
              revision, quiet):
     """Export SRC (a cvt output or HF BF16/FP8 checkpoint, quantized ones included) to ONNX in DST.
@@ -84,19 +77,52 @@ def onnx_cmd(src, dst, scope, layer, dtype, int4_op, w8a8_op, opset, accuracy_le
         sys.exit(EXIT_THRESHOLD)
 
 
-def _add_om() -> None:
-    """Register `cvt export om` (cvt.export.om.om_command) when that module exists."""
-    import importlib.util
+@export.command("om")
+@click.argument("onnx", type=click.Path(exists=True))
+@click.argument("dst", type=click.Path(file_okay=False))
+@click.option("--soc-version", required=True, help="Target SoC, e.g. Ascend910B3, Ascend310P3 ('Ascend' + npu-smi's Name).")
+@click.option("--input-shape", help="atc --input_shape, e.g. \"input_ids:1,128\" (-1 or a~b for dynamic dims); "
+                                    "default: the graph's own shapes when all are static.")
+@click.option("--dynamic-dims", help="atc --dynamic_dims profiles, one value per -1 in --input-shape, e.g. \"128;512;2048\".")
+@click.option("--precision-mode", type=click.Choice(PRECISION_MODES), metavar="MODE",
+              help=f"atc --precision_mode: {', '.join(PRECISION_MODES)}. atc's default is force_fp16; "
+                   "must_keep_origin_dtype keeps the graph's fp32/bf16.")
+@click.option("--input-format", type=click.Choice(INPUT_FORMATS), default="ND", show_default=True)
+@click.option("--atc-log", type=click.Choice(LOG_LEVELS), help="atc --log level (its output goes to DST/<name>.atc.log).")
+@click.option("--atc-arg", "extra", multiple=True, help="Extra atc flag passed as is, e.g. --atc-arg=--op_select_implmode=high_precision (repeatable).")
+@click.option("--allow-op", "allow_ops", multiple=True,
+              help="Accept this op (Op or domain.Op) although CANN's op list lacks it, for a CANN with a parser "
+                   "plugin for it; repeatable.")
+@click.option("--dry-run", is_flag=True, help="Check the graph and print the atc command without running it.")
+@click.option("--verify", is_flag=True, help="Run the OM (needs ais_bench) and onnxruntime on the same inputs and compare.")
+@click.option("--device-id", type=click.IntRange(0), default=0, show_default=True, help="NPU used by --verify.")
+@click.option("--overwrite", is_flag=True, help="Replace an OM (and its log) that DST already holds for this graph.")
+@common
+def om_cmd(onnx, dst, soc_version, input_shape, dynamic_dims, precision_mode, input_format, atc_log, extra,
+               allow_ops, dry_run, verify, device_id, overwrite, quiet):
+    """Convert an ONNX graph (a file, or a directory holding one) to an Ascend OM with atc,
+    written as DST/<name>.om with atc's log in DST/<name>.atc.log.
 
-    if importlib.util.find_spec("cvt.export.om") is None:
-        return
+    The graph is checked first against what atc accepts (ai.onnx opset 9-18, CANN's ONNX op
+    list, no int4/float8, bf16 only on A2/A3) and refused with every offending op named (exit
+    code 3). Without atc on PATH the exact command is printed to run on an Ascend host, and the
+    run fails (exit 1); --dry-run prints it and succeeds.
+    """
+    from cvt.export.om import AtcNotFoundError, export_om
+
     try:
-        from cvt.export.om import om_command
-    except ImportError:
-        if "cvt.export.om" in sys.modules:  # cvt.export.om is being imported and imported cvt.cli first
-            return
+        r = export_om(onnx, dst, soc_version, input_shape=input_shape, dynamic_dims=dynamic_dims,
+                      precision_mode=precision_mode, input_format=input_format, atc_log=atc_log, extra=tuple(extra),
+                      allow_ops=tuple(allow_ops), dry_run=dry_run, verify=verify, device_id=device_id,
+                      overwrite=overwrite)
+    except AtcNotFoundError as exc:
+        click.echo(exc.command)
         raise
-    export.add_command(om_command)
-
-
-_add_om()
+    if r.dry_run:
+        click.echo(r.command_line)
+        return
+    if not quiet:
+        click.echo(f"wrote {r.om_path} ({r.om_path.stat().st_size / 2**20:.1f} MiB) in {r.seconds:.1f} s; "
+                   f"atc log: {r.log_path}")
+        for name, m in r.verify.items():
+            click.echo(f"verify {name}: cosine {m['Cosine']:.6f}, max abs err {m['MaxAbsErr']:.4g}")

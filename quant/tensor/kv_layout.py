@@ -63,9 +63,9 @@ KV_CONVENTION: dict[str, Any] = {
     "layers": "decoder layers 0 .. num_hidden_layers-1 (no MTP layers)",
 }
 
-_NAME_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\."
+NAME_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\."
                       r"(?:(k_proj|v_proj)\.kv_cache_(scale|offset)|(fa_q|fa_k|fa_v)\.(scale|offset))$")
-_CT_NAME_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_(scale|zero_point)$")
+CT_NAME_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_(scale|zero_point)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +96,9 @@ def kv_tensor_specs(layers: int, mla: bool, heads: int, kv_channels: int) -> lis
     return out
 
 
-def kv_tensor_specs_for_config(config: Mapping[str, Any]) -> list[KVTensorSpec]:
-    """`kv_tensor_specs` of a config.json (the language model's part of a wrapper config)."""
-    from cvt.convert.arch import text_config
-
-    cfg = text_config(config)
+def kv_tensor_specs_for_config(cfg: Mapping[str, Any]) -> list[KVTensorSpec]:
+    """`kv_tensor_specs` of the language model's config (a wrapper config.json's `text_config`,
+    unwrapped by the caller: `cvt.convert.arch.text_config`)."""
     heads = int(cfg["num_attention_heads"])
     mla = "kv_lora_rank" in cfg
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -108,11 +106,10 @@ def kv_tensor_specs_for_config(config: Mapping[str, Any]) -> list[KVTensorSpec]:
     return kv_tensor_specs(int(cfg["num_hidden_layers"]), mla, heads, 0 if mla else kv_heads * head_dim)
 
 
-def kv_target_problem(config: Mapping[str, Any], fmt: str, target: str) -> str | None:
-    """Why `target` would load an int8 KV cache of this model wrong (None: it loads it)."""
-    from cvt.convert.arch import text_config
-
-    mt = text_config(config).get("model_type")
+def kv_target_problem(cfg: Mapping[str, Any], fmt: str, target: str) -> str | None:
+    """Why `target` would load an int8 KV cache of this model wrong (None: it loads it); `cfg`
+    the language model's config, as for `kv_tensor_specs_for_config`."""
+    mt = cfg.get("model_type")
     if fmt == "ascend" and target == "vllm-ascend" and mt == "qwen3_moe":
         return ("w8a8c8 for qwen3_moe on vllm-ascend: vllm-ascend 0.23 loads C8 KV-cache scales only for Qwen3 "
                 "dense, GLM4-MoE and MiniMax-M2 (patch/worker/patch_gqa_c8.py); for Qwen3-MoE it drops them and "

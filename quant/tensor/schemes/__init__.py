@@ -11,8 +11,10 @@ fp4         E2M1 weights: nvfp4 (group 16, e4m3 scales + global scale) or mxfp4 
 ``get_scheme(name, **options)`` builds one; ``scheme_names()`` lists them.
 """
 
-from cvt.quant.schemes.base import SCHEMES, QuantizedTensor, Scheme, get_scheme, register, scheme_names
-from cvt.quant.schemes import w8a8, w8a8c8, w4a16, w4a8, fp4  # noqa: E402,F401  isort: skip  (registers)
-from cvt.quant.schemes.w8a8 import static_parts  # noqa: E402
+from cvt.quant.tensor.schemes.base import (SCHEMES, QuantizedTensor, Scheme, get_scheme, register, scheme_from_options,
+                                          scheme_names)
+from cvt.quant.tensor.schemes import w8a8, w8a8c8, w4a16, w4a8, fp4  # noqa: E402,F401  isort: skip  (registers)
+from cvt.quant.tensor.schemes.w8a8 import static_parts  # noqa: E402
 
-__all__ = ["SCHEMES", "QuantizedTensor", "Scheme", "get_scheme", "register", "scheme_names", "static_parts"]
+__all__ = ["SCHEMES", "QuantizedTensor", "Scheme", "get_scheme", "register", "scheme_from_options", "scheme_names",
+           "static_parts"]

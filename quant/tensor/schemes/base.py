@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 
 from cvt.lazy import torch
 
+from cvt.errors import CvtError
 from cvt.registry import Registry
 
 
@@ -80,3 +81,17 @@ def scheme_names() -> list[str]:
 def get_scheme(name: str, **options) -> Scheme:
     """A scheme instance: options group_size, symmetric, fp4_format, static_activations."""
     return SCHEMES.get(name)(**options)
+
+
+def scheme_from_options(name: str, *, group_size: int | None = None, symmetric: bool = True,
+                        fp4_format: str | None = None) -> Scheme:
+    """The scheme a command line asks for: each scheme takes the options its class lists in
+    `options` and ignores the defaults of the others; a non-default option it does not take
+    (``--asym`` for a symmetric-only scheme) is refused, naming the schemes that take it."""
+    cls = SCHEMES.get(name)
+    takes = getattr(cls, "options", ())
+    if not symmetric and "symmetric" not in takes:
+        which = [n for n in SCHEMES.names() if "symmetric" in getattr(SCHEMES.get(n), "options", ())]
+        raise CvtError(f"--asym applies to {', '.join(which)} only, not {name}")
+    given = {"group_size": group_size, "symmetric": symmetric, "fp4_format": fp4_format}
+    return cls(**{k: v for k, v in given.items() if k in takes})

@@ -7,7 +7,6 @@ imported before a verb runs, so `cvt --help` is instant.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -16,34 +15,12 @@ import traceback
 
 import click
 
-from cvt import __version__
+from cvt.cli.export import export as export_group
+from cvt.cli.options import (EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_THRESHOLD, FORMATS,
+                             FP4_FORMATS, METHODS, PLAN_SCHEMES, SCHEMES, TARGETS, common, human)
+from cvt.version import __version__
 
 log = logging.getLogger("cvt")
-
-EXIT_ERROR = 1
-EXIT_PROBLEMS = 3
-EXIT_THRESHOLD = 4
-EXIT_INTERNAL = 70
-EXIT_INTERRUPTED = 130
-
-
-def _common(fn):
-    """--quiet and --debug on every verb."""
-
-    @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
-    @click.option("--debug", is_flag=True, envvar="CVT_DEBUG", help="Show tracebacks and debug logging.")
-    @functools.wraps(fn)
-    def wrapper(*args, quiet: bool, debug: bool, **kwargs):
-        ctx = click.get_current_context()
-        ctx.ensure_object(dict)["debug"] = debug
-        logging.basicConfig(
-            level=logging.DEBUG if debug else (logging.WARNING if quiet else logging.INFO),
-            format="%(levelname)s %(name)s: %(message)s" if debug else "%(message)s",
-        )
-        return fn(*args, quiet=quiet, **kwargs)
-
-    return wrapper
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="cvt")
@@ -54,14 +31,6 @@ def cli() -> None:
     SRC may be a local directory or a Hugging Face hub repo id (owner/name; HF_HUB_OFFLINE=1
     uses only the local cache). Every output directory carries cvt_manifest.json.
     """
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
 
 
 @cli.command("fp8-to-bf16")
@@ -77,7 +46,7 @@ def _human(n: float) -> str:
 @click.option("--resume/--no-resume", default=True, show_default=True,
               help="Keep output files an interrupted run of the same conversion finished (size and sha256 checked).")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
-@_common
+@common
 def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwrite, quiet):
     """Dequantize an FP8 block-scaled release (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8) to BF16.
 
@@ -96,39 +65,35 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
         click.echo(
             f"dequantized {x['dequantized']} FP8 tensors, passed {x['passed_through']} through, dropped {x['scales_dropped']} scales\n"
             f"wrote {r.written_files} weight files ({r.skipped_files} already done) to {r.dst}\n"
-            f"read {_human(r.bytes_in)}, wrote {_human(r.bytes_out)} in {r.seconds:.1f} s ({_human(r.throughput)}/s)"
+            f"read {human(r.bytes_in)}, wrote {human(r.bytes_out)} in {r.seconds:.1f} s ({human(r.throughput)}/s)"
         )
 
 
-# Kept in step with the registries by a test (importing them here would import torch).
-SCHEMES = ("fp4", "w4a16", "w4a8", "w8a8", "w8a8c8")
-FORMATS = ("ascend", "compressed-tensors")
-METHODS = ("rtn", "smoothquant", "gptq", "awq")
 
 
 @cli.command("quantize")
 @click.argument("src")
 @click.argument("dst", type=click.Path())
-@click.option("--scheme", type=click.Choice(SCHEMES), required=True,
+@click.option("--scheme", type=SCHEMES, required=True,
               help="w8a8: int8 weights per channel, int8 dynamic per-token activations; w8a8c8: plus a quantized KV "
                    "cache with calibrated scales (Ascend: int8 C8 / FAKQuant; compressed-tensors: FP8, the kind "
                    "vLLM loads); w4a16: int4 weights in groups, bf16 activations; w4a8: int4 weights per channel, int8 "
                    "dynamic per-token activations (Ascend W4A8_DYNAMIC, MoE experts); fp4: E2M1 weights with group "
                    "scales.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="compressed-tensors", show_default=True,
-              help="ascend: msModelSlim AscendV1 (quant_model_description.json); compressed-tensors: vLLM/transformers.")
-@click.option("--target", type=click.Choice(["vllm-ascend", "mindie"]), default=None,
+@click.option("--format", "fmt", type=FORMATS, default=None,
+              help="Default compressed-tensors. ascend: msModelSlim AscendV1 (quant_model_description.json); compressed-tensors: vLLM/transformers.")
+@click.option("--target", type=TARGETS, default=None,
               help="ascend: the serving stack the layouts are for (default vllm-ascend). vllm-ascend loads W4A16 "
                    "(int32 packed) and MXFP4 only for MoE experts (other linears stay float), MLA C8 as FAKQuant; "
                    "mindie takes the int8 two-per-byte W4A16 for every linear, and gets its quantize keys in "
                    "config.json.")
-@click.option("--method", type=click.Choice(METHODS), default="rtn", show_default=True,
-              help="rtn needs no data; smoothquant (w8a8), gptq and awq (w4a16) calibrate on --calib text.")
+@click.option("--method", type=METHODS, default=None,
+              help="Default rtn. rtn needs no data; smoothquant (w8a8), gptq and awq (w4a16) calibrate on --calib text.")
 @click.option("--group-size", type=click.IntRange(0), default=None,
               help="w4a16 group size along k (0: per channel). Default 128 for compressed-tensors, 64 for ascend.")
 @click.option("--asym", is_flag=True, help="w4a16 with offsets (zero points) instead of symmetric.")
-@click.option("--fp4-format", type=click.Choice(["nvfp4", "mxfp4"]), default="nvfp4", show_default=True,
-              help="nvfp4: group 16, E4M3 scales + a global scale; mxfp4: group 32, E8M0 scales.")
+@click.option("--fp4-format", type=FP4_FORMATS, default=None,
+              help="Default nvfp4. nvfp4: group 16, E4M3 scales + a global scale; mxfp4: group 32, E8M0 scales.")
 @click.option("--calib", type=click.Path(dir_okay=False), help="Calibration text or .jsonl (\"text\" field); default: a built-in sample.")
 @click.option("--calib-tokens", type=click.IntRange(16), default=32768, show_default=True,
               help="Calibration tokens to use, in sequences of 256 (the default: 128 x 256, the budget "
@@ -153,7 +118,7 @@ METHODS = ("rtn", "smoothquant", "gptq", "awq")
                    "shares (at least 256 MiB each; a large tensor keeps its own file), so they are hashed in parallel.")
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
-@_common
+@common
 def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_format, calib, calib_tokens, device,
                  expert_memory, static_attention, ignore, recipe, revision, workers, max_shard_size, resume, overwrite,
                  quiet):
@@ -178,15 +143,16 @@ def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_fo
                  quiet=quiet, target=target, device=device, expert_memory=parse_size(expert_memory))
     if not quiet:
         x = r.extra
-        click.echo(f"quantized {x['quantized']} linears ({scheme}, {method}, {fmt}), kept {x['float_modules']} float, "
+        q = r.manifest.quant
+        click.echo(f"quantized {x['quantized']} linears ({q.scheme}, {q.method}, {q.format}), kept {x['float_modules']} float, "
                    f"{x['fallbacks']} RTN fallbacks; worst SQNR {x['min_sqnr_db']}\n"
                    + (f"calibrated {c['layers']} layers on {c['tokens']} tokens ({c['device']}): "
                       f"{sum(c['seconds_per_layer']) / max(1, len(c['seconds_per_layer'])):.2f} s/layer, "
-                      f"peak RSS {_human(c['peak_rss_bytes'])}"
+                      f"peak RSS {human(c['peak_rss_bytes'])}"
                       + (f", {c['resumed_layers']} layers resumed" if c['resumed_layers'] else "") + "\n"
                       if (c := r.manifest.quant.calibration) else "") +
                    f"wrote {r.written_files} weight files ({r.skipped_files} already done) to {r.dst}: "
-                   f"{_human(r.bytes_out)} in {r.seconds:.1f} s")
+                   f"{human(r.bytes_out)} in {r.seconds:.1f} s")
 
 
 def _layout_options(fn):
@@ -254,27 +220,24 @@ def _print_plan(config, layout, scheme, group_size, hbm, kv_tokens, fmt=None, ta
         sys.exit(EXIT_PROBLEMS)
 
 
-_PLAN_SCHEMES = ("bf16", "fp8", *SCHEMES)
-
-
 @cli.command("plan")
 @click.argument("model")
 @_layout_options
-@click.option("--scheme", type=click.Choice(_PLAN_SCHEMES), default="bf16", show_default=True)
+@click.option("--scheme", type=PLAN_SCHEMES, default="bf16", show_default=True)
 @click.option("--group-size", type=click.IntRange(0), default=None,
               help="Quantization group size (w4a16; default as cvt quantize's for --format).")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+@click.option("--format", "fmt", type=FORMATS, default=None,
               help="The output format the weights are written in, as cvt quantize --format (default: "
                    "compressed-tensors, or ascend for a scheme only it has): each quantized linear counts the bytes "
                    "its on-disk tensors take.")
-@click.option("--target", type=click.Choice(["vllm-ascend", "mindie"]), default=None,
+@click.option("--target", type=TARGETS, default=None,
               help="ascend: the serving stack, as cvt quantize --target (vllm-ascend keeps W4A16 and MXFP4 for MoE "
                    "experts only: the other linears count as bf16).")
-@click.option("--fp4-format", type=click.Choice(["nvfp4", "mxfp4"]), default=None,
+@click.option("--fp4-format", type=FP4_FORMATS, default=None,
               help="fp4: nvfp4 (default) or mxfp4 (Ascend).")
 @click.option("--hbm", default=None, help="Device memory per rank, e.g. 64GB or 64GiB: ranks above it are flagged.")
 @click.option("--kv-tokens", type=click.IntRange(0), default=0, show_default=True, help="Tokens of KV cache in flight (whole world).")
-@_common
+@common
 def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens, quiet, **degrees):
     """Per-rank memory plan of an EP/TP layout from config.json alone (MODEL: a checkpoint
     directory or a config.json): weights by role plus KV cache, min/max/mean, the heaviest rank,
@@ -290,7 +253,7 @@ def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens,
 @_layout_options
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest file per rank.")
 @click.option("--dry-run", is_flag=True, help="Print the per-rank memory plan from config.json alone; write nothing.")
-@click.option("--scheme", type=click.Choice(_PLAN_SCHEMES), default=None,
+@click.option("--scheme", type=PLAN_SCHEMES, default=None,
               help="--dry-run: weights' scheme (default: SRC's own - its cvt quantize scheme, fp8 or bf16).")
 @click.option("--group-size", type=click.IntRange(0), default=None, help="--dry-run: quantization group size.")
 @click.option("--hbm", default=None, help="--dry-run: device memory per rank, e.g. 64GB: ranks above it are flagged.")
@@ -299,7 +262,7 @@ def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens,
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep rank files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
-@_common
+@common
 def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, hbm, kv_tokens, revision, resume, overwrite,
               quiet, **degrees):
     """Write SRC as per-rank directories DST/rank-XXXXX/ for an EP/TP layout (one world of
@@ -347,15 +310,15 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, hbm, kv_tok
         click.echo(f"sharded for world {L.world_size} (tp {L.tp} x dp {L.dp}; moe_tp {L.moe_tp} x ep {L.ep}; "
                    f"dense_tp {L.dense_tp}, embed_tp {L.embed_tp}, lmhead_tp {L.lmhead_tp})\n"
                    f"wrote {r.written_files} rank files ({r.skipped_files} already done) to {r.dst}: read "
-                   f"{_human(r.bytes_in)}, wrote {_human(r.bytes_out)} in {r.seconds:.1f} s "
-                   f"({_human(r.throughput)}/s)")
+                   f"{human(r.bytes_in)}, wrote {human(r.bytes_out)} in {r.seconds:.1f} s "
+                   f"({human(r.throughput)}/s)")
 
 
 @cli.command("inspect")
 @click.argument("path")
 @click.option("--revision", help="Hub revision when PATH is a repo id.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@_common
+@common
 def inspect_cmd(path, revision, as_json, quiet):
     """Describe a checkpoint from its headers alone: architecture, format, layer and expert
     counts, bytes by dtype and by role, and any problems found (exit code 3 if some)."""
@@ -384,7 +347,7 @@ def inspect_cmd(path, revision, as_json, quiet):
                    "always checks each rank's files' sha256.")
 @click.option("--backend", type=click.Choice(["torch", "onnxruntime"]), default="torch", show_default=True,
               help="onnxruntime: MODEL is a `cvt export onnx` output, run on the CPU (--dtype is the export's).")
-@_common
+@common
 def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed, device, dtype, verify_files, revision,
             world_size, backend, quiet):
     """Generate text with the bundled runtime from any cvt output or HF BF16/FP8 directory.
@@ -446,7 +409,7 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
 @click.option("--min-top1", type=click.FloatRange(0, 1), help="Fail when the same-top-1 share is below this.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="fp32", show_default=True)
-@_common
+@common
 def verify_cmd(candidate, reference, data, report_dir, seq_len, max_sequences, min_cosine, max_ppl_ratio, max_mean_kl,
                min_top1, device, dtype, quiet):
     """Compare CANDIDATE against --reference on the same tokens and write an accuracy report:
@@ -483,7 +446,7 @@ def verify_cmd(candidate, reference, data, report_dir, seq_len, max_sequences, m
 
 @cli.command("demo")
 @click.argument("directory", required=False, default="cvt-demo", type=click.Path(file_okay=False))
-@_common
+@common
 def demo_cmd(directory, quiet):
     """Run every stage on a tiny built-in DeepSeek-V3-style FP8 checkpoint (in DIRECTORY,
     default ./cvt-demo) and print where the outputs are."""
@@ -492,9 +455,7 @@ def demo_cmd(directory, quiet):
     run_demo(directory, quiet=quiet, echo=click.echo)
 
 
-# `cvt export onnx|om` (cvt.export.commands imports only click at module level)
-from cvt.export.commands import export as export_group  # noqa: E402
-
+# `cvt export onnx|om` (cvt.cli.export imports only click at module level)
 cli.add_command(export_group)
 
 

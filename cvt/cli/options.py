@@ -1,0 +1,99 @@
+"""What every CLI verb shares: exit codes, --quiet / --debug, number formatting. Below both
+command modules (`cvt.cli.main`, `cvt.cli.export`); imports only click."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import click
+
+EXIT_ERROR = 1
+EXIT_PROBLEMS = 3
+EXIT_THRESHOLD = 4
+EXIT_INTERNAL = 70
+EXIT_INTERRUPTED = 130
+
+
+def common(fn):
+    """--quiet and --debug on every verb."""
+
+    @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+    @click.option("--debug", is_flag=True, envvar="CVT_DEBUG", help="Show tracebacks and debug logging.")
+    @functools.wraps(fn)
+    def wrapper(*args, quiet: bool, debug: bool, **kwargs):
+        ctx = click.get_current_context()
+        ctx.ensure_object(dict)["debug"] = debug
+        logging.basicConfig(
+            level=logging.DEBUG if debug else (logging.WARNING if quiet else logging.INFO),
+            format="%(levelname)s %(name)s: %(message)s" if debug else "%(message)s",
+        )
+        return fn(*args, quiet=quiet, **kwargs)
+
+    return wrapper
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+class NamesChoice(click.Choice):
+    """`click.Choice` over names that live in a registry, read when click first needs them (to
+    validate or to render `--help`): `cvt --help` and verbs that take no such option import no
+    registry. `names` returns the names; `extra` come first (plan's stored forms, bf16 / fp8)."""
+
+    def __init__(self, names, extra: tuple[str, ...] = ()):
+        self._names, self._extra, self._cached = names, tuple(extra), None
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        if self._cached is None:
+            self._cached = (*self._extra, *self._names())
+        return self._cached
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ would set it; we never call it
+        self._cached = tuple(value)
+
+
+def scheme_names() -> list[str]:
+    from cvt.quant.tensor.schemes import scheme_names as names
+
+    return names()
+
+
+def format_names() -> list[str]:
+    from cvt.quant.tensor.formats import format_names as names
+
+    return names()
+
+
+def method_names() -> tuple[str, ...]:
+    from cvt.quant.recipe import METHODS
+
+    return METHODS
+
+
+def ascend_targets() -> tuple[str, ...]:
+    from cvt.quant.tensor.layouts import ASCEND_TARGETS
+
+    return ASCEND_TARGETS
+
+
+def fp4_formats() -> list[str]:
+    from cvt.quant.tensor.schemes.fp4 import GROUPS
+
+    return list(GROUPS)
+
+
+SCHEMES = NamesChoice(scheme_names)
+FORMATS = NamesChoice(format_names)
+METHODS = NamesChoice(method_names)
+TARGETS = NamesChoice(ascend_targets)
+FP4_FORMATS = NamesChoice(fp4_formats)
+PLAN_SCHEMES = NamesChoice(scheme_names, extra=("bf16", "fp8"))

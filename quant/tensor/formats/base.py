@@ -1,0 +1,66 @@
+"""The output-format protocol and registry (`cvt.quant.tensor.formats` documents both); the
+format modules register here."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from cvt.lazy import torch
+
+from cvt.registry import Registry
+from cvt.errors import FormatError
+from cvt.quant.tensor.schemes.base import QuantizedTensor
+
+
+@runtime_checkable
+class Format(Protocol):
+    name: str
+    weights_prefix: str
+    kv_codec: str
+    static_attention: bool
+    default_groups: dict[str, int]
+
+    def supports(self, scheme, target: str | None = None) -> None: ...
+
+    def check_shape(self, module: str, scheme, shape: tuple[int, int], *, target: str | None = None,
+                    expert: bool = False) -> None: ...
+
+    def disk_tensors(self, module: str, q: QuantizedTensor, bias: torch.Tensor | None = None, *,
+                     target: str | None = None, expert: bool = False) -> dict[str, torch.Tensor]: ...
+
+    def read(self, module: str, disk: dict[str, torch.Tensor], meta=None) -> QuantizedTensor: ...
+
+    def kv_manifest(self, kv_tensors) -> dict: ...
+
+    def write_metadata(self, config: dict, tags: dict[str, str], schemes: dict, *, float_linears: list[str],
+                       kv_cache: bool, mla: bool, target: str) -> list[tuple[str, bytes]]: ...
+
+
+FORMATS: Registry[type] = Registry("output format", FormatError)
+register = FORMATS.register
+
+
+def format_names() -> list[str]:
+    return FORMATS.names()
+
+
+def get_format(name: str) -> Format:
+    return FORMATS.get(name)()
+
+
+def default_group(fmt: str, scheme: str) -> int | None:
+    """A scheme's group size when none is given: what the format's consumers load best (the
+    format's `default_groups`; None: the scheme's own default)."""
+    return FORMATS.get(fmt).default_groups.get(scheme)
+
+
+def lm_section(config: dict) -> dict:
+    """The part of a config.json that describes the language model: `text_config` of a wrapper
+    (Kimi-K2.5's), else the config itself; quantization keys go there."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) and "model_type" not in config else config
+
+
+def scheme_name(scheme) -> str:
+    """The registry name of a scheme instance (or a name passed as a string)."""
+    return scheme if isinstance(scheme, str) else scheme.name
