@@ -365,20 +365,22 @@ def read_placement(path: Path | str, config: Mapping[str, Any], ep: int) -> Plac
     return p
 
 
-def placement_json(placement: Placement, config: Mapping[str, Any], fmt: str = "mindie") -> bytes:
+# The expert-placement JSON flavours cvt writes, with the file `cvt shard` gives each: MindIE's /
+# vllm-ascend's (named after the MindIE file format, not the serving target) and DeepSeek's EPLB maps.
+PLACEMENT_FILES = {"mindie": ("expert_placement.json", placement_to_mindie),
+                   "eplb": ("expert_placement_eplb.json", eplb_maps)}
+
+
+def placement_json(placement: Placement, config: Mapping[str, Any], fmt: str = next(iter(PLACEMENT_FILES))) -> bytes:
     """`placement` as MindIE/vllm-ascend JSON (fmt 'mindie') or EPLB maps (fmt 'eplb'), UTF-8."""
-    layers = moe_layers(config)
-    if fmt == "mindie":
-        obj: Any = placement_to_mindie(placement, layers)
-    elif fmt == "eplb":
-        obj = eplb_maps(placement, layers)
-    else:
-        raise CvtError(f"unknown placement format {fmt!r} (known: mindie, eplb)")
+    if fmt not in PLACEMENT_FILES:
+        raise CvtError(f"unknown placement format {fmt!r} (known: {', '.join(PLACEMENT_FILES)})")
+    obj: Any = PLACEMENT_FILES[fmt][1](placement, moe_layers(config))
     return (json.dumps(obj) + "\n").encode("utf-8")
 
 
 def write_placement(placement: Placement, path: Path | str, config: Mapping[str, Any],
-                    fmt: str = "mindie") -> Path:
+                    fmt: str = next(iter(PLACEMENT_FILES))) -> Path:
     """Write `placement` as MindIE/vllm-ascend JSON (fmt 'mindie') or EPLB maps (fmt 'eplb')."""
     path = Path(path)
     path.write_bytes(placement_json(placement, config, fmt))

@@ -146,14 +146,16 @@ def _scheme(scheme: str | None, group_size: int | None, fmt: str | None = None, 
     if scheme not in plan_schemes():
         raise CvtError(f"unknown scheme {scheme!r} for the plan (known: {', '.join(plan_schemes())})")
     from cvt.quant.tensor.formats import default_group
-    from cvt.quant.tensor.schemes import get_scheme
+    from cvt.quant.tensor.schemes import SCHEMES, get_scheme
 
     if group_size is None and fmt is not None:
         group_size = default_group(fmt, scheme)  # what cvt quantize writes for that format
     opts = {} if group_size is None else {"group_size": group_size}
     if fp4_format is not None:
-        if scheme != "fp4":
-            raise CvtError(f"fp4_format applies to scheme fp4, not {scheme}")
+        if "fp4_format" not in SCHEMES.get(scheme).options:
+            raise CvtError(f"fp4_format applies to scheme "
+                           f"{' or '.join(n for n in SCHEMES.names() if 'fp4_format' in SCHEMES.get(n).options)}, "
+                           f"not {scheme}")
         opts["fp4_format"] = fp4_format
     return get_scheme(scheme, **opts)
 
@@ -171,10 +173,12 @@ class DiskBytes:
         defaults it for that format."""
         from cvt.quant.tensor import layouts as L
 
-        if fmt is None:
+        from cvt.quant.tensor.formats import DEFAULT_FORMAT, format_names
+
+        if fmt is None:  # the default format when it has the scheme, else the first that does
             kf = L.kernel_fmt_of(_scheme(scheme, group_size, None, fp4_format))
-            fmt = "compressed-tensors" if L.candidates("compressed-tensors", kf, L.check_target(
-                "compressed-tensors", None)) else "ascend"
+            fmt = next((f for f in (DEFAULT_FORMAT, *format_names())
+                        if L.candidates(f, kf, L.check_target(f, None))), DEFAULT_FORMAT)
         sch = _scheme(scheme, group_size, fmt, fp4_format)
         return sch, cls(sch, fmt, target)
 
@@ -427,13 +431,20 @@ class Plan:
         return "\n".join(lines)
 
 
+def _format_group(disk: DiskBytes | None, scheme: str) -> bool:
+    """Whether the scheme's group size came from the format's default (`Format.default_groups`)."""
+    from cvt.quant.tensor.formats import default_group
+
+    return disk is not None and default_group(disk.fmt, scheme) is not None
+
+
 def _scheme_assumption(scheme: str, sch, disk: DiskBytes | None) -> str:
     if disk is None:
         return {"bf16": "bf16: 2 bytes per element (e_score_correction_bias float32)",
                 "fp8": "fp8: attention, dense MLP and expert linears 1 byte/element + float32 128x128 block scales; "
                        "embeddings, heads, norms, router, eh_proj bf16"}[scheme]
     return (f"{scheme}" + (f" group {sch.group_size}" if getattr(sch, "group_size", 0) else "")
-            + (f" ({sch.fp4_format})" if scheme == "fp4" else "")
+            + (f" ({sch.fp4_format})" if getattr(sch, "fp4_format", None) else "")
             + f": linears not float by default as cvt quantize --format {disk.fmt} --target {disk.target} writes "
             "them (its layout table)"
             + (f"; {disk.target} loads this kernel format for MoE experts only, so the other linears stay bf16"
@@ -550,5 +561,5 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         + f"; {'int8' if int8_kv else 'bf16'}; {n_layers} decoder layers (MTP layers not cached)"]
     return Plan(arch.model_type, scheme, layout, ranks, model, kv_tokens,
                 None if hbm_bytes is None else parse_bytes(hbm_bytes),
-                validate(layout, config, scheme, getattr(sch, "group_size", None) if scheme == "w4a16" else group_size,
+                validate(layout, config, scheme, sch.group_size if _format_group(disk, scheme) else group_size,
                          items), assumptions)

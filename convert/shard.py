@@ -53,7 +53,8 @@ from pathlib import Path
 from cvt.version import __version__
 from cvt.convert.arch import Parallel, Role, arch_for
 from cvt.convert.config import quantization_config, source_format, with_explicit_defaults
-from cvt.convert.layout import Layout, Placement, contiguous_placement, coords, moe_layers, placement_json
+from cvt.convert.layout import (PLACEMENT_FILES, Layout, Placement, contiguous_placement, coords, moe_layers,
+                                placement_json)
 from cvt.convert.plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint, read_manifest
 from cvt.convert.validate import check_weights
@@ -399,7 +400,7 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
                     files=[rel for rel, _ in per], tensors=len(ranks[r]), bytes=nbytes, experts=experts))
             infos.append(out.write_json("config.json", with_explicit_defaults(ckpt.config)))
             if placement is not None:
-                for fmt_name, rel in (("mindie", "expert_placement.json"), ("eplb", "expert_placement_eplb.json")):
+                for fmt_name, (rel, _) in PLACEMENT_FILES.items():
                     infos.append(out.write_small(rel, placement_json(placement, ckpt.config, fmt_name)))
             tensors = {name: TensorShard(shape=list(ckpt.tensors[name].shape), dtype=ckpt.tensors[name].dtype,
                                          axis=sp.axis, dim=sp.dim, degree=sp.degree,

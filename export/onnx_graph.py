@@ -58,6 +58,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.errors import CvtError
 
 MS_DOMAIN = "com.microsoft"
@@ -307,13 +308,13 @@ class LinearOptions:
 def linear(g: Graph, mod, x: str, hint: str, opts: LinearOptions) -> str:
     """Emit `mod` (a runtime `Linear` of any format) applied to x [..., k] -> [..., n]."""
     fmt = getattr(mod, "fmt", "dense")
-    if fmt == "w4a16":
+    if fmt == KF.W4A16:
         y = _w4a16_matmulnbits(g, mod, x, hint, opts) if opts.int4_op == "matmulnbits" else _w4a16_qdq(g, mod, x, hint)
         key = f"w4a16:{opts.int4_op}"
-    elif fmt == "w8a8_dynamic":
+    elif fmt == KF.W8A8_DYNAMIC:
         y = _w8a8_dynamic(g, mod, x, hint, opts.w8a8_op)
         key = f"w8a8_dynamic:{opts.w8a8_op}"
-    elif fmt == "w8a8_static":
+    elif fmt == KF.W8A8_STATIC:
         y = _w8a8_static(g, mod, x, hint, opts.w8a8_op)
         key = f"w8a8_static:{opts.w8a8_op}"
     elif fmt == "dense":

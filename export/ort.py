@@ -53,6 +53,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.errors import CvtError
 
 MANIFEST = "export_manifest.json"
@@ -228,7 +229,7 @@ def tolerance(manifest: dict) -> float:
     """The parity tolerance of an export (see the module docstring), from its manifest."""
     lin = manifest.get("linears", {})
     tol = TOLERANCES["fp16"] if manifest.get("dtype") == "fp16" else TOLERANCES["float"]
-    if any(k.startswith("w4a16") for k in lin):
+    if any(k.startswith(KF.W4A16) for k in lin):
         tol = max(tol, TOLERANCES["approximate"] if manifest.get("accuracy_level", 0) >= 2 else TOLERANCES["int4"])
     if quantized_activations(manifest):
         tol = max(tol, TOLERANCES["int8"])
@@ -237,7 +238,7 @@ def tolerance(manifest: dict) -> float:
 
 def quantized_activations(manifest: dict) -> bool:
     """Whether the export quantizes activations (W8A8 linears or an int8 KV cache): the bounded check."""
-    return (any(k.startswith("w8a8") for k in manifest.get("linears", {}))
+    return (any(k.startswith((KF.W8A8_DYNAMIC, KF.W8A8_STATIC)) for k in manifest.get("linears", {}))
             or manifest.get("kv_cache", {}).get("dtype") == "int8")
 
 

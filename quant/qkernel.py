@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.quant.tensor import primitives as P
@@ -64,7 +65,7 @@ SRC_BF16, SRC_FP8 = 0, 1
 MODE_AMAX, MODE_SYM, MODE_ASYM, MODE_NVFP4, MODE_MXFP4 = range(5)
 PACK_I8, PACK_CT32, PACK_NIB_K, PACK_NIB_ROWS, PACK_FP4 = range(5)
 # the C kernel's packing codes for the layout table's `Layout.pack` names
-_PACK = {"i8": PACK_I8, "ct32": PACK_CT32, "nib_k": PACK_NIB_K, "nib_rows": PACK_NIB_ROWS, "fp4": PACK_FP4}
+_PACK = {"i8": PACK_I8, "ct32": PACK_CT32, "nib_k": PACK_NIB_K, "nib_rows": PACK_NIB_ROWS, "e2m1": PACK_FP4}
 ROWS_PER_BLOCK = 1 << 22  # torch fallback: about this many elements per block of rows
 
 
@@ -205,14 +206,14 @@ def supports(layout, scheme, src: WeightSource) -> bool:
 
 def _config(layout, scheme, k: int) -> dict:
     kf = layout.kernel_fmt
-    if kf == "w8a8_dynamic":
+    if kf == KF.W8A8_DYNAMIC:
         return dict(mode=MODE_SYM, group=k, qdiv=P.INT8_QDIV, qmin=-128, qmax=127)
-    if kf == "w4a16":
+    if kf == KF.W4A16:
         g = 0 if scheme.group_size in (0, k) else scheme.group_size
         if scheme.symmetric:
             return dict(mode=MODE_SYM, group=g or k, qdiv=P.INT4_QDIV, qmin=-8, qmax=7)
         return dict(mode=MODE_ASYM, group=g or k, qdiv=15.0, qmin=-8, qmax=7)
-    if kf == "nvfp4":
+    if kf == KF.NVFP4:
         return dict(mode=MODE_NVFP4, group=16, qdiv=0.0, qmin=0, qmax=0)
     return dict(mode=MODE_MXFP4, group=32, qdiv=0.0, qmin=0, qmax=0)
 

@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cvt.convert.arch import ArchSpec
 from cvt.errors import CvtError, validation_summary
 
-RTN = "rtn"
-METHODS = (RTN, "smoothquant", "gptq", "awq")  # the methods' names, defined here (recipes, CLI, calibration)
+RTN, SMOOTHQUANT, GPTQ, AWQ = "rtn", "smoothquant", "gptq", "awq"  # the methods' names, defined here
+METHODS = (RTN, SMOOTHQUANT, GPTQ, AWQ)
 DATA_METHODS = frozenset(METHODS) - {RTN}     # the ones that calibrate on data
 
 
@@ -37,7 +37,7 @@ class RecipeRule(BaseModel):
 
     pattern: str = Field(description="regex searched in the module name, e.g. 'mlp\\\\.experts\\\\.'")
     scheme: str = Field(description="a scheme name, or 'float' to keep the module float")
-    method: Literal["rtn", "smoothquant", "gptq", "awq"] | None = None
+    method: Literal[METHODS] | None = None  # type: ignore[valid-type]
     group_size: int | None = Field(None, ge=0)
 
     @field_validator("pattern")
@@ -96,7 +96,7 @@ class Choice:
 
 
 class Policy:
-    def __init__(self, arch: ArchSpec, scheme: str, method: str = "rtn", group_size: int | None = None,
+    def __init__(self, arch: ArchSpec, scheme: str, method: str = RTN, group_size: int | None = None,
                  ignore: tuple[str, ...] = (), recipe: Recipe | None = None):
         if method not in METHODS:
             raise CvtError(f"unknown method {method!r} (known: {', '.join(METHODS)})")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.version import __version__
@@ -42,9 +43,10 @@ from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, defaul
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.quant import qkernel
 from cvt.quant.tensor.formats import DEFAULT_FORMAT, default_group, get_format
+from cvt.quant.tensor.formats.compressed_tensors import CompressedTensors
 from cvt.quant.tensor.disk_layouts import DiskLayouts, shell_q
 from cvt.quant.tensor.layouts import check_target, kernel_fmt_of
-from cvt.quant.recipe import RTN, Policy, Recipe
+from cvt.quant.recipe import GPTQ, RTN, Policy, Recipe
 from cvt.quant.tensor.schemes import get_scheme, scheme_from_options
 from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
@@ -80,7 +82,7 @@ class _Source:
     def __init__(self, ckpt: Checkpoint, fmt: SourceFormat):
         self.ckpt = ckpt
         self.block = fp8_config(ckpt.config, str(ckpt.root)).block if fmt is SourceFormat.FP8_BLOCK else None
-        self.ct = get_format("compressed-tensors") if fmt is SourceFormat.CT_INT4 else None
+        self.ct = CompressedTensors() if fmt is SourceFormat.CT_INT4 else None
 
     def float_weight(self, params: dict[str, str]) -> torch.Tensor:
         """float32 [n, k] of a linear's weight: FP8 dequantized, CT INT4 unpacked, else cast."""
@@ -171,7 +173,7 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
         plan.schemes[module] = scheme
         plan.experts[module] = expert
         plan.methods[module] = choice.method
-        if choice.method == "gptq" and layouts.kernel_fmt_of(scheme) not in _gptq_kernels():
+        if choice.method == GPTQ and layouts.kernel_fmt_of(scheme) not in _gptq_kernels():
             raise CvtError(f"{module}: --method gptq does not support scheme {scheme.name} "
                            f"({layouts.kernel_fmt_of(scheme)}; GPTQ handles {', '.join(_gptq_kernels())}): use rtn, "
                            "or give this module another method or scheme in a recipe")
@@ -282,7 +284,7 @@ class _Quantizer:
                     return fused
             w = self.source.float_weight(params)
         if q is None:
-            if method != "rtn":
+            if method != RTN:
                 method = "rtn-fallback"
             group = self.plan.shared.get(module)
             gs = self.shared_scale(group) if group else None
@@ -299,7 +301,7 @@ class _Quantizer:
             v = self.sqnr_known.get(module)
             sqnr = "Infinity" if v == float("inf") else v
         else:
-            sqnr = _sqnr(w, scheme.dequantize(q) if q.kernel_fmt != "w8a8_static" else _static_dequant(q))
+            sqnr = _sqnr(w, scheme.dequantize(q) if q.kernel_fmt != KF.W8A8_STATIC else _static_dequant(q))
         expert = self.plan.experts[module]
         layout = self.fmt.layout_for(module, q, target=self.target, expert=expert).name
         self.info[module] = QuantTensorInfo(scheme=scheme.name, kernel_fmt=q.kernel_fmt, layout=layout, method=method,
@@ -326,7 +328,7 @@ class _Quantizer:
             self.source.ckpt.release(params["weight"])
         bias = self.source.ckpt.read(params["bias"]).clone() if "bias" in params else None
         self.info[module] = QuantTensorInfo(
-            scheme=scheme.name, kernel_fmt=kf, layout=layout.name, method="rtn" if method == "rtn" else "rtn-fallback",
+            scheme=scheme.name, kernel_fmt=kf, layout=layout.name, method=RTN if method == RTN else "rtn-fallback",
             group_size=scheme.group_size, symmetric=scheme.symmetric,
             sqnr_db="Infinity" if res.sqnr_db == float("inf") else res.sqnr_db)
         out = {f"{module}.{s}": t for s, t in res.tensors.items()}  # numpy (a raw source) or torch
@@ -380,7 +382,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block))
         check_weights(ckpt, arch, "quantize", source.block or (128, 128))
 
-        needs_model = (any(m != "rtn" for m in plan.methods.values()) or static_attention
+        needs_model = (any(m != RTN for m in plan.methods.values()) or static_attention
                        or any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
         if not needs_model:
             return _write(ckpt, dst, plan, form, source, src_fmt, _Calib(), req)
@@ -480,9 +482,9 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
     out.loader = store.quantized
     out.float_overrides = {n: None for n in store.floats()}
     out.float_loader = store.float_tensor
-    out.fallbacks = [ManifestFallback(module=f.name, method=plan.methods.get(f.name, "rtn"), reason=f.reason,
+    out.fallbacks = [ManifestFallback(module=f.name, method=plan.methods.get(f.name, RTN), reason=f.reason,
                                       tokens=f.tokens) for f in res.fallbacks]
-    out.methods_applied = {m: ("rtn-fallback" if a == "rtn" and plan.methods.get(m, "rtn") != "rtn" else a)
+    out.methods_applied = {m: ("rtn-fallback" if a == RTN and plan.methods.get(m, RTN) != RTN else a)
                            for m, a in res.methods.items()}
     out.sqnr = {m: st["sqnr_db"] for m, st in res.stats.items() if "sqnr_db" in st}
     if static_attention:

@@ -213,15 +213,13 @@ class _QuantReader:
 def _quant_reader(ckpt: Checkpoint) -> _QuantReader | None:
     from cvt.convert.config import quantization_config
     from cvt.convert.safetensors_io import load_json
-    from cvt.quant.tensor.formats import get_format
+    from cvt.quant.tensor.formats import format_names, get_format
 
-    desc_path = ckpt.root / "quant_model_description.json"
-    if desc_path.is_file():
-        desc = load_json(desc_path)
-        return _QuantReader(get_format("ascend"), desc, desc)
     qc = quantization_config(ckpt.config)
-    if qc and qc.get("quant_method") == "compressed-tensors":
-        return _QuantReader(get_format("compressed-tensors"), dict(qc), None)
+    for form in map(get_format, format_names()):  # ascend first: its description file wins
+        found = form.stored_metadata(ckpt.root, qc, load_json)
+        if found is not None:
+            return _QuantReader(form, *found)
     return None
 
 

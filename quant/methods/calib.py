@@ -58,7 +58,7 @@ from torch import nn
 from cvt.errors import CvtError
 from cvt.quant.methods.awq import awq_clip, awq_search
 from cvt.quant.methods.data import calib_tokens  # noqa: F401  (re-exported)
-from cvt.quant.recipe import DATA_METHODS, METHODS  # noqa: F401  (re-exported)
+from cvt.quant.recipe import AWQ, DATA_METHODS, GPTQ, METHODS, RTN, SMOOTHQUANT  # noqa: F401  (METHODS re-exported)
 from cvt.quant.methods.gptq import gptq_quantize
 from cvt.quant.methods.sites import _children, _Group, _Site, _site_key, _smooth_groups
 from cvt.quant.methods.smoothquant import scale_columns, scale_rows, smooth_scales
@@ -156,7 +156,7 @@ def _run_layer(layer, x, args, kwargs, batch_size, out=True):
 
 
 def calibrate(model: nn.Module, tokens: torch.Tensor, scheme_for: Callable[[str], Scheme | None],
-              method: str | Callable[[str], str] = "gptq", *, min_tokens: int = 32, batch_size: int = 8,
+              method: str | Callable[[str], str] = GPTQ, *, min_tokens: int = 32, batch_size: int = 8,
               damp: float = 0.01, act_order: bool = True, scale_search: str | None = "hdiag", block_size: int = 128,
               static_groups: bool | None = None, true_sequential: bool = True, alpha: float = 0.5,
               n_grid: int = 20, duo_scaling: bool = True, awq_clip_search: bool = True, max_samples: int = 512,
@@ -257,7 +257,7 @@ def _quantize_rtn(mod, name, scheme, res: CalibResult, w: torch.Tensor | None = 
     except CvtError as exc:
         raise type(exc)(f"{name}: {exc}") from exc
     res.quantized[name] = qt
-    res.methods[name] = "rtn"
+    res.methods[name] = RTN
     deq = scheme.dequantize(qt)
     # SQNR against the float weight this linear has now (after any smoothing fold)
     res.stats.setdefault(name, {})["sqnr_db"] = sqnr_db(mod.weight.detach().float(), deq)
@@ -309,10 +309,10 @@ class _LayerCalib:
 
     def _group_method(self, g: _Group) -> str | None:
         ms = {self.method.get(c) for c in g.consumers}
-        if "awq" in ms:
-            return "awq"
-        if "smoothquant" in ms and not g.awq_only:
-            return "smoothquant"
+        if AWQ in ms:
+            return AWQ
+        if SMOOTHQUANT in ms and not g.awq_only:
+            return SMOOTHQUANT
         return None
 
     def run(self, x, args, kwargs) -> None:
@@ -352,10 +352,10 @@ class _LayerCalib:
         need_s: dict[tuple, bool] = {}
         for t in targets:
             key = self.site_of[t]
-            need_h[key] = need_h.get(key, False) or self.method[t] == "gptq"
-            need_s[key] = need_s.get(key, False) or self.method[t] == "awq"
+            need_h[key] = need_h.get(key, False) or self.method[t] == GPTQ
+            need_s[key] = need_s.get(key, False) or self.method[t] == AWQ
         for g in groups:
-            if self._group_method(g) == "awq":
+            if self._group_method(g) == AWQ:
                 for c in g.consumers:
                     if c in self.schemes:
                         need_s[self.site_of[c]] = True
@@ -398,7 +398,7 @@ class _LayerCalib:
         pending = {t for ch in later_chunks for k in ch for t in self._target_of_site(k, targets)}
         self.h_users = {}
         for t in targets:
-            if self.method[t] == "gptq":
+            if self.method[t] == GPTQ:
                 self.h_users[self.site_of[t]] = self.h_users.get(self.site_of[t], 0) + 1
         for t in targets:
             if t not in pending:
@@ -458,9 +458,9 @@ class _LayerCalib:
             src = sites[self.site_of[g.consumers[0]]]
         if src.n == 0:
             return
-        if meth == "smoothquant":
+        if meth == SMOOTHQUANT:
             s = smooth_scales(src.absmax(), [self.linears[c].weight for c in quant_cons], o["alpha"])
-            info = {"method": "smoothquant", "alpha": o["alpha"]}
+            info = {"method": SMOOTHQUANT, "alpha": o["alpha"]}
         else:
             use = [c for c in quant_cons if sites[self.site_of[c]].n >= o["min_tokens"]]
             if not use:
@@ -472,7 +472,7 @@ class _LayerCalib:
             if found.alpha is None:
                 return
             s = found.scales
-            info = {"method": "awq", "alpha": found.alpha, "loss": found.loss, "loss_rtn": found.loss_rtn}
+            info = {"method": AWQ, "alpha": found.alpha, "loss": found.loss, "loss_rtn": found.loss_rtn}
         # fold: producer rows / s, consumers' columns * s, extras' columns * s
         prod = self.mods[g.producer]
         scale_rows(prod, s, g.rows)
@@ -501,18 +501,18 @@ class _LayerCalib:
         if site is not None and site.n:
             stats["act_min"], stats["act_max"] = site.act_range()
         self.res.stats[name] = stats
-        if meth in ("gptq", "awq") and n < o["min_tokens"]:
+        if meth in (GPTQ, AWQ) and n < o["min_tokens"]:
             self.res.fallbacks.append(Fallback(name, n, f"{n} calibration tokens < min_tokens {o['min_tokens']}"))
             _quantize_rtn(mod, name, scheme, self.res)
             return
-        if meth == "gptq":
+        if meth == GPTQ:
             # an explicit static_groups=False asks for the reference's dynamic groups: no act_order then
             act_order = o["act_order"] and o["static_groups"] is not False
             r = gptq_quantize(mod.weight, site.hessian(), scheme, damp=o["damp"], act_order=act_order,
                               block_size=o["block_size"], static_groups=o["static_groups"], name=name,
                               scale_search=o["scale_search"])
             self.res.quantized[name] = r.qtensor
-            self.res.methods[name] = "gptq"
+            self.res.methods[name] = GPTQ
             stats.update(gptq_loss=r.loss, gptq_damp=r.damp,
                          sqnr_db=sqnr_db(mod.weight.detach().float(), scheme.dequantize(r.qtensor)))
             _set_weight(mod, r.weight)
@@ -522,7 +522,7 @@ class _LayerCalib:
                 site.hess = None     # every linear of this site is done: free the Hessian
             return
         w = None
-        if meth == "awq" and o["awq_clip_search"] and name.rsplit(".", 1)[-1] not in NO_CLIP:
+        if meth == AWQ and o["awq_clip_search"] and name.rsplit(".", 1)[-1] not in NO_CLIP:
             w = awq_clip(site.samples(), mod.weight, scheme, n_grid=o["n_grid"])
             stats["awq_clip"] = True
         _quantize_rtn(mod, name, scheme, self.res, w)
@@ -558,8 +558,8 @@ def run_methods(model: nn.Module, tokens: torch.Tensor, plan, **opts) -> Methods
     from cvt.schemas.manifest import Fallback as ManifestFallback
 
     schemes, methods = plan.schemes, plan.methods
-    res = calibrate(model, tokens, schemes.get, lambda n: methods.get(n, "rtn"), **opts)
-    fallbacks = [ManifestFallback(module=f.name, method=methods.get(f.name, "rtn"), reason=f.reason, tokens=f.tokens)
+    res = calibrate(model, tokens, schemes.get, lambda n: methods.get(n, RTN), **opts)
+    fallbacks = [ManifestFallback(module=f.name, method=methods.get(f.name, RTN), reason=f.reason, tokens=f.tokens)
                  for f in res.fallbacks]
     absmax = {n: max(abs(s["act_min"]), abs(s["act_max"])) for n, s in res.stats.items() if "act_min" in s}
     return MethodsResult(res.quantized, res.float_weights, fallbacks, absmax, res)

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from cvt.quant.recipe import GPTQ
 from cvt.quant.methods.sites import _Site
 
 
@@ -170,7 +171,7 @@ class ExpertStream:
         lc.h_users = {}
         for t in mine:
             key = lc.site_of[t]
-            gptq = lc.method[t] == "gptq"
+            gptq = lc.method[t] == GPTQ
             if key not in sites:
                 sites[key] = _Site(lc._k(key), hessian=gptq, hessian_dtype=o["hessian_dtype"],
                                    seed=zlib.crc32(key[1].encode()))

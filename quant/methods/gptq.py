@@ -55,15 +55,16 @@ from dataclasses import dataclass
 
 import torch
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.errors import CvtError
 from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
 
 E2M1 = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), dtype=torch.float32)
 # midpoints between consecutive E2M1 magnitudes: #(MIDS < v) = index of the nearest magnitude
 E2M1_MIDS = (E2M1[1:] + E2M1[:-1]) / 2
-INT_RANGES = {"w4a16": ("weight_int4", -8, 7), "w8a8_dynamic": ("weight", -128, 127)}
-FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}
-SUPPORTED = ("w4a16", "w8a8_dynamic", "nvfp4", "mxfp4")
+INT_RANGES = {KF.W4A16: ("weight_int4", -8, 7), KF.W8A8_DYNAMIC: ("weight", -128, 127)}
+FP4_GROUP = {KF.NVFP4: 16, KF.MXFP4: 32}
+SUPPORTED = (KF.W4A16, KF.W8A8_DYNAMIC, KF.NVFP4, KF.MXFP4)
 METRICS = ("mse", "hdiag")
 # clipping ratios tried by the scale search: 1.0 (absmax) down to 0.8 in steps of 0.01, as
 # llm-compressor's MSE observer (maxshrink 0.2) and AutoAWQ's clip search cover
@@ -204,7 +205,7 @@ def _fp4_scales(qt: QuantizedTensor) -> torch.Tensor:
     from cvt.convert.fp8 import scale_to_f32
 
     s = qt.parts["weight_scale"]
-    if qt.kernel_fmt == "nvfp4":
+    if qt.kernel_fmt == KF.NVFP4:
         return s.to(torch.float32) / qt.parts["weight_global_scale"].to(torch.float32).reshape(())
     return scale_to_f32(s.view(torch.float8_e8m0fnu) if s.dtype == torch.uint8 else s)
 

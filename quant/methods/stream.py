@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from cvt.errors import CvtError
+from cvt.quant.recipe import AWQ, GPTQ, RTN, SMOOTHQUANT
 from cvt.quant.tensor.schemes.base import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict) -> str:
     ident = {
         "source": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.weight_files],
         "modules": sorted((m, s.name, s.group_size, s.symmetric, getattr(s, "fp4_format", None),
-                           plan.methods.get(m, "rtn")) for m, s in plan.schemes.items()),
+                           plan.methods.get(m, RTN)) for m, s in plan.schemes.items()),
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "shape": list(tokens.shape),
         # max_expert_bytes changes how much is read at once, not a byte of the result: a run killed
         # for memory may resume with a smaller --expert-memory
@@ -239,7 +240,7 @@ def _streams_experts(layer: nn.Module, prefix: str, plan, o: dict) -> bool:
     if not o["true_sequential"] or expert_bytes(layer) <= o["max_expert_bytes"]:
         return False
     smoothed = sorted(m for m, meth in plan.methods.items()
-                      if m.startswith(prefix + "mlp.") and meth in ("awq", "smoothquant"))
+                      if m.startswith(prefix + "mlp.") and meth in (AWQ, SMOOTHQUANT))
     if smoothed:
         log.info("%smlp.experts: calibrated whole (%s smooths across them: %s)", prefix,
                  plan.methods[smoothed[0]], smoothed[0])
@@ -256,9 +257,9 @@ def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o
     def gptq_sites(e: int) -> list[int]:
         ex, name = layer.mlp.experts[e], f"{prefix}.mlp.experts.{e}."
         ks = []
-        if any(plan.methods.get(name + p) == "gptq" and name + p in plan.schemes for p in ("gate_proj", "up_proj")):
+        if any(plan.methods.get(name + p) == GPTQ and name + p in plan.schemes for p in ("gate_proj", "up_proj")):
             ks.append(ex.gate_proj.weight.shape[1])
-        if plan.methods.get(name + "down_proj") == "gptq" and name + "down_proj" in plan.schemes:
+        if plan.methods.get(name + "down_proj") == GPTQ and name + "down_proj" in plan.schemes:
             ks.append(ex.down_proj.weight.shape[1])
         return ks
 
@@ -354,7 +355,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
             if observer is not None:
                 layer.self_attn.kv_observer = observer._observer(i)
             lres = C.CalibResult()
-            C._LayerCalib(layer, f"model.layers.{i}", plan.schemes.get, lambda n: plan.methods.get(n, "rtn"),
+            C._LayerCalib(layer, f"model.layers.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
                           lres, o, experts=es).run(x, args, kwargs)
             x = es.x_next if es is not None else C._run_layer(layer, x, args, kwargs, o["batch_size"])
             if observer is not None:

@@ -38,7 +38,7 @@ def shell_q(scheme: Scheme, shape: tuple[int, int], static: bool = False) -> Qua
     k = shape[1]
     kf = kernel_fmt_of(scheme, static)
     return QuantizedTensor(scheme.name, kf, tuple(shape), {}, 0 if scheme.group_size in (0, k) else scheme.group_size,
-                           scheme.symmetric, {"fp4_format": kf} if scheme.name == "fp4" else {})
+                           scheme.symmetric, {"fp4_format": kf} if getattr(scheme, "fp4_format", None) else {})
 
 
 def data_planned(layout, scheme, shape: tuple[int, int], static: bool, bias: bool) -> bool:

@@ -22,6 +22,8 @@ from typing import Any, Mapping
 
 import torch
 
+from cvt.quant.tensor.layouts import VLLM_ASCEND
+
 QMIN, QMAX = -128, 127
 SCALE_DIVISOR = 127.0
 SCALE_MIN = 2.0 ** -14
@@ -110,7 +112,7 @@ def kv_target_problem(cfg: Mapping[str, Any], fmt: str, target: str) -> str | No
     """Why `target` would load an int8 KV cache of this model wrong (None: it loads it); `cfg`
     the language model's config, as for `kv_tensor_specs_for_config`."""
     mt = cfg.get("model_type")
-    if fmt == "ascend" and target == "vllm-ascend" and mt == "qwen3_moe":
+    if target == VLLM_ASCEND and mt == "qwen3_moe":  # vllm-ascend reads the ascend format only
         return ("w8a8c8 for qwen3_moe on vllm-ascend: vllm-ascend 0.23 loads C8 KV-cache scales only for Qwen3 "
                 "dense, GLM4-MoE and MiniMax-M2 (patch/worker/patch_gqa_c8.py); for Qwen3-MoE it drops them and "
                 "runs the int8 cache with scale 1 (wrong results, no error). Use --scheme w8a8, or --target mindie")

@@ -74,16 +74,19 @@ from cvt.lazy import torch
 
 from cvt.errors import FormatError
 from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.schemes.base import QuantizedTensor
+from cvt.quant.tensor import kernel_formats as KF
+from cvt.quant.tensor.schemes import FP4, W4A8, W4A16, W8A8
+from cvt.quant.tensor.schemes.base import SCHEMES, QuantizedTensor
 from cvt.registry import Registry
 
-# The serving targets, defined here (the layout entries below name them): each format's first
-# target is its default.
+# The output formats (implemented by `cvt.quant.tensor.formats`) and their serving targets are
+# named here, once: the layout entries below are keyed by them. A format's first target is its default.
+ASCEND, COMPRESSED_TENSORS = "ascend", "compressed-tensors"
 VLLM_ASCEND, MINDIE = "vllm-ascend", "mindie"
 ASCEND_TARGETS = (VLLM_ASCEND, MINDIE)
 DEFAULT_TARGET = VLLM_ASCEND
 CT_TARGET = "vllm"  # compressed-tensors: vLLM and transformers
-FORMAT_TARGETS = {"ascend": ASCEND_TARGETS, "compressed-tensors": (CT_TARGET,)}
+FORMAT_TARGETS = {ASCEND: ASCEND_TARGETS, COMPRESSED_TENSORS: (CT_TARGET,)}
 CONFIG_KEY_TARGETS = (MINDIE,)  # read their quantization keys from config.json (MindIE's atb_llm)
 
 
@@ -209,7 +212,7 @@ def _dec_w8a8_dynamic(module, d):
     n, k = _expect(f"{module}.weight", t["weight"], (torch.int8,)).shape
     sc = _expect(f"{module}.weight_scale", t["weight_scale"], FLOATS).float().reshape(n, 1)
     off = _expect(f"{module}.weight_offset", t["weight_offset"], FLOATS).float().reshape(n, 1)
-    return QuantizedTensor("w8a8", "w8a8_dynamic", (n, k), {"weight": t["weight"], "weight_scale": sc,
+    return QuantizedTensor(W8A8.name, KF.W8A8_DYNAMIC, (n, k), {"weight": t["weight"], "weight_scale": sc,
                                                             "weight_offset": off})
 
 
@@ -234,14 +237,14 @@ def _dec_w8a8_static(module, d):
              "input_offset": t["input_offset"].float().reshape(1), "deq_scale": t["deq_scale"],
              "quant_bias": t["quant_bias"]}
     extra = {"weight_scale": d["weight_scale"].float().reshape(n, 1)} if "weight_scale" in d else {}
-    return QuantizedTensor("w8a8", "w8a8_static", (n, k), parts, 0, True, extra)
+    return QuantizedTensor(W8A8.name, KF.W8A8_STATIC, (n, k), parts, 0, True, extra)
 
 
-register(Layout("ascend-w8a8-dynamic", "w8a8_dynamic", "ascend", ASCEND_TARGETS, "W8A8_DYNAMIC",
+register(Layout("ascend-w8a8-dynamic", KF.W8A8_DYNAMIC, ASCEND, ASCEND_TARGETS, "W8A8_DYNAMIC",
                 (DiskTensor("weight", "I8", (N, K)), DiskTensor("weight_scale", "F32", (N, 1)),
                  DiskTensor("weight_offset", "F32", (N, 1))), _enc_w8a8_dynamic, _dec_w8a8_dynamic,
                 pack="i8"))
-register(Layout("ascend-w8a8-static", "w8a8_static", "ascend", ASCEND_TARGETS, "W8A8",
+register(Layout("ascend-w8a8-static", KF.W8A8_STATIC, ASCEND, ASCEND_TARGETS, "W8A8",
                 (DiskTensor("weight", "I8", (N, K)), DiskTensor("input_scale", "F32", (1,)),
                  DiskTensor("input_offset", "F32", (1,)), DiskTensor("deq_scale", "F32", (N,)),
                  DiskTensor("quant_bias", "I32", (N,)),
@@ -268,11 +271,11 @@ def _dec_ct_int8(module, d):
     if "weight_zero_point" in d:
         raise FormatError(f"{module} is asymmetric int8; cvt's W8A8 is symmetric")
     sc = sc.float().reshape(n, 1)
-    return QuantizedTensor("w8a8", "w8a8_dynamic", (n, k), {"weight": t["weight"], "weight_scale": sc,
+    return QuantizedTensor(W8A8.name, KF.W8A8_DYNAMIC, (n, k), {"weight": t["weight"], "weight_scale": sc,
                                                             "weight_offset": torch.zeros_like(sc)})
 
 
-register(Layout("ct-int8", "w8a8_dynamic", "compressed-tensors", (CT_TARGET,), None,
+register(Layout("ct-int8", KF.W8A8_DYNAMIC, COMPRESSED_TENSORS, (CT_TARGET,), None,
                 (DiskTensor("weight", "I8", (N, K)), DiskTensor("weight_scale", "F32", (N, 1))),
                 _enc_ct_int8, _dec_ct_int8, pack="i8"))
 
@@ -283,7 +286,7 @@ def _w4a16(q_int4, sc, off, sym=None):
     if sc.dim() != 2 or sc.shape[0] != n or k % sc.shape[1]:
         raise FormatError(f"weight_scale {list(sc.shape)} does not fit the weight [{n}, {k}] (expected [{n}, k/G])")
     g = 0 if sc.shape[1] == 1 else k // sc.shape[1]
-    return QuantizedTensor("w4a16", "w4a16", (n, k), {"weight_int4": q_int4, "weight_scale": sc,
+    return QuantizedTensor(W4A16.name, KF.W4A16, (n, k), {"weight_int4": q_int4, "weight_scale": sc,
                                                       "weight_offset": off},
                            g, bool((off == 0).all()) if sym is None else sym)
 
@@ -309,11 +312,11 @@ def _dec_ascend_int8(module, d):
     return _w4a16(P.unpack_int4_ascend(t["weight"], P.ascend_pack_dim(sc, t["weight"])), sc, off)
 
 
-register(Layout("ascend-w4a16-int8-grouped", "w4a16", "ascend", (MINDIE,), "W4A16",
+register(Layout("ascend-w4a16-int8-grouped", KF.W4A16, ASCEND, (MINDIE,), "W4A16",
                 (DiskTensor("weight", "I8", (("n", 2), K)), DiskTensor("weight_scale", "F32", (N, G)),
                  DiskTensor("weight_offset", "F32", (N, G))), _ascend_int8_encoder(0), _dec_ascend_int8,
                 grouping="grouped", groups=(64, 128, 256), pack="nib_rows"))  # MindIE models/base/config.py: group_size check
-register(Layout("ascend-w4a16-int8-channel", "w4a16", "ascend", (MINDIE,), "W4A16",
+register(Layout("ascend-w4a16-int8-channel", KF.W4A16, ASCEND, (MINDIE,), "W4A16",
                 (DiskTensor("weight", "I8", (N, ("k", 2))), DiskTensor("weight_scale", "F32", (N, 1)),
                  DiskTensor("weight_offset", "F32", (N, 1))), _ascend_int8_encoder(1), _dec_ascend_int8,
                 grouping="channel", pack="nib_k"))
@@ -357,10 +360,10 @@ def _dec_int32(module, d):
 
 _INT32 = (DiskTensor("weight_packed", "I32", (N, ("k", 8))), DiskTensor("weight_scale", "BF16", (N, G)),
           DiskTensor("weight_shape", "I32", (2,)))
-register(Layout("ascend-w4a16-int32", "w4a16", "ascend", (VLLM_ASCEND,), "W4A16", _INT32,
+register(Layout("ascend-w4a16-int32", KF.W4A16, ASCEND, (VLLM_ASCEND,), "W4A16", _INT32,
                 lambda q: _enc_int32(q, zero_point=False), _dec_int32, experts_only=True, grouping="grouped",
                 pack="ct32"))
-register(Layout("ct-int4", "w4a16", "compressed-tensors", (CT_TARGET,), None,
+register(Layout("ct-int4", KF.W4A16, COMPRESSED_TENSORS, (CT_TARGET,), None,
                 _INT32 + (DiskTensor("weight_zero_point", "I32", (("n", 8), G), optional=True),),
                 lambda q: _enc_int32(q, zero_point=True), _dec_int32, pack="ct32"))
 
@@ -369,7 +372,7 @@ register(Layout("ct-int4", "w4a16", "compressed-tensors", (CT_TARGET,), None,
 def _enc_fp4(packed_name: str):
     def enc(q):
         out = {packed_name: P.pack_fp4(q.parts["weight_fp4"])}
-        if q.kernel_fmt == "nvfp4":
+        if q.kernel_fmt == KF.NVFP4:
             out["weight_scale"] = q.parts["weight_scale"]
             out["weight_global_scale"] = q.parts["weight_global_scale"].float().reshape(1)
         else:
@@ -388,24 +391,24 @@ def _dec_fp4(packed_name: str):
             sc = _expect(f"{module}.weight_scale", t["weight_scale"], (torch.float8_e4m3fn,), (n, k // 16))
             parts = {"weight_fp4": codes, "weight_scale": sc,
                      "weight_global_scale": t["weight_global_scale"].float().reshape(1)}
-            return QuantizedTensor("fp4", "nvfp4", (n, k), parts, 16, True, {"fp4_format": "nvfp4"})
+            return QuantizedTensor(FP4.name, KF.NVFP4, (n, k), parts, 16, True, {"fp4_format": KF.NVFP4})
         sc = _expect(f"{module}.weight_scale", _take(module, d, ("weight_scale",))["weight_scale"],
                      (torch.uint8, torch.float8_e8m0fnu), (n, k // 32))
-        return QuantizedTensor("fp4", "mxfp4", (n, k), {"weight_fp4": codes, "weight_scale": sc.view(torch.uint8)},
-                               32, True, {"fp4_format": "mxfp4"})
+        return QuantizedTensor(FP4.name, KF.MXFP4, (n, k), {"weight_fp4": codes, "weight_scale": sc.view(torch.uint8)},
+                               32, True, {"fp4_format": KF.MXFP4})
     return dec
 
 
-register(Layout("ct-nvfp4", "nvfp4", "compressed-tensors", (CT_TARGET,), None,
+register(Layout("ct-nvfp4", KF.NVFP4, COMPRESSED_TENSORS, (CT_TARGET,), None,
                 (DiskTensor("weight_packed", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "F8_E4M3", (N, ("k", 16))),
                  DiskTensor("weight_global_scale", "F32", (1,))), _enc_fp4("weight_packed"), _dec_fp4("weight_packed"),
-                pack="fp4"))
-register(Layout("ct-mxfp4", "mxfp4", "compressed-tensors", (CT_TARGET,), None,
+                pack="e2m1"))
+register(Layout("ct-mxfp4", KF.MXFP4, COMPRESSED_TENSORS, (CT_TARGET,), None,
                 (DiskTensor("weight_packed", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "U8", (N, ("k", 32)))),
-                _enc_fp4("weight_packed"), _dec_fp4("weight_packed"), pack="fp4"))
-register(Layout("ascend-mxfp4", "mxfp4", "ascend", (VLLM_ASCEND,), "W4A16_MXFP4",
+                _enc_fp4("weight_packed"), _dec_fp4("weight_packed"), pack="e2m1"))
+register(Layout("ascend-mxfp4", KF.MXFP4, ASCEND, (VLLM_ASCEND,), "W4A16_MXFP4",
                 (DiskTensor("weight", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "U8", (N, ("k", 32)))),
-                _enc_fp4("weight"), _dec_fp4("weight"), experts_only=True, pack="fp4"))
+                _enc_fp4("weight"), _dec_fp4("weight"), experts_only=True, pack="e2m1"))
 
 
 # ---- W4A8_DYNAMIC ------------------------------------------------------------------------------------
@@ -476,7 +479,7 @@ def _dec_w4a8(module, d):
         raise FormatError(f"{module}.scale_bias is {list(sb.shape)}: expected [{n}, 1] or [{n}, "
                           f"{SCALE_BIAS_RUNS} / tp]")
     parts = {"weight_int4": P.unpack_int4_ascend(packed, 0), "weight_scale": sc.to(torch.float32).reshape(n, 1)}
-    return QuantizedTensor("w4a8", "w4a8_dynamic", (n, k), parts)
+    return QuantizedTensor(W4A8.name, KF.W4A8_DYNAMIC, (n, k), parts)
 
 
 def _w4a8_tensors(scale_bias: tuple) -> tuple[DiskTensor, ...]:
@@ -486,25 +489,23 @@ def _w4a8_tensors(scale_bias: tuple) -> tuple[DiskTensor, ...]:
 
 # vllm-ascend's linear method for W4A8_DYNAMIC divides by the description's group_size (0 here:
 # ZeroDivisionError) and runs it as weight-only W4A16 anyway: loaded for MoE experts only
-register(Layout("ascend-w4a8-dynamic", "w4a8_dynamic", "ascend", (VLLM_ASCEND,), "W4A8_DYNAMIC",
+register(Layout("ascend-w4a8-dynamic", KF.W4A8_DYNAMIC, ASCEND, (VLLM_ASCEND,), "W4A8_DYNAMIC",
                 _w4a8_tensors((N, 1)), _w4a8_encoder(1), _dec_w4a8, experts_only=True, grouping="channel",
                 parallel="column"))
-register(Layout("ascend-w4a8-dynamic-row", "w4a8_dynamic", "ascend", (VLLM_ASCEND,), "W4A8_DYNAMIC",
+register(Layout("ascend-w4a8-dynamic-row", KF.W4A8_DYNAMIC, ASCEND, (VLLM_ASCEND,), "W4A8_DYNAMIC",
                 _w4a8_tensors((N, ("k", K16))), _w4a8_encoder(SCALE_BIAS_RUNS), _dec_w4a8, experts_only=True,
                 grouping="channel", parallel="row"))
 
 
 # ---- selection -------------------------------------------------------------------------------------
 def kernel_fmt_of(scheme, static: bool = False) -> str:
-    """The runtime kernel format a scheme instance quantizes to (static: W8A8 static activations)."""
-    name = scheme if isinstance(scheme, str) else scheme.name
-    if name in ("w8a8", "w8a8c8"):
-        return "w8a8_static" if static else "w8a8_dynamic"
-    if name == "w4a8":
-        return "w4a8_dynamic"
-    if name == "fp4":
-        return getattr(scheme, "fp4_format", "nvfp4")
-    return name
+    """The kernel format a scheme (instance, or a registered name) quantizes to (static: W8A8
+    static activations); each scheme says (`Scheme.kernel_fmt`)."""
+    return _instance(scheme).kernel_fmt(static)
+
+
+def _instance(scheme):
+    return SCHEMES.get(scheme)() if isinstance(scheme, str) else scheme
 
 
 def fuses(layout: Layout, scheme, shape: tuple[int, int]) -> bool:
@@ -516,19 +517,13 @@ def fuses(layout: Layout, scheme, shape: tuple[int, int]) -> bool:
         return False
     if not scheme.symmetric and not any(t.suffix in ("weight_offset", "weight_zero_point") for t in layout.tensors):
         return False  # no tensor holds zero points (vllm-ascend's int32 W4A16): the reference raises
-    return not ((layout.pack == "nib_rows" and n % 2) or (layout.pack in ("nib_k", "fp4") and k % 2))
+    return not ((layout.pack == "nib_rows" and n % 2) or (layout.pack in ("nib_k", "e2m1") and k % 2))
 
 
 def kernel_formats(scheme) -> set[str]:
-    """Every kernel format a scheme (instance, or a bare name) can produce."""
-    name = scheme if isinstance(scheme, str) else scheme.name
-    if name in ("w8a8", "w8a8c8"):
-        return {"w8a8_dynamic", "w8a8_static"}
-    if name == "w4a8":
-        return {"w4a8_dynamic"}
-    if name == "fp4":
-        return {"nvfp4", "mxfp4"} if isinstance(scheme, str) else {scheme.fp4_format}
-    return {name}
+    """Every kernel format a scheme can produce: a registered name's all, an instance's own
+    (`Scheme.kernel_formats`: fp4 is one of nvfp4 / mxfp4 once built)."""
+    return set(SCHEMES.get(scheme).kernel_formats) if isinstance(scheme, str) else set(scheme.produces())
 
 
 def targets_for(fmt: str) -> tuple[str, ...]:
@@ -604,6 +599,6 @@ def read_layout(module: str, kernel_candidates, disk: dict[str, torch.Tensor]) -
     return max(fits, key=lambda lo: len(lo.tensors))
 
 
-__all__ = ["ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
+__all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
            "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason",
            "scale_bias_role", "K16"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.convert.fp8 import scale_to_f32
 from cvt.errors import TensorError
 # The E2M1 table and fp4 pack helpers live in cvt.quant.tensor.primitives; re-exported here.
@@ -56,7 +57,7 @@ class _Fp4Linear(FusedOrReference, Linear):
 
 @register
 class NvFp4Linear(_Fp4Linear):
-    fmt = "nvfp4"
+    fmt = KF.NVFP4
     parts = ("weight_fp4", "weight_scale", "weight_global_scale")
     group = 16
 
@@ -84,7 +85,7 @@ class NvFp4Linear(_Fp4Linear):
 
 @register
 class MxFp4Linear(_Fp4Linear):
-    fmt = "mxfp4"
+    fmt = KF.MXFP4
     parts = ("weight_fp4", "weight_scale")
     group = 32
 

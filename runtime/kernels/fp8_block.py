@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.convert.fp8 import dequant_fp8_block, expected_scale_shape, scale_to_f32
 from cvt.runtime.kernels._common import FusedOrReference, check, check_2d, check_finite, new_module, take
 from cvt.runtime.kernels.linear import Linear, register
@@ -30,7 +31,7 @@ def dequant_expr(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> to
 
 @register
 class Fp8BlockLinear(FusedOrReference, Linear):
-    fmt = "fp8_block"
+    fmt = KF.FP8_BLOCK
     parts = ("weight", "weight_scale_inv")
     block_size: tuple[int, int] = (128, 128)
 

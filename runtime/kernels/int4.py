@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.errors import TensorError
 # The pack helpers (bit layouts, worked examples) live in cvt.quant.tensor.primitives; re-exported here.
 from cvt.quant.tensor.primitives import (  # noqa: F401
@@ -43,7 +44,7 @@ from cvt.runtime.kernels.linear import Linear, register
 
 @register
 class W4A16Linear(FusedOrReference, Linear):
-    fmt = "w4a16"
+    fmt = KF.W4A16
     parts = ("weight_int4", "weight_scale", "weight_offset")
 
     @classmethod

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.errors import TensorError
 from cvt.quant.tensor.primitives import deq_scale_f32, per_token_quant, static_quant
 from cvt.runtime.kernels._common import FusedOrReference, FLOATS, check, check_2d, check_finite, desc, int8_matmul, new_module, take
@@ -40,7 +41,7 @@ class _Int8Linear(FusedOrReference, Linear):
 
 @register
 class W8A8DynamicLinear(_Int8Linear):
-    fmt = "w8a8_dynamic"
+    fmt = KF.W8A8_DYNAMIC
     parts = ("weight", "weight_scale", "weight_offset")
 
     @classmethod
@@ -76,7 +77,7 @@ class W8A8DynamicLinear(_Int8Linear):
 
 @register
 class W8A8StaticLinear(_Int8Linear):
-    fmt = "w8a8_static"
+    fmt = KF.W8A8_STATIC
     parts = ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias")
 
     @classmethod

@@ -86,6 +86,7 @@ import os
 
 import torch
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.quant.tensor.primitives import deq_scale_f32, static_quant
 
 ENV_FORCE = "CVT_FORCE_NPU_KERNELS"
@@ -119,7 +120,7 @@ def enabled(device, force: bool | None = None) -> bool:
 
 
 def _weight(mod) -> torch.Tensor:
-    return mod.weight_int4 if mod.fmt == "w4a16" else mod.weight
+    return mod.weight_int4 if mod.fmt == KF.W4A16 else mod.weight
 
 
 def prepare(mod) -> None:
@@ -288,5 +289,5 @@ def _forward_w4a16(mod, st, x2, tnpu):
                                              antiquant_group_size=st["group_size"])
 
 
-_PREPARE = {"w8a8_dynamic": _prepare_dynamic, "w8a8_static": _prepare_static, "w4a16": _prepare_w4a16}
-_FORWARD = {"w8a8_dynamic": _forward_dynamic, "w8a8_static": _forward_static, "w4a16": _forward_w4a16}
+_PREPARE = {KF.W8A8_DYNAMIC: _prepare_dynamic, KF.W8A8_STATIC: _prepare_static, KF.W4A16: _prepare_w4a16}
+_FORWARD = {KF.W8A8_DYNAMIC: _forward_dynamic, KF.W8A8_STATIC: _forward_static, KF.W4A16: _forward_w4a16}

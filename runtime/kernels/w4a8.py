@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.errors import TensorError
 from cvt.runtime.kernels._common import (FLOATS, FusedOrReference, check, check_2d, check_finite, desc, int8_matmul,
                                          new_module, take)
@@ -43,7 +44,7 @@ from cvt.runtime.kernels.linear import Linear, register
 
 @register
 class W4A8DynamicLinear(FusedOrReference, Linear):
-    fmt = "w4a8_dynamic"
+    fmt = KF.W4A8_DYNAMIC
     parts = ("weight_int4", "weight_scale")
 
     @classmethod

@@ -32,6 +32,7 @@ from cvt.lazy import torch
 from cvt.errors import FormatError
 from cvt.quant.tensor import layouts as L
 from cvt.quant.tensor.formats.base import lm_section, register, scheme_name
+from cvt.quant.tensor.schemes import FP4, W4A16, W8A8, W8A8C8
 from cvt.quant.tensor.schemes.base import QuantizedTensor
 
 FLOAT = "FLOAT"
@@ -58,12 +59,12 @@ def model_quant_type(tags) -> str:
 
 @register
 class Ascend:
-    name = "ascend"
+    name = L.ASCEND
     weights_prefix = "quant_model_weights"
     description_file = "quant_model_description.json"
     kv_codec = "int8"          # a quantized KV cache is int8 (C8 / FAKQuant), what the Ascend stacks load
     static_attention = True    # static W8A8 attention (input_scale / deq_scale / quant_bias) exists here
-    default_groups = {"w4a16": 64}  # the group MindIE and vllm-ascend both load
+    default_groups = {W4A16.name: 64}  # the group MindIE and vllm-ascend both load
 
     # ---- what this format can hold ----------------------------------------------------------------
 
@@ -77,7 +78,7 @@ class Ascend:
                               + (f" ({', '.join(sorted(wanted))})" if wanted else "")
                               + f"; {target} loads: {', '.join(sorted(kernels))}"
                               + (" (fp4 on Ascend is MXFP4 for MoE experts, --fp4-format mxfp4 --target vllm-ascend)"
-                                 if name == "fp4" else ""))
+                                 if name == FP4.name else ""))
 
     def layout(self, module: str, scheme, shape, *, target: str | None = None, expert: bool = False,
                static: bool = False) -> L.Layout:
@@ -143,6 +144,14 @@ class Ascend:
             raise FormatError(f"ascend description: kv_cache {kv_cache!r} is not supported (C8, FAKQuant or None)")
         return desc
 
+    def stored_metadata(self, root, quantization_config, load_json):
+        """(read meta, description) of a checkpoint in this format (its description file), else None."""
+        path = root / self.description_file
+        if not path.is_file():
+            return None
+        desc = load_json(path)
+        return desc, desc
+
     def kv_manifest(self, kv_tensors) -> dict:
         from cvt.quant.tensor.kv_layout import KV_CONVENTION
 
@@ -183,8 +192,8 @@ class Ascend:
             q = L.read_layout(module, found, by_suffix).decode(module, by_suffix)
         except FormatError as exc:
             raise FormatError(f"ascend: {exc}") from None
-        if q.scheme == "w8a8" and (desc.get("kv_cache_type") == "C8" or desc.get("fa_quant_type")):
-            q.scheme = "w8a8c8"
+        if q.scheme == W8A8.name and (desc.get("kv_cache_type") == "C8" or desc.get("fa_quant_type")):
+            q.scheme = W8A8C8.name
         return q
 
 

@@ -26,16 +26,18 @@ from __future__ import annotations
 
 import re
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.errors import FormatError
 from cvt.quant.tensor import layouts as L
 from cvt.quant.tensor.formats.base import lm_section, register, scheme_name
+from cvt.quant.tensor.schemes import FP4, W4A16, W8A8, W8A8C8
 from cvt.quant.tensor.schemes.base import QuantizedTensor
 
-_F = "compressed-tensors"
-SUPPORTED = ("w8a8", "w8a8c8", "w4a16", "fp4")
-_FP4_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+_F = L.COMPRESSED_TENSORS
+SUPPORTED = (W8A8.name, W8A8C8.name, W4A16.name, FP4.name)
+_FP4_FORMAT = {KF.NVFP4: "nvfp4-pack-quantized", KF.MXFP4: "mxfp4-pack-quantized"}
 
 
 def kv_cache_fp8() -> dict:
@@ -58,19 +60,19 @@ def kv_cache_int8(strategy: str = "tensor") -> dict:
 def scheme_config(scheme) -> tuple[str, dict, dict | None]:
     """(c-t format, weights args, input_activations args) of a scheme instance, as c-t serializes them."""
     name = scheme_name(scheme)
-    if name in ("w8a8", "w8a8c8"):
+    if name in (W8A8.name, W8A8C8.name):
         return ("int-quantized",
                 {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "channel",
                  "dynamic": False},
                 {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "token",
                  "dynamic": True})
-    if name == "w4a16":
+    if name == W4A16.name:
         g = scheme.group_size
         return ("pack-quantized",
                 {"num_bits": 4, "type": "int", "symmetric": bool(scheme.symmetric), "group_size": g or None,
                  "strategy": "group" if g else "channel", "dynamic": False}, None)
-    if name == "fp4":
-        nv = scheme.fp4_format == "nvfp4"
+    if name == FP4.name:
+        nv = scheme.fp4_format == KF.NVFP4
         return (_FP4_FORMAT[scheme.fp4_format],
                 {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16 if nv else 32,
                  "strategy": "tensor_group" if nv else "group", "dynamic": False,
@@ -85,11 +87,11 @@ def match_name(name: str, target: str) -> bool:
 
 @register
 class CompressedTensors:
-    name = "compressed-tensors"
+    name = L.COMPRESSED_TENSORS
     weights_prefix = "model"
     kv_codec = "fp8"           # a quantized KV cache is FP8 (e4m3, per tensor): the only kind vLLM loads
     static_attention = False
-    default_groups = {"w4a16": 128}  # llm-compressor's and vLLM's usual group
+    default_groups = {W4A16.name: 128}  # llm-compressor's and vLLM's usual group
 
     def supports(self, scheme, target: str | None = None) -> None:
         L.check_target(self.name, target)
@@ -112,7 +114,7 @@ class CompressedTensors:
                    expert: bool = False) -> L.Layout:
         """The layout `disk_tensors` writes `q` in."""
         self.supports(q.scheme, target)
-        if q.kernel_fmt == "w8a8_static":
+        if q.kernel_fmt == KF.W8A8_STATIC:
             raise FormatError(f"compressed-tensors: no layout for static W8A8 ({module!r}); it is Ascend-only in cvt")
         return L.select(self.name, q.kernel_fmt, L.CT_TARGET, expert=expert, group_size=q.group_size, k=q.shape[1],
                         module=module)
@@ -174,10 +176,15 @@ class CompressedTensors:
                            "output_activations": None, "format": fmt}
             for j, (fmt, w, a, targets) in enumerate(groups)}
         formats = {g[0] for g in groups}
-        return {"quant_method": "compressed-tensors",
+        return {"quant_method": self.name,  # the c-t library's own name for its format
                 "format": formats.pop() if len(formats) == 1 else "mixed-precision",
                 "quantization_status": "compressed", "config_groups": config_groups, "ignore": ignore,
                 "kv_cache_scheme": kv_cache_scheme}
+
+    def stored_metadata(self, root, quantization_config, load_json):
+        """(read meta, None) of a checkpoint in this format (config.json's quantization_config), else None."""
+        qc = quantization_config
+        return (dict(qc), None) if qc and qc.get("quant_method") == self.name else None
 
     def kv_manifest(self, kv_tensors) -> dict:
         return {"convention": {"name": "vllm-fp8-kv", "dtype": "float8_e4m3fn", "granularity": "tensor",
@@ -211,6 +218,6 @@ class CompressedTensors:
             q = L.LAYOUTS.get(name).decode(module, by_suffix)
         except FormatError as exc:
             raise FormatError(f"compressed-tensors: {exc}") from None
-        if q.scheme == "w8a8" and kv.get("type") in ("int", "float") and kv.get("num_bits") == 8:
-            q.scheme = "w8a8c8"
+        if q.scheme == W8A8.name and kv.get("type") in ("int", "float") and kv.get("num_bits") == 8:
+            q.scheme = W8A8C8.name
         return q

@@ -14,7 +14,11 @@ fp4         E2M1 weights: nvfp4 (group 16, e4m3 scales + global scale) or mxfp4 
 from cvt.quant.tensor.schemes.base import (SCHEMES, QuantizedTensor, Scheme, get_scheme, register, scheme_from_options,
                                           scheme_names)
 from cvt.quant.tensor.schemes import w8a8, w8a8c8, w4a16, w4a8, fp4  # noqa: E402,F401  isort: skip  (registers)
-from cvt.quant.tensor.schemes.w8a8 import static_parts  # noqa: E402
+from cvt.quant.tensor.schemes.fp4 import FP4  # noqa: E402
+from cvt.quant.tensor.schemes.w4a8 import W4A8  # noqa: E402
+from cvt.quant.tensor.schemes.w4a16 import W4A16  # noqa: E402
+from cvt.quant.tensor.schemes.w8a8 import W8A8, static_parts  # noqa: E402
+from cvt.quant.tensor.schemes.w8a8c8 import W8A8C8  # noqa: E402
 
-__all__ = ["SCHEMES", "QuantizedTensor", "Scheme", "get_scheme", "register", "scheme_from_options", "scheme_names",
+__all__ = ["FP4", "SCHEMES", "W4A8", "W4A16", "W8A8", "W8A8C8", "QuantizedTensor", "Scheme", "get_scheme", "register", "scheme_from_options", "scheme_names",
            "static_parts"]

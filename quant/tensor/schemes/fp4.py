@@ -16,13 +16,14 @@ Symmetric only (compressed-tensors refuses asymmetric fp4).
 
 from __future__ import annotations
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.errors import CvtError
 from cvt.quant.tensor import primitives as P
 from cvt.quant.tensor.schemes.base import QuantizedTensor, register
 
-GROUPS = {"nvfp4": 16, "mxfp4": 32}
+GROUPS = {KF.NVFP4: 16, KF.MXFP4: 32}  # the fp4 formats, defined here: each is its own kernel format
 
 
 @register
@@ -31,11 +32,12 @@ class FP4:
     kv_cache = None
     static_activations = False
     options = ("fp4_format",)
+    kernel_formats = tuple(GROUPS)
     symmetric = True
 
     def __init__(self, fp4_format: str | None = None, group_size: int | None = None, symmetric=None,
                  static_activations=None):
-        fmt = fp4_format or "nvfp4"
+        fmt = fp4_format or KF.NVFP4
         if fmt not in GROUPS:
             raise CvtError(f"scheme 'fp4': unknown fp4_format {fp4_format!r} (known: {', '.join(GROUPS)})")
         if group_size not in (None, GROUPS[fmt]):
@@ -51,10 +53,16 @@ class FP4:
     def __repr__(self) -> str:
         return f"FP4(fp4_format={self.fp4_format!r})"
 
+    def kernel_fmt(self, static: bool = False) -> str:
+        return self.fp4_format
+
+    def produces(self) -> tuple[str, ...]:
+        return (self.fp4_format,)
+
     def param_info(self, shape):
         n, k = shape
         g = (n, k // self.group_size)
-        if self.fp4_format == "nvfp4":
+        if self.fp4_format == KF.NVFP4:
             return {"weight_fp4": ((n, k), torch.uint8), "weight_scale": (g, torch.float8_e4m3fn),
                     "weight_global_scale": ((1,), torch.float32)}
         return {"weight_fp4": ((n, k), torch.uint8), "weight_scale": (g, torch.uint8)}
@@ -64,14 +72,14 @@ class FP4:
 
     def group_scales(self, q: QuantizedTensor) -> torch.Tensor:
         """The float32 multiplier of each group, ``[n, k/G]``."""
-        if q.extra.get("fp4_format", self.fp4_format) == "nvfp4":
+        if q.extra.get("fp4_format", self.fp4_format) == KF.NVFP4:
             return q.parts["weight_scale"].to(torch.float32) / q.parts["weight_global_scale"].to(torch.float32)
         return P.e8m0_to_f32(q.parts["weight_scale"])
 
     @property
     def per_tensor_scale(self) -> bool:
         """nvfp4's global scale is per tensor: fused linears must share it (`shared_scale`)."""
-        return self.fp4_format == "nvfp4"
+        return self.fp4_format == KF.NVFP4
 
     def shared_scale(self, ws: list[torch.Tensor]) -> torch.Tensor:
         """One global scale for weights a serving stack fuses into one GEMM: 448 * 6 / the
@@ -92,7 +100,7 @@ class FP4:
         P.check_finite(w, name)
         w = w.to(torch.float32)
         n, k = w.shape
-        if self.fp4_format == "nvfp4":
+        if self.fp4_format == KF.NVFP4:
             gs = P.nvfp4_global_scale(w) if global_scale is None else global_scale.to(torch.float32).reshape(1)
             scale = P.nvfp4_block_scales(w, gs, self.group_size)
             parts = {"weight_scale": scale, "weight_global_scale": gs}

@@ -20,6 +20,7 @@ then holds exactly these numbers. Default group size: 128 (compressed-tensors' W
 
 from __future__ import annotations
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.errors import CvtError
@@ -35,6 +36,7 @@ class W4A16:
     kv_cache = None
     static_activations = False
     options = ("group_size", "symmetric")  # what `cvt quantize` passes on (--group-size, --asym)
+    kernel_formats = (KF.W4A16,)
 
     def __init__(self, group_size: int | None = None, symmetric: bool | None = None, fp4_format=None,
                  static_activations=None):
@@ -51,6 +53,12 @@ class W4A16:
 
     def __repr__(self) -> str:
         return f"W4A16(group_size={self.group_size}, symmetric={self.symmetric})"
+
+    def kernel_fmt(self, static: bool = False) -> str:
+        return KF.W4A16
+
+    def produces(self) -> tuple[str, ...]:
+        return self.kernel_formats
 
     def _groups(self, k: int) -> int:
         return 1 if self.group_size in (0, k) else k // self.group_size
@@ -77,7 +85,7 @@ class W4A16:
         else:
             scale, offset = P.asymmetric_scale_offset(w, g, QMIN, QMAX, P.round_to_bf16)
             q = P.quantize_int(w, scale, offset, QMIN, QMAX)
-        return QuantizedTensor(self.name, "w4a16", (n, k),
+        return QuantizedTensor(self.name, KF.W4A16, (n, k),
                                {"weight_int4": q, "weight_scale": scale, "weight_offset": offset},
                                g, self.symmetric)
 

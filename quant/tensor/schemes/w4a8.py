@@ -33,6 +33,7 @@ the int8 codes, from a compiled kernel) which this scheme does not produce.
 
 from __future__ import annotations
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.errors import CvtError
@@ -52,6 +53,7 @@ class W4A8:
     kv_cache = None
     static_activations = False
     options = ("group_size",)  # --group-size (0 only: the scheme says why another is refused)
+    kernel_formats = (KF.W4A8_DYNAMIC,)
     group_size = 0
     symmetric = True
 
@@ -71,6 +73,12 @@ class W4A8:
     def __repr__(self) -> str:
         return "W4A8()"
 
+    def kernel_fmt(self, static: bool = False) -> str:
+        return KF.W4A8_DYNAMIC
+
+    def produces(self) -> tuple[str, ...]:
+        return self.kernel_formats
+
     def param_info(self, shape):
         n, k = shape
         return {"weight_int4": ((n, k), torch.int8), "weight_scale": ((n, 1), torch.float32)}
@@ -85,7 +93,7 @@ class W4A8:
         amax = w.abs().amax(dim=1, keepdim=True)  # = max(-min(w, 0), max(w, 0)) per channel
         scale = torch.clamp(P.round_to_bf16(amax / QDIV), min=SCALE_FLOOR)
         q = torch.clamp(torch.round(P.round_to_bf16(w / scale)), QMIN, QMAX).to(torch.int8)
-        return QuantizedTensor(self.name, "w4a8_dynamic", tuple(w.shape), {"weight_int4": q, "weight_scale": scale})
+        return QuantizedTensor(self.name, KF.W4A8_DYNAMIC, tuple(w.shape), {"weight_int4": q, "weight_scale": scale})
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
         return q.parts["weight_int4"].to(torch.float32) * q.parts["weight_scale"].to(torch.float32).reshape(-1, 1)

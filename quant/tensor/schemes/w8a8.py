@@ -21,6 +21,7 @@ kernel does not take it but the Ascend files carry it).
 
 from __future__ import annotations
 
+from cvt.quant.tensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.errors import CvtError, TensorError
@@ -46,6 +47,7 @@ class W8A8:
     kv_cache: str | None = None
     options: tuple[str, ...] = ()
     static_attention = True  # attention may take calibrated static activations (--static-attention)
+    kernel_formats = (KF.W8A8_DYNAMIC, KF.W8A8_STATIC)
     group_size = 0
     symmetric = True
 
@@ -55,6 +57,12 @@ class W8A8:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(static_activations={self.static_activations})"
+
+    def kernel_fmt(self, static: bool = False) -> str:
+        return KF.W8A8_STATIC if static else KF.W8A8_DYNAMIC
+
+    def produces(self) -> tuple[str, ...]:
+        return self.kernel_formats
 
     def param_info(self, shape):
         n, k = shape
@@ -70,11 +78,11 @@ class W8A8:
         w = w.to(torch.float32)
         scale = P.symmetric_scale(w, 0, P.INT8_QDIV, P.round_to_bf16)
         q = P.quantize_int(w, scale, None, -128, 127)
-        return QuantizedTensor(self.name, "w8a8_dynamic", tuple(w.shape),
+        return QuantizedTensor(self.name, KF.W8A8_DYNAMIC, tuple(w.shape),
                                {"weight": q, "weight_scale": scale, "weight_offset": torch.zeros_like(scale)})
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
-        if q.kernel_fmt == "w8a8_static":
+        if q.kernel_fmt == KF.W8A8_STATIC:
             ws = q.extra.get("weight_scale")
             if ws is None:  # what the static kernel's dense_weight uses
                 from cvt.quant.tensor.primitives import deq_scale_f32
@@ -100,7 +108,7 @@ def static_parts(qt: QuantizedTensor, input_scale, input_offset, bias: torch.Ten
     """
     from cvt.quant.tensor.primitives import deq_scale_int64, quant_bias_from
 
-    if qt.kernel_fmt != "w8a8_dynamic":
+    if qt.kernel_fmt != KF.W8A8_DYNAMIC:
         raise CvtError(f"static_parts needs a w8a8_dynamic tensor, got kernel_fmt {qt.kernel_fmt!r}")
     s = P.round_to_bf16(torch.as_tensor(input_scale, dtype=torch.float32).reshape(1))
     off = torch.as_tensor(input_offset, dtype=torch.float32).reshape(1)
@@ -116,5 +124,5 @@ def static_parts(qt: QuantizedTensor, input_scale, input_offset, bias: torch.Ten
     qb = quant_bias_from(bias, qt.parts["weight"], off, deq)
     parts = {"weight": qt.parts["weight"], "input_scale": s, "input_offset": off,
              "deq_scale": deq_scale_int64(deq) if fp16_model else deq, "quant_bias": qb}
-    return QuantizedTensor(qt.scheme, "w8a8_static", qt.shape, parts, 0, True,
+    return QuantizedTensor(qt.scheme, KF.W8A8_STATIC, qt.shape, parts, 0, True,
                            {**qt.extra, "weight_scale": ws.reshape(n, 1)})
