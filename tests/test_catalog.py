@@ -187,6 +187,17 @@ def _hidden_negative(ctx, src):
     ctx.edit_config(src, hidden_size=-256)
 
 
+def _config(**changes):
+    def prep(ctx, src):
+        ctx.edit_config(src, **changes)
+    return prep
+
+
+def _fifo_tokenizer(ctx, src):
+    (src / "tokenizer.json").unlink()
+    os.mkfifo(src / "tokenizer.json")
+
+
 def _q_a_wrong_shape(ctx, src):
     """model.layers.0.self_attn.q_a_proj.weight stored with other rows than config.json says."""
     ctx.edit_config(src, q_lora_rank=64)
@@ -309,6 +320,24 @@ CASES = [
     Case("shard-q-a-proj-shape", _verb(["shard"], "bf16", _q_a_wrong_shape, "--ep", "2"), "q_a_proj.weight"),
     Case("inspect-experts-lie", _verb(["inspect"], "fp8", _experts_lie, dst_name=None), "4 of 8 experts missing",
          rc=3, form="report"),
+    # --- config.json values the runtime refuses: every writer refuses them first (issue 24 item 7)
+    Case("fp8-to-bf16-first-k-dense-past-layers", _verb(["fp8-to-bf16"], "fp8", _config(first_k_dense_replace=5)),
+         "config.json first_k_dense_replace = 5: past the model's 3 decoder layers"),
+    Case("quantize-n-group-not-dividing", _quantize("bf16", _config(n_group=3)),
+         "config.json n_group = 3: must divide n_routed_experts (4)"),
+    Case("shard-rms-norm-eps-negative", _verb(["shard"], "fp8", _config(rms_norm_eps=-1e-6), "--ep", "2"),
+         "config.json rms_norm_eps = -1e-06: must be a finite number > 0"),
+    Case("quantize-yarn-factor-negative", _quantize("qwen", _config(rope_scaling={"rope_type": "yarn", "factor": -4})),
+         "config.json rope_scaling.factor = -4: must be a finite number >= 1"),
+    Case("inspect-experts-per-token-past-experts", _verb(["inspect"], "fp8", _config(num_experts_per_tok=9),
+                                                       dst_name=None),
+         "config.json num_experts_per_tok = 9: must be an integer in 1..4", rc=3, form="report"),
+    Case("fp8-to-bf16-dense-layer-holds-experts", _verb(["fp8-to-bf16"], "fp8", _config(first_k_dense_replace=3)),
+         "layer 1 holds MoE tensors"),
+    # --- a FIFO where a file is expected (issue 24 item 6d): refused, not skipped nor read forever
+    Case("quantize-tokenizer-fifo", _quantize("qwen", _fifo_tokenizer), "tokenizer.json: not a regular file (a FIFO)"),
+    Case("shard-tokenizer-fifo", _verb(["shard"], "fp8", _fifo_tokenizer, "--ep", "2"),
+         "tokenizer.json: not a regular file (a FIFO)"),
     # --- sizes that describe no model, unbounded work
     Case("plan-heads-zero", _verb(["plan"], "fp8", _heads_zero, "--ep", "2", dst_name=None),
          "num_attention_heads = 0"),
