@@ -269,6 +269,14 @@ def _locked_export(ctx: Ctx):
     return ["export", "onnx", src, dst], src, dst
 
 
+def _calib_fifo(ctx: Ctx):
+    src = ctx.copy("qwen")
+    os.mkfifo(ctx.tmp / "calib.txt")  # opening it would block forever: refused before
+    dst = ctx.tmp / "out"
+    return ["quantize", src, dst, "--scheme", "w8a8", "--method", "smoothquant", "--calib", ctx.tmp / "calib.txt"], \
+        src, dst
+
+
 def _verify(which_cand: str, prep, *extra):
     def build(ctx: Ctx):
         ref = ctx.copy(which_cand, "ref")
@@ -347,6 +355,10 @@ CASES = [
          "hidden_size = -256"),
     Case("plan-ep-huge", _verb(["plan"], "fp8", _nothing, "--ep", "1000000000", dst_name=None),
          "a world of 1000000000 ranks"),
+    # --- calibration / evaluation text read only as far as it is used (issue 24 item 5)
+    Case("verify-data-dev-zero", _verify("qwen", _nothing, "--data", "/dev/zero"),
+         "--data /dev/zero: not a regular file (a character device)"),
+    Case("quantize-calib-fifo", _calib_fifo, "calib.txt: not a regular file (a FIFO)"),
     # --- invalid side files
     Case("shard-placement-bad-expert-id", _placement([1, 2], bad_id=-1), "expert id -1 is outside 0..3"),
     Case("shard-placement-missing-layer", _placement([1]), "places 1 of the model's 2 MoE layers"),
