@@ -213,6 +213,43 @@ def _nan_weight(ctx, src):
     write_safetensors(f, tensors)
 
 
+def _edit_tensors(src, change) -> None:
+    """Rewrite every shard whose tensors `change(name, tensor)` modifies in place (returns True)."""
+    from safetensors.torch import load_file
+
+    for f in sorted(src.glob("model-*.safetensors")):
+        tensors = {k: v.clone() for k, v in load_file(f).items()}
+        if [n for n, t in tensors.items() if change(n, t)]:
+            write_safetensors(f, tensors)
+
+
+def _bf16_max_rows(ctx, src):
+    """Finite weights at the top of bfloat16's range: row 0 of every float projection = bf16 max."""
+    import torch
+
+    def change(name, t):
+        if name.endswith("proj.weight") and t.dtype == torch.bfloat16 and t.dim() == 2:
+            t[0, :] = torch.finfo(torch.bfloat16).max
+            return True
+    _edit_tensors(src, change)
+
+
+def _nan_norm(ctx, src):
+    def change(name, t):
+        if name.endswith("layers.0.post_attention_layernorm.weight"):
+            t[0] = float("nan")
+            return True
+    _edit_tensors(src, change)
+
+
+def _scale_3e38(ctx, src):
+    def change(name, t):
+        if name == "model.layers.0.mlp.down_proj.weight_scale_inv":
+            t[0, 0] = 3e38
+            return True
+    _edit_tensors(src, change)
+
+
 def _manifest_path(path: str):
     def prep(ctx, src):
         m = json.loads((src / "cvt_manifest.json").read_text())
@@ -376,6 +413,20 @@ CASES = [
     Case("verify-inf-candidate", _verify("qwen", _nan_weight, "--min-cosine", "0.99", "inf"), "non-finite", rc=4),
     Case("verify-threshold-nan", _verify("qwen", _nothing, "--min-cosine", "nan"),
          "--min-cosine nan: must be a finite number"),
+    # --- finite input, non-finite output (issue 24 item 6c): refused, naming the tensor
+    Case("quantize-w4a8-bf16-max-scale-bias", _quantize("qwen", _bf16_max_rows, "--scheme", "w4a8", "--format",
+                                                        "ascend"),
+         "mlp.experts.0.gate_proj.scale_bias: 1 of its 48 values are NaN / Inf"),
+    Case("quantize-w8a8c8-bf16-max-fa-scales", _quantize("bf16", _bf16_max_rows, "--scheme", "w8a8c8", "--format",
+                                                         "ascend"),
+         "model.layers.0.self_attn.fa_q.scale: 4 of its 4 values are NaN / Inf"),
+    Case("quantize-mxfp4-bf16-max", _quantize("bf16", _bf16_max_rows, "--scheme", "fp4", "--fp4-format", "mxfp4"),
+         "q_a_proj.weight: its fp4 quantization is not finite"),
+    Case("quantize-smoothquant-nan-norm", _quantize("qwen", _nan_norm, "--method", "smoothquant"),
+         "model.layers.0.post_attention_layernorm.weight: 1 of its 96 values are NaN / Inf"),
+    Case("fp8-to-bf16-scale-overflows-bf16", _verb(["fp8-to-bf16"], "fp8", _scale_3e38),
+         "down_proj.weight_scale_inv (F32 [2, 3], model-00001-of-00003.safetensors): 3.0000000054977558e+38 at block "
+         "[0, 0] times 448 (the largest e4m3 value) overflows bfloat16"),
     # --- two runs at once
     Case("export-onnx-locked", _locked_export, "another cvt run is writing to this directory"),
 ]
