@@ -236,8 +236,8 @@ def tolerance(manifest: dict) -> float:
 
 
 def quantized_activations(manifest: dict) -> bool:
-    """Whether the export quantizes activations (W8A8 linears or an int8 KV cache): the bounded check."""
-    return (any(k.startswith("w8a8") for k in manifest.get("linears", {}))
+    """Whether the export quantizes activations (W8A8 / W4A8 linears or an int8 KV cache): the bounded check."""
+    return (any(k.startswith(("w8a8", "w4a8")) for k in manifest.get("linears", {}))
             or manifest.get("kv_cache", {}).get("dtype") == "int8")
 
 
