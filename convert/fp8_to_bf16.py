@@ -68,6 +68,10 @@ def pair_fp8_weights(ckpt: Checkpoint, block: tuple[int, int]) -> dict[str, Fp8P
     return pairs
 
 
+E4M3_MAX = 448.0
+BF16_MAX = 3.3895313892515355e38  # (2 - 2**-7) * 2**127
+
+
 def check_scales_finite(ckpt: Checkpoint, pairs: dict[str, Fp8Pair]) -> None:
     """TensorError naming the first scale with a NaN/Inf (and where). numpy, not torch: this
     stage's process never imports torch when the C kernel is built."""
@@ -81,6 +85,14 @@ def check_scales_finite(ckpt: Checkpoint, pairs: dict[str, Fp8Pair]) -> None:
             raise TensorError(
                 f"scale {p.scale.describe()}: {int(bad.sum())} non-finite value(s), first {float(s[tuple(idx)])} at block {idx}"
             )
+        # e4m3's largest value (448) times the scale must stay a bfloat16: past that the finite
+        # inputs dequantize to Inf (quantize refuses the same weight)
+        big = np.abs(s.astype(np.float64)) * E4M3_MAX > BF16_MAX
+        if big.any():
+            idx = [int(i[0]) for i in big.nonzero()]
+            raise TensorError(
+                f"scale {p.scale.describe()}: {float(s[tuple(idx)])} at block {idx} times 448 (the largest e4m3 value) "
+                f"overflows bfloat16 (max {BF16_MAX:.4g}): the weight would dequantize to Inf")
         ckpt.release(p.scale.name)
 
 

@@ -16,6 +16,7 @@ Index rules (each violation is a CheckpointError naming file and tensor):
 from __future__ import annotations
 
 import hashlib
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,6 +214,21 @@ def check_top_level(root: Path, confine_root: Path) -> None:
     for p in sorted(root.iterdir()):
         if p.is_symlink() and not p.name.startswith(".") and not p.is_dir():
             confine(confine_root, p, "symlink")
+        if not p.name.startswith(".") and not p.is_dir() and not p.is_file():
+            # a FIFO, socket or device: reading it blocks or never ends, skipping it drops a file
+            # (a tokenizer.json) the output needs
+            raise CheckpointError(f"{p}: not a regular file ({_file_kind(p)}); a checkpoint holds regular files "
+                                  "and folders only")
+
+
+def _file_kind(p: Path) -> str:
+    try:
+        mode = p.stat().st_mode
+    except OSError as exc:
+        return f"unreadable: {exc.strerror or exc}"
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    return next((k for test, k in kinds if test(mode)), "not a file")
 
 
 # ----------------------------------------------------------------------------- manifest

@@ -8,7 +8,11 @@ trip over:
 * an FP8 weight without its ``weight_scale_inv``, a scale without a weight, a misshaped scale;
 * a float or FP8 weight whose shape differs from what config.json describes
   (`ArchSpec.shapes`; packed quantized parts are checked by their formats' readers);
-* a decoder layer without tensors, a MoE layer missing some of the config's routed experts.
+* a decoder layer without tensors, a MoE layer missing some of the config's routed experts, a
+  layer holding MoE tensors that ``first_k_dense_replace`` makes dense;
+* a config.json value no model can have (`cvt.convert.arch.config_problems`: ``index_topk`` 0,
+  ``n_group`` not dividing the experts, a negative ``rms_norm_eps``, ...), which the runtime
+  refuses with the same check.
 
 `check_weights(ckpt, verb)` raises CheckpointError listing the first problems: fp8-to-bf16,
 quantize and shard call it before their output directory is touched, so a config that lies
@@ -21,7 +25,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from cvt.convert.arch import ArchSpec
+from cvt.convert.arch import ArchSpec, Role, config_problems
 from cvt.convert.fp8 import expected_scale_shape
 from cvt.errors import ArchError, CheckpointError
 
@@ -32,6 +36,7 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 @dataclass
 class Survey:
     problems: list[str] = field(default_factory=list)
+    config: list[str] = field(default_factory=list)  # config.json values alone (also in problems)
     by_role: Counter = field(default_factory=Counter)
     layers_seen: set[int] = field(default_factory=set)
     experts_seen: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
@@ -43,10 +48,13 @@ def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> 
     problems = out.problems
     expected: dict[str, tuple[int, ...]] = {}
     if arch is not None:
+        out.config = config_problems(arch.config)
         try:
             expected = arch.shapes()
         except ArchError as exc:
             problems.append(str(exc))
+    dense = arch.counts.get("dense_layers", 0) if arch is not None else 0
+    dense_moe: set[int] = set()
     for name, ref in ckpt.tensors.items():
         base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
         if name.endswith(SCALE_SUFFIX):
@@ -72,6 +80,11 @@ def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> 
             continue
         role = info.role.value + (" (mtp)" if info.is_mtp else "")
         out.by_role["scale" if name.endswith(SCALE_SUFFIX) else role] += ref.nbytes
+        if (info.layer is not None and not info.is_mtp and info.layer < dense
+                and info.role in (Role.EXPERT, Role.SHARED_EXPERT, Role.ROUTER) and info.layer not in dense_moe):
+            dense_moe.add(info.layer)
+            problems.append(f"layer {info.layer} holds MoE tensors ({name}), but config.json "
+                            f"first_k_dense_replace = {dense} makes it a dense layer")
         if info.layer is not None:
             out.layers_seen.add(info.layer)
             if info.expert is not None:
@@ -89,13 +102,17 @@ def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> 
         if missing_layers:
             structural.append(f"{len(missing_layers)} decoder layers have no tensors (e.g. layer {missing_layers[0]}); "
                             f"config.json {arch.table.config_keys.get('layers', 'layers')} = {n}")
-        problems[:0] = structural
+        problems[:0] = out.config + structural
     return out
 
 
 def check_weights(ckpt, arch: ArchSpec, verb: str, block: tuple[int, int] = (128, 128)) -> None:
     """CheckpointError naming the first problems `survey` finds (call before writing)."""
-    problems = survey(ckpt, arch, block).problems
+    found = survey(ckpt, arch, block)
+    if found.config:  # the config alone is invalid: say so, not that the weights disagree with it
+        more = f" (and {len(found.config) - 1} more; `cvt inspect` lists them all)" if len(found.config) > 1 else ""
+        raise CheckpointError(f"{ckpt.root}: {found.config[0]}{more}; {verb} refused")
+    problems = found.problems
     if problems:
         more = f" (and {len(problems) - 3} more; `cvt inspect` lists them all)" if len(problems) > 3 else ""
         raise CheckpointError(f"{ckpt.root}: config.json and the weights disagree, {verb} refused: "

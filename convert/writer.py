@@ -37,6 +37,7 @@ from cvt.convert.outdir import OutputDir
 from cvt.convert.reader import Checkpoint
 from cvt.dtypes import DTYPES, dtype_code
 from cvt.convert.safetensors_io import AtomicFile, TensorSpec, encode_header
+from cvt.errors import TensorError
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -438,10 +439,13 @@ def write_shards(
     progress=None,
     metadata: dict[str, str] | None = None,
     meta: dict[str, dict] | None = None,
+    check_finite: str | None = None,
 ) -> tuple[list[FileInfo], int, int]:
     """Write every planned shard not already finished, `workers` files at a time (each producing
     its tensors in order). Returns (file infos, written, skipped); the tensors' stage metadata
-    is collected into `meta` (finished files' from the journal)."""
+    is collected into `meta` (finished files' from the journal). `check_finite` (the verb): a
+    produced float torch tensor holding NaN / Inf is a TensorError naming it (a computed scale
+    or folded weight that overflowed), before its bytes are written."""
     fs = FileSet(out, shards, progress=progress, metadata=metadata, closers=0, depth=2)
     stop = threading.Event()
 
@@ -455,6 +459,11 @@ def write_shards(
             except BaseException:
                 charge.done()
                 raise
+            bad = _nonfinite(data) if check_finite else 0
+            if bad:
+                charge.done()
+                raise TensorError(f"{t.spec.name}: {bad} of its {data.numel()} values are NaN / Inf (in the source, or "
+                                  f"overflowed when computed from it); {check_finite} refused")
             fs.put(rel, t.spec, data, charge, t.meta() if t.meta is not None else None)
             del data
 
@@ -521,6 +530,15 @@ def finish_output(out: OutputDir, ckpt: Checkpoint, files: list[FileInfo], *, sr
     return manifest
 
 
+def _nonfinite(data) -> int:
+    """How many NaN / Inf a produced torch float tensor holds (0 for anything else)."""
+    if type(data).__module__.split(".")[0] != "torch" or not data.is_floating_point():
+        return 0
+    import torch
+
+    return int((~torch.isfinite(data)).sum())
+
+
 def write_checkpoint(
     ckpt: Checkpoint,
     dst: Path,
@@ -541,6 +559,7 @@ def write_checkpoint(
     extra_files: Iterable[tuple[str, bytes]] = (),
     quant=None,
     on_meta: Callable[[dict[str, dict]], None] | None = None,
+    check_finite: bool = False,
 ) -> WriteResult:
     """Plan, write and finalize a Hugging Face style checkpoint directory (see module doc);
     `balanced`: see `plan_shards`."""
@@ -557,7 +576,8 @@ def write_checkpoint(
                    verb=stage.name) as out:
         meta: dict[str, dict] = {}
         with make_progress(total_out, stage.name, quiet) as bar:
-            files, written, skipped = write_shards(out, shards, workers=workers, progress=bar, meta=meta)
+            files, written, skipped = write_shards(out, shards, workers=workers, progress=bar, meta=meta,
+                                                   check_finite=stage.name if check_finite else None)
         if on_meta is not None:
             on_meta(meta)
         weight_map = {t.spec.name: rel for rel, ts in shards for t in ts}

@@ -297,16 +297,22 @@ def _export(src, dst: Path, loaded, *, tmp: Path, scope, layer, dtype, opset, in
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        _install(tmp, dst)
+        checks = None
+        if verify:  # on the staged export: a failed parity check leaves no installed DST
+            from cvt.export.ort import parity
+
+            checks = parity(tmp, model)
+        installed = checks is None or all(p.passed for p in checks)
+        if installed:
+            _install(tmp, dst)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         bar.close()
     bytes_out = sum(f["size"] for f in manifest["files"])
-    res = ExportResult(dst, graphs, manifest, time.perf_counter() - t0, bytes_out)
-    if verify:
-        from cvt.export.ort import parity
-
-        res.parity = parity(dst, model)
+    res = ExportResult(dst, graphs, manifest, time.perf_counter() - t0, bytes_out, parity=checks)
+    res.extra["installed"] = installed
     return res

@@ -28,6 +28,8 @@ w8a8_dynamic    integer           per-token symmetric int8: s = max|x| / 127, q 
 w8a8_dynamic    qdq               Quantize/DequantizeLinear per row with scale s (QuantizeLinear
                                   divides: one int8 step off the integer path at a tie), times
                                   DequantizeLinear(W^T, w_scale, axis=1)
+w4a8_dynamic    integer / qdq     as w8a8_dynamic, the int4 weight values (-8..7) stored as int8:
+                                  the runtime's per-token int8 activation step, exact
 w8a8_static     integer           q = Cast<int8>(Clip(Round(x / s_in + off))); (MatMulInteger(q, W^T)
                                   + quant_bias) * deq_scale
 w8a8_static     qdq               DequantizeLinear(q, s_in, off) @ DQ(W^T, deq / s_in) + (quant_bias +
@@ -52,6 +54,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -314,6 +317,11 @@ def linear(g: Graph, mod, x: str, hint: str, opts: LinearOptions) -> str:
     elif fmt == KF.W8A8_DYNAMIC:
         y = _w8a8_dynamic(g, mod, x, hint, opts.w8a8_op)
         key = f"w8a8_dynamic:{opts.w8a8_op}"
+    elif fmt == KF.W4A8_DYNAMIC:  # W8A8_DYNAMIC's math with int4 values held as int8 (exact, twice the bytes)
+        as_int8 = SimpleNamespace(weight=mod.weight_int4, weight_scale=mod.weight_scale,
+                                  in_features=mod.in_features, out_features=mod.out_features)
+        y = _w8a8_dynamic(g, as_int8, x, hint, opts.w8a8_op)
+        key = f"w4a8_dynamic:{opts.w8a8_op}"
     elif fmt == KF.W8A8_STATIC:
         y = _w8a8_static(g, mod, x, hint, opts.w8a8_op)
         key = f"w8a8_static:{opts.w8a8_op}"

@@ -237,8 +237,8 @@ def tolerance(manifest: dict) -> float:
 
 
 def quantized_activations(manifest: dict) -> bool:
-    """Whether the export quantizes activations (W8A8 linears or an int8 KV cache): the bounded check."""
-    return (any(k.startswith((KF.W8A8_DYNAMIC, KF.W8A8_STATIC)) for k in manifest.get("linears", {}))
+    """Whether the export quantizes activations (W8A8 / W4A8 linears or an int8 KV cache): the bounded check."""
+    return (any(k.startswith((KF.W8A8_DYNAMIC, KF.W8A8_STATIC, KF.W4A8_DYNAMIC)) for k in manifest.get("linears", {}))
             or manifest.get("kv_cache", {}).get("dtype") == "int8")
 
 

@@ -22,6 +22,7 @@ fallback to RTN is recorded in the manifest.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,11 +70,19 @@ class Plan:
     shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
-def _sqnr(w: torch.Tensor, w_hat: torch.Tensor) -> float | str:
-    from cvt.runtime.metrics import sqnr_db
-
-    v = sqnr_db(w, w_hat)
-    return "Infinity" if v == float("inf") else v
+def _sqnr_value(v: float | None, module: str = "", scheme: str = "") -> float | str | None:
+    """The manifest's sqnr_db: "Infinity" for an exact quantization; TensorError naming the weight
+    when it is NaN or -inf (the finite weight's dequantized form holds Inf: a value past what the
+    scheme represents, e.g. mxfp4 rounding |w| near the bfloat16 maximum up to 2**128), which a
+    manifest cannot record and `cvt run` would refuse."""
+    if v is None:
+        return None
+    if v == float("inf"):
+        return "Infinity"
+    if math.isnan(v) or v == -math.inf:
+        raise TensorError(f"{module}.weight: its {scheme} quantization is not finite (the dequantized weight "
+                          "holds Inf: a value past what the scheme represents); quantize refused")
+    return v
 
 
 class _Source:
@@ -298,10 +307,12 @@ class _Quantizer:
             bias = None  # folded into quant_bias
         if module in self.precomputed:  # calibrated: its method and SQNR (vs the smoothed weight) come with it
             method = self.methods_applied.get(module, method)
-            v = self.sqnr_known.get(module)
-            sqnr = "Infinity" if v == float("inf") else v
+            sqnr = _sqnr_value(self.sqnr_known.get(module), module, scheme.name)
         else:
-            sqnr = _sqnr(w, scheme.dequantize(q) if q.kernel_fmt != KF.W8A8_STATIC else _static_dequant(q))
+            from cvt.runtime.metrics import sqnr_db
+
+            w_hat = scheme.dequantize(q) if q.kernel_fmt != KF.W8A8_STATIC else _static_dequant(q)
+            sqnr = _sqnr_value(sqnr_db(w, w_hat), module, scheme.name)
         expert = self.plan.experts[module]
         layout = self.fmt.layout_for(module, q, target=self.target, expert=expert).name
         self.info[module] = QuantTensorInfo(scheme=scheme.name, kernel_fmt=q.kernel_fmt, layout=layout, method=method,
@@ -330,7 +341,7 @@ class _Quantizer:
         self.info[module] = QuantTensorInfo(
             scheme=scheme.name, kernel_fmt=kf, layout=layout.name, method=RTN if method == RTN else "rtn-fallback",
             group_size=scheme.group_size, symmetric=scheme.symmetric,
-            sqnr_db="Infinity" if res.sqnr_db == float("inf") else res.sqnr_db)
+            sqnr_db=_sqnr_value(res.sqnr_db, module, scheme.name))
         out = {f"{module}.{s}": t for s, t in res.tensors.items()}  # numpy (a raw source) or torch
         if bias is not None:
             out[f"{module}.bias"] = bias.contiguous()
@@ -608,7 +619,7 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
         summary={"quantized": len(plan.schemes), "float_modules": len(plan.float_reasons)},
         max_shard_size=req.max_shard_size, workers=default_workers(req.workers), resume=req.resume,
         overwrite=req.overwrite, quiet=req.quiet,
-        prefix=form.weights_prefix, extra_files=extra_files, quant=quant, on_meta=on_meta,
+        prefix=form.weights_prefix, extra_files=extra_files, quant=quant, on_meta=on_meta, check_finite=True,
     )
     sqnrs = [v.sqnr_db for v in quant.tensors.values() if isinstance(v.sqnr_db, float)]
     result.extra.update(quantized=len(plan.schemes), float_modules=len(plan.float_reasons),

@@ -4,6 +4,8 @@ a byte-level fallback (id = byte value) for tiny test models without one."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 from cvt.errors import CvtError
@@ -70,24 +72,109 @@ def load_tokenizer(folder, config: dict) -> Tokenizer:
     return Tokenizer(Path(folder), config)
 
 
-def read_texts(path: Path) -> list[str]:
-    """Calibration / evaluation text: a .jsonl file (a "text" field per line) or plain text."""
+# What one --calib / --data file may make cvt read: a file, or a .jsonl line, whose first 64 MiB
+# give fewer tokens than the run uses is refused rather than read (and held) without bound.
+MAX_TEXT_CHARS = 64 << 20
+# Tokens dropped at the cut of a partly read text: the last word's tokens may depend on what
+# follows it; so many more than needed keep the used ids equal to the whole text's.
+_CUT_SLACK = 64
+
+
+def read_ids(tok: "Tokenizer", path: Path, need: int, *, option: str, skip_blank: bool = False) -> tuple[list[int], int]:
+    """(token ids, texts used) of a --calib / --data file, reading only what is used.
+
+    A .jsonl file holds one text per line (a "text" field), anything else is one text; each
+    text is tokenized with the tokenizer's BOS and the ids concatenated, as if every text were
+    read whole, until there are `need` ids (fewer when the file ends first). A text is read and
+    tokenized in doubling prefixes (the first ~16 characters per needed token): a 60 MB line
+    costs what its used part costs. `skip_blank` drops texts of only whitespace. CvtError
+    naming the option and file: not a regular file (a FIFO, /dev/zero), not UTF-8, a bad JSON
+    line, or more than MAX_TEXT_CHARS to read before `need` ids."""
     path = Path(path)
     try:
-        raw = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CvtError(f"{path}: cannot read as UTF-8 text: {exc}") from exc
-    if path.suffix == ".jsonl":
-        texts = []
-        for i, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CvtError(f"{path}:{i}: not a JSON line: {exc}") from exc
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise CvtError(f'{path}:{i}: expected an object with a "text" string')
-            texts.append(obj["text"])
-        return texts
-    return [raw]
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise CvtError(f"{option} {path}: cannot read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise CvtError(f"{option} {path}: not a regular file ({file_kind(path)}); give a text or .jsonl file")
+    ids: list[int] = []
+    used = read = 0
+
+    def bounded(chunk: str, more: bool) -> str:
+        nonlocal read
+        read += len(chunk)
+        if read > MAX_TEXT_CHARS and more:
+            raise CvtError(f"{option} {path}: {len(ids)} of the {need} tokens used after {MAX_TEXT_CHARS >> 20} MiB "
+                           "of text; cvt reads no more of a calibration / evaluation file (shorten its lines)")
+        return chunk
+
+    try:
+        with open(path, encoding="utf-8") as f:  # text mode: newlines as Path.read_text reads them
+            if path.suffix != ".jsonl":
+                blank, got = _encode_prefix(tok, lambda k: bounded(f.read(k), True), need)
+                if not (skip_blank and blank):
+                    ids, used = got, 1
+                return ids, used
+            line_no = 0
+            while len(ids) < need:
+                line = bounded(f.readline(MAX_TEXT_CHARS - read + 1), True)
+                if not line:
+                    break
+                line_no += 1
+                if not line.strip():
+                    continue
+                text = _json_text(line, path, line_no)
+                if skip_blank and not text.strip():
+                    continue
+                pos = 0
+
+                def part(k: int) -> str:
+                    nonlocal pos
+                    pos += k
+                    return text[pos - k:pos]
+
+                ids += _encode_prefix(tok, part, need - len(ids))[1]
+                used += 1
+    except UnicodeDecodeError as exc:
+        raise CvtError(f"{option} {path}: cannot read as UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise CvtError(f"{option} {path}: cannot read: {exc.strerror or exc}") from None
+    return ids, used
+
+
+def _encode_prefix(tok: "Tokenizer", more, need: int) -> tuple[bool, list[int]]:
+    """(blank, ids): the text that `more(k)` hands out (up to k more characters a call, fewer at
+    its end) tokenized, its first `need` ids when it is longer: prefixes of doubling length are
+    tokenized until one gives `need` ids plus the cut's slack. blank: all of it read, whitespace."""
+    text, n = "", max(4096, 16 * need)
+    while True:
+        want = n - len(text)
+        chunk = more(want)
+        text += chunk
+        ids = tok.encode(text)
+        if len(chunk) < want:
+            return not text.strip(), ids
+        if len(ids) >= need + _CUT_SLACK:
+            return False, ids[:need]
+        n *= 2
+
+
+def _json_text(line: str, path: Path, i: int) -> str:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CvtError(f"{path}:{i}: not a JSON line: {exc}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        raise CvtError(f'{path}:{i}: expected an object with a "text" string')
+    return obj["text"]
+
+
+def file_kind(path: Path) -> str:
+    """What a non-regular path is, in words ("a FIFO", "a character device", ...)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return f"unreadable: {exc.strerror or exc}"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((k for test, k in kinds if test(mode)), "not a file")

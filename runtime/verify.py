@@ -30,7 +30,7 @@ from cvt.runtime import metrics
 from cvt.runtime.kernels import Linear
 from cvt.runtime.loader import Loaded, load_model
 from cvt.runtime.report import evaluate_thresholds, write_report
-from cvt.runtime.tokenizer import load_tokenizer, read_texts
+from cvt.runtime.tokenizer import load_tokenizer, read_ids
 from cvt.schemas.manifest import ToolInfo
 from cvt.schemas.report import (DataInfo, LayerRow, LogitStats, ModelRef, NonFinite, Report, Thresholds,
                                 WeightSqnrRow)
@@ -56,11 +56,10 @@ def _ref(loaded: Loaded, path) -> ModelRef:
 
 
 def _batches(tokenizer, data: Path | None, seq_len: int, max_sequences: int, limit: int) -> tuple[torch.Tensor, DataInfo]:
-    texts = read_texts(data) if data else [SAMPLE_TEXT]
-    ids: list[int] = []
-    for t in texts:
-        ids += tokenizer.encode(t)
     seq_len = min(seq_len, limit)
+    # only what the batches use is read (a huge line or /dev/zero costs nothing extra)
+    ids = read_ids(tokenizer, data, max_sequences * seq_len, option="--data")[0] if data \
+        else tokenizer.encode(SAMPLE_TEXT)
     n = min(max_sequences, len(ids) // seq_len)
     if n < 1:
         raise CvtError(f"{data or 'the built-in sample'}: {len(ids)} tokens, fewer than one sequence of {seq_len}")

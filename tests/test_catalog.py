@@ -187,6 +187,17 @@ def _hidden_negative(ctx, src):
     ctx.edit_config(src, hidden_size=-256)
 
 
+def _config(**changes):
+    def prep(ctx, src):
+        ctx.edit_config(src, **changes)
+    return prep
+
+
+def _fifo_tokenizer(ctx, src):
+    (src / "tokenizer.json").unlink()
+    os.mkfifo(src / "tokenizer.json")
+
+
 def _q_a_wrong_shape(ctx, src):
     """model.layers.0.self_attn.q_a_proj.weight stored with other rows than config.json says."""
     ctx.edit_config(src, q_lora_rank=64)
@@ -200,6 +211,43 @@ def _nan_weight(ctx, src):
     name = next(n for n in tensors if n.endswith("mlp.down_proj.weight") and tensors[n].is_floating_point())
     tensors[name][0, 0] = float("inf") if "inf" in src.name else float("nan")
     write_safetensors(f, tensors)
+
+
+def _edit_tensors(src, change) -> None:
+    """Rewrite every shard whose tensors `change(name, tensor)` modifies in place (returns True)."""
+    from safetensors.torch import load_file
+
+    for f in sorted(src.glob("model-*.safetensors")):
+        tensors = {k: v.clone() for k, v in load_file(f).items()}
+        if [n for n, t in tensors.items() if change(n, t)]:
+            write_safetensors(f, tensors)
+
+
+def _bf16_max_rows(ctx, src):
+    """Finite weights at the top of bfloat16's range: row 0 of every float projection = bf16 max."""
+    import torch
+
+    def change(name, t):
+        if name.endswith("proj.weight") and t.dtype == torch.bfloat16 and t.dim() == 2:
+            t[0, :] = torch.finfo(torch.bfloat16).max
+            return True
+    _edit_tensors(src, change)
+
+
+def _nan_norm(ctx, src):
+    def change(name, t):
+        if name.endswith("layers.0.post_attention_layernorm.weight"):
+            t[0] = float("nan")
+            return True
+    _edit_tensors(src, change)
+
+
+def _scale_3e38(ctx, src):
+    def change(name, t):
+        if name == "model.layers.0.mlp.down_proj.weight_scale_inv":
+            t[0, 0] = 3e38
+            return True
+    _edit_tensors(src, change)
 
 
 def _manifest_path(path: str):
@@ -258,6 +306,14 @@ def _locked_export(ctx: Ctx):
     return ["export", "onnx", src, dst], src, dst
 
 
+def _calib_fifo(ctx: Ctx):
+    src = ctx.copy("qwen")
+    os.mkfifo(ctx.tmp / "calib.txt")  # opening it would block forever: refused before
+    dst = ctx.tmp / "out"
+    return ["quantize", src, dst, "--scheme", "w8a8", "--method", "smoothquant", "--calib", ctx.tmp / "calib.txt"], \
+        src, dst
+
+
 def _verify(which_cand: str, prep, *extra):
     def build(ctx: Ctx):
         ref = ctx.copy(which_cand, "ref")
@@ -309,6 +365,24 @@ CASES = [
     Case("shard-q-a-proj-shape", _verb(["shard"], "bf16", _q_a_wrong_shape, "--ep", "2"), "q_a_proj.weight"),
     Case("inspect-experts-lie", _verb(["inspect"], "fp8", _experts_lie, dst_name=None), "4 of 8 experts missing",
          rc=3, form="report"),
+    # --- config.json values the runtime refuses: every writer refuses them first (issue 24 item 7)
+    Case("fp8-to-bf16-first-k-dense-past-layers", _verb(["fp8-to-bf16"], "fp8", _config(first_k_dense_replace=5)),
+         "config.json first_k_dense_replace = 5: past the model's 3 decoder layers"),
+    Case("quantize-n-group-not-dividing", _quantize("bf16", _config(n_group=3)),
+         "config.json n_group = 3: must divide n_routed_experts (4)"),
+    Case("shard-rms-norm-eps-negative", _verb(["shard"], "fp8", _config(rms_norm_eps=-1e-6), "--ep", "2"),
+         "config.json rms_norm_eps = -1e-06: must be a finite number > 0"),
+    Case("quantize-yarn-factor-negative", _quantize("qwen", _config(rope_scaling={"rope_type": "yarn", "factor": -4})),
+         "config.json rope_scaling.factor = -4: must be a finite number >= 1"),
+    Case("inspect-experts-per-token-past-experts", _verb(["inspect"], "fp8", _config(num_experts_per_tok=9),
+                                                       dst_name=None),
+         "config.json num_experts_per_tok = 9: must be an integer in 1..4", rc=3, form="report"),
+    Case("fp8-to-bf16-dense-layer-holds-experts", _verb(["fp8-to-bf16"], "fp8", _config(first_k_dense_replace=3)),
+         "layer 1 holds MoE tensors"),
+    # --- a FIFO where a file is expected (issue 24 item 6d): refused, not skipped nor read forever
+    Case("quantize-tokenizer-fifo", _quantize("qwen", _fifo_tokenizer), "tokenizer.json: not a regular file (a FIFO)"),
+    Case("shard-tokenizer-fifo", _verb(["shard"], "fp8", _fifo_tokenizer, "--ep", "2"),
+         "tokenizer.json: not a regular file (a FIFO)"),
     # --- sizes that describe no model, unbounded work
     Case("plan-heads-zero", _verb(["plan"], "fp8", _heads_zero, "--ep", "2", dst_name=None),
          "num_attention_heads = 0"),
@@ -318,6 +392,10 @@ CASES = [
          "hidden_size = -256"),
     Case("plan-ep-huge", _verb(["plan"], "fp8", _nothing, "--ep", "1000000000", dst_name=None),
          "a world of 1000000000 ranks"),
+    # --- calibration / evaluation text read only as far as it is used (issue 24 item 5)
+    Case("verify-data-dev-zero", _verify("qwen", _nothing, "--data", "/dev/zero"),
+         "--data /dev/zero: not a regular file (a character device)"),
+    Case("quantize-calib-fifo", _calib_fifo, "calib.txt: not a regular file (a FIFO)"),
     # --- invalid side files
     Case("shard-placement-bad-expert-id", _placement([1, 2], bad_id=-1), "expert id -1 is outside 0..3"),
     Case("shard-placement-missing-layer", _placement([1]), "places 1 of the model's 2 MoE layers"),
@@ -335,6 +413,20 @@ CASES = [
     Case("verify-inf-candidate", _verify("qwen", _nan_weight, "--min-cosine", "0.99", "inf"), "non-finite", rc=4),
     Case("verify-threshold-nan", _verify("qwen", _nothing, "--min-cosine", "nan"),
          "--min-cosine nan: must be a finite number"),
+    # --- finite input, non-finite output (issue 24 item 6c): refused, naming the tensor
+    Case("quantize-w4a8-bf16-max-scale-bias", _quantize("qwen", _bf16_max_rows, "--scheme", "w4a8", "--format",
+                                                        "ascend"),
+         "mlp.experts.0.gate_proj.scale_bias: 1 of its 48 values are NaN / Inf"),
+    Case("quantize-w8a8c8-bf16-max-fa-scales", _quantize("bf16", _bf16_max_rows, "--scheme", "w8a8c8", "--format",
+                                                         "ascend"),
+         "model.layers.0.self_attn.fa_q.scale: 4 of its 4 values are NaN / Inf"),
+    Case("quantize-mxfp4-bf16-max", _quantize("bf16", _bf16_max_rows, "--scheme", "fp4", "--fp4-format", "mxfp4"),
+         "q_a_proj.weight: its fp4 quantization is not finite"),
+    Case("quantize-smoothquant-nan-norm", _quantize("qwen", _nan_norm, "--method", "smoothquant"),
+         "model.layers.0.post_attention_layernorm.weight: 1 of its 96 values are NaN / Inf"),
+    Case("fp8-to-bf16-scale-overflows-bf16", _verb(["fp8-to-bf16"], "fp8", _scale_3e38),
+         "down_proj.weight_scale_inv (F32 [2, 3], model-00001-of-00003.safetensors): 3.0000000054977558e+38 at block "
+         "[0, 0] times 448 (the largest e4m3 value) overflows bfloat16"),
     # --- two runs at once
     Case("export-onnx-locked", _locked_export, "another cvt run is writing to this directory"),
 ]

@@ -14,7 +14,8 @@ from cvt.convert.arch.base import ArchSpec, ArchTable, Block, Parallel, Role, Ru
 from cvt.errors import ArchError
 from cvt.registry import Registry
 
-__all__ = ["ArchSpec", "ArchTable", "Block", "Parallel", "Role", "Rule", "TensorInfo", "arch_for", "register", "TABLES"]
+__all__ = ["ArchSpec", "ArchTable", "Block", "Parallel", "Role", "Rule", "TensorInfo", "arch_for", "config_problems",
+           "register", "TABLES"]
 
 TABLES: Registry[ArchTable] = Registry("model_type", ArchError)
 
@@ -46,3 +47,12 @@ def arch_for(config: Mapping[str, Any]) -> ArchSpec:
     if mt not in TABLES:
         raise ArchError(f"config.json model_type {mt!r} is not supported (supported: {', '.join(TABLES.names())})")
     return ArchSpec(TABLES[mt], cfg, mt)
+
+
+def config_problems(config: Mapping[str, Any]) -> list[str]:
+    """One line per config.json value no model of its family can have (`cvt.convert.arch.checks`);
+    an unknown model_type has none here (`arch_for` refuses it)."""
+    cfg = text_config(config)
+    mt = cfg.get("model_type")
+    table = TABLES[mt] if mt in TABLES else None
+    return table.config_checks(cfg) if table is not None and table.config_checks else []

@@ -135,6 +135,8 @@ class ArchTable:
     # (NVFP4's global scale) must be shared inside a group, or the fused layer uses one member's
     # scale for all and computes other weights than the file means
     fused_groups: tuple[tuple[str, ...], ...] = ()
+    # config -> one line per value no model can have (`cvt.convert.arch.checks`)
+    config_checks: Callable[[Mapping[str, Any]], list[str]] | None = None
 
 
 @dataclass(frozen=True)

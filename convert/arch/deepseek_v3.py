@@ -8,6 +8,7 @@ not TP-split (the official model keeps them as plain Linear); kv_b_proj stays fl
 quantization (msModelSlim and cann-recipes-infer agree).
 """
 
+from cvt.convert.arch import checks
 from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
 
 C, R, V, REP = Parallel.COLUMN, Parallel.ROW, Parallel.VOCAB, Parallel.REPLICATED
@@ -83,6 +84,7 @@ TABLE = ArchTable(
     name="deepseek_v3",
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
+    config_checks=checks.deepseek,
     fused_groups=(  # vLLM deepseek_v2.py: fused_qkv_a_proj, gate_up_proj (dense, shared), experts' w13
         (f"{L}.self_attn.q_a_proj", f"{L}.self_attn.kv_a_proj_with_mqa"),
         (f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj"),

@@ -35,7 +35,7 @@ msModelSlim description (a missing entry fails its start-up), where cvt writes F
 
 from __future__ import annotations
 
-from cvt.convert.arch import deepseek_v3
+from cvt.convert.arch import checks, deepseek_v3
 from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
 
 REP = Parallel.REPLICATED
@@ -83,6 +83,7 @@ TABLE = ArchTable(
     model_types=("deepseek_v32",),
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
+    config_checks=checks.deepseek_v32,
     fused_groups=deepseek_v3.TABLE.fused_groups + (
         # vLLM's Indexer.wk_weights_proj (float: quant_config=None)
         (f"{IX}.wk", f"{IX}.weights_proj"),

@@ -5,6 +5,7 @@ SwiGLU MLP; Qwen3-MoE replaces the MLP with a softmax router `mlp.gate` over
 `mlp.experts.{E}` (no shared experts) except in `mlp_only_layers`.
 """
 
+from cvt.convert.arch import checks
 from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
 
 C, R, V, REP = Parallel.COLUMN, Parallel.ROW, Parallel.VOCAB, Parallel.REPLICATED
@@ -90,13 +91,14 @@ _FUSED = ((f"{L}.self_attn.q_proj", f"{L}.self_attn.k_proj", f"{L}.self_attn.v_p
 
 DENSE = ArchTable(
     name="qwen3", model_types=("qwen3", "qwen2", "llama"), rules=_COMMON, config_keys=_KEYS, param_shapes=param_shapes,
-    fused_groups=_FUSED,
+    fused_groups=_FUSED, config_checks=checks.qwen3,
 )
 
 MOE = ArchTable(
     name="qwen3_moe",
     param_shapes=param_shapes,
     model_types=("qwen3_moe",),
+    config_checks=checks.qwen3,
     config_keys={**_KEYS, "experts": "num_experts", "experts_per_token": "num_experts_per_tok"},  # see param_shapes
     fused_groups=_FUSED + ((f"{L}.mlp.experts.{{E}}.gate_proj", f"{L}.mlp.experts.{{E}}.up_proj"),),
     rules=_COMMON

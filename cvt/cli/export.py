@@ -72,8 +72,8 @@ def onnx_cmd(src, dst, scope, layer, dtype, int4_op, w8a8_op, opset, accuracy_le
         click.echo(p.render())
         failed |= not p.passed
     if failed:
-        click.echo("cvt: threshold violated: onnxruntime output differs from the torch runtime beyond tolerance",
-                   err=True)
+        click.echo("cvt: threshold violated: onnxruntime output differs from the torch runtime beyond tolerance; "
+                   f"nothing was installed in {r.dst}", err=True)
         sys.exit(EXIT_THRESHOLD)
 
 

@@ -17,26 +17,25 @@ def calib_tokens(tokenizer, calib: Path | str | None = None, *, seq_len: int = 5
 
     All texts are tokenized (each with the tokenizer's BOS), concatenated and cut into up to
     `max_sequences` sequences of `seq_len` (capped at `max_len`, the model's positions); a text
-    shorter than one sequence gives one shorter sequence. Missing / empty files are errors."""
-    from cvt.runtime.tokenizer import read_texts
+    shorter than one sequence gives one shorter sequence. Only what these sequences use is read
+    (`cvt.runtime.tokenizer.read_ids`). Missing / empty / non-regular files are errors."""
+    from cvt.runtime.tokenizer import read_ids
     from cvt.runtime.verify import SAMPLE_TEXT
 
+    if max_len:
+        seq_len = min(seq_len, max_len)
+    need = max_sequences * seq_len
     if calib is not None:
         path = Path(calib)
-        if not path.is_file():
+        if not path.exists():
             raise CvtError(f"--calib {path}: no such file (the calibration file does not exist)")
-        texts = [t for t in read_texts(path) if t.strip()]
-        if not texts:
+        ids, used = read_ids(tokenizer, path, need, option="--calib", skip_blank=True)
+        if not used:
             raise CvtError(f"--calib {path}: no text to calibrate on (the file is empty; expected text, "
                            "or .jsonl lines with a \"text\" field)")
         where = str(path)
     else:
-        texts, where = [SAMPLE_TEXT], "the built-in calibration sample"
-    if max_len:
-        seq_len = min(seq_len, max_len)
-    ids: list[int] = []
-    for t in texts:
-        ids += tokenizer.encode(t)
+        ids, where = tokenizer.encode(SAMPLE_TEXT), "the built-in calibration sample"
     if len(ids) < 2:
         raise CvtError(f"{where}: {len(ids)} token(s), too few to calibrate")
     n = min(max_sequences, len(ids) // seq_len)

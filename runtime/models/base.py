@@ -23,6 +23,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping
 import torch
 from torch import nn
 
+from cvt.convert.arch import config_problems
 from cvt.errors import CvtError
 
 # config.json keys that never change the forward math of any runtime model
@@ -68,6 +69,10 @@ class ModelArgs:
             )
         args = cls(**{k: v for k, v in config.items() if k in fields})
         args.validate()
+        # the writers' check too (fp8-to-bf16 / quantize / shard refuse the same config.json)
+        problems = config_problems(config)
+        if problems:
+            raise ConfigError(problems[0])
         return args
 
     def validate(self) -> None:
