@@ -8,52 +8,8 @@ Ascend type tag, which modules the stack accepts it for, and the encode / decode
 canonical parts and disk. The formats, the quantize stage, `cvt plan`, `cvt shard` and the
 loader all read these entries; adding a layout is one entry here.
 
-=========================  ==========  ===================  ==============================================
-layout                     format      targets / tag        tensors of linear X (w [n, k], group G)
-=========================  ==========  ===================  ==============================================
-ascend-w8a8-dynamic        ascend      both / W8A8_DYNAMIC  weight i8 [n,k]; weight_scale f32 [n,1];
-                                                            weight_offset f32 zeros [n,1]
-ascend-w8a8-static         ascend      both / W8A8          weight i8 [n,k]; input_scale f32 [1];
-                                                            input_offset f32 [1]; deq_scale f32 [n];
-                                                            quant_bias i32 [n]; weight_scale /
-                                                            weight_offset f32 [n,1]
-ascend-w4a16-int8          ascend      mindie / W4A16       weight i8, two int4 per byte (even element
-                                                            low nibble): grouped [n/2,k], per channel
-                                                            [n,k/2]; weight_scale / weight_offset f32
-                                                            [n,k/G]
-ascend-w4a16-int32         ascend      vllm-ascend / W4A16  MoE experts only: weight_packed i32 [n,k/8]
-                                                            (value + 8, element i at bits 4i);
-                                                            weight_scale bf16 [n,k/G]; weight_shape
-                                                            i32 [2]; G > 0
-ascend-mxfp4               ascend      vllm-ascend /        MoE experts only: weight u8 [n,k/2] (E2M1,
-                                       W4A16_MXFP4          element 2j low nibble); weight_scale u8
-                                                            E8M0 [n,k/32]
-ascend-w4a8-dynamic(-row)  ascend      vllm-ascend /        MoE experts only: weight i8 [n/2,k] (two int4
-                                       W4A8_DYNAMIC         per byte along n, row 2j low nibble);
-                                                            weight_scale f32 [n,1]; weight_offset f32
-                                                            zeros [n,1]; scale_bias f32 [n,1] (gate,
-                                                            up) or [n,16] (-row: down); G = 0
-ct-int8                    c-t         vllm                 weight i8 [n,k]; weight_scale f32 [n,1]
-ct-int4                    c-t         vllm                 weight_packed i32 [n,ceil(k/8)]; weight_scale
-                                                            bf16 [n,k/G]; weight_shape i32 [2];
-                                                            asymmetric: weight_zero_point i32
-                                                            [ceil(n/8), k/G]
-ct-nvfp4                   c-t         vllm                 weight_packed u8 [n,k/2]; weight_scale f8e4m3
-                                                            [n,k/16]; weight_global_scale f32 [1]
-ct-mxfp4                   c-t         vllm                 weight_packed u8 [n,k/2]; weight_scale u8
-                                                            [n,k/32]
-=========================  ==========  ===================  ==============================================
-
-Sources (the consumers' code, which wins over our notes): vllm-ascend 0.23.0.post1
-``vllm_ascend/quantization/methods/{w8a8_dynamic,w8a8_static,w4a16,w4a16_mxfp4}.py`` (the
-declared parameters; W4A16 and W4A16_MXFP4 are registered for ``"moe"`` only, W4A16's group
-size is divided by, so 0 fails) and ``modelslim_config.py``; MindIE atb_llm
-``utils/quantize/w4a16.py`` (the int8 two-per-byte W4A16, per group packed along n);
-msModelSlim 26.1 ``save/ascendv1.py`` and ``llm_ptq .../complex_quantifier.py``
-(``_w4a16_pack_int4``); compressed-tensors' compressors for ``ct-*``. W4A8_DYNAMIC: vllm-ascend
-``methods/w4a8.py`` (AscendW4A8DynamicFusedMoEMethod, version "1.0.0", group_size 0) and
-msModelSlim 26.1 ``save/ascendv1.py`` on_w4a8_dynamic + ``save/utils/pack.py`` (the role-dependent
-``scale_bias``: `scale_bias_role`).
+The entries, their tensors and the consumers' code each follows are tabled in the README
+("Quantized layouts"); `tests/quant/test_layouts.py` holds that table to the registry.
 
 Dims: per on-disk dim, ``("n", u)`` / ``("k", u)`` -- that dim runs along the weight's output /
 input features, one on-disk element per ``u`` logical elements (``u`` may be ``"G"``, the
