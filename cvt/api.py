@@ -43,19 +43,24 @@ def _build(cls, options, kw):
     return cls(**{**options.model_dump(), **kw}) if kw else options
 
 
-class Fp8ToBf16Options(_Options):
-    """`cvt fp8-to-bf16 SRC DST`: an FP8 block-scaled release -> BF16, bit-exact."""
+class _WriteOptions(_Options):
+    """What every verb that writes a checkpoint directory takes."""
 
     src: str
     dst: str
-    revision: Optional[str] = None
-    workers: Optional[int] = Field(None, ge=1, le=64)
+    revision: Optional[str] = None  # hub revision when SRC is a repo id
     max_shard_size: int = Field(5 * 10**9, gt=0)
     resume: bool = True
     overwrite: bool = False
-    quiet: bool = True
+    quiet: bool = True  # no progress bar
 
     _sizes = field_validator("max_shard_size", mode="before")(_size)
+
+
+class Fp8ToBf16Options(_WriteOptions):
+    """`cvt fp8-to-bf16 SRC DST`: an FP8 block-scaled release -> BF16, bit-exact."""
+
+    workers: Optional[int] = Field(None, ge=1, le=64)
 
 
 def fp8_to_bf16(options: Fp8ToBf16Options | None = None, /, **kw):
@@ -70,11 +75,9 @@ def fp8_to_bf16(options: Fp8ToBf16Options | None = None, /, **kw):
                  resume=o.resume, overwrite=o.overwrite, quiet=o.quiet)
 
 
-class QuantizeOptions(_Options):
+class QuantizeOptions(_WriteOptions):
     """`cvt quantize SRC DST --scheme ...` (README: the schemes, formats, targets and methods)."""
 
-    src: str
-    dst: str
     scheme: str
     fmt: Optional[str] = Field(None, alias="format")  # None: compressed-tensors
     target: Optional[str] = None
@@ -89,14 +92,9 @@ class QuantizeOptions(_Options):
     static_attention: bool = False
     ignore: tuple[str, ...] = ()
     recipe: Optional[Path] = None
-    revision: Optional[str] = None
     workers: Optional[int] = Field(None, ge=1, le=64)
-    max_shard_size: int = Field(5 * 10**9, gt=0)
-    resume: bool = True
-    overwrite: bool = False
-    quiet: bool = True
 
-    _sizes = field_validator("max_shard_size", "expert_memory", mode="before")(_size)
+    _memory = field_validator("expert_memory", mode="before")(_size)
 
     @field_validator("scheme")
     @classmethod
@@ -208,19 +206,10 @@ def plan(options: PlanOptions | None = None, /, **kw):
                        kv_tokens=o.kv_tokens, hbm_bytes=o.hbm, fmt=fmt, target=target, fp4_format=fp4)
 
 
-class ShardOptions(_Options):
+class ShardOptions(_WriteOptions):
     """`cvt shard SRC DST`: per-rank directories for a layout, with a manifest."""
 
-    src: str
-    dst: str
     layout: LayoutOptions = LayoutOptions()
-    max_shard_size: int = Field(5 * 10**9, gt=0)
-    revision: Optional[str] = None
-    resume: bool = True
-    overwrite: bool = False
-    quiet: bool = True
-
-    _sizes = field_validator("max_shard_size", mode="before")(_size)
 
 
 def shard(options: ShardOptions | None = None, /, **kw):
