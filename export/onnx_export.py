@@ -78,7 +78,7 @@ def check_options(scope: str, dtype: str, int4_op: str, w8a8_op: str, opset: int
     """Validate the options; returns the opset to use."""
     from cvt.extras import require
 
-    onnx = require("onnx", "cvt export onnx")
+    onnx = require("onnx", "cvt export onnx")  # first: onnx_graph imports it at module level
     from cvt.export.onnx_graph import MIN_OPSET, QDQ_INT4_OPSET
 
     for what, value, valid in (("--scope", scope, SCOPES), ("--dtype", dtype, DTYPES), ("--int4-op", int4_op, INT4_OPS),

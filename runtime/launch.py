@@ -377,11 +377,10 @@ def _boot(module: str) -> str:
     agent the same way). `-P` / PYTHONSAFEPATH would drop it but exist only from Python 3.11 (cvt
     supports 3.10); `-I` would also drop PYTHONPATH and the user's site-packages, where cvt may be
     installed. So the child removes the one entry `-c` added (''; none under -P / PYTHONSAFEPATH),
-    keeping every other path exactly as the parent's interpreter would have it."""
-    return ("import runpy, sys\n"
-            "if sys.path and sys.path[0] == '':\n"
-            "    del sys.path[0]\n"
-            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+    keeping every other path exactly as the parent's interpreter would have it. One line, so that
+    a process list shows MODULE and its arguments on one line (`pgrep -f`)."""
+    return (f"import runpy, sys; sys.path.pop(0) if sys.path[:1] == [''] else None; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
 
 
 def torchrun(model, world_size: int | None, argv: list[str]) -> int:
