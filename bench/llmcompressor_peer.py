@@ -2,16 +2,16 @@
 pack-quantized) of the trained DeepSeek-V3 fixture with llm-compressor and with cvt, on the same
 calibration token ids, judged by one referee; cvt's RTN as the baseline row.
 
-Usage: .venv/bin/python bench/llmcompressor_peer.py [--llmc-venv /work/refs/llmc/venv]
-       [--fixture DIR] [--cvt .venv/bin/cvt] [--num-seq 128] [--seq-len 256] [--eval-seq 32]
+Usage: .venv/bin/python bench/llmcompressor_peer.py --llmc-venv VENV --fixture DIR
+       [--cvt .venv/bin/cvt] [--num-seq 128] [--seq-len 256] [--eval-seq 32]
        [--group-size 128] [--llmc-actorder static] [--cvt-arg=--OPTION ...] [--cvt-verify]
        [--dir DIR] [--keep]
 
 llm-compressor lives in its own venv, never in `make test` (CPU only; no CUDA wheels):
 
-    python3 -m venv /work/refs/llmc/venv
-    /work/refs/llmc/venv/bin/pip install torch==2.13.0          # first: the local CPU wheel
-    /work/refs/llmc/venv/bin/pip install llmcompressor==0.14.0.1
+    python3 -m venv VENV                                # any directory: pass it as --llmc-venv VENV
+    VENV/bin/pip install torch==2.13.0                  # first: the local CPU wheel
+    VENV/bin/pip install llmcompressor==0.14.0.1
     # -> transformers 5.17.0, compressed-tensors 0.19.0, accelerate, datasets, auto-round; torch
     #    stays 2.13.0+cpu (llmcompressor wants torch>=2.10,<=2.14.0), nothing needs --no-deps.
 
@@ -101,8 +101,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-FIXTURE = Path("/work/shared/fixtures/tiny-dsv3-trained")
-LLMC_VENV = Path("/work/refs/llmc/venv")
 HEADERS = Path("/usr/include/linux")
 CVT_CALIB_SEQ = 256     # cvt quantize cuts calibration text into sequences of 256 tokens (quant/stage.py)
 INNER = "--_llmc-inner"
@@ -421,8 +419,9 @@ def main() -> None:
         llmc_inner(sys.argv[2:])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llmc-venv", default=str(LLMC_VENV), help="venv with llmcompressor (see the docstring)")
-    ap.add_argument("--fixture", default=str(FIXTURE), help="the trained BF16 DeepSeek-V3 fixture")
+    # no defaults: both live outside the clone, wherever whoever runs the bench put them
+    ap.add_argument("--llmc-venv", required=True, help="venv with llmcompressor (see the docstring)")
+    ap.add_argument("--fixture", required=True, help="a trained BF16 DeepSeek-V3 checkpoint directory")
     ap.add_argument("--cvt", default=str(REPO / ".venv" / "bin" / "cvt"), help="cvt executable")
     ap.add_argument("--headers", default=str(HEADERS), help="Linux UAPI headers (calibration a-t, evaluation u-z)")
     ap.add_argument("--num-seq", type=int, default=128, help="calibration sequences")

@@ -1,17 +1,17 @@
 """msModelSlim as a peer: quantize the trained DeepSeek-V3 fixture to W8A8 mixed (static attention,
 dynamic MLP) with msModelSlim 26.1 on CPU and with cvt, then compare layout and accuracy.
 
-Usage: .venv/bin/python bench/msmodelslim_peer.py [--msmodelslim-venv /work/refs/msms/venv]
-       [--fixture DIR] [--cvt .venv/bin/cvt] [--dir DIR] [--keep] [--calib-sequences 8]
+Usage: .venv/bin/python bench/msmodelslim_peer.py --msmodelslim-venv VENV --fixture DIR
+       [--cvt .venv/bin/cvt] [--dir DIR] [--keep] [--calib-sequences 8]
        [--eval-sequences 32] [--seq-len 256]
 
 msModelSlim lives in its own venv (it pins neither torch nor transformers, but its DeepSeek-V3 path
 needs a transformers whose DeepseekV3 experts are nn.Linear modules). To build it (CPU only; no NPU,
 no torch_npu; Python 3.11):
 
-    python3 -m venv /work/refs/msms/venv
-    /work/refs/msms/venv/bin/pip install torch==2.13.0            # first: the CPU wheel (never a CUDA one)
-    /work/refs/msms/venv/bin/pip install msmodelslim==26.1.0 transformers==4.57.1 numpy
+    python3 -m venv VENV                                  # any directory: pass it as --msmodelslim-venv VENV
+    VENV/bin/pip install torch==2.13.0                    # first: the CPU wheel (never a CUDA one)
+    VENV/bin/pip install msmodelslim==26.1.0 transformers==4.57.1 numpy
 
 msmodelslim 26.1.0's own requirements are small (easydict, einops, pydantic, wcmatch, accelerate,
 requests, scipy, pygtrie) and install with it; with torch already there, accelerate pulls no other.
@@ -95,8 +95,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-FIXTURE = Path("/work/shared/fixtures/tiny-dsv3-trained")
-MSMS_VENV = Path("/work/refs/msms/venv")
 HEADERS = Path("/usr/include/linux")
 RECIPES = {"flexsmooth": HERE / "msmodelslim" / "w8a8_mixed_flexsmooth.yaml",
            "nosmooth": HERE / "msmodelslim" / "w8a8_mixed_nosmooth.yaml"}
@@ -429,8 +427,9 @@ def main() -> None:
         msmodelslim_inner(sys.argv[2:])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--msmodelslim-venv", default=str(MSMS_VENV), help="venv with msmodelslim 26.1 (see docstring)")
-    ap.add_argument("--fixture", default=str(FIXTURE), help="the trained BF16 DeepSeek-V3 fixture")
+    # no defaults: both live outside the clone, wherever whoever runs the bench put them
+    ap.add_argument("--msmodelslim-venv", required=True, help="venv with msmodelslim 26.1 (see docstring)")
+    ap.add_argument("--fixture", required=True, help="a trained BF16 DeepSeek-V3 checkpoint directory")
     ap.add_argument("--cvt", default=str(REPO / ".venv" / "bin" / "cvt"), help="cvt executable")
     ap.add_argument("--headers", default=str(HEADERS), help="Linux UAPI headers (calibration a-t, evaluation u-z)")
     ap.add_argument("--calib-sequences", type=int, default=8, help=f"calibration sequences of {CALIB_SEQ} tokens")

@@ -34,7 +34,8 @@ Measured, in this one run, best of --repeat:
      (dequantize to float32, scheme.quantize, layout encode, SQNR), each checked bit-identical
      to the reference (--kernel-only runs just this part).
   c. calibrated methods (gptq w4a16 g32, awq w4a16 g32, smoothquant w8a8) on the demo model
-     (write_fp8_release) and the trained fixture (--fixture, BF16, when present): the same CLI
+     (write_fp8_release) and a trained BF16 checkpoint (--fixture DIR; without it those rows are
+     skipped, and the report says so): the same CLI
      in a child, the per-layer seconds from the manifest's quant.calibration; wall time,
      calibration time, s / decoder layer, peak RSS. (bench/calibrate.py: RSS vs layer count.)
 A report, not a test: exit 0 unless something crashes.
@@ -55,7 +56,6 @@ from pathlib import Path
 
 GB = 1e9
 HERE = Path(__file__).resolve().parent
-FIXTURE = Path("/work/shared/fixtures/tiny-dsv3-trained")
 RTN = (("w8a8", []), ("w4a16", ["--group-size", "128"]), ("fp4", ["--fp4-format", "nvfp4"]))
 # w4a16 group 32: the trained fixture's q_b_proj input is its q_lora_rank, 96
 CALIBRATED = (("gptq", "w4a16", ["--group-size", "32"]), ("awq", "w4a16", ["--group-size", "32"]),
@@ -248,13 +248,16 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=0.5, help="FP8 bytes of the synthetic release (GB)")
     ap.add_argument("--dir", help="where temp dirs go (default: the system temp dir); same disk as a real run")
     ap.add_argument("--repeat", type=int, default=1, help="best of N for the RTN runs and their floors")
-    ap.add_argument("--fixture", default=str(FIXTURE), help="trained BF16 fixture (skipped when absent)")
+    ap.add_argument("--fixture", help="a trained BF16 checkpoint directory: adds its calibrated rows (without it "
+                                      "they are skipped, and the report says so)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dirs")
     ap.add_argument("--rtn-only", action="store_true", help="skip the calibrated methods")
     ap.add_argument("--no-reference", action="store_true", help="skip the unfused reference runs of the RTN schemes")
     ap.add_argument("--kernel-only", action="store_true", help="only the kernels on one large weight")
     ap.add_argument("--kernel-shape", default="7168x2048", help="that weight's [n, k] (default: a routed expert)")
     args = ap.parse_args()
+    if args.fixture is not None and not (Path(args.fixture) / "config.json").is_file():
+        ap.error(f"--fixture {args.fixture}: no config.json (a BF16 checkpoint directory is expected)")
 
     import shutil
 
@@ -295,9 +298,8 @@ def main() -> None:
         crows = []
         if not args.rtn_only:
             models = {"demo": write_fp8_release(root / "demo")}
-            fixture = Path(args.fixture)
-            if (fixture / "config.json").is_file():
-                models["trained"] = fixture
+            if args.fixture is not None:
+                models["trained"] = Path(args.fixture)
             crows = calib_rows(models, root)
         krows = kernel_rows(kn, kk)
     finally:
@@ -341,6 +343,10 @@ def main() -> None:
 
     if crows:
         print_calib_rows(crows)
+        if args.fixture is None:
+            print("  (trained-model rows skipped: no --fixture DIR given)")
+    elif args.rtn_only:
+        print("\ncalibrated rows skipped: --rtn-only")
     print(f"  (load average 1 min: {load0:.2f} before, {os.getloadavg()[0]:.2f} after; other work on the "
           "machine skews all rows)")
     if args.keep:
@@ -354,7 +360,7 @@ def print_calib_rows(crows) -> None:
         per = " ".join(f"{x:.2f}" for x in spl)
         print(f"  {model + ' ' + method + ' ' + scheme:28}{wall:8.2f}{cal:9.2f}{sum(spl) / len(spl):9.2f}"
               f"{per:>24}{rss / GB:7.2f} GB")
-    print(f"  (demo = write_fp8_release, {FIXTURE.name} = --fixture; wall includes interpreter start, "
+    print("  (demo = write_fp8_release, trained = --fixture; wall includes interpreter start, "
           "layer loads and writing; s/layer = mean of the manifest's quant.calibration.seconds_per_layer)")
     for model, method, scheme, *_, argv in crows[:len(CALIBRATED)]:
         print(f"  cvt run: {shlex.join([sys.executable, '-m', 'cvt', argv[0], 'SRC', 'DST', *argv[3:]])}")

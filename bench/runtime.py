@@ -12,7 +12,8 @@ DeepSeek-V3, 3 layers incl. MoE, hidden 256, random weights) in five formats:
   bf16    `fp8_to_bf16` output            fp8     the FP8 block release, dequantized on load
   w8a8    quantize RTN, compressed-tensors  w4a16 quantize RTN, group 128
   fp4     quantize RTN, nvfp4
-plus the trained fixture (plain HF BF16, --fixture) when present.
+plus a trained checkpoint (plain HF BF16, --fixture DIR) when given; without it its rows are
+skipped, and the report says so.
 
 Measured, all in this one run, torch's default thread count, CPU:
   a. `generate(model, prompts, 32)` with bf16 activations (`load_model(dtype=bfloat16)`) on
@@ -49,7 +50,6 @@ from cvt.runtime.loader import load_model
 from cvt.runtime.tokenizer import load_tokenizer
 from cvt.runtime.verify import _batches, verify
 
-FIXTURE = Path("/work/shared/fixtures/tiny-dsv3-trained")
 PROMPT, NEW, BATCHES = 64, 32, (1, 4)
 VERIFY_SEQ, VERIFY_SEQS = 64, 4
 
@@ -114,10 +114,13 @@ def verify_costs(pairs: dict[str, tuple[Path, Path]], reports: Path, repeat: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="best of N for every timed row")
-    ap.add_argument("--fixture", default=str(FIXTURE), help="trained BF16 fixture (skipped when absent)")
+    ap.add_argument("--fixture", help="a trained BF16 checkpoint directory: adds its rows (without it they are "
+                                      "skipped, and the report says so)")
     ap.add_argument("--dir", help="where the temp dir goes (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (checkpoints and verify reports)")
     args = ap.parse_args()
+    if args.fixture is not None and not (Path(args.fixture) / "config.json").is_file():
+        ap.error(f"--fixture {args.fixture}: no config.json (a BF16 checkpoint directory is expected)")
 
     load0 = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="cvt-bench-runtime-", dir=args.dir))
@@ -125,9 +128,8 @@ def main() -> None:
         t0 = time.perf_counter()
         models = build_formats(root)
         t_build = time.perf_counter() - t0
-        fixture = Path(args.fixture)
-        if (fixture / "config.json").is_file():
-            models["trained bf16"] = (fixture, f"{fixture} (plain HF BF16)")
+        if args.fixture is not None:
+            models["trained bf16"] = (Path(args.fixture), f"{args.fixture} (plain HF BF16)")
         speeds = gen_speeds({name: path for name, (path, _) in models.items()}, args.repeat)
         ref = models["bf16"][0]  # the trained fixture is checked against itself
         pairs = {name: (path, path if name == "trained bf16" else ref) for name, (path, _) in models.items()}
@@ -139,10 +141,12 @@ def main() -> None:
     print(f"\ncvt runtime benchmark  (torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"{os.cpu_count()} CPUs; best of {args.repeat})")
     print(f"command:  {shlex.join([sys.executable, *sys.argv])}")
-    print(f"models:   the demo DeepSeek-V3 (write_fp8_release, random weights; built in {t_build:.1f} s) and the "
-          "trained fixture:")
+    print(f"models:   the demo DeepSeek-V3 (write_fp8_release, random weights; built in {t_build:.1f} s)"
+          + (" and the trained checkpoint of --fixture:" if args.fixture else ":"))
     for name, (path, how) in models.items():
         print(f"  {name:13} {how}")
+    if args.fixture is None:
+        print("  (trained bf16 rows skipped: no --fixture DIR given)")
     print(f"\ngenerate: {PROMPT}-token random prompts, {NEW} new tokens, greedy, bf16 activations, CPU")
     head = "".join(f"{f'b{b} prefill':>12}{f'b{b} decode':>11}" for b in BATCHES)
     print(f"  {'format':14}{head}{'decode b1 vs bf16':>19}   (tokens/s)")

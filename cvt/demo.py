@@ -135,7 +135,14 @@ def step_shard(root: Path, out: dict[str, Path], say) -> None:
 
 def step_export(root: Path, out: dict[str, Path], say) -> None:
     """Export the W4A16 model to ONNX (MatMulNBits), check it against the torch runtime with
-    onnxruntime, and print the atc command for OM of an atc-compatible float export."""
+    onnxruntime, and print the atc command for OM of an atc-compatible float export. Skipped,
+    saying which extra brings it, when onnx / onnxruntime are not installed (a plain install)."""
+    from cvt.extras import message, missing
+
+    lacking = missing("export")
+    if lacking:
+        say(f"\n[8/9] skipped: {message(lacking[0], 'cvt export onnx / om')}")
+        return
     from cvt.errors import CvtError
     from cvt.export.atc import precheck
     from cvt.export.om import export_om

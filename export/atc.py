@@ -148,7 +148,9 @@ class GraphCheckError(CvtError):
 # -- reading a graph --------------------------------------------------------------------------
 def load_model(model):
     """(ModelProto, label) from a path or a ModelProto; external weights are not read."""
-    import onnx
+    from cvt.extras import require
+
+    onnx = require("onnx", "reading an ONNX graph (cvt export om)")
 
     if isinstance(model, onnx.ModelProto):
         return model, f"<model {model.graph.name or 'graph'}>"

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cvt.errors import CvtError, OutputError
+from cvt.extras import require
 from cvt.export.atc import (
     INPUT_FORMATS,
     LOG_LEVELS,
@@ -163,6 +164,7 @@ def export_om(onnx, dst, soc_version: str, *, input_shape: str | None = None, dy
         raise AtcNotFoundError(cmd)
     if verify:
         _require_ais_bench()
+        require("onnxruntime", "cvt export om --verify")
     if dst.exists() and not dst.is_dir():
         raise OutputError(f"{dst}: exists and is not a directory")
     log_path, script = dst / f"{onnx_path.stem}.atc.log", dst / f"{onnx_path.stem}.atc.sh"
@@ -224,8 +226,9 @@ def verify_om(onnx_path: Path, om_path: Path, shape: str | None, dynamic_dims: s
     """Run the OM (ais_bench) and the ONNX graph (onnxruntime, CPU) on the same random inputs
     and compare every output with cvt's metrics; raise if a cosine is below VERIFY_MIN_COSINE."""
     import numpy as np
-    import onnxruntime as ort
     import torch
+
+    ort = require("onnxruntime", "cvt export om --verify")
 
     from cvt.runtime.metrics import compare_tensors
 

@@ -76,8 +76,9 @@ def default_opset(int4_op: str) -> int:
 def check_options(scope: str, dtype: str, int4_op: str, w8a8_op: str, opset: int | None, accuracy_level: int,
                   moe: str = "gated") -> int:
     """Validate the options; returns the opset to use."""
-    import onnx
+    from cvt.extras import require
 
+    onnx = require("onnx", "cvt export onnx")  # first: onnx_graph imports it at module level
     from cvt.export.onnx_graph import MIN_OPSET, QDQ_INT4_OPSET
 
     for what, value, valid in (("--scope", scope, SCOPES), ("--dtype", dtype, DTYPES), ("--int4-op", int4_op, INT4_OPS),
@@ -189,6 +190,10 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
     check (`cvt.export.ort.parity`) and stores it in the result (`.parity`)."""
     t0 = time.perf_counter()
     opset = check_options(scope, dtype, int4_op, w8a8_op, opset, accuracy_level, moe)
+    if verify:  # before the model is loaded and exported, not after
+        from cvt.extras import require
+
+        require("onnxruntime", "cvt export onnx --verify")
     check_source(src)
     dst = Path(dst)
     _check_dst(Path(src) if Path(src).exists() else None, dst, overwrite)

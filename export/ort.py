@@ -73,10 +73,9 @@ def read_manifest(dst) -> dict:
 
 def session(path: Path, manifest: dict, threads: int | None = None):
     """A CPU InferenceSession; a fused int4 Q/DQ MatMul keeps the export's accuracy level."""
-    try:
-        import onnxruntime as ort
-    except ImportError as exc:
-        raise CvtError(f"onnxruntime is not installed ({exc}); pip install 'cvt[export]'") from exc
+    from cvt.extras import require
+
+    ort = require("onnxruntime", "running an ONNX export (cvt run --backend onnxruntime, --verify)")
     so = ort.SessionOptions()
     so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(manifest.get("accuracy_level", 0)))
     so.log_severity_level = 3
@@ -362,7 +361,10 @@ def torch_positions(model, start_pos: int, s: int, cached: bool = True):
 # ------------------------------------------------------------------------------- generation
 def load_for_generation(dst, threads: int | None = None):
     """(OrtCausalLM, tokenizer) from an export directory (config.json + tokenizer copied by export)."""
+    from cvt.extras import require
     from cvt.runtime.tokenizer import load_tokenizer
+
+    require("onnxruntime", "cvt run --backend onnxruntime")  # before DST is read: an install problem first
 
     lm = OrtCausalLM(dst, threads)
     cfg_path = Path(dst) / "config.json"

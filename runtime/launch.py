@@ -367,9 +367,26 @@ def launch_args(*, prompts=(), input_ids=(), max_new_tokens=32, temperature=0.0,
     return argv
 
 
+def _boot(module: str) -> str:
+    """Python code for `python -c` that runs MODULE as `python -m MODULE` would, except that the
+    current directory is not put on sys.path.
+
+    `python -m` (and `-c`) put the current directory first on sys.path, so a folder named `cvt`
+    there -- the clone's own folder, when `cvt run` starts from its parent -- shadows the
+    installed package and every rank dies on import (a folder named `torch` would break the
+    agent the same way). `-P` / PYTHONSAFEPATH would drop it but exist only from Python 3.11 (cvt
+    supports 3.10); `-I` would also drop PYTHONPATH and the user's site-packages, where cvt may be
+    installed. So the child removes the one entry `-c` added (''; none under -P / PYTHONSAFEPATH),
+    keeping every other path exactly as the parent's interpreter would have it. One line, so that
+    a process list shows MODULE and its arguments on one line (`pgrep -f`)."""
+    return (f"import runpy, sys; sys.path.pop(0) if sys.path[:1] == [''] else None; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+
+
 def torchrun(model, world_size: int | None, argv: list[str]) -> int:
     """Run `python -m torch.distributed.run --standalone --nproc-per-node W -m cvt.runtime.launch MODEL
-    ARGV` and return its exit code. Unless ``--debug`` is in ARGV, stderr keeps the ranks' ``cvt:``
+    ARGV` (each process started by `_boot`: nothing is imported from the current directory) and
+    return its exit code. Unless ``--debug`` is in ARGV, stderr keeps the ranks' ``cvt:``
     lines (an error said by several ranks once) and drops torchrun's own report, which is shown
     only when the run fails without any ``cvt:`` line."""
     import collections
@@ -385,8 +402,10 @@ def torchrun(model, world_size: int | None, argv: list[str]) -> int:
                        f"(or torchrun --nproc-per-node {world} -m cvt.runtime.launch {model})")
     if world_size != world:
         raise CvtError(f"{model} is sharded for a world of {world} ranks, not {world_size}: use --world-size {world}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
-           "-m", "cvt.runtime.launch", str(model), *argv]
+    # torchrun's agent and each rank start as `python -c <_boot(module)>` (torchrun --no-python), not
+    # `python -m`: see `_boot` for why
+    cmd = [sys.executable, "-c", _boot("torch.distributed.run"), "--standalone", "--nproc-per-node", str(world_size),
+           "--no-python", sys.executable, "-u", "-c", _boot("cvt.runtime.launch"), str(model), *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     # torchrun gets SIGTERM if this process dies (and stops its ranks, which also die with it)

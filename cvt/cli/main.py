@@ -493,6 +493,13 @@ def main(argv=None) -> None:
         click.echo(f"cvt: error: {where}{exc.strerror or exc}", err=True)
         sys.exit(EXIT_ERROR)
     except Exception as exc:  # a bug: say so, in one line unless --debug
+        from cvt.extras import extra_of, message
+
+        if isinstance(exc, ModuleNotFoundError) and extra_of(exc.name):  # an optional dependency no `require` checked
+            if debug:
+                traceback.print_exc()
+            click.echo(f"cvt: error: {message(exc.name)}", err=True)
+            sys.exit(EXIT_ERROR)
         if type(exc).__name__ == "ValidationError":  # pydantic: input no reader turned into a CvtError
             from cvt.errors import validation_summary
 

@@ -6,7 +6,8 @@ file name); the test compares each rank's dump with `load_model` + `generate` in
 process, both in float32 (a source with quantized activations: on the rank's own tokens,
 see `QUANTIZED_ACTIVATIONS`). Start-up refusals (topology, missing / altered rank file, layout
 against config.json) are checked on `preflight` and `main` directly, one altered-file case
-runs inside a world (no rank may hang), and one `cvt run --world-size 2` goes through torchrun.
+runs inside a world (no rank may hang), and `cvt run --world-size 2` goes through torchrun (also
+from a directory holding a folder named `cvt`).
 """
 
 from __future__ import annotations
@@ -228,6 +229,34 @@ def test_cvt_run_world_size_launches_torchrun(sources, sharded):
                 NEW_TOKENS, "--dtype", "fp32", "--device", "cpu", "--quiet", subprocess_=True)  # ranks print to fd 1
     assert r.rc == 0, r.err
     assert r.out == tok.decode(tokens[0]) + "\n"
+
+
+def test_cvt_run_world_size_from_a_folder_holding_cvt(sources, sharded, tmp_path):
+    """Started from a directory holding a folder named `cvt` (e.g. the clone's parent): the ranks
+    still import the installed package, not that folder (`python -m` puts the current directory
+    first on sys.path). The folders are packages that fail on import: any process taking one fails
+    (a clone's folder, a namespace package, failed the same way under an editable install)."""
+    import subprocess
+    import sys
+
+    tokens, _ = _reference(sources["qw"])
+    from cvt.runtime.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(sources["qw"], _config(sources["qw"]))
+    here = tmp_path / "elsewhere"
+    (here / "cvt").mkdir(parents=True)
+    (here / "cvt" / "__init__.py").write_text("raise ImportError('imported ./cvt from the current directory')\n")
+    (here / "torch").mkdir()  # nor torchrun's agent the torch package
+    (here / "torch" / "__init__.py").write_text("raise ImportError('imported ./torch from the current directory')\n")
+    # the console script, as a user runs it (`python -m cvt` would itself import ./cvt)
+    cli = Path(sys.executable).with_name("cvt")
+    cmd = [str(cli)] if cli.exists() else [sys.executable, "-c", "import sys; del sys.path[0]; "
+                                           "from cvt.cli import main; main(sys.argv[1:])"]
+    r = subprocess.run([*cmd, "run", str(sharded["qw-tp2-ep2"]), "--world-size", "2", "--prompt", PROMPTS[0],
+                        "--max-new-tokens", str(NEW_TOKENS), "--dtype", "fp32", "--device", "cpu", "--quiet"],
+                       cwd=here, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == tok.decode(tokens[0]) + "\n"
 
 
 # ------------------------------------------------------------------------------ refusals

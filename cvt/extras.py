@@ -1,0 +1,63 @@
+"""Optional dependencies: which pip extra brings each, and one clear error when one is missing.
+
+A plain ``pip install cvt`` brings what fp8-to-bf16, inspect, plan, quantize, shard, run (torch
+backend), verify and demo need. ONNX (`cvt export onnx`, the graph pre-check of `cvt export om`,
+`cvt run --backend onnxruntime`, the ``--verify`` of both exports) needs onnx and onnxruntime:
+the ``export`` extra (``pip install 'cvt[export]'``). Code that needs one of them calls
+`require` before any work, so a missing one is one line naming the extra (exit 1), never a
+``ModuleNotFoundError`` (exit 70); `cvt.cli.main` turns a ``ModuleNotFoundError`` of a module
+listed here, raised where no `require` came first, into the same line.
+
+Dependencies of the platform rather than of cvt (torch_npu, ais_bench: Ascend's own wheels)
+are not extras: their callers say what to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+
+from cvt.errors import CvtError
+
+# extra -> the import names it brings (pyproject.toml's [project.optional-dependencies])
+EXTRAS: dict[str, tuple[str, ...]] = {"export": ("onnx", "onnxruntime")}
+
+
+class MissingDependencyError(CvtError):
+    """An optional dependency is not installed (or does not import)."""
+
+
+def extra_of(module: str | None) -> str | None:
+    """The extra that brings MODULE (a dotted name: its top-level package counts), or None."""
+    top = (module or "").split(".")[0]
+    return next((extra for extra, mods in EXTRAS.items() if top in mods), None)
+
+
+def message(module: str, needed_for: str | None = None, detail: str | None = None) -> str:
+    """`<needed_for> needs <module>, ...: pip install 'cvt[<extra>]'` (the line after ``cvt: error:``)."""
+    extra = extra_of(module)
+    top = module.split(".")[0]
+    what = f"{needed_for} needs {top}" if needed_for else f"this command needs {top}"
+    why = f" ({detail})" if detail else ""
+    if extra is None:
+        return f"{what}, which is not installed{why}: pip install {top}"
+    return f"{what}, which a plain install of cvt leaves out{why}: pip install 'cvt[{extra}]'"
+
+
+def require(module: str, needed_for: str) -> ModuleType:
+    """Import MODULE, or raise MissingDependencyError naming the extra to install.
+    `needed_for`: the verb or option that needs it (``"cvt export onnx"``)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # not installed, or installed and broken (a missing shared library)
+        detail = None if isinstance(exc, ModuleNotFoundError) and exc.name == module.split(".")[0] else str(exc)
+        raise MissingDependencyError(message(module, needed_for, detail)) from exc
+
+
+def missing(extra: str) -> list[str]:
+    """The modules of EXTRA that are not installed (without importing any)."""
+    return [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+
+
+__all__ = ["EXTRAS", "MissingDependencyError", "extra_of", "message", "require", "missing"]
