@@ -22,6 +22,7 @@ fallback to RTN is recorded in the manifest.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,13 +41,16 @@ from cvt.convert.safetensors_io import TensorSpec, dtype_code
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.quant import qkernel
-from cvt.quant.formats import DEFAULT_GROUP, get_format
+from cvt.quant.formats import DEFAULT_GROUP, get_format, group_fallback
 from cvt.quant.disk_layouts import DiskLayouts, shell_q
 from cvt.quant.layouts import check_target, kernel_fmt_of
 from cvt.quant.recipe import Policy, Recipe
 from cvt.quant.schemes import get_scheme
 from cvt.quant.schemes.base import QuantizedTensor, Scheme
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
+from cvt.units import article
+
+log = logging.getLogger("cvt")
 
 FP8_SCALE = "_scale_inv"
 CT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_global_scale")
@@ -64,6 +68,8 @@ class Plan:
     # quantized module -> the fused group sharing its per-tensor scale (NVFP4's global scale;
     # `ArchTable.fused_groups`), members quantized with the same scheme
     shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # quantized module -> why it is per channel though the scheme has groups (`group_fallback`)
+    group_fallbacks: dict[str, str] = field(default_factory=dict)
 
 
 def _sqnr(w: torch.Tensor, w_hat: torch.Tensor) -> float | str:
@@ -174,14 +180,26 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
             plan.float_reasons[module] = why
             continue
         shape = _weight_shape(ckpt, params)
+        fallback = group_fallback(fmt, module, scheme, shape, target)
+        if fallback is not None:
+            scheme = _scheme_for(choice.scheme, fmt.name, 0, asym, fp4_format, cache)
+            plan.group_fallbacks[module] = fallback
         fmt.check_shape(module, scheme, shape, target=target, expert=expert)
         plan.schemes[module] = scheme
         plan.experts[module] = expert
         plan.methods[module] = choice.method
-        if choice.method == "gptq" and layouts.kernel_fmt_of(scheme) not in _gptq_kernels():
-            raise CvtError(f"{module}: --method gptq does not support scheme {scheme.name} "
-                           f"({layouts.kernel_fmt_of(scheme)}; GPTQ handles {', '.join(_gptq_kernels())}): use rtn, "
-                           "or give this module another method or scheme in a recipe")
+        kernels = method_kernels(choice.method)
+        if kernels is not None and layouts.kernel_fmt_of(scheme) not in kernels:
+            why = (" (it smooths activations for their int8 quantization; this scheme keeps them float)"
+                   if choice.method == "smoothquant" else "")
+            raise CvtError(f"{module}: --method {choice.method} does not support scheme {scheme.name}{why} "
+                           f"({layouts.kernel_fmt_of(scheme)}; {choice.method} handles {', '.join(kernels)}): use "
+                           "rtn, or give this module another method or scheme in a recipe")
+    if plan.group_fallbacks:  # one line for the run; each module is in the manifest's fallbacks
+        names = sorted(plan.group_fallbacks)
+        log.warning(f"cvt: {len(names)} linear(s) whose in_features the group size does not divide are quantized "
+                    f"per channel (listed in cvt_manifest.json quant.fallbacks): {', '.join(names[:3])}"
+                    + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
     if not plan.schemes:
         raise CvtError(f"{ckpt.root}: nothing to quantize with scheme {scheme_name} (every linear is float by "
                        "default, ignored or not quantizable)")
@@ -193,10 +211,19 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
     return plan
 
 
-def _gptq_kernels() -> tuple[str, ...]:
-    from cvt.quant.methods.gptq import SUPPORTED  # the methods import torch eagerly: only when asked
+def method_kernels(method: str) -> tuple[str, ...] | None:
+    """The kernel formats `method` quantizes (None: every one): gptq's error feedback is written
+    for int4 / int8 per channel / fp4 weights, smoothquant needs quantized activations; rtn and
+    awq (a weight-error search, then RTN) take any scheme."""
+    if method == "gptq":
+        from cvt.quant.methods.gptq import SUPPORTED  # the methods import torch eagerly: only when asked
 
-    return SUPPORTED
+        return SUPPORTED
+    if method == "smoothquant":
+        from cvt.quant.methods.smoothquant import SUPPORTED
+
+        return SUPPORTED
+    return None
 
 
 def _weight_shape(ckpt: Checkpoint, params: dict[str, str]) -> tuple[int, int]:
@@ -372,7 +399,7 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
             if src_fmt is SourceFormat.BF16 and m.format != "hf-bf16":
                 src_fmt = SourceFormat.OTHER_QUANT
         if src_fmt not in (SourceFormat.BF16, SourceFormat.FP8_BLOCK, SourceFormat.CT_INT4):
-            raise FormatError(f"{src}: cannot quantize a {src_fmt.value} checkpoint (quantize reads BF16, FP8 block "
+            raise FormatError(f"{src}: cannot quantize {article(src_fmt.value)} checkpoint (quantize reads BF16, FP8 block "
                               "and compressed-tensors pack-quantized INT4 checkpoints)")
         arch = arch_for(ckpt.config)
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
@@ -585,7 +612,10 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
         lm_cfg = config["text_config"] if isinstance(config.get("text_config"), dict) and "model_type" not in config else config
         lm_cfg["quantization_config"] = qc
 
-    fallbacks = sorted(cal.fallbacks, key=lambda f: f.module)  # one order whichever way the layers were calibrated
+    calibrated = {f.module for f in cal.fallbacks}
+    fallbacks = sorted(list(cal.fallbacks) + [Fallback(module=m, method=plan.methods[m], reason=why)
+                                              for m, why in plan.group_fallbacks.items()],
+                       key=lambda f: f.module)  # one order whichever way the layers were calibrated
     quant = QuantInfo(scheme=scheme, format=fmt, target=target, method=method, group_size=group_size, symmetric=not asym,
                       fp4_format=fp4_format if scheme == "fp4" else None, kv_cache=kv_meta,
                       float_modules=dict(plan.float_reasons), fallbacks=fallbacks, calibration=cal.summary)
@@ -593,7 +623,8 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     def on_meta(meta: dict[str, dict]) -> None:
         quant.tensors = {m: QuantTensorInfo(**v) for m, v in sorted(meta.items())}
         for m, v in sorted(meta.items()):
-            if v["method"] == "rtn-fallback" and not any(f.module == m for f in quant.fallbacks):
+            if v["method"] == "rtn-fallback" and m not in calibrated:
+                calibrated.add(m)
                 quant.fallbacks.append(Fallback(module=m, method=plan.methods[m], reason="not covered by calibration"))
 
     calib_id = None
@@ -616,8 +647,16 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     )
     sqnrs = [v.sqnr_db for v in quant.tensors.values() if isinstance(v.sqnr_db, float)]
     result.extra.update(quantized=len(plan.schemes), float_modules=len(plan.float_reasons),
+                        by_scheme=_counts(s.name for s in plan.schemes.values()), by_method=_counts(plan.methods.values()),
                         fallbacks=len(quant.fallbacks), min_sqnr_db=f"{min(sqnrs):.1f} dB" if sqnrs else "exact")
     return result
+
+
+def _counts(names) -> dict[str, int]:
+    """{name: how many}, most frequent first (a mixed recipe's summary counts each scheme / method)."""
+    from collections import Counter
+
+    return dict(sorted(Counter(names).items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _torch_name(code: str) -> str:

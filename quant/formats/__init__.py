@@ -67,6 +67,26 @@ def get_format(name: str) -> Format:
 DEFAULT_GROUP = {("w4a16", "compressed-tensors"): 128, ("w4a16", "ascend"): 64}
 
 
+def group_fallback(form, module: str, scheme, shape, target: str | None = None) -> str | None:
+    """None when `scheme`'s group size divides the linear's in_features (or it is not grouped);
+    else why `module` is quantized per channel instead: where every config group carries its own
+    strategy (``form.per_channel_fallback``: compressed-tensors), as peers do for such a linear
+    (compressed-tensors 0.20 ``strategy_cdiv`` warns and uses ceil(k/G) groups, the last one short,
+    which vLLM's int4 kernels do not load; for k < G that single short group gives the per-channel
+    numbers). A format whose stacks read one global group size (ascend) gets FormatError naming
+    the module and what to do instead."""
+    g, k = getattr(scheme, "group_size", 0) or 0, shape[1]
+    if not g or k % g == 0:
+        return None
+    if not getattr(form, "per_channel_fallback", False):
+        raise FormatError(
+            f"{module}.weight {list(shape)}: group size {g} does not divide in_features={k}, and the {form.name} "
+            f"format's stacks read one global group_size, so this linear cannot be written per channel: give a "
+            f"--group-size that divides every grouped linear's in_features (a divisor of {k}), or keep it float "
+            "(--ignore, or a recipe rule)")
+    return f"group size {g} does not divide in_features={k}: quantized per channel (its own config group)"
+
+
 def scheme_name(scheme) -> str:
     """The registry name of a scheme instance (or a name passed as a string)."""
     return scheme if isinstance(scheme, str) else scheme.name
@@ -74,4 +94,4 @@ def scheme_name(scheme) -> str:
 
 from cvt.quant.formats import ascend, compressed_tensors  # noqa: E402,F401  isort: skip  (registers)
 
-__all__ = ["DEFAULT_GROUP", "FORMATS", "Format", "format_names", "get_format", "register"]
+__all__ = ["DEFAULT_GROUP", "FORMATS", "Format", "format_names", "get_format", "group_fallback", "register"]

@@ -87,6 +87,7 @@ def match_name(name: str, target: str) -> bool:
 class CompressedTensors:
     name = "compressed-tensors"
     weights_prefix = "model"
+    per_channel_fallback = True  # each config group has its own strategy (`group_fallback`)
 
     def supports(self, scheme, target: str | None = None) -> None:
         L.check_target(self.name, target)
