@@ -125,8 +125,7 @@ class Violation:
         where = self.subject + (f" dim {self.dim}" if self.dim is not None else "")
         units = f" = {self.size // self.unit} {self.unit_name}s" if self.unit > 1 and self.size % self.unit == 0 else ""
         msg = (f"{where} (size {self.size}{units}): {self.axis} {self.degree} does not split it into whole "
-               f"{self.unit_name}s; valid {self.axis}: {', '.join(map(str, self.valid)) or 'none'} (the divisors "
-               f"of the world size that do)")
+               f"{self.unit_name}s; valid {self.axis}: {', '.join(map(str, self.valid)) or 'none'}")
         return msg + (f" (and {self.more} more tensors like it)" if self.more else "")
 
 
