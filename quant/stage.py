@@ -21,6 +21,7 @@ fallback to RTN is recorded in the manifest.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -305,10 +306,12 @@ class _Quantizer:
             w = get_scheme(src_q.scheme, group_size=src_q.group_size, symmetric=src_q.symmetric).dequantize(src_q)
             k = src_q.shape[1]
             same_group = (0 if src_q.group_size in (0, k) else src_q.group_size) == (
-                0 if scheme.group_size in (0, k) else scheme.group_size)  # a group of k is per channel
+                0 if scheme.group_size in (0, k) else scheme.group_size)  # a group of k: the same scales
             if q is None and same_group and (src_q.kernel_fmt, src_q.symmetric) == (
                     kernel_fmt_of(scheme), scheme.symmetric):
-                q, method = src_q, "source"  # same int4 grid: re-emitted as is, without loss
+                # same int4 grid: re-emitted as is, without loss, recorded with the scheme's group
+                # size (a [n, 1] scale reads back as 0; a group of k is written in the grouped layout)
+                q, method = dataclasses.replace(src_q, group_size=scheme.group_size), "source"
         else:
             if q is None and module not in self.static_inputs and qkernel.kernel_name() != "reference":
                 fused = self._quantize_fused(module, params, scheme, method)
