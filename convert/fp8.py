@@ -18,6 +18,7 @@ are never expanded to a full ``[n, k]`` tensor. Two kernels compute the same bit
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 from functools import lru_cache
@@ -33,7 +34,11 @@ def _c_kernel():
         return None
     try:
         from cvt.convert import _fp8kernel  # type: ignore[attr-defined]
-    except ImportError:
+    except ImportError:  # said once per process (this function is cached): every FP8 tensor is slower
+        logging.getLogger("cvt").warning(
+            "cvt: the C FP8 kernel (cvt.convert._fp8kernel) is not built - there was no C compiler when cvt was "
+            "installed: dequantizing with the torch kernel, ~8x slower (same bytes); install gcc or cc and "
+            "reinstall cvt (pip install --force-reinstall --no-deps .)")
         return None
     lib = ctypes.CDLL(_fp8kernel.__file__)
     fn = lib.cvt_dequant_fp8_block

@@ -189,18 +189,36 @@ class DiskBytes:
 
         kf = L.kernel_fmt_of(scheme)
         self.fmt, self.target, self.scheme = fmt, L.check_target(fmt, target), scheme
-        form = get_format(fmt)
+        self.form = form = get_format(fmt)
         form.supports(scheme, self.target)
         self.layouts = DiskLayouts(form, self.target)
         self.float_reason = L.experts_only_reason(fmt, kf, self.target)
+        self._channel = None
 
-    def __call__(self, module: str, shape: tuple, expert: bool) -> int | None:
+    def group_fit(self, module: str, shape: tuple, expert: bool) -> str | None:
+        """As cvt quantize decides for a whole linear [n, k] (`cvt.quant.tensor.formats.group_fallback`):
+        None when the group size divides k (or the module stays float), else why it is written
+        per channel; FormatError where the format refuses it."""
+        from cvt.quant.tensor.formats import group_fallback
+
+        if self.float_reason is not None and not expert:
+            return None
+        return group_fallback(self.form, module, self.scheme, tuple(shape), self.target)
+
+    def __call__(self, module: str, shape: tuple, expert: bool, per_channel: bool = False) -> int | None:
         from cvt.dtypes import DTYPES
 
         if self.float_reason is not None and not expert:
             return None
+        scheme = self.scheme
+        if per_channel:  # a group_fit fallback: the scheme per channel, as quantize writes it
+            if self._channel is None:
+                from cvt.quant.tensor.schemes import get_scheme
+
+                self._channel = get_scheme(scheme.name, group_size=0, symmetric=scheme.symmetric)
+            scheme = self._channel
         try:
-            specs, _ = self.layouts.get(module, self.scheme, tuple(shape), False, None, None, expert)
+            specs, _ = self.layouts.get(module, scheme, tuple(shape), False, None, None, expert)
         except CvtError as exc:  # worded for the layouts' probe module: name the real one
             probe = f"{self.layouts.PROBE}.{module.rsplit('.', 1)[-1]}"
             raise type(exc)(str(exc).replace(probe, module)) from exc
@@ -239,13 +257,19 @@ def _unit(kind: Kind, dim: int, block, sch, k: int) -> tuple[int, str]:
     return unit, " and ".join(names) if names else ("row" if dim == 0 else "column")
 
 
+def _some(values, n: int = 12) -> str:
+    values = list(values)
+    return ", ".join(map(str, values[:n])) + (f", ... {values[-1]}" if len(values) > n else "")
+
+
 def _config_violation(subject, axis, degree, size, world, unit_name, extra="") -> Violation | None:
     if size % degree == 0:
         return None
     valid = tuple(d for d in divisors(world) if size % d == 0)
     return Violation(subject, axis, degree, size, unit_name=unit_name, valid=valid,
                      reason=f"{subject} = {size} {unit_name}s: {axis} {degree} does not divide it; valid {axis}: "
-                            f"{', '.join(map(str, valid))}{extra}")
+                            f"{', '.join(map(str, valid))} (the divisors of {size} that also divide the world size "
+                            f"{world}; {size}'s divisors: {_some(divisors(size))}){extra}")
 
 
 def validate(layout: Layout, config: Mapping[str, Any], scheme: str | None = None,
@@ -306,9 +330,10 @@ def check(layout: Layout, config: Mapping[str, Any], scheme: str | None = None,
 
 # ------------------------------------------------------------------------------ memory plan
 def _tensor_bytes(kind: Kind, shape: tuple, dim: int | None, deg: int, sch, block, disk: DiskBytes | None = None,
-                  module: str = "") -> int:
+                  module: str = "", per_channel: bool = False) -> int:
     """Bytes of one shard (dim split `deg` ways, the largest shard when it does not divide);
-    a quantized linear's as `disk` says (`DiskBytes`), else from the scheme's parts."""
+    a quantized linear's as `disk` says (`DiskBytes`; `per_channel`: its group fallback), else
+    from the scheme's parts."""
     shape = list(shape)
     if dim is not None and deg > 1:
         shape[dim] = -(-shape[dim] // deg)
@@ -319,7 +344,7 @@ def _tensor_bytes(kind: Kind, shape: tuple, dim: int | None, deg: int, sch, bloc
         n, k = shape
         return n * k + -(-n // block[0]) * -(-k // block[1]) * 4
     if disk is not None and kind.quantized and len(shape) == 2:
-        b = disk(module, shape, kind.info.role is Role.EXPERT)
+        b = disk(module, shape, kind.info.role is Role.EXPERT, per_channel)
         return 2 * numel if b is None else b
     if sch is not None and kind.quantized and len(shape) == 2:
         total = 0
@@ -426,8 +451,13 @@ class Plan:
                 f"{len(over)} of {len(self.ranks)} ranks exceed it: {_ranges(over)}" if over else
                 f"every rank fits (least headroom {gib(self.hbm_bytes - self.max)} GiB)"))
         lines += ["", "assumptions:"] + [f"  - {a}" for a in self.assumptions]
-        if self.violations:
-            lines += ["", "layout violations (cvt shard refuses this layout):"] + [f"  - {v}" for v in self.violations]
+        layout_bad = [v for v in self.violations if v.axis != "group"]
+        group_bad = [v for v in self.violations if v.axis == "group"]
+        if layout_bad:
+            lines += ["", "layout violations (cvt shard refuses this layout):"] + [f"  - {v}" for v in layout_bad]
+        if group_bad:
+            lines += ["", "quantization violations (cvt quantize refuses this group size):"] + [
+                f"  - {v}" for v in group_bad]
         return "\n".join(lines)
 
 
@@ -489,14 +519,27 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     model = dict.fromkeys(CATEGORIES, 0)
     experts: dict[int, dict[int, int]] = {}
     memo: dict[tuple, int] = {}
+    fits: dict[tuple, list] = {}  # (pattern, shape) -> [group_fit's answer, first module, count]
     items = list(tensors(config, layout.shared_experts))
     for name, shape, kind, nums in items:
         deg = getattr(layout, kind.axis) if kind.axis else 1
         key = (kind.info.rule.pattern, kind.info.param, shape, deg)
+        fit = None
+        if disk is not None and kind.quantized and len(shape) == 2:  # quantize's group rule, whole linear
+            fkey = (kind.info.rule.pattern, shape)
+            if fkey not in fits:
+                try:
+                    answer = disk.group_fit(name.rsplit(".", 1)[0], shape, kind.info.role is Role.EXPERT)
+                except FormatError as exc:
+                    answer = exc
+                fits[fkey] = [answer, name.rsplit(".", 1)[0], 0]
+            fits[fkey][2] += 1
+            fit = fits[fkey][0]
         if key not in memo:
             module = name.rsplit(".", 1)[0]
-            memo[key] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, sch, block, disk, module)
-            memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, None, 1, sch, block, disk, module)
+            channel = isinstance(fit, str)
+            memo[key] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, sch, block, disk, module, channel)
+            memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, None, 1, sch, block, disk, module, channel)
         model[kind.category] += memo[key[:3] + (0,)]
         if kind.info.role is Role.EXPERT:
             layer = experts.setdefault(nums[0], {})
@@ -559,7 +602,14 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
             + (f" + indexer key {index_dim} (bf16)" if index_dim else "") + " per token and layer, whole on "
             "every TP rank" if mla else f"GQA k+v {kv_heads} KV heads / tp x {head_dim}")
         + f"; {'int8' if int8_kv else 'bf16'}; {n_layers} decoder layers (MTP layers not cached)"]
+    group_bad = []
+    for (answer, module, count) in fits.values():
+        more = f" (and {count - 1} more linears like it)" if count > 1 else ""
+        if isinstance(answer, FormatError):
+            group_bad.append(Violation(module, "group", sch.group_size, 0, reason=f"{answer}{more}"))
+        elif answer is not None:
+            assumptions.append(f"{module}: {answer}, as cvt quantize writes it{more}")
     return Plan(arch.model_type, scheme, layout, ranks, model, kv_tokens,
                 None if hbm_bytes is None else parse_bytes(hbm_bytes),
                 validate(layout, config, scheme, sch.group_size if _format_group(disk, scheme) else group_size,
-                         items), assumptions)
+                         items) + group_bad, assumptions)

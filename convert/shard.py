@@ -72,6 +72,7 @@ from cvt.convert.writer import (
     source_info,
 )
 from cvt.errors import CvtError
+from cvt.units import article
 from cvt.schemas.manifest import FileInfo, Manifest, RankShard, ShardInfo, StageInfo, TensorShard
 
 RANK_DIR = "rank-{:05d}"
@@ -167,7 +168,7 @@ def weights_scheme(config, quant: dict | None, where: str = "SRC") -> tuple[str 
     if qc.get("quant_method") == "fp8":
         return None, None
     if qc:
-        raise CvtError(f"{where}: a {qc.get('quant_method')} checkpoint not written by cvt quantize; "
+        raise CvtError(f"{where}: {article(str(qc.get('quant_method')))} checkpoint not written by cvt quantize; "
                        "shard the bf16 / FP8 release or a cvt quantize output")
     return "bf16", None
 

@@ -1,4 +1,5 @@
-"""Sizes as people type them: '5GB' (10^9), '64GiB' / '64G' (2^30), '1.5TB', '500MB', or bytes."""
+"""Sizes as people type them: '5GB' (10^9), '64GiB' / '64G' (2^30), '1.5TB', '500MB', or bytes;
+and counts and names as messages say them (`plural`, `article`)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,14 @@ def parse_size(text: str | int) -> int:
     if value <= 0 or unit == 0:
         raise CvtError(f"size {text!r} is not a size like 5GB, 500MB or 64GiB")
     return int(value * unit)
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``"1 weight file"``, ``"3 weight files"``: `n` and the noun in the number it takes
+    (`nouns`: an irregular plural; default the noun + "s")."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
+def article(word: str) -> str:
+    """``"an other-quantized"``, ``"a bf16"``: `word` after the indefinite article its first letter takes."""
+    return f"{'an' if str(word)[:1].lower() in 'aeiou' and str(word)[:1] else 'a'} {word}"

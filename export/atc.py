@@ -102,6 +102,10 @@ KNOWN_DTYPES = frozenset({"FLOAT", "UINT8", "INT8", "UINT16", "INT16", "INT32", 
 BF16_SOCS = ("Ascend910B", "Ascend910_93", "Ascend950")  # Atlas A2, A3, 950
 SOC_RE = re.compile(r"^Ascend[0-9]{3}[A-Za-z0-9]*(_[A-Za-z0-9]+)?$")
 SOC_EXAMPLES = "Ascend910B3, Ascend310P3, Ascend910_9392"
+# The chip series atc knows (CANN's --soc_version values: Ascend310 / 310B* / 310P* inference,
+# Ascend610*, Ascend910 / 910A / 910Pro* training, 910B* Atlas A2, 910_93* Atlas A3, 950*): a
+# name outside them (a typo, Ascend999) would only fail inside atc on the Ascend host.
+SOC_SERIES = ("Ascend310", "Ascend610", "Ascend910", "Ascend950")
 
 # --precision_mode values (ATC parameter reference, CANN 8.x/9.0; force_fp16 is atc's default).
 PRECISION_MODES = ("force_fp32", "cube_fp16in_fp32out", "force_fp16", "allow_fp32_to_fp16", "must_keep_origin_dtype",
@@ -419,9 +423,13 @@ def _check_profiles(input_shape: str, dynamic_dims: str) -> None:
 
 # -- the command ------------------------------------------------------------------------------
 def check_soc_version(soc_version: str) -> str:
+    """`soc_version` when it is an Ascend SoC name of a series atc knows (`SOC_SERIES`), else CvtError."""
     if not SOC_RE.match(soc_version or ""):
         raise CvtError(f"--soc-version {soc_version!r} is not an Ascend SoC name like {SOC_EXAMPLES} "
                        "('Ascend' + the Name that npu-smi info shows; A3: <Chip Name>_<NPU Name>)")
+    if soc_version[:9] not in SOC_SERIES:
+        raise CvtError(f"--soc-version {soc_version!r}: no Ascend SoC series {soc_version[6:9]} (atc knows "
+                       f"{', '.join(s[6:] for s in SOC_SERIES)}: e.g. {SOC_EXAMPLES})")
     return soc_version
 
 

@@ -48,6 +48,7 @@ dB figure agrees to a tolerance (the tests allow 0.01 dB), not bit for bit.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -91,7 +92,11 @@ def _c_kernel():
         return None
     try:
         from cvt.quant import _qkernel  # type: ignore[attr-defined]
-    except ImportError:
+    except ImportError:  # said once per process (this function is cached)
+        logging.getLogger("cvt").warning(
+            "cvt: the C quantize kernels (cvt.quant._qkernel) are not built - there was no C compiler when cvt was "
+            "installed: RTN runs the blockwise torch fallback, ~20-40x slower (same bytes); install gcc or cc and "
+            "reinstall cvt (pip install --force-reinstall --no-deps .)")
         return None
     lib = ctypes.CDLL(_qkernel.__file__)
     lib.cvt_quantize.argtypes = [ctypes.POINTER(_Args)]

@@ -21,7 +21,9 @@ fallback to RTN is recorded in the manifest.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import threading
 from dataclasses import dataclass, field
@@ -43,14 +45,17 @@ from cvt.convert.safetensors_io import TensorSpec
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.quant import qkernel
-from cvt.quant.tensor.formats import DEFAULT_FORMAT, default_group, get_format
+from cvt.quant.tensor.formats import DEFAULT_FORMAT, default_group, get_format, group_fallback
 from cvt.quant.tensor.formats.compressed_tensors import CompressedTensors
 from cvt.quant.tensor.disk_layouts import DiskLayouts, shell_q
 from cvt.quant.tensor.layouts import check_target, kernel_fmt_of
-from cvt.quant.recipe import GPTQ, RTN, Policy, Recipe
+from cvt.quant.recipe import GPTQ, RTN, SMOOTHQUANT, Policy, Recipe
 from cvt.quant.tensor.schemes import get_scheme, scheme_from_options
 from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
+from cvt.units import article
+
+log = logging.getLogger("cvt")
 
 FP8_SCALE = "_scale_inv"
 CT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_global_scale")
@@ -68,6 +73,8 @@ class Plan:
     # quantized module -> the fused group sharing its per-tensor scale (NVFP4's global scale;
     # `ArchTable.fused_groups`), members quantized with the same scheme
     shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # quantized module -> why it is per channel though the scheme has groups (`group_fallback`)
+    group_fallbacks: dict[str, str] = field(default_factory=dict)
 
 
 def _sqnr_value(v: float | None, module: str = "", scheme: str = "") -> float | str | None:
@@ -178,14 +185,26 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
             plan.float_reasons[module] = why
             continue
         shape = _weight_shape(ckpt, params)
+        fallback = group_fallback(fmt, module, scheme, shape, target)
+        if fallback is not None:
+            scheme = _scheme_for(choice.scheme, fmt.name, 0, asym, fp4_format, cache)
+            plan.group_fallbacks[module] = fallback
         fmt.check_shape(module, scheme, shape, target=target, expert=expert)
         plan.schemes[module] = scheme
         plan.experts[module] = expert
         plan.methods[module] = choice.method
-        if choice.method == GPTQ and layouts.kernel_fmt_of(scheme) not in _gptq_kernels():
-            raise CvtError(f"{module}: --method gptq does not support scheme {scheme.name} "
-                           f"({layouts.kernel_fmt_of(scheme)}; GPTQ handles {', '.join(_gptq_kernels())}): use rtn, "
-                           "or give this module another method or scheme in a recipe")
+        kernels = method_kernels(choice.method)
+        if kernels is not None and layouts.kernel_fmt_of(scheme) not in kernels:
+            why = (" (it smooths activations for their int8 quantization; this scheme keeps them float)"
+                   if choice.method == SMOOTHQUANT else "")
+            raise CvtError(f"{module}: --method {choice.method} does not support scheme {scheme.name}{why} "
+                           f"({layouts.kernel_fmt_of(scheme)}; {choice.method} handles {', '.join(kernels)}): use "
+                           "rtn, or give this module another method or scheme in a recipe")
+    if plan.group_fallbacks:  # one line for the run; each module is in the manifest's fallbacks
+        names = sorted(plan.group_fallbacks)
+        log.warning(f"cvt: {len(names)} linear(s) whose in_features the group size does not divide are quantized "
+                    f"per channel (listed in cvt_manifest.json quant.fallbacks): {', '.join(names[:3])}"
+                    + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
     if not plan.schemes:
         raise CvtError(f"{ckpt.root}: nothing to quantize with scheme {scheme_name} (every linear is float by "
                        "default, ignored or not quantizable)")
@@ -197,10 +216,19 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
     return plan
 
 
-def _gptq_kernels() -> tuple[str, ...]:
-    from cvt.quant.methods.gptq import SUPPORTED  # the methods import torch eagerly: only when asked
+def method_kernels(method: str) -> tuple[str, ...] | None:
+    """The kernel formats `method` quantizes (None: every one): gptq's error feedback is written
+    for int4 / int8 per channel / fp4 weights, smoothquant needs quantized activations; rtn and
+    awq (a weight-error search, then RTN) take any scheme."""
+    if method == GPTQ:
+        from cvt.quant.methods.gptq import SUPPORTED  # the methods import torch eagerly: only when asked
 
-    return SUPPORTED
+        return SUPPORTED
+    if method == SMOOTHQUANT:
+        from cvt.quant.methods.smoothquant import SUPPORTED
+
+        return SUPPORTED
+    return None
 
 
 def _weight_shape(ckpt: Checkpoint, params: dict[str, str]) -> tuple[int, int]:
@@ -282,10 +310,12 @@ class _Quantizer:
             w = get_scheme(src_q.scheme, group_size=src_q.group_size, symmetric=src_q.symmetric).dequantize(src_q)
             k = src_q.shape[1]
             same_group = (0 if src_q.group_size in (0, k) else src_q.group_size) == (
-                0 if scheme.group_size in (0, k) else scheme.group_size)  # a group of k is per channel
+                0 if scheme.group_size in (0, k) else scheme.group_size)  # a group of k: the same scales
             if q is None and same_group and (src_q.kernel_fmt, src_q.symmetric) == (
                     kernel_fmt_of(scheme), scheme.symmetric):
-                q, method = src_q, "source"  # same int4 grid: re-emitted as is, without loss
+                # same int4 grid: re-emitted as is, without loss, recorded with the scheme's group
+                # size (a [n, 1] scale reads back as 0; a group of k is written in the grouped layout)
+                q, method = dataclasses.replace(src_q, group_size=scheme.group_size), "source"
         else:
             if q is None and module not in self.static_inputs and qkernel.kernel_name() != "reference":
                 fused = self._quantize_fused(module, params, scheme, method)
@@ -382,7 +412,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             if src_fmt is SourceFormat.BF16 and m.format != "hf-bf16":
                 src_fmt = SourceFormat.OTHER_QUANT
         if src_fmt not in (SourceFormat.BF16, SourceFormat.FP8_BLOCK, SourceFormat.CT_INT4):
-            raise FormatError(f"{src}: cannot quantize a {src_fmt.value} checkpoint (quantize reads BF16, FP8 block "
+            raise FormatError(f"{src}: cannot quantize {article(src_fmt.value)} checkpoint (quantize reads BF16, FP8 block "
                               "and compressed-tensors pack-quantized INT4 checkpoints)")
         arch = arch_for(ckpt.config)
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
@@ -592,7 +622,10 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     extra_files = form.write_metadata(config, tags, plan.schemes, float_linears=float_linears, kv_cache=c8, mla=mla,
                                       target=target)
 
-    fallbacks = sorted(cal.fallbacks, key=lambda f: f.module)  # one order whichever way the layers were calibrated
+    calibrated = {f.module for f in cal.fallbacks}
+    fallbacks = sorted(list(cal.fallbacks) + [Fallback(module=m, method=plan.methods[m], reason=why)
+                                              for m, why in plan.group_fallbacks.items()],
+                       key=lambda f: f.module)  # one order whichever way the layers were calibrated
     quant = QuantInfo(scheme=req.scheme, format=req.fmt, target=target, method=req.method, group_size=req.group_size,
                       symmetric=not req.asym, fp4_format=req.fp4_format, kv_cache=kv_meta,
                       float_modules=dict(plan.float_reasons), fallbacks=fallbacks, calibration=cal.summary)
@@ -600,7 +633,8 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     def on_meta(meta: dict[str, dict]) -> None:
         quant.tensors = {m: QuantTensorInfo(**v) for m, v in sorted(meta.items())}
         for m, v in sorted(meta.items()):
-            if v["method"] == "rtn-fallback" and not any(f.module == m for f in quant.fallbacks):
+            if v["method"] == "rtn-fallback" and m not in calibrated:
+                calibrated.add(m)
                 quant.fallbacks.append(Fallback(module=m, method=plan.methods[m], reason="not covered by calibration"))
 
     calib_id = None
@@ -623,8 +657,16 @@ def _write(ckpt, dst, plan: Plan, form, source: _Source, src_fmt: SourceFormat, 
     )
     sqnrs = [v.sqnr_db for v in quant.tensors.values() if isinstance(v.sqnr_db, float)]
     result.extra.update(quantized=len(plan.schemes), float_modules=len(plan.float_reasons),
+                        by_scheme=_counts(s.name for s in plan.schemes.values()), by_method=_counts(plan.methods.values()),
                         fallbacks=len(quant.fallbacks), min_sqnr_db=f"{min(sqnrs):.1f} dB" if sqnrs else "exact")
     return result
+
+
+def _counts(names) -> dict[str, int]:
+    """{name: how many}, most frequent first (a mixed recipe's summary counts each scheme / method)."""
+    from collections import Counter
+
+    return dict(sorted(Counter(names).items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _torch_name(code: str) -> str:

@@ -81,8 +81,9 @@ class QuantTensorInfo(_Strict):
 
 
 class Fallback(_Strict):
-    """A module that could not use the requested method (e.g. an expert with too few calibration
-    tokens) and was quantized with RTN instead."""
+    """A module that could not be quantized as asked: it could not use the requested method (e.g.
+    an expert with too few calibration tokens) and was quantized with RTN instead, or its
+    in_features are not a multiple of the group size and it was quantized per channel."""
 
     module: str
     method: str

@@ -25,7 +25,7 @@ log = logging.getLogger("cvt")
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="cvt")
 def cli() -> None:
-    """cvt: convert released LLM checkpoints (DeepSeek-V3/R1/V3.1, Kimi-K2, Qwen3, Qwen3-MoE)
+    """cvt: convert released LLM checkpoints (DeepSeek-V3/R1/V3.1/V3.2, Kimi-K2, Qwen3, Qwen3-MoE)
     for Ascend NPUs and any torch machine.
 
     SRC may be a local directory or a Hugging Face hub repo id (owner/name; HF_HUB_OFFLINE=1
@@ -61,10 +61,13 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
     r = fp8_to_bf16(src, dst, revision=revision, workers=workers, max_shard_size=parse_size(max_shard_size),
                     resume=resume, overwrite=overwrite, quiet=quiet)
     if not quiet:
+        from cvt.units import plural
+
         x = r.extra
         click.echo(
-            f"dequantized {x['dequantized']} FP8 tensors, passed {x['passed_through']} through, dropped {x['scales_dropped']} scales\n"
-            f"wrote {r.written_files} weight files ({r.skipped_files} already done) to {r.dst}\n"
+            f"dequantized {plural(x['dequantized'], 'FP8 tensor')}, passed {x['passed_through']} through, dropped "
+            f"{plural(x['scales_dropped'], 'scale')}\n"
+            f"wrote {plural(r.written_files, 'weight file')} ({r.skipped_files} already done) to {r.dst}\n"
             f"read {human(r.bytes_in)}, wrote {human(r.bytes_out)} in {r.seconds:.1f} s ({human(r.throughput)}/s)"
         )
 
@@ -88,7 +91,9 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
                    "mindie takes the int8 two-per-byte W4A16 for every linear, and gets its quantize keys in "
                    "config.json.")
 @click.option("--method", type=METHODS, default=None,
-              help="Default rtn. rtn needs no data; smoothquant (w8a8), gptq and awq (w4a16) calibrate on --calib text.")
+              help="Default rtn. rtn: any scheme, no data. gptq: fp4, w4a16, w8a8, w8a8c8. awq: any scheme. smoothquant: w4a8, "
+                   "w8a8, w8a8c8 (it smooths activations for their int8 quantization). gptq, awq and smoothquant "
+                   "calibrate on --calib text; a recipe can give modules other methods.")
 @click.option("--group-size", type=click.IntRange(0), default=None,
               help="w4a16 group size along k (0: per channel). Default 128 for compressed-tensors, 64 for ascend.")
 @click.option("--asym", is_flag=True, help="w4a16 with offsets (zero points) instead of symmetric.")
@@ -142,16 +147,20 @@ def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_fo
                  workers=workers, max_shard_size=parse_size(max_shard_size), resume=resume, overwrite=overwrite,
                  quiet=quiet, target=target, device=device, expert_memory=parse_size(expert_memory))
     if not quiet:
+        from cvt.units import plural
+
         x = r.extra
         q = r.manifest.quant
-        click.echo(f"quantized {x['quantized']} linears ({q.scheme}, {q.method}, {q.format}), kept {x['float_modules']} float, "
-                   f"{x['fallbacks']} RTN fallbacks; worst SQNR {x['min_sqnr_db']}\n"
+        kinds = ", ".join(f"{n} {k}" for k, n in x["by_scheme"].items()) if len(x["by_scheme"]) > 1 else q.scheme
+        methods = ", ".join(f"{n} {k}" for k, n in x["by_method"].items()) if len(x["by_method"]) > 1 else q.method
+        click.echo(f"quantized {plural(x['quantized'], 'linear')} ({kinds}; {methods}; {q.format}), kept "
+                   f"{x['float_modules']} float, {plural(x['fallbacks'], 'fallback')}; worst SQNR {x['min_sqnr_db']}\n"
                    + (f"calibrated {c['layers']} layers on {c['tokens']} tokens ({c['device']}): "
                       f"{sum(c['seconds_per_layer']) / max(1, len(c['seconds_per_layer'])):.2f} s/layer, "
                       f"peak RSS {human(c['peak_rss_bytes'])}"
                       + (f", {c['resumed_layers']} layers resumed" if c['resumed_layers'] else "") + "\n"
                       if (c := r.manifest.quant.calibration) else "") +
-                   f"wrote {r.written_files} weight files ({r.skipped_files} already done) to {r.dst}: "
+                   f"wrote {plural(r.written_files, 'weight file')} ({r.skipped_files} already done) to {r.dst}: "
                    f"{human(r.bytes_out)} in {r.seconds:.1f} s")
 
 
@@ -242,7 +251,8 @@ def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens,
     """Per-rank memory plan of an EP/TP layout from config.json alone (MODEL: a checkpoint
     directory or a config.json): weights by role plus KV cache, min/max/mean, the heaviest rank,
     ranks over --hbm, and every divisibility problem of the layout. Exit code 3 when the layout
-    is invalid or a rank does not fit. Same as `cvt shard --dry-run`."""
+    is invalid or a rank does not fit. `cvt shard SRC --dry-run` prints the same plan, with the
+    same options (defaulting to SRC's own scheme, format and target)."""
     config = _read_config(model)
     _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens, fmt, target, fp4_format)
 
@@ -256,6 +266,12 @@ def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens,
 @click.option("--scheme", type=PLAN_SCHEMES, default=None,
               help="--dry-run: weights' scheme (default: SRC's own - its cvt quantize scheme, fp8 or bf16).")
 @click.option("--group-size", type=click.IntRange(0), default=None, help="--dry-run: quantization group size.")
+@click.option("--format", "fmt", type=FORMATS, default=None,
+              help="--dry-run: the format the weights are in, as cvt plan --format (default: SRC's own).")
+@click.option("--target", type=TARGETS, default=None,
+              help="--dry-run: ascend serving stack, as cvt plan --target (default: SRC's own).")
+@click.option("--fp4-format", type=FP4_FORMATS, default=None,
+              help="--dry-run: fp4 nvfp4 or mxfp4, as cvt plan --fp4-format (default: SRC's own).")
 @click.option("--hbm", default=None, help="--dry-run: device memory per rank, e.g. 64GB: ranks above it are flagged.")
 @click.option("--kv-tokens", type=click.IntRange(0), default=0, show_default=True,
               help="--dry-run: tokens of KV cache in flight (whole world).")
@@ -263,8 +279,8 @@ def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens,
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep rank files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
-def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, hbm, kv_tokens, revision, resume, overwrite,
-              quiet, **degrees):
+def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens, revision,
+              resume, overwrite, quiet, **degrees):
     """Write SRC as per-rank directories DST/rank-XXXXX/ for an EP/TP layout (one world of
     W ranks: attention tp x dp = W, MoE moe-tp x ep = W), with DST/cvt_manifest.json giving
     every tensor's split and every rank's files (size, sha256) and expert slots. Works on BF16,
@@ -274,6 +290,7 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, hbm, kv_tok
     `cvt run DST --world-size W`) runs the result."""
     if dry_run:
         config = _read_config(src)
+        asked = (fmt, target, fp4_format)
         if scheme is None:  # SRC's own: as the sharder would see it
             from pathlib import Path
 
@@ -288,15 +305,15 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, hbm, kv_tok
             scheme = "fp8" if own is None else own
             group_size = group if group_size is None else group_size
             if quant and quant.get("scheme"):  # a cvt quantize output: its format, target and fp4 format
-                fmt, target, fp4 = quant.get("format"), quant.get("target"), quant.get("fp4_format")
-                _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens, fmt, target, fp4)
-                return
-        _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens)
+                own = (quant.get("format"), quant.get("target"), quant.get("fp4_format"))
+                fmt, target, fp4_format = (a if a is not None else o for a, o in zip(asked, own))
+        _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens, fmt, target, fp4_format)
         return
     if dst is None:
         raise click.UsageError("DST is required (or pass --dry-run)")
-    if scheme or group_size is not None or hbm or kv_tokens:
-        raise click.UsageError("--scheme, --group-size, --hbm and --kv-tokens belong to --dry-run")
+    if scheme or group_size is not None or fmt or target or fp4_format or hbm or kv_tokens:
+        raise click.UsageError("--scheme, --group-size, --format, --target, --fp4-format, --hbm and --kv-tokens "
+                               "belong to --dry-run")
     from cvt.convert.reader import open_checkpoint
     from cvt.convert.shard import shard
     from cvt.units import parse_size
@@ -306,10 +323,12 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, hbm, kv_tok
     r = shard(src, dst, layout, revision=revision, max_shard_size=parse_size(max_shard_size), resume=resume,
               overwrite=overwrite, quiet=quiet)
     if not quiet:
+        from cvt.units import plural
+
         L = layout
         click.echo(f"sharded for world {L.world_size} (tp {L.tp} x dp {L.dp}; moe_tp {L.moe_tp} x ep {L.ep}; "
                    f"dense_tp {L.dense_tp}, embed_tp {L.embed_tp}, lmhead_tp {L.lmhead_tp})\n"
-                   f"wrote {r.written_files} rank files ({r.skipped_files} already done) to {r.dst}: read "
+                   f"wrote {plural(r.written_files, 'rank file')} ({r.skipped_files} already done) to {r.dst}: read "
                    f"{human(r.bytes_in)}, wrote {human(r.bytes_out)} in {r.seconds:.1f} s "
                    f"({human(r.throughput)}/s)")
 
@@ -459,6 +478,18 @@ def demo_cmd(directory, quiet):
 cli.add_command(export_group)
 
 
+def _resumes(argv) -> bool:
+    """Whether the verb `argv` names picks up where an interrupted run stopped (it has --resume)."""
+    cmd: click.Command = cli
+    for word in (argv if argv is not None else sys.argv[1:]):
+        if word.startswith("-") or not isinstance(cmd, click.Group):
+            break
+        cmd = cmd.commands.get(word)
+        if cmd is None:
+            return False
+    return any(p.name == "resume" for p in cmd.params)
+
+
 def main(argv=None) -> None:
     """Entry point: run the CLI and turn every failure into one line and an exit code."""
     debug = bool(os.environ.get("CVT_DEBUG")) or "--debug" in (argv if argv is not None else sys.argv[1:])
@@ -468,6 +499,9 @@ def main(argv=None) -> None:
         cli.main(args=argv, prog_name="cvt", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except click.exceptions.NoArgsIsHelpError as exc:  # bare `cvt` (or `cvt export`): the help, as --help
+        click.echo(exc.ctx.get_help())
+        sys.exit(0)
     except click.UsageError as exc:  # bad arguments: one line, like every other failure
         hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
         click.echo(f"cvt: error: {exc.format_message()}{hint}", err=True)
@@ -475,11 +509,8 @@ def main(argv=None) -> None:
     except click.ClickException as exc:
         click.echo(f"cvt: error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        click.echo("cvt: aborted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    except KeyboardInterrupt:
-        click.echo("\ncvt: interrupted; re-run the same command to resume", err=True)
+    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
+        click.echo("cvt: interrupted" + ("; re-run the same command to resume" if _resumes(argv) else ""), err=True)
         sys.exit(EXIT_INTERRUPTED)
     except CvtError as exc:
         if debug:

@@ -35,9 +35,8 @@ def probe_q(scheme: Scheme, shape: tuple[int, int], static: bool) -> QuantizedTe
 def shell_q(scheme: Scheme, shape: tuple[int, int], static: bool = False) -> QuantizedTensor:
     """A QuantizedTensor without parts: all a format's `layout_for` reads (kernel format, shape,
     group size, symmetry), so the layout is chosen before anything is quantized."""
-    k = shape[1]
     kf = kernel_fmt_of(scheme, static)
-    return QuantizedTensor(scheme.name, kf, tuple(shape), {}, 0 if scheme.group_size in (0, k) else scheme.group_size,
+    return QuantizedTensor(scheme.name, kf, tuple(shape), {}, scheme.group_size,
                            scheme.symmetric, {"fp4_format": kf} if getattr(scheme, "fp4_format", None) else {})
 
 

@@ -100,7 +100,10 @@ class Layout:
     pack: str | None = None         # how the fused RTN kernel (`cvt.quant.qkernel`) packs it; None: not fused
 
     def holds(self, group_size: int, k: int) -> bool:
-        per_channel = group_size in (0, k)
+        # a group of k is one group, not per channel: the stacks read one global group_size, and a
+        # linear whose k equals it must be in the grouped layout (vllm-ascend methods/w4a16.py:
+        # weight_scale [n, k // group_size] with group_size from the description)
+        per_channel = group_size == 0
         if self.groups and not per_channel and group_size not in self.groups:
             return False
         return self.grouping == "any" or (self.grouping == "channel") == per_channel
@@ -519,7 +522,7 @@ def select(fmt: str, kernel_fmt: str, target: str, *, expert: bool, group_size: 
         raise FormatError(f"{where}{target} loads {kernel_fmt} only with "
                           + " or ".join(sorted({lo.grouping for lo in found})) + " scales"
                           + (f" (group sizes {', '.join(map(str, sizes))})" if sizes else "") + ", not "
-                          + ("per channel" if group_size in (0, k) else f"group size {group_size}")
+                          + ("per channel" if group_size == 0 else f"group size {group_size}")
                           + (" (vllm-ascend divides by the description's group_size: 0 fails); use --group-size "
                              "32, 64 or 128" if target == VLLM_ASCEND else ""))
     lo = fit[0]

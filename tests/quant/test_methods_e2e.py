@@ -9,28 +9,47 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cvt.quant.recipe import Recipe
 from cvt.quant.stage import quantize
 from cvt.runtime.verify import verify
 
-# g128 everywhere it divides; q_b_proj's input is the 96-wide q LoRA rank
-G128 = Recipe.model_validate({"rules": [{"pattern": r"q_b_proj$", "scheme": "w4a16", "group_size": 32}]})
-
-
 def kl_and_ppl(candidate: Path, reference: Path, tmp: Path) -> tuple[float, float]:
+    """`cvt verify CANDIDATE --reference REFERENCE --seq-len 128 --max-sequences 8` (README's table)."""
     r = verify(candidate, reference, tmp / f"report-{candidate.name}", seq_len=128, max_sequences=8).report
     return r.logits.kl_mean, r.logits.ppl_ratio
 
 
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_row(label: str) -> tuple[float, float]:
+    """(mean KL, PPL ratio) of the README's trained-fixture table row `label`."""
+    import re
+
+    m = re.search(rf"^  \| {re.escape(label)} \| ([0-9.]+) \| ([0-9.]+) \|$", README.read_text(), flags=re.M)
+    assert m, f"README.md: no fixture table row {label!r}"
+    return float(m.group(1)), float(m.group(2))
+
+
+def assert_readme_row(label: str, got: tuple[float, float]) -> None:
+    """The README's numbers are this run's, to their printed digits (a few % for other CPUs'
+    summation order)."""
+    kl, ppl = readme_row(label)
+    assert abs(got[0] - kl) <= 0.05 * kl + 1e-4 and abs(got[1] - ppl) <= 2e-3, (label, got, (kl, ppl))
+
+
 def test_gptq_and_awq_beat_rtn_at_w4a16_g128(trained_fixture, tmp_path):
+    """`cvt quantize FIXTURE DST --scheme w4a16 --method M` as the README's table runs it: group
+    128 wherever it divides; q_b_proj (the 96-wide q LoRA rank) per channel."""
     kl = {}
     for method in ("rtn", "gptq", "awq"):
         dst = tmp_path / method
-        quantize(trained_fixture, dst, scheme="w4a16", group_size=128, method=method, recipe=G128, quiet=True)
+        quantize(trained_fixture, dst, scheme="w4a16", method=method, quiet=True)
         methods = {v["method"] for v in json.loads((dst / "cvt_manifest.json").read_text())["quant"]["tensors"].values()}
         assert method in methods
         kl[method] = kl_and_ppl(dst, trained_fixture, tmp_path)
     assert kl["gptq"][0] < kl["rtn"][0] and kl["awq"][0] < kl["rtn"][0], kl
+    for method in ("rtn", "gptq", "awq"):
+        assert_readme_row(f"w4a16 g128, {method}", kl[method])
 
 
 def with_activation_outliers(fixture: Path, dst: Path) -> Path:
@@ -71,3 +90,5 @@ def test_smoothquant_beats_rtn_at_w8a8_with_activation_outliers(trained_fixture,
         quantize(src, dst, scheme="w8a8", method=method, fmt="ascend", quiet=True)
         kl[method] = kl_and_ppl(dst, src, tmp_path)
     assert kl["smoothquant"][0] < 0.5 * kl["rtn"][0] and kl["smoothquant"][1] <= kl["rtn"][1] + 1e-3, kl
+    for method in ("rtn", "smoothquant"):
+        assert_readme_row(f"w8a8 with injected activation outliers, {method}", kl[method])

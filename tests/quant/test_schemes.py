@@ -141,8 +141,12 @@ def test_quantized_tensor_fields():
     assert q.parts["weight_scale"].shape == (24, 8)
     assert bool((q.parts["weight_offset"] != 0).any())
     assert torch.equal(q.parts["weight_offset"], q.parts["weight_offset"].round())
-    whole = get_scheme("w4a16", group_size=256).quantize(weight())  # G == k is per channel
-    assert whole.group_size == 0 and whole.parts["weight_scale"].shape == (24, 1)
+    # G == k: one group of k, the per-channel numbers, recorded as G (the Ascend stacks read one
+    # global group_size and need such a linear in the grouped layout: tests/quant/test_group_fallback.py)
+    whole = get_scheme("w4a16", group_size=256).quantize(weight())
+    assert whole.group_size == 256 and whole.parts["weight_scale"].shape == (24, 1)
+    channel = get_scheme("w4a16", group_size=0).quantize(weight())
+    assert all(torch.equal(whole.parts[p], channel.parts[p]) for p in channel.parts)
     f = get_scheme("fp4", fp4_format="mxfp4").quantize(weight())
     assert (f.kernel_fmt, f.group_size, f.extra) == ("mxfp4", 32, {"fp4_format": "mxfp4"})
     assert get_scheme("w8a8c8").kv_cache == "int8" and get_scheme("w8a8").kv_cache is None

@@ -31,10 +31,10 @@ Attributes: ``name``, ``weights_prefix``, ``kv_codec`` (how a quantized KV cache
 ({scheme: group size} when none is given).
 """
 
-from cvt.quant.tensor.formats.base import (FORMATS, Format, default_group, format_names, get_format, lm_section, register,
-                                           scheme_name)
+from cvt.quant.tensor.formats.base import (FORMATS, Format, default_group, format_names, get_format, group_fallback,
+                                           lm_section, register, scheme_name)
 from cvt.quant.tensor.formats import ascend, compressed_tensors  # noqa: F401  (register)
 
 DEFAULT_FORMAT = compressed_tensors.CompressedTensors.name  # what `cvt quantize` writes without --format
 
-__all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "default_group", "format_names", "get_format", "lm_section", "register", "scheme_name"]
+__all__ = ["DEFAULT_FORMAT", "FORMATS", "Format", "default_group", "format_names", "get_format", "group_fallback", "lm_section", "register", "scheme_name"]

@@ -54,6 +54,26 @@ def default_group(fmt: str, scheme: str) -> int | None:
     return FORMATS.get(fmt).default_groups.get(scheme)
 
 
+def group_fallback(form, module: str, scheme, shape, target: str | None = None) -> str | None:
+    """None when `scheme`'s group size divides the linear's in_features (or it is not grouped);
+    else why `module` is quantized per channel instead: where every config group carries its own
+    strategy (``form.per_channel_fallback``: compressed-tensors), as peers do for such a linear
+    (compressed-tensors 0.20 ``strategy_cdiv`` warns and uses ceil(k/G) groups, the last one short,
+    which vLLM's int4 kernels do not load; for k < G that single short group gives the per-channel
+    numbers). A format whose stacks read one global group size (ascend) gets FormatError naming
+    the module and what to do instead."""
+    g, k = getattr(scheme, "group_size", 0) or 0, shape[1]
+    if not g or k % g == 0:
+        return None
+    if not getattr(form, "per_channel_fallback", False):
+        raise FormatError(
+            f"{module}.weight {list(shape)}: group size {g} does not divide in_features={k}, and the {form.name} "
+            f"format's stacks read one global group_size, so this linear cannot be written per channel: give a "
+            f"--group-size that divides every grouped linear's in_features (a divisor of {k}), or keep it float "
+            "(--ignore, or a recipe rule)")
+    return f"group size {g} does not divide in_features={k}: quantized per channel (its own config group)"
+
+
 def lm_section(config: dict) -> dict:
     """The part of a config.json that describes the language model: `text_config` of a wrapper
     (Kimi-K2.5's), else the config itself; quantization keys go there."""

@@ -92,6 +92,7 @@ class CompressedTensors:
     kv_codec = "fp8"           # a quantized KV cache is FP8 (e4m3, per tensor): the only kind vLLM loads
     static_attention = False
     default_groups = {W4A16.name: 128}  # llm-compressor's and vLLM's usual group
+    per_channel_fallback = True  # each config group has its own strategy (`group_fallback`)
 
     def supports(self, scheme, target: str | None = None) -> None:
         L.check_target(self.name, target)

@@ -1,7 +1,9 @@
 """`w4a16`: int4 weights in groups along k, float activations (Ascend W4A16, c-t pack-quantized).
 
 Parts (kernel ``w4a16``, `cvt.runtime.kernels.int4`) for ``w [n, k]``, group size G
-(0 = per output channel; a G equal to k is the same thing and is recorded as 0)::
+(0 = per output channel; a G equal to k has the same numbers - one scale per row - but stays
+recorded as G: one group of k, which is how a stack reading one global group size (vllm-ascend,
+MindIE) must get it)::
 
     weight_int4    int8    [n, k]     int4 values -8..7, unpacked
     weight_scale   float32 [n, k/G]   ([n, 1] per channel), bfloat16-representable
@@ -87,7 +89,7 @@ class W4A16:
             q = P.quantize_int(w, scale, offset, QMIN, QMAX)
         return QuantizedTensor(self.name, KF.W4A16, (n, k),
                                {"weight_int4": q, "weight_scale": scale, "weight_offset": offset},
-                               g, self.symmetric)
+                               self.group_size, self.symmetric)
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
         p = q.parts
