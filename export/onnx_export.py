@@ -102,9 +102,14 @@ def check_source(src) -> None:
     header-only index says why: pickles, index paths, symlinks, missing files) or whose
     architecture has no exporter."""
     from cvt.convert.arch import text_config
-    from cvt.convert.reader import open_checkpoint
+    from cvt.convert.reader import open_checkpoint, sharded_manifest, unsharded_source
 
     p = Path(src)
+    sharded = sharded_manifest(p)
+    if sharded is not None:
+        raise CheckpointError(f"{src}: a cvt shard output ({sharded.shard.layout.world_size} per-rank directories); "
+                              f"export onnx needs an unsharded checkpoint: pass the one it was sharded from, "
+                              f"{unsharded_source(sharded)}")
     if not p.exists():
         if str(src).count("/") == 1 and not str(src).startswith((".", "/")):
             return  # a hub repo id: resolved by the loader
@@ -200,7 +205,7 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
     from cvt.runtime.loader import load_model
 
     threshold = EXTERNAL_THRESHOLD if external_threshold is None else int(external_threshold)
-    loaded = load_model(src, device="cpu", dtype=torch.float32, revision=revision)
+    loaded = load_model(src, device="cpu", dtype=torch.float32, revision=revision, quiet=quiet)
     model = loaded.model
     om.check_exportable(model)
     n_layers = model.args.num_hidden_layers
@@ -228,15 +233,14 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
 def _export(src, dst: Path, loaded, *, tmp: Path, scope, layer, dtype, opset, int4_op, w8a8_op, accuracy_level, moe,
             verify, threshold, quiet, t0, n_layers) -> ExportResult:
     import onnx
-    from tqdm import tqdm
 
     from cvt import __version__
     from cvt.export import onnx_models as om
     from cvt.export.onnx_graph import Graph, LinearOptions, save_graph
+    from cvt.progress import make_progress
 
     model = loaded.model
-    bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="export onnx (weights)", disable=quiet,
-               dynamic_ncols=True, smoothing=0.1)
+    bar = make_progress(None, "export onnx (weights)", quiet)
     try:
         opts = LinearOptions(int4_op=int4_op, w8a8_op=w8a8_op, accuracy_level=accuracy_level, moe=moe)
         targets = ([("model", None)] if scope == "model" else [("layer", None)] if scope == "layer"

@@ -153,3 +153,18 @@ def test_failed_export_leaves_no_dst_and_keeps_the_old_one(qwen, tmp_path, capsy
     m = json.loads((dst / "export_manifest.json").read_text())
     assert m["scope"] == "model" and not (dst / "layer_0.onnx").exists()
     assert not list(tmp_path.glob(".onnx.cvt-tmp-*")) and not list(tmp_path.glob(".onnx.cvt-old-*"))
+
+
+def test_sharded_source_is_refused_naming_what_to_export(qwen, tmp_path, capsys):
+    """A `cvt shard` output: one line saying it needs the unsharded checkpoint, and which one
+    (it said "no .safetensors files"); nothing is written."""
+    from cvt.convert.layout import make_layout
+    from cvt.convert.shard import shard
+
+    bf16, _ = qwen
+    sharded = shard(bf16, tmp_path / "sh", make_layout(ep=2), quiet=True).dst
+    rc, out, err = cvt(capsys, "export", "onnx", sharded, tmp_path / "onnx")
+    assert rc == 1 and out == ""
+    assert err == (f"cvt: error: {sharded}: a cvt shard output (2 per-rank directories); export onnx needs an "
+                   f"unsharded checkpoint: pass the one it was sharded from, {bf16}\n")
+    assert not (tmp_path / "onnx").exists()
