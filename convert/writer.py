@@ -36,6 +36,7 @@ from cvt import __version__
 from cvt.convert.outdir import OutputDir
 from cvt.convert.reader import Checkpoint
 from cvt.convert.safetensors_io import DTYPES, AtomicFile, TensorSpec, dtype_code, encode_header
+from cvt.progress import make_progress
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -480,13 +481,6 @@ def write_shards(
     if meta is not None:
         meta.update(fs.meta)
     return infos, len(fs.pending), len(shards) - len(fs.pending)
-
-
-def make_progress(total: int, desc: str, quiet: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=quiet,
-                dynamic_ncols=True, smoothing=0.1)
 
 
 def run_plan_id(ckpt: Checkpoint, src: SourceInfo, stage: StageInfo, **parts: Any) -> str:
