@@ -97,10 +97,11 @@ def check_options(scope: str, dtype: str, int4_op: str, w8a8_op: str, opset: int
     return opset
 
 
-def check_source(src) -> None:
+def check_source(src) -> dict | None:
     """Refuse, before loading anything, a local SRC that is not a model directory (the reader's
-    header-only index says why: pickles, index paths, symlinks, missing files) or whose
-    architecture has no exporter."""
+    header-only index says why: pickles, index paths, symlinks, missing files), a `cvt shard`
+    output, or one whose architecture has no exporter. Returns its (text) config, None for a
+    hub repo id (resolved by the loader)."""
     from cvt.convert.arch import text_config
     from cvt.convert.reader import open_checkpoint, sharded_manifest, unsharded_source
 
@@ -112,14 +113,27 @@ def check_source(src) -> None:
                               f"{unsharded_source(sharded)}")
     if not p.exists():
         if str(src).count("/") == 1 and not str(src).startswith((".", "/")):
-            return  # a hub repo id: resolved by the loader
+            return None  # a hub repo id: resolved by the loader
         raise CheckpointError(f"{src}: no such directory")
     if p.is_dir() and (p / MANIFEST).is_file() and not any(p.glob("*.safetensors")):
         raise CheckpointError(f"{src}: an ONNX export, not a checkpoint; export reads safetensors checkpoints")
     with open_checkpoint(p) as ckpt:
-        mt = text_config(ckpt.config).get("model_type")
+        cfg = text_config(ckpt.config)
+    mt = cfg.get("model_type")
     if mt not in SUPPORTED_TYPES:
         raise ArchError(f"{src}: model_type {mt!r} cannot be exported (supported: {', '.join(SUPPORTED_TYPES)})")
+    return cfg
+
+
+def _check_layer(scope: str, layer: int | None, n_layers: int) -> int | None:
+    """The decoder layer to export (scope layer / block: default 0), or CvtError naming --layer."""
+    if scope != "model":
+        layer = 0 if layer is None else int(layer)
+        if not 0 <= layer < n_layers:
+            raise CvtError(f"--layer {layer} is outside 0..{n_layers - 1} ({n_layers} decoder layers)")
+    elif layer is not None:
+        raise CvtError("--layer applies to --scope layer or block only")
+    return layer
 
 
 def _sha256(path: Path) -> str:
@@ -194,7 +208,9 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
     check (`cvt.export.ort.parity`) and stores it in the result (`.parity`)."""
     t0 = time.perf_counter()
     opset = check_options(scope, dtype, int4_op, w8a8_op, opset, accuracy_level, moe)
-    check_source(src)
+    cfg = check_source(src)
+    if cfg is not None and isinstance(cfg.get("num_hidden_layers"), int):  # before the (long) load
+        _check_layer(scope, layer, cfg["num_hidden_layers"])
     dst = Path(dst)
     _check_dst(Path(src) if Path(src).exists() else None, dst, overwrite)
 
@@ -209,12 +225,7 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
     model = loaded.model
     om.check_exportable(model)
     n_layers = model.args.num_hidden_layers
-    if scope != "model":
-        layer = 0 if layer is None else int(layer)
-        if not 0 <= layer < n_layers:
-            raise CvtError(f"--layer {layer} is outside 0..{n_layers - 1} ({n_layers} decoder layers)")
-    elif layer is not None:
-        raise CvtError("--layer applies to --scope layer or block only")
+    layer = _check_layer(scope, layer, n_layers)
 
     _check_dst(loaded.checkpoint_path, dst, overwrite)  # a hub source resolved to its snapshot
     lock = _lock_dst(dst)
