@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import row_progress, scratch_dir  # bench/common.py
+
 GB = 1e9
 
 
@@ -78,7 +80,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--method", default="gptq", choices=["gptq", "awq"])
     ap.add_argument("--calib-tokens", type=int, default=512)
-    ap.add_argument("--dir", help="where temp dirs go (default: the system temp dir)")
+    ap.add_argument("--dir", type=scratch_dir, help="where temp dirs go (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dirs")
     ap.add_argument("--expert-memory", help="also run the larger release with cvt quantize --expert-memory SIZE "
                     "(each MoE layer's experts read a chunk at a time) and compare time, RSS and output bytes")
@@ -92,6 +94,7 @@ def main() -> None:
     rows = []
     streamed = None
     try:
+        bar = row_progress(2 + bool(args.expert_memory), "rows")
         for layers in (args.layers, 2 * args.layers):
             t0 = time.perf_counter()
             src = write_fp8_release(root / f"src-{layers}", config(layers, args.hidden, args.experts), n_shards=4)
@@ -99,11 +102,14 @@ def main() -> None:
             size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
             wall, rss, spl, argv = run(src, root / f"out-{layers}", args.method, args.calib_tokens)
             rows.append((layers, size, t_build, wall, rss, spl, argv))
+            bar.update(1)
             if args.expert_memory and layers == 2 * args.layers:
                 out2 = root / f"out-{layers}-streamed"
                 w2, r2, spl2, _ = run(src, out2, args.method, args.calib_tokens, ("--expert-memory", args.expert_memory))
                 streamed = (w2, r2, spl2, weights_digest(out2) == weights_digest(root / f"out-{layers}"))
+                bar.update(1)
             shutil.rmtree(src, ignore_errors=True)
+        bar.close()
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

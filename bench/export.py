@@ -45,6 +45,8 @@ from cvt.quant.stage import quantize
 from cvt.runtime.generate import generate
 from cvt.runtime.loader import load_model
 
+from common import row_progress, scratch_dir  # bench/common.py
+
 PROMPT, NEW = 64, 32
 SIZES = {
     "demo": {},
@@ -93,7 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="best of N for every timed row")
     ap.add_argument("--sizes", default="demo,large", help=f"comma-separated, of {', '.join(SIZES)}")
-    ap.add_argument("--dir", help="where the temp dir goes (default: the system temp dir)")
+    ap.add_argument("--dir", type=scratch_dir, help="where the temp dir goes (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir")
     args = ap.parse_args()
     import onnxruntime
@@ -102,11 +104,14 @@ def main() -> None:
     results = {}
     root = Path(tempfile.mkdtemp(prefix="cvt-bench-export-", dir=args.dir))
     try:
-        for size in args.sizes.split(","):
-            t0 = time.perf_counter()
-            models = build(root / size, size)
-            t_build = time.perf_counter() - t0
-            results[size] = (models, speeds(models, args.repeat), t_build)
+        sizes = args.sizes.split(",")
+        with row_progress(len(sizes), "model sizes (build, export, time)") as bar:
+            for size in sizes:
+                t0 = time.perf_counter()
+                models = build(root / size, size)
+                t_build = time.perf_counter() - t0
+                results[size] = (models, speeds(models, args.repeat), t_build)
+                bar.update(1)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -52,6 +52,8 @@ from cvt.convert.fp8 import _dequant_torch, dequant_fp8_block, kernel_name
 from cvt.convert.safetensors_io import TensorSpec, encode_header
 from cvt.convert.synthetic import tiny_deepseek_config, write_side_files
 
+from common import row_progress, scratch_dir  # bench/common.py
+
 GB = 1e9
 H, REAL_VOCAB = 7168, 129280
 POOL = 64 << 20  # random bytes tiled into every FP8 / BF16 tensor
@@ -288,7 +290,7 @@ def kernel_rows(n_rep: int = 5) -> list[tuple]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=2.0, help="FP8 bytes of the synthetic checkpoint (GB)")
-    ap.add_argument("--dir", help="where temp dirs go (default: the system temp dir); same disk as a real run")
+    ap.add_argument("--dir", type=scratch_dir, help="where temp dirs go (default: the system temp dir); same disk as a real run")
     ap.add_argument("--workers", type=int, help="passed to cvt --workers")
     ap.add_argument("--max-shard-size", help="passed to cvt --max-shard-size (default: cvt's 5GB)")
     ap.add_argument("--repeat", type=int, default=1, help="best of N for the end-to-end runs")
@@ -316,6 +318,7 @@ def main() -> None:
         passthrough = (["--workers", str(args.workers)] if args.workers else []) + (
             ["--max-shard-size", args.max_shard_size] if args.max_shard_size else [])
         cvt_runs, floor_runs, ref_runs = [], [], []
+        bar = row_progress(args.repeat, "end-to-end rounds")
         for r in range(args.repeat):
             with scratch(root / f"cvt-{r}", args.keep) as dst:
                 cmd = [sys.executable, "-m", "cvt", "fp8-to-bf16", str(src), str(dst), "--quiet", *passthrough]
@@ -326,6 +329,8 @@ def main() -> None:
             if not args.skip_reference_e2e:
                 with scratch(root / f"reference-{r}", args.keep) as out:
                     ref_runs.append(reference_e2e(src, out))
+            bar.update(1)
+        bar.close()
         # what the stage's process imports (numpy and the C kernel; torch only without the kernel)
         t_start = import_seconds("cvt.cli, cvt.convert.fp8_to_bf16, numpy" + ("" if kernel_name() == "c" else ", torch"))
         krows = kernel_rows()

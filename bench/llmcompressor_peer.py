@@ -99,6 +99,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import scratch_dir  # bench/common.py
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 HEADERS = Path("/usr/include/linux")
@@ -433,7 +435,7 @@ def main() -> None:
     ap.add_argument("--cvt-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for cvt's GPTQ run (repeatable; write --cvt-arg=--option)")
     ap.add_argument("--cvt-verify", action="store_true", help="also run `cvt verify` on each output (second opinion)")
-    ap.add_argument("--dir", help="where the work dir goes (default: the system temp dir)")
+    ap.add_argument("--dir", type=scratch_dir, help="where the work dir goes (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (outputs, logs)")
     args = ap.parse_args()
     if args.seq_len < 2 or (args.num_seq * args.seq_len) % CVT_CALIB_SEQ:

@@ -93,6 +93,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import scratch_dir  # bench/common.py
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 HEADERS = Path("/usr/include/linux")
@@ -435,7 +437,7 @@ def main() -> None:
     ap.add_argument("--calib-sequences", type=int, default=8, help=f"calibration sequences of {CALIB_SEQ} tokens")
     ap.add_argument("--eval-sequences", type=int, default=32, help="cvt verify --max-sequences")
     ap.add_argument("--seq-len", type=int, default=256, help="evaluation sequence length (cvt verify --seq-len)")
-    ap.add_argument("--dir", help="where the work dir goes (default: the system temp dir)")
+    ap.add_argument("--dir", type=scratch_dir, help="where the work dir goes (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (outputs, logs, reports)")
     args = ap.parse_args()
 

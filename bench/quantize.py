@@ -54,6 +54,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import row_progress, scratch_dir  # bench/common.py
+
 GB = 1e9
 HERE = Path(__file__).resolve().parent
 RTN = (("w8a8", []), ("w4a16", ["--group-size", "128"]), ("fp4", ["--fp4-format", "nvfp4"]))
@@ -126,6 +128,7 @@ def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, refe
 
     src_files = sorted(src.glob("*.safetensors"))
     rows = []
+    bar = row_progress(len(RTN) * repeat, "RTN rows")
     for scheme, extra in RTN:
         best = None
         for r in range(repeat):
@@ -151,7 +154,9 @@ def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, refe
                 best = best[:3] + (min(best[3], t_floor),) + best[4:]
             spread.setdefault("cvt " + scheme, []).append(t)
             spread.setdefault("floor " + scheme, []).append(t_floor)
+            bar.update(1)
         rows.append(best)
+    bar.close()
     return rows
 
 
@@ -230,6 +235,7 @@ def print_kernel_rows(rows, n: int, k: int) -> None:
 
 def calib_rows(models: dict[str, Path], root: Path) -> list[tuple]:
     rows = []
+    bar = row_progress(len(models) * len(CALIBRATED), "calibrated rows")
     for model, src in models.items():
         for method, scheme, extra in CALIBRATED:
             dst, rec = root / f"calib-{model}-{method}", root / f"calib-{model}-{method}.json"
@@ -238,6 +244,8 @@ def calib_rows(models: dict[str, Path], root: Path) -> list[tuple]:
             wall, rss = load_fp8_bench().run_cvt(cmd)
             info = json.loads(rec.read_text())
             rows.append((model, method, scheme, wall, info["calibrate_s"], info["seconds_per_layer"], rss, argv))
+            bar.update(1)
+    bar.close()
     return rows
 
 
@@ -246,7 +254,7 @@ def main() -> None:
         return calib_child(sys.argv[2], sys.argv[3:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=0.5, help="FP8 bytes of the synthetic release (GB)")
-    ap.add_argument("--dir", help="where temp dirs go (default: the system temp dir); same disk as a real run")
+    ap.add_argument("--dir", type=scratch_dir, help="where temp dirs go (default: the system temp dir); same disk as a real run")
     ap.add_argument("--repeat", type=int, default=1, help="best of N for the RTN runs and their floors")
     ap.add_argument("--fixture", help="a trained BF16 checkpoint directory: adds its calibrated rows (without it "
                                       "they are skipped, and the report says so)")

@@ -50,40 +50,52 @@ from cvt.runtime.loader import load_model
 from cvt.runtime.tokenizer import load_tokenizer
 from cvt.runtime.verify import _batches, verify
 
+from common import row_progress, scratch_dir  # bench/common.py
 PROMPT, NEW, BATCHES = 64, 32, (1, 4)
 VERIFY_SEQ, VERIFY_SEQS = 64, 4
 
 
 def build_formats(root: Path) -> dict[str, tuple[Path, str]]:
     """name -> (checkpoint dir, how it was made)."""
-    src = write_fp8_release(root / "fp8")
-    out = {"bf16": (root / "bf16", "fp8_to_bf16"), "fp8": (src, "FP8 block release, dequantized on load")}
-    fp8_to_bf16(src, root / "bf16", quiet=True)
     ct = "compressed-tensors"
-    for name, kw, how in (("w8a8", {"scheme": "w8a8"}, f"quantize w8a8 rtn, {ct}"),
-                          ("w4a16", {"scheme": "w4a16"}, f"quantize w4a16 rtn g128, {ct}"),
-                          ("fp4", {"scheme": "fp4", "fp4_format": "nvfp4"}, f"quantize fp4 rtn nvfp4, {ct}")):
-        quantize(src, root / name, fmt=ct, method="rtn", quiet=True, **kw)
-        out[name] = (root / name, how)
+    quants = (("w8a8", {"scheme": "w8a8"}, f"quantize w8a8 rtn, {ct}"),
+              ("w4a16", {"scheme": "w4a16"}, f"quantize w4a16 rtn g128, {ct}"),
+              ("fp4", {"scheme": "fp4", "fp4_format": "nvfp4"}, f"quantize fp4 rtn nvfp4, {ct}"))
+    with row_progress(2 + len(quants), "build formats") as bar:
+        src = write_fp8_release(root / "fp8")
+        bar.update(1)
+        out = {"bf16": (root / "bf16", "fp8_to_bf16"), "fp8": (src, "FP8 block release, dequantized on load")}
+        fp8_to_bf16(src, root / "bf16", quiet=True)
+        bar.update(1)
+        for name, kw, how in quants:
+            quantize(src, root / name, fmt=ct, method="rtn", quiet=True, **kw)
+            out[name] = (root / name, how)
+            bar.update(1)
     return out
 
 
 def gen_speeds(models: dict[str, Path], repeat: int) -> dict[str, dict[int, tuple[float, float]]]:
     """name -> batch -> (best prefill tokens/s, best decode tokens/s). Rounds interleave the
     formats, so a burst of other load on the machine hits them all alike."""
-    loaded = {name: load_model(path, dtype=torch.bfloat16).model for name, path in models.items()}
-    g = torch.Generator().manual_seed(0)
-    prompts = {b: torch.randint(0, 256, (b, PROMPT), generator=g).tolist() for b in BATCHES}
-    for model in loaded.values():
-        for b in BATCHES:
-            generate(model, prompts[b], 4)  # warm-up: first-call allocations and kernel selection
-    res = {name: {b: (0.0, 0.0) for b in BATCHES} for name in models}
-    for _ in range(repeat):
-        for name, model in loaded.items():
+    with row_progress(len(models) * (1 + len(BATCHES) * (1 + repeat)), "generate: load, warm-up, rounds") as bar:
+        loaded = {}
+        for name, path in models.items():
+            loaded[name] = load_model(path, dtype=torch.bfloat16).model
+            bar.update(1)
+        g = torch.Generator().manual_seed(0)
+        prompts = {b: torch.randint(0, 256, (b, PROMPT), generator=g).tolist() for b in BATCHES}
+        for model in loaded.values():
             for b in BATCHES:
-                r = generate(model, prompts[b], NEW)
-                old = res[name][b]
-                res[name][b] = (max(old[0], r.prefill_tokens_per_s), max(old[1], r.decode_tokens_per_s))
+                generate(model, prompts[b], 4)  # warm-up: first-call allocations and kernel selection
+                bar.update(1)
+        res = {name: {b: (0.0, 0.0) for b in BATCHES} for name in models}
+        for _ in range(repeat):
+            for name, model in loaded.items():
+                for b in BATCHES:
+                    r = generate(model, prompts[b], NEW)
+                    old = res[name][b]
+                    res[name][b] = (max(old[0], r.prefill_tokens_per_s), max(old[1], r.decode_tokens_per_s))
+                    bar.update(1)
     return res
 
 
@@ -96,6 +108,7 @@ def timed(fn) -> float:
 def verify_costs(pairs: dict[str, tuple[Path, Path]], reports: Path, repeat: int) -> dict[str, list[float]]:
     """name -> [verify s, 2 bare forwards s, load both s], each the best of `repeat` interleaved rounds."""
     best = {name: [float("inf")] * 3 for name in pairs}
+    bar = row_progress(repeat * len(pairs), "verify vs bare forwards")
     for _ in range(repeat):
         for name, (cand, ref) in pairs.items():
             t_verify = timed(lambda: verify(cand, ref, reports / name.replace(" ", "-"), seq_len=VERIFY_SEQ,
@@ -108,6 +121,8 @@ def verify_costs(pairs: dict[str, tuple[Path, Path]], reports: Path, repeat: int
             with torch.no_grad():
                 t_fwd = timed(lambda: (r.model(tokens), c.model(tokens)))  # cold, as verify's own are
             best[name] = [min(a, b) for a, b in zip(best[name], (t_verify, t_fwd, t_load))]
+            bar.update(1)
+    bar.close()
     return best
 
 
@@ -116,7 +131,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="best of N for every timed row")
     ap.add_argument("--fixture", help="a trained BF16 checkpoint directory: adds its rows (without it they are "
                                       "skipped, and the report says so)")
-    ap.add_argument("--dir", help="where the temp dir goes (default: the system temp dir)")
+    ap.add_argument("--dir", type=scratch_dir, help="where the temp dir goes (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (checkpoints and verify reports)")
     args = ap.parse_args()
     if args.fixture is not None and not (Path(args.fixture) / "config.json").is_file():

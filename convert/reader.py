@@ -16,6 +16,7 @@ Index rules (each violation is a CheckpointError naming file and tensor):
 from __future__ import annotations
 
 import hashlib
+import os
 import stat
 import threading
 from dataclasses import dataclass, field
@@ -260,6 +261,27 @@ def read_manifest(root: Path, confine_root: Path | None = None, *, required: boo
     for rel in rels:
         relative_inside(root, rel, str(path), "listed path", ManifestError, confine_root)
     return manifest
+
+
+def sharded_manifest(path):
+    """The manifest of a `cvt shard` output at local directory `path`, else None (not a
+    directory, no manifest, an unsharded one, or an invalid one: the verb's own reader says
+    what is wrong with that)."""
+    if not isinstance(path, (str, os.PathLike)) or not Path(path).is_dir():
+        return None
+    try:
+        manifest = read_manifest(Path(path))
+    except ManifestError:
+        return None
+    return manifest if manifest is not None and manifest.shard is not None else None
+
+
+def unsharded_source(manifest) -> str:
+    """What `cvt shard` read to make this output (a local path or a hub id), as one would pass it."""
+    src = manifest.source
+    if src.kind == "local":
+        return str(src.path)
+    return str(src.repo_id) + (f" --revision {src.revision}" if src.revision else "")
 
 
 def file_problems(root: Path, files, verify_files: bool = False) -> list[str]:

@@ -66,12 +66,12 @@ from cvt.convert.writer import (
     OutputDir,
     WriteResult,
     finish_output,
-    make_progress,
     plan_shards,
     run_plan_id,
     source_info,
 )
 from cvt.errors import CvtError
+from cvt.progress import make_progress
 from cvt.units import article
 from cvt.schemas.manifest import FileInfo, Manifest, RankShard, ShardInfo, StageInfo, TensorShard
 

@@ -38,6 +38,7 @@ from cvt.convert.reader import Checkpoint
 from cvt.dtypes import DTYPES, dtype_code
 from cvt.convert.safetensors_io import AtomicFile, TensorSpec, encode_header
 from cvt.errors import TensorError
+from cvt.progress import make_progress
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -490,13 +491,6 @@ def write_shards(
     if meta is not None:
         meta.update(fs.meta)
     return infos, len(fs.pending), len(shards) - len(fs.pending)
-
-
-def make_progress(total: int, desc: str, quiet: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=quiet,
-                dynamic_ncols=True, smoothing=0.1)
 
 
 def run_plan_id(ckpt: Checkpoint, src: SourceInfo, stage: StageInfo, **parts: Any) -> str:

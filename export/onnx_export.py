@@ -98,24 +98,43 @@ def check_options(scope: str, dtype: str, int4_op: str, w8a8_op: str, opset: int
     return opset
 
 
-def check_source(src) -> None:
+def check_source(src) -> dict | None:
     """Refuse, before loading anything, a local SRC that is not a model directory (the reader's
-    header-only index says why: pickles, index paths, symlinks, missing files) or whose
-    architecture has no exporter."""
+    header-only index says why: pickles, index paths, symlinks, missing files), a `cvt shard`
+    output, or one whose architecture has no exporter. Returns its (text) config, None for a
+    hub repo id (resolved by the loader)."""
     from cvt.convert.arch import text_config
-    from cvt.convert.reader import open_checkpoint
+    from cvt.convert.reader import open_checkpoint, sharded_manifest, unsharded_source
 
     p = Path(src)
+    sharded = sharded_manifest(p)
+    if sharded is not None:
+        raise CheckpointError(f"{src}: a cvt shard output ({sharded.shard.layout.world_size} per-rank directories); "
+                              f"export onnx needs an unsharded checkpoint: pass the one it was sharded from, "
+                              f"{unsharded_source(sharded)}")
     if not p.exists():
         if str(src).count("/") == 1 and not str(src).startswith((".", "/")):
-            return  # a hub repo id: resolved by the loader
+            return None  # a hub repo id: resolved by the loader
         raise CheckpointError(f"{src}: no such directory")
     if p.is_dir() and (p / MANIFEST).is_file() and not any(p.glob("*.safetensors")):
         raise CheckpointError(f"{src}: an ONNX export, not a checkpoint; export reads safetensors checkpoints")
     with open_checkpoint(p) as ckpt:
-        mt = text_config(ckpt.config).get("model_type")
+        cfg = text_config(ckpt.config)
+    mt = cfg.get("model_type")
     if mt not in SUPPORTED_TYPES:
         raise ArchError(f"{src}: model_type {mt!r} cannot be exported (supported: {', '.join(SUPPORTED_TYPES)})")
+    return cfg
+
+
+def _check_layer(scope: str, layer: int | None, n_layers: int) -> int | None:
+    """The decoder layer to export (scope layer / block: default 0), or CvtError naming --layer."""
+    if scope != "model":
+        layer = 0 if layer is None else int(layer)
+        if not 0 <= layer < n_layers:
+            raise CvtError(f"--layer {layer} is outside 0..{n_layers - 1} ({n_layers} decoder layers)")
+    elif layer is not None:
+        raise CvtError("--layer applies to --scope layer or block only")
+    return layer
 
 
 def _sha256(path: Path) -> str:
@@ -194,7 +213,9 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
         from cvt.extras import require
 
         require("onnxruntime", "cvt export onnx --verify")
-    check_source(src)
+    cfg = check_source(src)
+    if cfg is not None and isinstance(cfg.get("num_hidden_layers"), int):  # before the (long) load
+        _check_layer(scope, layer, cfg["num_hidden_layers"])
     dst = Path(dst)
     _check_dst(Path(src) if Path(src).exists() else None, dst, overwrite)
 
@@ -205,16 +226,11 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
     from cvt.runtime.loader import load_model
 
     threshold = EXTERNAL_THRESHOLD if external_threshold is None else int(external_threshold)
-    loaded = load_model(src, device="cpu", dtype=torch.float32, revision=revision)
+    loaded = load_model(src, device="cpu", dtype=torch.float32, revision=revision, quiet=quiet)
     model = loaded.model
     om.check_exportable(model)
     n_layers = model.args.num_hidden_layers
-    if scope != "model":
-        layer = 0 if layer is None else int(layer)
-        if not 0 <= layer < n_layers:
-            raise CvtError(f"--layer {layer} is outside 0..{n_layers - 1} ({n_layers} decoder layers)")
-    elif layer is not None:
-        raise CvtError("--layer applies to --scope layer or block only")
+    layer = _check_layer(scope, layer, n_layers)
 
     _check_dst(loaded.checkpoint_path, dst, overwrite)  # a hub source resolved to its snapshot
     lock = _lock_dst(dst)
@@ -233,15 +249,14 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
 def _export(src, dst: Path, loaded, *, tmp: Path, scope, layer, dtype, opset, int4_op, w8a8_op, accuracy_level, moe,
             verify, threshold, quiet, t0, n_layers) -> ExportResult:
     import onnx
-    from tqdm import tqdm
 
     from cvt.version import __version__
     from cvt.export import onnx_models as om
     from cvt.export.onnx_graph import Graph, LinearOptions, save_graph
+    from cvt.progress import make_progress
 
     model = loaded.model
-    bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="export onnx (weights)", disable=quiet,
-               dynamic_ncols=True, smoothing=0.1)
+    bar = make_progress(None, "export onnx (weights)", quiet)
     try:
         opts = LinearOptions(int4_op=int4_op, w8a8_op=w8a8_op, accuracy_level=accuracy_level, moe=moe)
         targets = ([("model", None)] if scope == "model" else [("layer", None)] if scope == "layer"

@@ -62,7 +62,11 @@ def _finite(logits: torch.Tensor, start: int, n: int) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, eos_id: int | None = None, device=None) -> GenerationResult:
+             seed: int = 0, eos_id: int | None = None, device=None, quiet: bool = True) -> GenerationResult:
+    """Greedy or sampled continuations of `prompts` (module doc); `quiet=False` shows a bar of the
+    decode steps (max_new_tokens per batch of equal-length prompts)."""
+    from cvt.progress import make_progress
+
     if not prompts or any(len(p) == 0 for p in prompts):
         raise CvtError("every prompt needs at least one token")
     if max_new_tokens < 0:
@@ -78,26 +82,29 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(len(p), []).append(i)
-    for length, idx in groups.items():
-        tokens = torch.tensor([prompts[i] for i in idx], dtype=torch.long, device=device)
-        cache = model.new_cache(len(idx), length + max_new_tokens, device=device)
-        t0 = time.perf_counter()
-        logits = _finite(model(tokens, start_pos=0, cache=cache), 0, length)
-        result.prefill_seconds += time.perf_counter() - t0
-        result.prefill_tokens += tokens.numel()
-        done = torch.zeros(len(idx), dtype=torch.bool)
-        t0 = time.perf_counter()
-        for step in range(max_new_tokens):
-            nxt = sample(logits[:, -1], temperature, top_p, gen)
-            for j, i in enumerate(idx):
-                if not done[j]:
-                    result.outputs[i].append(int(nxt[j]))
-                    if eos_id is not None and int(nxt[j]) == eos_id:
-                        done[j] = True
-                        result.finished[i] = True
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            logits = _finite(model(nxt.view(-1, 1), start_pos=length + step, cache=cache), length + step, 1)
-            result.decode_tokens += len(idx)
-        result.decode_seconds += time.perf_counter() - t0
+    with make_progress(max_new_tokens * len(groups), "generate", quiet, unit="token") as bar:
+        for length, idx in groups.items():
+            tokens = torch.tensor([prompts[i] for i in idx], dtype=torch.long, device=device)
+            cache = model.new_cache(len(idx), length + max_new_tokens, device=device)
+            t0 = time.perf_counter()
+            logits = _finite(model(tokens, start_pos=0, cache=cache), 0, length)
+            result.prefill_seconds += time.perf_counter() - t0
+            result.prefill_tokens += tokens.numel()
+            done = torch.zeros(len(idx), dtype=torch.bool)
+            t0 = time.perf_counter()
+            for step in range(max_new_tokens):
+                nxt = sample(logits[:, -1], temperature, top_p, gen)
+                for j, i in enumerate(idx):
+                    if not done[j]:
+                        result.outputs[i].append(int(nxt[j]))
+                        if eos_id is not None and int(nxt[j]) == eos_id:
+                            done[j] = True
+                            result.finished[i] = True
+                if bool(done.all()) or step == max_new_tokens - 1:
+                    bar.update(max_new_tokens - step)  # this batch's remaining steps: none will run
+                    break
+                logits = _finite(model(nxt.view(-1, 1), start_pos=length + step, cache=cache), length + step, 1)
+                result.decode_tokens += len(idx)
+                bar.update(1)
+            result.decode_seconds += time.perf_counter() - t0
     return result

@@ -81,7 +81,12 @@ def _assign(module: nn.Module, attr: str, value: torch.Tensor, name: str) -> Non
 
 
 def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-               verify_files: bool = False, revision: str | None = None) -> Loaded:
+               verify_files: bool = False, revision: str | None = None, quiet: bool = True,
+               desc: str = "load") -> Loaded:
+    """Load `path` (module doc). `quiet=False` shows a progress bar (`desc`) over the bytes of
+    tensors read; a library call is silent by default."""
+    from cvt.progress import make_progress
+
     _refuse_sharded(path)
     ckpt = open_checkpoint(path, revision)
     try:
@@ -96,7 +101,8 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         with torch.device("meta"):
             model = build_model(ckpt.config, dtype=dtype)
         n_layers = getattr(model, "args").num_hidden_layers
-        seen, kv = assign_tensors(model, ckpt, device, block)
+        with make_progress(sum(r.nbytes for r in ckpt.tensors.values()), desc, quiet) as bar:
+            seen, kv = assign_tensors(model, ckpt, device, block, progress=bar)
         if kv:
             from cvt.runtime.kv_cache import attach_kv_cache_scales, codec_of_config
 
@@ -135,17 +141,18 @@ def fp8_block(ckpt: Checkpoint, fmt: SourceFormat) -> tuple[int, int] | None:
 def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int, int] | None, *,
                    skip: Callable[[str], bool] | None = None,
                    adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-                   ) -> tuple[set[str], dict[str, torch.Tensor]]:
+                   progress=None) -> tuple[set[str], dict[str, torch.Tensor]]:
     """Assign every tensor of `ckpt` to `model` (built on meta) by name, one at a time: plain
     tensors in place (FP8 dequantized with `block`), quantized linears replaced by their kernel
     format. Returns (model tensor names assigned, KV-cache scale tensors by name) -- the caller
     attaches the latter. `skip(name)`: tensors left unread (the multi-rank runtime skips MTP
     layers it does not build); `adjust(name, t)`: applied to each quantized part as read (it
-    turns compressed-tensors' global ``weight_shape`` into a rank's local shape)."""
+    turns compressed-tensors' global ``weight_shape`` into a rank's local shape); `progress`: a
+    bar advanced by each module's tensor bytes (skipped ones included) once it is done."""
     quant = _quant_reader(ckpt)
     seen: set[str] = set()
     kv: dict[str, torch.Tensor] = {}
-    for module, params in _by_module(ckpt).items():
+    for module, params in _advancing(_by_module(ckpt), ckpt, progress):
         if skip is not None:
             params = {p: n for p, n in params.items() if not skip(n)}
         # KV-cache scales first: on GQA models they sit on k_proj / v_proj, next to the
@@ -185,6 +192,16 @@ def check_complete(model: nn.Module, root) -> None:
     missing = [n for n, t in _named_tensors(model) if t.is_meta]
     if missing:
         raise TensorError(f"{root}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[0]}")
+
+
+def _advancing(by_module: dict[str, dict[str, str]], ckpt: Checkpoint, progress):
+    """by_module's items; `progress` advances by a module's tensor bytes once the loop body
+    is done with it (whichever way it continued)."""
+    for module, params in by_module.items():
+        nbytes = sum(ckpt.tensors[n].nbytes for n in params.values())  # before the body drops some
+        yield module, params
+        if progress is not None:
+            progress.update(nbytes)
 
 
 def _by_module(ckpt: Checkpoint) -> dict[str, dict[str, str]]:

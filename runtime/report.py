@@ -47,6 +47,11 @@ LOGIT_ROWS = (
     ("rms_delta_p", "RMS Δp"),
 )
 
+# Report.status -> (verdict text, HTML badge class): a run without thresholds checked nothing
+# and must not read as a pass.
+VERDICTS = {"passed": ("PASSED", "pass"), "failed": ("FAILED", "fail"), "no_gates": ("no gates applied", "nogates")}
+NO_GATES_HINT = "no threshold given (--min-cosine, --max-ppl-ratio, --max-mean-kl, --min-top1): nothing was checked"
+
 
 # ----------------------------------------------------------------------------- thresholds
 
@@ -78,6 +83,15 @@ class ThresholdOutcome(NamedTuple):
     violations: list[str]
     passed: bool
     first_divergent_layer: str | None
+
+
+def verdict_line(report: Report) -> str:
+    """The one-line verdict `cvt verify` prints, e.g. "PASSED (4 gates)", "no gates applied: ..."."""
+    text, n = VERDICTS[report.status][0], len(report.checks)
+    if report.status == "no_gates":
+        return f"{text}: {NO_GATES_HINT}"
+    failed = sum(not c.passed for c in report.checks)
+    return f"{text} ({failed} of {n} gates failed)" if failed else f"{text} ({n} gate{'s' * (n != 1)})"
 
 
 def describe_nonfinite(row: NonFinite) -> str:
@@ -238,7 +252,8 @@ def _md(s: str) -> str:
 def render_markdown(report: Report, top_k_weights: int = 20) -> str:
     """report.md: summary, per-layer table (first divergent layer marked), logits, worst SQNR, thresholds."""
     r = report
-    out = [f"# cvt verify report: {'PASSED' if r.passed else 'FAILED'}", ""]
+    verdict = VERDICTS[r.status][0]
+    out = [f"# cvt verify report: {verdict}", ""]
     out += [
         f"- Candidate: `{_md(r.candidate.path)}` (format: {_md(r.candidate.format or 'none')}"
         + (f"; stages: {_md(' -> '.join(r.candidate.stages))}" if r.candidate.stages else "") + ")",
@@ -306,11 +321,11 @@ def render_markdown(report: Report, top_k_weights: int = 20) -> str:
         out += [f"| {c.name} | {_fmt(c.limit)} | {_fmt(c.value)} | {'pass' if c.passed else '**FAIL**'} | "
                 f"{_md(c.message)} |" for c in r.checks]
     else:
-        out.append("No thresholds applied.")
+        out.append(f"No gates applied: {NO_GATES_HINT}.")
     out.append("")
     if r.violations:
         out += ["Violations:", ""] + [f"- {_md(v)}" for v in r.violations] + [""]
-    out.append(f"Result: **{'PASSED' if r.passed else 'FAILED'}**")
+    out.append(f"Result: **{verdict}**")
     return "\n".join(out) + "\n"
 
 
@@ -472,7 +487,7 @@ _CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 24px; color: #1d2330; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #d0d5dd; }
 .verdict { display: inline-block; padding: 2px 10px; border-radius: 4px; color: #fff; }
-.pass { background: #1a7f37; } .fail { background: #cf222e; }
+.pass { background: #1a7f37; } .fail { background: #cf222e; } .nogates { background: #6e7781; }
 table { border-collapse: collapse; font-size: 0.9em; margin: 8px 0; }
 th, td { border: 1px solid #d0d5dd; padding: 3px 8px; } th { background: #f3f5f8; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -505,10 +520,10 @@ def _table(header: Sequence[str], rows: Iterable[tuple[Sequence[tuple[str, str]]
 def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
     """report.html: self-contained (inline CSS and SVG, no scripts, no external resources)."""
     r = report
-    verdict = "PASSED" if r.passed else "FAILED"
+    verdict, badge = VERDICTS[r.status]
     out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
            f"<title>cvt verify report: {verdict}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
-           f'<h1>cvt verify report <span class="verdict {"pass" if r.passed else "fail"}">{verdict}</span></h1>']
+           f'<h1>cvt verify report <span class="verdict {badge}">{verdict}</span></h1>']
 
     def side(label: str, m) -> str:
         extra = f"format {m.format or 'none'}" + (f"; stages: {' -> '.join(m.stages)}" if m.stages else "")
@@ -577,10 +592,10 @@ def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
                              ("pass" if c.passed else "FAIL", "passcell" if c.passed else "failcell"),
                              (c.message, "")], "" if c.passed else "bad") for c in r.checks]))
     else:
-        out.append("<p>No thresholds applied.</p>")
+        out.append(f"<p>No gates applied: {_e(NO_GATES_HINT)}.</p>")
     if r.violations:
         out.append("<p>Violations:</p><ul>" + "".join(f"<li>{_e(v)}</li>" for v in r.violations) + "</ul>")
-    out += [f'<p>Result: <span class="verdict {"pass" if r.passed else "fail"}">{verdict}</span></p>',
+    out += [f'<p>Result: <span class="verdict {badge}">{verdict}</span></p>',
             "</body>", "</html>"]
     return "\n".join(out) + "\n"
 

@@ -69,9 +69,22 @@ def _batches(tokenizer, data: Path | None, seq_len: int, max_sequences: int, lim
     return tokens, info
 
 
+class _Counted(list):
+    """The hidden-states list a model appends to after the embedding and after each decoder
+    layer: every append advances `bar` (progress within the one batched forward)."""
+
+    def __init__(self, bar):
+        super().__init__()
+        self.bar = bar
+
+    def append(self, x) -> None:
+        super().append(x)
+        self.bar.update(1)
+
+
 @torch.no_grad()
-def _run(model, tokens: torch.Tensor, device) -> tuple[list[torch.Tensor], torch.Tensor]:
-    hidden: list[torch.Tensor] = []
+def _run(model, tokens: torch.Tensor, device, bar=None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    hidden: list[torch.Tensor] = [] if bar is None else _Counted(bar)
     logits = model(tokens.to(device), hidden_states=hidden)
     return [h.float().cpu() for h in hidden], logits.float().cpu()
 
@@ -120,23 +133,30 @@ def nonfinite_weights(cand, ref) -> list[NonFinite]:
 
 def verify(candidate, reference, report_dir, *, data: Path | None = None,
            thresholds: Thresholds | dict | None = None, device: str | torch.device = "cpu",
-           dtype: torch.dtype = torch.float32, seq_len: int = 128, max_sequences: int = 8) -> VerifyResult:
+           dtype: torch.dtype = torch.float32, seq_len: int = 128, max_sequences: int = 8,
+           quiet: bool = True) -> VerifyResult:
     """Run both models, compare, write the report into `report_dir`; see the module doc.
 
     thresholds: `Thresholds`, or a dict of the limits (min_cosine=..., as the CLI's options), or
         None (none applied); validated first: an invalid limit raises `CvtError` naming the option
         before any model is loaded.
+    quiet: False shows progress bars on stderr: loading each model, then scoring (one step per
+        layer output of either model).
     """
+    from cvt.progress import make_progress
+
     thresholds = Thresholds.coerce(thresholds)
-    ref = load_model(reference, device=device, dtype=dtype)
-    cand = load_model(candidate, device=device, dtype=dtype)
+    ref = load_model(reference, device=device, dtype=dtype, quiet=quiet, desc="load reference")
+    cand = load_model(candidate, device=device, dtype=dtype, quiet=quiet, desc="load candidate")
     if ref.model.args.vocab_size != cand.model.args.vocab_size:
         raise CvtError(f"vocabularies differ: candidate {cand.model.args.vocab_size}, reference {ref.model.args.vocab_size}")
     tokenizer = load_tokenizer(ref.checkpoint_path, ref.config)
     tokens, data_info = _batches(tokenizer, data, seq_len, max_sequences, ref.model.max_positions)
 
-    ref_hidden, ref_logits = _run(ref.model, tokens, ref.device)
-    cand_hidden, cand_logits = _run(cand.model, tokens, cand.device)
+    steps = ref.model.args.num_hidden_layers + cand.model.args.num_hidden_layers + 2  # + the embeddings
+    with make_progress(steps, f"score {len(tokens)} x {tokens.shape[1]} tokens", quiet, unit="layer") as bar:
+        ref_hidden, ref_logits = _run(ref.model, tokens, ref.device, bar)
+        cand_hidden, cand_logits = _run(cand.model, tokens, cand.device, bar)
     if len(ref_hidden) != len(cand_hidden):
         raise CvtError(f"layer counts differ: candidate {len(cand_hidden) - 1}, reference {len(ref_hidden) - 1}")
     names = ["embed"] + [f"layer.{i}" for i in range(len(ref_hidden) - 1)] + ["logits"]

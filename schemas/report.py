@@ -16,7 +16,9 @@ candidate or reference tensor held NaN / Inf: it fails every threshold, and `non
 turns an invalid one into a one-line `CvtError` naming the CLI option.
 
 report_version 2 added `first_nonfinite_layer`, `nonfinite_layers`, `nonfinite_weights` and a
-NaN `same_top1`; a version 1 report (without them) still reads.
+NaN `same_top1`; report_version 3 added `status`, which tells a run without any threshold
+("no_gates": nothing was checked) from one that passed its gates. Older reports still read
+(their status is derived from `checks` and `passed`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from cvt.errors import CvtError
 from cvt.schemas.manifest import ToolInfo
 
-REPORT_VERSION = 2
+REPORT_VERSION = 3
+
+Status = Literal["passed", "failed", "no_gates"]
+"""A report's verdict: every applied threshold held, one failed, or no threshold was given."""
 
 Metric = Annotated[
     float,
@@ -210,7 +215,7 @@ class ThresholdCheck(_Strict):
 
 
 class Report(_Strict):
-    report_version: Literal[1, 2] = REPORT_VERSION
+    report_version: Literal[1, 2, 3] = REPORT_VERSION
     tool: ToolInfo
     candidate: ModelRef
     reference: ModelRef
@@ -230,7 +235,11 @@ class Report(_Strict):
     thresholds: Thresholds = Field(default_factory=Thresholds)
     checks: list[ThresholdCheck] = Field(default_factory=list)
     violations: list[str] = Field(default_factory=list, description="the failed checks' messages")
-    passed: bool
+    passed: bool = Field(description="no applied threshold failed (true also when none was applied: see status)")
+    status: Annotated[Status | None, WithJsonSchema({
+        "enum": ["passed", "failed", "no_gates"],
+        "description": "passed: every applied threshold held; failed: one did not; no_gates: no threshold was "
+                       "given, nothing was checked (derived from checks and passed when absent)"})] = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -239,6 +248,11 @@ class Report(_Strict):
             raise ValueError(f"passed is true but there are violations: {failed or self.violations}")
         if not self.passed and not failed and not self.violations:
             raise ValueError("passed is false but no check failed and no violation is listed")
+        status = "failed" if not self.passed else "passed" if self.checks else "no_gates"
+        if self.status is None:
+            self.status = status
+        elif self.status != status:
+            raise ValueError(f"status {self.status!r} does not match the checks (they say {status!r})")
         first = self.nonfinite_layers[0].name if self.nonfinite_layers else None
         if self.first_nonfinite_layer != first:
             raise ValueError(f"first_nonfinite_layer {self.first_nonfinite_layer!r} does not match "

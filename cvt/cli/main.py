@@ -399,12 +399,13 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
         dev, dtype = "cpu", f"onnxruntime, {lm.manifest['dtype']} weights"
     else:
         dev = resolve_device(device)
-        loaded = load_model(model, device=dev, dtype=DTYPES[dtype], verify_files=verify_files, revision=revision)
+        loaded = load_model(model, device=dev, dtype=DTYPES[dtype], verify_files=verify_files, revision=revision,
+                            quiet=quiet)
         tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
         lm = loaded.model
     ids = prompt_ids(tok, prompts, input_ids, lm.args.vocab_size)
     res = generate(lm, ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                   eos_id=tok.eos_id, device=dev)
+                   eos_id=tok.eos_id, device=dev, quiet=quiet)
     for prompt, out in zip(ids, res.outputs):
         click.echo(tok.decode(prompt) + tok.decode(out))
         if quiet:
@@ -437,13 +438,15 @@ def verify_cmd(candidate, reference, data, report_dir, seq_len, max_sequences, m
     from pathlib import Path
 
     from cvt.runtime.device import DTYPES, resolve_device
+    from cvt.runtime.report import verdict_line
     from cvt.runtime.verify import verify
     from cvt.schemas.report import Thresholds
 
     th = Thresholds.from_options(min_cosine=min_cosine, max_ppl_ratio=max_ppl_ratio, max_mean_kl=max_mean_kl,
                                  min_top1=min_top1)  # CvtError naming the option before anything loads
     res = verify(candidate, reference, Path(report_dir), data=Path(data) if data else None, thresholds=th,
-                 device=resolve_device(device), dtype=DTYPES[dtype], seq_len=seq_len, max_sequences=max_sequences)
+                 device=resolve_device(device), dtype=DTYPES[dtype], seq_len=seq_len, max_sequences=max_sequences,
+                 quiet=quiet)
     r = res.report
     if not quiet:
         import math
@@ -456,7 +459,7 @@ def verify_cmd(candidate, reference, data, report_dir, seq_len, max_sequences, m
         if r.first_nonfinite_layer:
             side = next((n.side for n in r.nonfinite_layers if n.name == r.first_nonfinite_layer), "?")
             click.echo(f"non-finite values (NaN/Inf): {side} output of {r.first_nonfinite_layer} first")
-        click.echo(f"report: {res.paths['html']}")
+        click.echo(f"result: {verdict_line(r)}\nreport: {res.paths['html']}")
     for v in r.violations:
         click.echo(f"cvt: threshold violated: {v}", err=True)
     if not r.passed:

@@ -300,14 +300,13 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     """Calibrate `plan` (``plan.schemes``, ``plan.methods``) on `tokens` [b, s], one decoder layer
     at a time (module doc). `opts` go to the driver (`cvt.quant.methods.calib.calibrate`'s
     options). `on_layer(i)` is called after layer i is saved (tests kill runs there)."""
-    from tqdm import tqdm
-
     from cvt.convert import faults
     from cvt.quant.methods import calib as C
     from cvt.runtime import kv_cache
     from cvt.runtime.loader import assign_tensors, fp8_block
     from cvt.runtime.models import build_model
     from cvt.convert.config import source_format
+    from cvt.progress import make_progress
 
     device = torch.device(device)
     o = dict(min_tokens=32, batch_size=8, damp=0.01, act_order=True, scale_search="hdiag", block_size=128,
@@ -340,7 +339,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
         x = store.x(start, shape, spill).to(device)
         log.info("calibration resumes after %d finished layers", start)
     observer = kv_cache.KVObserver(model) if observe_kv else None
-    bar = tqdm(total=n_layers, initial=start, unit="layer", desc="calibrate", disable=quiet, dynamic_ncols=True)
+    bar = make_progress(n_layers, "calibrate", quiet, unit="layer", initial=start)
     try:
         for i in range(start, n_layers):
             t0 = time.perf_counter()

@@ -51,3 +51,31 @@ def test_problems_are_listed_and_exit_code_3(tmp_path, tiny_config):
     assert "layer 2: 1 of 4 experts missing (e.g. expert 1)" in res.out
     report = json.loads(run_cvt("inspect", src, "--json").out)
     assert len(report["problems"]) == 2
+
+
+def test_sharded_output_is_described_from_its_manifest(fp8_release_session, tmp_path):
+    """inspect on a `cvt shard` output: layout, ranks and bytes per rank (it said "no .safetensors files")."""
+    from cvt.convert.layout import make_layout
+    from cvt.convert.shard import shard
+
+    out = shard(fp8_release_session, tmp_path / "sh", make_layout(ep=2), quiet=True).dst
+    m = json.loads((out / "cvt_manifest.json").read_text())
+    res = run_cvt("inspect", out)
+    assert res.rc == 0, res.err
+    assert f"format          sharded-fp8-block: cvt shard output of {fp8_release_session} (fp8-block)" in res.out
+    assert ("layout          world 2: attention tp 1 x dp 2; MoE moe_tp 1 x ep 2; dense_tp 1, embed_tp 1, "
+            "lmhead_tp 1; shared experts moe_tp; placement contiguous") in res.out
+    for r in m["shard"]["ranks"]:  # one line per rank, its bytes and experts as the manifest records them
+        assert r["bytes"] > 0 and r["experts"]["1"] == [2 * r["rank"], 2 * r["rank"] + 1]
+        assert (f"{r['rank']:>5}  {r['dir']:<12} {r['tensors']:>6} tensors ") in res.out
+        assert "experts per MoE layer 2" in res.out
+    doc = json.loads(run_cvt("inspect", out, "--json").out)
+    assert [(r["rank"], r["dir"], r["tensors"], r["bytes"]) for r in doc["ranks"]] == [
+        (r["rank"], r["dir"], r["tensors"], r["bytes"]) for r in m["shard"]["ranks"]]
+    assert doc["layout"]["world_size"] == 2 and doc["total_bytes"] == m["total_size"]
+    assert doc["num_tensors"] == len(m["shard"]["tensors"]) and doc["problems"] == []
+
+    victim = out / m["shard"]["ranks"][1]["files"][0]  # a rank file cut short: listed, exit 3
+    victim.write_bytes(victim.read_bytes()[:100])
+    bad = run_cvt("inspect", out)
+    assert bad.rc == 3 and f"{victim}: 100 bytes, the manifest says" in bad.out

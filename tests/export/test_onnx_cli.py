@@ -167,3 +167,18 @@ def test_w4a8_export_keeps_the_int8_activation_step(qwen, tmp_path, capsys):
     assert manifest["linears"]["w4a8_dynamic:integer"] > 0
     assert "w4a8_dynamic:dequantized" not in manifest["linears"]
     assert "greedy tokens agree: yes: PASS" in out
+
+
+def test_sharded_source_is_refused_naming_what_to_export(qwen, tmp_path, capsys):
+    """A `cvt shard` output: one line saying it needs the unsharded checkpoint, and which one
+    (it said "no .safetensors files"); nothing is written."""
+    from cvt.convert.layout import make_layout
+    from cvt.convert.shard import shard
+
+    bf16, _ = qwen
+    sharded = shard(bf16, tmp_path / "sh", make_layout(ep=2), quiet=True).dst
+    rc, out, err = cvt(capsys, "export", "onnx", sharded, tmp_path / "onnx")
+    assert rc == 1 and out == ""
+    assert err == (f"cvt: error: {sharded}: a cvt shard output (2 per-rank directories); export onnx needs an "
+                   f"unsharded checkpoint: pass the one it was sharded from, {bf16}\n")
+    assert not (tmp_path / "onnx").exists()

@@ -232,3 +232,32 @@ def test_html_renders_in_headless_chromium(tmp_path):
     assert w >= 400 and h >= 400
     assert len(data) > 10_000, f"screenshot is only {len(data)} bytes: a blank page?"
     assert _png_distinct_bytes(data) > 16
+
+
+def test_no_thresholds_say_no_gates_applied_not_passed(tmp_path):
+    """Without a threshold nothing was checked: json status no_gates, md / html 'no gates applied'
+    with a neutral badge, never PASSED (a w4a16 at cosine 0.76 read as a green PASSED)."""
+    report, kl = _report(Thresholds())
+    assert report.status == "no_gates" and report.checks == [] and report.passed
+    paths = write_report(report, tmp_path, kl)
+    doc = json.loads(paths["json"].read_text())
+    jsonschema.validate(doc, load_schema("report.schema.json"))
+    assert doc["status"] == "no_gates" and doc["report_version"] == 3
+    md = paths["md"].read_text()
+    assert md.startswith("# cvt verify report: no gates applied\n")
+    assert md.rstrip().endswith("Result: **no gates applied**") and "PASSED" not in md
+    html_text = paths["html"].read_text()
+    assert '<h1>cvt verify report <span class="verdict nogates">no gates applied</span></h1>' in html_text
+    assert "PASSED" not in html_text and 'class="verdict pass"' not in html_text
+    assert ".nogates { background: #6e7781; }" in html_text  # grey: neither the pass green nor the fail red
+
+    for th, status, title in ((STRICT, "failed", "FAILED"), (Thresholds(min_cosine=-1.0), "passed", "PASSED")):
+        r, _ = _report(th)
+        assert r.status == status
+        assert write_report(r, tmp_path / status, kl)["md"].read_text().startswith(f"# cvt verify report: {title}\n")
+
+    # an older report (no status) reads with its status derived; a status the checks contradict is refused
+    old = {k: v for k, v in report.model_dump(by_alias=True).items() if k != "status"}
+    assert Report.model_validate({**old, "report_version": 2}).status == "no_gates"
+    with pytest.raises(ValidationError, match="status 'passed' does not match"):
+        Report.model_validate({**old, "status": "passed"})

@@ -160,7 +160,7 @@ def test_report_files_name_the_first_non_finite_layer(tmp_path, side):
     text = paths["json"].read_text()
     doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     jsonschema.validate(doc, load_schema("report.schema.json"))
-    assert doc["report_version"] == 2 and doc["first_nonfinite_layer"] == "layer.1"
+    assert doc["report_version"] == 3 and doc["first_nonfinite_layer"] == "layer.1"
     assert doc["nonfinite_layers"][0] == {"name": "layer.1", "side": side, "nan": 1, "posinf": 0, "neginf": 0,
                                           "numel": 64}
     assert doc["logits"]["same_top1"] == "NaN" and doc["layers"][2]["Cosine"] == "NaN"
@@ -186,7 +186,8 @@ def test_report_consistency_and_older_versions():
         NonFinite(name="x", side="candidate", nan=0, posinf=0, neginf=0, numel=3)
     # a version 1 report (no non-finite fields) still reads, and renders without the note
     finite_layers = layers[:2]
-    v1 = {k: v for k, v in doc.items() if k not in ("first_nonfinite_layer", "nonfinite_layers", "nonfinite_weights")}
+    v1 = {k: v for k, v in doc.items()
+          if k not in ("first_nonfinite_layer", "nonfinite_layers", "nonfinite_weights", "status")}
     v1.update(report_version=1, layers=[r.model_dump(by_alias=True) for r in finite_layers], logits=None,
               checks=[], violations=[], passed=True, first_divergent_layer=None, thresholds={})
     old = Report.model_validate(v1)
