@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cvt.convert.arch import arch_for
-from cvt.convert.config import SourceFormat, describe_quant, quantization_config, source_format
+from cvt.convert.config import SourceFormat, describe_quant, fp8_block, quantization_config, source_format
 from cvt.convert.reader import manifest_problems, open_checkpoint
 from cvt.convert.validate import survey
 from cvt.errors import ArchError, ManifestError
@@ -98,7 +98,7 @@ def inspect_checkpoint(path, revision: str | None = None) -> InspectReport:
         arch = arch_for(cfg)
     except ArchError as exc:
         problems.append(str(exc))
-    block = tuple((quantization_config(cfg) or {}).get("weight_block_size") or (128, 128))
+    block = fp8_block(cfg, str(ckpt.root)) or (128, 128)
     found = survey(ckpt, arch, block)
     problems += found.problems
     by_role = found.by_role

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from cvt.convert.arch import Block, Role, TensorInfo, arch_for
+from cvt.convert.config import fp8_block
 from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
 from cvt.units import parse_size
 from cvt.errors import CvtError, FormatError
@@ -196,10 +197,9 @@ class DiskBytes:
 
 def _holds_fp8(config: Mapping[str, Any], scheme: str | None) -> tuple[int, int] | None:
     """The FP8 block when the shards hold FP8 weights (scheme 'fp8', or None on an FP8 source)."""
-    qc = arch_for(config).config.get("quantization_config") or config.get("quantization_config") or {}
-    fp8_src = qc.get("quant_method") == "fp8"
-    if scheme == "fp8" or (scheme is None and fp8_src):
-        return tuple(qc.get("weight_block_size") or (128, 128)) if fp8_src else (128, 128)
+    src_block = fp8_block(config, "config.json")  # the source's own, checked: [rows, cols] > 0
+    if scheme == "fp8" or (scheme is None and src_block):
+        return src_block or (128, 128)
     return None
 
 
@@ -454,8 +454,7 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
             why = kv_target_problem(config, disk.fmt, disk.target)
             if why is not None:
                 raise FormatError(why)
-    qc = cfg.get("quantization_config") or config.get("quantization_config") or {}
-    block = tuple(qc.get("weight_block_size") or (128, 128)) if scheme == "fp8" else None
+    block = (fp8_block(config, "config.json") or (128, 128)) if scheme == "fp8" else None
     per_rank = dict.fromkeys(CATEGORIES, 0)
     model = dict.fromkeys(CATEGORIES, 0)
     experts: dict[int, dict[int, int]] = {}
