@@ -263,6 +263,16 @@ def file_problems(root: Path, files, verify_files: bool = False) -> list[str]:
     return out
 
 
+def check_manifest_files(ckpt: Checkpoint) -> None:
+    """ManifestError naming the first file of a cvt output that is missing or of another size
+    than its manifest records (what `cvt run` refuses, every reader refuses); no manifest: nothing."""
+    manifest = ckpt.manifest
+    if manifest is not None:
+        problems = manifest_problems(ckpt, manifest)
+        if problems:
+            raise ManifestError(problems[0])
+
+
 def manifest_problems(ckpt: Checkpoint, manifest, verify_files: bool = False) -> list[str]:
     """What disagrees between a (single-directory) cvt output's manifest and its files: files
     missing or of another size (sha256 too with `verify_files`), tensor count or byte total."""

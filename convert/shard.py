@@ -55,7 +55,7 @@ from cvt.convert.arch import Parallel, Role, arch_for
 from cvt.convert.config import fp8_block, quantization_config, source_format, with_explicit_defaults
 from cvt.convert.layout import Layout, Placement, contiguous_placement, coords, moe_layers, placement_json
 from cvt.convert.plan import axis_of, check
-from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint, read_manifest
+from cvt.convert.reader import MANIFEST_NAME, Checkpoint, check_manifest_files, open_checkpoint, read_manifest
 from cvt.convert.validate import check_weights
 from cvt.convert.safetensors_io import DTYPES, TensorSpec, load_json
 from cvt.convert.writer import (
@@ -209,6 +209,7 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
     rank's holdings are in it); CvtError naming each divisibility problem when the layout
     cannot shard this checkpoint."""
     arch = arch_for(ckpt.config)
+    check_manifest_files(ckpt)  # a modified cvt output is refused here as `cvt run` refuses it
     quant = ckpt.manifest.quant if ckpt.manifest is not None else None
     scheme, group = weights_scheme(ckpt.config, quant.model_dump() if quant else None, str(ckpt.root))
     check(layout, ckpt.config, scheme, group)

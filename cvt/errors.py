@@ -14,6 +14,13 @@ class CvtError(Exception):
     exit_code = 1
 
 
+class OptionError(CvtError):
+    """Options that do not go together or do not apply (``--asym`` with w4a8, ``--calib`` with
+    RTN only): refused like a click usage error, exit 2, rather than silently ignored."""
+
+    exit_code = 2
+
+
 class CheckpointError(CvtError):
     """A source checkpoint is malformed: header, index, missing file, unsafe path, pickle."""
 

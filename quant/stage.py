@@ -35,10 +35,10 @@ from cvt.convert.config import SourceFormat, bf16_config, fp8_config, source_for
 from cvt.convert.fp8 import dequant_fp8_block, scale_to_f32_np
 from cvt.convert.fp8_to_bf16 import check_scales_finite, dequantize_stored, pair_fp8_weights
 from cvt.convert.validate import check_weights
-from cvt.convert.reader import Checkpoint, open_checkpoint
+from cvt.convert.reader import Checkpoint, check_manifest_files, open_checkpoint
 from cvt.convert.safetensors_io import TensorSpec, dtype_code
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
-from cvt.errors import CvtError, FormatError, TensorError
+from cvt.errors import CvtError, FormatError, OptionError, TensorError
 from cvt.quant import qkernel
 from cvt.quant.formats import DEFAULT_GROUP, get_format
 from cvt.quant.disk_layouts import DiskLayouts, shell_q
@@ -139,8 +139,8 @@ def _scheme_for(name: str, fmt_name: str, group_size: int | None, asym: bool, fp
             opts = {"group_size": gs}  # per channel only: the scheme refuses a group size
         elif name == "fp4":
             opts = {"fp4_format": fp4_format}
-        elif asym:
-            raise CvtError(f"--asym applies to w4a16 only, not {name}")
+        if asym and name != "w4a16":  # asymmetric int4 exists only as w4a16 (zero points)
+            raise OptionError(f"--asym applies to w4a16 only, not {name}")
         cache[key] = get_scheme(name, **opts)
     return cache[key]
 
@@ -367,6 +367,7 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
     try:
         src_fmt = source_format(ckpt.config, ckpt.has_manifest)
         if src_fmt is SourceFormat.CVT:  # a cvt output is read as what it holds
+            check_manifest_files(ckpt)
             m = ckpt.manifest
             src_fmt = {"hf-bf16": SourceFormat.BF16}.get(m.format, source_format(ckpt.config))
             if src_fmt is SourceFormat.BF16 and m.format != "hf-bf16":
@@ -385,6 +386,13 @@ def quantize(src, dst, *, scheme: str, fmt: str = "compressed-tensors", method: 
 
         needs_model = (any(m != "rtn" for m in plan.methods.values()) or static_attention
                        or any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
+        if calib is not None and needs_model:  # before DST is touched
+            from cvt.quant.methods.data import check_calib
+
+            check_calib(calib)
+        if calib is not None and not needs_model:
+            raise OptionError(f"--calib {calib}: nothing in this run calibrates (RTN needs no data); give --method "
+                              "gptq / awq / smoothquant, --static-attention or an int8 KV cache, or drop --calib")
         if not needs_model:
             return _write(ckpt, dst, plan, form, source, src_fmt, _Calib(), scheme, fmt, method, group_size, asym,
                           fp4_format, static_attention, workers, max_shard_size, resume, overwrite, quiet, target)
