@@ -459,14 +459,19 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     model = dict.fromkeys(CATEGORIES, 0)
     experts: dict[int, dict[int, int]] = {}
     memo: dict[tuple, int] = {}
+    unwritable: dict[str, Violation] = {}  # tensors the scheme's layout cannot hold, counted as bf16
     items = list(tensors(config, layout.shared_experts))
     for name, shape, kind, nums in items:
         deg = getattr(layout, kind.axis) if kind.axis else 1
         key = (kind.info.rule.pattern, kind.info.param, shape, deg)
         if key not in memo:
             module = name.rsplit(".", 1)[0]
-            memo[key] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, sch, block, disk, module)
-            memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, None, 1, sch, block, disk, module)
+            try:
+                memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, None, 1, sch, block, disk, module)
+                memo[key] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, sch, block, disk, module)
+            except FormatError as exc:  # quantize would refuse this tensor (or its shard): a problem of the plan
+                unwritable.setdefault(str(exc), Violation(name, kind.axis or "-", deg, shape[0], reason=str(exc)))
+                memo[key] = memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, None, block)
         model[kind.category] += memo[key[:3] + (0,)]
         if kind.info.role is Role.EXPERT:
             layer = experts.setdefault(nums[0], {})
@@ -532,4 +537,4 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     return Plan(arch.model_type, scheme, layout, ranks, model, kv_tokens,
                 None if hbm_bytes is None else parse_bytes(hbm_bytes),
                 validate(layout, config, scheme, getattr(sch, "group_size", None) if scheme == "w4a16" else group_size,
-                         items), assumptions)
+                         items) + list(unwritable.values()), assumptions)

@@ -100,6 +100,18 @@ class DiskTensor:
             out.append(-(-(n if axis == "n" else k) // u))
         return tuple(out)
 
+    def multiple(self, axis: str, g: int, k: int) -> tuple[int, str] | None:
+        """(the multiple the logical `axis` size must be, the rule in words) for this tensor to be
+        written, or None: a unit packs that many elements; ``K/16`` sums k in 16 runs, so k must be
+        a multiple of 16 (not of k/16, the split unit `along` gives)."""
+        for d in self.dims:
+            if not isinstance(d, int) and d[0] == axis:
+                if d[1] == K16:
+                    return 16, f"sums {'out' if axis == 'n' else 'in'}_features in 16 runs"
+                u = _unit(d[1], g, k)
+                return u, f"packs {u} along {'out' if axis == 'n' else 'in'}_features"
+        return None
+
     def along(self, axis: str, g: int, k: int) -> tuple[int, int] | None:
         """(on-disk dim, logical unit) of the dim that follows `axis` ("n" / "k"), or None."""
         for i, d in enumerate(self.dims):
