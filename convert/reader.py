@@ -264,11 +264,12 @@ def file_problems(root: Path, files, verify_files: bool = False) -> list[str]:
 
 
 def check_manifest_files(ckpt: Checkpoint) -> None:
-    """ManifestError naming the first file of a cvt output that is missing or of another size
-    than its manifest records (what `cvt run` refuses, every reader refuses); no manifest: nothing."""
+    """ManifestError naming the first weight file of a cvt output that is missing or of another
+    size than its manifest records (`cvt run` refuses it; a writer reading it as SRC would carry
+    a truncated or swapped shard on). Edited side files (config.json) are the readers' to judge."""
     manifest = ckpt.manifest
     if manifest is not None:
-        problems = manifest_problems(ckpt, manifest)
+        problems = file_problems(ckpt.root, [f for f in manifest.files if f.path.endswith(".safetensors")])
         if problems:
             raise ManifestError(problems[0])
 
