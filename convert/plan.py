@@ -52,7 +52,7 @@ from cvt.convert.arch import Block, Role, TensorInfo, arch_for
 from cvt.convert.config import fp8_block
 from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
 from cvt.units import parse_size
-from cvt.errors import CvtError, FormatError
+from cvt.errors import CvtError, FormatError, ShapeError
 
 SCHEMES = ("bf16", "fp8", "w8a8", "w8a8c8", "w4a16", "w4a8", "fp4")
 CATEGORIES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embedding", "head", "norm",
@@ -469,7 +469,7 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
             try:
                 memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, None, 1, sch, block, disk, module)
                 memo[key] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, sch, block, disk, module)
-            except FormatError as exc:  # quantize would refuse this tensor (or its shard): a problem of the plan
+            except ShapeError as exc:  # quantize would refuse this tensor (or its shard): a problem of the plan
                 unwritable.setdefault(str(exc), Violation(name, kind.axis or "-", deg, shape[0], reason=str(exc)))
                 memo[key] = memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, None, block)
         model[kind.category] += memo[key[:3] + (0,)]

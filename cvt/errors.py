@@ -37,6 +37,11 @@ class FormatError(CvtError):
     """The source is not in the format a stage needs (e.g. bf16 given to fp8-to-bf16)."""
 
 
+class ShapeError(FormatError):
+    """A linear's shape breaks a format's packing rule (int4 pairs viewed as int32, W4A8's 16
+    scale_bias runs): `quantize` refuses it, `plan` lists it as a problem of the layout."""
+
+
 class OutputError(CvtError):
     """The destination cannot be written, is locked by another run, or holds other data."""
 

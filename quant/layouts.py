@@ -72,7 +72,7 @@ from typing import Callable
 
 from cvt.lazy import torch
 
-from cvt.errors import FormatError
+from cvt.errors import FormatError, ShapeError
 from cvt.quant import primitives as P
 from cvt.quant.schemes.base import QuantizedTensor
 from cvt.registry import Registry
@@ -439,11 +439,11 @@ def _w4a8_encoder(runs: int):
     def enc(q):
         p, (n, k) = q.parts, q.shape
         if n % 8:
-            raise FormatError(f"W4A8_DYNAMIC packs two int4 per byte along out_features and vllm-ascend views the "
+            raise ShapeError(f"W4A8_DYNAMIC packs two int4 per byte along out_features and vllm-ascend views the "
                               f"[k, n/2] bytes as int32 (methods/w4a8.py pack_to_int32): out_features must be a "
                               f"multiple of 8, got {n}")
         if k % runs:
-            raise FormatError(f"W4A8_DYNAMIC row-parallel scale_bias sums in_features in {runs} runs: in_features "
+            raise ShapeError(f"W4A8_DYNAMIC row-parallel scale_bias sums in_features in {runs} runs: in_features "
                               f"must be a multiple of {runs}, got {k}")
         qi, sc = p["weight_int4"], p["weight_scale"].to(torch.float32).reshape(n, 1)
         # ascendv1.py on_w4a8_dynamic: deq_weight = weight.float().T * weight_scale; process_scale(name,

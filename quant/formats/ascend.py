@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from cvt.lazy import torch
 
-from cvt.errors import FormatError
+from cvt.errors import FormatError, ShapeError
 from cvt.quant import layouts as L
 from cvt.quant.formats import register, scheme_name
 from cvt.quant.schemes.base import QuantizedTensor
@@ -90,7 +90,7 @@ class Ascend:
                 for axis, size in (("n", shape[0]), ("k", shape[1])):
                     m = t.multiple(axis, g, shape[1])
                     if m is not None and m[0] > 1 and size % m[0]:
-                        raise FormatError(f"ascend {lo.name}: {module}.weight {list(shape)}: {t.suffix} {m[1]}, "
+                        raise ShapeError(f"ascend {lo.name}: {module}.weight {list(shape)}: {t.suffix} {m[1]}, "
                                           f"which must be a multiple of {m[0]} (got {size})")
 
     # ---- write -----------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ class Ascend:
         try:
             encoded = lo.encode(q)
         except FormatError as exc:  # an encoder's rule, worded without the tensor: name it
-            raise FormatError(f"ascend {lo.name}: {module}.weight {list(q.shape)}: {exc}") from None
+            raise type(exc)(f"ascend {lo.name}: {module}.weight {list(q.shape)}: {exc}") from None
         out = {f"{module}.{s}": t for s, t in encoded.items()}
         if bias is not None:
             out[f"{module}.bias"] = bias
