@@ -25,11 +25,20 @@ def quantization_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
     settings next to an Ascend description (``group_size``, ``kv_quant_type``,
     ``fa_quant_type``): None, like a plain checkpoint (the description says what it holds)."""
     qc = config.get("quantization_config")
+    where = "quantization_config"
     if qc is None and isinstance(config.get("text_config"), Mapping):
-        qc = config["text_config"].get("quantization_config")
+        qc, where = config["text_config"].get("quantization_config"), "text_config.quantization_config"
+    if qc is not None and not isinstance(qc, Mapping):
+        raise FormatError(f"config.json: {where} is {type(qc).__name__} {_short(qc)}; expected an object "
+                          '(e.g. {"quant_method": "fp8", "weight_block_size": [128, 128]})')
     if isinstance(qc, Mapping) and "quant_method" not in qc:
         return None
     return qc
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,14 @@ def fp8_config(config: Mapping[str, Any], where: str) -> Fp8Config:
             "(per-tensor FP8 without blocks is not supported)"
         )
     return Fp8Config(block=(block[0], block[1]), scale_fmt=qc.get("scale_fmt"))
+
+
+def fp8_block(config: Mapping[str, Any], where: str) -> tuple[int, int] | None:
+    """The FP8 block of an FP8 block checkpoint (checked by `fp8_config`), None for any other."""
+    qc = quantization_config(config)
+    if not qc or qc.get("quant_method") != "fp8":
+        return None
+    return fp8_config(config, where).block
 
 
 def with_explicit_defaults(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ output file: shards, index, config, manifest) the point where the process SIGKIL
 exactly as `kill -9` would, so the kill-and-resume tests can stop a run mid-tensor,
 mid-file, between files or before the manifest, deterministically. Unset, this costs one
 integer comparison per write. `CVT_TEST_KILL_AFTER_LAYER=i` SIGKILLs a calibrated quantize
-right after layer i's state is saved (`cvt.quant.methods.stream`).
+right after layer i's state is saved (`cvt.quant.methods.stream`); `CVT_TEST_STOP_AFTER_LAYER=i`
+SIGSTOPs it there instead (mid-calibration, everything held; the test resumes it with SIGCONT).
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ def write(f, data: memoryview) -> None:
 
 
 _kill_layer = os.environ.get("CVT_TEST_KILL_AFTER_LAYER", "")
+_stop_layer = os.environ.get("CVT_TEST_STOP_AFTER_LAYER", "")
 
 
 def after_layer(i: int) -> None:
-    """SIGKILL now when `CVT_TEST_KILL_AFTER_LAYER` names layer i."""
+    """SIGKILL now when `CVT_TEST_KILL_AFTER_LAYER` names layer i; SIGSTOP when
+    `CVT_TEST_STOP_AFTER_LAYER` does."""
     if _kill_layer and int(_kill_layer) == i:
         os.kill(os.getpid(), signal.SIGKILL)
+    if _stop_layer and int(_stop_layer) == i:
+        os.kill(os.getpid(), signal.SIGSTOP)

@@ -17,7 +17,7 @@ from typing import Any
 
 from cvt.convert import source as source_mod
 from cvt.convert.arch import arch_for
-from cvt.convert.config import SourceFormat, describe_quant, quantization_config, source_format
+from cvt.convert.config import SourceFormat, describe_quant, fp8_block, quantization_config, source_format
 from cvt.convert.reader import (MANIFEST_NAME, file_problems, manifest_problems, open_checkpoint, sharded_manifest,
                                 unsharded_source)
 from cvt.convert.safetensors_io import load_json
@@ -136,7 +136,7 @@ def inspect_checkpoint(path, revision: str | None = None) -> InspectReport:
         arch = arch_for(cfg)
     except ArchError as exc:
         problems.append(str(exc))
-    block = tuple((quantization_config(cfg) or {}).get("weight_block_size") or (128, 128))
+    block = fp8_block(cfg, str(ckpt.root)) or (128, 128)
     found = survey(ckpt, arch, block)
     problems += found.problems
     by_role = found.by_role

@@ -57,7 +57,7 @@ class OutputDir:
         except OSError as exc:
             raise OutputError(f"{dst}: cannot create the output directory: {exc.strerror or exc}") from exc
         try:
-            lock_fd(self._fd, dst)
+            lock_dst(self._fd, dst)
         except OutputError:
             os.close(self._fd)
             self._fd = None
@@ -74,7 +74,8 @@ class OutputDir:
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor drops the flock
+            unlock_dst(self._fd)
+            os.close(self._fd)  # closing the descriptor drops the flock (if this one took it)
             self._fd = None
 
     # -- state --------------------------------------------------------------------------
@@ -177,6 +178,35 @@ def lock_fd(fd: int, dst: Path) -> None:
                           "choose another DST") from None
 
 
+# DSTs this process holds locked, by (st_dev, st_ino) -> nesting count: a quantize run locks DST
+# before it calibrates (`calibration_dir`) and its writer's `OutputDir` enters the same DST
+# later; a second flock from this process would be refused (flock locks belong to one open
+# file description), so the inner one finds the lock already held and takes nothing.
+_HELD: dict[tuple[int, int], int] = {}
+_HELD_LOCK = threading.Lock()
+
+
+def lock_dst(fd: int, dst: Path) -> None:
+    """`lock_fd` on DST's directory descriptor, unless this process already holds DST's lock."""
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    with _HELD_LOCK:
+        if key not in _HELD:
+            lock_fd(fd, dst)
+        _HELD[key] = _HELD.get(key, 0) + 1
+
+
+def unlock_dst(fd: int) -> None:
+    """Undo one `lock_dst` (the flock itself goes when its descriptor is closed)."""
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    with _HELD_LOCK:
+        if _HELD.get(key, 0) <= 1:
+            _HELD.pop(key, None)
+        else:
+            _HELD[key] -= 1
+
+
 def _unlink_inside(root: Path, rel: str) -> None:
     path = Path(root) / rel
     if not path.is_symlink() and is_inside(root, path) and path.is_file():
@@ -199,8 +229,9 @@ def manifest_bytes(manifest: Manifest) -> bytes:
 def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
     """DST's hidden calibration state folder (``.cvt-calib``, `cvt.quant.methods.stream`), for a
     stage that calibrates before it writes: DST checked first as `OutputDir` will (not SRC, not
-    foreign files unless --overwrite), the folder locked for the run (a second run is refused),
-    cleared with --no-resume, and removed once the stage finished."""
+    foreign files unless --overwrite), DST locked for the whole run from here on, calibration
+    included (a second run on DST is refused while this one calibrates; `OutputDir` finds the
+    lock held), the folder cleared with --no-resume, and removed once the stage finished."""
     check_disjoint(source, dst, "quantize")
     if dst.exists() and not dst.is_dir():
         raise OutputError(f"{dst}: exists and is not a directory")
@@ -210,13 +241,22 @@ def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
             raise OutputError(f"{dst}: not empty ({len(visible)} entries, e.g. {visible[0]}) and not a cvt output to "
                               "resume; choose an empty directory or pass --overwrite")
     state = dst / ".cvt-calib"
+    if state.is_symlink() or (state.exists() and not state.is_dir()):
+        raise OutputError(f"{state}: exists and is not a folder (cvt keeps its calibration state there); "
+                          "remove it or choose another DST")
     try:
-        state.mkdir(parents=True, exist_ok=True)
-        fd = os.open(state / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        dst.mkdir(parents=True, exist_ok=True)
+        fd = os.open(dst, os.O_RDONLY)
     except OSError as exc:
         raise OutputError(f"{dst}: cannot create the output directory: {exc.strerror or exc}") from None
+    locked = False
     try:
-        lock_fd(fd, dst)
+        lock_dst(fd, dst)
+        locked = True
+        try:
+            state.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"{state}: cannot create the calibration state folder: {exc.strerror or exc}") from None
         if not resume:
             for p in state.iterdir():
                 if p.name != ".lock":
@@ -224,4 +264,6 @@ def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
         yield state
         shutil.rmtree(state, ignore_errors=True)
     finally:
+        if locked:
+            unlock_dst(fd)
         os.close(fd)

@@ -50,10 +50,11 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from cvt.convert.arch import Block, Role, TensorInfo, arch_for
+from cvt.convert.config import fp8_block
 from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
 from cvt.convert.safetensors_io import load_json
 from cvt.units import parse_size
-from cvt.errors import CvtError, FormatError
+from cvt.errors import CvtError, FormatError, ShapeError
 
 STORED = ("bf16", "fp8")  # weights planned as stored: float, or an FP8 release's blocks
 
@@ -227,10 +228,9 @@ class DiskBytes:
 
 def _holds_fp8(config: Mapping[str, Any], scheme: str | None) -> tuple[int, int] | None:
     """The FP8 block when the shards hold FP8 weights (scheme 'fp8', or None on an FP8 source)."""
-    qc = arch_for(config).config.get("quantization_config") or config.get("quantization_config") or {}
-    fp8_src = qc.get("quant_method") == "fp8"
-    if scheme == "fp8" or (scheme is None and fp8_src):
-        return tuple(qc.get("weight_block_size") or (128, 128)) if fp8_src else (128, 128)
+    src_block = fp8_block(config, "config.json")  # the source's own, checked: [rows, cols] > 0
+    if scheme == "fp8" or (scheme is None and src_block):
+        return src_block or (128, 128)
     return None
 
 
@@ -513,13 +513,13 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
             why = kv_target_problem(cfg, disk.fmt, disk.target)
             if why is not None:
                 raise FormatError(why)
-    qc = cfg.get("quantization_config") or config.get("quantization_config") or {}
-    block = tuple(qc.get("weight_block_size") or (128, 128)) if scheme == "fp8" else None
+    block = (fp8_block(config, "config.json") or (128, 128)) if scheme == "fp8" else None
     per_rank = dict.fromkeys(CATEGORIES, 0)
     model = dict.fromkeys(CATEGORIES, 0)
     experts: dict[int, dict[int, int]] = {}
     memo: dict[tuple, int] = {}
     fits: dict[tuple, list] = {}  # (pattern, shape) -> [group_fit's answer, first module, count]
+    unwritable: dict[str, Violation] = {}  # tensors the scheme's layout cannot hold, counted as bf16
     items = list(tensors(config, layout.shared_experts))
     for name, shape, kind, nums in items:
         deg = getattr(layout, kind.axis) if kind.axis else 1
@@ -538,8 +538,12 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         if key not in memo:
             module = name.rsplit(".", 1)[0]
             channel = isinstance(fit, str)
-            memo[key] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, sch, block, disk, module, channel)
-            memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, None, 1, sch, block, disk, module, channel)
+            try:
+                memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, None, 1, sch, block, disk, module, channel)
+                memo[key] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, sch, block, disk, module, channel)
+            except ShapeError as exc:  # quantize would refuse this tensor (or its shard): a problem of the plan
+                unwritable.setdefault(str(exc), Violation(name, kind.axis or "-", deg, shape[0], reason=str(exc)))
+                memo[key] = memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, None, block)
         model[kind.category] += memo[key[:3] + (0,)]
         if kind.info.role is Role.EXPERT:
             layer = experts.setdefault(nums[0], {})
@@ -612,4 +616,4 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     return Plan(arch.model_type, scheme, layout, ranks, model, kv_tokens,
                 None if hbm_bytes is None else parse_bytes(hbm_bytes),
                 validate(layout, config, scheme, sch.group_size if _format_group(disk, scheme) else group_size,
-                         items) + group_bad, assumptions)
+                         items) + group_bad + list(unwritable.values()), assumptions)

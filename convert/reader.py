@@ -301,6 +301,17 @@ def file_problems(root: Path, files, verify_files: bool = False) -> list[str]:
     return out
 
 
+def check_manifest_files(ckpt: Checkpoint) -> None:
+    """ManifestError naming the first weight file of a cvt output that is missing or of another
+    size than its manifest records (`cvt run` refuses it; a writer reading it as SRC would carry
+    a truncated or swapped shard on). Edited side files (config.json) are the readers' to judge."""
+    manifest = ckpt.manifest
+    if manifest is not None:
+        problems = file_problems(ckpt.root, [f for f in manifest.files if f.path.endswith(".safetensors")])
+        if problems:
+            raise ManifestError(problems[0])
+
+
 def manifest_problems(ckpt: Checkpoint, manifest, verify_files: bool = False) -> list[str]:
     """What disagrees between a (single-directory) cvt output's manifest and its files: files
     missing or of another size (sha256 too with `verify_files`), tensor count or byte total."""

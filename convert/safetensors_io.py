@@ -51,10 +51,15 @@ def load_json(path: Path, what: str = "") -> dict:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:  # a binary file
+        raise CheckpointError(f"{path}: not UTF-8 JSON text{what} (byte 0x{exc.object[exc.start]:02x} at offset "
+                              f"{exc.start})") from None
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicate_keys(str(path)))
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: not valid JSON{what}: {exc}") from exc
+    except RecursionError:  # [[[[... nested beyond the parser's stack: no config is
+        raise CheckpointError(f"{path}: JSON nested too deeply{what} (not a config cvt can read)") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: expected a JSON object{what}, got {type(obj).__name__}")
     return obj

@@ -52,11 +52,11 @@ from pathlib import Path
 
 from cvt.version import __version__
 from cvt.convert.arch import Parallel, Role, arch_for
-from cvt.convert.config import quantization_config, source_format, with_explicit_defaults
+from cvt.convert.config import fp8_block, quantization_config, source_format, with_explicit_defaults
 from cvt.convert.layout import (PLACEMENT_FILES, Layout, Placement, contiguous_placement, coords, moe_layers,
                                 placement_json)
 from cvt.convert.plan import axis_of, check
-from cvt.convert.reader import MANIFEST_NAME, Checkpoint, open_checkpoint, read_manifest
+from cvt.convert.reader import MANIFEST_NAME, Checkpoint, check_manifest_files, open_checkpoint, read_manifest
 from cvt.convert.validate import check_weights
 from cvt.dtypes import DTYPES
 from cvt.convert.safetensors_io import TensorSpec, load_json
@@ -224,11 +224,11 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
     rank's holdings are in it); CvtError naming each divisibility problem when the layout
     cannot shard this checkpoint."""
     arch = arch_for(ckpt.config)
+    check_manifest_files(ckpt)  # a modified cvt output is refused here as `cvt run` refuses it
     quant = ckpt.manifest.quant if ckpt.manifest is not None else None
     scheme, group = weights_scheme(ckpt.config, quant.model_dump() if quant else None, str(ckpt.root))
     check(layout, ckpt.config, scheme, group)
-    fp8 = quantization_config(ckpt.config) or {}
-    check_weights(ckpt, arch, "shard", tuple(fp8.get("weight_block_size") or (128, 128)))
+    check_weights(ckpt, arch, "shard", fp8_block(ckpt.config, str(ckpt.root)) or (128, 128))
     layouts = quant_layouts(ckpt)
     splits = {name: split_of(arch, layout, name, ref.shape, layouts.get(name.rpartition(".")[0]))
               for name, ref in ckpt.tensors.items()}

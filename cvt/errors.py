@@ -14,6 +14,13 @@ class CvtError(Exception):
     exit_code = 1
 
 
+class OptionError(CvtError):
+    """Options that do not go together or do not apply (``--asym`` with w4a8, ``--calib`` with
+    RTN only): refused like a click usage error, exit 2, rather than silently ignored."""
+
+    exit_code = 2
+
+
 class CheckpointError(CvtError):
     """A source checkpoint is malformed: header, index, missing file, unsafe path, pickle."""
 
@@ -28,6 +35,11 @@ class ArchError(CvtError):
 
 class FormatError(CvtError):
     """The source is not in the format a stage needs (e.g. bf16 given to fp8-to-bf16)."""
+
+
+class ShapeError(FormatError):
+    """A linear's shape breaks a format's packing rule (int4 pairs viewed as int32, W4A8's 16
+    scale_bias runs): `quantize` refuses it, `plan` lists it as a problem of the layout."""
 
 
 class OutputError(CvtError):

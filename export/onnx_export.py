@@ -144,12 +144,13 @@ def _sha256(path: Path) -> str:
 
 
 def _check_dst(src_root: Path | None, dst: Path, overwrite: bool) -> None:
+    # overlap first: for DST = SRC "pass --overwrite" would be the wrong advice
+    if src_root is not None:  # --overwrite would remove SRC with DST
+        check_disjoint(src_root, dst, "export onnx")
     if dst.exists() and not overwrite:
         raise OutputError(f"{dst}: already exists; pass --overwrite to replace it")
     if dst.exists() and not dst.is_dir():
         raise OutputError(f"{dst}: exists and is not a directory")
-    if src_root is not None:  # --overwrite would remove SRC with DST
-        check_disjoint(src_root, dst, "export onnx")
 
 
 def _lock_dst(dst: Path) -> int:

@@ -39,11 +39,11 @@ from cvt.convert.config import SourceFormat, bf16_config, fp8_config, source_for
 from cvt.convert.fp8 import dequant_fp8_block, scale_to_f32_np
 from cvt.convert.fp8_to_bf16 import check_scales_finite, dequantize_stored, pair_fp8_weights
 from cvt.convert.validate import check_weights
-from cvt.convert.reader import Checkpoint, open_checkpoint
+from cvt.convert.reader import Checkpoint, check_manifest_files, open_checkpoint
 from cvt.dtypes import dtype_code
 from cvt.convert.safetensors_io import TensorSpec
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
-from cvt.errors import CvtError, FormatError, TensorError
+from cvt.errors import CvtError, FormatError, OptionError, TensorError
 from cvt.quant import qkernel
 from cvt.quant.tensor.formats import DEFAULT_FORMAT, default_group, get_format, group_fallback
 from cvt.quant.tensor.formats.compressed_tensors import CompressedTensors
@@ -407,6 +407,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     try:
         src_fmt = source_format(ckpt.config, ckpt.has_manifest)
         if src_fmt is SourceFormat.CVT:  # a cvt output is read as what it holds
+            check_manifest_files(ckpt)
             m = ckpt.manifest
             src_fmt = {"hf-bf16": SourceFormat.BF16}.get(m.format, source_format(ckpt.config))
             if src_fmt is SourceFormat.BF16 and m.format != "hf-bf16":
@@ -425,6 +426,13 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
 
         needs_model = (any(m != RTN for m in plan.methods.values()) or static_attention
                        or any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
+        if calib is not None and needs_model:  # before DST is touched
+            from cvt.quant.methods.data import check_calib
+
+            check_calib(calib)
+        if calib is not None and not needs_model:
+            raise OptionError(f"--calib {calib}: nothing in this run calibrates (RTN needs no data); give --method "
+                              "gptq / awq / smoothquant, --static-attention or an int8 KV cache, or drop --calib")
         if not needs_model:
             return _write(ckpt, dst, plan, form, source, src_fmt, _Calib(), req)
         from cvt.convert.outdir import calibration_dir

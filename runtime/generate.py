@@ -7,6 +7,7 @@ different lengths form separate batches). Timing separates prefill from decode s
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -71,6 +72,13 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, temperatur
         raise CvtError("every prompt needs at least one token")
     if max_new_tokens < 0:
         raise CvtError("--max-new-tokens must be >= 0")
+    # what the CLI's option types refuse, refused for a library caller too (NaN passes every comparison)
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise CvtError(f"--temperature {temperature!r}: must be a finite number >= 0")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise CvtError(f"--top-p {top_p!r}: must be a finite number in (0, 1]")
+    if not (isinstance(seed, int) and 0 <= seed < 2**64):
+        raise CvtError(f"--seed {seed!r}: must be an integer in 0 .. 2**64-1")
     limit = getattr(model, "max_positions", None)
     longest = max(len(p) for p in prompts)
     if limit is not None and longest + max_new_tokens > limit:

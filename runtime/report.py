@@ -611,10 +611,27 @@ def write_report(report: Report, folder: Path, kl_values=None, top_k_weights: in
     top_k_weights: how many lowest-SQNR weights the md/html tables list (json keeps all).
     Returns {"json": path, "md": path, "html": path}.
     """
+    from cvt.convert.safetensors_io import write_bytes_atomic
+    from cvt.errors import OutputError
+
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{folder}: cannot create the report folder: {exc.strerror or exc}") from None
     paths = {"json": folder / "report.json", "md": folder / "report.md", "html": folder / "report.html"}
-    paths["json"].write_text(report.model_dump_json(indent=2, by_alias=True) + "\n", encoding="utf-8")
-    paths["md"].write_text(render_markdown(report, top_k_weights), encoding="utf-8")
-    paths["html"].write_text(render_html(report, kl_values, top_k_weights), encoding="utf-8")
+    data = {"html": render_html(report, kl_values, top_k_weights), "md": render_markdown(report, top_k_weights),
+            "json": report.model_dump_json(indent=2, by_alias=True) + "\n"}
+    # all three or none: each written atomically (temp + fsync + rename), report.json last as the
+    # completion marker; an earlier report's files go first, so a failure (a full disk) leaves
+    # no mix of old and new and nothing complete-looking
+    for p in paths.values():
+        p.unlink(missing_ok=True)
+    try:
+        for kind in ("html", "md", "json"):
+            write_bytes_atomic(paths[kind], data[kind].encode("utf-8"))
+    except BaseException:
+        for p in paths.values():
+            p.unlink(missing_ok=True)
+        raise
     return paths

@@ -53,6 +53,12 @@ def _first_id(v):
 def prompt_ids(tok: "Tokenizer", prompts, input_ids, vocab: int) -> list[list[int]]:
     """Token ids of `cvt run`'s --prompt texts and --input-ids lists ("1,2,3"), each id checked
     against the vocabulary; CvtError naming the bad option value or id."""
+    for p in prompts:
+        try:
+            p.encode("utf-8")  # a non-UTF-8 argv arrives as lone surrogates (surrogateescape)
+        except UnicodeEncodeError as exc:
+            shown = p.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise CvtError(f"--prompt '{shown}': not UTF-8 text (character {exc.start})") from None
     ids = [tok.encode(p) for p in prompts]
     for text in input_ids:
         try:

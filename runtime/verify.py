@@ -95,8 +95,11 @@ def weight_sqnr(cand, ref) -> list[WeightSqnrRow]:
     for name, mod in cand.named_modules():
         other = ref_linears.get(name)
         if isinstance(mod, Linear) and other is not None:
-            rows.append(WeightSqnrRow(name=f"{name}.weight", sqnr_db=metrics.sqnr_db(other.dense_weight(), mod.dense_weight()),
-                                      format=mod.fmt))
+            w_ref, w = other.dense_weight(), mod.dense_weight()
+            if w_ref.shape != w.shape:
+                raise CvtError(f"{name}.weight is {list(w.shape)} in the candidate and {list(w_ref.shape)} in the "
+                               "reference: not the same model")
+            rows.append(WeightSqnrRow(name=f"{name}.weight", sqnr_db=metrics.sqnr_db(w_ref, w), format=mod.fmt))
     return rows
 
 
@@ -131,6 +134,20 @@ def nonfinite_weights(cand, ref) -> list[NonFinite]:
     return out
 
 
+def _same_model(cand, ref, cand_path, ref_path) -> None:
+    """CvtError unless both are the same model (family and sizes): a Qwen candidate against a
+    DeepSeek reference has nothing to compare layer by layer."""
+    if cand.family != ref.family:
+        raise CvtError(f"the candidate {cand_path} is a {cand.family} model and the reference {ref_path} a "
+                       f"{ref.family} model: verify compares a converted model with the model it came from")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "moe_intermediate_size"):
+        a, b = getattr(cand, key, None), getattr(ref, key, None)
+        if a != b:
+            raise CvtError(f"the candidate {cand_path} and the reference {ref_path} differ in {key}: {a} vs {b} "
+                           "(verify compares a converted model with the model it came from)")
+
+
 def verify(candidate, reference, report_dir, *, data: Path | None = None,
            thresholds: Thresholds | dict | None = None, device: str | torch.device = "cpu",
            dtype: torch.dtype = torch.float32, seq_len: int = 128, max_sequences: int = 8,
@@ -148,8 +165,7 @@ def verify(candidate, reference, report_dir, *, data: Path | None = None,
     thresholds = Thresholds.coerce(thresholds)
     ref = load_model(reference, device=device, dtype=dtype, quiet=quiet, desc="load reference")
     cand = load_model(candidate, device=device, dtype=dtype, quiet=quiet, desc="load candidate")
-    if ref.model.args.vocab_size != cand.model.args.vocab_size:
-        raise CvtError(f"vocabularies differ: candidate {cand.model.args.vocab_size}, reference {ref.model.args.vocab_size}")
+    _same_model(cand.model.args, ref.model.args, candidate, reference)
     tokenizer = load_tokenizer(ref.checkpoint_path, ref.config)
     tokens, data_info = _batches(tokenizer, data, seq_len, max_sequences, ref.model.max_positions)
 

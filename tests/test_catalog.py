@@ -14,7 +14,10 @@ Every case runs the real CLI entry point and asserts the same contract:
 Case classes (issue 13): DST overlapping SRC; symlinks and manifest paths leading out of the
 checkpoint; config.json disagreeing with the weights; sizes that describe no model or would
 allocate without bound; placement / recipe / manifest files that are invalid; NaN / Inf
-weights; a second run on a locked DST.
+weights; a second run on a locked DST. Issue 24 (items 8-11): a second run while the first
+calibrates; a report on a full disk; numbers no option may hold (NaN, inf, 1e400, 0.5 bytes)
+and options that do not apply (exit 2, naming the option); configs and calibration state files
+that are garbage, truncated or of another kind (one line, never an internal error).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -121,7 +127,8 @@ def _check(ctx: Ctx, case: Case) -> None:
     assert _tree_hash(src) == before, "SRC was modified"
     if dst is not None and dst != src and dst.is_dir():
         new = set(_tree_hash(dst)) - set(dst_before)
-        looks_done = {"cvt_manifest.json", "export_manifest.json", "config.json", "model.safetensors.index.json"}
+        looks_done = {"cvt_manifest.json", "export_manifest.json", "config.json", "model.safetensors.index.json",
+                      "report.json", "report.md", "report.html"}
         assert not (new & looks_done), f"DST looks complete: {sorted(new)}"
     outside = str(ctx.outside.resolve())
     leaked = [p for p in opened if os.path.realpath(p).startswith(outside)]
@@ -326,6 +333,236 @@ def _verify(which_cand: str, prep, *extra):
     return build
 
 
+# ------------------------------------------------------------------- issue 24, items 8-11
+def _calibrating(ctx: Ctx):
+    """A GPTQ quantize stopped (SIGSTOP) after its first calibrated layer, holding DST; the case's
+    RTN quantize into the same DST must be refused. Continued when the case ends: it finishes."""
+    src = ctx.copy("qwen")
+    dst = ctx.tmp / "out"
+    env = {**os.environ, "CVT_TEST_STOP_AFTER_LAYER": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("CVT_DEBUG", None)
+    p = subprocess.Popen([sys.executable, "-m", "cvt", "quantize", str(src), str(dst), *_GPTQ, "--quiet"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not _stopped(p.pid):
+        assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() is not None else "slow"
+        time.sleep(0.05)
+    assert (dst / ".cvt-calib").is_dir() and not (dst / ".cvt-state.json").exists()  # still calibrating
+    _CALIBRATING[ctx.tmp] = p
+    return ["quantize", src, dst, "--scheme", "w8a8"], src, dst
+
+
+_GPTQ = ("--scheme", "w4a16", "--group-size", "16", "--method", "gptq", "--calib-tokens", "256")
+_CALIBRATING: dict[Path, subprocess.Popen] = {}
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _full_disk_report(ctx: Ctx):
+    """verify --report into a 16 KiB tmpfs: the html and md fit, report.json does not."""
+    mnt = ctx.tmp / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.decode().strip()}")
+    (ctx.tmp / ".mounted").write_text(str(mnt))
+    ref = ctx.copy("qwen", "ref")
+    cand = ctx.copy("qwen", "cand")
+    report = mnt / "report"
+    return ["verify", cand, "--reference", ref, "--report", report, "--max-sequences", "1", "--seq-len", "32"], \
+        cand, report
+
+
+_KILLED: dict[str, Path] = {}
+
+
+def _killed_state(ctx: Ctx) -> Path:
+    """A GPTQ run's DST killed (kill -9) after layer 0 was calibrated: .cvt-calib holds layer 0."""
+    if "qwen" not in _KILLED:
+        dst = ctx.tmp.parent / "killed-gptq"
+        r = run_cvt("quantize", ctx.qwen, dst, *_GPTQ, "--quiet", env={"CVT_TEST_KILL_AFTER_LAYER": "0"})
+        assert r.rc == -signal.SIGKILL and (dst / ".cvt-calib" / "layer-0.json").is_file(), r.err
+        _KILLED["qwen"] = dst
+    return _KILLED["qwen"]
+
+
+def _bad_state(edit: Callable[[Path], None]):
+    def build(ctx: Ctx):
+        src = ctx.copy("qwen")
+        dst = ctx.tmp / "out"
+        shutil.copytree(_killed_state(ctx), dst)
+        edit(dst / ".cvt-calib")
+        return ["quantize", src, dst, *_GPTQ], src, None
+    return build
+
+
+def _truncate(name: str, size: int):
+    def edit(state: Path):
+        with open(state / name, "r+b") as f:
+            f.truncate(size)
+    return edit
+
+
+def _garbage(name: str):
+    def edit(state: Path):
+        p = state / name
+        p.write_bytes(os.urandom(p.stat().st_size))
+    return edit
+
+
+def _other_method(state: Path):
+    p = state / "layer-0.json"
+    p.write_text(p.read_text().replace('"gptq"', '"awq"'))
+
+
+def _edit_config_with(**changes):
+    def prep(ctx, src):
+        ctx.edit_config(src, **changes)
+    return prep
+
+
+def _fp8_block(block):
+    def prep(ctx, src):
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["quantization_config"]["weight_block_size"] = block
+        (src / "config.json").write_text(json.dumps(cfg))
+    return prep
+
+
+def _config_bytes(data: bytes):
+    def prep(ctx, src):
+        (src / "config.json").write_bytes(data)
+    return prep
+
+
+def _manifest_size(ctx, src):
+    m = json.loads((src / "cvt_manifest.json").read_text())
+    m["files"][0]["size"] += 1
+    (src / "cvt_manifest.json").write_text(json.dumps(m))
+
+
+def _rewrite_qwen(**overrides):
+    """SRC replaced by a Qwen3-MoE with other sizes (weights and config agreeing)."""
+    def prep(ctx, src):
+        from cvt.convert.synthetic import tiny_qwen3_config
+
+        shutil.rmtree(src)
+        write_bf16_checkpoint(src, tiny_qwen3_config(moe=True, **overrides))
+    return prep
+
+
+def _calib_file(ctx, src):
+    (ctx.tmp / "calib.txt").write_text("some calibration text " * 20)
+
+
+def _fifo(ctx, src):
+    os.mkfifo(ctx.tmp / "calib.fifo")
+
+
+def _calib_dir_is_file(ctx: Ctx):
+    src = ctx.copy("qwen")
+    dst = ctx.tmp / "out"
+    dst.mkdir()
+    (dst / ".cvt-calib").write_text("")
+    return ["quantize", src, dst, "--scheme", "w8a8", "--method", "smoothquant"], src, dst
+
+
+def _verify_other_model(ctx: Ctx):
+    ref = ctx.copy("bf16", "ref")
+    cand = ctx.copy("qwen", "cand")
+    return ["verify", cand, "--reference", ref, "--report", ctx.tmp / "report", "--max-sequences", "1",
+            "--seq-len", "16"], cand, ctx.tmp / "report"
+
+
+def _sized(verb: list[str], which: str, option: str, value: str, *extra, dst_name: str | None = "out"):
+    return _verb(verb, which, _nothing, option, value, *extra, dst_name=dst_name)
+
+
+_NOT_FINITE = "is not a finite number"
+_BAD_SIZE = "Invalid value for '{}': size '{}'"
+ISSUE_24 = [
+    # item 8: the lock covers calibration
+    Case("quantize-while-another-calibrates", _calibrating, "another cvt run is writing to this directory"),
+    # item 9: a full disk leaves no complete-looking report and names the file
+    Case("verify-report-full-disk", _full_disk_report, "report.json: write failed"),
+    # item 10/11: numbers, one click type each (exit 2, naming the option)
+    *[Case(f"quantize-max-shard-size-{v}", _sized(["quantize"], "qwen", "--max-shard-size", v, "--scheme", "w8a8"),
+           _BAD_SIZE.format("--max-shard-size", v), rc=2) for v in ("inf", "nan", "1e400", "0.5", "1e-30", "abc")],
+    Case("quantize-expert-memory-nan", _sized(["quantize"], "qwen", "--expert-memory", "nan", "--scheme", "w8a8"),
+         _BAD_SIZE.format("--expert-memory", "nan"), rc=2),
+    Case("fp8-to-bf16-max-shard-size-zero", _sized(["fp8-to-bf16"], "fp8", "--max-shard-size", "1e-30GB"),
+         "size '1e-30GB' is less than one byte", rc=2),
+    Case("shard-max-shard-size-inf", _sized(["shard"], "fp8", "--max-shard-size", "inf", "--ep", "2"),
+         _BAD_SIZE.format("--max-shard-size", "inf"), rc=2),
+    Case("plan-hbm-1e400", _sized(["plan"], "fp8", "--hbm", "1e400", "--ep", "2", dst_name=None),
+         _BAD_SIZE.format("--hbm", "1e400"), rc=2),
+    Case("shard-dry-run-hbm-nan", _sized(["shard"], "fp8", "--hbm", "nan", "--ep", "2", "--dry-run", dst_name=None),
+         _BAD_SIZE.format("--hbm", "nan"), rc=2),
+    Case("run-temperature-nan", _verb(["run"], "qwen", _nothing, "--input-ids", "1,2", "--temperature", "nan",
+                                      dst_name=None), f"Invalid value for '--temperature': 'nan' {_NOT_FINITE}", rc=2),
+    Case("run-top-p-nan", _verb(["run"], "qwen", _nothing, "--input-ids", "1,2", "--top-p", "nan", dst_name=None),
+         f"Invalid value for '--top-p': 'nan' {_NOT_FINITE}", rc=2),
+    Case("run-seed-2-70", _verb(["run"], "qwen", _nothing, "--input-ids", "1,2", "--seed", str(2**70), dst_name=None),
+         "Invalid value for '--seed'", rc=2),
+    Case("run-prompt-not-utf8", _verb(["run"], "qwen", _nothing, "--prompt", "ab\udcff\udcfe", dst_name=None),
+         "--prompt 'ab\\xff\\xfe': not UTF-8 text"),
+    Case("verify-min-cosine-2", _verify("qwen", _nothing, "--min-cosine", "2"),
+         "Invalid value for '--min-cosine': 2.0 is not in the range -1<=x<=1", rc=2),
+    # item 10: configs
+    *[Case(f"{v[0]}-quantization-config-string", _verb(v, "fp8", _edit_config_with(quantization_config="fp8"),
+                                                       *{"shard": ["--ep", "2"], "plan": ["--ep", "2"], "quantize": ["--scheme", "w8a8"]}.get(v[0], []),
+                                                       dst_name=None if v[0] in ("inspect", "plan") else "out"),
+           "quantization_config is str 'fp8'; expected an object")
+      for v in (["fp8-to-bf16"], ["quantize"], ["shard"], ["inspect"], ["plan"], ["export", "onnx"])],
+    Case("shard-block-size-zero", _verb(["shard"], "fp8", _fp8_block([0, 0]), "--ep", "2"),
+         "weight_block_size is [0, 0]"),
+    Case("inspect-block-size-one-dim", _verb(["inspect"], "fp8", _fp8_block([128]), dst_name=None),
+         "weight_block_size is [128]"),
+    Case("plan-block-size-zero", _verb(["plan"], "fp8", _fp8_block([0, 0]), "--ep", "2", dst_name=None),
+         "weight_block_size is [0, 0]"),
+    Case("quantize-config-nested", _quantize("qwen", _config_bytes(b"[" * 100000 + b"]" * 100000)),
+         "config.json: JSON nested too deeply"),
+    Case("run-config-binary", _verb(["run"], "qwen", _config_bytes(b"\x83\xff" + bytes(range(256))), "--input-ids",
+                                    "1,2", dst_name=None), "config.json: not UTF-8 JSON text"),
+    Case("verify-qwen-against-deepseek", _verify_other_model, "is a qwen3 model and the reference"),
+    # item 10: calibration state files (a GPTQ run killed after layer 0, then edited)
+    Case("quantize-state-truncated", _bad_state(_truncate("layer-0.safetensors", 5000)),
+         "layer-0.safetensors: calibration state unreadable"),
+    Case("quantize-state-garbage-json", _bad_state(_garbage("layer-0.json")), "layer-0.json: calibration state unreadable"),
+    Case("quantize-state-short-input", _bad_state(_truncate("x-1.bin", 1000)), "x-1.bin: calibration state unreadable"),
+    Case("quantize-state-other-method", _bad_state(_other_method), "was calibrated by awq, this run uses gptq"),
+    # item 11: options that do not apply, messages that name the right thing
+    Case("quantize-asym-w4a8", _quantize("qwen", _nothing, "--asym"), "--asym applies to w4a16 only, not w8a8", rc=2),
+    Case("quantize-asym-w4a8-ascend", _verb(["quantize"], "qwen", _nothing, "--scheme", "w4a8", "--format", "ascend",
+                                            "--asym"), "--asym applies to w4a16 only, not w4a8", rc=2),
+    Case("quantize-calib-with-rtn", _quantize("qwen", _calib_file, "--calib", "CALIB"),
+         "nothing in this run calibrates", rc=2),
+    Case("quantize-calib-dev-zero", _verb(["quantize"], "qwen", _nothing, "--scheme", "w8a8", "--method",
+                                          "smoothquant", "--calib", "/dev/zero"), "/dev/zero: not a regular file"),
+    Case("quantize-calib-fifo", _verb(["quantize"], "qwen", _fifo, "--scheme", "w8a8", "--method", "smoothquant",
+                                      "--calib", "FIFO"), "calib.fifo: not a regular file"),
+    Case("quantize-calib-dir-is-a-file", _calib_dir_is_file, ".cvt-calib: exists and is not a folder"),
+    Case("quantize-missing-scheme", _verb(["quantize"], "qwen", _nothing),
+         "Missing option '--scheme'. Choose from: fp4, w4a16, w4a8, w8a8, w8a8c8", rc=2),
+    Case("shard-ep-3", _verb(["shard"], "fp8", _nothing, "--ep", "3"), "cannot shard this model: config.n_routed_experts"),
+    Case("export-onnx-dst-is-src-no-overwrite", _overlap(["export", "onnx"], "qwen", overwrite=False),
+         "DST is the source directory"),
+    Case("shard-manifest-size", _verb(["shard"], "bf16", _manifest_size, "--ep", "2"), "the manifest says"),
+    Case("quantize-w4a8-k-not-16", _verb(["quantize"], "qwen", _rewrite_qwen(moe_intermediate_size=40), "--scheme",
+                                         "w4a8", "--format", "ascend"),
+         "mlp.experts.0.down_proj.weight [96, 40]: scale_bias sums in_features in 16 runs, which must be a multiple of 16"),
+    Case("quantize-w4a8-rows-not-8", _verb(["quantize"], "qwen", _rewrite_qwen(hidden_size=84, head_dim=21),
+                                           "--scheme", "w4a8", "--format", "ascend"),
+         "model.layers.1.mlp.experts.0.down_proj.weight [84, 48]"),
+    Case("plan-w4a8-k-not-16", _verb(["plan"], "qwen", _edit_config_with(moe_intermediate_size=40), "--scheme", "w4a8",
+                                     "--format", "ascend", "--ep", "2", dst_name=None),
+         "mlp.experts.0.down_proj.weight [96, 40]", rc=3, form="report"),
+]
+
+
 CASES = [
     # --- DST overlapping SRC (every writing verb), --overwrite never deletes a source file
     Case("quantize-dst-is-cvt-src-overwrite", _overlap(["quantize"], "bf16"), "DST is the source directory"),
@@ -412,7 +649,7 @@ CASES = [
          "is NaN", rc=4),
     Case("verify-inf-candidate", _verify("qwen", _nan_weight, "--min-cosine", "0.99", "inf"), "non-finite", rc=4),
     Case("verify-threshold-nan", _verify("qwen", _nothing, "--min-cosine", "nan"),
-         "--min-cosine nan: must be a finite number"),
+         "Invalid value for '--min-cosine': 'nan' is not a finite number", rc=2),
     # --- finite input, non-finite output (issue 24 item 6c): refused, naming the tensor
     Case("quantize-w4a8-bf16-max-scale-bias", _quantize("qwen", _bf16_max_rows, "--scheme", "w4a8", "--format",
                                                         "ascend"),
@@ -429,6 +666,7 @@ CASES = [
          "[0, 0] times 448 (the largest e4m3 value) overflows bfloat16"),
     # --- two runs at once
     Case("export-onnx-locked", _locked_export, "another cvt run is writing to this directory"),
+    *ISSUE_24,
 ]
 
 
@@ -447,9 +685,11 @@ def test_bad_input(case: Case, sources, tmp_path):
     ctx = Ctx(tmp_path, fp8, bf16, qwen)
     build = case.build
 
+    names = {"RECIPE": "recipe.yaml", "CALIB": "calib.txt", "FIFO": "calib.fifo"}
+
     def with_recipe(c: Ctx):
         argv, src, dst = build(c)
-        return [str(c.tmp / "recipe.yaml") if a == "RECIPE" else a for a in argv], src, dst
+        return [str(c.tmp / names[a]) if isinstance(a, str) and a in names else a for a in argv], src, dst
 
     try:
         _check(ctx, Case(case.id, with_recipe, case.culprit, case.rc, case.form))
@@ -457,6 +697,14 @@ def test_bad_input(case: Case, sources, tmp_path):
         held = tmp_path / ".held"
         if held.exists():
             os.close(int(held.read_text()))
+        mounted = tmp_path / ".mounted"
+        if mounted.exists():
+            subprocess.run(["umount", mounted.read_text()], check=False)
+        first = _CALIBRATING.pop(tmp_path, None)
+        if first is not None:  # the run that held DST goes on and finishes its own output
+            os.kill(first.pid, signal.SIGCONT)
+            _, err = first.communicate(timeout=300)
+            assert first.returncode == 0, err.decode()[-2000:]
 
 
 def test_every_verb_has_cases():

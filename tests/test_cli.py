@@ -31,8 +31,8 @@ def test_usage_errors_are_one_line():
     assert r.rc == 2 and r.err.count("\n") == 1 and r.err.startswith("cvt: error: Missing argument 'DST'")
     r = run_cvt("fp8-to-bf16", "a", "b", "--workers", "0")
     assert r.rc == 2 and r.err.startswith("cvt: error: Invalid value for '--workers'")
-    r = run_cvt("fp8-to-bf16", "a", "b", "--max-shard-size", "lots")
-    assert r.rc == 1 and "is not a size like 5GB" in r.err
+    r = run_cvt("fp8-to-bf16", "a", "b", "--max-shard-size", "lots")  # one click type: exit 2, naming the option
+    assert r.rc == 2 and "Invalid value for '--max-shard-size': size 'lots' is not a size like 5GB" in r.err
 
 
 def test_demo_runs_the_pipeline(tmp_path):

@@ -17,7 +17,8 @@ import click
 
 from cvt.cli.export import export as export_group
 from cvt.cli.options import (EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_THRESHOLD, FORMATS,
-                             FP4_FORMATS, METHODS, PLAN_SCHEMES, SCHEMES, TARGETS, common, human)
+                             FP4_FORMATS, METHODS, PLAN_SCHEMES, SCHEMES, SIZE, TARGETS, FiniteFloat, common,
+                             human)
 from cvt.version import __version__
 
 log = logging.getLogger("cvt")
@@ -39,7 +40,7 @@ def cli() -> None:
 @click.option("--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id.")
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="Output files written in parallel (default: 2, or 1 on a 1-core machine). Peak memory grows with it.")
-@click.option("--max-shard-size", default="5GB", show_default=True,
+@click.option("--max-shard-size", type=SIZE, default="5GB", show_default=True,
               help="Largest output file, e.g. 5GB, 500MB, 2GiB. An output under 4 such files is cut into up to 4 "
                    "files of about equal shares (at least 256 MiB each; a large tensor keeps its own file), "
                    "so they are hashed in parallel.")
@@ -56,9 +57,8 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
     re-running after a crash resumes.
     """
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-    from cvt.units import parse_size
 
-    r = fp8_to_bf16(src, dst, revision=revision, workers=workers, max_shard_size=parse_size(max_shard_size),
+    r = fp8_to_bf16(src, dst, revision=revision, workers=workers, max_shard_size=max_shard_size,
                     resume=resume, overwrite=overwrite, quiet=quiet)
     if not quiet:
         from cvt.units import plural
@@ -106,7 +106,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="cpu", show_default=True,
               help="Where calibration computes (gptq / awq / smoothquant, --static-attention, w8a8c8): each decoder "
                    "layer is read from SRC onto it, calibrated and dropped; RTN needs no device.")
-@click.option("--expert-memory", default="4GiB", show_default=True,
+@click.option("--expert-memory", type=SIZE, default="4GiB", show_default=True,
               help="Calibration reads at most this much of a MoE layer's routed experts at once (as float32): a layer "
                    "above it (DeepSeek-V3: ~45 GB) is calibrated a chunk of experts at a time, same output. Not "
                    "when AWQ / SmoothQuant smooth across the experts (they need them all).")
@@ -118,7 +118,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="Output files written in parallel (default: 2, or 1 on a 1-core machine).")
-@click.option("--max-shard-size", default="5GB", show_default=True,
+@click.option("--max-shard-size", type=SIZE, default="5GB", show_default=True,
               help="Largest output file. An output under 4 such files is cut into up to 4 files of about equal "
                    "shares (at least 256 MiB each; a large tensor keeps its own file), so they are hashed in parallel.")
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep files an interrupted run finished.")
@@ -133,7 +133,6 @@ def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_fo
     float by default."""
     from pathlib import Path
 
-    from cvt.units import parse_size
     from cvt.quant.recipe import load_recipe
     from cvt.quant.stage import quantize
 
@@ -144,8 +143,8 @@ def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_fo
     r = quantize(src, dst, scheme=scheme, fmt=fmt, method=method, group_size=group_size, asym=asym,
                  fp4_format=fp4_format, calib=Path(calib) if calib else None, calib_tokens=calib_tokens,
                  static_attention=static_attention, ignore=tuple(ignore), recipe=load_recipe(Path(recipe)) if recipe else None, revision=revision,
-                 workers=workers, max_shard_size=parse_size(max_shard_size), resume=resume, overwrite=overwrite,
-                 quiet=quiet, target=target, device=device, expert_memory=parse_size(expert_memory))
+                 workers=workers, max_shard_size=max_shard_size, resume=resume, overwrite=overwrite,
+                 quiet=quiet, target=target, device=device, expert_memory=expert_memory)
     if not quiet:
         from cvt.units import plural
 
@@ -244,7 +243,7 @@ def _print_plan(config, layout, scheme, group_size, hbm, kv_tokens, fmt=None, ta
                    "experts only: the other linears count as bf16).")
 @click.option("--fp4-format", type=FP4_FORMATS, default=None,
               help="fp4: nvfp4 (default) or mxfp4 (Ascend).")
-@click.option("--hbm", default=None, help="Device memory per rank, e.g. 64GB or 64GiB: ranks above it are flagged.")
+@click.option("--hbm", type=SIZE, default=None, help="Device memory per rank, e.g. 64GB or 64GiB: ranks above it are flagged.")
 @click.option("--kv-tokens", type=click.IntRange(0), default=0, show_default=True, help="Tokens of KV cache in flight (whole world).")
 @common
 def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens, quiet, **degrees):
@@ -261,7 +260,7 @@ def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens,
 @click.argument("src")
 @click.argument("dst", type=click.Path(), required=False)
 @_layout_options
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest file per rank.")
+@click.option("--max-shard-size", type=SIZE, default="5GB", show_default=True, help="Largest file per rank.")
 @click.option("--dry-run", is_flag=True, help="Print the per-rank memory plan from config.json alone; write nothing.")
 @click.option("--scheme", type=PLAN_SCHEMES, default=None,
               help="--dry-run: weights' scheme (default: SRC's own - its cvt quantize scheme, fp8 or bf16).")
@@ -272,7 +271,7 @@ def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens,
               help="--dry-run: ascend serving stack, as cvt plan --target (default: SRC's own).")
 @click.option("--fp4-format", type=FP4_FORMATS, default=None,
               help="--dry-run: fp4 nvfp4 or mxfp4, as cvt plan --fp4-format (default: SRC's own).")
-@click.option("--hbm", default=None, help="--dry-run: device memory per rank, e.g. 64GB: ranks above it are flagged.")
+@click.option("--hbm", type=SIZE, default=None, help="--dry-run: device memory per rank, e.g. 64GB: ranks above it are flagged.")
 @click.option("--kv-tokens", type=click.IntRange(0), default=0, show_default=True,
               help="--dry-run: tokens of KV cache in flight (whole world).")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
@@ -316,11 +315,10 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target
                                "belong to --dry-run")
     from cvt.convert.reader import open_checkpoint
     from cvt.convert.shard import shard
-    from cvt.units import parse_size
 
     with open_checkpoint(src, revision) as ckpt:
         layout = _layout(ckpt.config, **degrees)
-    r = shard(src, dst, layout, revision=revision, max_shard_size=parse_size(max_shard_size), resume=resume,
+    r = shard(src, dst, layout, revision=revision, max_shard_size=max_shard_size, resume=resume,
               overwrite=overwrite, quiet=quiet)
     if not quiet:
         from cvt.units import plural
@@ -354,9 +352,9 @@ def inspect_cmd(path, revision, as_json, quiet):
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
 @click.option("--input-ids", "input_ids", multiple=True, help="Comma-separated token ids instead of text (repeatable).")
 @click.option("--max-new-tokens", type=click.IntRange(0), default=32, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--temperature", type=FiniteFloat(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True, help="Sampling seed, 0 .. 2**64-1.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--verify-files", is_flag=True, help="Check every file's sha256 against the manifest before loading.")
@@ -423,10 +421,10 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
 @click.option("--report", "report_dir", required=True, type=click.Path(file_okay=False), help="Folder for report.json/.md/.html.")
 @click.option("--seq-len", type=click.IntRange(2), default=128, show_default=True)
 @click.option("--max-sequences", type=click.IntRange(1), default=8, show_default=True)
-@click.option("--min-cosine", type=float, help="Fail when any layer's cosine is below this.")
-@click.option("--max-ppl-ratio", type=float, help="Fail when PPL(candidate)/PPL(reference) is above this.")
-@click.option("--max-mean-kl", type=float, help="Fail when the mean KL divergence is above this.")
-@click.option("--min-top1", type=click.FloatRange(0, 1), help="Fail when the same-top-1 share is below this.")
+@click.option("--min-cosine", type=FiniteFloat(-1, 1), help="Fail when any layer's cosine is below this.")
+@click.option("--max-ppl-ratio", type=FiniteFloat(0, min_open=True), help="Fail when PPL(candidate)/PPL(reference) is above this.")
+@click.option("--max-mean-kl", type=FiniteFloat(0), help="Fail when the mean KL divergence is above this.")
+@click.option("--min-top1", type=FiniteFloat(0, 1), help="Fail when the same-top-1 share is below this.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="fp32", show_default=True)
 @common
@@ -493,6 +491,15 @@ def _resumes(argv) -> bool:
     return any(p.name == "resume" for p in cmd.params)
 
 
+def one_line(msg: str) -> str:
+    """A message of several lines (a list of layout problems, click's choices) as one line."""
+    out = ""
+    for line in (ln.strip() for ln in str(msg).splitlines()):
+        if line:
+            out += ("" if not out else " " if out.endswith((":", ",")) else "; ") + line
+    return out
+
+
 def main(argv=None) -> None:
     """Entry point: run the CLI and turn every failure into one line and an exit code."""
     debug = bool(os.environ.get("CVT_DEBUG")) or "--debug" in (argv if argv is not None else sys.argv[1:])
@@ -507,10 +514,10 @@ def main(argv=None) -> None:
         sys.exit(0)
     except click.UsageError as exc:  # bad arguments: one line, like every other failure
         hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
-        click.echo(f"cvt: error: {exc.format_message()}{hint}", err=True)
+        click.echo(f"cvt: error: {one_line(exc.format_message())}{hint}", err=True)
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        click.echo(f"cvt: error: {exc.format_message()}", err=True)
+        click.echo(f"cvt: error: {one_line(exc.format_message())}", err=True)
         sys.exit(exc.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
         click.echo("cvt: interrupted" + ("; re-run the same command to resume" if _resumes(argv) else ""), err=True)
@@ -518,7 +525,7 @@ def main(argv=None) -> None:
     except CvtError as exc:
         if debug:
             traceback.print_exc()
-        click.echo(f"cvt: error: {exc}", err=True)
+        click.echo(f"cvt: error: {one_line(exc)}", err=True)
         sys.exit(exc.exit_code)
     except OSError as exc:
         if debug:
@@ -539,11 +546,12 @@ def main(argv=None) -> None:
 
             if debug:
                 traceback.print_exc()
-            click.echo(f"cvt: error: invalid input: {validation_summary(exc)}", err=True)
+            click.echo(f"cvt: error: invalid input: {one_line(validation_summary(exc))}", err=True)
             sys.exit(EXIT_ERROR)
         if debug:
             traceback.print_exc()
-        click.echo(f"cvt: internal error: {type(exc).__name__}: {exc} (re-run with --debug for the traceback)", err=True)
+        click.echo(f"cvt: internal error: {type(exc).__name__}: {one_line(exc)} (re-run with --debug for the traceback)",
+                   err=True)
         sys.exit(EXIT_INTERNAL)
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import click
+
+from cvt.errors import CvtError
+from cvt.units import parse_size
 
 EXIT_ERROR = 1
 EXIT_PROBLEMS = 3
@@ -97,3 +101,36 @@ METHODS = NamesChoice(method_names)
 TARGETS = NamesChoice(ascend_targets)
 FP4_FORMATS = NamesChoice(fp4_formats)
 PLAN_SCHEMES = NamesChoice(scheme_names, extra=("bf16", "fp8"))
+
+
+# Numbers in options: every size option parses through SIZE, every float option through
+# FiniteFloat; a bad value is a usage error (exit 2) naming the option, so no NaN, infinity or
+# 0-byte size reaches the library.
+class SizeType(click.ParamType):
+    """A click option holding a size (`parse_size`): refused as a usage error naming the option."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return parse_size(value)
+        except CvtError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SIZE = SizeType()
+
+
+class FiniteFloat(click.FloatRange):
+    """click.FloatRange that also refuses NaN and infinities (a range check lets NaN through:
+    every comparison with it is false)."""
+
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        rv = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return super().convert(rv, param, ctx)

@@ -10,6 +10,19 @@ import torch
 from cvt.errors import CvtError
 
 
+def check_calib(path: Path | str) -> Path:
+    """`path` if it is a regular file; else CvtError saying what it is instead (a FIFO or
+    /dev/zero would block or never end; neither is "no such file")."""
+    path = Path(path)
+    if not path.exists():
+        raise CvtError(f"--calib {path}: no such file (the calibration file does not exist)")
+    if path.is_dir():
+        raise CvtError(f"--calib {path}: is a directory; give a text or .jsonl file")
+    if not path.is_file():
+        raise CvtError(f"--calib {path}: not a regular file (a FIFO, device or socket); give a text or .jsonl file")
+    return path
+
+
 def calib_tokens(tokenizer, calib: Path | str | None = None, *, seq_len: int = 512, max_sequences: int = 128,
                  max_len: int | None = None) -> torch.Tensor:
     """Token ids [b, s] for calibration: ``calib`` (text or .jsonl with "text"), or the
@@ -26,9 +39,7 @@ def calib_tokens(tokenizer, calib: Path | str | None = None, *, seq_len: int = 5
         seq_len = min(seq_len, max_len)
     need = max_sequences * seq_len
     if calib is not None:
-        path = Path(calib)
-        if not path.exists():
-            raise CvtError(f"--calib {path}: no such file (the calibration file does not exist)")
+        path = check_calib(calib)
         ids, used = read_ids(tokenizer, path, need, option="--calib", skip_blank=True)
         if not used:
             raise CvtError(f"--calib {path}: no text to calibrate on (the file is empty; expected text, "

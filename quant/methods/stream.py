@@ -159,19 +159,51 @@ class LayerStore:
         (self.root / f"x-{i}.bin").unlink(missing_ok=True)
 
     def load_layer(self, i: int) -> dict:
-        """The json of finished layer i, registering its tensors for `quantized` / `float_tensor`."""
-        meta = json.loads((self.root / f"layer-{i}.json").read_text())
+        """The json of finished layer i, registering its tensors for `quantized` / `float_tensor`;
+        a state file that is unreadable, truncated or not what this store writes is refused
+        (`_unreadable`), never half consumed."""
+        path = self.root / f"layer-{i}.json"
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+            _check_layer_meta(meta)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise _unreadable(path, exc) from None
+        files: dict[str, set[str]] = {}
+        for name in {f.get("file", f"layer-{i}.safetensors") for f in meta["quantized"].values()} | {
+                f"layer-{i}.safetensors"}:
+            files[name] = self._keys(self.root / name)
+        for module, f in meta["quantized"].items():
+            file = f.get("file", f"layer-{i}.safetensors")
+            if not any(k.startswith(f"q/{module}/") for k in files[file]):
+                raise _unreadable(self.root / file, f"no tensors of {module}, which layer-{i}.json lists")
+        for name in meta["floats"]:
+            if f"f/{name}" not in files[f"layer-{i}.safetensors"]:
+                raise _unreadable(self.root / f"layer-{i}.safetensors", f"no tensor f/{name}, which layer-{i}.json lists")
         for module, f in meta["quantized"].items():
             self._index[module] = (i, f)
         for name in meta["floats"]:
             self._floats[name] = i
         return meta
 
-    def kv_amax(self, i: int) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
+    @staticmethod
+    def _keys(path: Path) -> set[str]:
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(self.root / f"layer-{i}.safetensors", framework="pt") as h:
-            return {k[3:]: h.get_tensor(k) for k in h.keys() if k.startswith("kv/")}
+        try:
+            with safe_open(path, framework="pt") as h:
+                return set(h.keys())
+        except (OSError, SafetensorError, ValueError) as exc:
+            raise _unreadable(path, exc) from None
+
+    def kv_amax(self, i: int) -> dict[str, torch.Tensor]:
+        from safetensors import SafetensorError, safe_open
+
+        path = self.root / f"layer-{i}.safetensors"
+        try:
+            with safe_open(path, framework="pt") as h:
+                return {k[3:]: h.get_tensor(k) for k in h.keys() if k.startswith("kv/")}
+        except (OSError, SafetensorError, ValueError) as exc:
+            raise _unreadable(path, exc) from None
 
     def x(self, i: int, shape: tuple[int, ...], spill: bool) -> torch.Tensor:
         """Layer i's input: read into RAM, or (`spill`) an mmap of the state file."""
@@ -179,6 +211,12 @@ class LayerStore:
         n = 1
         for d in shape:
             n *= d
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise _unreadable(path, exc) from None
+        if size != 4 * n:
+            raise _unreadable(path, f"{size} bytes, layer {i}'s input {list(shape)} float32 is {4 * n}")
         if spill:
             return torch.from_file(str(path), shared=False, size=n, dtype=torch.float32).view(shape)
         return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32).view(shape).clone()
@@ -206,6 +244,52 @@ class LayerStore:
 
         with safe_open(self.root / f"layer-{self._floats[name]}.safetensors", framework="pt") as h:
             return h.get_tensor(f"f/{name}")
+
+
+def _unreadable(path: Path, why) -> CvtError:
+    """One line for a calibration state file cvt cannot use (truncated, garbage, another
+    method's or another version's): refused, never consumed."""
+    from cvt.errors import OutputError
+
+    if isinstance(why, KeyError):
+        why = f"no {why.args[0]!r} entry"
+    why = getattr(why, "strerror", None) or why
+    text = " ".join(str(why).split()) or type(why).__name__
+    return OutputError(f"{path}: calibration state unreadable ({text}); remove it or re-run with --no-resume to "
+                       "calibrate afresh")
+
+
+def _check_layer_meta(meta) -> None:
+    """TypeError / KeyError unless `meta` has the shape `LayerStore.save_layer` writes."""
+    if not isinstance(meta, dict):
+        raise TypeError(f"expected a JSON object, got {type(meta).__name__}")
+    for key, kind in (("quantized", dict), ("floats", list), ("methods", dict), ("stats", dict),
+                      ("seconds", list), ("fallbacks", list)):
+        if not isinstance(meta[key], kind):
+            raise TypeError(f"{key!r} is {type(meta[key]).__name__}, expected {kind.__name__}")
+    for module, f in meta["quantized"].items():
+        if not (isinstance(f, dict) and isinstance(f["scheme"], str) and isinstance(f["shape"], list)
+                and isinstance(f["extra"], dict) and isinstance(f.get("file", ""), str) and "/" not in f.get("file", "")):
+            raise TypeError(f"the entry of {module} is not a quantized module's record")
+    if not all(isinstance(f, list) and len(f) == 3 for f in meta["fallbacks"]):
+        raise TypeError("'fallbacks' entries are not [module, tokens, reason]")
+    if not all(isinstance(s, (int, float)) for s in meta["seconds"]):
+        raise TypeError("'seconds' holds non-numbers")
+
+
+def check_resumed(meta: dict, plan, i: int, path: Path) -> None:
+    """A resumed layer's record must be this plan's: every module it lists quantized with the
+    plan's scheme, by the plan's method (or RTN, a fallback) -- not another method's or
+    another scheme's state left in the folder."""
+    for module, f in meta["quantized"].items():
+        s = plan.schemes.get(module)
+        if s is None or f["scheme"] != s.name:
+            raise _unreadable(path, f"{module} is recorded as {f['scheme']}, this run plans "
+                              f"{'it float' if s is None else s.name}")
+    for module, method in meta["methods"].items():
+        want = plan.methods.get(module, "rtn")
+        if method not in (want, "rtn"):
+            raise _unreadable(path, f"{module} was calibrated by {method}, this run uses {want}")
 
 
 def _trim() -> None:
@@ -330,9 +414,12 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     shape = tuple(x.shape)
     spill = x.numel() * 4 > (SPILL_BYTES if spill_bytes is None else spill_bytes)
     start = store.done()
+    if start > n_layers:
+        raise _unreadable(store.root / "state.json", f"{start} layers done, the model has {n_layers}")
     res = StreamResult(store, resumed_layers=start)
     for i in range(start):
         meta = store.load_layer(i)
+        check_resumed(meta, plan, i, store.root / f"layer-{i}.json")
         _merge(res, meta)
         res.kv_amax.append(store.kv_amax(i))
     if start:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from cvt.lazy import torch
 
 from cvt.dtypes import dtype_code
+from cvt.errors import CvtError
 from cvt.quant.tensor.layouts import fuses, kernel_fmt_of
 from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
 
@@ -78,8 +79,13 @@ class DiskLayouts:
         probe = f"{self.PROBE}.{module.rsplit('.', 1)[-1]}"
         key = (id(scheme), tuple(shape), static, bias_shape, bias_dtype, expert, probe)
         if key not in self._cache:
-            self._cache[key] = (self._from_table(probe, scheme, tuple(shape), static, bias_shape is not None, expert)
-                                or self._probed(probe, scheme, tuple(shape), static, bias_shape, bias_dtype, expert))
+            try:
+                self._cache[key] = (
+                    self._from_table(probe, scheme, tuple(shape), static, bias_shape is not None, expert)
+                    or self._probed(probe, scheme, tuple(shape), static, bias_shape, bias_dtype, expert))
+            except CvtError as exc:  # worded for the probe (its name, maybe its fewer rows): name the module
+                msg = str(exc).replace(f"{probe}.weight {[self.PROBE_ROWS, shape[1]]}", f"{module}.weight {list(shape)}")
+                raise type(exc)(msg.replace(probe, module)) from None
         specs, tags = self._cache[key]
         return ({module + k: v for k, v in specs.items()}, {module + k: v for k, v in tags.items()})
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 from cvt.lazy import torch
 
-from cvt.errors import FormatError
+from cvt.errors import FormatError, ShapeError
 from cvt.quant.tensor import primitives as P
 from cvt.quant.tensor import kernel_formats as KF
 from cvt.quant.tensor.schemes import FP4, W4A8, W4A16, W8A8
@@ -63,6 +63,18 @@ class DiskTensor:
             u = _unit(unit, g, k)
             out.append(-(-(n if axis == "n" else k) // u))
         return tuple(out)
+
+    def multiple(self, axis: str, g: int, k: int) -> tuple[int, str] | None:
+        """(the multiple the logical `axis` size must be, the rule in words) for this tensor to be
+        written, or None: a unit packs that many elements; ``K/16`` sums k in 16 runs, so k must be
+        a multiple of 16 (not of k/16, the split unit `along` gives)."""
+        for d in self.dims:
+            if not isinstance(d, int) and d[0] == axis:
+                if d[1] == K16:
+                    return 16, f"sums {'out' if axis == 'n' else 'in'}_features in 16 runs"
+                u = _unit(d[1], g, k)
+                return u, f"packs {u} along {'out' if axis == 'n' else 'in'}_features"
+        return None
 
     def along(self, axis: str, g: int, k: int) -> tuple[int, int] | None:
         """(on-disk dim, logical unit) of the dim that follows `axis` ("n" / "k"), or None."""
@@ -398,11 +410,11 @@ def _w4a8_encoder(runs: int):
     def enc(q):
         p, (n, k) = q.parts, q.shape
         if n % 8:
-            raise FormatError(f"W4A8_DYNAMIC packs two int4 per byte along out_features and vllm-ascend views the "
+            raise ShapeError(f"W4A8_DYNAMIC packs two int4 per byte along out_features and vllm-ascend views the "
                               f"[k, n/2] bytes as int32 (methods/w4a8.py pack_to_int32): out_features must be a "
                               f"multiple of 8, got {n}")
         if k % runs:
-            raise FormatError(f"W4A8_DYNAMIC row-parallel scale_bias sums in_features in {runs} runs: in_features "
+            raise ShapeError(f"W4A8_DYNAMIC row-parallel scale_bias sums in_features in {runs} runs: in_features "
                               f"must be a multiple of {runs}, got {k}")
         qi, sc = p["weight_int4"], p["weight_scale"].to(torch.float32).reshape(n, 1)
         # ascendv1.py on_w4a8_dynamic: deq_weight = weight.float().T * weight_scale; process_scale(name,

@@ -29,7 +29,7 @@ import json
 
 from cvt.lazy import torch
 
-from cvt.errors import FormatError
+from cvt.errors import FormatError, ShapeError
 from cvt.quant.tensor import layouts as L
 from cvt.quant.tensor.formats.base import lm_section, register, scheme_name
 from cvt.quant.tensor.schemes import FP4, W4A16, W8A8, W8A8C8
@@ -94,18 +94,21 @@ class Ascend:
             g = 0 if scheme.group_size in (0, shape[1]) else scheme.group_size
             for t in lo.tensors:
                 for axis, size in (("n", shape[0]), ("k", shape[1])):
-                    a = t.along(axis, g, shape[1])
-                    if a is not None and a[1] > 1 and size % a[1]:
-                        raise FormatError(f"ascend {lo.name}: {module}.weight {list(shape)}: {t.suffix} packs "
-                                          f"{a[1]} along {'out' if axis == 'n' else 'in'}_features, which must be "
-                                          f"a multiple of {a[1]} (got {size})")
+                    m = t.multiple(axis, g, shape[1])
+                    if m is not None and m[0] > 1 and size % m[0]:
+                        raise ShapeError(f"ascend {lo.name}: {module}.weight {list(shape)}: {t.suffix} {m[1]}, "
+                                          f"which must be a multiple of {m[0]} (got {size})")
 
     # ---- write -----------------------------------------------------------------------------------
 
     def disk_tensors(self, module: str, q: QuantizedTensor, bias: torch.Tensor | None = None, *,
                      target: str | None = None, expert: bool = False) -> dict[str, torch.Tensor]:
         lo = self.layout_for(module, q, target=target, expert=expert)
-        out = {f"{module}.{s}": t for s, t in lo.encode(q).items()}
+        try:
+            encoded = lo.encode(q)
+        except FormatError as exc:  # an encoder's rule, worded without the tensor: name it
+            raise type(exc)(f"ascend {lo.name}: {module}.weight {list(q.shape)}: {exc}") from None
+        out = {f"{module}.{s}": t for s, t in encoded.items()}
         if bias is not None:
             out[f"{module}.bias"] = bias
         return {k: v.contiguous() for k, v in out.items()}

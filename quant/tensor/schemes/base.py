@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 from cvt.lazy import torch
 
-from cvt.errors import CvtError
+from cvt.errors import OptionError
 from cvt.registry import Registry
 
 
@@ -92,6 +92,6 @@ def scheme_from_options(name: str, *, group_size: int | None = None, symmetric: 
     takes = getattr(cls, "options", ())
     if not symmetric and "symmetric" not in takes:
         which = [n for n in SCHEMES.names() if "symmetric" in getattr(SCHEMES.get(n), "options", ())]
-        raise CvtError(f"--asym applies to {', '.join(which)} only, not {name}")
+        raise OptionError(f"--asym applies to {', '.join(which)} only, not {name}")
     given = {"group_size": group_size, "symmetric": symmetric, "fp4_format": fp4_format}
     return cls(**{k: v for k, v in given.items() if k in takes})
