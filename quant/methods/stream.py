@@ -287,8 +287,8 @@ def check_resumed(meta: dict, plan, i: int, path: Path) -> None:
             raise _unreadable(path, f"{module} is recorded as {f['scheme']}, this run plans "
                               f"{'it float' if s is None else s.name}")
     for module, method in meta["methods"].items():
-        want = plan.methods.get(module, "rtn")
-        if method not in (want, "rtn"):
+        want = plan.methods.get(module, RTN)
+        if method not in (want, RTN):
             raise _unreadable(path, f"{module} was calibrated by {method}, this run uses {want}")
 
 
