@@ -364,7 +364,7 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
         with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
                        verb="shard") as out:
             for r in range(layout.world_size):
-                (out.dst / RANK_DIR.format(r)).mkdir(exist_ok=True)
+                out.subdir(RANK_DIR.format(r))  # a real directory: never written through a link
             with make_progress(total_out, "shard", quiet) as bar:
                 infos, written, skipped = _write_ranks(ckpt, out, splits, order, files, bar)
             rank_entries = []

@@ -356,7 +356,7 @@ class FileSet:
         with self._lock:
             f = self._open.get(rel)
             if f is None:
-                af = AtomicFile(self.out.dst / rel, direct=True)  # weight files: O_DIRECT (`DirectFile`)
+                af = AtomicFile(self.out.path(rel), direct=True)  # weight files: O_DIRECT (`DirectFile`)
                 af.write(encode_header(self.specs[rel], self.header_meta))
                 n = len(self.specs[rel])
                 f = self._open[rel] = _Open(af, _FilePipeline(af, self.update, self.depth), n, n)
