@@ -387,7 +387,9 @@ def torchrun(model, world_size: int | None, argv: list[str]) -> int:
         raise CvtError(f"{model} is sharded for a world of {world} ranks, not {world_size}: use --world-size {world}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
            "-m", "cvt.runtime.launch", str(model), *argv]
-    env = dict(os.environ)
+    from cvt.scratch import child_env
+
+    env = child_env(dict(os.environ))  # torchrun's log folders go to the command's private temp folder
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     # torchrun gets SIGTERM if this process dies (and stops its ranks, which also die with it)
     arm = die_with_parent(os.getpid())

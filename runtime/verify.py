@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from cvt import __version__
+from cvt.convert.paths import check_outside
 from cvt.errors import CvtError
 from cvt.runtime import metrics
 from cvt.runtime.kernels import Linear
@@ -129,8 +130,13 @@ def verify(candidate, reference, report_dir, *, data: Path | None = None,
         before any model is loaded.
     """
     thresholds = Thresholds.coerce(thresholds)
+    for what, path in (("candidate", candidate), ("reference", reference)):
+        if Path(str(path)).exists():  # a local checkpoint: refused before anything loads
+            check_outside(path, report_dir, "--report", what)
     ref = load_model(reference, device=device, dtype=dtype)
     cand = load_model(candidate, device=device, dtype=dtype)
+    for what, loaded in (("candidate", cand), ("reference", ref)):  # a hub id, resolved to its snapshot
+        check_outside(loaded.checkpoint_path, report_dir, "--report", what)
     if ref.model.args.vocab_size != cand.model.args.vocab_size:
         raise CvtError(f"vocabularies differ: candidate {cand.model.args.vocab_size}, reference {ref.model.args.vocab_size}")
     tokenizer = load_tokenizer(ref.checkpoint_path, ref.config)
