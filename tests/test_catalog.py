@@ -487,3 +487,66 @@ def test_bad_input(case: Case, sources, tmp_path):
 def test_every_verb_has_cases():
     verbs = {c.id.split("-")[0] for c in CASES}
     assert {"quantize", "fp8", "shard", "plan", "run", "verify", "export", "inspect"} <= verbs
+
+
+# ------------------------------------------------------------ issue 24: the runs that succeed
+OVERWRITE = {  # verb -> (argv before SRC DST, source, options): each a run other than the one DST holds
+    "fp8-to-bf16": (["fp8-to-bf16"], "fp8", ["--max-shard-size", "1MB"]),
+    "quantize": (["quantize"], "qwen", ["--scheme", "w8a8"]),
+    "shard": (["shard"], "bf16", ["--ep", "2"]),
+    "export-onnx": (["export", "onnx"], "qwen", []),
+}
+
+
+@pytest.mark.parametrize("verb", OVERWRITE)
+def test_overwrite_deletes_only_recorded_files(verb, sources, tmp_path):
+    """--overwrite of an earlier cvt run's output that also holds files no cvt run wrote: the
+    earlier run's recorded files go, everything else stays with its bytes, nothing is written
+    outside DST (export onnx removed the whole DST and kept a lock file beside it)."""
+    global _OPENED
+    fp8, bf16, qwen = sources
+    ctx = Ctx(tmp_path, fp8, bf16, qwen)
+    argv, which, opts = OVERWRITE[verb]
+    src = ctx.copy(which)
+    dst = ctx.copy("bf16", "out")  # the earlier run: a cvt fp8-to-bf16 output
+    old = {f["path"] for f in json.loads((dst / "cvt_manifest.json").read_text())["files"]}
+    (dst / "notes.txt").write_text("mine")
+    (dst / "data").mkdir()
+    (dst / "data" / "keep.bin").write_bytes(b"\x00mine")
+    (dst / "linked").symlink_to(ctx.outside / "secret.json")
+    foreign = {k: v for k, v in _tree_hash(dst).items() if k.split("/")[0] in ("notes.txt", "data", "linked")}
+    beside = sorted(p.name for p in tmp_path.iterdir())
+    outside = _tree_hash(ctx.outside)
+    _OPENED = []
+    _WRITTEN.clear()
+    try:
+        r = run_cvt(*argv, src, dst, *opts, "--overwrite", "--quiet")
+    finally:
+        _OPENED = None
+    assert r.rc == 0, r.err
+    after = _tree_hash(dst)
+    assert {k: after.get(k) for k in foreign} == foreign, "an unrecorded file was changed or deleted"
+    manifest = json.loads(((dst / "export_manifest.json") if verb == "export-onnx" else
+                           (dst / "cvt_manifest.json")).read_text())
+    new = {f["path"] for f in manifest["files"]}
+    assert not [p for p in old - new if (dst / p).exists()], "a file of the earlier run survived"
+    assert sorted(p.name for p in tmp_path.iterdir()) == beside, "written beside DST"
+    assert not [k for k in after if k.startswith(".")], "a temp or state file was left in DST"
+    assert _tree_hash(ctx.outside) == outside
+    assert not _written_outside(_WRITTEN, dst), _written_outside(_WRITTEN, dst)
+
+
+def test_no_temp_folders_left(sources, tmp_path):
+    """run / verify / export import torch._dynamo, which made $TMPDIR/torchinductor_<user> and
+    left it: each command's temp folder is private and removed (`cvt.scratch`). Subprocesses:
+    the folder is made when torch._dynamo is first imported, once per process."""
+    _, _, qwen = sources
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    env = {"TMPDIR": str(tmpdir)}
+    r = run_cvt("run", qwen, "--input-ids", "1,2", "--max-new-tokens", "1", "--quiet", env=env)
+    assert r.rc == 0, r.err
+    assert sorted(p.name for p in tmpdir.iterdir()) == []
+    r = run_cvt("export", "onnx", qwen, tmp_path / "onnx", "--quiet", env=env)
+    assert r.rc == 0, r.err
+    assert sorted(p.name for p in tmpdir.iterdir()) == []
