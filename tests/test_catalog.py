@@ -537,16 +537,17 @@ def test_overwrite_deletes_only_recorded_files(verb, sources, tmp_path):
 
 
 def test_no_temp_folders_left(sources, tmp_path):
-    """run / verify / export import torch._dynamo, which made $TMPDIR/torchinductor_<user> and
-    left it: each command's temp folder is private and removed (`cvt.scratch`). Subprocesses:
-    the folder is made when torch._dynamo is first imported, once per process."""
+    """`run` (as verify and export: the loader's imports) imports torch._dynamo, which made
+    $TMPDIR/torchinductor_<user> and left it: each command's temp folder is private and removed
+    (`cvt.scratch`, around every command). A subprocess with a fresh TMPDIR and no
+    TORCHINDUCTOR_CACHE_DIR: torch makes the folder when it is first imported in a process."""
+    import subprocess
+
     _, _, qwen = sources
     tmpdir = tmp_path / "tmpdir"
     tmpdir.mkdir()
-    env = {"TMPDIR": str(tmpdir)}
-    r = run_cvt("run", qwen, "--input-ids", "1,2", "--max-new-tokens", "1", "--quiet", env=env)
-    assert r.rc == 0, r.err
-    assert sorted(p.name for p in tmpdir.iterdir()) == []
-    r = run_cvt("export", "onnx", qwen, tmp_path / "onnx", "--quiet", env=env)
-    assert r.rc == 0, r.err
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "CVT_DEBUG")}
+    r = subprocess.run([sys.executable, "-m", "cvt", "run", str(qwen), "--input-ids", "1,2", "--max-new-tokens", "1",
+                        "--quiet"], capture_output=True, text=True, env={**env, "TMPDIR": str(tmpdir)}, timeout=300)
+    assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in tmpdir.iterdir()) == []
