@@ -170,6 +170,13 @@ class OutputDir:
                               "only files an earlier cvt run recorded: move it away or choose another DST")
         return self.dst / rel
 
+    def claim(self, rels) -> None:
+        """Before anything is written: refuse (OutputError naming it) when one of `rels`, the
+        files this run will write, would replace an entry of DST no cvt run recorded, so that
+        the refusal leaves no half-written output (an index without its config)."""
+        for rel in rels:
+            self.path(rel)
+
     def subdir(self, name: str) -> Path:
         """``DST/name``, a folder of this run's files (`owned_dir`: a real directory, no link)."""
         self.path(name)

@@ -362,6 +362,15 @@ def _rank_link(resume: bool):
     return build
 
 
+def _convert_beside_foreign(ctx: Ctx):
+    """fp8-to-bf16 --overwrite into a DST holding a config.json no cvt run wrote: it was replaced."""
+    src = ctx.copy("fp8")
+    dst = ctx.tmp / "out"
+    dst.mkdir()
+    (dst / "config.json").write_text('{"mine": true}')
+    return ["fp8-to-bf16", src, dst, "--overwrite", "--quiet"], src, dst
+
+
 def _export_beside_foreign(ctx: Ctx):
     """--overwrite into a DST holding files no cvt run wrote, one named like a file the export
     writes: the export removed the whole DST (issue 24); now nothing unrecorded is replaced."""
@@ -447,6 +456,8 @@ CASES = [
     Case("shard-rank-dir-symlink-resume", _rank_link(resume=True), "rank-00000: is a symlink"),
     Case("shard-rank-dir-symlink-overwrite", _rank_link(resume=False),
          "rank-00000: exists and no cvt run recorded it"),
+    Case("fp8-to-bf16-overwrite-unrecorded-file", _convert_beside_foreign,
+         "config.json: exists and no cvt run recorded it"),
     Case("export-onnx-overwrite-unrecorded-file", _export_beside_foreign, "config.json: exists and no cvt run recorded it"),
     Case("verify-report-inside-candidate", _verify("qwen", _nothing, report_in="cand"),
          "--report is inside the candidate checkpoint"),
