@@ -5,7 +5,12 @@ source (`cvt.convert.paths.check_disjoint`), locks DST (flock: a second concurre
 refused; the kernel drops the lock when a run dies, even by kill -9), and decides what an
 earlier run left there: a resumable run of the same plan (its finished files are kept when
 size and sha256 still match), another run's output or foreign files (refused unless
-``--overwrite``, which then deletes only what that run's manifest recorded writing).
+``--overwrite``, which then deletes only what that run's manifest recorded writing, and never
+replaces a file it did not record).
+
+`owned_dir` is the one way a stage makes or clears a folder of its own under DST (the
+calibration state, rank directories, temporary folders): it must be a real directory there,
+never a symlink (through which a clean-up would delete, or a writer write, outside DST).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import threading
 from pathlib import Path
 
@@ -25,6 +31,7 @@ from cvt.errors import ManifestError, OutputError
 from cvt.schemas.manifest import FileInfo, Manifest
 
 STATE_NAME = ".cvt-state.json"
+STATE_DIR = ".cvt-calib"  # the calibration state (`calibration_dir`)
 
 
 class OutputDir:
@@ -44,6 +51,7 @@ class OutputDir:
         self._state: dict[str, dict] = {}
         self._lock = threading.Lock()
         self.prior_meta: dict[str, dict] = {}  # meta by key from a complete earlier manifest
+        self._foreign: set[str] = set()  # DST entries no cvt run recorded (kept by --overwrite)
 
     def __enter__(self) -> "OutputDir":
         dst = self.dst
@@ -108,9 +116,11 @@ class OutputDir:
             what = f"an invalid cvt manifest ({invalid})" if invalid else \
                 "the output of a different run (other source, stage or parameters)"
             raise OutputError(f"{self.dst}: holds {what}; choose another directory or pass --overwrite")
-        # a killed cvt run's half-written files (sharded outputs keep theirs in rank-*/ folders);
-        # only now that DST is known to be ours (an empty dir, a cvt output, or --overwrite)
-        for tmp in [*self.dst.glob(".*.tmp"), *self.dst.glob("rank-*/.*.tmp")]:
+        # a killed cvt run's half-written files (sharded outputs keep theirs in rank-*/ folders,
+        # never looked into through a link); only now that DST is known to be ours (an empty dir,
+        # a cvt output, or --overwrite)
+        ranks = [d for d in self.dst.glob("rank-*") if d.is_dir() and not d.is_symlink()]
+        for tmp in [*self.dst.glob(".*.tmp"), *(t for d in ranks for t in d.glob(".*.tmp"))]:
             tmp.unlink(missing_ok=True)
         if self.resume and prior_plan == self.plan:
             self._state = dict(records)
@@ -121,8 +131,11 @@ class OutputDir:
             # nothing else: paths are confined to DST), so that no stale shard or manifest
             # survives next to ours
             for rel in records:
-                _unlink_inside(self.dst, rel)
+                unlink_recorded(self.dst, rel)
             (self.dst / MANIFEST_NAME).unlink(missing_ok=True)
+        if prior_plan != self.plan:
+            # what is left is not ours: --overwrite keeps it, and no write may replace it
+            self._foreign = {p.name for p in self.dst.iterdir() if not p.name.startswith(".")}
         self._save()
 
     def _save(self) -> None:
@@ -133,7 +146,7 @@ class OutputDir:
         stage metadata for `keys` is known; else None (the file is rewritten)."""
         rec = self._state.get(rel)
         path = self.dst / rel
-        if not rec or not path.is_file() or path.stat().st_size != rec["size"]:
+        if not rec or path.is_symlink() or not path.is_file() or path.stat().st_size != rec["size"]:
             return None
         known = {**self.prior_meta, **(rec.get("meta") or {})}
         if not keys <= set(known):
@@ -149,16 +162,37 @@ class OutputDir:
                                       "meta": meta or {}}
             self._save()
 
+    def path(self, rel: str) -> Path:
+        """``DST/rel``, for writing: refused (OutputError) where it would replace an entry of DST
+        that no cvt run recorded (kept by --overwrite, which deletes only recorded files)."""
+        top = rel.split("/", 1)[0]
+        if top in self._foreign:
+            raise OutputError(f"{self.dst / top}: exists and no cvt run recorded it; --overwrite deletes or replaces "
+                              "only files an earlier cvt run recorded: move it away or choose another DST")
+        return self.dst / rel
+
+    def claim(self, rels) -> None:
+        """Before anything is written: refuse (OutputError naming it) when one of `rels`, the
+        files this run will write, would replace an entry of DST no cvt run recorded, so that
+        the refusal leaves no half-written output (an index without its config)."""
+        for rel in rels:
+            self.path(rel)
+
+    def subdir(self, name: str) -> Path:
+        """``DST/name``, a folder of this run's files (`owned_dir`: a real directory, no link)."""
+        self.path(name)
+        return owned_dir(self.dst, name)
+
     def write_json(self, rel: str, obj) -> FileInfo:
         """A small JSON file (indented, UTF-8, trailing newline), atomically."""
         return self.write_small(rel, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode())
 
     def write_small(self, rel: str, data: bytes, tensors: int = 0) -> FileInfo:
-        size, sha = write_bytes_atomic(self.dst / rel, data)
+        size, sha = write_bytes_atomic(self.path(rel), data)
         return FileInfo(path=rel, size=size, sha256=sha, tensors=tensors)
 
     def copy_file(self, src: Path, rel: str) -> FileInfo:
-        with AtomicFile(self.dst / rel) as f, open(src, "rb") as fin:
+        with AtomicFile(self.path(rel)) as f, open(src, "rb") as fin:
             shutil.copyfileobj(fin, _Sink(f), 16 << 20)
             size, sha = f.commit()
         return FileInfo(path=rel, size=size, sha256=sha)
@@ -207,7 +241,9 @@ def unlock_dst(fd: int) -> None:
             _HELD[key] -= 1
 
 
-def _unlink_inside(root: Path, rel: str) -> None:
+def unlink_recorded(root: Path, rel: str) -> None:
+    """Delete ``root/rel``, a file an earlier cvt run recorded writing there: only a regular file
+    (not a link, not a folder) that resolves inside `root`; anything else is left alone."""
     path = Path(root) / rel
     if not path.is_symlink() and is_inside(root, path) and path.is_file():
         path.unlink()
@@ -225,13 +261,62 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     return (manifest.model_dump_json(indent=2) + "\n").encode()
 
 
+def owned_dir(dst: Path, name: str, *, clean: bool = False, keep: tuple[str, ...] = ()) -> Path:
+    """``DST/name``, a folder cvt keeps its own files in (calibration state, a rank's files, a
+    temporary folder), made if missing and, with `clean`, emptied except `keep`. It must be a
+    real directory: a symlink there is refused (OutputError naming it), because clearing or
+    writing through it would delete or write outside DST."""
+    path = Path(dst) / name
+    _refuse_link(path)
+    try:
+        path.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot create cvt's folder: {exc.strerror or exc}") from None
+    _refuse_link(path)  # replaced by a link between the check and mkdir
+    if clean:
+        clear_dir(path, keep)
+    return path
+
+
+def clear_dir(path: Path, keep: tuple[str, ...] = ()) -> None:
+    """Delete everything inside `path` (a folder `owned_dir` made) except the names in `keep`;
+    a link inside is removed itself, never followed."""
+    _refuse_link(path)
+    for p in Path(path).iterdir():
+        if p.name in keep:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)  # removes links below it, never their targets
+        else:
+            p.unlink()
+
+
+def remove_owned_dir(path: Path) -> None:
+    """Remove a folder `owned_dir` made, with its contents (links removed, not followed)."""
+    _refuse_link(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _refuse_link(path: Path) -> None:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise OutputError(f"{path}: is a symlink; cvt makes this folder itself and never writes or deletes "
+                          "through a link: remove the link")
+    if not stat.S_ISDIR(mode):
+        raise OutputError(f"{path}: exists and is not a directory (cvt keeps its own files there): move it away")
+
+
 @contextlib.contextmanager
 def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
     """DST's hidden calibration state folder (``.cvt-calib``, `cvt.quant.methods.stream`), for a
     stage that calibrates before it writes: DST checked first as `OutputDir` will (not SRC, not
     foreign files unless --overwrite), DST locked for the whole run from here on, calibration
     included (a second run on DST is refused while this one calibrates; `OutputDir` finds the
-    lock held), the folder cleared with --no-resume, and removed once the stage finished."""
+    lock held), the folder (`owned_dir`: never a symlink) cleared with --no-resume, and removed
+    once the stage finished."""
     check_disjoint(source, dst, "quantize")
     if dst.exists() and not dst.is_dir():
         raise OutputError(f"{dst}: exists and is not a directory")
@@ -240,10 +325,6 @@ def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
         if visible:
             raise OutputError(f"{dst}: not empty ({len(visible)} entries, e.g. {visible[0]}) and not a cvt output to "
                               "resume; choose an empty directory or pass --overwrite")
-    state = dst / ".cvt-calib"
-    if state.is_symlink() or (state.exists() and not state.is_dir()):
-        raise OutputError(f"{state}: exists and is not a folder (cvt keeps its calibration state there); "
-                          "remove it or choose another DST")
     try:
         dst.mkdir(parents=True, exist_ok=True)
         fd = os.open(dst, os.O_RDONLY)
@@ -253,16 +334,11 @@ def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
     try:
         lock_dst(fd, dst)
         locked = True
-        try:
-            state.mkdir(exist_ok=True)
-        except OSError as exc:
-            raise OutputError(f"{state}: cannot create the calibration state folder: {exc.strerror or exc}") from None
+        state = owned_dir(dst, STATE_DIR)
         if not resume:
-            for p in state.iterdir():
-                if p.name != ".lock":
-                    p.unlink()
+            clear_dir(state)
         yield state
-        shutil.rmtree(state, ignore_errors=True)
+        remove_owned_dir(state)
     finally:
         if locked:
             unlock_dst(fd)

@@ -11,7 +11,8 @@ neither read nor copied into an artifact.
 Disjointness. A writing verb's DST never overlaps its SRC: not the same directory, not inside
 it, and SRC not inside DST. Together with the writer's rule that ``--overwrite`` deletes only
 files an earlier cvt run recorded in DST's own manifest, no verb can delete or rewrite a
-source file.
+source file. A folder a reading verb writes (`verify --report`) may not be nor lie inside a
+checkpoint it reads (`check_outside`).
 """
 
 from __future__ import annotations
@@ -72,4 +73,13 @@ def check_disjoint(src: str | os.PathLike, dst: str | os.PathLike, verb: str) ->
         raise OutputError(f"{dst}: DST contains the source directory {s}; choose a DST that does not")
 
 
-__all__ = ["resolved", "is_inside", "confine", "relative_inside", "check_disjoint"]
+def check_outside(checkpoint: str | os.PathLike, path: str | os.PathLike, option: str, what: str) -> None:
+    """OutputError unless `path` (resolved, symlinks followed) lies outside `checkpoint`, a
+    checkpoint the verb reads (`what`: "candidate", "reference"); `option` names the path's option."""
+    c, p = resolved(checkpoint), resolved(path)
+    if p == c or c in p.parents:
+        raise OutputError(f"{path}: {option} is inside the {what} checkpoint {c}; cvt never writes into a checkpoint "
+                          "it reads: choose a folder outside it")
+
+
+__all__ = ["resolved", "is_inside", "confine", "relative_inside", "check_disjoint", "check_outside"]

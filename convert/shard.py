@@ -378,8 +378,10 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
         total_out = sum(h.spec.nbytes for hs in ranks for h in hs)
         with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
                        verb="shard") as out:
+            out.claim([*(RANK_DIR.format(r) for r in range(layout.world_size)), "config.json", "expert_placement.json",
+                       "expert_placement_eplb.json", *(p.name for p in ckpt.aux_files() if p.name != ASCEND_DESCRIPTION)])
             for r in range(layout.world_size):
-                (out.dst / RANK_DIR.format(r)).mkdir(exist_ok=True)
+                out.subdir(RANK_DIR.format(r))  # a real directory: never written through a link
             with make_progress(total_out, "shard", quiet) as bar:
                 infos, written, skipped = _write_ranks(ckpt, out, splits, order, files, bar)
             rank_entries = []

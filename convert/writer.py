@@ -359,7 +359,7 @@ class FileSet:
         with self._lock:
             f = self._open.get(rel)
             if f is None:
-                af = AtomicFile(self.out.dst / rel, direct=True)  # weight files: O_DIRECT (`DirectFile`)
+                af = AtomicFile(self.out.path(rel), direct=True)  # weight files: O_DIRECT (`DirectFile`)
                 af.write(encode_header(self.specs[rel], self.header_meta))
                 n = len(self.specs[rel])
                 f = self._open[rel] = _Open(af, _FilePipeline(af, self.update, self.depth), n, n)
@@ -558,6 +558,7 @@ def write_checkpoint(
     """Plan, write and finalize a Hugging Face style checkpoint directory (see module doc);
     `balanced`: see `plan_shards`."""
     t0 = time.perf_counter()
+    extra_files = list(extra_files)
     shards = plan_shards(tensors, max_shard_size, prefix, balanced)
     src = source_info(ckpt, source_format)
     pid = run_plan_id(
@@ -568,6 +569,8 @@ def write_checkpoint(
     total_out = sum(t.spec.nbytes for t in tensors)
     with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
                    verb=stage.name) as out:
+        out.claim([*(rel for rel, _ in shards), f"{prefix}.safetensors.index.json", "config.json",
+                   *(rel for rel, _ in extra_files), *(p.name for p in ckpt.aux_files())])
         meta: dict[str, dict] = {}
         with make_progress(total_out, stage.name, quiet) as bar:
             files, written, skipped = write_shards(out, shards, workers=workers, progress=bar, meta=meta,

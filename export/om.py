@@ -169,6 +169,9 @@ def export_om(onnx, dst, soc_version: str, *, input_shape: str | None = None, dy
         raise OutputError(f"{dst}: exists and is not a directory")
     log_path, script = dst / f"{onnx_path.stem}.atc.log", dst / f"{onnx_path.stem}.atc.sh"
     ours = [*_om_files(base), log_path, script]
+    for p in ours:  # written or deleted below: never through a link placed in DST
+        if p.is_symlink():
+            raise OutputError(f"{p}: is a symlink; cvt never writes or deletes through a link in DST: remove it")
     if not overwrite and any(p.exists() for p in ours):
         raise OutputError(f"{dst}: already holds {next(p for p in ours if p.exists()).name} from an earlier "
                           "conversion; pass --overwrite or choose another DST")

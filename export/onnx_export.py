@@ -13,11 +13,15 @@ holds:
   outputs with dtypes and symbolic shapes, the linears by format, and every file with its
   size and sha256.
 
-Everything is written into a hidden temporary directory next to DST and renamed into place
-at the end, so DST never looks complete unless it is. ``--overwrite`` replaces an existing DST
-only after the new one is complete. A lock file beside DST (``.<name>.cvt-lock``) refuses a
-second run on the same DST while one is running; a crashed run's temporary directory is
-removed only under that lock. DST may not be, lie inside or contain SRC.
+Everything is written into a hidden temporary folder inside DST (``DST/.cvt-tmp``, a real
+directory: `cvt.convert.outdir.owned_dir`) and renamed into place at the end, manifest last, so
+DST never looks complete unless it is; nothing is written beside DST. DST itself is locked
+(flock on the directory, as every writing verb does) against a second run; a crashed run's
+temporary folder is removed only under that lock. A DST that is not empty is refused unless
+``--overwrite``, which deletes, once the new export is complete, only the files an earlier cvt
+run recorded in DST's manifest (``export_manifest.json`` or ``cvt_manifest.json``), and refuses
+to replace any file it did not record. DST may not be, lie inside or contain SRC; a DST that did
+not exist is removed again when the export fails.
 
 MoE: ``--moe gated`` (default) runs an expert (an ``If`` node) only when some token selected
 it; ``--moe dense`` runs every expert for every token (no control flow, for atc). Both weight
@@ -45,6 +49,7 @@ from cvt.errors import ArchError, CheckpointError, CvtError, OutputError
 log = logging.getLogger(__name__)
 
 MANIFEST = "export_manifest.json"
+TMP_DIR = ".cvt-tmp"
 SCOPES = ("model", "layer", "block")
 DTYPES = ("fp32", "fp16", "bf16")
 INT4_OPS = ("matmulnbits", "qdq")
@@ -144,22 +149,26 @@ def _sha256(path: Path) -> str:
 
 
 def _check_dst(src_root: Path | None, dst: Path, overwrite: bool) -> None:
-    # overlap first: for DST = SRC "pass --overwrite" would be the wrong advice
-    if src_root is not None:  # --overwrite would remove SRC with DST
+    if src_root is not None:  # before anything else: --overwrite must never reach SRC's files
         check_disjoint(src_root, dst, "export onnx")
-    if dst.exists() and not overwrite:
-        raise OutputError(f"{dst}: already exists; pass --overwrite to replace it")
     if dst.exists() and not dst.is_dir():
         raise OutputError(f"{dst}: exists and is not a directory")
+    if dst.is_dir() and not overwrite:
+        visible = sorted(p.name for p in dst.iterdir() if not p.name.startswith("."))
+        if visible:
+            raise OutputError(f"{dst}: already exists and is not empty ({len(visible)} entries, e.g. {visible[0]}); "
+                              "pass --overwrite to replace it (only files an earlier cvt run recorded are deleted)")
 
 
-def _lock_dst(dst: Path) -> int:
-    """The run lock beside DST (held until the returned descriptor is closed)."""
+def _lock_dst(dst: Path) -> tuple[int, bool]:
+    """DST made if missing and locked (held until the returned descriptor is closed); whether
+    this run created it."""
     from cvt.convert.outdir import lock_fd
 
+    created = not dst.exists()
     try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(dst.parent / f".{dst.name}.cvt-lock", os.O_RDWR | os.O_CREAT, 0o644)
+        dst.mkdir(parents=True, exist_ok=True)
+        fd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as exc:
         raise OutputError(f"{dst}: cannot create the output directory: {exc.strerror or exc}") from None
     try:
@@ -167,28 +176,59 @@ def _lock_dst(dst: Path) -> int:
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, created
 
 
 def _prepare_dst(dst: Path) -> Path:
-    """A fresh temporary directory beside DST (call with the lock held: it removes a crashed
-    earlier run's, never a live one's)."""
-    for old in dst.parent.glob(f".{dst.name}.cvt-tmp-*"):
-        shutil.rmtree(old, ignore_errors=True)
-    tmp = dst.parent / f".{dst.name}.cvt-tmp-{os.getpid()}"
-    tmp.mkdir()
-    return tmp
+    """DST's temporary folder, emptied (call with the lock held: a crashed earlier run's files
+    go, never a live one's); a symlink there is refused."""
+    from cvt.convert.outdir import owned_dir
+
+    return owned_dir(dst, TMP_DIR, clean=True)
 
 
-def _install(tmp: Path, dst: Path) -> None:
-    """Rename the finished tmp dir to dst (replacing an old dst only now)."""
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.cvt-old-{os.getpid()}"
-        dst.rename(old)
-    tmp.rename(dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _recorded(dst: Path) -> set[str]:
+    """The files an earlier cvt run recorded in DST's manifests (their own names included): what
+    --overwrite may delete or replace. An unreadable manifest records nothing."""
+    from cvt.convert.reader import MANIFEST_NAME, read_manifest
+
+    out: set[str] = set()
+    try:
+        m = json.loads((dst / MANIFEST).read_text())
+        out |= {f["path"] for f in m["files"] if isinstance(f.get("path"), str)} | {MANIFEST}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    try:
+        cm = read_manifest(dst)
+    except CvtError:
+        cm = None
+    if cm is not None:
+        out |= {f.path for f in cm.files} | {MANIFEST_NAME}
+    return out
+
+
+def _install(tmp: Path, dst: Path, recorded: set[str]) -> None:
+    """Move the finished export from `tmp` into DST, manifest last: first the earlier run's
+    recorded files go (its manifests before anything else, so DST stops looking complete);
+    a name in DST that no cvt run recorded is never replaced (OutputError naming it)."""
+    from cvt.convert.outdir import unlink_recorded
+
+    names = sorted(p.name for p in tmp.iterdir())
+    for n in names:
+        if n not in recorded and ((dst / n).exists() or (dst / n).is_symlink()):
+            raise OutputError(f"{dst / n}: exists and no cvt run recorded it; --overwrite deletes or replaces only "
+                              "files an earlier cvt run recorded: move it away or choose another DST")
+    first = [r for r in recorded if Path(r).name.endswith("manifest.json") and "/" not in r]
+    for rel in [*sorted(first), *sorted(set(recorded) - set(first))]:
+        unlink_recorded(dst, rel)
+    for n in sorted(names, key=lambda n: n == MANIFEST):  # the manifest last
+        os.replace(tmp / n, dst / n)
+    fd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.rmdir()
 
 
 def _io(vi) -> dict:
@@ -234,20 +274,29 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
     layer = _check_layer(scope, layer, n_layers)
 
     _check_dst(loaded.checkpoint_path, dst, overwrite)  # a hub source resolved to its snapshot
-    lock = _lock_dst(dst)
+    lock, created = _lock_dst(dst)
     try:
-        return _export(src, dst, loaded, tmp=_prepare_dst(dst), scope=scope, layer=layer, dtype=dtype, opset=opset,
-                       int4_op=int4_op, w8a8_op=w8a8_op, accuracy_level=accuracy_level, moe=moe, verify=verify,
-                       threshold=threshold, quiet=quiet, t0=t0, n_layers=n_layers)
+        _check_dst(None, dst, overwrite)  # again, under the lock
+        recorded = _recorded(dst) if overwrite else set()
+        return _export(src, dst, loaded, tmp=_prepare_dst(dst), recorded=recorded, scope=scope, layer=layer,
+                       dtype=dtype, opset=opset, int4_op=int4_op, w8a8_op=w8a8_op, accuracy_level=accuracy_level,
+                       moe=moe, verify=verify, threshold=threshold, quiet=quiet, t0=t0, n_layers=n_layers)
     except OSError as exc:
         if exc.filename:
             raise
         raise OutputError(f"{dst}: writing the export failed: {exc.strerror or exc}; nothing was installed") from exc
+    except BaseException:
+        if created:  # a DST this run made goes again (only when empty: never another's files)
+            try:
+                dst.rmdir()
+            except OSError:
+                pass
+        raise
     finally:
         os.close(lock)
 
 
-def _export(src, dst: Path, loaded, *, tmp: Path, scope, layer, dtype, opset, int4_op, w8a8_op, accuracy_level, moe,
+def _export(src, dst: Path, loaded, *, tmp: Path, recorded: set[str], scope, layer, dtype, opset, int4_op, w8a8_op, accuracy_level, moe,
             verify, threshold, quiet, t0, n_layers) -> ExportResult:
     import onnx
 
@@ -325,11 +374,13 @@ def _export(src, dst: Path, loaded, *, tmp: Path, scope, layer, dtype, opset, in
             checks = parity(tmp, model)
         installed = checks is None or all(p.passed for p in checks)
         if installed:
-            _install(tmp, dst)
+            _install(tmp, dst, recorded)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        from cvt.convert.outdir import remove_owned_dir
+
+        remove_owned_dir(tmp)
         raise
     finally:
         bar.close()

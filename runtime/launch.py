@@ -406,7 +406,9 @@ def torchrun(model, world_size: int | None, argv: list[str]) -> int:
     # `python -m`: see `_boot` for why
     cmd = [sys.executable, "-c", _boot("torch.distributed.run"), "--standalone", "--nproc-per-node", str(world_size),
            "--no-python", sys.executable, "-u", "-c", _boot("cvt.runtime.launch"), str(model), *argv]
-    env = dict(os.environ)
+    from cvt.scratch import child_env
+
+    env = child_env(dict(os.environ))  # torchrun's log folders go to the command's private temp folder
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     # torchrun gets SIGTERM if this process dies (and stops its ranks, which also die with it)
     arm = die_with_parent(os.getpid())

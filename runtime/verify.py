@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from cvt.version import __version__
+from cvt.convert.paths import check_outside
 from cvt.errors import CvtError
 from cvt.runtime import metrics
 from cvt.runtime.kernels import Linear
@@ -163,8 +164,13 @@ def verify(candidate, reference, report_dir, *, data: Path | None = None,
     from cvt.progress import make_progress
 
     thresholds = Thresholds.coerce(thresholds)
+    for what, path in (("candidate", candidate), ("reference", reference)):
+        if Path(str(path)).exists():  # a local checkpoint: refused before anything loads
+            check_outside(path, report_dir, "--report", what)
     ref = load_model(reference, device=device, dtype=dtype, quiet=quiet, desc="load reference")
     cand = load_model(candidate, device=device, dtype=dtype, quiet=quiet, desc="load candidate")
+    for what, loaded in (("candidate", cand), ("reference", ref)):  # a hub id, resolved to its snapshot
+        check_outside(loaded.checkpoint_path, report_dir, "--report", what)
     _same_model(cand.model.args, ref.model.args, candidate, reference)
     tokenizer = load_tokenizer(ref.checkpoint_path, ref.config)
     tokens, data_info = _batches(tokenizer, data, seq_len, max_sequences, ref.model.max_positions)

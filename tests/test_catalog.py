@@ -9,12 +9,19 @@ Every case runs the real CLI entry point and asserts the same contract:
 * DST not complete-looking: no manifest, index or config appeared in it;
 * SRC untouched: every file under it has the same bytes before and after;
 * nothing outside the checkpoint opened: an audit hook records every file the run opens,
-  and none lies in the ``outside/`` folder the case's symlinks and paths point at.
+  and none lies in the ``outside/`` folder the case's symlinks and paths point at;
+* nothing written outside DST: the same hook records every path opened for writing, made,
+  renamed or deleted, and each must resolve (symlinks followed) inside DST (for `verify`: its
+  --report folder) or the command's private temp folder (`cvt.scratch`); ``outside/`` keeps
+  its bytes.
 
 Case classes (issue 13): DST overlapping SRC; symlinks and manifest paths leading out of the
 checkpoint; config.json disagreeing with the weights; sizes that describe no model or would
 allocate without bound; placement / recipe / manifest files that are invalid; NaN / Inf
-weights; a second run on a locked DST. Issue 24 (items 8-11): a second run while the first
+weights; a second run on a locked DST. Issue 24: symlinks where cvt makes or clears its own
+folders in DST (``.cvt-calib``, ``rank-*``), --overwrite beside files no cvt run recorded, a
+verify report inside a checkpoint it reads (`test_overwrite_deletes_only_recorded_files` and
+`test_no_temp_folders_left` cover the successful runs); a second run while the first
 calibrates; a report on a full disk; numbers no option may hold (NaN, inf, 1e400, 0.5 bytes)
 and options that do not apply (exit 2, naming the option); configs and calibration state files
 that are garbage, truncated or of another kind (one line, never an internal error).
@@ -42,11 +49,28 @@ from cvt.tests.conftest import run_cvt
 
 # ---------------------------------------------------------------------------------- harness
 _OPENED: list[str] | None = None
+_WRITTEN: list[str] = []
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+# path-changing events: the argument positions holding a path, and of its dir_fd (a path relative
+# to an open directory, e.g. inside shutil.rmtree, is covered by the event naming the directory)
+_CHANGES = {"os.remove": ((0,), 1), "os.rmdir": ((0,), 1), "os.mkdir": ((0,), 2), "os.rename": ((0, 1), 2),
+            "os.symlink": ((1,), 2), "os.truncate": ((0,), None), "shutil.rmtree": ((0,), 1)}
 
 
 def _audit(event: str, args) -> None:
-    if _OPENED is not None and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
-        _OPENED.append(os.fsdecode(args[0]))
+    if _OPENED is None or not args:
+        return
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.fsdecode(args[0])
+        _OPENED.append(path)
+        mode, flags = args[1], args[2]
+        if (isinstance(mode, str) and set(mode) & set("wax+")) or (isinstance(flags, int) and flags & _WRITE_FLAGS):
+            _WRITTEN.append(path)
+    elif event in _CHANGES:
+        where, fd_at = _CHANGES[event]
+        if fd_at is not None and len(args) > fd_at and args[fd_at] not in (None, -1):
+            return
+        _WRITTEN.extend(os.fsdecode(args[i]) for i in where if isinstance(args[i], (str, bytes, os.PathLike)))
 
 
 sys.addaudithook(_audit)  # audit hooks cannot be removed: it records only while _OPENED is a list
@@ -104,12 +128,29 @@ class Case:
     form: str = "error"  # error: one stderr line; report: stdout report (inspect / plan)
 
 
+def _written_outside(written: list[str], dst: Path | None) -> list[str]:
+    """The paths of `written` that resolve outside DST and outside cvt's private temp folders."""
+    import tempfile
+
+    allowed = [os.path.join(os.path.realpath(tempfile.gettempdir()), "cvt-")]
+    if dst is not None:
+        allowed.append(os.path.realpath(dst))
+    return [p for p in written if not os.path.realpath(p).startswith(tuple(allowed)) and not p.endswith(".pyc")]
+
+
+def _report_dir(argv: list) -> Path | None:
+    """verify's DST: its --report folder."""
+    return next((Path(b) for a, b in zip(argv, argv[1:]) if a == "--report"), None)
+
+
 def _check(ctx: Ctx, case: Case) -> None:
     global _OPENED
     argv, src, dst = case.build(ctx)
     before = _tree_hash(src)
+    outside_before = _tree_hash(ctx.outside)
     dst_before = _tree_hash(dst) if dst is not None and dst.is_dir() else {}
     _OPENED = []
+    _WRITTEN.clear()
     try:
         r = run_cvt(*argv)
     finally:
@@ -125,8 +166,14 @@ def _check(ctx: Ctx, case: Case) -> None:
     else:
         assert case.culprit in r.out, (case.culprit, r.out)
     assert _tree_hash(src) == before, "SRC was modified"
+    assert _tree_hash(ctx.outside) == outside_before, "a folder outside DST was modified"
+    written = _written_outside(_WRITTEN, dst if dst is not None else _report_dir(argv))
+    assert not written, f"written outside DST: {written}"
     if dst is not None and dst != src and dst.is_dir():
-        new = set(_tree_hash(dst)) - set(dst_before)
+        after = _tree_hash(dst)
+        kept = {k: v for k, v in dst_before.items() if not k.startswith(".")}
+        assert {k: after.get(k) for k in kept} == kept, "a file DST held before was changed or deleted"
+        new = set(after) - set(dst_before)
         looks_done = {"cvt_manifest.json", "export_manifest.json", "config.json", "model.safetensors.index.json",
                       "report.json", "report.md", "report.html"}
         assert not (new & looks_done), f"DST looks complete: {sorted(new)}"
@@ -307,7 +354,8 @@ def _bad_recipe(ctx, src):
 def _locked_export(ctx: Ctx):
     src = ctx.copy("qwen")
     dst = ctx.tmp / "onnx"
-    fd = os.open(ctx.tmp / ".onnx.cvt-lock", os.O_RDWR | os.O_CREAT)
+    dst.mkdir()
+    fd = os.open(dst, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)  # a first run holding DST; released when the test ends
     ctx.tmp.joinpath(".held").write_text(str(fd))
     return ["export", "onnx", src, dst], src, dst
@@ -321,15 +369,21 @@ def _calib_fifo(ctx: Ctx):
         src, dst
 
 
-def _verify(which_cand: str, prep, *extra):
+def _verify(which_cand: str, prep, *extra, report_in: str | None = None):
+    """`report_in`: put --report inside "cand", "ref", or inside cand through a symlink ("link")."""
     def build(ctx: Ctx):
         ref = ctx.copy(which_cand, "ref")
         cand = ctx.copy(which_cand, "cand-inf" if "inf" in extra else "cand")
         prep(ctx, cand)
         report = ctx.tmp / "report"
+        if report_in == "link":
+            (ctx.tmp / "link").symlink_to(cand)
+            report = ctx.tmp / "link" / "rep"
+        elif report_in is not None:
+            report = {"cand": cand, "ref": ref}[report_in] / "rep"
         args = [a for a in extra if a != "inf"]
         return ["verify", cand, "--reference", ref, "--report", report, "--max-sequences", "1", "--seq-len", "32",
-                *args], cand, None
+                *args], ref if report_in == "ref" else cand, None
     return build
 
 
@@ -563,6 +617,64 @@ ISSUE_24 = [
 ]
 
 
+def _calib_link(*extra):
+    """DST/.cvt-calib a symlink to a folder outside DST holding a file: the calibration state's
+    clean-up deleted that file, and the run exited 0 (issue 24)."""
+    def build(ctx: Ctx):
+        src = ctx.copy("fp8")
+        dst = ctx.tmp / "out"
+        dst.mkdir()
+        victim = ctx.outside / "somedir"
+        victim.mkdir()
+        (victim / "precious.txt").write_text("not cvt's")
+        (dst / ".cvt-calib").symlink_to(victim)
+        return ["quantize", src, dst, "--scheme", "w8a8c8", "--format", "ascend", "--calib-tokens", "256",
+                "--quiet", *extra], src, dst
+    return build
+
+
+def _rank_link(resume: bool):
+    """DST/rank-00000 a symlink to a folder outside DST: shard wrote rank 0's files through it."""
+    def build(ctx: Ctx):
+        src = ctx.copy("bf16")
+        dst = ctx.tmp / "out"
+        target = ctx.outside / "rank-00000"
+        if resume:  # a killed run of the same command (its journal, no manifest), rank 0 moved out and linked
+            assert run_cvt("shard", src, dst, "--ep", "2", "--quiet").rc == 0
+            m = json.loads((dst / "cvt_manifest.json").read_text())
+            files = {f["path"]: {"size": f["size"], "sha256": f["sha256"], "tensors": f["tensors"]} for f in m["files"]}
+            (dst / ".cvt-state.json").write_text(json.dumps({"plan_id": m["plan_id"], "files": files}))
+            (dst / "cvt_manifest.json").unlink()
+            shutil.move(dst / "rank-00000", target)
+        else:  # a DST no cvt run wrote, taken with --overwrite
+            dst.mkdir()
+            target.mkdir()
+            (target / "notes.txt").write_text("not cvt's")
+        (dst / "rank-00000").symlink_to(target)
+        return ["shard", src, dst, "--ep", "2", "--quiet", *([] if resume else ["--overwrite"])], src, dst
+    return build
+
+
+def _convert_beside_foreign(ctx: Ctx):
+    """fp8-to-bf16 --overwrite into a DST holding a config.json no cvt run wrote: it was replaced."""
+    src = ctx.copy("fp8")
+    dst = ctx.tmp / "out"
+    dst.mkdir()
+    (dst / "config.json").write_text('{"mine": true}')
+    return ["fp8-to-bf16", src, dst, "--overwrite", "--quiet"], src, dst
+
+
+def _export_beside_foreign(ctx: Ctx):
+    """--overwrite into a DST holding files no cvt run wrote, one named like a file the export
+    writes: the export removed the whole DST (issue 24); now nothing unrecorded is replaced."""
+    src = ctx.copy("qwen")
+    dst = ctx.tmp / "onnx"
+    (dst / "data").mkdir(parents=True)
+    (dst / "data" / "keep.bin").write_bytes(b"\x00mine")
+    (dst / "config.json").write_text('{"mine": true}')
+    return ["export", "onnx", src, dst, "--overwrite", "--quiet"], src, dst
+
+
 CASES = [
     # --- DST overlapping SRC (every writing verb), --overwrite never deletes a source file
     Case("quantize-dst-is-cvt-src-overwrite", _overlap(["quantize"], "bf16"), "DST is the source directory"),
@@ -667,6 +779,22 @@ CASES = [
     # --- two runs at once
     Case("export-onnx-locked", _locked_export, "another cvt run is writing to this directory"),
     *ISSUE_24,
+    # --- issue 24: cvt's own folders in DST are never links; --overwrite keeps unrecorded files;
+    # a report is never written into a checkpoint being read
+    Case("quantize-calib-state-symlink", _calib_link(), ".cvt-calib: is a symlink"),
+    Case("quantize-calib-state-symlink-no-resume", _calib_link("--no-resume"), ".cvt-calib: is a symlink"),
+    Case("shard-rank-dir-symlink-resume", _rank_link(resume=True), "rank-00000: is a symlink"),
+    Case("shard-rank-dir-symlink-overwrite", _rank_link(resume=False),
+         "rank-00000: exists and no cvt run recorded it"),
+    Case("fp8-to-bf16-overwrite-unrecorded-file", _convert_beside_foreign,
+         "config.json: exists and no cvt run recorded it"),
+    Case("export-onnx-overwrite-unrecorded-file", _export_beside_foreign, "config.json: exists and no cvt run recorded it"),
+    Case("verify-report-inside-candidate", _verify("qwen", _nothing, report_in="cand"),
+         "--report is inside the candidate checkpoint"),
+    Case("verify-report-inside-reference", _verify("qwen", _nothing, report_in="ref"),
+         "--report is inside the reference checkpoint"),
+    Case("verify-report-symlink-into-candidate", _verify("qwen", _nothing, report_in="link"),
+         "--report is inside the candidate checkpoint"),
 ]
 
 
@@ -710,3 +838,67 @@ def test_bad_input(case: Case, sources, tmp_path):
 def test_every_verb_has_cases():
     verbs = {c.id.split("-")[0] for c in CASES}
     assert {"quantize", "fp8", "shard", "plan", "run", "verify", "export", "inspect"} <= verbs
+
+
+# ------------------------------------------------------------ issue 24: the runs that succeed
+OVERWRITE = {  # verb -> (argv before SRC DST, source, options): each a run other than the one DST holds
+    "fp8-to-bf16": (["fp8-to-bf16"], "fp8", ["--max-shard-size", "1MB"]),
+    "quantize": (["quantize"], "qwen", ["--scheme", "w8a8"]),
+    "shard": (["shard"], "bf16", ["--ep", "2"]),
+    "export-onnx": (["export", "onnx"], "qwen", []),
+}
+
+
+@pytest.mark.parametrize("verb", OVERWRITE)
+def test_overwrite_deletes_only_recorded_files(verb, sources, tmp_path):
+    """--overwrite of an earlier cvt run's output that also holds files no cvt run wrote: the
+    earlier run's recorded files go, everything else stays with its bytes, nothing is written
+    outside DST (export onnx removed the whole DST and kept a lock file beside it)."""
+    global _OPENED
+    fp8, bf16, qwen = sources
+    ctx = Ctx(tmp_path, fp8, bf16, qwen)
+    argv, which, opts = OVERWRITE[verb]
+    src = ctx.copy(which)
+    dst = ctx.copy("bf16", "out")  # the earlier run: a cvt fp8-to-bf16 output
+    old = {f["path"] for f in json.loads((dst / "cvt_manifest.json").read_text())["files"]}
+    (dst / "notes.txt").write_text("mine")
+    (dst / "data").mkdir()
+    (dst / "data" / "keep.bin").write_bytes(b"\x00mine")
+    (dst / "linked").symlink_to(ctx.outside / "secret.json")
+    foreign = {k: v for k, v in _tree_hash(dst).items() if k.split("/")[0] in ("notes.txt", "data", "linked")}
+    beside = sorted(p.name for p in tmp_path.iterdir())
+    outside = _tree_hash(ctx.outside)
+    _OPENED = []
+    _WRITTEN.clear()
+    try:
+        r = run_cvt(*argv, src, dst, *opts, "--overwrite", "--quiet")
+    finally:
+        _OPENED = None
+    assert r.rc == 0, r.err
+    after = _tree_hash(dst)
+    assert {k: after.get(k) for k in foreign} == foreign, "an unrecorded file was changed or deleted"
+    manifest = json.loads(((dst / "export_manifest.json") if verb == "export-onnx" else
+                           (dst / "cvt_manifest.json")).read_text())
+    new = {f["path"] for f in manifest["files"]}
+    assert not [p for p in old - new if (dst / p).exists()], "a file of the earlier run survived"
+    assert sorted(p.name for p in tmp_path.iterdir()) == beside, "written beside DST"
+    assert not [k for k in after if k.startswith(".")], "a temp or state file was left in DST"
+    assert _tree_hash(ctx.outside) == outside
+    assert not _written_outside(_WRITTEN, dst), _written_outside(_WRITTEN, dst)
+
+
+def test_no_temp_folders_left(sources, tmp_path):
+    """`run` (as verify and export: the loader's imports) imports torch._dynamo, which made
+    $TMPDIR/torchinductor_<user> and left it: each command's temp folder is private and removed
+    (`cvt.scratch`, around every command). A subprocess with a fresh TMPDIR and no
+    TORCHINDUCTOR_CACHE_DIR: torch makes the folder when it is first imported in a process."""
+    import subprocess
+
+    _, _, qwen = sources
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "CVT_DEBUG")}
+    r = subprocess.run([sys.executable, "-m", "cvt", "run", str(qwen), "--input-ids", "1,2", "--max-new-tokens", "1",
+                        "--quiet"], capture_output=True, text=True, env={**env, "TMPDIR": str(tmpdir)}, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmpdir.iterdir()) == []

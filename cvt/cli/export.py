@@ -41,7 +41,7 @@ def export() -> None:
                    "every token (no control flow, for atc). Both are exact.")
 @click.option("--verify", is_flag=True, help="Run prefill + decode steps in onnxruntime and compare with the torch "
                                              "runtime on SRC; exit 4 when beyond tolerance.")
-@click.option("--overwrite", is_flag=True, help="Replace DST if it exists (only once the new export is complete).")
+@click.option("--overwrite", is_flag=True, help="Allow a DST that is not empty: once the new export is complete, delete only the files an earlier cvt run recorded there.")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @common
 def onnx_cmd(src, dst, scope, layer, dtype, int4_op, w8a8_op, opset, accuracy_level, moe, verify, overwrite,

@@ -505,8 +505,11 @@ def main(argv=None) -> None:
     debug = bool(os.environ.get("CVT_DEBUG")) or "--debug" in (argv if argv is not None else sys.argv[1:])
     from cvt.errors import CvtError
 
+    from cvt.scratch import scratch_dir
+
     try:
-        cli.main(args=argv, prog_name="cvt", standalone_mode=False)
+        with scratch_dir():  # torch's caches and torchrun's logs: removed when the command ends
+            cli.main(args=argv, prog_name="cvt", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.exceptions.NoArgsIsHelpError as exc:  # bare `cvt` (or `cvt export`): the help, as --help

@@ -43,13 +43,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from cvt.convert.outdir import STATE_DIR, clear_dir  # noqa: F401  (STATE_DIR: the folder `calibration_dir` makes)
 from cvt.errors import CvtError
 from cvt.quant.recipe import AWQ, GPTQ, RTN, SMOOTHQUANT
 from cvt.quant.tensor.schemes.base import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
-STATE_DIR = ".cvt-calib"
 SPILL_BYTES = 1 << 30  # layer activations above this are used through mmap from the state folder
 MAX_EXPERT_BYTES = 4 << 30  # a MoE layer's routed experts above this (float32) are read a chunk at a time
 
@@ -94,10 +94,8 @@ class LayerStore:
                 return int(st["done"])
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        if self.root.exists():
-            for f in self.root.iterdir():
-                if f.name != ".lock":
-                    f.unlink()
+        if self.root.exists() or self.root.is_symlink():
+            clear_dir(self.root)  # refuses a symlink: never clears a folder outside DST
         self.root.mkdir(parents=True, exist_ok=True)
         return 0
 

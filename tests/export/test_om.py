@@ -360,6 +360,21 @@ def test_contract_stub_atc_invocation_log_and_om(tmp_path, stub_atc):
     assert isinstance(r.exception, OutputError) and "already holds m.om" in str(r.exception)
 
 
+@pytest.mark.parametrize("name", ["m.atc.log", "m.atc.sh", "m.om"])
+def test_symlink_in_dst_is_refused(tmp_path, stub_atc, name):
+    """A link in DST where export om writes its log, script or OM: refused before atc runs (the
+    log and script were written through it, outside DST)."""
+    onnx_path = save(mm_softmax(), tmp_path / "m.onnx")
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    target = tmp_path / "outside.txt"
+    target.write_text("not cvt's")
+    (dst / name).symlink_to(target)
+    r = invoke(onnx_path, dst, "--soc-version", SOC, "--overwrite")
+    assert isinstance(r.exception, OutputError) and f"{name}: is a symlink" in str(r.exception)
+    assert target.read_text() == "not cvt's" and not stub_atc.exists()  # atc never ran
+
+
 def test_contract_stub_atc_failure_propagates(tmp_path, stub_atc, monkeypatch):
     """Contract test: atc exiting 1 is an error quoting its last log lines; no .om is left."""
     onnx_path = save(mm_softmax(), tmp_path / "m.onnx")

@@ -220,15 +220,20 @@ def test_multi_rank_matches_single_process(world, sources, sharded, tmp_path):
         assert not list((tmp_path / "out-2").glob("altered.*"))  # nobody got as far as generating
 
 
-def test_cvt_run_world_size_launches_torchrun(sources, sharded):
+def test_cvt_run_world_size_launches_torchrun(sources, sharded, tmp_path):
+    """...and leaves nothing in $TMPDIR (torchrun's agent made a torchelastic_* log folder there
+    per launch and kept it: its TMPDIR is now the command's private one, `cvt.scratch`)."""
     tokens, _ = _reference(sources["qw"])
     from cvt.runtime.tokenizer import load_tokenizer
 
     tok = load_tokenizer(sources["qw"], _config(sources["qw"]))
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
     r = run_cvt("run", sharded["qw-tp2-ep2"], "--world-size", 2, "--prompt", PROMPTS[0], "--max-new-tokens",
-                NEW_TOKENS, "--dtype", "fp32", "--device", "cpu", "--quiet", subprocess_=True)  # ranks print to fd 1
+                NEW_TOKENS, "--dtype", "fp32", "--device", "cpu", "--quiet", env={"TMPDIR": str(tmpdir)})  # ranks print to fd 1
     assert r.rc == 0, r.err
     assert r.out == tok.decode(tokens[0]) + "\n"
+    assert sorted(p.name for p in tmpdir.iterdir()) == []
 
 
 def test_cvt_run_world_size_from_a_folder_holding_cvt(sources, sharded, tmp_path):
