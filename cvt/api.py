@@ -198,10 +198,12 @@ def plan(options: PlanOptions | None = None, /, **kw):
 
     config = read_config(o.model)
     scheme, group, fmt, target, fp4 = o.scheme, o.group_size, o.fmt, o.target, o.fp4_format
-    if scheme is None:
+    if scheme is None:  # the source's own weights; options given explicitly win over what it records
         scheme, own_group, own = source_weights(o.model, config)
         group = own_group if group is None else group
-        fmt, target, fp4 = (own.get("format"), own.get("target"), own.get("fp4_format")) if own else (fmt, target, fp4)
+        if own:
+            recorded = (own.get("format"), own.get("target"), own.get("fp4_format"))
+            fmt, target, fp4 = (a if a is not None else r for a, r in zip((fmt, target, fp4), recorded))
     return memory_plan(config, o.layout.build(config), scheme=scheme or "bf16", group_size=group,
                        kv_tokens=o.kv_tokens, hbm_bytes=o.hbm, fmt=fmt, target=target, fp4_format=fp4)
 
@@ -238,12 +240,13 @@ class VerifyOptions(_Options):
     data: Optional[Path] = None
     seq_len: int = Field(128, ge=2)
     max_sequences: int = Field(8, ge=1)
-    min_cosine: Optional[float] = None
-    max_ppl_ratio: Optional[float] = None
-    max_mean_kl: Optional[float] = None
-    min_top1: Optional[float] = None
+    min_cosine: Optional[float] = Field(None, ge=-1, le=1, allow_inf_nan=False)
+    max_ppl_ratio: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
+    max_mean_kl: Optional[float] = Field(None, ge=0, allow_inf_nan=False)
+    min_top1: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False)
     device: Device = "auto"
     dtype: DType = "fp32"
+    quiet: bool = True  # no progress bars
 
 
 def verify(options: VerifyOptions | None = None, /, **kw):
@@ -261,7 +264,7 @@ def verify(options: VerifyOptions | None = None, /, **kw):
                                  min_top1=o.min_top1)  # CvtError naming the option before anything loads
     return run_verify(o.candidate, o.reference, o.report_dir, data=o.data, thresholds=th,
                       device=resolve_device(o.device), dtype=DTYPES[o.dtype], seq_len=o.seq_len,
-                      max_sequences=o.max_sequences)
+                      max_sequences=o.max_sequences, quiet=o.quiet)
 
 
 class RunOptions(_Options):
@@ -272,14 +275,15 @@ class RunOptions(_Options):
     prompts: tuple[str, ...] = ()
     input_ids: tuple[str, ...] = ()
     max_new_tokens: int = Field(32, ge=0)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int = 0
+    temperature: float = Field(0.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: int = Field(0, ge=0, lt=2**64)
     device: Device = "auto"
     dtype: DType = "bf16"
     verify_files: bool = False
     revision: Optional[str] = None
     backend: Literal["torch", "onnxruntime"] = "torch"
+    quiet: bool = True  # no progress bars
 
 
 class RunResult(BaseModel):
@@ -322,12 +326,12 @@ def run(options: RunOptions | None = None, /, **kw) -> RunResult:
 
         dev, dtype = resolve_device(o.device), o.dtype
         loaded = load_model(o.model, device=dev, dtype=DTYPES[o.dtype], verify_files=o.verify_files,
-                            revision=o.revision)
+                            revision=o.revision, quiet=o.quiet)
         tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
         lm = loaded.model
     ids = prompt_ids(tok, o.prompts, o.input_ids, lm.args.vocab_size)
     res = generate(lm, ids, o.max_new_tokens, temperature=o.temperature, top_p=o.top_p, seed=o.seed,
-                   eos_id=tok.eos_id, device=dev)
+                   eos_id=tok.eos_id, device=dev, quiet=o.quiet)
     return RunResult(prompt_ids=ids, output_ids=res.outputs, texts=[tok.decode(p) + tok.decode(x)
                                                                      for p, x in zip(ids, res.outputs)],
                      device=str(dev), dtype=str(dtype), tokenizer=tok.kind,

@@ -93,12 +93,14 @@ def test_method_help_says_what_quantize_accepts():
     """--method's help once said gptq is for w4a16 (it takes w8a8 too) and smoothquant for w8a8
     (w4a16 was accepted, with nothing to smooth): the help lists, per method, exactly the
     schemes whose kernel format the stage accepts (`method_kernels`)."""
-    from cvt.cli import METHODS, SCHEMES, quantize_cmd
+    from cvt.cli.main import quantize_cmd
+    from cvt.cli.options import METHODS as METHOD_CHOICE, SCHEMES as SCHEME_CHOICE
     from cvt.quant.tensor.layouts import kernel_formats
     from cvt.quant.tensor.schemes import get_scheme
     from cvt.quant.stage import method_kernels
 
     text = " ".join(next(p for p in quantize_cmd.params if p.name == "method").help.split())
+    METHODS, SCHEMES = METHOD_CHOICE.choices, SCHEME_CHOICE.choices
     for m in METHODS:
         kernels = method_kernels(m)
         if kernels is None:

@@ -19,6 +19,7 @@ from cvt.cli.export import export as export_group
 from cvt.cli.options import (EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_THRESHOLD, FORMATS,
                              FP4_FORMATS, METHODS, PLAN_SCHEMES, SCHEMES, SIZE, TARGETS, FiniteFloat, common,
                              human)
+from cvt import api
 from cvt.version import __version__
 
 log = logging.getLogger("cvt")
@@ -56,10 +57,9 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
     are dropped, config.json loses quantization_config. Streams one tensor at a time;
     re-running after a crash resumes.
     """
-    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-
-    r = fp8_to_bf16(src, dst, revision=revision, workers=workers, max_shard_size=max_shard_size,
-                    resume=resume, overwrite=overwrite, quiet=quiet)
+    r = api.fp8_to_bf16(api.Fp8ToBf16Options(src=src, dst=dst, revision=revision, workers=workers,
+                                             max_shard_size=max_shard_size, resume=resume, overwrite=overwrite,
+                                             quiet=quiet))
     if not quiet:
         from cvt.units import plural
 
@@ -131,20 +131,11 @@ def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_fo
     into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
     tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay
     float by default."""
-    from pathlib import Path
-
-    from cvt.quant.recipe import load_recipe
-    from cvt.quant.stage import quantize
-
-    if device != "cpu":  # "cpu" needs no check; resolving imports torch, which RTN with the C kernels never does
-        from cvt.runtime.device import resolve_device
-
-        device = resolve_device(device)
-    r = quantize(src, dst, scheme=scheme, fmt=fmt, method=method, group_size=group_size, asym=asym,
-                 fp4_format=fp4_format, calib=Path(calib) if calib else None, calib_tokens=calib_tokens,
-                 static_attention=static_attention, ignore=tuple(ignore), recipe=load_recipe(Path(recipe)) if recipe else None, revision=revision,
-                 workers=workers, max_shard_size=max_shard_size, resume=resume, overwrite=overwrite,
-                 quiet=quiet, target=target, device=device, expert_memory=expert_memory)
+    r = api.quantize(api.QuantizeOptions(
+        src=src, dst=dst, scheme=scheme, fmt=fmt, target=target, method=method, group_size=group_size, asym=asym,
+        fp4_format=fp4_format, calib=calib, calib_tokens=calib_tokens, device=device, expert_memory=expert_memory,
+        static_attention=static_attention, ignore=tuple(ignore), recipe=recipe, revision=revision, workers=workers,
+        max_shard_size=max_shard_size, resume=resume, overwrite=overwrite, quiet=quiet))
     if not quiet:
         from cvt.units import plural
 
@@ -185,44 +176,8 @@ def _layout_options(fn):
     return fn
 
 
-def _layout(config, world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp, placement, redundant, shared_experts):
-    from cvt.convert.arch import arch_for
-    from cvt.convert.layout import contiguous_placement, make_layout, moe_layers, read_placement
-    from cvt.errors import CvtError
-
-    degrees = (world_size, tp, ep, moe_tp, dense_tp, embed_tp, lmhead_tp)
-    layout = make_layout(*degrees, shared_experts=shared_experts)
-    if placement and redundant:
-        raise CvtError("give either --placement or --redundant, not both")
-    if placement:
-        return make_layout(*degrees, shared_experts=shared_experts,
-                           placement=read_placement(placement, config, layout.ep))
-    if redundant:
-        if not moe_layers(config):
-            raise CvtError("--redundant: the model has no routed experts")
-        return make_layout(*degrees, shared_experts=shared_experts,
-                           placement=contiguous_placement(arch_for(config).num_experts, layout.ep, redundant))
-    return layout
-
-
-def _read_config(model: str) -> dict:
-    from pathlib import Path
-
-    from cvt.convert.safetensors_io import load_json
-    from cvt.errors import CvtError
-
-    path = Path(model)
-    cfg_path = path / "config.json" if path.is_dir() else path
-    if not cfg_path.is_file():
-        raise CvtError(f"{model}: no config.json (give a checkpoint directory or a config.json file)")
-    return load_json(cfg_path)
-
-
-def _print_plan(config, layout, scheme, group_size, hbm, kv_tokens, fmt=None, target=None, fp4_format=None) -> None:
-    from cvt.convert.plan import memory_plan
-
-    plan = memory_plan(config, layout, scheme=scheme, group_size=group_size, kv_tokens=kv_tokens, hbm_bytes=hbm,
-                       fmt=fmt, target=target, fp4_format=fp4_format)
+def _print_plan(options) -> None:
+    plan = api.plan(options)
     click.echo(plan.render())
     if plan.violations or plan.over_budget:
         sys.exit(EXIT_PROBLEMS)
@@ -252,8 +207,8 @@ def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens,
     ranks over --hbm, and every divisibility problem of the layout. Exit code 3 when the layout
     is invalid or a rank does not fit. `cvt shard SRC --dry-run` prints the same plan, with the
     same options (defaulting to SRC's own scheme, format and target)."""
-    config = _read_config(model)
-    _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens, fmt, target, fp4_format)
+    _print_plan(api.PlanOptions(model=model, layout=api.LayoutOptions(**degrees), scheme=scheme, group_size=group_size,
+                                fmt=fmt, target=target, fp4_format=fp4_format, hbm=hbm, kv_tokens=kv_tokens))
 
 
 @cli.command("shard")
@@ -287,43 +242,22 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target
     validated before anything is written (heads, experts, vocab, FP8 blocks and quantization
     groups must divide). `torchrun --nproc-per-node W -m cvt.runtime.launch DST` (or
     `cvt run DST --world-size W`) runs the result."""
-    if dry_run:
-        config = _read_config(src)
-        asked = (fmt, target, fp4_format)
-        if scheme is None:  # SRC's own: as the sharder would see it
-            from pathlib import Path
-
-            from cvt.convert.shard import manifest_quant, weights_scheme
-            from cvt.errors import CvtError
-
-            quant = manifest_quant(src) if Path(src).is_dir() else None
-            try:
-                own, group = weights_scheme(config, quant, src)
-            except CvtError:  # another tool's quantization: planned as bf16 unless --scheme says
-                own, group, quant = "bf16", None, None
-            scheme = "fp8" if own is None else own
-            group_size = group if group_size is None else group_size
-            if quant and quant.get("scheme"):  # a cvt quantize output: its format, target and fp4 format
-                own = (quant.get("format"), quant.get("target"), quant.get("fp4_format"))
-                fmt, target, fp4_format = (a if a is not None else o for a, o in zip(asked, own))
-        _print_plan(config, _layout(config, **degrees), scheme, group_size, hbm, kv_tokens, fmt, target, fp4_format)
+    layout = api.LayoutOptions(**degrees)
+    if dry_run:  # scheme, format, target and fp4 format default to SRC's own (`api.plan`)
+        _print_plan(api.PlanOptions(model=src, layout=layout, scheme=scheme, group_size=group_size, fmt=fmt,
+                                    target=target, fp4_format=fp4_format, hbm=hbm, kv_tokens=kv_tokens))
         return
     if dst is None:
         raise click.UsageError("DST is required (or pass --dry-run)")
     if scheme or group_size is not None or fmt or target or fp4_format or hbm or kv_tokens:
         raise click.UsageError("--scheme, --group-size, --format, --target, --fp4-format, --hbm and --kv-tokens "
                                "belong to --dry-run")
-    from cvt.convert.reader import open_checkpoint
-    from cvt.convert.shard import shard
-
-    with open_checkpoint(src, revision) as ckpt:
-        layout = _layout(ckpt.config, **degrees)
-    r = shard(src, dst, layout, revision=revision, max_shard_size=max_shard_size, resume=resume,
-              overwrite=overwrite, quiet=quiet)
+    r = api.shard(api.ShardOptions(src=src, dst=dst, layout=layout, revision=revision, max_shard_size=max_shard_size,
+                                   resume=resume, overwrite=overwrite, quiet=quiet))
     if not quiet:
         from cvt.units import plural
 
-        L = layout
+        L = r.layout
         click.echo(f"sharded for world {L.world_size} (tp {L.tp} x dp {L.dp}; moe_tp {L.moe_tp} x ep {L.ep}; "
                    f"dense_tp {L.dense_tp}, embed_tp {L.embed_tp}, lmhead_tp {L.lmhead_tp})\n"
                    f"wrote {plural(r.written_files, 'rank file')} ({r.skipped_files} already done) to {r.dst}: read "
@@ -339,9 +273,7 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target
 def inspect_cmd(path, revision, as_json, quiet):
     """Describe a checkpoint from its headers alone: architecture, format, layer and expert
     counts, bytes by dtype and by role, and any problems found (exit code 3 if some)."""
-    from cvt.convert.inspect import inspect_checkpoint
-
-    report = inspect_checkpoint(path, revision)
+    report = api.inspect(path, revision)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.render())
     if report.problems:
         sys.exit(EXIT_PROBLEMS)
@@ -381,37 +313,18 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
                            temperature=temperature, top_p=top_p, seed=seed, device=device, dtype=dtype, quiet=quiet,
                            debug=click.get_current_context().obj.get("debug", False))
         sys.exit(torchrun(model, world_size, argv))
-    from cvt.runtime.device import DTYPES, resolve_device
-    from cvt.runtime.generate import generate
-    from cvt.runtime.loader import load_model
-    from cvt.runtime.tokenizer import load_tokenizer, prompt_ids
-
-    if not prompts and not input_ids:
-        raise CvtError("give --prompt TEXT or --input-ids 1,2,3")
-    if backend == "onnxruntime":
-        from cvt.export.ort import load_for_generation
-
-        if device not in ("auto", "cpu") or world_size not in (None, 1):
-            raise CvtError("--backend onnxruntime runs on one CPU process (--device auto or cpu, no --world-size)")
-        lm, tok = load_for_generation(model)
-        dev, dtype = "cpu", f"onnxruntime, {lm.manifest['dtype']} weights"
-    else:
-        dev = resolve_device(device)
-        loaded = load_model(model, device=dev, dtype=DTYPES[dtype], verify_files=verify_files, revision=revision,
-                            quiet=quiet)
-        tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
-        lm = loaded.model
-    ids = prompt_ids(tok, prompts, input_ids, lm.args.vocab_size)
-    res = generate(lm, ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                   eos_id=tok.eos_id, device=dev, quiet=quiet)
-    for prompt, out in zip(ids, res.outputs):
-        click.echo(tok.decode(prompt) + tok.decode(out))
-        if quiet:
-            continue
-        click.echo(f"  [{len(prompt)} prompt + {len(out)} new tokens: {out[:16]}{' ...' if len(out) > 16 else ''}]")
+    if backend == "onnxruntime" and world_size not in (None, 1):
+        raise CvtError("--backend onnxruntime runs on one CPU process (--device auto or cpu, no --world-size)")
+    res = api.run(api.RunOptions(model=model, prompts=prompts, input_ids=input_ids, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_p=top_p, seed=seed, device=device, dtype=dtype,
+                                 verify_files=verify_files, revision=revision, backend=backend, quiet=quiet))
+    for prompt, out, text in zip(res.prompt_ids, res.output_ids, res.texts):
+        click.echo(text)
+        if not quiet:
+            click.echo(f"  [{len(prompt)} prompt + {len(out)} new tokens: {out[:16]}{' ...' if len(out) > 16 else ''}]")
     if not quiet:
         click.echo(f"prefill {res.prefill_tokens_per_s:.1f} tokens/s, decode {res.decode_tokens_per_s:.1f} tokens/s "
-                   f"({dev}, {dtype}, {tok.kind} tokenizer)")
+                   f"({res.device}, {res.dtype}, {res.tokenizer} tokenizer)")
 
 
 @cli.command("verify")
@@ -433,18 +346,12 @@ def verify_cmd(candidate, reference, data, report_dir, seq_len, max_sequences, m
     """Compare CANDIDATE against --reference on the same tokens and write an accuracy report:
     per-layer cosine / max abs+rel error / thousandth ratios / EucDist, per-weight SQNR, PPL
     ratio, KL divergence, same top-1. Exits 4 when a threshold is violated."""
-    from pathlib import Path
-
-    from cvt.runtime.device import DTYPES, resolve_device
     from cvt.runtime.report import verdict_line
-    from cvt.runtime.verify import verify
-    from cvt.schemas.report import Thresholds
 
-    th = Thresholds.from_options(min_cosine=min_cosine, max_ppl_ratio=max_ppl_ratio, max_mean_kl=max_mean_kl,
-                                 min_top1=min_top1)  # CvtError naming the option before anything loads
-    res = verify(candidate, reference, Path(report_dir), data=Path(data) if data else None, thresholds=th,
-                 device=resolve_device(device), dtype=DTYPES[dtype], seq_len=seq_len, max_sequences=max_sequences,
-                 quiet=quiet)
+    res = api.verify(api.VerifyOptions(candidate=candidate, reference=reference, report_dir=report_dir, data=data,
+                                       seq_len=seq_len, max_sequences=max_sequences, min_cosine=min_cosine,
+                                       max_ppl_ratio=max_ppl_ratio, max_mean_kl=max_mean_kl, min_top1=min_top1,
+                                       device=device, dtype=dtype, quiet=quiet))
     r = res.report
     if not quiet:
         import math
