@@ -14,38 +14,7 @@
  * init below only exists so that setuptools can build this as an importable extension.
  */
 #include <Python.h>
-#include <math.h>
-#include <pthread.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define CVT_X86 1
-#endif
-
-static float LUT[256];
-static pthread_once_t lut_once = PTHREAD_ONCE_INIT; /* first calls may race from several threads */
-
-static void init_lut(void) {
-    for (int c = 0; c < 256; c++) {
-        int sign = c >> 7, e = (c >> 3) & 15, m = c & 7;
-        float v;
-        if (e == 15 && m == 7)
-            v = NAN;
-        else if (e == 0)
-            v = ldexpf((float)m / 8.0f, -6);
-        else
-            v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
-        LUT[c] = sign ? -v : v;
-    }
-}
-
-static inline uint16_t bf16_rne(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x0040u);
-    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
+#include "_cvt_kernel.h" /* LUT, bf16_rne, cpu_simd, fp8_scales_simd_ok, run_jobs */
 
 typedef struct {
     const uint8_t *w;
@@ -87,14 +56,8 @@ __attribute__((target("avx2,f16c"))) static void span_simd(const uint8_t *w, uin
     span_scalar(w + c, out + c, len - c, sc);
     if (_mm_movemask_epi8(nan)) span_scalar(w, out, c, sc);
 }
-
-static int cpu_simd(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-}
 #else
 static void span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) { span_scalar(w, out, len, sc); }
-static int cpu_simd(void) { return 0; }
 #endif
 
 static void *run(void *arg) {
@@ -118,28 +81,17 @@ static void *run(void *arg) {
 int cvt_dequant_fp8_block(const uint8_t *w, const float *s, uint16_t *out, int64_t n, int64_t k,
                           int64_t s_cols, int64_t bn, int64_t bk, int64_t nthreads, int64_t allow_simd) {
     pthread_once(&lut_once, init_lut);
-    int simd = allow_simd && cpu_simd();
-    if (simd) /* the exact power-of-two rescale needs finite scales below 2**100 */
-        for (int64_t i = 0; i < ((n + bn - 1) / bn) * s_cols; i++)
-            if (!(s[i] < 0x1p100f && s[i] > -0x1p100f)) { simd = 0; break; }
+    int simd = allow_simd && cpu_simd() && fp8_scales_simd_ok(s, ((n + bn - 1) / bn) * s_cols);
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
     if (nthreads > n) nthreads = n > 0 ? n : 1;
-    pthread_t th[64];
-    int joined[64];
     job_t jobs[64];
     int64_t per = (n + nthreads - 1) / nthreads;
     for (int64_t t = 0; t < nthreads; t++) {
         job_t jb = {w, s, out, k, s_cols, bn, bk, t * per, (t + 1) * per < n ? (t + 1) * per : n, simd};
         jobs[t] = jb;
     }
-    for (int64_t t = 1; t < nthreads; t++) {
-        joined[t] = pthread_create(&th[t], NULL, run, &jobs[t]) == 0;
-        if (!joined[t]) run(&jobs[t]); /* no thread: do it here */
-    }
-    run(&jobs[0]);
-    for (int64_t t = 1; t < nthreads; t++)
-        if (joined[t]) pthread_join(th[t], NULL);
+    run_jobs(run, jobs, sizeof(job_t), nthreads);
     return 0;
 }
 

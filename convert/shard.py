@@ -44,8 +44,8 @@ and source tensors only they need are not read.
 
 from __future__ import annotations
 
+import functools
 import json
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +62,7 @@ from cvt.dtypes import DTYPES
 from cvt.convert.safetensors_io import TensorSpec, load_json
 from cvt.convert.writer import (
     DEFAULT_MAX_SHARD,
+    Countdown,
     FileSet,
     OutputDir,
     WriteResult,
@@ -280,22 +281,6 @@ def _plan_files(holdings: list[_Holding], rank: int, max_shard_size: int) -> lis
     return plan_shards(holdings, max_shard_size, prefix=f"{RANK_DIR.format(rank)}/model")
 
 
-class _Refcount:
-    """Release a source tensor's pages once every distinct slice of it has been hashed by all
-    its holders."""
-
-    def __init__(self, ckpt: Checkpoint, name: str, n: int):
-        self.ckpt, self.name, self.n = ckpt, name, n
-        self.lock = threading.Lock()
-
-    def __call__(self) -> None:
-        with self.lock:
-            self.n -= 1
-            last = self.n == 0
-        if last:
-            self.ckpt.release(self.name)
-
-
 def _slice(ckpt: Checkpoint, name: str, sp: Split, index: int):
     """The bytes of run `index` of `name` (a memoryview of the mmap when contiguous)."""
     if sp.dim is None:
@@ -328,9 +313,10 @@ def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], ord
             by_index: dict[int, list[tuple[str, _Holding]]] = {}
             for rel, h in uses:
                 by_index.setdefault(h.index, []).append((rel, h))
-            release = _Refcount(ckpt, name, len(by_index))
+            # the source tensor's pages go once every distinct slice of it is hashed by all its holders
+            release = Countdown(len(by_index), functools.partial(ckpt.release, name))
             for index, holders in by_index.items():
-                charge = fs.charge(holders[0][1].spec.nbytes, len(holders), release)
+                charge = fs.charge(holders[0][1].spec.nbytes, len(holders), release.done)
                 try:
                     data = _slice(ckpt, name, splits[name], index)
                 except BaseException:

@@ -224,29 +224,25 @@ class BufferPool:
                 self.idle += buf.nbytes
 
 
-class Charge:
-    """One produced buffer's bytes, held against the write budget until every file it goes to
-    (`holders`) has hashed it; then the bytes are released and `on_last` runs (e.g. dropping the
-    source tensor's pages). A buffer several files share (a replicated slice) is charged once."""
+class Countdown:
+    """Runs `action` once, when `done` has been called `n` times (from any threads): a produced
+    buffer's bytes (`FileSet.charge`) or a source tensor's pages (shard) held until their last user."""
 
-    def __init__(self, budget: _ByteBudget, nbytes: int, holders: int, on_last: Callable[[], None] | None = None):
-        self.budget, self.nbytes, self.left, self.on_last = budget, nbytes, holders, on_last
-        self._lock = threading.Lock()
+    def __init__(self, n: int, action: Callable[[], None]):
+        self.left, self.action, self._lock = n, action, threading.Lock()
 
     def done(self) -> None:
         with self._lock:
             self.left -= 1
             last = self.left == 0
         if last:
-            self.budget.release(self.nbytes)
-            if self.on_last is not None:
-                self.on_last()
+            self.action()
 
 
 class _FilePipeline:
     """One output file's back half: a writer thread that writes (and so hashes, chunk by chunk
     while each is in cache: `AtomicFile.write`) the buffers the caller's thread hands it, while
-    that thread produces the next tensor. Each buffer's `Charge` is settled once written.
+    that thread produces the next tensor. Each buffer's charge (`FileSet.charge`) is settled once written.
     `depth` bounds the queue (a worker per file runs at most that far ahead); 0 leaves it
     unbounded, memory bounded by the byte budget alone (one thread feeding many files: a full
     queue would stall every other file)."""
@@ -262,7 +258,7 @@ class _FilePipeline:
         self.thread = threading.Thread(target=self._writer, name="cvt-file-write", daemon=True)
         self.thread.start()
 
-    def put(self, buf: memoryview, keep, nbytes: int, charge: Charge) -> None:
+    def put(self, buf: memoryview, keep, nbytes: int, charge: Countdown) -> None:
         if self.error is not None:
             charge.done()
             raise self.error
@@ -344,12 +340,18 @@ class FileSet:
         self._closer = ThreadPoolExecutor(max_workers=closers, thread_name_prefix="cvt-file-close") if closers else None
         self.meta: dict[str, dict] = dict(self.done_meta)
 
-    def charge(self, nbytes: int, holders: int = 1, on_last: Callable[[], None] | None = None) -> Charge:
-        """Wait for room in the budget, then hold `nbytes` until `holders` files hashed them."""
+    def charge(self, nbytes: int, holders: int = 1, on_last: Callable[[], None] | None = None) -> Countdown:
+        """Wait for room in the budget, then hold one buffer's `nbytes` until its `holders` files (a
+        replicated slice is charged once) hashed it; then release them and run `on_last`."""
         self.budget.acquire(nbytes)
-        return Charge(self.budget, nbytes, holders, on_last)
 
-    def put(self, rel: str, spec: TensorSpec, data, charge: Charge, meta: tuple[str, dict] | None = None) -> None:
+        def release() -> None:
+            self.budget.release(nbytes)
+            if on_last is not None:
+                on_last()
+        return Countdown(holders, release)
+
+    def put(self, rel: str, spec: TensorSpec, data, charge: Countdown, meta: tuple[str, dict] | None = None) -> None:
         """Hand `data` (a tensor or buffer of exactly `spec`) to file `rel`, the next of its items."""
         try:
             buf = _as_buffer(data, spec)

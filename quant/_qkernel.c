@@ -35,18 +35,11 @@
  * setuptools can build this file as an importable extension; it is called through ctypes.
  */
 #include <Python.h>
-#include <math.h>
-#include <pthread.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define CVT_X86 1
-#endif
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF /* GCC: -ffp-contract=off (pyproject.toml) */
 #endif
+#include "../convert/_cvt_kernel.h" /* LUT, bf16_rne, cpu_simd, fp8_scales_simd_ok, run_jobs */
 
 enum { SRC_BF16 = 0, SRC_FP8 = 1 };
 enum { MODE_AMAX = 0, MODE_SYM = 1, MODE_ASYM = 2, MODE_NVFP4 = 3, MODE_MXFP4 = 4 };
@@ -71,33 +64,13 @@ typedef struct {
     uint16_t *scale_bf16;   /* [n, ng] the int scales' bfloat16 bits too (or NULL) */
 } cvt_qargs;
 
-static float LUT[256];
-static pthread_once_t lut_once = PTHREAD_ONCE_INIT;
 static const float E2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-
-static void init_lut(void) {
-    for (int c = 0; c < 256; c++) {
-        int sign = c >> 7, e = (c >> 3) & 15, m = c & 7;
-        float v;
-        if (e == 15 && m == 7)
-            v = NAN;
-        else if (e == 0)
-            v = ldexpf((float)m / 8.0f, -6);
-        else
-            v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
-        LUT[c] = sign ? -v : v;
-    }
-}
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 /* float32 -> nearest-even bfloat16, back to float32 (NaN kept quiet; torch's rounding) */
-static inline float bf16_round(float f) {
-    uint32_t b = f2u(f);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return u2f((b | 0x00400000u) & 0xffff0000u);
-    return u2f(((b + 0x7fffu + ((b >> 16) & 1u)) >> 16) << 16);
-}
+static inline float bf16_round(float f) { return u2f((uint32_t)bf16_rne(f) << 16); }
 
 /* c10's fp8e4m3fn_from_fp32_value: nearest even, >= 480 -> NaN (0x7f) */
 static inline uint8_t e4m3_from_f32(float f) {
@@ -474,13 +447,8 @@ AVX static double sumsq_avx2(const float *w, int64_t len) {
     return hsum4d(acc) + sumsq_scalar(w + j, len - j);
 }
 
-static int cpu_simd(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-}
 #define PICK(name, simd) ((simd) ? name##_avx2 : name##_scalar)
 #else
-static int cpu_simd(void) { return 0; }
 #define PICK(name, simd) name##_scalar
 #endif
 
@@ -689,16 +657,12 @@ int cvt_quantize(const cvt_qargs *a) {
     if (a->mode < MODE_AMAX || a->mode > MODE_MXFP4 || a->pack < PACK_I8 || a->pack > PACK_FP4) return -1;
     if (a->src_kind == SRC_FP8 && (a->bn <= 0 || a->bk <= 0 || a->s_cols < (k + a->bk - 1) / a->bk)) return -1;
     if ((a->pack == PACK_NIB_ROWS && n % 2) || ((a->pack == PACK_NIB_K || a->pack == PACK_FP4) && k % 2)) return -1;
-    int simd = a->simd && cpu_simd();
-    if (simd && a->src_kind == SRC_FP8) /* the exact power-of-two rescale needs finite scales below 2**100 */
-        for (int64_t i = 0; i < ((n + a->bn - 1) / a->bn) * a->s_cols; i++)
-            if (!(a->fp8_scale[i] < 0x1p100f && a->fp8_scale[i] > -0x1p100f)) { simd = 0; break; }
+    int simd = a->simd && cpu_simd() &&
+               (a->src_kind != SRC_FP8 || fp8_scales_simd_ok(a->fp8_scale, ((n + a->bn - 1) / a->bn) * a->s_cols));
     int64_t nt = a->nthreads < 1 ? 1 : (a->nthreads > 64 ? 64 : a->nthreads);
     int64_t unit = a->pack == PACK_NIB_ROWS ? 2 : 1, units = (n + unit - 1) / unit;
     if (nt > units) nt = units > 0 ? units : 1;
     int64_t per = (units + nt - 1) / nt * unit;
-    pthread_t th[64];
-    int joined[64] = {0};
     job_t jobs[64];
     int failed = 0;
     for (int64_t t = 0; t < nt; t++) {
@@ -710,15 +674,7 @@ int cvt_quantize(const cvt_qargs *a) {
         if (!jb.wbuf || !jb.gbuf || !jb.qbuf) failed = 1;
         jobs[t] = jb;
     }
-    if (!failed) {
-        for (int64_t t = 1; t < nt; t++) {
-            joined[t] = pthread_create(&th[t], NULL, run, &jobs[t]) == 0;
-            if (!joined[t]) run(&jobs[t]); /* no thread: do it here */
-        }
-        run(&jobs[0]);
-        for (int64_t t = 1; t < nt; t++)
-            if (joined[t]) pthread_join(th[t], NULL);
-    }
+    if (!failed) run_jobs(run, jobs, sizeof(job_t), nt);
     double sig = 0.0, err = 0.0;
     int64_t bad = 0;
     float m = 0.0f;

@@ -115,6 +115,26 @@ class Rule:
     mtp_only: bool = False
 
 
+# The Hugging Face decoder skeleton every family shares (the runtime's model contract,
+# `cvt.runtime.models.base`): embeddings, final norm, head, and each layer's two norms.
+LAYER = "model.layers.{L}"
+DECODER_RULES = (
+    Rule("model.embed_tokens", Role.EMBEDDING, Parallel.VOCAB, Block.EMBED, float_default=True),
+    Rule("model.norm", Role.NORM, Parallel.REPLICATED, Block.NORM, float_default=True),
+    Rule("lm_head", Role.HEAD, Parallel.COLUMN, Block.HEAD, float_default=True),
+    Rule(f"{LAYER}.input_layernorm", Role.NORM, Parallel.REPLICATED, Block.NORM, float_default=True),
+    Rule(f"{LAYER}.post_attention_layernorm", Role.NORM, Parallel.REPLICATED, Block.NORM, float_default=True),
+)
+
+
+def swiglu_rules(prefix: str, role: Role, block: Block) -> tuple[Rule, Rule, Rule]:
+    """The three linears of a SwiGLU MLP at `prefix` (a dense MLP, an expert, the shared experts):
+    gate_proj and up_proj column-split, down_proj row-split, all quantizable."""
+    return (Rule(f"{prefix}.gate_proj", role, Parallel.COLUMN, block, quantizable=True),
+            Rule(f"{prefix}.up_proj", role, Parallel.COLUMN, block, quantizable=True),
+            Rule(f"{prefix}.down_proj", role, Parallel.ROW, block, quantizable=True))
+
+
 @dataclass(frozen=True)
 class ArchTable:
     """A model family: which model_types it covers, how to read sizes from config, its rules."""

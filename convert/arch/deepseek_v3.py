@@ -9,10 +9,9 @@ quantization (msModelSlim and cann-recipes-infer agree).
 """
 
 from cvt.convert.arch import checks
-from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
+from cvt.convert.arch.base import DECODER_RULES, LAYER as L, ArchTable, Block, Parallel, Role, Rule, swiglu_rules
 
 C, R, V, REP = Parallel.COLUMN, Parallel.ROW, Parallel.VOCAB, Parallel.REPLICATED
-L = "model.layers.{L}"
 
 
 
@@ -103,12 +102,7 @@ TABLE = ArchTable(
         "hidden": "hidden_size",
         "heads": "num_attention_heads",
     },
-    rules=(
-        Rule("model.embed_tokens", Role.EMBEDDING, V, Block.EMBED, float_default=True),
-        Rule("model.norm", Role.NORM, REP, Block.NORM, float_default=True),
-        Rule("lm_head", Role.HEAD, C, Block.HEAD, float_default=True),
-        Rule(f"{L}.input_layernorm", Role.NORM, REP, Block.NORM, float_default=True),
-        Rule(f"{L}.post_attention_layernorm", Role.NORM, REP, Block.NORM, float_default=True),
+    rules=DECODER_RULES + (
         # MLA
         Rule(f"{L}.self_attn.q_proj", Role.LINEAR, C, Block.ATTN, quantizable=True),  # q_lora_rank null
         Rule(f"{L}.self_attn.q_a_proj", Role.LINEAR, REP, Block.ATTN, quantizable=True),
@@ -119,17 +113,11 @@ TABLE = ArchTable(
         Rule(f"{L}.self_attn.kv_b_proj", Role.LINEAR, C, Block.ATTN, quantizable=True, float_default=True),
         Rule(f"{L}.self_attn.o_proj", Role.LINEAR, R, Block.ATTN, quantizable=True),
         # dense MLP (layers < first_k_dense_replace)
-        Rule(f"{L}.mlp.gate_proj", Role.LINEAR, C, Block.MLP, quantizable=True),
-        Rule(f"{L}.mlp.up_proj", Role.LINEAR, C, Block.MLP, quantizable=True),
-        Rule(f"{L}.mlp.down_proj", Role.LINEAR, R, Block.MLP, quantizable=True),
+        *swiglu_rules(f"{L}.mlp", Role.LINEAR, Block.MLP),
         # MoE
         Rule(f"{L}.mlp.gate", Role.ROUTER, REP, Block.MOE, float_default=True),
-        Rule(f"{L}.mlp.experts.{{E}}.gate_proj", Role.EXPERT, C, Block.MOE, quantizable=True),
-        Rule(f"{L}.mlp.experts.{{E}}.up_proj", Role.EXPERT, C, Block.MOE, quantizable=True),
-        Rule(f"{L}.mlp.experts.{{E}}.down_proj", Role.EXPERT, R, Block.MOE, quantizable=True),
-        Rule(f"{L}.mlp.shared_experts.gate_proj", Role.SHARED_EXPERT, C, Block.MOE, quantizable=True),
-        Rule(f"{L}.mlp.shared_experts.up_proj", Role.SHARED_EXPERT, C, Block.MOE, quantizable=True),
-        Rule(f"{L}.mlp.shared_experts.down_proj", Role.SHARED_EXPERT, R, Block.MOE, quantizable=True),
+        *swiglu_rules(f"{L}.mlp.experts.{{E}}", Role.EXPERT, Block.MOE),
+        *swiglu_rules(f"{L}.mlp.shared_experts", Role.SHARED_EXPERT, Block.MOE),
         # int8 KV cache (cvt.runtime.kv_cache): self_attn.{k,v}_scale (compressed-tensors), and
         # FAKQuant's self_attn.fa_{q,k,v}.{scale,offset} (Ascend)
         Rule(f"{L}.self_attn", Role.KV_CACHE, REP, Block.ATTN, float_default=True),

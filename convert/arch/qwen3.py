@@ -6,26 +6,18 @@ SwiGLU MLP; Qwen3-MoE replaces the MLP with a softmax router `mlp.gate` over
 """
 
 from cvt.convert.arch import checks
-from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
+from cvt.convert.arch.base import DECODER_RULES, LAYER as L, ArchTable, Block, Parallel, Role, Rule, swiglu_rules
 
-C, R, V, REP = Parallel.COLUMN, Parallel.ROW, Parallel.VOCAB, Parallel.REPLICATED
-L = "model.layers.{L}"
+C, R, REP = Parallel.COLUMN, Parallel.ROW, Parallel.REPLICATED
 
-_COMMON = (
-    Rule("model.embed_tokens", Role.EMBEDDING, V, Block.EMBED, float_default=True),
-    Rule("model.norm", Role.NORM, REP, Block.NORM, float_default=True),
-    Rule("lm_head", Role.HEAD, C, Block.HEAD, float_default=True),
-    Rule(f"{L}.input_layernorm", Role.NORM, REP, Block.NORM, float_default=True),
-    Rule(f"{L}.post_attention_layernorm", Role.NORM, REP, Block.NORM, float_default=True),
+_COMMON = DECODER_RULES + (
     Rule(f"{L}.self_attn.q_proj", Role.LINEAR, C, Block.ATTN, quantizable=True),
     Rule(f"{L}.self_attn.k_proj", Role.LINEAR, C, Block.ATTN, quantizable=True),
     Rule(f"{L}.self_attn.v_proj", Role.LINEAR, C, Block.ATTN, quantizable=True),
     Rule(f"{L}.self_attn.o_proj", Role.LINEAR, R, Block.ATTN, quantizable=True),
     Rule(f"{L}.self_attn.q_norm", Role.NORM, REP, Block.ATTN, float_default=True),
     Rule(f"{L}.self_attn.k_norm", Role.NORM, REP, Block.ATTN, float_default=True),
-    Rule(f"{L}.mlp.gate_proj", Role.LINEAR, C, Block.MLP, quantizable=True),
-    Rule(f"{L}.mlp.up_proj", Role.LINEAR, C, Block.MLP, quantizable=True),
-    Rule(f"{L}.mlp.down_proj", Role.LINEAR, R, Block.MLP, quantizable=True),
+    *swiglu_rules(f"{L}.mlp", Role.LINEAR, Block.MLP),
     Rule(f"{L}.self_attn", Role.KV_CACHE, REP, Block.ATTN, float_default=True),  # C8 k_scale / v_scale
 )
 _KEYS = {
@@ -104,8 +96,6 @@ MOE = ArchTable(
     rules=_COMMON
     + (
         Rule(f"{L}.mlp.gate", Role.ROUTER, REP, Block.MOE, float_default=True),
-        Rule(f"{L}.mlp.experts.{{E}}.gate_proj", Role.EXPERT, C, Block.MOE, quantizable=True),
-        Rule(f"{L}.mlp.experts.{{E}}.up_proj", Role.EXPERT, C, Block.MOE, quantizable=True),
-        Rule(f"{L}.mlp.experts.{{E}}.down_proj", Role.EXPERT, R, Block.MOE, quantizable=True),
+        *swiglu_rules(f"{L}.mlp.experts.{{E}}", Role.EXPERT, Block.MOE),
     ),
 )

@@ -1,4 +1,5 @@
-"""Helpers shared by the format kernels: part validation, module construction, exact int8 GEMM.
+"""Helpers shared by the format kernels: part validation, module construction, exact int8 GEMM
+and the dynamic per-token int8 reference.
 
 Validation raises `cvt.errors.TensorError` with the format, the part name, its dtype and
 shape, and what would have been valid, so one line is enough to act on.
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from cvt.errors import TensorError
+from cvt.quant.tensor.primitives import per_token_quant
 from cvt.runtime.kernels import npu
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,6 +57,14 @@ def check_2d(fmt: str, name: str, t: torch.Tensor, dtypes) -> tuple[int, int]:
     if t.dim() != 2 or t.shape[0] == 0 or t.shape[1] == 0:
         raise TensorError(f"{fmt} part {name!r} is {desc(t)}: expected a non-empty 2-D [out_features, in_features] tensor")
     return int(t.shape[0]), int(t.shape[1])
+
+
+def check_per_channel(fmt: str, name: str, t: torch.Tensor, n: int) -> torch.Tensor:
+    """A float part with one value per output channel: shape [n, 1] or [n]."""
+    check(fmt, name, t, FLOATS)
+    if tuple(t.shape) not in ((n, 1), (n,)):
+        raise TensorError(f"{fmt} part {name!r} is {desc(t)}: expected shape [{n}, 1] (per output channel)")
+    return t
 
 
 def check_finite(fmt: str, name: str, t: torch.Tensor, positive: bool = False) -> None:
@@ -111,6 +121,20 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a, b = a.cpu(), b.cpu()
     out = a.to(torch.float64) @ b.to(torch.float64).t()
     return out.to(torch.int32 if k <= _INT_MM_MAX_K else torch.int64).to(dev)
+
+
+def per_token_int8_linear(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """The dynamic int8 reference (W8A8_DYNAMIC; W4A8_DYNAMIC with int4 values as int8): ``x2
+    [m, k]`` quantized per token, ``y = float32(x_q @ weight^T) * weight_scale^T * x_scale (+
+    bias)`` in float32 in that order, returned in x2's dtype; `weight` int8 [n, k], `weight_scale`
+    [n, 1] per output channel."""
+    xq, xs = per_token_quant(x2)
+    acc = int8_matmul(xq, weight)
+    y = acc.to(torch.float32) * weight_scale.to(torch.float32).reshape(1, -1) * xs[:, None]
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x2.dtype)
 
 
 class FusedOrReference:

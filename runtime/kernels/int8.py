@@ -30,8 +30,9 @@ import torch
 
 from cvt.quant.tensor import kernel_formats as KF
 from cvt.errors import TensorError
-from cvt.quant.tensor.primitives import deq_scale_f32, per_token_quant, static_quant
-from cvt.runtime.kernels._common import FusedOrReference, FLOATS, check, check_2d, check_finite, desc, int8_matmul, new_module, take
+from cvt.quant.tensor.primitives import deq_scale_f32, static_quant
+from cvt.runtime.kernels._common import (FLOATS, FusedOrReference, check, check_2d, check_finite, check_per_channel,
+                                         desc, int8_matmul, new_module, per_token_int8_linear, take)
 from cvt.runtime.kernels.linear import Linear, register
 
 
@@ -50,9 +51,7 @@ class W8A8DynamicLinear(_Int8Linear):
         n, k = check_2d(cls.fmt, "weight", p["weight"], (torch.int8,))
         sc, off = p["weight_scale"], p["weight_offset"]
         for name, t in (("weight_scale", sc), ("weight_offset", off)):
-            check(cls.fmt, name, t, FLOATS)
-            if tuple(t.shape) not in ((n, 1), (n,)):
-                raise TensorError(f"{cls.fmt} part {name!r} is {desc(t)}: expected shape [{n}, 1] (per output channel)")
+            check_per_channel(cls.fmt, name, t, n)
         check_finite(cls.fmt, "weight_scale", sc)
         if bool((off != 0).any()):
             raise TensorError(f"{cls.fmt} part 'weight_offset' ({desc(off)}) is not all zeros: W8A8_DYNAMIC weights "
@@ -64,12 +63,7 @@ class W8A8DynamicLinear(_Int8Linear):
         return mod
 
     def reference(self, x2: torch.Tensor) -> torch.Tensor:
-        xq, xs = per_token_quant(x2)
-        acc = int8_matmul(xq, self.weight)
-        y = acc.to(torch.float32) * self.weight_scale.to(torch.float32).reshape(1, -1) * xs[:, None]
-        if self.bias is not None:
-            y = y + self.bias.to(torch.float32)
-        return y.to(x2.dtype)
+        return per_token_int8_linear(x2, self.weight, self.weight_scale, self.bias)
 
     def dense_weight(self) -> torch.Tensor:
         return self.weight.to(torch.float32) * self.weight_scale.to(torch.float32)

@@ -36,9 +36,8 @@ import torch
 
 from cvt.quant.tensor import kernel_formats as KF
 from cvt.errors import TensorError
-from cvt.runtime.kernels._common import (FLOATS, FusedOrReference, check, check_2d, check_finite, desc, int8_matmul,
-                                         new_module, take)
-from cvt.quant.tensor.primitives import per_token_quant
+from cvt.runtime.kernels._common import (FusedOrReference, check_2d, check_finite, check_per_channel, desc, new_module,
+                                         per_token_int8_linear, take)
 from cvt.runtime.kernels.linear import Linear, register
 
 
@@ -55,10 +54,7 @@ class W4A8DynamicLinear(FusedOrReference, Linear):
         if bool(((q < -8) | (q > 7)).any()):
             raise TensorError(f"{cls.fmt} part 'weight_int4' ({desc(q)}) holds values outside the int4 range -8..7 "
                               "(pass unpacked values; cvt.quant.tensor.layouts reads packed ones)")
-        check(cls.fmt, "weight_scale", sc, FLOATS)
-        if tuple(sc.shape) not in ((n, 1), (n,)):
-            raise TensorError(f"{cls.fmt} part 'weight_scale' is {desc(sc)}: expected shape [{n}, 1] (per output "
-                              "channel)")
+        check_per_channel(cls.fmt, "weight_scale", sc, n)
         check_finite(cls.fmt, "weight_scale", sc)
         mod = new_module(cls, n, k, bias)
         mod.register_buffer("weight_int4", q)
@@ -70,12 +66,7 @@ class W4A8DynamicLinear(FusedOrReference, Linear):
 
     def reference(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 [m, k]`` -> ``[m, n]`` in x2's dtype (module docstring)."""
-        xq, xs = per_token_quant(x2)
-        acc = int8_matmul(xq, self.weight_int4)
-        y = acc.to(torch.float32) * self.weight_scale.to(torch.float32).reshape(1, -1) * xs[:, None]
-        if self.bias is not None:
-            y = y + self.bias.to(torch.float32)
-        return y.to(x2.dtype)
+        return per_token_int8_linear(x2, self.weight_int4, self.weight_scale, self.bias)
 
     def dense_weight(self) -> torch.Tensor:
         return self.weight_int4.to(torch.float32) * self.weight_scale.to(torch.float32)

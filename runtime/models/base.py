@@ -13,6 +13,10 @@ Model contract (DeepSeek-V3 family, Qwen3, Qwen3-MoE, ... all follow it):
   a list passed as ``hidden_states`` receives the residual stream after the embedding
   and after each decoder layer (``1 + num_hidden_layers`` tensors ``[b, s, hidden]``);
 * ``args`` is the typed args object; ``max_positions`` bounds ``start_pos + s``.
+
+`CausalLM` holds what the families' Model classes share of that contract: the positions
+bound, the cache choice's checks and the forward loop (embed -> layers -> norm -> logits); a
+family gives its rope tables, its caches and its head.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 
 from cvt.convert.arch import config_problems
 from cvt.errors import CvtError
+from cvt.runtime import kv_cache
 
 # config.json keys that never change the forward math of any runtime model
 HARMLESS_KEYS = frozenset({
@@ -57,6 +62,17 @@ class ModelArgs:
 
     ignored: ClassVar[frozenset[str]] = frozenset()
     family: ClassVar[str] = "?"
+
+    # keys every family reads the same way (each family validates the values it supports)
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float | None = None              # transformers < 5 keeps it top level
+    rope_scaling: dict | None = None             # transformers < 5 name of rope_parameters
+    rope_parameters: dict | None = None          # transformers 5: {rope_type, rope_theta, factor, ...}
+
+    def rope_config(self) -> dict[str, Any]:
+        """rope_scaling and rope_parameters merged (a copy; rope_parameters wins), as written."""
+        return {**(self.rope_scaling or {}), **(self.rope_parameters or {})}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ModelArgs":
@@ -135,3 +151,73 @@ def run_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, exper
             y.index_add_(0, tok, experts[e](x[tok]) * weights[tok, slot, None])
     return y
 
+
+
+def check_room(what: str, store: torch.Tensor, seq_dim: int, b: int, start_pos: int, end: int) -> None:
+    """A layer cache's bound: `store` (batch first, positions on dim `seq_dim`) must hold batch `b`
+    at positions start_pos .. end-1; else a CvtError naming the cache (`what`) and both sizes."""
+    batch, max_len = store.shape[0], store.shape[seq_dim]
+    if b > batch or end > max_len:
+        raise CvtError(f"{what} of batch {batch}, max_len {max_len} cannot hold batch {b} "
+                       f"at positions {start_pos}..{end - 1}")
+
+class CausalLM(nn.Module):
+    """Base of the families' Model classes (the contract above): ``self.args`` (max_position_embeddings,
+    num_hidden_layers) and ``self.model`` (embed_tokens, layers, norm) are set by the subclass, which
+    gives `rope_at` (cos / sin of the positions) and may give `logits` (default ``lm_head(x).float()``)."""
+
+    cache_name: ClassVar[str] = "KV cache"   # how new_cache's errors name the family's cache
+
+    @property
+    def max_positions(self) -> int:
+        return self.args.max_position_embeddings
+
+    def cache_scales(self, max_len: int, quant: str | None) -> tuple[list | None, str | None]:
+        """new_cache's checks of (max_len, quant); returns (per-layer KV-cache scales, codec) for a
+        quantized (C8) cache, (None, None) for a cache in the compute dtype. `quant`: "auto" = the
+        model's scales when it carries them (`cvt.runtime.kv_cache`); "int8" / "fp8" = those scales,
+        a CvtError when the model has none of that codec; None = no scales."""
+        if quant not in (None, "auto", "int8", "fp8"):
+            raise CvtError(f"{self.cache_name} quantization {quant!r} is not supported "
+                           "(supported: None, auto, int8, fp8)")
+        if max_len > self.max_positions:
+            raise CvtError(f"{self.cache_name} max_len {max_len} exceeds max_position_embeddings {self.max_positions}")
+        scales, codec = kv_cache.layer_kv_scales(self), kv_cache.kv_codec(self)
+        if quant in ("int8", "fp8") and quant != codec:
+            raise CvtError(f"an {quant} KV cache needs calibrated {quant} KV-cache scales and this model has "
+                           f"{'none' if codec is None else codec + ' ones'} (load a w8a8c8 output, or "
+                           "calibrate_kv_scales + attach_kv_cache_scales)")
+        if quant in ("int8", "fp8") or (quant == "auto" and scales is not None):
+            return scales, codec
+        return None, None
+
+    def rope_at(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of positions `pos` [s] as the family's attention takes them."""
+        raise NotImplementedError
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed residual [b, s, h] -> logits [b, s, vocab] float32."""
+        return self.lm_head(x).float()
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: list | None = None,
+                hidden_states: list | None = None) -> torch.Tensor:
+        """tokens [b, s] int64 -> logits [b, s, vocab] float32 (see the module docstring); the decoder
+        layers run, the MTP layers stored after them do not."""
+        b, s = tokens.shape
+        if start_pos + s > self.max_positions:
+            raise CvtError(f"positions {start_pos}..{start_pos + s - 1} exceed max_position_embeddings "
+                           f"{self.max_positions}")
+        x = self.model.embed_tokens(tokens)                                  # [b, s, h]
+        pos = torch.arange(start_pos, start_pos + s, device=x.device)
+        cos, sin = self.rope_at(pos, x.dtype)
+        # keys are positions 0..T-1 with a cache, start_pos..start_pos+s-1 without
+        keys = torch.arange(start_pos + s, device=x.device) if cache is not None else pos
+        mask = keys[None, :] <= pos[:, None]                                 # [s, T]
+        if hidden_states is not None:
+            hidden_states.append(x)
+        for i in range(self.args.num_hidden_layers):
+            x = self.model.layers[i](x, cos, sin, mask, start_pos, None if cache is None else cache[i])
+            if hidden_states is not None:
+                hidden_states.append(x)
+        return self.logits(self.model.norm(x))

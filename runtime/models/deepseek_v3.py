@@ -59,11 +59,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cvt.errors import CvtError
 from cvt.convert.arch.deepseek_v3 import DEFAULTS as ROUTING
 from cvt.runtime import kv_cache
 from cvt.runtime.kernels import Linear
-from cvt.runtime.models.base import MLP, ConfigError, ModelArgs, RMSNorm, build_experts, run_experts
+from cvt.runtime.models.base import (MLP, CausalLM, ConfigError, ModelArgs, RMSNorm, build_experts, check_room,
+                                     run_experts)
 
 YARN_KEYS = frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                        "mscale_all_dim", "truncate"})
@@ -122,13 +122,8 @@ class Args(ModelArgs):
     topk_method: str = ROUTING["topk_method"]
     first_k_dense_replace: int | None = 3
     moe_layer_freq: int = 1
-    # misc
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
+    # misc (hidden_act, rms_norm_eps and the rope keys: base.ModelArgs)
     max_position_embeddings: int = 4096
-    rope_theta: float | None = None              # transformers < 5 keeps it top level
-    rope_scaling: dict | None = None             # transformers < 5 name of rope_parameters
-    rope_parameters: dict | None = None          # transformers 5: {rope_type, rope_theta, factor, ...}
     rope_interleave: bool = True
 
     @property
@@ -141,7 +136,7 @@ class Args(ModelArgs):
 
     def rope(self) -> Rope:
         """Merge rope_theta / rope_scaling / rope_parameters; ConfigError for anything else."""
-        p = {**(self.rope_scaling or {}), **(self.rope_parameters or {})}
+        p = self.rope_config()
         kind = p.pop("rope_type", None) or p.pop("type", None) or "default"
         if p.get("type", kind) != kind:
             raise ConfigError(f"config.json rope 'type' {p['type']!r} disagrees with 'rope_type' {kind!r}")
@@ -272,9 +267,7 @@ class MLACache:
         return self.kv.nbytes + self.pe.nbytes
 
     def _check(self, b: int, start_pos: int, end: int) -> None:
-        if b > self.kv.shape[0] or end > self.kv.shape[1]:
-            raise CvtError(f"MLA cache of batch {self.kv.shape[0]}, max_len {self.kv.shape[1]} cannot hold "
-                           f"batch {b} at positions {start_pos}..{end - 1}")
+        check_room("MLA cache", self.kv, 1, b, start_pos, end)
 
     def write(self, start_pos: int, kv: torch.Tensor, pe: torch.Tensor) -> None:
         """Store kv [b, s, C], pe [b, s, dr] at positions start_pos .. start_pos+s-1."""
@@ -492,7 +485,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype, device=device)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """Causal LM following the contract in `base.py`; parameter names = HF checkpoint names.
 
     dtype (default: torch's default dtype) applies to every weight but the float32 router bias;
@@ -503,6 +496,7 @@ class Model(nn.Module):
     """
 
     attention: ClassVar[type[nn.Module]] = MLA
+    cache_name = "MLA cache"
 
     def __init__(self, args: Args, dtype=None, device=None, mtp: bool = True, experts=None):
         super().__init__()
@@ -512,10 +506,6 @@ class Model(nn.Module):
         # plain attributes, not buffers: computed on CPU even for device="meta", not in state_dict
         self.inv_freq, self.rope_scale, self.softmax_scale = rope_tables(args)
 
-    @property
-    def max_positions(self) -> int:
-        return self.args.max_position_embeddings
-
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None,
                   quant: str | None = "auto") -> list[MLACache]:
         """One absorbed cache per decoder layer: kv [batch, max_len, kv_lora_rank] and
@@ -523,42 +513,15 @@ class Model(nn.Module):
         carries KV-cache scales (C8, `cvt.runtime.kv_cache`), else None; None = storage in the
         compute dtype (`dtype`, default the model's); "int8" = `Int8MLACache` (reads return
         `dtype`), a CvtError when the model has no scales."""
-        if quant not in (None, "auto", "int8", "fp8"):
-            raise CvtError(f"MLA cache quantization {quant!r} is not supported (supported: None, auto, int8, fp8)")
-        if max_len > self.max_positions:
-            raise CvtError(f"cache max_len {max_len} exceeds max_position_embeddings {self.max_positions}")
+        scales, codec = self.cache_scales(max_len, quant)
         w, a = self.model.embed_tokens.weight, self.args
-        scales, codec = kv_cache.layer_kv_scales(self), kv_cache.kv_codec(self)
-        if quant in ("int8", "fp8") and quant != codec:
-            raise CvtError(f"an {quant} KV cache needs calibrated {quant} KV-cache scales and this model has "
-                           f"{'none' if codec is None else codec + ' ones'} (load a w8a8c8 output, or "
-                           "calibrate_kv_scales + attach_kv_cache_scales)")
-        if quant in ("int8", "fp8") or (quant == "auto" and scales is not None):
+        if scales is not None:
             return [Int8MLACache(batch, max_len, a.kv_lora_rank, a.qk_rope_head_dim, ks, ps, dtype or w.dtype,
                                  device or w.device, codec) for ks, ps in scales]
         return [MLACache(batch, max_len, a.kv_lora_rank, a.qk_rope_head_dim, dtype or w.dtype, device or w.device)
                 for _ in range(a.num_hidden_layers)]
 
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: list[MLACache] | None = None,
-                hidden_states: list | None = None) -> torch.Tensor:
-        """tokens [b, s] int64 -> logits [b, s, vocab] float32 (see base.py for the contract)."""
-        b, s = tokens.shape
-        if start_pos + s > self.max_positions:
-            raise CvtError(f"positions {start_pos}..{start_pos + s - 1} exceed max_position_embeddings "
-                           f"{self.max_positions}")
-        x = self.model.embed_tokens(tokens)                                      # [b, s, h]
-        dev = x.device
-        pos = torch.arange(start_pos, start_pos + s, device=dev)
-        freqs = pos[:, None].float() * self.inv_freq.to(dev)[None]             # [s, dr/2] float32
-        cos, sin = freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
-        # keys are positions 0..T-1 with a cache, start_pos..start_pos+s-1 without
-        keys = torch.arange(start_pos + s, device=dev) if cache is not None else pos
-        mask = keys[None, :] <= pos[:, None]                                     # [s, T]
-        if hidden_states is not None:
-            hidden_states.append(x)
-        for i in range(self.args.num_hidden_layers):
-            x = self.model.layers[i](x, cos, sin, mask, start_pos, None if cache is None else cache[i])
-            if hidden_states is not None:
-                hidden_states.append(x)
-        return self.lm_head(self.model.norm(x)).float()
+    def rope_at(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin float32 [s, dr/2] (`apply_rope` rotates in float32)."""
+        freqs = pos[:, None].float() * self.inv_freq.to(pos.device)[None]      # [s, dr/2] float32
+        return freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale

@@ -41,10 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvt.convert.arch.deepseek_v32 import INDEX_DEFAULTS
-from cvt.errors import CvtError
 from cvt.runtime.kernels import Linear
 from cvt.runtime.models import deepseek_v3 as v3
-from cvt.runtime.models.base import ConfigError
+from cvt.runtime.models.base import ConfigError, check_room
 from cvt.runtime.models.deepseek_v3 import apply_rope
 
 LAYERNORM_EPS = 1e-6  # transformers nn.LayerNorm(eps=1e-6); official LayerNorm(dim) default
@@ -139,9 +138,7 @@ class DSACache:
     def index_write(self, start_pos: int, k: torch.Tensor) -> None:
         """Store indexer keys k [b, s, Di] at positions start_pos .. start_pos+s-1."""
         b, end = k.shape[0], start_pos + k.shape[1]
-        if b > self.index_k.shape[0] or end > self.index_k.shape[1]:
-            raise CvtError(f"indexer cache of batch {self.index_k.shape[0]}, max_len {self.index_k.shape[1]} "
-                           f"cannot hold batch {b} at positions {start_pos}..{end - 1}")
+        check_room("indexer cache", self.index_k, 1, b, start_pos, end)
         self.index_k[:b, start_pos:end] = k
 
     def index_read(self, batch: int, end: int) -> torch.Tensor:

@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cvt.errors import CvtError
 from cvt.runtime import kv_cache
 from cvt.runtime.kernels import Linear
-from cvt.runtime.models.base import MLP, ConfigError, ModelArgs, RMSNorm, build_experts, run_experts
+from cvt.runtime.models.base import (MLP, CausalLM, ConfigError, ModelArgs, RMSNorm, build_experts, check_room,
+                                     run_experts)
 
 MODEL_TYPES = ("qwen3_moe", "qwen3", "qwen2", "llama")
 ROPE_KEYS = {  # keys each rope type may carry, besides rope_type / type / rope_theta
@@ -71,12 +71,7 @@ class Args(ModelArgs):
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None       # None: = num_attention_heads (MHA)
     head_dim: int | None = None                  # None: hidden_size // num_attention_heads (not qwen3)
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 2048
-    rope_theta: float | None = None              # transformers < 5 keeps it top level
-    rope_scaling: dict | None = None             # transformers < 5 name of rope_parameters
-    rope_parameters: dict | None = None          # transformers 5: {rope_type, rope_theta, factor, ...}
+    max_position_embeddings: int = 2048          # (hidden_act, rms_norm_eps, rope keys: base.ModelArgs)
     attention_bias: bool | None = None           # None: qwen2 -> q/k/v bias, others -> no bias
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
@@ -117,7 +112,7 @@ class Args(ModelArgs):
 
     def rope(self) -> dict[str, Any]:
         """rope_scaling / rope_parameters / rope_theta merged: {rope_type, rope_theta, ...}."""
-        p = {**(self.rope_scaling or {}), **(self.rope_parameters or {})}
+        p = self.rope_config()
         p["rope_type"] = p.pop("rope_type", None) or p.pop("type", None) or "default"
         p.pop("type", None)
         p["rope_theta"] = float(p.get("rope_theta") or self.rope_theta or 10000.0)
@@ -247,9 +242,7 @@ class KVCache:
         return self.k.nbytes + self.v.nbytes
 
     def _check(self, b: int, start_pos: int, end: int) -> None:
-        if b > self.k.shape[0] or end > self.k.shape[2]:
-            raise CvtError(f"KV cache of batch {self.k.shape[0]}, max_len {self.k.shape[2]} cannot hold batch {b} "
-                           f"at positions {start_pos}..{end - 1}")
+        check_room("KV cache", self.k, 2, b, start_pos, end)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [b, kv_heads, s, D] at positions start_pos..; return all T = start_pos+s."""
@@ -380,7 +373,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype, device=device)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """Causal LM following the contract in `base.py`; parameter names = HF checkpoint names.
     `experts` (MoE layer -> global expert ids) builds only those routed experts (a rank of
     `cvt.runtime.parallel`; None: all)."""
@@ -394,57 +387,27 @@ class Model(nn.Module):
         # plain attributes, not buffers: computed on CPU even for device="meta", not in state_dict
         self.inv_freq, self.rope_scale = rope_frequencies(args)
 
-    @property
-    def max_positions(self) -> int:
-        return self.args.max_position_embeddings
-
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None,
                   quant: str | None = "auto") -> list[KVCache]:
         """One cache per layer, k / v [batch, kv_heads, max_len, head_dim] (model dtype/device by
         default). `quant`: "auto" (default) = "int8" when the model carries KV-cache scales (C8,
         `cvt.runtime.kv_cache`), else None; None = storage in `dtype`; "int8" = `Int8KVCache`,
         a CvtError when the model has no scales."""
-        if quant not in (None, "auto", "int8", "fp8"):
-            raise CvtError(f"KV cache quantization {quant!r} is not supported (supported: None, auto, int8, fp8)")
-        if max_len > self.max_positions:
-            raise CvtError(f"KV cache max_len {max_len} exceeds max_position_embeddings {self.max_positions}")
-        w = self.model.embed_tokens.weight
-        a = self.args
-        scales, codec = kv_cache.layer_kv_scales(self), kv_cache.kv_codec(self)
-        if quant in ("int8", "fp8") and quant != codec:
-            raise CvtError(f"an {quant} KV cache needs calibrated {quant} KV-cache scales and this model has "
-                           f"{'none' if codec is None else codec + ' ones'} (load a w8a8c8 output, or "
-                           "calibrate_kv_scales + attach_kv_cache_scales)")
-        if quant in ("int8", "fp8") or (quant == "auto" and scales is not None):
+        scales, codec = self.cache_scales(max_len, quant)
+        w, a = self.model.embed_tokens.weight, self.args
+        if scales is not None:
             return [Int8KVCache(batch, a.kv_heads, max_len, a.dim_head, ks, vs, device or w.device, codec)
                     for ks, vs in scales]
         return [KVCache(batch, a.kv_heads, max_len, a.dim_head, dtype or w.dtype, device or w.device)
                 for _ in range(a.num_hidden_layers)]
 
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: list[KVCache] | None = None,
-                hidden_states: list | None = None) -> torch.Tensor:
-        """tokens [b, s] int64 -> logits [b, s, vocab] float32 (see base.py for the contract)."""
-        b, s = tokens.shape
-        if start_pos + s > self.max_positions:
-            raise CvtError(f"positions {start_pos}..{start_pos + s - 1} exceed max_position_embeddings "
-                           f"{self.max_positions}")
-        x = self.model.embed_tokens(tokens)
-        dev = x.device
-        pos = torch.arange(start_pos, start_pos + s, device=dev)
-        freqs = pos[:, None].float() * self.inv_freq.to(dev)[None]     # [s, D/2], float32
+    def rope_at(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [s, D] in the model's dtype (`apply_rope` rotates in x's dtype, as HF)."""
+        freqs = pos[:, None].float() * self.inv_freq.to(pos.device)[None]     # [s, D/2], float32
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = (emb.cos() * self.rope_scale).to(x.dtype), (emb.sin() * self.rope_scale).to(x.dtype)
-        # keys are positions 0..T-1 with a cache, start_pos..start_pos+s-1 without
-        keys = torch.arange(start_pos + s, device=dev) if cache is not None else pos
-        mask = keys[None, :] <= pos[:, None]                             # [s, T]
-        if hidden_states is not None:
-            hidden_states.append(x)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, start_pos, None if cache is None else cache[i])
-            if hidden_states is not None:
-                hidden_states.append(x)
-        x = self.model.norm(x)
-        if self.lm_head is None:
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:  # tie_word_embeddings
             return F.linear(x, self.model.embed_tokens.weight.to(x.dtype)).float()
         return self.lm_head(x).float()

@@ -111,3 +111,21 @@ def test_blocks_and_parallel_styles_cover_tp_groups():
     assert arch.classify("model.layers.0.mlp.up_proj.weight").block is Block.MLP
     assert arch.classify("model.layers.1.mlp.experts.0.up_proj.weight").block is Block.MOE
     assert arch.classify("model.embed_tokens.weight").rule.parallel is Parallel.VOCAB
+
+
+def test_families_share_the_decoder_skeleton_and_swiglu_rows():
+    """Every table starts with the Hugging Face decoder skeleton (`base.DECODER_RULES`), and each
+    SwiGLU MLP it names (dense, experts, shared experts) is `base.swiglu_rules`: one definition
+    of which linears are column / row split."""
+    from cvt.convert.arch.base import DECODER_RULES, swiglu_rules
+
+    assert [r.pattern for r in swiglu_rules("m", Role.EXPERT, Block.MOE)] == ["m.gate_proj", "m.up_proj", "m.down_proj"]
+    assert [r.parallel for r in swiglu_rules("m", Role.EXPERT, Block.MOE)] == [Parallel.COLUMN, Parallel.COLUMN,
+                                                                                Parallel.ROW]
+    for name in ("deepseek_v3", "deepseek_v32", "qwen3", "qwen3_moe"):
+        rules = TABLES.get(name).rules
+        assert rules[:len(DECODER_RULES)] == DECODER_RULES, name
+        for i, r in enumerate(rules):
+            if r.pattern.endswith(".gate_proj"):
+                prefix = r.pattern[:-len(".gate_proj")]
+                assert rules[i:i + 3] == swiglu_rules(prefix, r.role, r.block), r.pattern

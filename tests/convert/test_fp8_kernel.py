@@ -198,3 +198,29 @@ def test_numpy_entry_refuses_a_misshaped_scale():
         fp8.dequant_fp8_block_np(w, (80, 256), np.ones((1, 1), np.float32))
     with pytest.raises(TensorError, match="20480 bytes"):
         fp8.dequant_fp8_block_np(w[:100], (80, 256), np.ones((1, 2), np.float32))
+
+
+def test_the_c_kernels_share_one_header_that_ships_with_them():
+    """convert/_fp8kernel.c and quant/_qkernel.c include one header (the e4m3 table, bf16 rounding,
+    the thread fan-out): both extensions list it in `depends` and the package data holds it, so an
+    sdist can build either kernel."""
+    import re
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").is_file():
+        pytest.skip("not a source checkout")
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    header = "convert/_cvt_kernel.h"
+    assert (root / header).is_file()
+    assert "*.h" in cfg["package-data"]["cvt.convert"]
+    for ext in cfg["ext-modules"]:
+        src = root / ext["sources"][0]
+        included = re.findall(r'^#include "([^"]+)"', src.read_text(), flags=re.M)
+        assert [str((src.parent / i).resolve().relative_to(root)) for i in included] == [header], ext["name"]
+        assert ext["depends"] == [header], ext["name"]
+    assert {e["name"] for e in cfg["ext-modules"]} == {"cvt.convert._fp8kernel", "cvt.quant._qkernel"}

@@ -116,3 +116,19 @@ def test_quantize_writes_balanced_files(fp8_release, tmp_path, monkeypatch, sche
     assert len(weights) == BALANCED_FILES and r.written_files == BALANCED_FILES
     index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"]
     assert sorted(set(index.values())) == [p.name for p in weights]
+
+
+def test_countdown_runs_its_action_once_after_the_last_done():
+    """`Countdown`: the one latch behind a buffer's charge and shard's release of a source tensor's
+    pages; `done` from many threads, the action exactly once, on the n-th call."""
+    import threading
+
+    calls = []
+    c = writer.Countdown(64, lambda: calls.append(c.left))
+    threads = [threading.Thread(target=lambda: [c.done() for _ in range(8)]) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [0]
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import struct
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import cvt.runtime.kernels as K
 from cvt.errors import CvtError, TensorError
 from cvt.quant.tensor.schemes import get_scheme, scheme_names, static_parts
-from cvt.quant.tensor.schemes.base import Scheme
+from cvt.quant.tensor.schemes.base import Scheme, SchemeBase
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -108,6 +109,20 @@ def test_registry():
         get_scheme("w3")
     for name, opts in CASES:
         assert isinstance(get_scheme(name, **opts), Scheme)
+
+
+@pytest.mark.parametrize("name", scheme_names())
+def test_every_scheme_checks_its_weight_through_the_base(name):
+    """Each registered scheme takes its shape check, finiteness check and fake_quant from
+    `SchemeBase`: a 3-D weight is refused naming the tensor and the scheme."""
+    s = get_scheme(name)
+    assert isinstance(s, SchemeBase)
+    label = "fp4 (nvfp4)" if name == "fp4" else name
+    with pytest.raises(CvtError, match=rf"^{re.escape(label)}: tensor 'x.weight' has shape \[2, 3, 4\]: expected "
+                                       r"a non-empty 2-D \[out_features, in_features\] weight$"):
+        s.quantize(torch.ones(2, 3, 4), name="x.weight")
+    w = weight()
+    assert torch.equal(s.fake_quant(w), s.dequantize(s.quantize(w)))
 
 
 @pytest.mark.parametrize("name,opts", CASES, ids=IDS)

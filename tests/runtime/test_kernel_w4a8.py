@@ -116,6 +116,28 @@ def test_bad_parts_and_registry():
         K.get("w4a8")
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_same_reference_and_scale_check_as_w8a8_dynamic(bias):
+    """W4A8_DYNAMIC is the W8A8_DYNAMIC reference with int4 values as int8 (`_common.per_token_int8_linear`):
+    the same values, scales and bias give the same bits, and a bad scale the same words."""
+    p = parts()
+    b = torch.randn(N, generator=gen(9)) if bias else None
+    w4 = K.get("w4a8_dynamic").from_parts(dict(p), b)
+    w8 = int8.W8A8DynamicLinear.from_parts({"weight": p["weight_int4"], "weight_scale": p["weight_scale"],
+                                            "weight_offset": torch.zeros(N, 1)}, b)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = tokens(dtype=dtype)
+        assert torch.equal(w4(x), w8(x))
+    bad = p["weight_scale"][:5]
+    with pytest.raises(TensorError) as e4:
+        K.get("w4a8_dynamic").from_parts({**p, "weight_scale": bad})
+    with pytest.raises(TensorError) as e8:
+        int8.W8A8DynamicLinear.from_parts({"weight": p["weight_int4"], "weight_scale": bad,
+                                           "weight_offset": torch.zeros(N, 1)})
+    assert str(e4.value) == "w4a8_dynamic part 'weight_scale' is float32 [5, 1]: expected shape [48, 1] (per output channel)"
+    assert str(e8.value) == str(e4.value).replace("w4a8_dynamic", "w8a8_dynamic")
+
+
 def test_prepare_for_npu_is_a_no_op():
     mod = K.get("w4a8_dynamic").from_parts(parts())
     mod.prepare_for_npu()

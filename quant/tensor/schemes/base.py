@@ -30,7 +30,8 @@ from typing import Protocol, runtime_checkable
 
 from cvt.lazy import torch
 
-from cvt.errors import OptionError
+from cvt.errors import CvtError, OptionError
+from cvt.quant.tensor import primitives as P
 from cvt.registry import Registry
 
 
@@ -68,6 +69,28 @@ class Scheme(Protocol):
 
     def fake_quant(self, w: torch.Tensor) -> torch.Tensor:
         """dequantize(quantize(w)), the quantization error model used by calibration."""
+
+
+class SchemeBase:
+    """What the schemes share: the shape check, the checked float32 weight `quantize` starts from,
+    the kernel formats they produce and `fake_quant`. A scheme class sets ``name``,
+    ``group_size`` and ``kernel_formats`` and gives param_info / quantize / dequantize."""
+
+    def produces(self) -> tuple[str, ...]:
+        """The kernel formats this instance's tensors may have."""
+        return self.kernel_formats
+
+    def check(self, name: str, shape: tuple[int, int]) -> None:
+        P.check_group(name, tuple(shape), self.group_size, self.name)
+
+    def checked_weight(self, w: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        """`w` as float32 once `check` (its shape) and `check_finite` pass; both name `name`."""
+        self.check(name or "weight", tuple(w.shape))
+        P.check_finite(w, name)
+        return w.to(torch.float32)
+
+    def fake_quant(self, w: torch.Tensor) -> torch.Tensor:
+        return self.dequantize(self.quantize(w))
 
 
 SCHEMES: Registry[type] = Registry("scheme")

@@ -21,13 +21,13 @@ from cvt.lazy import torch
 
 from cvt.errors import CvtError
 from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.schemes.base import QuantizedTensor, register
+from cvt.quant.tensor.schemes.base import QuantizedTensor, SchemeBase, register
 
 GROUPS = {KF.NVFP4: 16, KF.MXFP4: 32}  # the fp4 formats, defined here: each is its own kernel format
 
 
 @register
-class FP4:
+class FP4(SchemeBase):
     name = "fp4"
     kv_cache = None
     static_activations = False
@@ -96,9 +96,7 @@ class FP4:
     def quantize(self, w: torch.Tensor, name: str | None = None,
                  global_scale: torch.Tensor | None = None) -> QuantizedTensor:
         """RTN; nvfp4 with `global_scale` given (a fused group's `shared_scale`) uses it."""
-        self.check(name or "weight", tuple(w.shape))
-        P.check_finite(w, name)
-        w = w.to(torch.float32)
+        w = self.checked_weight(w, name)
         n, k = w.shape
         if self.fp4_format == KF.NVFP4:
             gs = P.nvfp4_global_scale(w) if global_scale is None else global_scale.to(torch.float32).reshape(1)
@@ -117,6 +115,3 @@ class FP4:
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
         v = P.groups(P.decode_e2m1(q.parts["weight_fp4"]), q.group_size)
         return P.ungroup(v * self.group_scales(q)[:, :, None])
-
-    def fake_quant(self, w: torch.Tensor) -> torch.Tensor:
-        return self.dequantize(self.quantize(w))

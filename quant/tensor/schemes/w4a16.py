@@ -27,13 +27,13 @@ from cvt.lazy import torch
 
 from cvt.errors import CvtError
 from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.schemes.base import QuantizedTensor, register
+from cvt.quant.tensor.schemes.base import QuantizedTensor, SchemeBase, register
 
 QMIN, QMAX = -8, 7
 
 
 @register
-class W4A16:
+class W4A16(SchemeBase):
     name = "w4a16"
     kv_cache = None
     static_activations = False
@@ -59,9 +59,6 @@ class W4A16:
     def kernel_fmt(self, static: bool = False) -> str:
         return KF.W4A16
 
-    def produces(self) -> tuple[str, ...]:
-        return self.kernel_formats
-
     def _groups(self, k: int) -> int:
         return 1 if self.group_size in (0, k) else k // self.group_size
 
@@ -71,13 +68,8 @@ class W4A16:
         return {"weight_int4": ((n, k), torch.int8), "weight_scale": (s, torch.float32),
                 "weight_offset": (s, torch.float32)}
 
-    def check(self, name, shape) -> None:
-        P.check_group(name, tuple(shape), self.group_size, self.name)
-
     def quantize(self, w: torch.Tensor, name: str | None = None) -> QuantizedTensor:
-        self.check(name or "weight", tuple(w.shape))
-        P.check_finite(w, name)
-        w = w.to(torch.float32)
+        w = self.checked_weight(w, name)
         n, k = w.shape
         g = 0 if self.group_size in (0, k) else self.group_size
         if self.symmetric:
@@ -94,6 +86,3 @@ class W4A16:
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
         p = q.parts
         return P.dequantize_int(p["weight_int4"], p["weight_scale"], p["weight_offset"])
-
-    def fake_quant(self, w: torch.Tensor) -> torch.Tensor:
-        return self.dequantize(self.quantize(w))

@@ -38,7 +38,7 @@ from cvt.lazy import torch
 
 from cvt.errors import CvtError
 from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.schemes.base import QuantizedTensor, register
+from cvt.quant.tensor.schemes.base import QuantizedTensor, SchemeBase, register
 
 QMIN, QMAX = -8, 7
 QDIV = 7.0            # msModelSlim's symmetric INT4 max_bound, 2**(4-1) - 1
@@ -46,7 +46,7 @@ SCALE_FLOOR = 2.0 ** -23  # torch.finfo(torch.float32).eps: calculate_int_qparam
 
 
 @register
-class W4A8:
+class W4A8(SchemeBase):
     """Per-channel symmetric int4 weights; dynamic per-token int8 activations."""
 
     name = "w4a8"
@@ -76,20 +76,12 @@ class W4A8:
     def kernel_fmt(self, static: bool = False) -> str:
         return KF.W4A8_DYNAMIC
 
-    def produces(self) -> tuple[str, ...]:
-        return self.kernel_formats
-
     def param_info(self, shape):
         n, k = shape
         return {"weight_int4": ((n, k), torch.int8), "weight_scale": ((n, 1), torch.float32)}
 
-    def check(self, name, shape) -> None:
-        P.check_group(name, tuple(shape), 0, self.name)
-
     def quantize(self, w: torch.Tensor, name: str | None = None) -> QuantizedTensor:
-        self.check(name or "weight", tuple(w.shape))
-        P.check_finite(w, name)
-        w = w.to(torch.float32)
+        w = self.checked_weight(w, name)
         amax = w.abs().amax(dim=1, keepdim=True)  # = max(-min(w, 0), max(w, 0)) per channel
         scale = torch.clamp(P.round_to_bf16(amax / QDIV), min=SCALE_FLOOR)
         q = torch.clamp(torch.round(P.round_to_bf16(w / scale)), QMIN, QMAX).to(torch.int8)
@@ -97,6 +89,3 @@ class W4A8:
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
         return q.parts["weight_int4"].to(torch.float32) * q.parts["weight_scale"].to(torch.float32).reshape(-1, 1)
-
-    def fake_quant(self, w: torch.Tensor) -> torch.Tensor:
-        return self.dequantize(self.quantize(w))

@@ -26,7 +26,7 @@ from cvt.lazy import torch
 
 from cvt.errors import CvtError, TensorError
 from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.schemes.base import QuantizedTensor, register
+from cvt.quant.tensor.schemes.base import QuantizedTensor, SchemeBase, register
 
 
 def _refuse_options(scheme: str, group_size, symmetric, fp4_format) -> None:
@@ -40,7 +40,7 @@ def _refuse_options(scheme: str, group_size, symmetric, fp4_format) -> None:
 
 
 @register
-class W8A8:
+class W8A8(SchemeBase):
     """Per-channel symmetric int8 weights; dynamic per-token int8 activations (or static, see above)."""
 
     name = "w8a8"
@@ -61,21 +61,13 @@ class W8A8:
     def kernel_fmt(self, static: bool = False) -> str:
         return KF.W8A8_STATIC if static else KF.W8A8_DYNAMIC
 
-    def produces(self) -> tuple[str, ...]:
-        return self.kernel_formats
-
     def param_info(self, shape):
         n, k = shape
         return {"weight": ((n, k), torch.int8), "weight_scale": ((n, 1), torch.float32),
                 "weight_offset": ((n, 1), torch.float32)}
 
-    def check(self, name, shape) -> None:
-        P.check_group(name, tuple(shape), 0, self.name)
-
     def quantize(self, w: torch.Tensor, name: str | None = None) -> QuantizedTensor:
-        self.check(name or "weight", tuple(w.shape))
-        P.check_finite(w, name)
-        w = w.to(torch.float32)
+        w = self.checked_weight(w, name)
         scale = P.symmetric_scale(w, 0, P.INT8_QDIV, P.round_to_bf16)
         q = P.quantize_int(w, scale, None, -128, 127)
         return QuantizedTensor(self.name, KF.W8A8_DYNAMIC, tuple(w.shape),
@@ -89,9 +81,6 @@ class W8A8:
                 ws = (deq_scale_f32(q.parts["deq_scale"]) / q.parts["input_scale"].to(torch.float32))[:, None]
             return q.parts["weight"].to(torch.float32) * ws.to(torch.float32)
         return P.dequantize_int(q.parts["weight"], q.parts["weight_scale"])
-
-    def fake_quant(self, w: torch.Tensor) -> torch.Tensor:
-        return self.dequantize(self.quantize(w))
 
 
 def static_parts(qt: QuantizedTensor, input_scale, input_offset, bias: torch.Tensor | None = None,
