@@ -532,6 +532,8 @@ def _nonfinite(data) -> int:
         return 0
     import torch
 
+    if data.element_size() == 1:  # float8: torch has no isfinite for it; the float32 upcast is exact
+        data = data.float()
     return int((~torch.isfinite(data)).sum())
 
 

@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 from cvt.lazy import torch
 
-from cvt.errors import CvtError, OptionError
+from cvt.errors import OptionError
 from cvt.quant.tensor import primitives as P
 from cvt.registry import Registry
 
