@@ -21,7 +21,8 @@ from cvt.convert.fp8 import dequant_fp8_block, dequant_fp8_block_np, expected_sc
 from cvt.convert.reader import Checkpoint, open_checkpoint
 from cvt.convert.validate import check_weights
 from cvt.convert.safetensors_io import TensorRef, TensorSpec
-from cvt.convert.writer import DEFAULT_MAX_SHARD, BufferPool, OutTensor, WriteResult, default_workers, write_checkpoint
+from cvt.convert.buffers import BufferPool
+from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
 from cvt.errors import TensorError
 from cvt.schemas.manifest import StageInfo
 

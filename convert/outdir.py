@@ -26,7 +26,8 @@ from pathlib import Path
 
 from cvt.convert.paths import check_disjoint, is_inside
 from cvt.convert.reader import MANIFEST_NAME, read_manifest
-from cvt.convert.safetensors_io import AtomicFile, sha256_file, write_bytes_atomic, write_json_atomic
+from cvt.convert.safetensors_io import sha256_file
+from cvt.convert.durable import AtomicFile, write_bytes_atomic, write_json_atomic
 from cvt.errors import ManifestError, OutputError
 from cvt.schemas.manifest import FileInfo, Manifest
 

@@ -52,18 +52,11 @@ from typing import Any, Iterator, Mapping
 from cvt.convert.arch import Block, Role, TensorInfo, arch_for
 from cvt.convert.config import fp8_block
 from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
+from cvt.convert.plan_bytes import DiskBytes, format_group, plan_scheme, plan_schemes
 from cvt.convert.safetensors_io import load_json
 from cvt.units import parse_size
 from cvt.errors import CvtError, FormatError, ShapeError
 
-STORED = ("bf16", "fp8")  # weights planned as stored: float, or an FP8 release's blocks
-
-
-def plan_schemes() -> tuple[str, ...]:
-    """What a plan can count: the stored forms, then every registered quantization scheme."""
-    from cvt.quant.tensor.schemes import scheme_names
-
-    return (*STORED, *scheme_names())
 CATEGORIES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embedding", "head", "norm",
               "mtp_proj", "kv_scales")
 _ROLE_CATEGORY = {Role.EMBEDDING: "embedding", Role.HEAD: "head", Role.NORM: "norm", Role.ROUTER: "router",
@@ -139,93 +132,6 @@ class Violation:
         return msg + (f" (and {self.more} more tensors like it)" if self.more else "")
 
 
-def _scheme(scheme: str | None, group_size: int | None, fmt: str | None = None, fp4_format: str | None = None):
-    if scheme in (None, "bf16", "fp8"):
-        if group_size is not None:
-            raise CvtError(f"group_size applies to quantized schemes, not {scheme or 'the source'}")
-        return None
-    if scheme not in plan_schemes():
-        raise CvtError(f"unknown scheme {scheme!r} for the plan (known: {', '.join(plan_schemes())})")
-    from cvt.quant.tensor.formats import default_group
-    from cvt.quant.tensor.schemes import SCHEMES, get_scheme
-
-    if group_size is None and fmt is not None:
-        group_size = default_group(fmt, scheme)  # what cvt quantize writes for that format
-    opts = {} if group_size is None else {"group_size": group_size}
-    if fp4_format is not None:
-        if "fp4_format" not in SCHEMES.get(scheme).options:
-            raise CvtError(f"fp4_format applies to scheme "
-                           f"{' or '.join(n for n in SCHEMES.names() if 'fp4_format' in SCHEMES.get(n).options)}, "
-                           f"not {scheme}")
-        opts["fp4_format"] = fp4_format
-    return get_scheme(scheme, **opts)
-
-
-class DiskBytes:
-    """Bytes of a quantized linear's shard as `cvt quantize` writes it for `fmt` / `target`
-    (the layout table, `cvt.quant.tensor.disk_layouts`: the one owner quantize and shard read), or
-    None where that target keeps the module float (a layout loaded for MoE experts only)."""
-
-    @classmethod
-    def resolve(cls, scheme: str, group_size: int | None, fmt: str | None, target: str | None,
-                fp4_format: str | None):
-        """(scheme, DiskBytes) of a quantized scheme name: `fmt` None is compressed-tensors when it
-        has the scheme (cvt quantize's default), else ascend; then w4a16's group as quantize
-        defaults it for that format."""
-        from cvt.quant.tensor import layouts as L
-
-        from cvt.quant.tensor.formats import DEFAULT_FORMAT, format_names
-
-        if fmt is None:  # the default format when it has the scheme, else the first that does
-            kf = L.kernel_fmt_of(_scheme(scheme, group_size, None, fp4_format))
-            fmt = next((f for f in (DEFAULT_FORMAT, *format_names())
-                        if L.candidates(f, kf, L.check_target(f, None))), DEFAULT_FORMAT)
-        sch = _scheme(scheme, group_size, fmt, fp4_format)
-        return sch, cls(sch, fmt, target)
-
-    def __init__(self, scheme, fmt: str, target: str | None):
-        from cvt.quant.tensor import layouts as L
-        from cvt.quant.tensor.disk_layouts import DiskLayouts
-        from cvt.quant.tensor.formats import get_format
-
-        kf = L.kernel_fmt_of(scheme)
-        self.fmt, self.target, self.scheme = fmt, L.check_target(fmt, target), scheme
-        self.form = form = get_format(fmt)
-        form.supports(scheme, self.target)
-        self.layouts = DiskLayouts(form, self.target)
-        self.float_reason = L.experts_only_reason(fmt, kf, self.target)
-        self._channel = None
-
-    def group_fit(self, module: str, shape: tuple, expert: bool) -> str | None:
-        """As cvt quantize decides for a whole linear [n, k] (`cvt.quant.tensor.formats.group_fallback`):
-        None when the group size divides k (or the module stays float), else why it is written
-        per channel; FormatError where the format refuses it."""
-        from cvt.quant.tensor.formats import group_fallback
-
-        if self.float_reason is not None and not expert:
-            return None
-        return group_fallback(self.form, module, self.scheme, tuple(shape), self.target)
-
-    def __call__(self, module: str, shape: tuple, expert: bool, per_channel: bool = False) -> int | None:
-        from cvt.dtypes import DTYPES
-
-        if self.float_reason is not None and not expert:
-            return None
-        scheme = self.scheme
-        if per_channel:  # a group_fit fallback: the scheme per channel, as quantize writes it
-            if self._channel is None:
-                from cvt.quant.tensor.schemes import get_scheme
-
-                self._channel = get_scheme(scheme.name, group_size=0, symmetric=scheme.symmetric)
-            scheme = self._channel
-        try:
-            specs, _ = self.layouts.get(module, scheme, tuple(shape), False, None, None, expert)
-        except CvtError as exc:  # worded for the layouts' probe module: name the real one
-            probe = f"{self.layouts.PROBE}.{module.rsplit('.', 1)[-1]}"
-            raise type(exc)(str(exc).replace(probe, module)) from exc
-        return sum(math.prod(s) * DTYPES[code][1] for s, code in specs.values())
-
-
 def _holds_fp8(config: Mapping[str, Any], scheme: str | None) -> tuple[int, int] | None:
     """The FP8 block when the shards hold FP8 weights (scheme 'fp8', or None on an FP8 source)."""
     src_block = fp8_block(config, "config.json")  # the source's own, checked: [rows, cols] > 0
@@ -278,7 +184,7 @@ def validate(layout: Layout, config: Mapping[str, Any], scheme: str | None = Non
     `scheme`: None = the source as stored (FP8 blocks when it is an FP8 release), or a plan scheme."""
     arch = arch_for(config)
     cfg, W = arch.config, layout.world_size
-    sch = _scheme(scheme, group_size)
+    sch = plan_scheme(scheme, group_size)
     block = _holds_fp8(config, scheme)
     out: list[Violation] = []
     heads = cfg.get("num_attention_heads") or 0
@@ -461,13 +367,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def _format_group(disk: DiskBytes | None, scheme: str) -> bool:
-    """Whether the scheme's group size came from the format's default (`Format.default_groups`)."""
-    from cvt.quant.tensor.formats import default_group
-
-    return disk is not None and default_group(disk.fmt, scheme) is not None
-
-
 def _scheme_assumption(scheme: str, sch, disk: DiskBytes | None) -> str:
     if disk is None:
         return {"bf16": "bf16: 2 bytes per element (e_score_correction_bias float32)",
@@ -615,5 +514,5 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
             assumptions.append(f"{module}: {answer}, as cvt quantize writes it{more}")
     return Plan(arch.model_type, scheme, layout, ranks, model, kv_tokens,
                 None if hbm_bytes is None else parse_bytes(hbm_bytes),
-                validate(layout, config, scheme, sch.group_size if _format_group(disk, scheme) else group_size,
+                validate(layout, config, scheme, sch.group_size if format_group(disk, scheme) else group_size,
                          items) + group_bad + list(unwritable.values()), assumptions)

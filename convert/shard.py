@@ -60,9 +60,9 @@ from cvt.convert.reader import MANIFEST_NAME, Checkpoint, check_manifest_files, 
 from cvt.convert.validate import check_weights
 from cvt.dtypes import DTYPES
 from cvt.convert.safetensors_io import TensorSpec, load_json
+from cvt.convert.buffers import Countdown
 from cvt.convert.writer import (
     DEFAULT_MAX_SHARD,
-    Countdown,
     FileSet,
     OutputDir,
     WriteResult,

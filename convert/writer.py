@@ -36,8 +36,10 @@ from cvt.version import __version__
 from cvt.convert.outdir import OutputDir
 from cvt.convert.reader import Checkpoint
 from cvt.dtypes import DTYPES, dtype_code
-from cvt.convert.safetensors_io import AtomicFile, TensorSpec, encode_header
+from cvt.convert.safetensors_io import TensorSpec, encode_header
+from cvt.convert.durable import AtomicFile
 from cvt.errors import TensorError
+from cvt.convert.buffers import IN_FLIGHT_BYTES, ByteBudget, Countdown
 from cvt.progress import make_progress
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
@@ -171,74 +173,6 @@ class _Cancelled(Exception):
     pass
 
 
-IN_FLIGHT_BYTES = 512 << 20
-
-
-class _ByteBudget:
-    """A counting gate in bytes: `acquire(n)` waits while others hold bytes and n would pass
-    the limit (a single buffer larger than the limit still goes through, alone)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int) -> None:
-        with self._cond:
-            while self.used and self.used + n > self.limit:
-                self._cond.wait()
-            self.used += n
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-
-class BufferPool:
-    """Output buffers (uint8 ``ndarray``) recycled by size, for a stage whose every tensor is a
-    new buffer (fp8-to-bf16's BF16 weights). A fresh buffer costs a page fault and zeroing per
-    page on first touch; reusing one does not (4.4 GB of 117 MB buffers: 0.95 s fresh, 0.19 s
-    reused, on the bench machine). `give` after the writer has hashed the bytes (an
-    `OutTensor.release`); idle buffers are capped at `max_idle` bytes, the rest freed, so the
-    pool adds at most that to peak RSS."""
-
-    def __init__(self, max_idle: int = IN_FLIGHT_BYTES // 2):
-        self.max_idle, self.idle = max_idle, 0
-        self._free: dict[int, list] = {}
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int):
-        import numpy as np
-
-        with self._lock:
-            bufs = self._free.get(nbytes)
-            if bufs:
-                self.idle -= nbytes
-                return bufs.pop()
-        return np.empty(nbytes, dtype=np.uint8)
-
-    def give(self, buf) -> None:
-        with self._lock:
-            if self.idle + buf.nbytes <= self.max_idle:
-                self._free.setdefault(buf.nbytes, []).append(buf)
-                self.idle += buf.nbytes
-
-
-class Countdown:
-    """Runs `action` once, when `done` has been called `n` times (from any threads): a produced
-    buffer's bytes (`FileSet.charge`) or a source tensor's pages (shard) held until their last user."""
-
-    def __init__(self, n: int, action: Callable[[], None]):
-        self.left, self.action, self._lock = n, action, threading.Lock()
-
-    def done(self) -> None:
-        with self._lock:
-            self.left -= 1
-            last = self.left == 0
-        if last:
-            self.action()
-
-
 class _FilePipeline:
     """One output file's back half: a writer thread that writes (and so hashes, chunk by chunk
     while each is in cache: `AtomicFile.write`) the buffers the caller's thread hands it, while
@@ -333,7 +267,7 @@ class FileSet:
                 self.update(sum(t.spec.nbytes for t in items))
             else:
                 self.pending.append((rel, items))
-        self.budget = _ByteBudget(IN_FLIGHT_BYTES)
+        self.budget = ByteBudget(IN_FLIGHT_BYTES)
         self._open: dict[str, _Open] = {}
         self._closing: dict[str, tuple[_Open, Future]] = {}
         self._lock = threading.Lock()

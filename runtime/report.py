@@ -11,16 +11,14 @@ plots drawn here (per-layer cosine, histogram of per-token KL), no scripts, all 
 
 from __future__ import annotations
 
-import html
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from cvt.runtime.plots import cosine_plot_svg, esc, fmt, fmt_col, kl_histogram_svg
 from cvt.schemas.report import LayerRow, LogitStats, NonFinite, Report, ThresholdCheck, Thresholds, WeightSqnrRow
 
-COSINE_PLOT_TITLE = "Per-layer cosine similarity (candidate vs reference)"
-KL_PLOT_TITLE = "Per-token KL divergence (reference || candidate), histogram"
 
 # (attribute, column name) of a LayerRow, in Ascend's order.
 LAYER_COLUMNS = (
@@ -135,7 +133,7 @@ def evaluate_thresholds(thresholds: Thresholds, layers: Sequence[LayerRow],
         else:
             worst = min(layers, key=lambda r: (not math.isnan(r.cosine), r.cosine))
             if first_bad is None:
-                msg = f"every layer's Cosine >= {lim:g} (lowest {_fmt(worst.cosine)} at {worst.name})"
+                msg = f"every layer's Cosine >= {lim:g} (lowest {fmt(worst.cosine)} at {worst.name})"
             else:
                 bad = next(r for r in layers if r.name == first_bad)
                 n_bad = sum(1 for r in layers if math.isnan(r.cosine) or r.cosine < lim)
@@ -145,8 +143,8 @@ def evaluate_thresholds(thresholds: Thresholds, layers: Sequence[LayerRow],
                            f"{_where(nonfinite_layers, first_bad)}; {n_bad} of {len(layers)} layers fail "
                            f"({n_nan} NaN)")
                 else:
-                    msg = (f"Cosine below {lim:g} from layer {first_bad} ({_fmt(bad.cosine)}); {n_bad} of "
-                           f"{len(layers)} layers below, lowest {_fmt(worst.cosine)} at {worst.name}")
+                    msg = (f"Cosine below {lim:g} from layer {first_bad} ({fmt(bad.cosine)}); {n_bad} of "
+                           f"{len(layers)} layers below, lowest {fmt(worst.cosine)} at {worst.name}")
                     if n_nan:
                         msg += f" ({n_nan} NaN: {_where(nonfinite_layers)})"
             checks.append(ThresholdCheck(name="min_cosine", limit=lim, value=worst.cosine,
@@ -171,7 +169,7 @@ def evaluate_thresholds(thresholds: Thresholds, layers: Sequence[LayerRow],
                    f"{_where(nonfinite_layers, 'logits')}")
         else:
             rel = ("<=" if ok else ">") if upper else (">=" if ok else "<")
-            msg = f"{label} {_fmt(v)} {rel} {lim:g}"
+            msg = f"{label} {fmt(v)} {rel} {lim:g}"
             if math.isinf(v) and nonfinite_layers:
                 msg += f" ({_where(nonfinite_layers, 'logits')})"
         checks.append(ThresholdCheck(name=name, limit=lim, value=v, passed=bool(ok), message=msg))
@@ -182,31 +180,10 @@ def evaluate_thresholds(thresholds: Thresholds, layers: Sequence[LayerRow],
 
 # ----------------------------------------------------------------------------- formatting
 
-def _fmt(v, digits: int = 4) -> str:
-    """A metric for display: ints as is, floats to `digits` significant digits, inf/nan by name."""
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, int):
-        return str(v)
-    if math.isnan(v):
-        return "nan"
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return f"{v:.{digits}g}"
-
-
-def _fmt_col(attr: str, v: float) -> str:
-    if attr == "cosine" and math.isfinite(v):
-        return f"{v:.6f}"
-    return _fmt(v)
-
-
 def _fmt_logit(field: str, v) -> str:
     if field == "same_top1" or field == "rms_delta_p":
         return "nan" if math.isnan(v) else f"{100 * v:.3f} %"
-    return _fmt(v, 6)
+    return fmt(v, 6)
 
 
 def _worst_weights(weights: Sequence[WeightSqnrRow], k: int) -> list[WeightSqnrRow]:
@@ -281,7 +258,7 @@ def render_markdown(report: Report, top_k_weights: int = 20) -> str:
     if r.layers:
         if r.first_divergent_layer:
             lim = r.thresholds.min_cosine
-            out += [f"First divergent layer (Cosine < {_fmt(lim)} or NaN): **{_md(r.first_divergent_layer)}**", ""]
+            out += [f"First divergent layer (Cosine < {fmt(lim)} or NaN): **{_md(r.first_divergent_layer)}**", ""]
         out.append("| # | Layer | " + " | ".join(c for _, c in LAYER_COLUMNS) + " |")
         out.append("|---:|---|" + "---:|" * len(LAYER_COLUMNS))
         sides = _nonfinite_sides(r)
@@ -290,7 +267,7 @@ def render_markdown(report: Report, top_k_weights: int = 20) -> str:
             name = f"**{_md(row.name)}** (first divergent)" if bad else _md(row.name)
             if row.name in sides:
                 name += f" (NaN/Inf: {sides[row.name]})"
-            cells = [_fmt_col(a, getattr(row, a)) for a, _ in LAYER_COLUMNS]
+            cells = [fmt_col(a, getattr(row, a)) for a, _ in LAYER_COLUMNS]
             if bad:
                 cells = [f"**{c}**" for c in cells]
             out.append(f"| {i} | {name} | " + " | ".join(cells) + " |")
@@ -310,7 +287,7 @@ def render_markdown(report: Report, top_k_weights: int = 20) -> str:
     out += [f"## Weight SQNR (worst {len(worst)} of {len(r.weights)})", ""]
     if worst:
         out += ["| Tensor | SQNR (dB) | Format |", "|---|---:|---|"]
-        out += [f"| {_md(w.name)} | {_fmt(w.sqnr_db)} | {_md(w.format)} |" for w in worst]
+        out += [f"| {_md(w.name)} | {fmt(w.sqnr_db)} | {_md(w.format)} |" for w in worst]
     else:
         out.append("No weight comparison.")
     out.append("")
@@ -318,7 +295,7 @@ def render_markdown(report: Report, top_k_weights: int = 20) -> str:
     out += ["## Thresholds", ""]
     if r.checks:
         out += ["| Check | Limit | Value | Result | Detail |", "|---|---:|---:|---|---|"]
-        out += [f"| {c.name} | {_fmt(c.limit)} | {_fmt(c.value)} | {'pass' if c.passed else '**FAIL**'} | "
+        out += [f"| {c.name} | {fmt(c.limit)} | {fmt(c.value)} | {'pass' if c.passed else '**FAIL**'} | "
                 f"{_md(c.message)} |" for c in r.checks]
     else:
         out.append(f"No gates applied: {NO_GATES_HINT}.")
@@ -327,158 +304,6 @@ def render_markdown(report: Report, top_k_weights: int = 20) -> str:
         out += ["Violations:", ""] + [f"- {_md(v)}" for v in r.violations] + [""]
     out.append(f"Result: **{verdict}**")
     return "\n".join(out) + "\n"
-
-
-# ----------------------------------------------------------------------------- SVG plots
-
-def _e(s) -> str:
-    return html.escape(str(s), quote=True)
-
-
-def _svg_open(title: str, w: int, h: int) -> list[str]:
-    return [f'<svg class="plot" role="img" aria-label="{_e(title)}" width="{w}" height="{h}" '
-            f'viewBox="0 0 {w} {h}">', f"<title>{_e(title)}</title>",
-            f'<text x="{w / 2:.1f}" y="18" text-anchor="middle" class="ptitle">{_e(title)}</text>']
-
-
-def cosine_plot_svg(rows: Sequence[LayerRow], min_cosine: float | None, first_bad: str | None,
-                    width: int = 900, height: int = 360) -> str:
-    """Line plot of each layer's Cosine, threshold dashed, points below it red, first bad layer marked."""
-    parts = _svg_open(COSINE_PLOT_TITLE, width, height)
-    left, right, top, bottom = 70, 20, 34, 90
-    pw, ph = width - left - right, height - top - bottom
-    vals = [r.cosine for r in rows]
-    finite = [v for v in vals if math.isfinite(v)]
-    if not rows:
-        parts.append(f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">no per-layer comparison</text>')
-        return "\n".join(parts + ["</svg>"])
-    lo = min(finite + ([min_cosine] if min_cosine is not None else []), default=0.0)
-    lo = min(lo, 0.999)
-    hi = 1.0
-    lo = max(-1.0, lo - 0.1 * (hi - lo))
-    span = hi - lo
-
-    def x_of(i: int) -> float:
-        return left + (pw * (i + 0.5) / len(rows))
-
-    def y_of(v: float) -> float:
-        if not math.isfinite(v):
-            return top + ph
-        return top + ph * (hi - min(max(v, lo), hi)) / span
-
-    # Axes, grid and y ticks.
-    parts.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="frame"/>')
-    for k in range(6):
-        v = lo + span * k / 5
-        y = y_of(v)
-        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" class="grid"/>')
-        parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" class="tick">{_e(f"{v:.4f}")}</text>')
-    parts.append(f'<text x="16" y="{top + ph / 2:.1f}" transform="rotate(-90 16 {top + ph / 2:.1f})" '
-                 f'text-anchor="middle" class="axis">Cosine</text>')
-    if min_cosine is not None:
-        y = y_of(min_cosine)
-        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" class="limit"/>')
-        parts.append(f'<text x="{left + pw - 4}" y="{y - 4:.1f}" text-anchor="end" class="tick limtext">'
-                     f'min_cosine {_e(_fmt(min_cosine))}</text>')
-    # The line and the points.
-    pts = " ".join(f"{x_of(i):.1f},{y_of(v):.1f}" for i, v in enumerate(vals))
-    parts.append(f'<polyline points="{pts}" class="series"/>')
-    step = max(1, math.ceil(len(rows) / 40))
-    for i, row in enumerate(rows):
-        v = row.cosine
-        bad = math.isnan(v) or (min_cosine is not None and v < min_cosine)
-        x, y = x_of(i), y_of(v)
-        parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" class="{"pbad" if bad else "pok"}">'
-                     f"<title>{_e(row.name)}: {_e(_fmt_col('cosine', v))}</title></circle>")
-        if row.name == first_bad:
-            parts.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + ph}" class="firstbad"/>')
-            parts.append(f'<text x="{x + 4:.1f}" y="{top + 12}" class="tick limtext">first divergent: '
-                         f"{_e(row.name)}</text>")
-        if i % step == 0 or row.name == first_bad:
-            parts.append(f'<text x="{x:.1f}" y="{top + ph + 10}" transform="rotate(60 {x:.1f} {top + ph + 10})" '
-                         f'class="tick">{_e(row.name)}</text>')
-    return "\n".join(parts + ["</svg>"])
-
-
-def kl_histogram_svg(kl_values: Iterable[float] | None, width: int = 900, height: int = 340) -> str:
-    """Histogram of per-token KL on log-spaced bins (~40, >= 5 per decade); zeros, inf and NaN counted apart."""
-    parts = _svg_open(KL_PLOT_TITLE, width, height)
-    vals = [] if kl_values is None else [float(v) for v in _flat(kl_values)]
-    if not vals:
-        parts.append(f'<text x="{width / 2}" y="{height / 2}" text-anchor="middle">no per-token KL values</text>')
-        return "\n".join(parts + ["</svg>"])
-    left, right, top, bottom = 70, 20, 34, 60
-    pw, ph = width - left - right, height - top - bottom
-    n_nan = sum(1 for v in vals if math.isnan(v))
-    n_inf = sum(1 for v in vals if math.isinf(v))
-    pos = [v for v in vals if math.isfinite(v) and v > 0]
-    n_zero = sum(1 for v in vals if v == 0 or (math.isfinite(v) and v < 0))
-    if pos:
-        d_lo = math.floor(math.log10(min(pos)))
-        d_hi = max(d_lo + 1, math.ceil(math.log10(max(pos))))
-        d_lo = max(d_lo, d_hi - 12)  # at most 12 decades; smaller values go to the first bin
-    else:
-        d_lo, d_hi = -6, 0
-    per_decade = max(5, min(20, 40 // (d_hi - d_lo)))  # about 40 bins
-    nb = (d_hi - d_lo) * per_decade
-    counts = [0] * nb
-    for v in pos:
-        b = int((math.log10(v) - d_lo) * per_decade)
-        counts[min(max(b, 0), nb - 1)] += 1
-    peak = max(counts + [n_zero, 1])
-
-    def x_of(logv: float) -> float:
-        return left + pw * (logv - d_lo) / (d_hi - d_lo)
-
-    def y_of(c: float) -> float:
-        return top + ph * (1 - c / peak)
-
-    parts.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="frame"/>')
-    for k in range(5):
-        c = peak * k / 4
-        y = y_of(c)
-        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" class="grid"/>')
-        parts.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end" class="tick">{c:.0f}</text>')
-    parts.append(f'<text x="16" y="{top + ph / 2:.1f}" transform="rotate(-90 16 {top + ph / 2:.1f})" '
-                 f'text-anchor="middle" class="axis">tokens</text>')
-    for d in range(d_lo, d_hi + 1):
-        x = x_of(d)
-        parts.append(f'<line x1="{x:.1f}" y1="{top + ph}" x2="{x:.1f}" y2="{top + ph + 5}" class="axisline"/>')
-        parts.append(f'<text x="{x:.1f}" y="{top + ph + 18}" text-anchor="middle" class="tick">1e{d}</text>')
-    parts.append(f'<text x="{left + pw / 2:.1f}" y="{height - 8}" text-anchor="middle" class="axis">'
-                 f"KL divergence per token (nats, log scale)</text>")
-    bw = pw / nb
-    for b, c in enumerate(counts):
-        if c == 0:
-            continue
-        x, y = left + b * bw, y_of(c)
-        lo_edge, hi_edge = 10 ** (d_lo + b / per_decade), 10 ** (d_lo + (b + 1) / per_decade)
-        parts.append(f'<rect x="{x + 0.5:.1f}" y="{y:.1f}" width="{max(bw - 1, 0.5):.1f}" height="{top + ph - y:.1f}" '
-                     f'class="bar"><title>{_e(f"{lo_edge:.3g} .. {hi_edge:.3g}")}: {c} tokens</title></rect>')
-    notes = [f"{len(vals)} tokens"]
-    if n_zero:
-        notes.append(f"{n_zero} with KL = 0 (not drawn)")
-    if n_inf:
-        notes.append(f"{n_inf} with KL = inf")
-    if n_nan:
-        notes.append(f"{n_nan} NaN")
-    finite = [v for v in vals if math.isfinite(v)]
-    if finite:
-        mean = sum(finite) / len(finite)
-        if mean > 0:
-            x = x_of(min(max(math.log10(mean), d_lo), d_hi))
-            parts.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + ph}" class="limit"/>')
-            parts.append(f'<text x="{x + 4:.1f}" y="{top + 12}" class="tick limtext">mean {_e(_fmt(mean))}</text>')
-    parts.append(f'<text x="{left + pw - 4}" y="{top + 12}" text-anchor="end" class="tick">{_e("; ".join(notes))}</text>')
-    return "\n".join(parts + ["</svg>"])
-
-
-def _flat(values) -> list:
-    if hasattr(values, "detach"):  # torch tensor
-        return values.detach().to("cpu").double().reshape(-1).tolist()
-    if hasattr(values, "ravel"):  # numpy array
-        return values.ravel().tolist()
-    return list(values)
 
 
 # ----------------------------------------------------------------------------- HTML
@@ -508,10 +333,10 @@ svg .bar { fill: #2f6fde; }
 
 def _table(header: Sequence[str], rows: Iterable[tuple[Sequence[tuple[str, str]], str]]) -> str:
     """rows: (cells as (text, css class), row css class); all text escaped here."""
-    out = ["<table>", "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in header) + "</tr>"]
+    out = ["<table>", "<tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>"]
     for cells, cls in rows:
         tr = f'<tr class="{cls}">' if cls else "<tr>"
-        out.append(tr + "".join(f'<td class="{c}">{_e(t)}</td>' if c else f"<td>{_e(t)}</td>"
+        out.append(tr + "".join(f'<td class="{c}">{esc(t)}</td>' if c else f"<td>{esc(t)}</td>"
                                 for t, c in cells) + "</tr>")
     out.append("</table>")
     return "\n".join(out)
@@ -527,17 +352,17 @@ def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
 
     def side(label: str, m) -> str:
         extra = f"format {m.format or 'none'}" + (f"; stages: {' -> '.join(m.stages)}" if m.stages else "")
-        return f"<li>{_e(label)}: <code>{_e(m.path)}</code> ({_e(extra)})</li>"
+        return f"<li>{esc(label)}: <code>{esc(m.path)}</code> ({esc(extra)})</li>"
 
     data = f"{r.data.source}" + (f" {r.data.path}" if r.data.path else "") + \
         f", {r.data.sequences} sequences, {r.data.tokens} tokens"
     out += ["<ul>", side("Candidate", r.candidate), side("Reference", r.reference),
-            f"<li>Data: {_e(data)}</li>",
-            f"<li>Tool: {_e(r.tool.name)} {_e(r.tool.version)}, report version {r.report_version}</li>"]
+            f"<li>Data: {esc(data)}</li>",
+            f"<li>Tool: {esc(r.tool.name)} {esc(r.tool.version)}, report version {r.report_version}</li>"]
     note = nonfinite_note(r)
     if note:
-        out.append(f'<li>Non-finite values: <strong>{_e(note)}</strong></li>' if r.nonfinite_layers or
-                   r.nonfinite_weights else f"<li>Non-finite values: {_e(note)}</li>")
+        out.append(f'<li>Non-finite values: <strong>{esc(note)}</strong></li>' if r.nonfinite_layers or
+                   r.nonfinite_weights else f"<li>Non-finite values: {esc(note)}</li>")
     out.append("</ul>")
 
     if r.nonfinite_layers or r.nonfinite_weights:
@@ -553,8 +378,8 @@ def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
     out.append(cosine_plot_svg(r.layers, r.thresholds.min_cosine, r.first_divergent_layer))
     if r.layers:
         if r.first_divergent_layer:
-            out.append(f"<p>First divergent layer (Cosine &lt; {_e(_fmt(r.thresholds.min_cosine))} or NaN): "
-                       f"<strong>{_e(r.first_divergent_layer)}</strong></p>")
+            out.append(f"<p>First divergent layer (Cosine &lt; {esc(fmt(r.thresholds.min_cosine))} or NaN): "
+                       f"<strong>{esc(r.first_divergent_layer)}</strong></p>")
         rows = []
         sides = _nonfinite_sides(r)
         for i, row in enumerate(r.layers):
@@ -563,7 +388,7 @@ def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
             if row.name in sides:
                 label += f" (NaN/Inf: {sides[row.name]})"
             cells = [(str(i), "num"), (label, "")]
-            cells += [(_fmt_col(a, getattr(row, a)), "num") for a, _ in LAYER_COLUMNS]
+            cells += [(fmt_col(a, getattr(row, a)), "num") for a, _ in LAYER_COLUMNS]
             rows.append((cells, "bad" if bad else ""))
         out.append(_table(["#", "Layer"] + [c for _, c in LAYER_COLUMNS], rows))
     else:
@@ -581,20 +406,20 @@ def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
     out.append(f"<h2>Weight SQNR (worst {len(worst)} of {len(r.weights)})</h2>")
     if worst:
         out.append(_table(["Tensor", "SQNR (dB)", "Format"],
-                          [([(w.name, ""), (_fmt(w.sqnr_db), "num"), (w.format, "")], "") for w in worst]))
+                          [([(w.name, ""), (fmt(w.sqnr_db), "num"), (w.format, "")], "") for w in worst]))
     else:
         out.append("<p>No weight comparison.</p>")
 
     out.append("<h2>Thresholds</h2>")
     if r.checks:
         out.append(_table(["Check", "Limit", "Value", "Result", "Detail"],
-                          [([(c.name, ""), (_fmt(c.limit), "num"), (_fmt(c.value), "num"),
+                          [([(c.name, ""), (fmt(c.limit), "num"), (fmt(c.value), "num"),
                              ("pass" if c.passed else "FAIL", "passcell" if c.passed else "failcell"),
                              (c.message, "")], "" if c.passed else "bad") for c in r.checks]))
     else:
-        out.append(f"<p>No gates applied: {_e(NO_GATES_HINT)}.</p>")
+        out.append(f"<p>No gates applied: {esc(NO_GATES_HINT)}.</p>")
     if r.violations:
-        out.append("<p>Violations:</p><ul>" + "".join(f"<li>{_e(v)}</li>" for v in r.violations) + "</ul>")
+        out.append("<p>Violations:</p><ul>" + "".join(f"<li>{esc(v)}</li>" for v in r.violations) + "</ul>")
     out += [f'<p>Result: <span class="verdict {badge}">{verdict}</span></p>',
             "</body>", "</html>"]
     return "\n".join(out) + "\n"
@@ -611,7 +436,7 @@ def write_report(report: Report, folder: Path, kl_values=None, top_k_weights: in
     top_k_weights: how many lowest-SQNR weights the md/html tables list (json keeps all).
     Returns {"json": path, "md": path, "html": path}.
     """
-    from cvt.convert.safetensors_io import write_bytes_atomic
+    from cvt.convert.durable import write_bytes_atomic
     from cvt.errors import OutputError
 
     folder = Path(folder)

@@ -100,7 +100,7 @@ class LayerStore:
         return 0
 
     def _mark(self, done: int) -> None:
-        from cvt.convert.safetensors_io import write_json_atomic
+        from cvt.convert.durable import write_json_atomic
 
         write_json_atomic(self.root / "state.json", {"plan_id": self.plan_id, "done": done})
 
@@ -136,7 +136,7 @@ class LayerStore:
                    parts: dict[str, dict] | None = None) -> None:
         """Layer i's results (and the fields of its experts already saved by `save_part`); then
         the layer counts as done."""
-        from cvt.convert.safetensors_io import write_bytes_atomic, write_json_atomic
+        from cvt.convert.durable import write_bytes_atomic, write_json_atomic
         from cvt.convert.synthetic import write_safetensors
 
         tensors, fields = self._pack(lres.quantized)

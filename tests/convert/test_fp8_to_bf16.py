@@ -203,12 +203,12 @@ def test_cli_summary_and_progress(fp8_release, tmp_path):
 
 
 def test_buffer_pool_recycles_by_size_within_its_idle_cap():
-    """fp8-to-bf16's recycled output buffers (`writer.BufferPool`): the same buffer comes back
+    """fp8-to-bf16's recycled output buffers (`buffers.BufferPool`): the same buffer comes back
     for the same size, never for another, and idle bytes stay under the cap (what it may add
     to peak RSS). That recycling never hands out bytes the writer still needs is what
     test_output_equals_independent_reference and test_workers_do_not_change_the_bytes check:
     their experts share a size, so their buffers are reused."""
-    from cvt.convert.writer import BufferPool
+    from cvt.convert.buffers import BufferPool
 
     pool = BufferPool(max_idle=3000)
     a, b = pool.take(1000), pool.take(1000)

@@ -10,7 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from cvt.dtypes import dtype_code
 
-from cvt.convert.safetensors_io import AtomicFile, TensorSpec, encode_header, read_header
+from cvt.convert.safetensors_io import TensorSpec, encode_header, read_header
+
+from cvt.convert.durable import AtomicFile
 from cvt.errors import CheckpointError
 
 TENSORS = {
@@ -113,7 +115,7 @@ def test_writeback_starts_on_each_finished_range(tmp_path, monkeypatch):
     import os
     import sys
 
-    from cvt.convert import safetensors_io as S
+    from cvt.convert import durable as S
 
     calls = []
     real = S.start_writeback
@@ -148,7 +150,7 @@ def test_direct_file_writes_the_same_bytes(tmp_path, monkeypatch, size):
     import hashlib
     import os
 
-    from cvt.convert import safetensors_io as S
+    from cvt.convert import durable as S
 
     if not S.direct_io_enabled():
         pytest.skip("no O_DIRECT here (or CVT_DIRECT_IO=0)")
@@ -167,7 +169,7 @@ def test_direct_file_falls_back_where_the_filesystem_refuses(tmp_path, monkeypat
     import errno
     import os
 
-    from cvt.convert import safetensors_io as S
+    from cvt.convert import durable as S
     from cvt.errors import OutputError
 
     data = os.urandom((3 << 20) + 77)
@@ -221,7 +223,7 @@ def test_direct_io_only_on_local_filesystems(tmp_path, monkeypatch):
     longest mount point above the directory; CVT_DIRECT_IO=0 turns it off everywhere."""
     import os
 
-    from cvt.convert import safetensors_io as S
+    from cvt.convert import durable as S
 
     if not os.path.exists("/proc/self/mounts") or not hasattr(os, "O_DIRECT"):
         pytest.skip("Linux only")
@@ -239,7 +241,7 @@ def test_direct_file_closes_once(tmp_path):
     close whatever file has reused the descriptor number since."""
     import os
 
-    from cvt.convert.safetensors_io import DirectFile
+    from cvt.convert.durable import DirectFile
 
     f = DirectFile(tmp_path / "a.bin")
     f.write(b"x" * 5000)
@@ -262,7 +264,7 @@ def test_direct_files_beyond_the_double_buffered_ones_write_in_place(tmp_path, m
     import hashlib
     import os
 
-    from cvt.convert import safetensors_io as S
+    from cvt.convert import durable as S
 
     if not S.direct_io_enabled(tmp_path):
         pytest.skip("no O_DIRECT on this filesystem")

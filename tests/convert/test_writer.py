@@ -11,6 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from cvt.convert import writer
+from cvt.convert.buffers import Countdown
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
 from cvt.convert.writer import BALANCED_FILES, MIN_BALANCED_SHARD, plan_shards
 from cvt.errors import CvtError
@@ -124,7 +125,7 @@ def test_countdown_runs_its_action_once_after_the_last_done():
     import threading
 
     calls = []
-    c = writer.Countdown(64, lambda: calls.append(c.left))
+    c = Countdown(64, lambda: calls.append(c.left))
     threads = [threading.Thread(target=lambda: [c.done() for _ in range(8)]) for _ in range(8)]
     for t in threads:
         t.start()

@@ -17,7 +17,8 @@ import torch
 from pydantic import ValidationError
 
 from cvt.runtime.metrics import compare_tensors, logit_stats
-from cvt.runtime.report import (COSINE_PLOT_TITLE, KL_PLOT_TITLE, evaluate_thresholds, first_divergent_layer,
+from cvt.runtime.plots import COSINE_PLOT_TITLE, KL_PLOT_TITLE
+from cvt.runtime.report import (evaluate_thresholds, first_divergent_layer,
                                 write_report)
 from cvt.schemas import load_schema
 from cvt.schemas.manifest import ToolInfo
