@@ -26,7 +26,7 @@ What runs, in one process tree (CPU):
      <bos> + bytes with the fixture's tokenizer.json (`tokenizers`); evaluation: --eval-seq
      sequences built the same way from the held-out headers u-z. cvt gets the calibration texts
      as .jsonl (its tokenizer prepends <bos> to each text, it concatenates and cuts 256-token
-     sequences: quant/stage.py); the bench checks that cvt's own `calib_tokens` gives exactly
+     sequences: quant/stage/__init__.py); the bench checks that cvt's own `calib_tokens` gives exactly
      these ids, and after the run that cvt_manifest.json's calibration sha256 is theirs.
      llm-compressor gets the ids as a pre-tokenized `datasets.Dataset` (no shuffle,
      max_seq_length --seq-len); a hook on embed_tokens records what its calibration fed the
@@ -104,7 +104,7 @@ from common import scratch_dir  # bench/common.py
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 HEADERS = Path("/usr/include/linux")
-CVT_CALIB_SEQ = 256     # cvt quantize cuts calibration text into sequences of 256 tokens (quant/stage.py)
+CVT_CALIB_SEQ = 256     # cvt quantize cuts calibration text into sequences of 256 tokens (quant/stage/__init__.py)
 INNER = "--_llmc-inner"
 
 

@@ -101,7 +101,7 @@ HEADERS = Path("/usr/include/linux")
 RECIPES = {"flexsmooth": HERE / "msmodelslim" / "w8a8_mixed_flexsmooth.yaml",
            "nosmooth": HERE / "msmodelslim" / "w8a8_mixed_nosmooth.yaml"}
 CVT_METHODS = ("rtn", "smoothquant")
-CALIB_SEQ = 256     # cvt quantize cuts calibration text into sequences of 256 tokens (quant/stage.py)
+CALIB_SEQ = 256     # cvt quantize cuts calibration text into sequences of 256 tokens (quant/stage/__init__.py)
 INNER = "--_msmodelslim-inner"
 
 

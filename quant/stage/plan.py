@@ -1,0 +1,154 @@
+"""The quantize stage's plan: per module of SRC its source tensors and the scheme and method it
+gets (`make_plan`, from the recipe's `Policy`, the format and the target), what each method
+accepts (`method_kernels`), and the KV-cache target rule; nothing is read but headers."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+
+from cvt.convert.arch import Role, text_config
+from cvt.convert.reader import Checkpoint
+from cvt.errors import CvtError, FormatError, TensorError
+from cvt.quant.tensor.formats import default_group, group_fallback
+from cvt.quant.recipe import GPTQ, SMOOTHQUANT, Policy
+from cvt.quant.tensor.schemes import scheme_from_options
+from cvt.quant.tensor.schemes.base import Scheme
+
+log = logging.getLogger("cvt")
+
+FP8_SCALE = "_scale_inv"
+CT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_global_scale")
+
+
+@dataclass
+class Plan:
+    """Per module: its source tensors, and the scheme chosen (None: float)."""
+
+    modules: dict[str, dict[str, str]] = field(default_factory=dict)  # module -> param -> tensor name
+    schemes: dict[str, Scheme] = field(default_factory=dict)  # quantized module -> scheme
+    methods: dict[str, str] = field(default_factory=dict)
+    float_reasons: dict[str, str] = field(default_factory=dict)
+    experts: dict[str, bool] = field(default_factory=dict)  # quantized module -> is a routed expert
+    # quantized module -> the fused group sharing its per-tensor scale (NVFP4's global scale;
+    # `ArchTable.fused_groups`), members quantized with the same scheme
+    shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # quantized module -> why it is per channel though the scheme has groups (`group_fallback`)
+    group_fallbacks: dict[str, str] = field(default_factory=dict)
+
+
+def scheme_for(name: str, fmt_name: str, group_size: int | None, asym: bool, fp4_format: str,
+                cache: dict) -> Scheme:
+    """One instance per distinct request (a recipe's modules share it: the plan groups by identity)."""
+    gs = group_size if group_size is not None else default_group(fmt_name, name)
+    key = (name, gs, asym, fp4_format)
+    if key not in cache:
+        cache[key] = scheme_from_options(name, group_size=gs, symmetric=not asym, fp4_format=fp4_format)
+    return cache[key]
+
+
+def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_size: int | None, asym: bool,
+              fp4_format: str, target: str | None = None) -> Plan:
+    from cvt.quant.tensor import layouts
+
+    arch = policy.arch
+    target = layouts.check_target(fmt.name, target)
+    plan = Plan()
+    for name in ckpt.tensors:
+        if name.endswith(FP8_SCALE):
+            continue
+        info = arch.classify(name)
+        plan.modules.setdefault(info.module, {})[info.param] = name
+    cache: dict = {}
+    for module, params in plan.modules.items():
+        if "weight" not in params and "weight_packed" not in params:
+            continue
+        choice = policy.choose(module)
+        if choice.scheme is None:
+            plan.float_reasons[module] = choice.reason
+            continue
+        scheme = scheme_for(choice.scheme, fmt.name, choice.group_size, asym, fp4_format, cache)
+        fmt.supports(scheme, target)
+        expert = arch.classify(module + ".weight").role is Role.EXPERT
+        why = None if expert or choice.explicit else layouts.experts_only_reason(
+            fmt.name, layouts.kernel_fmt_of(scheme), target)
+        if why is not None:  # the stack has this layout for MoE experts only
+            plan.float_reasons[module] = why
+            continue
+        shape = weight_shape(ckpt, params)
+        fallback = group_fallback(fmt, module, scheme, shape, target)
+        if fallback is not None:
+            scheme = scheme_for(choice.scheme, fmt.name, 0, asym, fp4_format, cache)
+            plan.group_fallbacks[module] = fallback
+        fmt.check_shape(module, scheme, shape, target=target, expert=expert)
+        plan.schemes[module] = scheme
+        plan.experts[module] = expert
+        plan.methods[module] = choice.method
+        kernels = method_kernels(choice.method)
+        if kernels is not None and layouts.kernel_fmt_of(scheme) not in kernels:
+            why = (" (it smooths activations for their int8 quantization; this scheme keeps them float)"
+                   if choice.method == SMOOTHQUANT else "")
+            raise CvtError(f"{module}: --method {choice.method} does not support scheme {scheme.name}{why} "
+                           f"({layouts.kernel_fmt_of(scheme)}; {choice.method} handles {', '.join(kernels)}): use "
+                           "rtn, or give this module another method or scheme in a recipe")
+    if plan.group_fallbacks:  # one line for the run; each module is in the manifest's fallbacks
+        names = sorted(plan.group_fallbacks)
+        log.warning(f"cvt: {len(names)} linear(s) whose in_features the group size does not divide are quantized "
+                    f"per channel (listed in cvt_manifest.json quant.fallbacks): {', '.join(names[:3])}"
+                    + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
+    if not plan.schemes:
+        raise CvtError(f"{ckpt.root}: nothing to quantize with scheme {scheme_name} (every linear is float by "
+                       "default, ignored or not quantizable)")
+    for module, scheme in plan.schemes.items():
+        if getattr(scheme, "per_tensor_scale", False):
+            group = tuple(m for m in (arch.fused_group(module) or ()) if plan.schemes.get(m) is scheme)
+            if len(group) > 1:
+                plan.shared[module] = group
+    return plan
+
+
+def method_kernels(method: str) -> tuple[str, ...] | None:
+    """The kernel formats `method` quantizes (None: every one): gptq's error feedback is written
+    for int4 / int8 per channel / fp4 weights, smoothquant needs quantized activations; rtn and
+    awq (a weight-error search, then RTN) take any scheme."""
+    if method == GPTQ:
+        from cvt.quant.methods.gptq import SUPPORTED  # the methods import torch eagerly: only when asked
+
+        return SUPPORTED
+    if method == SMOOTHQUANT:
+        from cvt.quant.methods.smoothquant import SUPPORTED
+
+        return SUPPORTED
+    return None
+
+
+def weight_shape(ckpt: Checkpoint, params: dict[str, str]) -> tuple[int, int]:
+    if "weight_shape" in params:
+        return tuple(int(x) for x in ckpt.read(params["weight_shape"]).tolist())
+    shape = ckpt.tensors[params["weight"]].shape
+    if len(shape) != 2:
+        raise TensorError(f"{params['weight']}: a linear weight must be 2-D, got {list(shape)}")
+    return shape
+
+
+def names_where(pred, kind: str) -> str:
+    """The registered formats or schemes for which `pred(class)` holds, for messages."""
+    from cvt.quant.tensor.formats import FORMATS
+    from cvt.quant.tensor.schemes import SCHEMES
+
+    reg = FORMATS if kind == "format" else SCHEMES
+    return " or ".join(n for n in reg.names() if pred(reg.get(n)))
+
+
+def check_kv_target(config, plan: Plan, fmt: str, target: str) -> None:
+    """An int8 KV cache the target would load wrong is refused, saying why."""
+    if not any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()):
+        return
+    from cvt.quant.tensor.kv_layout import kv_target_problem
+
+    why = kv_target_problem(text_config(config), fmt, target)
+    if why is not None:
+        raise FormatError(why)
+
+

@@ -1,0 +1,242 @@
+"""The quantize stage's per-module work: `Source` gives float (or already quantized) views of
+SRC's modules whatever its format; `Quantizer` quantizes each module once, when the writer asks
+for its first on-disk part (RTN through the fused kernels when they cover it, else the scheme's
+reference path or the calibrated result), and records its manifest entry."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+
+from cvt.quant.tensor import kernel_formats as KF
+from cvt.lazy import torch
+
+from cvt.convert.config import SourceFormat, fp8_config
+from cvt.convert.fp8 import dequant_fp8_block, scale_to_f32_np
+from cvt.convert.fp8_to_bf16 import dequantize_stored
+from cvt.convert.reader import Checkpoint
+from cvt.errors import TensorError
+from cvt.quant import qkernel
+from cvt.quant.tensor.formats.compressed_tensors import CompressedTensors
+from cvt.quant.tensor.disk_layouts import shell_q
+from cvt.quant.tensor.layouts import kernel_fmt_of
+from cvt.quant.recipe import RTN
+from cvt.quant.tensor.schemes import get_scheme
+from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
+from cvt.schemas.manifest import QuantTensorInfo
+
+from cvt.quant.stage.plan import CT_PARTS, FP8_SCALE, Plan
+
+
+def sqnr_value(v: float | None, module: str = "", scheme: str = "") -> float | str | None:
+    """The manifest's sqnr_db: "Infinity" for an exact quantization; TensorError naming the weight
+    when it is NaN or -inf (the finite weight's dequantized form holds Inf: a value past what the
+    scheme represents, e.g. mxfp4 rounding |w| near the bfloat16 maximum up to 2**128), which a
+    manifest cannot record and `cvt run` would refuse."""
+    if v is None:
+        return None
+    if v == float("inf"):
+        return "Infinity"
+    if math.isnan(v) or v == -math.inf:
+        raise TensorError(f"{module}.weight: its {scheme} quantization is not finite (the dequantized weight "
+                          "holds Inf: a value past what the scheme represents); quantize refused")
+    return v
+
+
+class Source:
+    """Float (or already-quantized) views of the source's modules, whatever its format."""
+
+    def __init__(self, ckpt: Checkpoint, fmt: SourceFormat):
+        self.ckpt = ckpt
+        self.block = fp8_config(ckpt.config, str(ckpt.root)).block if fmt is SourceFormat.FP8_BLOCK else None
+        self.ct = CompressedTensors() if fmt is SourceFormat.CT_INT4 else None
+
+    def float_weight(self, params: dict[str, str]) -> torch.Tensor:
+        """float32 [n, k] of a linear's weight: FP8 dequantized, CT INT4 unpacked, else cast."""
+        ck = self.ckpt
+        if "weight" in params and ck.tensors[params["weight"]].dtype == "F8_E4M3":
+            w = dequant_fp8_block(ck.read(params["weight"]), ck.read(params["weight"] + FP8_SCALE), self.block)
+            ck.release(params["weight"])
+            return w.float()
+        if "weight_packed" in params:
+            q = self.source_quantized(params)
+            return get_scheme(q.scheme, group_size=q.group_size, symmetric=q.symmetric).dequantize(q)
+        t = ck.read(params["weight"]).float()
+        ck.release(params["weight"])
+        return t
+
+    def weight_source(self, params: dict[str, str]):
+        """A linear's weight as stored, for the fused kernels (`cvt.quant.qkernel.WeightSource`:
+        BF16, or FP8 with its scale, over the mmap); None for other dtypes and packed sources."""
+        from cvt.quant.qkernel import WeightSource
+
+        name = params.get("weight")
+        ref = self.ckpt.tensors[name] if name is not None else None
+        if ref is None or ref.dtype not in ("F8_E4M3", "BF16"):
+            return None
+        if qkernel.kernel_name() == "c":  # numpy over the mmap: this process never needs torch
+            if ref.dtype == "BF16":
+                return WeightSource.raw(self.ckpt.view(name), "BF16", ref.shape)
+            s = self.ckpt.tensors[name + FP8_SCALE]
+            scale = scale_to_f32_np(self.ckpt.view(s.name), s.dtype, s.shape)
+            return WeightSource.raw(self.ckpt.view(name), "F8_E4M3", ref.shape, scale, self.block)
+        if ref.dtype == "F8_E4M3":
+            return WeightSource.fp8(self.ckpt.read(name), self.ckpt.read(name + FP8_SCALE), self.block)
+        return WeightSource(self.ckpt.read(name))
+
+    def source_quantized(self, params: dict[str, str]) -> QuantizedTensor:
+        module = params["weight_packed"].rpartition(".")[0]
+        disk = {n: self.ckpt.read(n).clone() for p, n in params.items() if p in CT_PARTS}
+        return self.ct.read(module, disk, self.ckpt.config)
+
+    def float_tensor(self, name: str):
+        """A tensor kept float: FP8 ones dequantized to BF16 (with the C kernel: a numpy
+        ``uint16`` array of the BF16 bits, no torch), others as stored."""
+        if self.ckpt.tensors[name].dtype == "F8_E4M3":
+            return dequantize_stored(self.ckpt, name, name + FP8_SCALE, self.block)
+        return self.ckpt.read(name)
+
+
+class Quantizer:
+    """Quantizes each module once, when its first on-disk part is asked for, and hands out the
+    parts; drops the result when all parts were taken. Thread-safe (files are written in parallel)."""
+
+    def __init__(self, source: Source, plan: Plan, fmt, static_inputs: dict, precomputed: dict,
+                 methods_applied: dict | None = None, sqnr_known: dict | None = None, target: str | None = None,
+                 loader=None):
+        self.source, self.plan, self.fmt, self.target = source, plan, fmt, target
+        self.loader = loader or precomputed.get
+        self.static_inputs, self.precomputed = static_inputs, precomputed
+        self.methods_applied, self.sqnr_known = methods_applied or {}, sqnr_known or {}
+        self._lock = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._ready: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
+        self._shared: dict[tuple[str, ...], torch.Tensor] = {}
+        self.info: dict[str, QuantTensorInfo] = {}
+
+    def shared_scale(self, group: tuple[str, ...]):
+        """The per-tensor scale of a fused group: from every member's weight (each read once more
+        here; only amax is kept), computed once per group. A float when the fused kernels took
+        each member's amax, else a float32 ``[1]`` tensor."""
+        with self._lock:
+            lock = self._locks.setdefault("|".join(group), threading.Lock())
+        with lock:
+            if group not in self._shared:
+                scheme = self.plan.schemes[group[0]]
+                amax = None if qkernel.kernel_name() == "reference" else [self._absmax(m) for m in group]
+                if amax is not None and None not in amax:  # the same number from max |w| alone, no float32 copies
+                    self._shared[group] = scheme.shared_scale_of(amax)  # a float: no torch on the fused path
+                else:
+                    self._shared[group] = scheme.shared_scale(
+                        [self.source.float_weight(self.plan.modules[m]) for m in group])
+            return self._shared[group]
+
+    def _absmax(self, module: str) -> float | None:
+        """max |w| of a module's float32 weight by the fused kernels (None: not readable so, or NaN/Inf)."""
+        params = self.plan.modules[module]
+        src = self.source.weight_source(params)
+        if src is None:
+            return None
+        try:
+            return qkernel.absmax(src)
+        finally:
+            self.source.ckpt.release(params["weight"])
+
+    def part(self, module: str, name: str, n_parts: int) -> torch.Tensor:
+        with self._lock:
+            lock = self._locks.setdefault(module, threading.Lock())
+        with lock:
+            if module not in self._ready:
+                self._ready[module] = (self._quantize(module), n_parts)
+            tensors, left = self._ready[module]
+            if left == 1:
+                del self._ready[module]
+            else:
+                self._ready[module] = (tensors, left - 1)
+            return tensors[name]
+
+    def _quantize(self, module: str) -> dict[str, torch.Tensor]:
+        from cvt.quant.tensor.schemes.w8a8 import static_parts
+
+        params = self.plan.modules[module]
+        scheme = self.plan.schemes[module]
+        method = self.plan.methods[module]
+        q = self.loader(module) if module in self.precomputed else None  # calibrated (from the state folder)
+        if "weight_packed" in params:  # an INT4 source: read it once, as its own quantized tensor
+            src_q = self.source.source_quantized(params)
+            w = get_scheme(src_q.scheme, group_size=src_q.group_size, symmetric=src_q.symmetric).dequantize(src_q)
+            k = src_q.shape[1]
+            same_group = (0 if src_q.group_size in (0, k) else src_q.group_size) == (
+                0 if scheme.group_size in (0, k) else scheme.group_size)  # a group of k: the same scales
+            if q is None and same_group and (src_q.kernel_fmt, src_q.symmetric) == (
+                    kernel_fmt_of(scheme), scheme.symmetric):
+                # same int4 grid: re-emitted as is, without loss, recorded with the scheme's group
+                # size (a [n, 1] scale reads back as 0; a group of k is written in the grouped layout)
+                q, method = dataclasses.replace(src_q, group_size=scheme.group_size), "source"
+        else:
+            if q is None and module not in self.static_inputs and qkernel.kernel_name() != "reference":
+                fused = self._quantize_fused(module, params, scheme, method)
+                if fused is not None:
+                    return fused
+            w = self.source.float_weight(params)
+        if q is None:
+            if method != RTN:
+                method = "rtn-fallback"
+            group = self.plan.shared.get(module)
+            gs = self.shared_scale(group) if group else None
+            if isinstance(gs, float):
+                gs = torch.tensor([gs], dtype=torch.float32)
+            q = (scheme.quantize(w, name=module + ".weight", global_scale=gs) if group
+                 else scheme.quantize(w, name=module + ".weight"))
+        bias = self.source.ckpt.read(params["bias"]).clone() if "bias" in params else None
+        if module in self.static_inputs:
+            q = static_parts(q, *self.static_inputs[module], bias=bias)
+            bias = None  # folded into quant_bias
+        if module in self.precomputed:  # calibrated: its method and SQNR (vs the smoothed weight) come with it
+            method = self.methods_applied.get(module, method)
+            sqnr = sqnr_value(self.sqnr_known.get(module), module, scheme.name)
+        else:
+            from cvt.runtime.metrics import sqnr_db
+
+            w_hat = scheme.dequantize(q) if q.kernel_fmt != KF.W8A8_STATIC else static_dequant(q)
+            sqnr = sqnr_value(sqnr_db(w, w_hat), module, scheme.name)
+        expert = self.plan.experts[module]
+        layout = self.fmt.layout_for(module, q, target=self.target, expert=expert).name
+        self.info[module] = QuantTensorInfo(scheme=scheme.name, kernel_fmt=q.kernel_fmt, layout=layout, method=method,
+                                            group_size=scheme.group_size, symmetric=scheme.symmetric, sqnr_db=sqnr)
+        return self.fmt.disk_tensors(module, q, bias, target=self.target, expert=expert)
+
+    def _quantize_fused(self, module: str, params: dict[str, str], scheme: Scheme, method: str):
+        """RTN straight from the stored weight to the on-disk tensors (`cvt.quant.qkernel`): the
+        same tensors as the path below, without float32 copies of the weight. None when the
+        layout or the source dtype is not fused (the caller then takes that path)."""
+        src = self.source.weight_source(params)
+        if src is None:
+            return None
+        kf = kernel_fmt_of(scheme)
+        expert = self.plan.experts[module]
+        layout = self.fmt.layout_for(module, shell_q(scheme, src.shape), target=self.target, expert=expert)
+        if not qkernel.supports(layout, scheme, src):
+            return None
+        group = self.plan.shared.get(module)
+        try:
+            res = qkernel.quantize_to_layout(src, scheme, layout, name=module + ".weight",
+                                             global_scale=self.shared_scale(group) if group else None)
+        finally:
+            self.source.ckpt.release(params["weight"])
+        bias = self.source.ckpt.read(params["bias"]).clone() if "bias" in params else None
+        self.info[module] = QuantTensorInfo(
+            scheme=scheme.name, kernel_fmt=kf, layout=layout.name, method=RTN if method == RTN else "rtn-fallback",
+            group_size=scheme.group_size, symmetric=scheme.symmetric,
+            sqnr_db=sqnr_value(res.sqnr_db, module, scheme.name))
+        out = {f"{module}.{s}": t for s, t in res.tensors.items()}  # numpy (a raw source) or torch
+        if bias is not None:
+            out[f"{module}.bias"] = bias.contiguous()
+        return out
+
+
+def static_dequant(q: QuantizedTensor) -> torch.Tensor:
+    return q.parts["weight"].float() * q.extra["weight_scale"]
+
+
