@@ -18,11 +18,11 @@ are never expanded to a full ``[n, k]`` tensor. Two kernels compute the same bit
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
 import os
 from functools import lru_cache
 
+from cvt.extras import c_kernel
 from cvt.errors import TensorError
 
 NAN_CODES = (0x7F, 0xFF)
@@ -32,15 +32,9 @@ NAN_CODES = (0x7F, 0xFF)
 def _c_kernel():
     if os.environ.get("CVT_FP8_KERNEL", "").lower() == "torch":
         return None
-    try:
-        from cvt.convert import _fp8kernel  # type: ignore[attr-defined]
-    except ImportError:  # said once per process (this function is cached): every FP8 tensor is slower
-        logging.getLogger("cvt").warning(
-            "cvt: the C FP8 kernel (cvt.convert._fp8kernel) is not built - there was no C compiler when cvt was "
-            "installed: dequantizing with the torch kernel, ~8x slower (same bytes); install gcc or cc and "
-            "reinstall cvt (pip install --force-reinstall --no-deps .)")
+    lib = c_kernel("cvt.convert._fp8kernel", "FP8 kernel", "dequantizing with the torch kernel, ~8x slower")
+    if lib is None:
         return None
-    lib = ctypes.CDLL(_fp8kernel.__file__)
     fn = lib.cvt_dequant_fp8_block
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 7
     fn.restype = ctypes.c_int

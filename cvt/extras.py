@@ -8,8 +8,10 @@ the ``export`` extra (``pip install 'cvt[export]'``). Code that needs one of the
 ``ModuleNotFoundError`` (exit 70); `cvt.cli.main` turns a ``ModuleNotFoundError`` of a module
 listed here, raised where no `require` came first, into the same line.
 
-Dependencies of the platform rather than of cvt (torch_npu, ais_bench: Ascend's own wheels)
-are not extras: their callers say what to install.
+The compiled kernels are optional too (`c_kernel`: without a C compiler at install time they
+are absent, and cvt says once what runs instead). Dependencies of the platform rather than of
+cvt (torch_npu, ais_bench: Ascend's own wheels) are not extras: their callers say what to
+install.
 """
 
 from __future__ import annotations
@@ -61,3 +63,21 @@ def missing(extra: str) -> list[str]:
 
 
 __all__ = ["EXTRAS", "MissingDependencyError", "extra_of", "message", "require", "missing"]
+
+
+def c_kernel(module: str, what: str, fallback: str):
+    """`ctypes.CDLL` of one of cvt's compiled kernels (an optional extension module such as
+    ``cvt.convert._fp8kernel``), or None after one warning line saying what runs instead: the
+    install had no C compiler. The caller caches the answer, so the line is said once per process."""
+    import ctypes
+    import importlib
+    import logging
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        logging.getLogger("cvt").warning(
+            f"cvt: the C {what} ({module}) is not built - there was no C compiler when cvt was installed: {fallback} "
+            "(same bytes); install gcc or cc and reinstall cvt (pip install --force-reinstall --no-deps .)")
+        return None
+    return ctypes.CDLL(mod.__file__)

@@ -48,7 +48,6 @@ dB figure agrees to a tolerance (the tests allow 0.01 dB), not bit for bit.
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
 import os
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from functools import lru_cache
 from typing import Any
 
 from cvt.quant.tensor import kernel_formats as KF
+from cvt.extras import c_kernel
 from cvt.lazy import torch
 
 from cvt.quant.tensor import primitives as P
@@ -90,15 +90,9 @@ def _env() -> str:
 def _c_kernel():
     if _env() in ("torch", "reference"):
         return None
-    try:
-        from cvt.quant import _qkernel  # type: ignore[attr-defined]
-    except ImportError:  # said once per process (this function is cached)
-        logging.getLogger("cvt").warning(
-            "cvt: the C quantize kernels (cvt.quant._qkernel) are not built - there was no C compiler when cvt was "
-            "installed: RTN runs the blockwise torch fallback, ~20-40x slower (same bytes); install gcc or cc and "
-            "reinstall cvt (pip install --force-reinstall --no-deps .)")
+    lib = c_kernel("cvt.quant._qkernel", "quantize kernel", "RTN runs the blockwise torch fallback, ~20-40x slower")
+    if lib is None:
         return None
-    lib = ctypes.CDLL(_qkernel.__file__)
     lib.cvt_quantize.argtypes = [ctypes.POINTER(_Args)]
     lib.cvt_quantize.restype = ctypes.c_int
     lib.cvt_pack_zero_points.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]

@@ -154,7 +154,7 @@ def test_a_missing_c_kernel_is_said_once():
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 2, lines
     assert lines[0].startswith("cvt: the C FP8 kernel (cvt.convert._fp8kernel) is not built") and "~8x slower" in lines[0]
-    assert lines[1].startswith("cvt: the C quantize kernels (cvt.quant._qkernel) are not built")
+    assert lines[1].startswith("cvt: the C quantize kernel (cvt.quant._qkernel) is not built")
     assert all("install gcc or cc and reinstall cvt" in line for line in lines)
     ok = subprocess.run([sys.executable, "-c", "from cvt.convert import fp8; print(fp8.kernel_name())"],
                         capture_output=True, text=True, timeout=120)
