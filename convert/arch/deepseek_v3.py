@@ -121,9 +121,7 @@ TABLE = ArchTable(
         # int8 KV cache (cvt.runtime.kv_cache): self_attn.{k,v}_scale (compressed-tensors), and
         # FAKQuant's self_attn.fa_{q,k,v}.{scale,offset} (Ascend)
         Rule(f"{L}.self_attn", Role.KV_CACHE, REP, Block.ATTN, float_default=True),
-        Rule(f"{L}.self_attn.fa_q", Role.KV_CACHE, REP, Block.ATTN, float_default=True),
-        Rule(f"{L}.self_attn.fa_k", Role.KV_CACHE, REP, Block.ATTN, float_default=True),
-        Rule(f"{L}.self_attn.fa_v", Role.KV_CACHE, REP, Block.ATTN, float_default=True),
+        *(Rule(f"{L}.self_attn.fa_{r}", Role.KV_CACHE, REP, Block.ATTN, float_default=True) for r in "qkv"),
         # MTP extras (only in layers >= num_hidden_layers)
         Rule(f"{L}.embed_tokens", Role.EMBEDDING, V, Block.MTP, float_default=True, mtp_only=True),
         Rule(f"{L}.enorm", Role.NORM, REP, Block.MTP, float_default=True, mtp_only=True),
