@@ -2,7 +2,7 @@
 
 The checkpoint is `cvt.demo_model`'s: the tiny DeepSeek-V3 of `cvt.convert.synthetic` (one
 dense layer, two MoE layers, an MTP layer, dims that are not multiples of 128, scales split
-across shards) trained on Python's standard library source (once, about a minute on 2 cores,
+across shards) trained on Python's standard library source (once, about a minute of one core,
 then cached), so its text looks like Python and the quantization losses mean something. The
 stages run in pipeline order: fp8-to-bf16, run, verify, quantize, shard + a 4-rank torchrun on
 CPU checked against one process, ONNX export checked with onnxruntime, the atc pre-check and
@@ -36,7 +36,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
 
     say = (lambda s: None) if quiet else echo
     say(f"[1/9] writing a tiny DeepSeek-V3-style FP8 release, trained on Python's standard library source, "
-        f"to {out['fp8']}\n(the first run trains it, about a minute on 2 cores; cached in {cache_root()})")
+        f"to {out['fp8']}\n(the first run trains it, about a minute of one core; cached in {cache_root()})")
     write_demo_release(out["fp8"], quiet=quiet)
     # held-out Python source (never trained on): what verify compares the models on
     out["heldout"] = root / "heldout.py.txt"
@@ -50,7 +50,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     say(inspect_checkpoint(out["bf16"]).render())
 
     prompt = "def __init__(self"
-    say(f"\n[3/9] cvt run {out['bf16']} --prompt '{prompt}' --max-new-tokens 64")
+    say(f"\n[3/9] cvt run {out['bf16']} --prompt '{prompt}' --max-new-tokens 64 --temperature 0.8 --seed 0")
     import torch
 
     from cvt.runtime.generate import generate
@@ -60,7 +60,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
 
     loaded = load_model(out["bf16"], dtype=torch.float32)
     tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
-    gen = generate(loaded.model, [tok.encode(prompt)], 64)
+    gen = generate(loaded.model, [tok.encode(prompt)], 64, temperature=0.8, seed=0)  # greedy repeats itself
     say(prompt + tok.decode(gen.outputs[0]))
     say(f"decode {gen.decode_tokens_per_s:.1f} tokens/s")
     del loaded
