@@ -6,10 +6,10 @@ Why: ONNX is how CPU users run a converted model, and W4A16 through onnxruntime'
 `MatMulNBits` is the CPU fast path the export exists for; the issue's target is ORT W4A16
 decode >= 1.5x the torch runtime's BF16 decode on CPU.
 
-Models (setup, not timed), random weights, DeepSeek-V3 architecture (MLA + MoE):
-  demo   the demo model (`cvt.convert.synthetic.write_fp8_release` defaults: hidden 256,
-         3 layers, 4 experts top-2, vocab 300)
-  large  the same generator with hidden 1024, 4 layers (1 dense), 8 experts top-2 of width 512,
+Models (setup, not timed), DeepSeek-V3 architecture (MLA + MoE):
+  demo   the demo model, trained (`cvt.demo_model.write_demo_release`: hidden 256, 3 layers,
+         4 experts top-2, vocab 300; trained on the first use, then cached)
+  large  random weights (`cvt.convert.synthetic.write_fp8_release`) with hidden 1024, 4 layers (1 dense), 8 experts top-2 of width 512,
          8 heads, q_lora 384, kv_lora 256, vocab 8192 (~120 M parameters)
 each as BF16 (`fp8_to_bf16`) and W4A16 (`quantize` RTN, group 128, compressed-tensors), then
 exported with `export_onnx`: fp32 weights (from BF16), W4A16 as MatMulNBits accuracy_level 0
@@ -39,6 +39,7 @@ import torch
 
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
 from cvt.convert.synthetic import tiny_deepseek_config, write_fp8_release
+from cvt.demo_model import write_demo_release
 from cvt.export.onnx_export import export_onnx
 from cvt.export.ort import OrtCausalLM
 from cvt.quant.stage import quantize
@@ -59,8 +60,8 @@ SIZES = {
 
 def build(root: Path, size: str) -> dict[str, tuple[str, Path, str]]:
     """contender -> (backend, path, how it was made)."""
-    cfg = tiny_deepseek_config(**SIZES[size])
-    src = write_fp8_release(root / "fp8", cfg)
+    src = (write_demo_release(root / "fp8", quiet=False) if size == "demo"
+           else write_fp8_release(root / "fp8", tiny_deepseek_config(**SIZES[size])))
     fp8_to_bf16(src, root / "bf16", quiet=True)
     quantize(src, root / "w4a16", scheme="w4a16", fmt="compressed-tensors", method="rtn", quiet=True)
     out = {"torch bf16": ("torch", root / "bf16", "fp8_to_bf16, bf16 activations"),

@@ -175,15 +175,16 @@ def random_weights(config: dict[str, Any], seed: int = 0):
 F32_IN_RELEASE = ("e_score_correction_bias", ".indexer.k_norm.weight", ".indexer.k_norm.bias")
 
 
-def release_tensors(config: dict[str, Any], seed: int = 0, scale_dtype: str = "F32"):
+def release_tensors(config: dict[str, Any], seed: int = 0, scale_dtype: str = "F32", weights: dict | None = None):
     """name -> tensor in release dtypes: FP8 + scales for quantizable linears (per the table),
-    F32 for `F32_IN_RELEASE`, BF16 for everything else."""
+    F32 for `F32_IN_RELEASE`, BF16 for everything else. `weights`: the float weights to write
+    (default: `random_weights(config, seed)`)."""
     import torch
 
     arch = arch_for(config)
     block = tuple(config["quantization_config"]["weight_block_size"])
     out = {}
-    for name, w in random_weights(config, seed).items():
+    for name, w in (random_weights(config, seed) if weights is None else weights).items():
         info = arch.classify(name)
         if info.rule.quantizable and info.param == "weight":
             q, s = quantize_fp8_block(w, block, scale_dtype)
@@ -207,8 +208,10 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict[str, str] | None
             f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
-def write_release(dst: Path, config: dict[str, Any], tensors: dict, n_shards: int = 3, move_scale: bool = True) -> Path:
-    """Write `tensors` as a sharded HF checkpoint with index, config and side files."""
+def write_release(dst: Path, config: dict[str, Any], tensors: dict, n_shards: int = 3, move_scale: bool = True,
+                  readme: str | None = None) -> Path:
+    """Write `tensors` as a sharded HF checkpoint with index, config and side files (`readme`: the
+    README.md text, default: one line saying the weights are random)."""
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     names = list(tensors)
@@ -231,11 +234,11 @@ def write_release(dst: Path, config: dict[str, Any], tensors: dict, n_shards: in
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    write_side_files(dst, config)
+    write_side_files(dst, config, readme)
     return dst
 
 
-def write_side_files(dst: Path, config: dict[str, Any]) -> None:
+def write_side_files(dst: Path, config: dict[str, Any], readme: str | None = None) -> None:
     (dst / "tokenizer.json").write_text(json.dumps(byte_tokenizer(), ensure_ascii=False))
     (dst / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
@@ -243,7 +246,7 @@ def write_side_files(dst: Path, config: dict[str, Any]) -> None:
     (dst / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"), "do_sample": False}))
     (dst / "configuration_deepseek.py").write_text("# remote code shipped with the checkpoint; cvt copies it and never runs it\n")
-    (dst / "README.md").write_text("# tiny synthetic DeepSeek-V3-style checkpoint (random weights), written by cvt\n")
+    (dst / "README.md").write_text(readme or "# tiny synthetic DeepSeek-V3-style checkpoint (random weights), written by cvt\n")
 
 
 def write_fp8_release(dst: Path, config: dict[str, Any] | None = None, seed: int = 0, n_shards: int = 3,
@@ -270,10 +273,13 @@ def tiny_qwen3_config(moe: bool = True, **overrides: Any) -> dict[str, Any]:
     return cfg
 
 
-def write_bf16_checkpoint(dst: Path, config: dict[str, Any], seed: int = 0, n_shards: int = 2) -> Path:
-    """A plain BF16 Hugging Face checkpoint of `config` with random weights (router bias F32)."""
+def write_bf16_checkpoint(dst: Path, config: dict[str, Any], seed: int = 0, n_shards: int = 2,
+                          weights: dict | None = None, readme: str | None = None) -> Path:
+    """A plain BF16 Hugging Face checkpoint of `config` with random weights (router bias F32), or
+    `weights` (name -> float tensor) when given."""
     import torch
 
+    weights = random_weights(config, seed) if weights is None else weights
     tensors = {n: (t.float() if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16))
-               for n, t in random_weights(config, seed).items()}
-    return write_release(dst, config, tensors, n_shards, move_scale=False)
+               for n, t in weights.items()}
+    return write_release(dst, config, tensors, n_shards, move_scale=False, readme=readme)

@@ -1,11 +1,13 @@
 """`cvt demo`: every stage that exists, on a tiny DeepSeek-V3-style FP8 checkpoint.
 
-Builds the checkpoint with `cvt.convert.synthetic` (random weights; one dense layer, two
-MoE layers, an MTP layer, dims that are not multiples of 128, scales split across shards),
-then runs the stages in pipeline order: fp8-to-bf16, run, verify, quantize, shard + a 4-rank
-torchrun on CPU checked against one process, ONNX export checked with onnxruntime, the atc
-pre-check and command; then a tiny DeepSeek-V3.2 (lightning indexer, top-k sparse attention)
-through fp8-to-bf16, quantize and verify.
+The checkpoint is `cvt.demo_model`'s: the tiny DeepSeek-V3 of `cvt.convert.synthetic` (one
+dense layer, two MoE layers, an MTP layer, dims that are not multiples of 128, scales split
+across shards) trained on Python's standard library source (once, about a minute of one core,
+then cached), so its text looks like Python and the quantization losses mean something. The
+stages run in pipeline order: fp8-to-bf16, run, verify, quantize, shard + a 4-rank torchrun on
+CPU checked against one process, ONNX export checked with onnxruntime, the atc pre-check and
+command; then a tiny DeepSeek-V3.2 (lightning indexer, top-k sparse attention; random weights:
+a smoke test of the architecture) through fp8-to-bf16, quantize and verify.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from cvt.errors import OutputError
 
 
 def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print) -> dict[str, Path]:
+    from cvt import corpus
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16
     from cvt.convert.inspect import inspect_checkpoint
-    from cvt.convert.synthetic import write_fp8_release
+    from cvt.demo_model import cache_root, write_demo_release
 
     root = Path(directory)
     if root.exists() and any(root.iterdir()) and not (root / ".cvt-demo").exists():
@@ -32,8 +35,12 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     out = {"fp8": root / "source-fp8", "bf16": root / "bf16"}
 
     say = (lambda s: None) if quiet else echo
-    say(f"[1/9] writing a tiny DeepSeek-V3-style FP8 release to {out['fp8']}")
-    write_fp8_release(out["fp8"])
+    say(f"[1/9] writing a tiny DeepSeek-V3-style FP8 release, trained on Python's standard library source, "
+        f"to {out['fp8']}\n(the first run trains it, about a minute of one core; cached in {cache_root()})")
+    write_demo_release(out["fp8"], quiet=quiet)
+    # held-out Python source (never trained on): what verify compares the models on
+    out["heldout"] = root / "heldout.py.txt"
+    out["heldout"].write_text(corpus.text("heldout"), encoding="utf-8")
     say(inspect_checkpoint(out["fp8"]).render())
 
     say(f"\n[2/9] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
@@ -42,7 +49,8 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
         f"{r.bytes_out} bytes in {len(r.files)} files")
     say(inspect_checkpoint(out["bf16"]).render())
 
-    say(f"\n[3/9] cvt run {out['bf16']} --prompt 'Hello' --max-new-tokens 8   (random weights: the text is noise)")
+    prompt = "def __init__(self"
+    say(f"\n[3/9] cvt run {out['bf16']} --prompt '{prompt}' --max-new-tokens 64 --temperature 0.8 --seed 0")
     import torch
 
     from cvt.runtime.generate import generate
@@ -52,13 +60,14 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
 
     loaded = load_model(out["bf16"], dtype=torch.float32)
     tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
-    gen = generate(loaded.model, [tok.encode("Hello")], 8)
-    say(f"generated ids {gen.outputs[0]}, decode {gen.decode_tokens_per_s:.1f} tokens/s")
+    gen = generate(loaded.model, [tok.encode(prompt)], 64, temperature=0.8, seed=0)  # greedy repeats itself
+    say(prompt + tok.decode(gen.outputs[0]))
+    say(f"decode {gen.decode_tokens_per_s:.1f} tokens/s")
     del loaded
 
     out["report"] = root / "verify-report"
-    say(f"\n[4/9] cvt verify {out['fp8']} --reference {out['bf16']} --report {out['report']}")
-    v = verify(out["fp8"], out["bf16"], out["report"], seq_len=32, max_sequences=2).report
+    say(f"\n[4/9] cvt verify {out['fp8']} --reference {out['bf16']} --data {out['heldout']} --report {out['report']}")
+    v = verify(out["fp8"], out["bf16"], out["report"], data=out["heldout"], seq_len=128, max_sequences=8).report
     worst = min(row.cosine for row in v.layers)
     say(f"FP8 dequantized on load vs the BF16 output: min layer cosine {worst:.6f}, mean KL {v.logits.kl_mean:.3g}, "
         f"same top-1 {v.logits.same_top1:.0%} -> {'identical' if v.logits.kl_mean == 0 else 'differs'}")
@@ -75,10 +84,11 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     say(f"cvt quantize {out['bf16']} {out['w8a8']} --scheme w8a8 --format ascend: {q.extra['quantized']} linears, "
         f"worst SQNR {q.extra['min_sqnr_db']}")
 
-    say(f"\n[6/9] cvt verify, each quantized model against {out['bf16']} (random weights: a smoke test)")
-    for key in ("w4a16", "w8a8"):
+    say(f"\n[6/9] cvt verify, each quantized model against {out['bf16']} --data {out['heldout']}")
+    for key in ("w8a8", "w4a16"):
         out[f"report-{key}"] = root / f"verify-{key}"
-        v = verify(out[key], out["bf16"], out[f"report-{key}"], seq_len=32, max_sequences=2).report
+        v = verify(out[key], out["bf16"], out[f"report-{key}"], data=out["heldout"], seq_len=128,
+                   max_sequences=8).report
         say(f"{key}: min layer cosine {min(row.cosine for row in v.layers):.4f}, PPL ratio {v.logits.ppl_ratio:.3f}, "
             f"mean KL {v.logits.kl_mean:.3g}, same top-1 {v.logits.same_top1:.0%}  ({out[f'report-{key}']}/report.html)")
 

@@ -87,3 +87,12 @@ def trained_fixture() -> Path:
     if not path.is_dir():
         pytest.skip(f"shared fixture {path} not present")
     return path
+
+
+@pytest.fixture(scope="session")
+def demo_weights():
+    """(config, name -> float32 tensor, recipe key) of the demo's trained model (`cvt.demo_model`):
+    trained once per machine (under a minute on 2 cores) into the user's cache, read from it after."""
+    from cvt.demo_model import trained_weights
+
+    return trained_weights()

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [  # top to bottom; ":" siblings may import each other, nothing points up
     "cvt.cli",
-    "cvt.demo",
+    "cvt.demo : cvt.demo_model",
     "cvt.api",
     "cvt.export",
     "cvt.quant.stage",
@@ -32,7 +32,7 @@ LAYERS = [  # top to bottom; ":" siblings may import each other, nothing points 
     "cvt.convert",
     "cvt.quant.tensor",
     "cvt.schemas",
-    "cvt.units : cvt.registry : cvt.lazy : cvt.dtypes : cvt.version : cvt.extras : cvt.progress : cvt.scratch",
+    "cvt.units : cvt.registry : cvt.lazy : cvt.dtypes : cvt.version : cvt.extras : cvt.progress : cvt.scratch : cvt.corpus",
     "cvt.errors",
 ]
 INDEPENDENT = [

@@ -1,13 +1,21 @@
-"""Calibration data: ``--calib FILE`` (text or .jsonl) or the built-in sample, tokenized into
-``[b, s]`` sequences for the calibrated methods, KV-cache scales and static activation scales."""
+"""Calibration data: ``--calib FILE`` (text or .jsonl) or the built-in calibration set, tokenized
+into ``[b, s]`` sequences for the calibrated methods, KV-cache scales and static activation scales.
+
+The built-in set is the "calibration" slice of the running Python's standard library source
+(`cvt.corpus`: the language reference's prose interleaved with modules; about 1 MB, more than
+``--calib-tokens``' default of 32768 tokens with any tokenizer). When the text gives fewer tokens
+than asked, one warning says how many were used."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from cvt.errors import CvtError
+
+log = logging.getLogger(__name__)
 
 
 def check_calib(path: Path | str) -> Path:
@@ -25,31 +33,51 @@ def check_calib(path: Path | str) -> Path:
 
 def calib_tokens(tokenizer, calib: Path | str | None = None, *, seq_len: int = 512, max_sequences: int = 128,
                  max_len: int | None = None) -> torch.Tensor:
-    """Token ids [b, s] for calibration: ``calib`` (text or .jsonl with "text"), or the
-    built-in sample (`cvt.runtime.verify.SAMPLE_TEXT`) when None.
+    """Token ids [b, s] for calibration: ``calib`` (text or .jsonl with "text"), or the built-in
+    calibration set (`cvt.corpus`, slice "calibration") when None.
 
-    All texts are tokenized (each with the tokenizer's BOS), concatenated and cut into up to
-    `max_sequences` sequences of `seq_len` (capped at `max_len`, the model's positions); a text
-    shorter than one sequence gives one shorter sequence. Only what these sequences use is read
-    (`cvt.runtime.tokenizer.read_ids`). Missing / empty / non-regular files are errors."""
+    Asked for: ``max_sequences * seq_len`` tokens. The texts are tokenized (each with the
+    tokenizer's BOS), concatenated and cut into sequences of `seq_len`; when `max_len` (the
+    model's positions) is shorter, sequences of `max_len` are cut, more of them, to the same
+    total. A text shorter than one sequence gives one shorter sequence. Only what is used is
+    read (`cvt.runtime.tokenizer.read_ids`; the built-in set a piece at a time). Fewer tokens
+    than asked log one warning. Missing / empty / non-regular files are errors."""
     from cvt.runtime.tokenizer import read_ids
-    from cvt.runtime.verify import SAMPLE_TEXT
 
+    want = max_sequences * seq_len
     if max_len:
         seq_len = min(seq_len, max_len)
-    need = max_sequences * seq_len
     if calib is not None:
         path = check_calib(calib)
-        ids, used = read_ids(tokenizer, path, need, option="--calib", skip_blank=True)
+        ids, used = read_ids(tokenizer, path, want, option="--calib", skip_blank=True)
         if not used:
             raise CvtError(f"--calib {path}: no text to calibrate on (the file is empty; expected text, "
                            "or .jsonl lines with a \"text\" field)")
-        where = str(path)
+        where = f"--calib {path}"
     else:
-        ids, where = tokenizer.encode(SAMPLE_TEXT), "the built-in calibration sample"
+        where = "the built-in calibration set"
+        ids = _builtin_ids(tokenizer, want)
     if len(ids) < 2:
         raise CvtError(f"{where}: {len(ids)} token(s), too few to calibrate")
-    n = min(max_sequences, len(ids) // seq_len)
+    n = min(want // seq_len, len(ids) // seq_len)
+    got = n * seq_len if n else min(len(ids), seq_len)
+    if got < want:
+        log.warning("%s gives %d calibration tokens, fewer than the %d asked for (--calib-tokens); "
+                    "calibrating on %d", where, len(ids), want, got)
     if n == 0:
         return torch.tensor(ids[:seq_len], dtype=torch.long)[None]
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def _builtin_ids(tokenizer, want: int) -> list[int]:
+    """The built-in set tokenized a piece at a time (one BOS at the start) until `want` tokens:
+    a big model's tokenizer need not read the whole megabyte."""
+    from cvt import corpus
+
+    ids: list[int] = []
+    for piece in corpus.chunks(corpus.text("calibration"), 65536):
+        part = tokenizer.encode(piece)
+        ids += part if not ids or not part or part[0] != getattr(tokenizer, "bos_id", None) else part[1:]
+        if len(ids) >= want:
+            break
+    return ids

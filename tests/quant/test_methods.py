@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -262,12 +263,34 @@ def test_calib_tokens(tmp_path):
     assert t.shape == (5, 16) and t[0, 0] == 256
     (tmp_path / "short.txt").write_text("int x;")
     assert calib_tokens(tok, tmp_path / "short.txt", seq_len=64).shape == (1, 7)
-    assert calib_tokens(tok, None, seq_len=32, max_sequences=3).shape == (3, 32)   # built-in sample
+    assert calib_tokens(tok, None, seq_len=32, max_sequences=3).shape == (3, 32)   # built-in set
     (tmp_path / "empty.txt").write_text("  \n")
     with pytest.raises(CvtError, match="empty"):
         calib_tokens(tok, tmp_path / "empty.txt")
     with pytest.raises(CvtError, match="does not exist"):
         calib_tokens(tok, tmp_path / "missing.txt")
+
+
+def test_builtin_calibration_set_reaches_the_default_and_short_data_warns(tmp_path, caplog):
+    """Without --calib the built-in set gives the --calib-tokens default (32768 = 128 x 256, as
+    the stage asks) with a byte-level tokenizer, the one that needs the most text; with a model of
+    128 positions, twice as many sequences of 128. Fewer tokens than asked: one warning line."""
+    from cvt import corpus
+
+    tok = SimpleNamespace(encode=lambda t: [256] + list(t.encode()))
+    with caplog.at_level(logging.WARNING, logger="cvt"):
+        t = calib_tokens(tok, None, seq_len=256, max_sequences=128)
+        assert t.shape == (128, 256) and t[0, 0] == 256
+        assert calib_tokens(tok, None, seq_len=256, max_sequences=128, max_len=128).shape == (256, 128)
+        assert caplog.records == []
+        want = list(corpus.text("calibration").encode())[:32767]
+        assert t.flatten().tolist() == [256] + want  # the set's text, in order, one BOS
+        (tmp_path / "short.txt").write_text("x = 1\n" * 100)  # 601 tokens
+        assert calib_tokens(tok, tmp_path / "short.txt", seq_len=256, max_sequences=128).shape == (2, 256)
+    [rec] = caplog.records
+    assert rec.levelno == logging.WARNING and "\n" not in rec.getMessage()
+    assert rec.getMessage() == (f"--calib {tmp_path / 'short.txt'} gives 601 calibration tokens, fewer than the "
+                                "32768 asked for (--calib-tokens); calibrating on 512")
 
 
 # ---- the trained fixture ---------------------------------------------------------------------------

@@ -100,7 +100,8 @@ def test_smoothquant_keeps_the_indexer_inputs(outputs, tmp_path):
     """A fold x / s into a norm must multiply every reader's columns by s, the float indexer included
     (quant/methods/sites.py `_smooth_groups` extras):
     norm weight (.) reader column is invariant (up to bf16 rounding)."""
-    quantize(outputs["bf16"], tmp_path / "sq", scheme="w8a8", fmt="ascend", method="smoothquant", quiet=True)
+    quantize(outputs["bf16"], tmp_path / "sq", scheme="w8a8", fmt="ascend", method="smoothquant", quiet=True,
+             calib_tokens=2048)
     src, dst = read_all(outputs["bf16"]), read_all(tmp_path / "sq")
     a = "model.layers.1.self_attn"
     for norm, reader in (("model.layers.1.input_layernorm", f"{a}.indexer.wk"),
