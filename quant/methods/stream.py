@@ -80,7 +80,8 @@ class LayerStore:
     """The state folder: per finished layer ``layer-{i}.safetensors`` (quantized parts as
     ``q/{module}/{part}``, changed float tensors as ``f/{name}``, KV ranges as ``kv/{role}``) +
     ``layer-{i}.json`` (the parts' QuantizedTensor fields, methods, stats, fallbacks), the next
-    layer's input ``x-{i+1}.bin`` and ``state.json`` (plan id, layers done)."""
+    layer's input ``x-{i+1}.bin`` and ``state.json`` (plan id, SRC's content identity, layers
+    done, and the size and sha256 of every state file a resumed run may use)."""
 
     def __init__(self, root: Path, plan_id: str, source: dict[str, str] | None = None):
         self.root, self.plan_id, self.source = Path(root), plan_id, source or {}
