@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from cvt.version import __version__
+from cvt.convert.identity import source_identity
 from cvt.convert.outdir import OutputDir
 from cvt.convert.reader import Checkpoint
 from cvt.dtypes import DTYPES, dtype_code
@@ -435,9 +436,10 @@ def run_plan_id(ckpt: Checkpoint, src: SourceInfo, stage: StageInfo, **parts: An
     return plan_id({
         "tool": __version__,
         "source": src.model_dump(),
-        # fine-tunes share config and index with their base: the weight files themselves
-        # (size and modification time) tell one source from another without reading them
-        "source_files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.weight_files],
+        # fine-tunes share config, index, names and sizes with their base, and a copy keeps
+        # mtimes: the weight files' content (headers and sampled blocks, `source_identity`) tells
+        # one source from another, and a mere touch of SRC does not
+        "source_files": source_identity(ckpt),
         "stage": stage.model_dump(),
         **parts,
     })

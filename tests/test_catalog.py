@@ -24,7 +24,9 @@ verify report inside a checkpoint it reads (`test_overwrite_deletes_only_recorde
 `test_no_temp_folders_left` cover the successful runs); a second run while the first
 calibrates; a report on a full disk; numbers no option may hold (NaN, inf, 1e400, 0.5 bytes)
 and options that do not apply (exit 2, naming the option); configs and calibration state files
-that are garbage, truncated or of another kind (one line, never an internal error).
+that are garbage, truncated or of another kind (one line, never an internal error); a state
+file changed since cvt wrote it (its recorded sha256), or a state of another SRC with the same
+names, sizes and mtimes (refused, never consumed).
 """
 
 from __future__ import annotations
@@ -443,14 +445,53 @@ def _killed_state(ctx: Ctx) -> Path:
     return _KILLED["qwen"]
 
 
-def _bad_state(edit: Callable[[Path], None]):
+def _bad_state(edit: Callable[[Path], None], forge: bool = False, prep: Callable[[Ctx, Path], None] = None):
+    """The killed GPTQ state, edited, resumed. `forge`: state.json's records (size, sha256 of
+    every state file) rewritten to match the edited files, so that the readers' own checks are
+    what refuses it; else the records catch the edit. `prep(ctx, src)`: SRC edited first."""
     def build(ctx: Ctx):
         src = ctx.copy("qwen")
+        if prep is not None:
+            prep(ctx, src)
         dst = ctx.tmp / "out"
         shutil.copytree(_killed_state(ctx), dst)
         edit(dst / ".cvt-calib")
-        return ["quantize", src, dst, *_GPTQ], src, None
+        if forge:
+            st = json.loads((dst / ".cvt-calib" / "state.json").read_text())
+            st["files"] = {n: {"size": (dst / ".cvt-calib" / n).stat().st_size,
+                               "sha256": hashlib.sha256((dst / ".cvt-calib" / n).read_bytes()).hexdigest()}
+                           for n in st["files"]}
+            (dst / ".cvt-calib" / "state.json").write_text(json.dumps(st))
+        return ["quantize", src, dst, *_GPTQ], src, dst
     return build
+
+
+def _scaled_x3(state: Path):
+    """Layer 0's q_proj scales times 3: the same size, other bytes (a resume would consume them)."""
+    from safetensors.torch import load_file
+
+    p = state / "layer-0.safetensors"
+    size = p.stat().st_size
+    tensors = {k: v.clone() for k, v in load_file(p).items()}  # not views of the file rewritten below
+    tensors["q/model.layers.0.self_attn.q_proj/weight_scale"] *= 3
+    write_safetensors(p, tensors)
+    assert p.stat().st_size == size
+
+
+def _other_weights_same_mtimes(ctx, src):
+    """SRC another checkpoint with the killed run's names, sizes and mtimes (a fine-tune, then
+    ``touch -r`` from the original): every float weight scaled by 1.25."""
+    import torch
+
+    def change(name, t):
+        if t.dtype == torch.bfloat16:
+            t.mul_(1.25)
+            return True
+    _edit_tensors(src, change)
+    for p in src.iterdir():
+        st = (ctx.qwen / p.name).stat()
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert p.stat().st_size == st.st_size
 
 
 def _truncate(name: str, size: int):
@@ -583,11 +624,26 @@ ISSUE_24 = [
                                     "1,2", dst_name=None), "config.json: not UTF-8 JSON text"),
     Case("verify-qwen-against-deepseek", _verify_other_model, "is a qwen3 model and the reference"),
     # item 10: calibration state files (a GPTQ run killed after layer 0, then edited)
-    Case("quantize-state-truncated", _bad_state(_truncate("layer-0.safetensors", 5000)),
+    # (forged: state.json's records rewritten to match, so each reader's own check is tested)
+    Case("quantize-state-truncated", _bad_state(_truncate("layer-0.safetensors", 5000), forge=True),
          "layer-0.safetensors: calibration state unreadable"),
-    Case("quantize-state-garbage-json", _bad_state(_garbage("layer-0.json")), "layer-0.json: calibration state unreadable"),
-    Case("quantize-state-short-input", _bad_state(_truncate("x-1.bin", 1000)), "x-1.bin: calibration state unreadable"),
-    Case("quantize-state-other-method", _bad_state(_other_method), "was calibrated by awq, this run uses gptq"),
+    Case("quantize-state-garbage-json", _bad_state(_garbage("layer-0.json"), forge=True),
+         "layer-0.json: calibration state unreadable"),
+    Case("quantize-state-short-input", _bad_state(_truncate("x-1.bin", 1000), forge=True),
+         "x-1.bin: calibration state unreadable"),
+    Case("quantize-state-other-method", _bad_state(_other_method, forge=True), "was calibrated by awq, this run uses gptq"),
+    # item 6b: the state is checksummed (each file's size and sha256 recorded as it was written)
+    # and keyed on SRC's content, not its names, sizes and mtimes
+    Case("quantize-state-scaled-x3", _bad_state(_scaled_x3),
+         "layer-0.safetensors: calibration state file changed since cvt wrote it (sha256 "),
+    Case("quantize-state-truncated-unforged", _bad_state(_truncate("layer-0.safetensors", 5000)),
+         "layer-0.safetensors: calibration state file changed since cvt wrote it (5000 bytes, 112896 recorded); "
+         "re-run with --no-resume"),
+    Case("quantize-state-other-json", _bad_state(_other_method),
+         "layer-0.json: calibration state file changed since cvt wrote it"),
+    Case("quantize-state-foreign-src", _bad_state(lambda state: None, prep=_other_weights_same_mtimes),
+         ".cvt-calib/state.json: calibration state of another source (model-00001-of-00002.safetensors differs); "
+         "re-run with --no-resume"),
     # item 11: options that do not apply, messages that name the right thing
     Case("quantize-asym-w4a8", _quantize("qwen", _nothing, "--asym"), "--asym applies to w4a16 only, not w8a8", rc=2),
     Case("quantize-asym-w4a8-ascend", _verb(["quantize"], "qwen", _nothing, "--scheme", "w4a8", "--format", "ascend",

@@ -14,9 +14,13 @@ device, so that a 0.7-2 TB checkpoint calibrates on a host with less RAM than th
    layer's output (the next layer's input, float32); the layer's weights are dropped (back to
    meta) before the next is read. Layer inputs larger than `spill_bytes` are used from the
    state folder through mmap instead of RAM.
-3. A killed run restarts after its last finished layer (`state.json` names the plan: source
-   files, schemes and methods, tokens, options, device); the persisted inputs and results are
-   the exact float32 bytes an uninterrupted run has, so the output is byte-identical.
+3. A killed run restarts after its last finished layer (`state.json` names the plan: SRC's
+   content identity (`cvt.convert.identity`), schemes and methods, tokens, options, device;
+   and records the size and sha256 of every state file, hashed as it was written); the
+   persisted inputs and results are the exact float32 bytes an uninterrupted run has, so the
+   output is byte-identical. Before a resumed run uses the state, every recorded file is
+   checked against its record: a changed file (a tensor scaled at the same size), one not
+   recorded, or a state computed from another SRC is refused with one line, never consumed.
 
 Peak memory: one decoder layer in float32, except a MoE layer whose routed experts pass
 `max_expert_bytes` (DeepSeek-V3: ~45 GB per layer): those are read, calibrated and dropped a chunk
@@ -33,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -77,32 +80,73 @@ class LayerStore:
     """The state folder: per finished layer ``layer-{i}.safetensors`` (quantized parts as
     ``q/{module}/{part}``, changed float tensors as ``f/{name}``, KV ranges as ``kv/{role}``) +
     ``layer-{i}.json`` (the parts' QuantizedTensor fields, methods, stats, fallbacks), the next
-    layer's input ``x-{i+1}.bin`` and ``state.json`` (plan id, layers done)."""
+    layer's input ``x-{i+1}.bin`` and ``state.json`` (plan id, SRC's content identity, layers
+    done, and the size and sha256 of every state file a resumed run may use)."""
 
-    def __init__(self, root: Path, plan_id: str):
-        self.root, self.plan_id = Path(root), plan_id
+    def __init__(self, root: Path, plan_id: str, source: dict[str, str] | None = None):
+        self.root, self.plan_id, self.source = Path(root), plan_id, source or {}
         self._index: dict[str, tuple[int, dict]] = {}   # module -> (layer, QuantizedTensor fields)
         self._floats: dict[str, int] = {}                # float tensor name -> layer
+        self._files: dict[str, dict] = {}                # state file -> {size, sha256}: checked or written here
 
     # -- state ------------------------------------------------------------------------------------
     def done(self) -> int:
-        """Layers an earlier run of the same plan finished (0: start afresh, state cleared)."""
+        """Layers an earlier run of the same plan finished, every file they left checked against
+        its record (`_check_files`); 0: start afresh, state cleared. A state computed from
+        another SRC is refused (`_foreign`), not cleared: re-run with --no-resume for that."""
         p = self.root / "state.json"
         try:
             st = json.loads(p.read_text())
+            source = st.get("source")
+            if isinstance(source, dict) and self.source and source != self.source:
+                raise _foreign(p, source, self.source)
             if st.get("plan_id") == self.plan_id:
-                return int(st["done"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+                done, files = int(st["done"]), st["files"]
+                self._check_files(files)
+                return done
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            self._files.clear()  # not this plan's state (or not cvt's): discarded, never used
         if self.root.exists() or self.root.is_symlink():
             clear_dir(self.root)  # refuses a symlink: never clears a folder outside DST
         self.root.mkdir(parents=True, exist_ok=True)
         return 0
 
+    def _check_files(self, files: dict) -> None:
+        """Every state file an earlier run recorded, before any is used: its size and sha256
+        must be those recorded as it was written; else refused with one line naming it."""
+        from cvt.convert.safetensors_io import sha256_file
+
+        for name, rec in files.items():
+            path = self.root / name
+            if "/" in name or name.startswith(".") or not isinstance(rec, dict):
+                raise _unreadable(self.root / "state.json", f"{name!r} is not a state file's record")
+            try:
+                size = path.stat().st_size
+                sha = sha256_file(path) if size == rec["size"] else None
+            except OSError as exc:
+                raise _unreadable(path, exc) from None
+            if size != rec["size"] or sha != rec["sha256"]:
+                what = f"{size} bytes, {rec['size']} recorded" if sha is None else \
+                    f"sha256 {sha[:16]}..., {str(rec['sha256'])[:16]}... recorded"
+                raise _changed(path, what)
+            self._files[name] = {"size": size, "sha256": sha}
+
+    def _record(self, name: str, written: tuple[int, str]) -> None:
+        self._files[name] = {"size": written[0], "sha256": written[1]}
+
+    def _use(self, name: str) -> Path:
+        """``root/name``, a state file this store checked or wrote; one it has no record of
+        (listed by a layer's json, never recorded in state.json) is refused, never read."""
+        path = self.root / name
+        if name not in self._files:
+            raise _changed(path, "state.json has no record of it")
+        return path
+
     def _mark(self, done: int) -> None:
         from cvt.convert.durable import write_json_atomic
 
-        write_json_atomic(self.root / "state.json", {"plan_id": self.plan_id, "done": done})
+        write_json_atomic(self.root / "state.json", {"plan_id": self.plan_id, "source": self.source, "done": done,
+                                                     "files": self._files})
 
     # -- per layer ----------------------------------------------------------------------------------
     @staticmethod
@@ -123,13 +167,9 @@ class LayerStore:
         """Chunk c of layer i's streamed experts (`expert_stream`): their quantized tensors in
         ``layer-{i}-e{c}.safetensors``, so a layer's experts are not all held until it ends;
         returns their fields for `save_layer`'s ``parts``."""
-        from cvt.convert.synthetic import write_safetensors
-
         tensors, fields = self._pack(quantized)
         name = f"layer-{i}-e{c}.safetensors"
-        tmp = self.root / f".{name}.tmp"
-        write_safetensors(tmp, tensors)
-        os.replace(tmp, self.root / name)
+        self._record(name, _write_tensors(self.root / name, tensors))
         return {m: {**f, "file": name} for m, f in fields.items()}
 
     def save_layer(self, i: int, lres, kv_amax: dict[str, torch.Tensor], x_next: torch.Tensor,
@@ -137,7 +177,6 @@ class LayerStore:
         """Layer i's results (and the fields of its experts already saved by `save_part`); then
         the layer counts as done."""
         from cvt.convert.durable import write_bytes_atomic, write_json_atomic
-        from cvt.convert.synthetic import write_safetensors
 
         tensors, fields = self._pack(lres.quantized)
         fields.update(parts or {})
@@ -145,14 +184,14 @@ class LayerStore:
             tensors[f"f/{name}"] = t.detach().cpu().contiguous()
         for role, t in kv_amax.items():
             tensors[f"kv/{role}"] = t.detach().float().cpu().contiguous()
-        tmp = self.root / f".layer-{i}.safetensors.tmp"
-        write_safetensors(tmp, tensors)
-        os.replace(tmp, self.root / f"layer-{i}.safetensors")
-        write_json_atomic(self.root / f"layer-{i}.json", {
+        self._record(f"layer-{i}.safetensors", _write_tensors(self.root / f"layer-{i}.safetensors", tensors))
+        self._record(f"layer-{i}.json", write_json_atomic(self.root / f"layer-{i}.json", {
             "quantized": fields, "floats": sorted(lres.float_weights), "methods": lres.methods,
             "stats": lres.stats, "seconds": lres.seconds_per_layer,
-            "fallbacks": [[f.name, f.tokens, f.reason] for f in lres.fallbacks]})
-        write_bytes_atomic(self.root / f"x-{i + 1}.bin", x_next.detach().float().cpu().contiguous().numpy().tobytes())
+            "fallbacks": [[f.name, f.tokens, f.reason] for f in lres.fallbacks]}))
+        self._record(f"x-{i + 1}.bin", write_bytes_atomic(
+            self.root / f"x-{i + 1}.bin", x_next.detach().float().cpu().contiguous().numpy().tobytes()))
+        self._files.pop(f"x-{i}.bin", None)
         self._mark(i + 1)
         (self.root / f"x-{i}.bin").unlink(missing_ok=True)
 
@@ -160,7 +199,7 @@ class LayerStore:
         """The json of finished layer i, registering its tensors for `quantized` / `float_tensor`;
         a state file that is unreadable, truncated or not what this store writes is refused
         (`_unreadable`), never half consumed."""
-        path = self.root / f"layer-{i}.json"
+        path = self._use(f"layer-{i}.json")
         try:
             meta = json.loads(path.read_text(encoding="utf-8"))
             _check_layer_meta(meta)
@@ -169,7 +208,7 @@ class LayerStore:
         files: dict[str, set[str]] = {}
         for name in {f.get("file", f"layer-{i}.safetensors") for f in meta["quantized"].values()} | {
                 f"layer-{i}.safetensors"}:
-            files[name] = self._keys(self.root / name)
+            files[name] = self._keys(self._use(name))
         for module, f in meta["quantized"].items():
             file = f.get("file", f"layer-{i}.safetensors")
             if not any(k.startswith(f"q/{module}/") for k in files[file]):
@@ -196,7 +235,7 @@ class LayerStore:
     def kv_amax(self, i: int) -> dict[str, torch.Tensor]:
         from safetensors import SafetensorError, safe_open
 
-        path = self.root / f"layer-{i}.safetensors"
+        path = self._use(f"layer-{i}.safetensors")
         try:
             with safe_open(path, framework="pt") as h:
                 return {k[3:]: h.get_tensor(k) for k in h.keys() if k.startswith("kv/")}
@@ -205,7 +244,7 @@ class LayerStore:
 
     def x(self, i: int, shape: tuple[int, ...], spill: bool) -> torch.Tensor:
         """Layer i's input: read into RAM, or (`spill`) an mmap of the state file."""
-        path = self.root / f"x-{i}.bin"
+        path = self._use(f"x-{i}.bin")
         n = 1
         for d in shape:
             n *= d
@@ -257,6 +296,40 @@ def _unreadable(path: Path, why) -> CvtError:
                        "calibrate afresh")
 
 
+def _changed(path: Path, what: str) -> CvtError:
+    """One line for a state file that is not what cvt recorded writing (`LayerStore._check_files`)."""
+    from cvt.errors import OutputError
+
+    return OutputError(f"{path}: calibration state file changed since cvt wrote it ({what}); re-run with "
+                       "--no-resume to calibrate afresh")
+
+
+def _foreign(path: Path, theirs: dict, ours: dict) -> CvtError:
+    """One line for a calibration state computed from another SRC (`cvt.convert.identity`)."""
+    from cvt.errors import OutputError
+
+    name = next((k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)), "?")
+    why = f"SRC has no {name}" if name not in ours else f"it had no {name}" if name not in theirs else \
+        f"{name} differs"
+    return OutputError(f"{path}: calibration state of another source ({why}); re-run with --no-resume to "
+                       "calibrate afresh")
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
+    """A state safetensors file, atomically (temp, fsync, rename), hashed as it is written:
+    (size, sha256) for state.json's record."""
+    from cvt.convert.durable import AtomicFile
+    from cvt.convert.safetensors_io import TensorSpec, encode_header
+    from cvt.dtypes import dtype_code
+
+    specs = [TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+    with AtomicFile(path) as f:
+        f.write(encode_header(specs, {"format": "pt"}))
+        for t in tensors.values():
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        return f.commit()
+
+
 def _check_layer_meta(meta) -> None:
     """TypeError / KeyError unless `meta` has the shape `LayerStore.save_layer` writes."""
     if not isinstance(meta, dict):
@@ -301,10 +374,13 @@ def _trim() -> None:
         pass
 
 
-def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict) -> str:
-    """The calibration's identity: a resumed run continues only the same one."""
+def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict, source: dict | None = None) -> str:
+    """The calibration's identity: a resumed run continues only the same one. `source`: SRC's
+    content identity (`cvt.convert.identity.source_identity`, computed if not given)."""
+    from cvt.convert.identity import source_identity
+
     ident = {
-        "source": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.weight_files],
+        "source": source if source is not None else source_identity(ckpt),
         "modules": sorted((m, s.name, s.group_size, s.symmetric, getattr(s, "fp4_format", None),
                            plan.methods.get(m, RTN)) for m, s in plan.schemes.items()),
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "shape": list(tokens.shape),
@@ -383,6 +459,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     at a time (module doc). `opts` go to the driver (`cvt.quant.methods.calib.calibrate`'s
     options). `on_layer(i)` is called after layer i is saved (tests kill runs there)."""
     from cvt.convert import faults
+    from cvt.convert.identity import source_identity
     from cvt.quant.methods import calib as C
     from cvt.runtime import kv_cache
     from cvt.runtime.loader import assign_tensors, fp8_block
@@ -400,7 +477,8 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     if unknown:
         raise CvtError(f"unknown calibration option(s) {sorted(unknown)}")
     o.update(opts)
-    store = LayerStore(state_dir, stream_plan_id(ckpt, plan, tokens, device, o))
+    source = source_identity(ckpt)
+    store = LayerStore(state_dir, stream_plan_id(ckpt, plan, tokens, device, o, source), source)
     with torch.device("meta"):
         model = build_model(ckpt.config, dtype=torch.float32)
     n_layers = model.args.num_hidden_layers

@@ -159,6 +159,29 @@ def test_resume_refuses_another_source_with_the_same_config_and_index(tmp_path):
     assert r.rc != 0 and "different run" in r.err
 
 
+def test_resume_refuses_a_source_replaced_in_place_with_the_same_mtimes(tmp_path):
+    """SRC's weight files replaced at the same path by another checkpoint's with the same names
+    and sizes, their mtimes set back (``touch -r``): the plan is keyed on the files' content
+    (`cvt.convert.identity`), so the killed run's shards are not mixed into the new one's."""
+    import shutil
+
+    from cvt.convert.synthetic import write_fp8_release
+
+    src = write_fp8_release(tmp_path / "src", seed=1)
+    other = write_fp8_release(tmp_path / "other", seed=2)
+    dst = tmp_path / "out"
+    killed = run_cvt("fp8-to-bf16", src, dst, "--max-shard-size", SHARD, "--quiet", "--workers", "1",
+                     env={"CVT_TEST_KILL_AT_BYTE": "1500000"})
+    assert killed.rc == -signal.SIGKILL
+    for p in sorted(src.glob("*.safetensors")):
+        st = p.stat()
+        shutil.copyfile(other / p.name, p)
+        assert p.stat().st_size == st.st_size and p.read_bytes() != b""
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    r = run_cvt("fp8-to-bf16", src, dst, "--max-shard-size", SHARD, "--quiet")
+    assert r.rc == 1 and "holds the output of a different run" in r.err, r.err
+
+
 def test_a_failure_in_the_writer_thread_is_reported_not_hung(fp8_release_session, tmp_path):
     import threading
 

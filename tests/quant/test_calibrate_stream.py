@@ -179,6 +179,33 @@ def test_resume_with_another_expert_memory_keeps_finished_layers(fp8_release_ses
     assert snapshot(dst) == snapshot(golden)
 
 
+def test_touched_source_resumes_byte_identically(tmp_path):
+    """The calibration state and the output's plan are keyed on SRC's content
+    (`cvt.convert.identity`), not its mtimes: a run killed after layer 0 resumes after every
+    SRC file was touched (same bytes, new mtime), keeps its finished layer and writes the
+    uninterrupted run's bytes (manifest plan id included)."""
+    import os
+
+    from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_config(moe=True))
+    args = ("quantize", src, None, "--scheme", "w4a16", "--method", "gptq", "--group-size", "16",
+            "--calib-tokens", "256")
+    golden = tmp_path / "golden"
+    assert run_cvt(*[golden if a is None else a for a in args], "--quiet").rc == 0
+    dst = tmp_path / "k"
+    argv = [dst if a is None else a for a in args]
+    killed = run_cvt(*argv, "--quiet", env={"CVT_TEST_KILL_AFTER_LAYER": "0"})
+    assert killed.rc == -signal.SIGKILL
+    for p in src.iterdir():
+        st = p.stat()
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    again = run_cvt(*argv)
+    assert again.rc == 0, again.err
+    assert "1 layers resumed" in again.out
+    assert snapshot(dst) == snapshot(golden)
+
+
 def test_cli_expert_memory(fp8_release_session, tmp_path):
     """`--expert-memory`: a size; 1MB streams the tiny release's experts (1.6 MB per MoE layer in
     float32: chunks of two), same bytes as whole."""
