@@ -218,17 +218,18 @@ def check_top_level(root: Path, confine_root: Path) -> None:
         if not p.name.startswith(".") and not p.is_dir() and not p.is_file():
             # a FIFO, socket or device: reading it blocks or never ends, skipping it drops a file
             # (a tokenizer.json) the output needs
-            raise CheckpointError(f"{p}: not a regular file ({_file_kind(p)}); a checkpoint holds regular files "
+            raise CheckpointError(f"{p}: not a regular file ({file_kind(p)}); a checkpoint holds regular files "
                                   "and folders only")
 
 
-def _file_kind(p: Path) -> str:
+def file_kind(path: Path) -> str:
+    """What a path that is not a regular file is, in words ("a FIFO", "a character device", ...)."""
     try:
-        mode = p.stat().st_mode
+        mode = os.stat(path).st_mode
     except OSError as exc:
         return f"unreadable: {exc.strerror or exc}"
-    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"))
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
     return next((k for test, k in kinds if test(mode)), "not a file")
 
 

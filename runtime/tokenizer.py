@@ -4,10 +4,10 @@ a byte-level fallback (id = byte value) for tiny test models without one."""
 from __future__ import annotations
 
 import json
-import os
 import stat
 from pathlib import Path
 
+from cvt.convert.reader import file_kind
 from cvt.errors import CvtError
 
 
@@ -175,12 +175,3 @@ def _json_text(line: str, path: Path, i: int) -> str:
     return obj["text"]
 
 
-def file_kind(path: Path) -> str:
-    """What a non-regular path is, in words ("a FIFO", "a character device", ...)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        return f"unreadable: {exc.strerror or exc}"
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    return next((k for test, k in kinds if test(mode)), "not a file")

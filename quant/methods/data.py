@@ -27,7 +27,9 @@ def check_calib(path: Path | str) -> Path:
     if path.is_dir():
         raise CvtError(f"--calib {path}: is a directory; give a text or .jsonl file")
     if not path.is_file():
-        raise CvtError(f"--calib {path}: not a regular file (a FIFO, device or socket); give a text or .jsonl file")
+        from cvt.convert.reader import file_kind
+
+        raise CvtError(f"--calib {path}: not a regular file ({file_kind(path)}); give a text or .jsonl file")
     return path
 
 
