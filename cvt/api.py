@@ -5,8 +5,9 @@ unknown fields refused) -- the same objects the `cvt` command line builds from i
     >>> r = quantize(QuantizeOptions(src="ckpt", dst="out", scheme="w8a8"))   # doctest: +SKIP
     >>> r = quantize(src="ckpt", dst="out", scheme="w4a16", group_size=32)    # doctest: +SKIP
 
-Every function also takes the options' fields as keywords. Failures raise `cvt.errors.CvtError`
-(one line naming the file, tensor or option); nothing here prints. Heavy modules (torch, the
+Every function also takes the options' fields as keywords. An option out of its range raises
+pydantic's `ValidationError` (an unknown scheme, format or method: `CvtError`); failures of the
+work raise `cvt.errors.CvtError` (one line naming the file, tensor or option); nothing prints. Heavy modules (torch, the
 stages) are imported on first call, so `import cvt` stays cheap.
 """
 
@@ -40,7 +41,8 @@ def _build(cls, options, kw):
         return cls(**kw)
     if not isinstance(options, cls):
         raise CvtError(f"expected {cls.__name__}, got {type(options).__name__}")
-    return cls(**{**options.model_dump(), **kw}) if kw else options
+    names = {f.alias: name for name, f in cls.model_fields.items() if f.alias}  # format= -> fmt
+    return cls(**{**options.model_dump(), **{names.get(k, k): v for k, v in kw.items()}}) if kw else options
 
 
 class _WriteOptions(_Options):

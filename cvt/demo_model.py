@@ -159,11 +159,9 @@ def train(config: dict[str, Any], text: str, recipe: dict[str, Any], quiet: bool
         data, starts = _training_bytes(text, recipe["seq_len"])
         gen = torch.Generator().manual_seed(recipe["seed"])
         bos, steps = config["bos_token_id"], recipe["steps"]
-        bar = None
-        if not quiet:
-            from tqdm import tqdm
+        from cvt.progress import make_progress
 
-            bar = tqdm(total=steps, desc="training the demo model", unit="step", leave=False)
+        bar = make_progress(steps, "training the demo model", quiet, unit="step", leave=False)
         for step in range(steps):
             pick = starts[torch.randint(len(starts), (recipe["batch"],), generator=gen)]
             x = data[pick[:, None] + torch.arange(recipe["seq_len"] - 1)]
@@ -183,11 +181,9 @@ def train(config: dict[str, Any], text: str, recipe: dict[str, Any], quiet: bool
                 for gate, idx in loads:  # raise the bias of under-used experts, lower over-used ones'
                     count = torch.bincount(idx.flatten(), minlength=gate.e_score_correction_bias.numel()).float()
                     gate.e_score_correction_bias += recipe["bias_update"] * torch.sign(count.mean() - count)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-        if bar is not None:
-            bar.close()
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        bar.close()
         for h in hooks:
             h.remove()
         out = {n: t.detach().clone() for n, t in model.state_dict().items()}

@@ -275,24 +275,25 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
 
     _check_dst(loaded.checkpoint_path, dst, overwrite)  # a hub source resolved to its snapshot
     lock, created = _lock_dst(dst)
+    installed = False
     try:
         _check_dst(None, dst, overwrite)  # again, under the lock
         recorded = _recorded(dst) if overwrite else set()
-        return _export(src, dst, loaded, tmp=_prepare_dst(dst), recorded=recorded, scope=scope, layer=layer,
-                       dtype=dtype, opset=opset, int4_op=int4_op, w8a8_op=w8a8_op, accuracy_level=accuracy_level,
-                       moe=moe, verify=verify, threshold=threshold, quiet=quiet, t0=t0, n_layers=n_layers)
+        result = _export(src, dst, loaded, tmp=_prepare_dst(dst), recorded=recorded, scope=scope, layer=layer,
+                         dtype=dtype, opset=opset, int4_op=int4_op, w8a8_op=w8a8_op, accuracy_level=accuracy_level,
+                         moe=moe, verify=verify, threshold=threshold, quiet=quiet, t0=t0, n_layers=n_layers)
+        installed = result.extra.get("installed", True)
+        return result
     except OSError as exc:
         if exc.filename:
             raise
         raise OutputError(f"{dst}: writing the export failed: {exc.strerror or exc}; nothing was installed") from exc
-    except BaseException:
-        if created:  # a DST this run made goes again (only when empty: never another's files)
+    finally:
+        if created and not installed:  # a DST this run made goes again (only when empty: never another's files)
             try:
                 dst.rmdir()
             except OSError:
                 pass
-        raise
-    finally:
         os.close(lock)
 
 

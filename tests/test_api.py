@@ -62,6 +62,7 @@ def test_keywords_replace_fields_of_an_options_object(tmp_path):
 
     base = QuantizeOptions(src="a", dst="b", scheme="w8a8")
     assert _build(QuantizeOptions, base, {"dst": "c"}).dst == "c"
+    assert _build(QuantizeOptions, base, {"format": "ascend"}).fmt == "ascend"  # by its alias too
     with pytest.raises(CvtError, match="unknown scheme"):
         _build(QuantizeOptions, base, {"scheme": "nope"})
 

@@ -61,9 +61,10 @@ def onnx_cmd(src, dst, scope, layer, dtype, int4_op, w8a8_op, opset, accuracy_le
     if not quiet:
         m = r.manifest
         lin = ", ".join(f"{v} {k}" for k, v in m["linears"].items())
+        done = "wrote" if r.extra.get("installed", True) else "exported (not installed)"
         for g in r.graphs:
             ext = f" + {g['external_data']}" if g["external_data"] else ""
-            click.echo(f"wrote {r.dst / g['file']}{ext}: {g['nodes']} nodes, "
+            click.echo(f"{done} {r.dst / g['file']}{ext}: {g['nodes']} nodes, "
                        f"{g['weight_bytes'] / 2**20:.1f} MiB of weights")
         click.echo(f"opset {m['opset']}, {m['dtype']} weights, linears: {lin}; KV cache {m['kv_cache']['dtype']}; "
                    f"{r.seconds:.1f} s")

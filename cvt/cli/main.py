@@ -419,7 +419,8 @@ def main(argv=None) -> None:
             cli.main(args=argv, prog_name="cvt", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.NoArgsIsHelpError as exc:  # bare `cvt` (or `cvt export`): the help, as --help
+    except getattr(click.exceptions, "NoArgsIsHelpError", ()) as exc:  # bare `cvt` (or `cvt export`): the help
+        # (click >= 8.2 raises it; older click prints the help and exits 0 itself)
         click.echo(exc.ctx.get_help())
         sys.exit(0)
     except click.UsageError as exc:  # bad arguments: one line, like every other failure

@@ -24,8 +24,6 @@ def check_calib(path: Path | str) -> Path:
     path = Path(path)
     if not path.exists():
         raise CvtError(f"--calib {path}: no such file (the calibration file does not exist)")
-    if path.is_dir():
-        raise CvtError(f"--calib {path}: is a directory; give a text or .jsonl file")
     if not path.is_file():
         from cvt.convert.reader import file_kind
 

@@ -44,8 +44,7 @@ def test_gptq_and_awq_beat_rtn_at_w4a16_g128(trained_fixture, tmp_path):
     for method in ("rtn", "gptq", "awq"):
         dst = tmp_path / method
         # 2048 tokens (8 x 256) of the built-in set, not --calib-tokens' 32768: a test's time budget
-        quantize(trained_fixture, dst, scheme="w4a16", group_size=128, method=method, recipe=G128, quiet=True,
-                 calib_tokens=2048)
+        quantize(trained_fixture, dst, scheme="w4a16", method=method, quiet=True, calib_tokens=2048)
         methods = {v["method"] for v in json.loads((dst / "cvt_manifest.json").read_text())["quant"]["tensors"].values()}
         assert method in methods
         kl[method] = kl_and_ppl(dst, trained_fixture, tmp_path)

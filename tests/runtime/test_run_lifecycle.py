@@ -35,9 +35,9 @@ def test_ctrl_c_during_decode_exits_130(qwen, monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(gen, "sample", interrupted)
-    r = run_cvt("run", qwen, "--input-ids", "1,2,3", "--max-new-tokens", "8", "--dtype", "fp32")
+    r = run_cvt("run", qwen, "--input-ids", "1,2,3", "--max-new-tokens", "8", "--dtype", "fp32", "--quiet")
     assert r.rc == 130 and calls["n"] == 3
-    assert "Traceback" not in r.err and r.err.strip().startswith("cvt:")
+    assert "Traceback" not in r.err and r.err.strip().startswith("cvt:")  # --quiet: no progress bars
 
 
 def test_nan_weights_fail_instead_of_printing_tokens(qwen, tmp_path):
@@ -52,7 +52,7 @@ def test_nan_weights_fail_instead_of_printing_tokens(qwen, tmp_path):
     name = next(n for n in tensors if n.endswith("self_attn.o_proj.weight"))
     tensors[name][0, 0] = float("nan")
     write_safetensors(f, tensors)
-    r = run_cvt("run", bad, "--input-ids", "1,2,3", "--max-new-tokens", "4", "--dtype", "fp32")
+    r = run_cvt("run", bad, "--input-ids", "1,2,3", "--max-new-tokens", "4", "--dtype", "fp32", "--quiet")
     assert r.rc == 1, r.out
     assert r.err.count("\n") == 1 and "non-finite logits (NaN/Inf)" in r.err, r.err
     assert "new tokens" not in r.out
