@@ -640,6 +640,8 @@ ISSUE_24 = [
     Case("quantize-asym-w4a8", _quantize("qwen", _nothing, "--asym"), "--asym applies to w4a16 only, not w8a8", rc=2),
     Case("quantize-asym-w4a8-ascend", _verb(["quantize"], "qwen", _nothing, "--scheme", "w4a8", "--format", "ascend",
                                             "--asym"), "--asym applies to w4a16 only, not w4a8", rc=2),
+    Case("quantize-fp4-format-with-w8a8", _quantize("qwen", _nothing, "--fp4-format", "mxfp4"),
+         "--fp4-format applies to --scheme fp4 (or a recipe rule with it), not w8a8", rc=2),
     Case("quantize-calib-with-rtn", _quantize("qwen", _calib_file, "--calib", "CALIB"),
          "nothing in this run calibrates", rc=2),
     Case("quantize-calib-dev-zero", _verb(["quantize"], "qwen", _nothing, "--scheme", "w8a8", "--method",

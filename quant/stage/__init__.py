@@ -67,6 +67,9 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     form = get_format(fmt)
     target = check_target(fmt, target)
     sch = scheme_from_options(scheme, fp4_format=fp4_format)  # unknown names fail here
+    if fp4_format is not None and not _takes_fp4_format(scheme, recipe):
+        raise OptionError(f"--fp4-format applies to --scheme {names_where(lambda s: 'fp4_format' in s.options, 'scheme')} "
+                          f"(or a recipe rule with it), not {scheme}")
     if static_attention and not (form.static_attention and getattr(sch, "static_attention", False)):
         raise FormatError("--static-attention (static W8A8 attention with input_scale / deq_scale / quant_bias) "
                           f"exists only in the {names_where(lambda f: f.static_attention, 'format')} format with --scheme "
@@ -114,6 +117,15 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             return _write(ckpt, dst, plan, form, source, src_fmt, cal, req)
     finally:
         ckpt.close()
+
+
+def _takes_fp4_format(scheme: str, recipe: Recipe | None) -> bool:
+    """Whether the run quantizes anything with a scheme that has an fp4 format (the option's own
+    scheme, or one a recipe rule names)."""
+    from cvt.quant.tensor.schemes import SCHEMES
+
+    names = {scheme, *(r.scheme for r in (recipe.rules if recipe else ()))}
+    return any(n in SCHEMES and "fp4_format" in getattr(SCHEMES.get(n), "options", ()) for n in names)
 
 
 @dataclass(frozen=True)
