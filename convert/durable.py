@@ -388,3 +388,19 @@ def write_bytes_atomic(path: Path, data: bytes) -> tuple[int, str]:
 
 def write_json_atomic(path: Path, obj) -> tuple[int, str]:
     return write_bytes_atomic(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
+def write_safetensors_atomic(path: Path, tensors: dict) -> tuple[int, str]:
+    """torch `tensors` as one safetensors file, in their order, atomically and hashed as
+    written: (size, sha256)."""
+    import torch  # the tensors are torch's: it is imported already
+
+    from cvt.convert.safetensors_io import TensorSpec, encode_header
+    from cvt.dtypes import dtype_code
+
+    specs = [TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+    with AtomicFile(path) as f:
+        f.write(encode_header(specs, {"format": "pt"}))
+        for t in tensors.values():
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        return f.commit()

@@ -46,6 +46,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from cvt.convert.durable import write_safetensors_atomic
 from cvt.convert.outdir import STATE_DIR, clear_dir  # noqa: F401  (STATE_DIR: the folder `calibration_dir` makes)
 from cvt.errors import CvtError
 from cvt.quant.recipe import AWQ, GPTQ, RTN, SMOOTHQUANT
@@ -169,7 +170,7 @@ class LayerStore:
         returns their fields for `save_layer`'s ``parts``."""
         tensors, fields = self._pack(quantized)
         name = f"layer-{i}-e{c}.safetensors"
-        self._record(name, _write_tensors(self.root / name, tensors))
+        self._record(name, write_safetensors_atomic(self.root / name, tensors))
         return {m: {**f, "file": name} for m, f in fields.items()}
 
     def save_layer(self, i: int, lres, kv_amax: dict[str, torch.Tensor], x_next: torch.Tensor,
@@ -184,7 +185,7 @@ class LayerStore:
             tensors[f"f/{name}"] = t.detach().cpu().contiguous()
         for role, t in kv_amax.items():
             tensors[f"kv/{role}"] = t.detach().float().cpu().contiguous()
-        self._record(f"layer-{i}.safetensors", _write_tensors(self.root / f"layer-{i}.safetensors", tensors))
+        self._record(f"layer-{i}.safetensors", write_safetensors_atomic(self.root / f"layer-{i}.safetensors", tensors))
         self._record(f"layer-{i}.json", write_json_atomic(self.root / f"layer-{i}.json", {
             "quantized": fields, "floats": sorted(lres.float_weights), "methods": lres.methods,
             "stats": lres.stats, "seconds": lres.seconds_per_layer,
@@ -313,21 +314,6 @@ def _foreign(path: Path, theirs: dict, ours: dict) -> CvtError:
         f"{name} differs"
     return OutputError(f"{path}: calibration state of another source ({why}); re-run with --no-resume to "
                        "calibrate afresh")
-
-
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
-    """A state safetensors file, atomically (temp, fsync, rename), hashed as it is written:
-    (size, sha256) for state.json's record."""
-    from cvt.convert.durable import AtomicFile
-    from cvt.convert.safetensors_io import TensorSpec, encode_header
-    from cvt.dtypes import dtype_code
-
-    specs = [TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
-    with AtomicFile(path) as f:
-        f.write(encode_header(specs, {"format": "pt"}))
-        for t in tensors.values():
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-        return f.commit()
 
 
 def _check_layer_meta(meta) -> None:

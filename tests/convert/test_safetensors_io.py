@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from cvt.dtypes import dtype_code
 
-from cvt.convert.safetensors_io import TensorSpec, encode_header, read_header
+from cvt.convert.durable import write_safetensors_atomic
+from cvt.convert.safetensors_io import read_header
 
 from cvt.convert.durable import AtomicFile
 from cvt.errors import CheckpointError
@@ -26,13 +27,7 @@ TENSORS = {
 }
 
 
-def write_with_cvt(path, tensors):
-    specs = [TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
-    with AtomicFile(path) as f:
-        f.write(encode_header(specs, {"format": "pt"}))
-        for t in tensors.values():
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-        return f.commit()
+write_with_cvt = write_safetensors_atomic  # the writer cvt uses for its own safetensors (calibration state)
 
 
 def test_cvt_writes_what_safetensors_reads(tmp_path):
