@@ -7,8 +7,8 @@ unknown fields refused) -- the same objects the `cvt` command line builds from i
 
 Every function also takes the options' fields as keywords. An option out of its range raises
 pydantic's `ValidationError` (an unknown scheme, format or method: `CvtError`); failures of the
-work raise `cvt.errors.CvtError` (one line naming the file, tensor or option); nothing prints. Heavy modules (torch, the
-stages) are imported on first call, so `import cvt` stays cheap.
+work raise `cvt.errors.CvtError` (one line naming the file, tensor or option); nothing prints.
+Heavy modules (torch, the stages) are imported on first call, so `import cvt` stays cheap.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The `cvt` command line: a thin layer over the library (one function call per verb).
-
-Every verb takes `--quiet` (no progress bar or summary) and `--debug` (tracebacks and debug
-logging). Failures print one line, `cvt: error: ...`, and exit non-zero; nothing is
-imported before a verb runs, so `cvt --help` is instant.
+"""The `cvt` group and its verbs: each builds its `cvt.api` options object, calls one function
+and prints a summary. Every verb takes `--quiet` (no progress bar or summary) and `--debug`
+(tracebacks and debug logging); `main` turns every failure into one line, `cvt: error: ...`, and
+an exit code. Neither torch nor a registry is imported before a verb runs: `cvt --help` is instant.
 """
 
 from __future__ import annotations
