@@ -64,12 +64,13 @@ POOL = 64 << 20  # random bytes tiled into every FP8 / BF16 tensor
 
 
 def ds_config(moe_layers: int, experts: int, vocab: int, dense: int = 1) -> dict:
+    # cvt refuses n_group that leaves < 2 experts per group: 8 experts get 4 groups
     return tiny_deepseek_config(
         hidden_size=H, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128,
         num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, first_k_dense_replace=dense, num_hidden_layers=dense + moe_layers, n_routed_experts=experts,
-        n_shared_experts=1, n_group=8, topk_group=4, num_experts_per_tok=8, num_nextn_predict_layers=0,
-        vocab_size=vocab, max_position_embeddings=163840)
+        n_shared_experts=1, n_group=8 if experts >= 16 else 4, topk_group=4, num_experts_per_tok=8,
+        num_nextn_predict_layers=0, vocab_size=vocab, max_position_embeddings=163840)
 
 
 def tensor_specs(cfg: dict) -> list[TensorSpec]:
