@@ -19,9 +19,12 @@ Measured, in this one run, best of --repeat:
      (interpreter start and imports included) and its peak RSS (os.wait4), with the fused
      kernels (`cvt.quant.qkernel`: the C kernel when built) and, unless --no-reference, again
      with CVT_QUANT_KERNEL=reference (the unfused torch path: float32 copies of each weight);
-  b. the IO floor for that scheme's output: read every input byte, write as many bytes as
-     cvt wrote in files of the same sizes, fsync per file (bench/fp8_to_bf16.py's io_floor);
-     reported: GB/s of input, cvt's speed vs the floor, peak RSS vs the largest weight as
+     and its CPU seconds (user + sys of its process) per GB of input;
+  b. the two IO floors for that scheme's output (bench/common.py): read every input byte,
+     write as many bytes as cvt wrote in files of the same sizes, fsync; buffered (page cache,
+     file after file) and O_DIRECT (aligned buffers, one thread per file; skipped with the
+     reason where the filesystem refuses O_DIRECT, e.g. tmpfs);
+     reported: GB/s of input, cvt's speed vs each floor, peak RSS vs the largest weight as
      float32 and vs the memory budget (2 x the largest tensor in its source dtype + 1 GB);
      with --repeat N every repeat's seconds too (the floor swings 2-3x between runs on a VM);
   f. the fixed costs inside cvt's time: a child that starts python and imports what an RTN
@@ -54,7 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import row_progress, scratch_dir  # bench/common.py
+from common import direct_floor, row_progress, run_cvt_cpu, scratch_dir  # bench/common.py
 
 GB = 1e9
 HERE = Path(__file__).resolve().parent
@@ -105,11 +108,11 @@ def largest_source_tensor(fb, cfg: dict) -> tuple[str, int]:
     return s.name, s.nbytes
 
 
-def _run_env(fb, cmd: list[str], kernel: str) -> tuple[float, int]:
+def _run_env(fb, cmd: list[str], kernel: str) -> tuple[float, int, float]:
     old = os.environ.get("CVT_QUANT_KERNEL")
     os.environ["CVT_QUANT_KERNEL"] = kernel
     try:
-        return fb.run_cvt(cmd)
+        return run_cvt_cpu(cmd)
     finally:
         if old is None:
             del os.environ["CVT_QUANT_KERNEL"]
@@ -119,8 +122,9 @@ def _run_env(fb, cmd: list[str], kernel: str) -> tuple[float, int]:
 
 def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, reference: bool,
              spread: dict[str, list[float]], out_files: dict[str, list[int]]) -> list[tuple]:
-    """Per scheme: (scheme, cvt s, peak RSS, floor s, out bytes, cmd, reference s, reference RSS, same bytes);
-    every repeat's cvt and floor seconds go to `spread`, the output's file sizes to `out_files`."""
+    """Per scheme: (scheme, cvt s, peak RSS, floor s, out bytes, cmd, reference s, reference RSS, same bytes,
+    O_DIRECT floor s or why skipped, cvt CPU s); every repeat's cvt and floor seconds go to `spread`, the
+    output's file sizes to `out_files`. The floors and CPU are each the best over the repeats."""
     import hashlib
 
     def digest(d: Path) -> list[str]:
@@ -135,25 +139,32 @@ def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, refe
             with fb.scratch(root / f"{scheme}-{r}", keep) as dst:
                 cmd = [sys.executable, "-m", "cvt", "quantize", str(src), str(dst), "--scheme", scheme, *extra,
                        "--quiet"]
-                t, rss = _run_env(fb, cmd, "")
+                t, rss, cpu = _run_env(fb, cmd, "")
                 sizes = [p.stat().st_size for p in sorted(dst.glob("*.safetensors"))]
                 out_files[scheme] = sizes
                 fused = digest(dst) if reference and r == 0 else None
             t_ref = rss_ref = same = None
             if reference and r == 0:
                 with fb.scratch(root / f"{scheme}-ref", keep) as dst:
-                    t_ref, rss_ref = _run_env(fb, cmd[:5] + [str(dst)] + cmd[6:], "reference")
+                    t_ref, rss_ref, _ = _run_env(fb, cmd[:5] + [str(dst)] + cmd[6:], "reference")
                     same = digest(dst) == fused
             with fb.scratch(root / f"floor-{scheme}-{r}", keep) as out:
                 t_floor = sum(fb.io_floor(src_files, out, sizes))
+            with fb.scratch(root / f"direct-{scheme}-{r}", keep) as out:
+                d = direct_floor(src_files, out, sizes)
+                t_direct = d if isinstance(d, str) else sum(d)
             if best is None:
-                best = (scheme, t, rss, t_floor, sum(sizes), cmd, t_ref, rss_ref, same)
-            elif t < best[1]:
-                best = (scheme, t, rss, min(best[3], t_floor), sum(sizes), cmd) + best[6:]
+                best = (scheme, t, rss, t_floor, sum(sizes), cmd, t_ref, rss_ref, same, t_direct, cpu)
             else:
-                best = best[:3] + (min(best[3], t_floor),) + best[4:]
+                if t < best[1]:
+                    best = (scheme, t, rss, best[3], sum(sizes), cmd) + best[6:]
+                od = best[9]
+                best = best[:3] + (min(best[3], t_floor),) + best[4:9] + (
+                    t_direct if isinstance(od, str) else min(od, t_direct), min(best[10], cpu))
             spread.setdefault("cvt " + scheme, []).append(t)
             spread.setdefault("floor " + scheme, []).append(t_floor)
+            if not isinstance(t_direct, str):
+                spread.setdefault("O_DIRECT floor " + scheme, []).append(t_direct)
             bar.update(1)
         rows.append(best)
     bar.close()
@@ -326,19 +337,30 @@ def main() -> None:
     budget = 2 * src_big + GB
     print(f"largest weight as float32: {big_name} {big / GB:.2f} GB; largest tensor as stored: {src_name} "
           f"{src_big / GB:.2f} GB -> RSS budget 2 x {src_big / GB:.2f} + 1 = {budget / GB:.2f} GB")
-    print(f"\n{'RTN, compressed-tensors':24}{'out GB':>8}{'cvt s':>8}{'floor s':>9}{'GB/s in':>9}"
-          f"{'vs floor':>10}{'peak RSS':>10}{'RSS/largest':>13}{'/budget':>9}"
+    print(f"\n{'RTN, compressed-tensors':24}{'out GB':>8}{'cvt s':>8}{'buf floor':>10}{'vs buf':>8}"
+          f"{'O_DIRECT floor':>15}{'vs O_DIRECT':>12}{'GB/s in':>9}{'CPU-s/GB in':>12}"
+          f"{'peak RSS':>10}{'RSS/largest':>13}{'/budget':>9}"
           + ("" if args.no_reference else f"{'ref s':>8}{'ref RSS':>10}{'ref vs floor':>14}{'same bytes':>12}"))
-    for scheme, t, rss, t_floor, out, _, t_ref, rss_ref, same in rows:
-        line = (f"  {scheme:22}{out / GB:8.2f}{t:8.2f}{t_floor:9.2f}{in_total / t / GB:9.3f}{t_floor / t:9.2f}x"
+    skipped = None
+    for scheme, t, rss, t_floor, out, _, t_ref, rss_ref, same, t_direct, cpu in rows:
+        if isinstance(t_direct, str):
+            skipped, dcells = t_direct, f"{'skipped':>15}{'-':>12}"
+        else:
+            dcells = f"{t_direct:15.2f}{t_direct / t:11.2f}x"
+        line = (f"  {scheme:22}{out / GB:8.2f}{t:8.2f}{t_floor:10.2f}{t_floor / t:7.2f}x{dcells}"
+                f"{in_total / t / GB:9.3f}{cpu / (in_total / GB):12.2f}"
                 f"{rss / GB:8.2f} GB{rss / big:12.1f}x{rss / budget:8.2f}x")
         if t_ref is not None:
             line += f"{t_ref:8.2f}{rss_ref / GB:7.2f} GB{t_floor / t_ref:13.2f}x{'yes' if same else 'NO':>12}"
         print(line)
-    print("  (floor: read the input + write the same output bytes + fsync, no compute"
+    print("  (vs = cvt's speed as a multiple of that floor's, floor s / cvt s; both floors read the input and write "
+          "the same output bytes + fsync, no compute, no hashing: buffered = through the page cache, file after "
+          "file; O_DIRECT = the disk itself, aligned buffers, one thread per output file; CPU-s/GB in = cvt's "
+          "user + sys seconds per GB of input"
+          + (f"; O_DIRECT floor skipped: {skipped}" if skipped else "")
           + ("" if args.no_reference else "; ref: the same command with CVT_QUANT_KERNEL=reference, the unfused "
              "torch path; same bytes: every output .safetensors identical") + ")")
-    for *_, cmd, _t, _r, _s in rows:
+    for *_, cmd, _t, _r, _s, _d, _c in rows:
         print(f"  cvt run: {shlex.join(cmd[:4] + ['SRC', 'DST'] + cmd[6:])}")
     if args.repeat > 1:
         print("  every repeat, seconds: " + "; ".join(f"{k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in spread.items()))

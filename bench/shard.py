@@ -11,13 +11,16 @@ Input page-cache warm for every run (just written and synced).
 Measured per layout, in this one run:
   a. cvt: `python -m cvt shard SRC DST --tp T --ep E --quiet` in a child process: wall time
      (interpreter start and imports included) and its peak RSS (os.wait4);
-  b. IO floor: read every input byte once, then write as many bytes as cvt wrote, in files
-     of the same sizes, fsync per file (bench/fp8_to_bf16.py's io_floor). Replicated tensors
+     and its CPU seconds (user + sys of its process) per GB of input;
+  b. the two IO floors (bench/common.py): read every input byte once, then write as many bytes
+     as cvt wrote, in files of the same sizes, fsync; buffered (page cache, file after file)
+     and O_DIRECT (aligned buffers, one thread per file; skipped with the reason where the
+     filesystem refuses O_DIRECT, e.g. tmpfs). Replicated tensors
      make the output larger than the input (attention under DP is on every rank);
   c. reference: the textbook loop - for each rank, for each tensor it holds, safetensors
      `get_slice` of its run, then `save_file` of the rank's dict, fsync. It re-reads the source
      once per rank (from the warm page cache here) and holds a whole rank in RAM.
-Target (a report, not a test): cvt >= 0.8x the floor's speed, peak RSS a few tensors
+Target (a report, not a test): cvt >= 0.8x a floor's speed, peak RSS a few tensors
 whatever the world size. Exit 0 unless something crashes.
 """
 
@@ -32,6 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import direct_floor, run_cvt_cpu  # bench/common.py
 
 HERE = Path(__file__).resolve().parent
 
@@ -109,30 +114,42 @@ def main() -> None:
         in_bytes = sum(p.stat().st_size for p in src_files)
         print(f"fixture: {len(src_files)} files, {in_bytes / 1e9:.2f} GB "
               f"({a.experts} experts x {a.moe_inter} wide, 128 heads, hidden {fb.H})")
-        print(f"{'layout':<22}{'out GB':>8}{'cvt s':>8}{'floor s':>9}{'ref s':>8}{'cvt/floor':>11}"
-              f"{'cvt/ref':>9}{'RSS GB':>8}")
+        print(f"{'layout':<22}{'out GB':>8}{'cvt s':>8}{'buf floor':>10}{'vs buf':>8}{'O_DIRECT floor':>15}"
+              f"{'vs O_DIRECT':>12}{'ref s':>8}{'vs ref':>8}{'CPU-s/GB in':>12}{'RSS GB':>8}")
+        skipped = None
         for text in a.layouts:
             world, kw = parse_layout(text)
             case = root / f"w{world}"
             case.mkdir()
             cmd = [sys.executable, "-m", "cvt", "shard", str(src), str(case / "cvt"), "--world-size", str(world),
                    *[x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))], "--quiet"]
-            dt, rss = fb.run_cvt(cmd)
+            dt, rss, cpu = run_cvt_cpu(cmd)
             manifest = json.loads((case / "cvt" / "cvt_manifest.json").read_text())
             sizes = [f["size"] for f in manifest["files"] if f["path"].endswith(".safetensors")]
             floor_dir = case / "floor"
             floor_dir.mkdir()
             rd, wr = fb.io_floor(src_files, floor_dir, sizes)
             shutil.rmtree(floor_dir)
+            floor_dir.mkdir()
+            d = direct_floor(src_files, floor_dir, sizes)
+            shutil.rmtree(floor_dir)
             ref_dir = case / "ref"
             ref_dir.mkdir()
             ref = reference(src, manifest, ref_dir)
             shutil.rmtree(ref_dir)
             floor = rd + wr
-            print(f"{text:<22}{sum(sizes) / 1e9:>8.2f}{dt:>8.2f}{floor:>9.2f}{ref:>8.2f}{floor / dt:>10.2f}x"
-                  f"{ref / dt:>8.2f}x{rss / 1e9:>8.2f}")
+            if isinstance(d, str):
+                skipped, dcells = d, f"{'skipped':>15}{'-':>12}"
+            else:
+                dcells = f"{sum(d):>15.2f}{sum(d) / dt:>11.2f}x"
+            print(f"{text:<22}{sum(sizes) / 1e9:>8.2f}{dt:>8.2f}{floor:>10.2f}{floor / dt:>7.2f}x{dcells}"
+                  f"{ref:>8.2f}{ref / dt:>7.2f}x{cpu / (in_bytes / 1e9):>12.2f}{rss / 1e9:>8.2f}")
             if not a.keep:
                 shutil.rmtree(case)
+        print("(vs = cvt's speed as a multiple of that floor's or the reference's, their s / cvt s; buffered floor ="
+              " read input + write the same bytes through the page cache + fsync; O_DIRECT floor = the disk itself,"
+              " aligned buffers, one thread per output file; CPU-s/GB in = cvt's user + sys per GB of input"
+              + (f"; O_DIRECT floor skipped: {skipped}" if skipped else "") + ")")
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
