@@ -219,5 +219,6 @@ def write_demo_bf16(dst: Path, cache: Path | None = None, quiet: bool = True, n_
     from cvt.convert.synthetic import write_bf16_checkpoint
 
     config, weights, key = trained_weights(cache, quiet)
+    config = {k: v for k, v in config.items() if k != "quantization_config"}  # the release's FP8 config
     return write_bf16_checkpoint(dst, config, n_shards=n_shards, weights=weights,
                                  readme=README.format(key=key, **RECIPE))

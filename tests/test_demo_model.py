@@ -110,3 +110,15 @@ def test_demo_release_writes_python_and_ranks_the_schemes(demo_weights, tmp_path
         kl[scheme] = verify(tmp_path / scheme, bf16, tmp_path / f"rep-{scheme}", data=data, seq_len=128,
                             max_sequences=4).report.logits.kl_mean
     assert kl["w8a8"] < 0.01 and kl["w4a16"] > 3 * kl["w8a8"], kl
+
+
+def test_the_bf16_checkpoint_is_bf16(demo_weights, tmp_path):
+    """`write_demo_bf16` drops the release's FP8 quantization_config (it once wrote BF16 weights
+    under a config saying fp8, which inspect and every stage read as an FP8 release)."""
+    from cvt.convert.inspect import inspect_checkpoint
+    from cvt.demo_model import write_demo_bf16
+
+    path = write_demo_bf16(tmp_path / "bf16")
+    assert "quantization_config" not in json.loads((path / "config.json").read_text())
+    report = inspect_checkpoint(path)
+    assert report.to_dict()["source_format"] == "bf16" and not report.problems
