@@ -15,6 +15,7 @@ Index rules (each violation is a CheckpointError naming file and tensor):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import stat
@@ -57,6 +58,14 @@ class Checkpoint:
     @property
     def index_sha256(self) -> str | None:
         return sha256_of(self.index_path) if self.index_path else None
+
+    @functools.cached_property
+    def content_identity(self) -> dict[str, str]:
+        """What SRC holds, read cheaply (`cvt.convert.identity.source_identity`); computed once per
+        opened checkpoint (a calibrating quantize keys its state and its plan id on it)."""
+        from cvt.convert.identity import source_identity
+
+        return source_identity(self)
 
     @property
     def has_manifest(self) -> bool:

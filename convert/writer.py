@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from cvt.version import __version__
-from cvt.convert.identity import source_identity
 from cvt.convert.outdir import OutputDir
 from cvt.convert.reader import Checkpoint
 from cvt.dtypes import DTYPES, dtype_code
@@ -437,9 +436,9 @@ def run_plan_id(ckpt: Checkpoint, src: SourceInfo, stage: StageInfo, **parts: An
         "tool": __version__,
         "source": src.model_dump(),
         # fine-tunes share config, index, names and sizes with their base, and a copy keeps
-        # mtimes: the weight files' content (headers and sampled blocks, `source_identity`) tells
+        # mtimes: the weight files' content (headers and sampled blocks, `Checkpoint.content_identity`) tells
         # one source from another, and a mere touch of SRC does not
-        "source_files": source_identity(ckpt),
+        "source_files": ckpt.content_identity,
         "stage": stage.model_dump(),
         **parts,
     })

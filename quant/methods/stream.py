@@ -362,11 +362,9 @@ def _trim() -> None:
 
 def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict, source: dict | None = None) -> str:
     """The calibration's identity: a resumed run continues only the same one. `source`: SRC's
-    content identity (`cvt.convert.identity.source_identity`, computed if not given)."""
-    from cvt.convert.identity import source_identity
-
+    content identity (`Checkpoint.content_identity` when not given)."""
     ident = {
-        "source": source if source is not None else source_identity(ckpt),
+        "source": source if source is not None else ckpt.content_identity,
         "modules": sorted((m, s.name, s.group_size, s.symmetric, getattr(s, "fp4_format", None),
                            plan.methods.get(m, RTN)) for m, s in plan.schemes.items()),
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "shape": list(tokens.shape),
@@ -445,7 +443,6 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     at a time (module doc). `opts` go to the driver (`cvt.quant.methods.calib.calibrate`'s
     options). `on_layer(i)` is called after layer i is saved (tests kill runs there)."""
     from cvt.convert import faults
-    from cvt.convert.identity import source_identity
     from cvt.quant.methods import calib as C
     from cvt.runtime import kv_cache
     from cvt.runtime.loader import assign_tensors, fp8_block
@@ -463,7 +460,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     if unknown:
         raise CvtError(f"unknown calibration option(s) {sorted(unknown)}")
     o.update(opts)
-    source = source_identity(ckpt)
+    source = ckpt.content_identity
     store = LayerStore(state_dir, stream_plan_id(ckpt, plan, tokens, device, o, source), source)
     with torch.device("meta"):
         model = build_model(ckpt.config, dtype=torch.float32)
