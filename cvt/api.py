@@ -23,6 +23,7 @@ from cvt.units import parse_size
 
 Device = Literal["auto", "cpu", "cuda", "npu"]
 DType = Literal["bf16", "fp16", "fp32"]
+Backend = Literal["torch", "onnxruntime"]  # the CLI's choices are these (`typing.get_args`)
 
 
 class _Options(BaseModel):
@@ -284,7 +285,7 @@ class RunOptions(_Options):
     dtype: DType = "bf16"
     verify_files: bool = False
     revision: Optional[str] = None
-    backend: Literal["torch", "onnxruntime"] = "torch"
+    backend: Backend = "torch"
     quiet: bool = True  # no progress bars
 
 

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import traceback
+from typing import get_args
 
 import click
 
@@ -102,7 +103,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @click.option("--calib-tokens", type=click.IntRange(16), default=32768, show_default=True,
               help="Calibration tokens to use, in sequences of 256 (the default: 128 x 256, the budget "
                    "llm-compressor's GPTQ examples use at that length; fewer leave MoE experts few rows).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="cpu", show_default=True,
+@click.option("--device", type=click.Choice(get_args(api.Device)), default="cpu", show_default=True,
               help="Where calibration computes (gptq / awq / smoothquant, --static-attention, w8a8c8): each decoder "
                    "layer is read from SRC onto it, calibrated and dropped; RTN needs no device.")
 @click.option("--expert-memory", type=SIZE, default="4GiB", show_default=True,
@@ -286,14 +287,14 @@ def inspect_cmd(path, revision, as_json, quiet):
 @click.option("--temperature", type=FiniteFloat(0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True, help="Sampling seed, 0 .. 2**64-1.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--device", type=click.Choice(get_args(api.Device)), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(get_args(api.DType)), default="bf16", show_default=True)
 @click.option("--verify-files", is_flag=True, help="Check every file's sha256 against the manifest before loading.")
 @click.option("--revision", help="Hub revision when MODEL is a repo id.")
 @click.option("--world-size", type=click.IntRange(1), default=None,
               help="Run a cvt shard output on W ranks: launches torchrun (python -m cvt.runtime.launch), which "
                    "always checks each rank's files' sha256.")
-@click.option("--backend", type=click.Choice(["torch", "onnxruntime"]), default="torch", show_default=True,
+@click.option("--backend", type=click.Choice(get_args(api.Backend)), default="torch", show_default=True,
               help="onnxruntime: MODEL is a `cvt export onnx` output, run on the CPU (--dtype is the export's).")
 @common
 def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed, device, dtype, verify_files, revision,
@@ -337,8 +338,8 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
 @click.option("--max-ppl-ratio", type=FiniteFloat(0, min_open=True), help="Fail when PPL(candidate)/PPL(reference) is above this.")
 @click.option("--max-mean-kl", type=FiniteFloat(0), help="Fail when the mean KL divergence is above this.")
 @click.option("--min-top1", type=FiniteFloat(0, 1), help="Fail when the same-top-1 share is below this.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto", show_default=True)
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="fp32", show_default=True)
+@click.option("--device", type=click.Choice(get_args(api.Device)), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(get_args(api.DType)), default="fp32", show_default=True)
 @common
 def verify_cmd(candidate, reference, data, report_dir, seq_len, max_sequences, min_cosine, max_ppl_ratio, max_mean_kl,
                min_top1, device, dtype, quiet):
