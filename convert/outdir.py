@@ -8,6 +8,11 @@ size and sha256 still match), another run's output or foreign files (refused unl
 ``--overwrite``, which then deletes only what that run's manifest recorded writing, and never
 replaces a file it did not record).
 
+In a world of several ranks (`cvt.world`), rank 0 does all of that and the others follow with
+its view of DST (which files are finished, what is foreign): each rank writes its share of the
+files and journals them in its own ``.cvt-state.r{R}.json``, which rank 0 merges into the
+journal when a later run (of any world size) enters DST.
+
 `owned_dir` is the one way a stage makes or clears a folder of its own under DST (the
 calibration state, rank directories, temporary folders): it must be a real directory there,
 never a symlink (through which a clean-up would delete, or a writer write, outside DST).
@@ -32,6 +37,7 @@ from cvt.errors import ManifestError, OutputError
 from cvt.schemas.manifest import FileInfo, Manifest
 
 STATE_NAME = ".cvt-state.json"
+RANK_STATE = ".cvt-state.r{}.json"  # the journal of rank R > 0 of a world of several ranks
 STATE_DIR = ".cvt-calib"  # the calibration state (`calibration_dir`)
 
 
@@ -53,8 +59,36 @@ class OutputDir:
         self._lock = threading.Lock()
         self.prior_meta: dict[str, dict] = {}  # meta by key from a complete earlier manifest
         self._foreign: set[str] = set()  # DST entries no cvt run recorded (kept by --overwrite)
+        self.rank = 0
 
     def __enter__(self) -> "OutputDir":
+        from cvt import world
+
+        w = world.current()
+        if w.size == 1:
+            return self._enter()
+        err = None
+        if w.main:  # rank 0 checks, locks and reads DST; the others wait for its answer
+            try:
+                self._enter()
+            except BaseException as exc:
+                err = exc
+        err = world.agree(err)
+        if err is not None:
+            raise err
+        view = world.broadcast({"state": self._state, "prior_meta": self.prior_meta,
+                                "foreign": sorted(self._foreign)} if w.main else None)
+        if not w.main:
+            self.rank = w.rank
+            self._state, self.prior_meta, self._foreign = view["state"], view["prior_meta"], set(view["foreign"])
+        try:
+            world.check_shared(self.dst)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _enter(self) -> "OutputDir":
         dst = self.dst
         if self.source is not None:
             check_disjoint(self.source, dst, self.verb)
@@ -97,6 +131,7 @@ class OutputDir:
                 prior_plan, records = data["plan_id"], data["files"]
             except (ValueError, KeyError, TypeError):
                 prior_plan, records = "unreadable", {}
+            records = {**records, **_rank_journals(self.dst, prior_plan)}  # what the other ranks finished
         else:
             try:
                 manifest = read_manifest(self.dst)
@@ -138,8 +173,14 @@ class OutputDir:
             # what is left is not ours: --overwrite keeps it, and no write may replace it
             self._foreign = {p.name for p in self.dst.iterdir() if not p.name.startswith(".")}
         self._save()
+        for p in _rank_journal_paths(self.dst):  # merged above: the ranks of this run start theirs afresh
+            p.unlink(missing_ok=True)
 
     def _save(self) -> None:
+        if self.rank:  # a rank > 0 journals what it wrote; rank 0 merges it when a run enters DST
+            mine = {rel: rec for rel, rec in self._state.items() if rec.get("rank") == self.rank}
+            write_json_atomic(self.dst / RANK_STATE.format(self.rank), {"plan_id": self.plan, "files": mine})
+            return
         write_json_atomic(self.dst / STATE_NAME, {"plan_id": self.plan, "files": self._state})
 
     def finished(self, rel: str, keys: set[str] = frozenset()) -> tuple[FileInfo, dict] | None:
@@ -160,7 +201,7 @@ class OutputDir:
     def record(self, info: FileInfo, meta: dict | None = None) -> None:
         with self._lock:
             self._state[info.path] = {"size": info.size, "sha256": info.sha256, "tensors": info.tensors,
-                                      "meta": meta or {}}
+                                      "meta": meta or {}, **({"rank": self.rank} if self.rank else {})}
             self._save()
 
     def path(self, rel: str) -> Path:
@@ -201,6 +242,26 @@ class OutputDir:
     def finish(self, manifest: Manifest) -> None:
         write_bytes_atomic(self.dst / MANIFEST_NAME, manifest_bytes(manifest))
         (self.dst / STATE_NAME).unlink(missing_ok=True)
+        for p in _rank_journal_paths(self.dst):
+            p.unlink(missing_ok=True)
+
+
+def _rank_journal_paths(dst: Path) -> list[Path]:
+    return [p for p in Path(dst).glob(RANK_STATE.format("*")) if p.is_file() and not p.is_symlink()]
+
+
+def _rank_journals(dst: Path, plan: str) -> dict[str, dict]:
+    """The files the ranks > 0 of an earlier run of `plan` journaled (each still checked against
+    the disk by `OutputDir.finished` before it is kept); unreadable journals count for nothing."""
+    out: dict[str, dict] = {}
+    for p in sorted(_rank_journal_paths(dst)):
+        try:
+            data = json.loads(p.read_text())
+            if data["plan_id"] == plan and isinstance(data["files"], dict):
+                out.update({rel: {k: v for k, v in rec.items() if k != "rank"} for rel, rec in data["files"].items()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
 
 
 def lock_fd(fd: int, dst: Path) -> None:

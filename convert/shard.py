@@ -67,10 +67,14 @@ from cvt.convert.writer import (
     OutputDir,
     WriteResult,
     finish_output,
+    gathered,
     plan_shards,
+    ranked,
     run_plan_id,
     source_info,
+    together,
 )
+from cvt import world
 from cvt.errors import CvtError
 from cvt.progress import make_progress
 from cvt.units import article
@@ -364,50 +368,66 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
         total_out = sum(h.spec.nbytes for hs in ranks for h in hs)
         with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
                        verb="shard") as out:
-            out.claim([*(RANK_DIR.format(r) for r in range(layout.world_size)), "config.json", "expert_placement.json",
-                       "expert_placement_eplb.json", *(p.name for p in ckpt.aux_files() if p.name != ASCEND_DESCRIPTION)])
-            for r in range(layout.world_size):
-                out.subdir(RANK_DIR.format(r))  # a real directory: never written through a link
-            with make_progress(total_out, "shard", quiet) as bar:
-                infos, written, skipped = _write_ranks(ckpt, out, splits, order, files, bar)
-            rank_entries = []
-            placement = expert_placement(layout, ckpt.config)
-            moe = moe_layers(ckpt.config)
-            for r, per in enumerate(rank_files):
-                d = RANK_DIR.format(r)
-                weight_map = {h.name: rel[len(d) + 1:] for rel, hs in per for h in hs}
-                nbytes = sum(h.spec.nbytes for h in ranks[r])
-                infos.append(out.write_json(f"{d}/{INDEX_NAME}", {"metadata": {"total_size": nbytes},
-                                                                  "weight_map": weight_map}))
-                desc = _ascend_description(ckpt, list(weight_map))
-                if desc is not None:
-                    infos.append(out.write_small(f"{d}/{ASCEND_DESCRIPTION}", desc))
-                c = coords(layout, r)
-                experts = {str(L): list(placement.for_layer(L)[c.ep_rank]) for L in moe}
-                rank_entries.append(RankShard(
-                    rank=r, dir=d, coords={k: v for k, v in vars(c).items() if k != "rank"},
-                    files=[rel for rel, _ in per], tensors=len(ranks[r]), bytes=nbytes, experts=experts))
-            infos.append(out.write_json("config.json", with_explicit_defaults(ckpt.config)))
-            if placement is not None:
-                for fmt_name, (rel, _) in PLACEMENT_FILES.items():
-                    infos.append(out.write_small(rel, placement_json(placement, ckpt.config, fmt_name)))
-            tensors = {name: TensorShard(shape=list(ckpt.tensors[name].shape), dtype=ckpt.tensors[name].dtype,
-                                         axis=sp.axis, dim=sp.dim, degree=sp.degree,
-                                         expert=list(sp.expert) if sp.expert else None)
-                       for name, sp in splits.items()}
-            manifest = finish_output(
-                out, ckpt, infos, src=src_info, stage=stage, pid=pid, out_format=f"sharded-{fmt}",
-                tensor_count=sum(len(hs) for hs in ranks), total_size=total_out,
-                summary={"source_tensors": len(ckpt.tensors), "split": sum(1 for s in splits.values() if s.dim is not None),
-                         "ranks": layout.world_size},
-                quant=ckpt.manifest.quant if ckpt.manifest is not None else None,
-                shard=ShardInfo(layout=layout, tensors=tensors, ranks=rank_entries),
-                skip_aux=(ASCEND_DESCRIPTION,))  # per rank instead
+            w, manifest = world.current(), None
+            if w.main:
+                out.claim([*(RANK_DIR.format(r) for r in range(layout.world_size)), "config.json",
+                           "expert_placement.json", "expert_placement_eplb.json",
+                           *(p.name for p in ckpt.aux_files() if p.name != ASCEND_DESCRIPTION)])
+                for r in range(layout.world_size):
+                    out.subdir(RANK_DIR.format(r))  # a real directory: never written through a link
+            world.barrier()
+            mine = ranked(files, lambda hs: sum(h.spec.nbytes for h in hs))  # this process's files
+            with make_progress(sum(h.spec.nbytes for _, hs in mine for h in hs), "shard", quiet or not w.main) as bar:
+                infos, written, skipped = together(lambda: _write_ranks(ckpt, out, splits, order, mine, bar))
+            infos, written, skipped = gathered(files, infos, written, skipped)
+            if w.main:
+                manifest = _finish(ckpt, out, layout, splits, ranks, rank_files, infos, src_info, stage, pid, fmt,
+                                   total_out)
+            world.barrier()
         return WriteResult(dst=Path(dst), files=infos, written_files=written, skipped_files=skipped,
                            bytes_in=sum(r.nbytes for r in ckpt.tensors.values()), bytes_out=total_out,
                            seconds=time.perf_counter() - t0, manifest=manifest)
     finally:
         ckpt.close()
+
+
+def _finish(ckpt: Checkpoint, out: OutputDir, layout: Layout, splits: dict[str, Split], ranks, rank_files, infos,
+            src_info, stage, pid: str, fmt: str, total_out: int) -> Manifest:
+    """Rank 0, once every rank file is in: the per-rank indexes and Ascend descriptions, config,
+    placement files, then the manifest."""
+    rank_entries = []
+    placement = expert_placement(layout, ckpt.config)
+    moe = moe_layers(ckpt.config)
+    for r, per in enumerate(rank_files):
+        d = RANK_DIR.format(r)
+        weight_map = {h.name: rel[len(d) + 1:] for rel, hs in per for h in hs}
+        nbytes = sum(h.spec.nbytes for h in ranks[r])
+        infos.append(out.write_json(f"{d}/{INDEX_NAME}", {"metadata": {"total_size": nbytes},
+                                                          "weight_map": weight_map}))
+        desc = _ascend_description(ckpt, list(weight_map))
+        if desc is not None:
+            infos.append(out.write_small(f"{d}/{ASCEND_DESCRIPTION}", desc))
+        c = coords(layout, r)
+        experts = {str(L): list(placement.for_layer(L)[c.ep_rank]) for L in moe}
+        rank_entries.append(RankShard(
+            rank=r, dir=d, coords={k: v for k, v in vars(c).items() if k != "rank"},
+            files=[rel for rel, _ in per], tensors=len(ranks[r]), bytes=nbytes, experts=experts))
+    infos.append(out.write_json("config.json", with_explicit_defaults(ckpt.config)))
+    if placement is not None:
+        for fmt_name, (rel, _) in PLACEMENT_FILES.items():
+            infos.append(out.write_small(rel, placement_json(placement, ckpt.config, fmt_name)))
+    tensors = {name: TensorShard(shape=list(ckpt.tensors[name].shape), dtype=ckpt.tensors[name].dtype,
+                                 axis=sp.axis, dim=sp.dim, degree=sp.degree,
+                                 expert=list(sp.expert) if sp.expert else None)
+               for name, sp in splits.items()}
+    return finish_output(
+        out, ckpt, infos, src=src_info, stage=stage, pid=pid, out_format=f"sharded-{fmt}",
+        tensor_count=sum(len(hs) for hs in ranks), total_size=total_out,
+        summary={"source_tensors": len(ckpt.tensors), "split": sum(1 for s in splits.values() if s.dim is not None),
+                 "ranks": layout.world_size},
+        quant=ckpt.manifest.quant if ckpt.manifest is not None else None,
+        shard=ShardInfo(layout=layout, tensors=tensors, ranks=rank_entries),
+        skip_aux=(ASCEND_DESCRIPTION,))  # per rank instead
 
 
 def read_shard_manifest(path) -> Manifest:

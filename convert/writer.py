@@ -16,6 +16,10 @@ a function producing the bytes). `write_checkpoint` then
 4. writes the index, config.json and copied files, then `cvt_manifest.json` last, and
    removes the state file (`finish_output`). Until the manifest exists nothing in DST claims to be complete.
 
+In a world of several ranks (torchrun, `cvt.world`) each rank writes its share of the planned
+files (`ranked`: by bytes), the ranks agree that all went well (`together`), and rank 0 writes
+step 4 once every file is in: the bytes are those of one process, whatever the world size.
+
 Peak memory is about `workers` x (largest output tensor + its input), whatever the model size.
 """
 
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from cvt import world
 from cvt.version import __version__
 from cvt.convert.outdir import OutputDir
 from cvt.convert.reader import Checkpoint
@@ -472,6 +477,44 @@ def _nonfinite(data) -> int:
     return int((~torch.isfinite(data)).sum())
 
 
+def ranked(files: list[tuple[str, Any]], cost: Callable[[Any], int]) -> list[tuple[str, Any]]:
+    """The planned files this rank writes (`cvt.world.World.mine`, by bytes): all of them in a
+    world of one. Which rank writes a file changes nothing in it: the plan fixes every byte."""
+    w = world.current()
+    return files if w.size == 1 else [files[i] for i in w.mine([cost(x) for _, x in files])]
+
+
+def together(step: Callable[[], Any]) -> Any:
+    """Run this rank's `step`, then agree with the others (`cvt.world.agree`): when any rank
+    failed every rank raises (the failing one its own error), so that none waits for a peer
+    that left. In a world of one: just `step()`."""
+    if world.current().size == 1:
+        return step()
+    err = out = None
+    try:
+        out = step()
+    except BaseException as exc:  # KeyboardInterrupt too: the peers must hear of it
+        err = exc
+    err = world.agree(err)
+    if err is not None:
+        raise err
+    return out
+
+
+def gathered(plan: list[tuple[str, Any]], files: list[FileInfo], written: int, skipped: int,
+             meta: dict | None = None) -> tuple[list[FileInfo], int, int]:
+    """Every rank's file infos in `plan` order, and the counts summed (meta merged into `meta`)."""
+    if world.current().size == 1:
+        return files, written, skipped
+    parts = world.all_gather((files, written, skipped, meta or {}))
+    order = {rel: i for i, (rel, _) in enumerate(plan)}
+    files = sorted((f for p in parts for f in p[0]), key=lambda f: order[f.path])
+    if meta is not None:
+        for p in parts:
+            meta.update(p[3])
+    return files, sum(p[1] for p in parts), sum(p[2] for p in parts)
+
+
 def write_checkpoint(
     ckpt: Checkpoint,
     dst: Path,
@@ -506,24 +549,31 @@ def write_checkpoint(
         quant=quant.model_dump(exclude={"tensors", "fallbacks", "float_modules", "calibration"})
         if quant is not None else None)
     total_out = sum(t.spec.nbytes for t in tensors)
+    w = world.current()
+    manifest = None
     with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
                    verb=stage.name) as out:
-        out.claim([*(rel for rel, _ in shards), f"{prefix}.safetensors.index.json", "config.json",
-                   *(rel for rel, _ in extra_files), *(p.name for p in ckpt.aux_files())])
+        if w.main:
+            out.claim([*(rel for rel, _ in shards), f"{prefix}.safetensors.index.json", "config.json",
+                       *(rel for rel, _ in extra_files), *(p.name for p in ckpt.aux_files())])
         meta: dict[str, dict] = {}
-        with make_progress(total_out, stage.name, quiet) as bar:
-            files, written, skipped = write_shards(out, shards, workers=workers, progress=bar, meta=meta,
-                                                   check_finite=stage.name if check_finite else None)
+        mine = ranked(shards, lambda ts: sum(t.spec.nbytes for t in ts))  # this rank's files (all, for one)
+        with make_progress(sum(t.spec.nbytes for _, ts in mine for t in ts), stage.name, quiet or not w.main) as bar:
+            files, written, skipped = together(lambda: write_shards(
+                out, mine, workers=workers, progress=bar, meta=meta, check_finite=stage.name if check_finite else None))
+        files, written, skipped = gathered(shards, files, written, skipped, meta)
         if on_meta is not None:
             on_meta(meta)
-        weight_map = {t.spec.name: rel for rel, ts in shards for t in ts}
-        files.append(out.write_json(f"{prefix}.safetensors.index.json",
-                                    {"metadata": {"total_size": total_out}, "weight_map": weight_map}))
-        files.append(out.write_json("config.json", config))
-        for rel, data in extra_files:
-            files.append(out.write_small(rel, data))
-        manifest = finish_output(out, ckpt, files, src=src, stage=stage, pid=pid, out_format=out_format,
-                                 tensor_count=len(tensors), total_size=total_out, summary=summary, quant=quant)
+        if w.main:  # the files that make DST complete: one writer, after every rank's files are in
+            weight_map = {t.spec.name: rel for rel, ts in shards for t in ts}
+            files.append(out.write_json(f"{prefix}.safetensors.index.json",
+                                        {"metadata": {"total_size": total_out}, "weight_map": weight_map}))
+            files.append(out.write_json("config.json", config))
+            for rel, data in extra_files:
+                files.append(out.write_small(rel, data))
+            manifest = finish_output(out, ckpt, files, src=src, stage=stage, pid=pid, out_format=out_format,
+                                     tensor_count=len(tensors), total_size=total_out, summary=summary, quant=quant)
+        world.barrier()
     return WriteResult(
         dst=Path(dst),
         files=files,

@@ -132,14 +132,21 @@ def quantize(options: QuantizeOptions | None = None, /, **kw):
     >>> quantize(src="/data/r1-bf16", dst="/data/r1-w8a8", scheme="w8a8", fmt="ascend")  # doctest: +SKIP
     """
     o = _build(QuantizeOptions, options, kw)
+    from cvt import world
     from cvt.quant.recipe import load_recipe
+
     from cvt.quant.stage import quantize as stage
 
-    device = o.device
-    if device != "cpu":  # "cpu" needs no check; resolving imports torch, which RTN with the C kernels never does
+    device, w = o.device, world.current()
+    if device != "cpu" and w.size > 1:  # a rank of torchrun computes on its node's device LOCAL_RANK
+        from cvt.runtime.parallel import rank_device
+
+        device = rank_device(device, w.local_rank)
+    elif device != "cpu":  # "cpu" needs no check; resolving imports torch, which RTN with the C kernels never does
         from cvt.runtime.device import resolve_device
 
         device = resolve_device(device)
+    world.start(getattr(device, "type", device))  # a rank of torchrun: its process group (gloo / nccl / hccl)
     return stage(o.src, o.dst, scheme=o.scheme, fmt=o.fmt, method=o.method, group_size=o.group_size, asym=o.asym,
                  fp4_format=o.fp4_format, calib=o.calib, calib_tokens=o.calib_tokens,
                  static_attention=o.static_attention, ignore=o.ignore,

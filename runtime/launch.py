@@ -225,29 +225,6 @@ def report(rank: int, exc: BaseException, debug: bool) -> int:
     return EXIT_INTERNAL
 
 
-def die_with_parent(parent: int | None = None, sig: int = 15):
-    """Linux: have the kernel send `sig` (SIGTERM) to this process when its parent dies, kill -9
-    included, so that no rank or torchrun outlives the `cvt run` that started it. `parent`: the
-    pid expected as parent (when it already died, exit now). Elsewhere a no-op.
-
-    Returns the function that does it, resolved here: `torchrun` passes it as a Popen
-    `preexec_fn`, where (between fork and exec) nothing may be imported."""
-    import ctypes
-    import signal
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return lambda: None
-
-    def arm() -> None:
-        prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if parent is not None and os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return arm
-
-
 def main(argv=None, *, setup_logging: bool = False) -> int:
     """Run one rank; returns the exit code (module docstring). `setup_logging`: configure the root
     logger (rank-0 filtering), as the ``python -m`` entry point does; off for library callers."""
@@ -367,32 +344,9 @@ def launch_args(*, prompts=(), input_ids=(), max_new_tokens=32, temperature=0.0,
     return argv
 
 
-def _boot(module: str) -> str:
-    """Python code for `python -c` that runs MODULE as `python -m MODULE` would, except that the
-    current directory is not put on sys.path.
-
-    `python -m` (and `-c`) put the current directory first on sys.path, so a folder named `cvt`
-    there -- the clone's own folder, when `cvt run` starts from its parent -- shadows the
-    installed package and every rank dies on import (a folder named `torch` would break the
-    agent the same way). `-P` / PYTHONSAFEPATH would drop it but exist only from Python 3.11 (cvt
-    supports 3.10); `-I` would also drop PYTHONPATH and the user's site-packages, where cvt may be
-    installed. So the child removes the one entry `-c` added (''; none under -P / PYTHONSAFEPATH),
-    keeping every other path exactly as the parent's interpreter would have it. One line, so that
-    a process list shows MODULE and its arguments on one line (`pgrep -f`)."""
-    return (f"import runpy, sys; sys.path.pop(0) if sys.path[:1] == [''] else None; "
-            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
-
-
 def torchrun(model, world_size: int | None, argv: list[str]) -> int:
     """Run `python -m torch.distributed.run --standalone --nproc-per-node W -m cvt.runtime.launch MODEL
-    ARGV` (each process started by `_boot`: nothing is imported from the current directory) and
-    return its exit code. Unless ``--debug`` is in ARGV, stderr keeps the ranks' ``cvt:``
-    lines (an error said by several ranks once) and drops torchrun's own report, which is shown
-    only when the run fails without any ``cvt:`` line."""
-    import collections
-    import re
-    import subprocess
-
+    ARGV` (`cvt.world.launch`) and return its exit code."""
     world = sharded_world(model)
     if world is None:
         raise CvtError(f"{model}: not a cvt shard output (no cvt_manifest.json with a 'shard' section); "
@@ -402,34 +356,9 @@ def torchrun(model, world_size: int | None, argv: list[str]) -> int:
                        f"(or torchrun --nproc-per-node {world} -m cvt.runtime.launch {model})")
     if world_size != world:
         raise CvtError(f"{model} is sharded for a world of {world} ranks, not {world_size}: use --world-size {world}")
-    # torchrun's agent and each rank start as `python -c <_boot(module)>` (torchrun --no-python), not
-    # `python -m`: see `_boot` for why
-    cmd = [sys.executable, "-c", _boot("torch.distributed.run"), "--standalone", "--nproc-per-node", str(world_size),
-           "--no-python", sys.executable, "-u", "-c", _boot("cvt.runtime.launch"), str(model), *argv]
-    from cvt.scratch import child_env
+    from cvt.world import launch
 
-    env = child_env(dict(os.environ))  # torchrun's log folders go to the command's private temp folder
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
-    # torchrun gets SIGTERM if this process dies (and stops its ranks, which also die with it)
-    arm = die_with_parent(os.getpid())
-    if "--debug" in argv:
-        return subprocess.call(cmd, env=env, preexec_fn=arm)
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=arm)
-    said: set[str] = set()
-    other: collections.deque[str] = collections.deque(maxlen=40)
-    for line in proc.stderr:
-        if line.startswith("cvt:"):
-            key = re.sub(r"^cvt: (error: |internal error: )?rank \d+: ", r"cvt: \1", line)
-            if key not in said:
-                said.add(key)
-                sys.stderr.write(line)
-                sys.stderr.flush()
-        else:
-            other.append(line)
-    rc = proc.wait()
-    if rc != 0 and not said:
-        sys.stderr.write("".join(other))
-    return rc
+    return launch("cvt.runtime.launch", [str(model), *argv], world_size, debug="--debug" in argv)
 
 
 __all__ = ["main", "preflight", "Preflight", "LogitsRecorder", "dump_logits", "parser", "torchrun", "launch_args",
@@ -437,5 +366,7 @@ __all__ = ["main", "preflight", "Preflight", "LogitsRecorder", "dump_logits", "p
 
 
 if __name__ == "__main__":
+    from cvt.world import die_with_parent
+
     die_with_parent()()  # a rank never outlives torchrun's agent (nor, through it, `cvt run`)
     sys.exit(main(setup_logging=True))

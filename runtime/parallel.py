@@ -75,16 +75,9 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # ------------------------------------------------------------------------------ context
 def backend_for(device: torch.device) -> str:
     """torch.distributed backend for a device type: gloo (cpu), nccl (cuda), hccl (npu)."""
-    kind = torch.device(device).type
-    if kind == "cpu":
-        return "gloo"
-    if kind == "cuda":
-        return "nccl"
-    if kind == "npu":
-        import torch_npu  # noqa: F401  registers the hccl backend
+    from cvt.world import backend_for as for_type
 
-        return "hccl"
-    raise CvtError(f"no torch.distributed backend for device {device} (cpu: gloo, cuda: nccl, npu: hccl)")
+    return for_type(torch.device(device).type)
 
 
 def rank_device(name: str, local_rank: int) -> torch.device:

@@ -32,7 +32,7 @@ LAYERS = [  # top to bottom; ":" siblings may import each other, nothing points 
     "cvt.convert",
     "cvt.quant.tensor",
     "cvt.schemas",
-    "cvt.units : cvt.registry : cvt.lazy : cvt.dtypes : cvt.version : cvt.extras : cvt.progress : cvt.scratch : cvt.corpus",
+    "cvt.units : cvt.registry : cvt.lazy : cvt.dtypes : cvt.version : cvt.extras : cvt.progress : cvt.scratch : cvt.corpus : cvt.world",
     "cvt.errors",
 ]
 INDEPENDENT = [

@@ -16,9 +16,10 @@ from typing import get_args
 import click
 
 from cvt.cli.export import export as export_group
+from cvt.cli import options
 from cvt.cli.options import (EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_THRESHOLD, FORMATS,
                              FP4_FORMATS, METHODS, PLAN_SCHEMES, SCHEMES, SIZE, TARGETS, FiniteFloat, common,
-                             human)
+                             human, ranks)
 from cvt import api
 from cvt.version import __version__
 
@@ -49,6 +50,7 @@ def cli() -> None:
               help="Keep output files an interrupted run of the same conversion finished (size and sha256 checked).")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
+@ranks()
 def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwrite, quiet):
     """Dequantize an FP8 block-scaled release (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8) to BF16.
 
@@ -124,6 +126,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
+@ranks(what="the calibration samples, the layers' linears and experts (by cost) and the output files")
 def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_format, calib, calib_tokens, device,
                  expert_memory, static_attention, ignore, recipe, revision, workers, max_shard_size, resume, overwrite,
                  quiet):
@@ -233,6 +236,7 @@ def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens,
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep rank files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
+@ranks("--procs", "the rank files (--world-size is the layout's)")
 def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens, revision,
               resume, overwrite, quiet, **degrees):
     """Write SRC as per-rank directories DST/rank-XXXXX/ for an EP/TP layout (one world of
@@ -414,9 +418,14 @@ def main(argv=None) -> None:
 
     from cvt.scratch import scratch_dir
 
+    from cvt import world
+
+    options.ARGV[:] = list(sys.argv[1:] if argv is None else argv)
+    who = f"rank {world.current().rank}: " if "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1" else ""
     try:
         with scratch_dir():  # torch's caches and torchrun's logs: removed when the command ends
             cli.main(args=argv, prog_name="cvt", standalone_mode=False)
+            world.stop()  # a rank of torchrun leaves its process group (nothing in a world of one)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except getattr(click.exceptions, "NoArgsIsHelpError", ()) as exc:  # bare `cvt` (or `cvt export`): the help
@@ -433,16 +442,20 @@ def main(argv=None) -> None:
     except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
         click.echo("cvt: interrupted" + ("; re-run the same command to resume" if _resumes(argv) else ""), err=True)
         sys.exit(EXIT_INTERRUPTED)
+    except world.PeerFailed as exc:  # another rank failed and said why: stop with its code, quietly
+        if debug:
+            traceback.print_exc()
+        sys.exit(exc.exit_code)
     except CvtError as exc:
         if debug:
             traceback.print_exc()
-        click.echo(f"cvt: error: {one_line(exc)}", err=True)
+        click.echo(f"cvt: error: {who}{one_line(exc)}", err=True)
         sys.exit(exc.exit_code)
     except OSError as exc:
         if debug:
             traceback.print_exc()
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
-        click.echo(f"cvt: error: {where}{exc.strerror or exc}", err=True)
+        click.echo(f"cvt: error: {who}{where}{exc.strerror or exc}", err=True)
         sys.exit(EXIT_ERROR)
     except Exception as exc:  # a bug: say so, in one line unless --debug
         from cvt.extras import extra_of, message
@@ -461,8 +474,8 @@ def main(argv=None) -> None:
             sys.exit(EXIT_ERROR)
         if debug:
             traceback.print_exc()
-        click.echo(f"cvt: internal error: {type(exc).__name__}: {one_line(exc)} (re-run with --debug for the traceback)",
-                   err=True)
+        click.echo(f"cvt: internal error: {who}{type(exc).__name__}: {one_line(exc)} (re-run with --debug for the "
+                   "traceback)", err=True)
         sys.exit(EXIT_INTERNAL)
 
 

@@ -134,3 +134,48 @@ class FiniteFloat(click.FloatRange):
         if not math.isfinite(rv):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return super().convert(rv, param, ctx)
+
+
+# the command line `main` was given: what `ranks` re-runs on each rank
+ARGV: list[str] = []
+
+
+def ranks(flag: str = "--world-size", what: str = "its output files"):
+    """`flag N` on a streaming or calibrating verb: run the same command as N ranks of torchrun
+    on this node (`cvt.world.launch`), which split `what`; under a torchrun the user started
+    (several nodes) the flag may be left out, and must match WORLD_SIZE if given. Ranks other
+    than 0 print no summary."""
+
+    def deco(fn):
+        @click.option(flag, "ranks", type=click.IntRange(1), default=None,
+                      help=f"Run as N processes (torchrun on this node, gloo / nccl / hccl by --device) that split "
+                           f"{what}; same bytes as one process. Under your own torchrun (several nodes: DST on a "
+                           f"shared filesystem) leave it out.")
+        @functools.wraps(fn)
+        def wrapper(*args, ranks: int | None, quiet: bool, **kwargs):
+            import os
+            import sys
+
+            from cvt import world
+
+            if "WORLD_SIZE" in os.environ:  # a rank of torchrun (ours or the user's)
+                w = world.current()
+                if ranks is not None and ranks != w.size:
+                    raise CvtError(f"{flag} {ranks}, but torchrun started {w.size} ranks (WORLD_SIZE)")
+                return fn(*args, quiet=quiet or not w.main, **kwargs)
+            if ranks is None or ranks == 1:
+                return fn(*args, quiet=quiet, **kwargs)
+            argv, skip = [], False
+            for a in ARGV:
+                if skip:
+                    skip = False
+                elif a == flag:
+                    skip = True
+                elif not a.startswith(flag + "="):
+                    argv.append(a)
+            debug = click.get_current_context().obj.get("debug", False)
+            sys.exit(world.launch("cvt", argv, ranks, debug=debug, env_extra={world.WORLD_ENV: str(ranks)}))
+
+        return wrapper
+
+    return deco

@@ -1,0 +1,323 @@
+"""The process world a stage runs in: one process, or one rank of a torchrun job.
+
+`current()` is this process's `World` (rank, size, local rank: torchrun's RANK, WORLD_SIZE,
+LOCAL_RANK; a world of one without them). Stages ask it how to split their work (`owners`:
+items to ranks by cost, the same answer on every rank) and meet through its collectives, each
+deterministic for a given world size: `barrier`, `all_gather` (Python objects, in rank order),
+`broadcast` (an object from one rank), `gather_sum` (a tensor summed on one rank in rank order,
+not in whatever order a reduction algorithm picks). The process group is initialized by
+`start` (gloo on CPU; nccl / hccl for CUDA / NPU devices, with a gloo group beside it for the
+Python objects and CPU tensors the stages exchange).
+
+`launch` is what ``cvt quantize | fp8-to-bf16 | shard --world-size N`` does: run ``python -m
+torch.distributed.run --standalone --nproc-per-node N`` with the same command on this node.
+Across nodes a user runs torchrun itself; DST must then be a folder every node sees
+(`check_shared`). A rank that dies takes the job down: torchrun's agent stops the others, and
+each rank dies with its agent (`die_with_parent`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from cvt.errors import CvtError, OutputError
+
+# set by `cvt ... --world-size N` for the ranks it starts: the size the user asked for (a
+# torchrun that started a different number of ranks is refused rather than silently used)
+WORLD_ENV = "CVT_WORLD_SIZE"
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands: rank `rank` of `size` (`local_rank` on its node)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def owners(self, costs: Sequence[float]) -> list[int]:
+        """The rank that does each item: longest first, each to the least loaded rank (ties: the
+        lower rank), as llm-compressor's GPTQ bin-packs modules onto ranks. A function of the
+        costs and the world size only, so every rank computes the same assignment."""
+        load = [0.0] * self.size
+        owner = [0] * len(costs)
+        for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+            r = min(range(self.size), key=lambda r: (load[r], r))
+            owner[i] = r
+            load[r] += costs[i]
+        return owner
+
+    def mine(self, costs: Sequence[float]) -> list[int]:
+        """Indices of the items this rank does (`owners`), in their order."""
+        return [i for i, r in enumerate(self.owners(costs)) if r == self.rank]
+
+
+_ONE = World()
+_started: dict[str, Any] = {}  # "cpu_group": the gloo group for objects and CPU tensors
+
+
+def from_env(env=os.environ) -> World:
+    """The world torchrun's environment describes (a world of one when WORLD_SIZE is unset)."""
+    try:
+        size = int(env.get("WORLD_SIZE", "1") or 1)
+        rank = int(env.get("RANK", "0") or 0)
+        local = int(env.get("LOCAL_RANK", str(rank)) or 0)
+    except ValueError:
+        raise CvtError(f"WORLD_SIZE / RANK / LOCAL_RANK must be integers (got {env.get('WORLD_SIZE')!r}, "
+                       f"{env.get('RANK')!r}, {env.get('LOCAL_RANK')!r})") from None
+    if size < 1 or not 0 <= rank < size or local < 0:
+        raise CvtError(f"RANK {rank} / WORLD_SIZE {size} / LOCAL_RANK {local} describe no rank of a world")
+    asked = env.get(WORLD_ENV)
+    if asked and int(asked) != size:
+        raise CvtError(f"--world-size {asked} was asked for, but torchrun started {size} ranks")
+    return World(rank, size, local) if size > 1 else _ONE
+
+
+def current() -> World:
+    return from_env()
+
+
+def backend_for(device_type: str) -> str:
+    """torch.distributed backend for a device type: gloo (cpu), nccl (cuda), hccl (npu)."""
+    if device_type == "cpu":
+        return "gloo"
+    if device_type == "cuda":
+        return "nccl"
+    if device_type == "npu":
+        import torch_npu  # noqa: F401  registers the hccl backend
+
+        return "hccl"
+    raise CvtError(f"no torch.distributed backend for device {device_type} (cpu: gloo, cuda: nccl, npu: hccl)")
+
+
+def start(device_type: str = "cpu") -> World:
+    """Initialize the process group of this world (once; nothing for a world of one)."""
+    w = current()
+    if w.size == 1:
+        return w
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend_for(device_type), rank=w.rank, world_size=w.size)
+    if "cpu_group" not in _started:
+        _started["cpu_group"] = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return w
+
+
+def stop(clean: bool = True) -> None:
+    """Leave the process group: after a last barrier when every rank got here (`clean`), so no
+    rank tears down under a peer; after a failure at once (the peers may be anywhere: torchrun
+    stops them when this rank exits)."""
+    if not _started:
+        return
+    import torch.distributed as dist
+
+    try:
+        if clean and dist.is_initialized():
+            dist.barrier(group=_started["cpu_group"])
+    finally:
+        _started.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _group():
+    if "cpu_group" not in _started:  # a stage that only moves files: gloo is all it needs
+        start("cpu")
+    return _started["cpu_group"]
+
+
+def barrier() -> None:
+    if current().size > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=_group())
+
+
+def all_gather(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    w = current()
+    if w.size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list = [None] * w.size
+    dist.all_gather_object(out, obj, group=_group())
+    return out
+
+
+def broadcast(obj, src: int = 0):
+    """Rank `src`'s `obj` on every rank."""
+    if current().size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=_group())
+    return box[0]
+
+
+def gather_sum(t, dst: int):
+    """sum over ranks r = 0, 1, ... of each rank's `t` (same shape and dtype everywhere), added in
+    rank order on rank `dst` (None elsewhere): the same bits for a given world size whatever
+    the transport. CPU tensors travel through gloo."""
+    w = current()
+    if w.size == 1:
+        return t
+    import torch
+    import torch.distributed as dist
+
+    dev = t.device
+    src = t.detach().cpu().contiguous()
+    parts = [torch.empty_like(src) for _ in range(w.size)] if w.rank == dst else None
+    dist.gather(src, parts, dst=dst, group=_group())
+    if w.rank != dst:
+        return None
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    return total.to(dev)
+
+
+class PeerFailed(CvtError):
+    """Another rank failed (and said why itself): this rank stops too, with that rank's exit
+    code, and says nothing more (the CLI prints no line for it)."""
+
+    def __init__(self, rank: int, message: str, exit_code: int):
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank, self.exit_code = rank, exit_code
+
+
+def agree(error: BaseException | None) -> BaseException | None:
+    """Every rank says whether it failed. A rank that failed keeps its own error; the others get a
+    `PeerFailed` naming the first rank that did (so that no rank waits for a peer that left)."""
+    code = 130 if isinstance(error, KeyboardInterrupt) else getattr(error, "exit_code", 70)
+    mine = None if error is None else (str(error) if isinstance(error, CvtError) else
+                                       f"{type(error).__name__}: {error}", code)
+    said = all_gather(mine)
+    bad = [(r, m) for r, m in enumerate(said) if m is not None]
+    if error is not None or not bad:
+        return error
+    r, (message, code) = bad[0]
+    return PeerFailed(r, message, code)
+
+
+def check_shared(folder: Path) -> None:
+    """Every rank sees the same `folder` (DST): rank 0 writes a token there, each rank reads it
+    back; one clear error when a rank does not see it (DST on a node-local disk)."""
+    w = current()
+    if w.size == 1:
+        return
+    import secrets
+
+    token_path = Path(folder) / f".cvt-world-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    token = broadcast(secrets.token_hex(16) if w.main else None)
+    if w.main:
+        token_path.write_text(token)
+    barrier()
+    try:
+        seen = token_path.read_text()
+    except OSError:
+        seen = None
+    views = all_gather(seen == token)
+    barrier()
+    if w.main:
+        token_path.unlink(missing_ok=True)
+    blind = [r for r, ok in enumerate(views) if not ok]
+    if blind:
+        raise OutputError(f"{folder}: not shared by every rank (rank {', '.join(map(str, blind))} cannot see the "
+                          "file rank 0 wrote there); DST must be a folder every node mounts (a shared filesystem)")
+
+
+# ------------------------------------------------------------------------------ starting ranks
+def boot(module: str) -> str:
+    """Python code for `python -c` that runs MODULE as `python -m MODULE` would, except that the
+    current directory is not put on sys.path.
+
+    `python -m` (and `-c`) put the current directory first on sys.path, so a folder named `cvt`
+    there -- the clone's own folder, when cvt starts from its parent -- shadows the installed
+    package and every rank dies on import (a folder named `torch` would break the agent the
+    same way). `-P` / PYTHONSAFEPATH would drop it but exist only from Python 3.11 (cvt
+    supports 3.10); `-I` would also drop PYTHONPATH and the user's site-packages, where cvt may
+    be installed. So the child removes the one entry `-c` added (''; none under -P /
+    PYTHONSAFEPATH), keeping every other path as the parent's interpreter would have it. One
+    line, so that a process list shows MODULE and its arguments on one line (`pgrep -f`)."""
+    return (f"import runpy, sys; sys.path.pop(0) if sys.path[:1] == [''] else None; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+
+
+def die_with_parent(parent: int | None = None, sig: int = 15):
+    """On Linux, make the calling process receive `sig` (SIGTERM) when its parent exits, kill -9
+    included, so that no rank or torchrun outlives the command that started it. `parent`: the
+    pid expected as parent (when it already died, exit now). Elsewhere a no-op.
+
+    Returns the function that does it, resolved here: `launch` passes it as a Popen
+    `preexec_fn`, where (between fork and exec) nothing may be imported."""
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+
+    def arm() -> None:
+        prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if parent is not None and os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
+def launch(module: str, argv: list[str], world_size: int, *, debug: bool = False,
+           env_extra: dict[str, str] | None = None) -> int:
+    """Run ``python -m torch.distributed.run --standalone --nproc-per-node W`` with each rank
+    running MODULE ARGV (started by `boot`), and return the exit code: the first failing rank's
+    own code when torchrun reports it, else torchrun's. Unless `debug`, stderr keeps the ranks'
+    ``cvt:`` lines (an error said by several ranks once) and drops torchrun's own report,
+    which is shown only when the run fails without any ``cvt:`` line."""
+    import collections
+    import re
+    import subprocess
+
+    cmd = [sys.executable, "-c", boot("torch.distributed.run"), "--standalone", "--nproc-per-node", str(world_size),
+           "--no-python", sys.executable, "-u", "-c", boot(module), *argv]
+    from cvt.scratch import child_env
+
+    env = child_env(dict(os.environ))  # torchrun's log folders go to the command's private temp folder
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    env.update(env_extra or {})
+    # torchrun gets SIGTERM if this process dies (and stops its ranks, which also die with it)
+    arm = die_with_parent(os.getpid())
+    if debug:
+        return subprocess.call(cmd, env=env, preexec_fn=arm)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=arm)
+    said: set[str] = set()
+    other: collections.deque[str] = collections.deque(maxlen=40)
+    codes: list[int] = []
+    for line in proc.stderr:
+        if line.startswith("cvt:"):
+            key = re.sub(r"^cvt: (error: |internal error: )?rank \d+: ", r"cvt: \1", line)
+            if key not in said:
+                said.add(key)
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        else:
+            other.append(line)
+            m = re.match(r"\s*exitcode\s*:\s*(-?\d+)", line)
+            if m:
+                codes.append(int(m.group(1)))
+    rc = proc.wait()
+    if rc != 0 and not said:
+        sys.stderr.write("".join(other))
+    if rc != 0 and codes and codes[0] > 0:
+        return codes[0]  # the rank's own exit code (1 refused input, 70 a bug, ...), not torchrun's 1
+    return rc
