@@ -8,6 +8,8 @@ mid-file, between files or before the manifest, deterministically. Unset, this c
 integer comparison per write. `CVT_TEST_KILL_AFTER_LAYER=i` SIGKILLs a calibrated quantize
 right after layer i's state is saved (`cvt.quant.methods.stream`); `CVT_TEST_STOP_AFTER_LAYER=i`
 SIGSTOPs it there instead (mid-calibration, everything held; the test resumes it with SIGCONT).
+In a torchrun world, `CVT_TEST_KILL_RANK=r` limits both kills to rank r (the other ranks run on
+until torchrun stops them).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import os
 import signal
 import threading
 
-_limit = int(os.environ.get("CVT_TEST_KILL_AT_BYTE", "0") or 0)
+_rank = os.environ.get("CVT_TEST_KILL_RANK", "")
+_here = not _rank or _rank == os.environ.get("RANK", "0")
+_limit = int(os.environ.get("CVT_TEST_KILL_AT_BYTE", "0") or 0) if _here else 0
 _written = 0
 _lock = threading.Lock()
 
@@ -35,7 +39,7 @@ def write(f, data: memoryview) -> None:
     f.write(data)
 
 
-_kill_layer = os.environ.get("CVT_TEST_KILL_AFTER_LAYER", "")
+_kill_layer = os.environ.get("CVT_TEST_KILL_AFTER_LAYER", "") if _here else ""
 _stop_layer = os.environ.get("CVT_TEST_STOP_AFTER_LAYER", "")
 
 

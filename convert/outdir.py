@@ -378,7 +378,40 @@ def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
     foreign files unless --overwrite), DST locked for the whole run from here on, calibration
     included (a second run on DST is refused while this one calibrates; `OutputDir` finds the
     lock held), the folder (`owned_dir`: never a symlink) cleared with --no-resume, and removed
-    once the stage finished."""
+    once the stage finished. Several ranks: rank 0 does all of that, the others use the folder
+    once it stands (DST checked shared first)."""
+    from cvt import world
+
+    w = world.current()
+    if w.size == 1:
+        with _calibration_dir(source, dst, overwrite, resume) as state:
+            yield state
+        return
+    err, ctx, state = None, None, None
+    if w.main:
+        try:
+            ctx = _calibration_dir(source, dst, overwrite, resume)
+            state = ctx.__enter__()
+        except BaseException as exc:
+            err = exc
+    err = world.agree(err)
+    if err is not None:
+        raise err
+    world.check_shared(dst)
+    if not w.main:
+        yield Path(dst) / STATE_DIR
+        return
+    try:
+        yield state
+    except BaseException as exc:
+        if not ctx.__exit__(type(exc), exc, exc.__traceback__):
+            raise
+    else:
+        ctx.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
     check_disjoint(source, dst, "quantize")
     if dst.exists() and not dst.is_dir():
         raise OutputError(f"{dst}: exists and is not a directory")

@@ -55,7 +55,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from cvt import world
 from cvt.errors import CvtError
+from cvt.quant.methods import ranks
 from cvt.quant.methods.awq import awq_clip, awq_search
 from cvt.quant.methods.data import calib_tokens  # noqa: F401  (re-exported)
 from cvt.quant.recipe import AWQ, DATA_METHODS, GPTQ, METHODS, RTN, SMOOTHQUANT  # noqa: F401  (METHODS re-exported)
@@ -147,6 +149,8 @@ def _unstub(module: nn.Module):
 
 @torch.no_grad()
 def _run_layer(layer, x, args, kwargs, batch_size, out=True):
+    if x.shape[0] == 0:  # a rank with no calibration sequence (more ranks than sequences)
+        return x.clone() if out else None
     outs = []
     for b0 in range(0, x.shape[0], batch_size):
         y = layer(x[b0:b0 + batch_size], *args, **kwargs)
@@ -284,6 +288,7 @@ class _LayerCalib:
             self.site_of[n] = _site_key(n, self.linears[n], self.mods[parent_name], parent_name)
         self.groups = _smooth_groups(layer, prefix)
         self.changed: set[str] = set()      # float params changed by folds
+        self.site_owner: dict[tuple, int] = {}  # GPTQ site -> the rank holding its Hessian (`ranks`)
 
     def _refresh(self) -> None:
         """Module maps (again after an expert chunk is loaded: a quantized source's linears are
@@ -400,9 +405,7 @@ class _LayerCalib:
         for t in targets:
             if self.method[t] == GPTQ:
                 self.h_users[self.site_of[t]] = self.h_users.get(self.site_of[t], 0) + 1
-        for t in targets:
-            if t not in pending:
-                self._quantize(t, sites)
+        self._quantize_all([t for t in targets if t not in pending], sites)
         # remaining expert hessian chunks: one pass each, other experts stubbed out
         for ch in later_chunks:
             chunk_sites = {k: _Site(self._k(k), hessian=True, hessian_dtype=o["hessian_dtype"]) for k in ch}
@@ -410,8 +413,7 @@ class _LayerCalib:
             self._collect(stage, chunk_sites, x, args, kwargs, stub_experts=keep)
             for k in ch:
                 sites[k].hess, sites[k].hess_scaled = chunk_sites[k].hess, True   # captured after the folds
-            for t in sorted({t for k in ch for t in self._target_of_site(k, targets)}):  # a fixed order
-                self._quantize(t, sites)
+            self._quantize_all(sorted({t for k in ch for t in self._target_of_site(k, targets)}), sites)  # fixed order
 
     def _target_of_site(self, key, targets) -> list[str]:
         return [t for t in targets if self.site_of[t] == key]
@@ -445,6 +447,12 @@ class _LayerCalib:
                 _unstub(mod)
             for h in hooks:
                 h.remove()
+        if world.current().size > 1:  # what every rank saw, combined (`ranks.reduce_sites`)
+            ranks.reduce_sites(self, sites)
+
+    def _quantize_all(self, names: list[str], sites) -> None:
+        """`_quantize` each of `names` (on its owner rank in a world of several: `ranks.exchange`)."""
+        ranks.exchange(self, names, sites, lambda t: self._quantize(t, sites))
 
     def _smooth(self, g: _Group, sites) -> None:
         meth = self._group_method(g)
@@ -459,16 +467,20 @@ class _LayerCalib:
         if src.n == 0:
             return
         if meth == SMOOTHQUANT:
-            s = smooth_scales(src.absmax(), [self.linears[c].weight for c in quant_cons], o["alpha"])
+            s = ranks.decided(g.producer, lambda: smooth_scales(src.absmax(), [self.linears[c].weight
+                                                                               for c in quant_cons], o["alpha"]))
             info = {"method": SMOOTHQUANT, "alpha": o["alpha"]}
         else:
             use = [c for c in quant_cons if sites[self.site_of[c]].n >= o["min_tokens"]]
             if not use:
                 return
-            samples = {key: sites[key].samples() for key in {self.site_of[c] for c in use}}   # one tensor per site
-            found = awq_search(src.mean_abs(), [samples[self.site_of[c]] for c in use],
-                               [self.linears[c].weight for c in use], [self.schemes[c] for c in use],
-                               n_grid=o["n_grid"], duo_scaling=o["duo_scaling"])
+
+            def search():
+                samples = {key: sites[key].samples() for key in {self.site_of[c] for c in use}}   # one tensor per site
+                return awq_search(src.mean_abs(), [samples[self.site_of[c]] for c in use],
+                                  [self.linears[c].weight for c in use], [self.schemes[c] for c in use],
+                                  n_grid=o["n_grid"], duo_scaling=o["duo_scaling"])
+            found = ranks.decided(g.producer, search)  # one rank searches: the ranks fold the same s
             if found.alpha is None:
                 return
             s = found.scales

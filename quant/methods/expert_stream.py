@@ -183,8 +183,7 @@ class ExpertStream:
         shared = getattr(self.layer.mlp, "shared_experts", None)
         with self._replay(), self._stubbed([], also=[shared] if shared is not None else []):  # not needed here
             lc._collect(stage, sites, x, args, kwargs, stub_experts={(self.container, e) for e in chunk})
-        for t in mine:
-            lc._quantize(t, sites)
+        lc._quantize_all(mine, sites)
 
     def _accumulate(self, lc, chunk: list[int], *, first: bool, acc: list, x, args, kwargs) -> None:
         """One pass running only `chunk`'s experts: their contributions continue each batch's

@@ -46,9 +46,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+from cvt import world
 from cvt.convert.durable import write_safetensors_atomic
 from cvt.convert.outdir import STATE_DIR, clear_dir  # noqa: F401  (STATE_DIR: the folder `calibration_dir` makes)
 from cvt.errors import CvtError
+from cvt.quant.methods import ranks
 from cvt.quant.recipe import AWQ, GPTQ, RTN, SMOOTHQUANT
 from cvt.quant.tensor.schemes.base import QuantizedTensor
 
@@ -74,6 +76,7 @@ class StreamResult:
     kv_amax: list[dict[str, torch.Tensor]] = field(default_factory=list)
     seconds_per_layer: list[float] = field(default_factory=list)
     peak_rss: int = 0
+    peak_rss_per_rank: list[int] = field(default_factory=list)
     resumed_layers: int = 0
 
 
@@ -86,6 +89,7 @@ class LayerStore:
 
     def __init__(self, root: Path, plan_id: str, source: dict[str, str] | None = None):
         self.root, self.plan_id, self.source = Path(root), plan_id, source or {}
+        self.world = world.current()  # several ranks: rank 0 writes the layers, each rank its inputs
         self._index: dict[str, tuple[int, dict]] = {}   # module -> (layer, QuantizedTensor fields)
         self._floats: dict[str, int] = {}                # float tensor name -> layer
         self._files: dict[str, dict] = {}                # state file -> {size, sha256}: checked or written here
@@ -94,7 +98,24 @@ class LayerStore:
     def done(self) -> int:
         """Layers an earlier run of the same plan finished, every file they left checked against
         its record (`_check_files`); 0: start afresh, state cleared. A state computed from
-        another SRC is refused (`_foreign`), not cleared: re-run with --no-resume for that."""
+        another SRC is refused (`_foreign`), not cleared: re-run with --no-resume for that; so is
+        one computed by another number of ranks (its statistics were combined otherwise).
+        Several ranks: rank 0 decides, the others take its answer and records."""
+        if self.world.size == 1:
+            return self._done()
+        done, err = 0, None
+        if self.world.main:
+            try:
+                done = self._done()
+            except BaseException as exc:
+                err = exc
+        err = world.agree(err)
+        if err is not None:
+            raise err
+        done, self._files = world.broadcast((done, self._files) if self.world.main else None)
+        return done
+
+    def _done(self) -> int:
         p = self.root / "state.json"
         try:
             st = json.loads(p.read_text())
@@ -103,6 +124,9 @@ class LayerStore:
                 raise _foreign(p, source, self.source)
             if st.get("plan_id") == self.plan_id:
                 done, files = int(st["done"]), st["files"]
+                ranks = int(st.get("world", 1))
+                if ranks != self.world.size and done:
+                    raise _world(p, ranks, self.world.size)
                 self._check_files(files)
                 return done
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -147,7 +171,11 @@ class LayerStore:
         from cvt.convert.durable import write_json_atomic
 
         write_json_atomic(self.root / "state.json", {"plan_id": self.plan_id, "source": self.source, "done": done,
-                                                     "files": self._files})
+                                                     "world": self.world.size, "files": self._files})
+
+    def _x_name(self, i: int) -> str:
+        """Layer i's input file: this rank's share of it in a world of several."""
+        return f"x-{i}.bin" if self.world.size == 1 else f"x-{i}.r{self.world.rank}.bin"
 
     # -- per layer ----------------------------------------------------------------------------------
     @staticmethod
@@ -170,7 +198,8 @@ class LayerStore:
         returns their fields for `save_layer`'s ``parts``."""
         tensors, fields = self._pack(quantized)
         name = f"layer-{i}-e{c}.safetensors"
-        self._record(name, write_safetensors_atomic(self.root / name, tensors))
+        if self.world.main:  # every rank holds the same results: rank 0 keeps them
+            self._record(name, write_safetensors_atomic(self.root / name, tensors))
         return {m: {**f, "file": name} for m, f in fields.items()}
 
     def save_layer(self, i: int, lres, kv_amax: dict[str, torch.Tensor], x_next: torch.Tensor,
@@ -179,22 +208,29 @@ class LayerStore:
         the layer counts as done."""
         from cvt.convert.durable import write_bytes_atomic, write_json_atomic
 
-        tensors, fields = self._pack(lres.quantized)
-        fields.update(parts or {})
-        for name, t in lres.float_weights.items():
-            tensors[f"f/{name}"] = t.detach().cpu().contiguous()
-        for role, t in kv_amax.items():
-            tensors[f"kv/{role}"] = t.detach().float().cpu().contiguous()
-        self._record(f"layer-{i}.safetensors", write_safetensors_atomic(self.root / f"layer-{i}.safetensors", tensors))
-        self._record(f"layer-{i}.json", write_json_atomic(self.root / f"layer-{i}.json", {
-            "quantized": fields, "floats": sorted(lres.float_weights), "methods": lres.methods,
-            "stats": lres.stats, "seconds": lres.seconds_per_layer,
-            "fallbacks": [[f.name, f.tokens, f.reason] for f in lres.fallbacks]}))
-        self._record(f"x-{i + 1}.bin", write_bytes_atomic(
-            self.root / f"x-{i + 1}.bin", x_next.detach().float().cpu().contiguous().numpy().tobytes()))
-        self._files.pop(f"x-{i}.bin", None)
-        self._mark(i + 1)
-        (self.root / f"x-{i}.bin").unlink(missing_ok=True)
+        x_name = self._x_name(i + 1)
+        x_rec = write_bytes_atomic(self.root / x_name, x_next.detach().float().cpu().contiguous().numpy().tobytes())
+        inputs = world.all_gather((self._x_name(i), x_name, x_rec))  # every rank's share of the next input
+        if self.world.main:
+            tensors, fields = self._pack(lres.quantized)
+            fields.update(parts or {})
+            for name, t in lres.float_weights.items():
+                tensors[f"f/{name}"] = t.detach().cpu().contiguous()
+            for role, t in kv_amax.items():
+                tensors[f"kv/{role}"] = t.detach().float().cpu().contiguous()
+            self._record(f"layer-{i}.safetensors",
+                         write_safetensors_atomic(self.root / f"layer-{i}.safetensors", tensors))
+            self._record(f"layer-{i}.json", write_json_atomic(self.root / f"layer-{i}.json", {
+                "quantized": fields, "floats": sorted(lres.float_weights), "methods": lres.methods,
+                "stats": lres.stats, "seconds": lres.seconds_per_layer,
+                "fallbacks": [[f.name, f.tokens, f.reason] for f in lres.fallbacks]}))
+            for old, new, rec in inputs:
+                self._record(new, rec)
+                self._files.pop(old, None)
+            self._mark(i + 1)
+        if self.world.size > 1:
+            self._files = world.broadcast(self._files if self.world.main else None)
+        (self.root / self._x_name(i)).unlink(missing_ok=True)
 
     def load_layer(self, i: int) -> dict:
         """The json of finished layer i, registering its tensors for `quantized` / `float_tensor`;
@@ -245,7 +281,7 @@ class LayerStore:
 
     def x(self, i: int, shape: tuple[int, ...], spill: bool) -> torch.Tensor:
         """Layer i's input: read into RAM, or (`spill`) an mmap of the state file."""
-        path = self._use(f"x-{i}.bin")
+        path = self._use(self._x_name(i))
         n = 1
         for d in shape:
             n *= d
@@ -303,6 +339,15 @@ def _changed(path: Path, what: str) -> CvtError:
 
     return OutputError(f"{path}: calibration state file changed since cvt wrote it ({what}); re-run with "
                        "--no-resume to calibrate afresh")
+
+
+def _world(path: Path, theirs: int, ours: int) -> CvtError:
+    """One line for a calibration state computed by another number of ranks."""
+    from cvt.errors import OutputError
+
+    return OutputError(f"{path}: calibration state computed by {theirs} rank{'s' if theirs != 1 else ''}, this run "
+                       f"has {ours} (ranks combine statistics in an order fixed by their number): re-run with "
+                       f"--world-size {theirs} to resume, or with --no-resume to calibrate afresh")
 
 
 def _foreign(path: Path, theirs: dict, ours: dict) -> CvtError:
@@ -468,7 +513,9 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     block = fp8_block(ckpt, source_format(ckpt.config))
     emb = ckpt.read("model.embed_tokens.weight")          # rows read through mmap, never the whole table
     model.model.embed_tokens.forward = lambda t: emb[t.cpu()].to(device=device, dtype=torch.float32)
-    x, args, kwargs = C._layer_args(model, tokens.to(device))
+    mine = tokens[ranks.share(tokens.shape[0])]            # this rank's sequences (all of them for one)
+    x, args, kwargs = C._layer_args(model, (mine if mine.shape[0] else tokens[:1]).to(device))
+    x = x[:mine.shape[0]]                                  # a rank with none still needs the layer arguments
     del model.model.embed_tokens.forward
     shape = tuple(x.shape)
     spill = x.numel() * 4 > (SPILL_BYTES if spill_bytes is None else spill_bytes)
@@ -506,7 +553,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
             if observer is not None:
                 layer.self_attn.kv_observer = None
             lres.seconds_per_layer.append(time.perf_counter() - t0)
-            amax = observer.amax[i] if observer is not None else {}
+            amax = ranks.amax_max(observer.amax[i]) if observer is not None else {}
             store.save_layer(i, lres, amax, x, es.saved if es is not None else None)
             if spill:  # the next input from the state file, not RAM
                 x = store.x(i + 1, shape, True).to(device)
@@ -525,6 +572,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
         bar.close()
         ckpt.release("model.embed_tokens.weight")
     res.peak_rss = peak_rss_bytes()
+    res.peak_rss_per_rank = world.all_gather(res.peak_rss)
     return res
 
 

@@ -206,7 +206,9 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
         out.kv_scales = kv_scales(res, ckpt.config, kv_codec)
     out.summary = {"tokens": int(tokens.numel()), "layers": len(res.seconds_per_layer), "device": str(device),
                    "seconds_per_layer": [round(x, 3) for x in res.seconds_per_layer],
-                   "peak_rss_bytes": res.peak_rss, "resumed_layers": res.resumed_layers}
+                   "peak_rss_bytes": max(res.peak_rss_per_rank or [res.peak_rss]), "resumed_layers": res.resumed_layers}
+    if len(res.peak_rss_per_rank) > 1:  # a torchrun world: its size and each rank's peak
+        out.summary.update(ranks=len(res.peak_rss_per_rank), peak_rss_per_rank=res.peak_rss_per_rank)
     return out
 
 
