@@ -1,7 +1,7 @@
 """Benchmark calibrated `cvt quantize`: peak memory against the number of decoder layers.
 
 Usage: .venv/bin/python bench/calibrate.py [--layers 2] [--hidden 2048] [--experts 16]
-       [--method gptq] [--calib-tokens 512] [--dir DIR] [--keep]
+       [--method gptq] [--calib-tokens 512] [--dir DIR] [--keep] [--world-size N]
 
 Why: the calibrated methods must run on checkpoints larger than RAM (DeepSeek-R1: 61 layers,
 641 GB), so the streaming driver holds one decoder layer at a time: its peak RSS must not grow
@@ -17,6 +17,10 @@ Measured, in this one run: `python -m cvt quantize SRC DST --scheme w4a16 --grou
 --method M --calib-tokens N --quiet` in a child process per release: wall time, its peak RSS
 (a small wrapper process's RUSAGE_CHILDREN), and the per-layer seconds the manifest records (quant.calibration). Printed: both
 rows, the RSS ratio (target: within 20% when the layers double) and the mean s/layer.
+With ``--world-size N``: one release (--layers), quantized by one process and by ``cvt quantize
+--world-size N`` (N ranks of torchrun, gloo); printed: wall time of each and their ratio, each
+rank's peak RSS (the manifest's quant.calibration), and the mean KL of each output's logits to
+the source's (`cvt verify`, 4 sequences of 64 tokens).
 A report, not a test: exit 0 unless something crashes.
 """
 
@@ -84,7 +88,10 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the temp dirs")
     ap.add_argument("--expert-memory", help="also run the larger release with cvt quantize --expert-memory SIZE "
                     "(each MoE layer's experts read a chunk at a time) and compare time, RSS and output bytes")
+    ap.add_argument("--world-size", type=int, help="compare one process with N ranks on one release (module doc)")
     args = ap.parse_args()
+    if args.world_size:
+        return ranks(args)
 
     import torch
 
@@ -133,6 +140,39 @@ def main() -> None:
               f"per MoE layer in float32, read a chunk at a time): wall {w2:.1f} s ({w2 / rows[1][3]:.2f}x), "
               f"peak RSS {r2 / GB:.2f} GB ({r2 / rows[1][4]:.2f}x), s/layer "
               + " ".join(f"{x:.1f}" for x in spl2) + f"; weight files {'byte-identical' if same else 'DIFFER'}")
+
+
+def ranks(args) -> None:
+    """`--world-size N`: one process against N ranks on the same release (module doc)."""
+    import torch
+
+    from cvt.convert.synthetic import write_fp8_release
+    from cvt.runtime.verify import verify
+
+    root = Path(tempfile.mkdtemp(prefix="cvt-bench-calibrate-", dir=args.dir))
+    try:
+        src = write_fp8_release(root / "src", config(args.layers, args.hidden, args.experts), n_shards=4)
+        rows = []
+        for n in (1, args.world_size):
+            dst = root / f"out-{n}"
+            wall, rss, spl, argv = run(src, dst, args.method, args.calib_tokens,
+                                       ("--world-size", str(n)) if n > 1 else ())
+            cal = json.loads((dst / "cvt_manifest.json").read_text())["quant"]["calibration"]
+            kl = verify(dst, src, root / f"report-{n}", seq_len=64, max_sequences=4).report.logits.kl_mean
+            rows.append((n, wall, cal.get("peak_rss_per_rank", [cal["peak_rss_bytes"]]), spl, kl, argv))
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"\ncvt calibrated quantize: one process vs {args.world_size} ranks  (torch {torch.__version__}; "
+          f"{os.cpu_count()} CPUs)")
+    print(f"command:  {shlex.join([sys.executable, *sys.argv])}")
+    print(f"release:  DeepSeek-V3-shaped FP8, {args.layers} layers, hidden {args.hidden}, {args.experts} routed experts; "
+          f"w4a16 g128, --method {args.method}, {args.calib_tokens} calibration tokens")
+    print(f"\n{'ranks':>6}{'wall s':>9}{'s/layer':>9}   {'peak RSS per rank':<24}{'KL to source':>13}")
+    for n, wall, rss, spl, kl, _ in rows:
+        print(f"{n:6d}{wall:9.1f}{sum(spl) / len(spl):9.2f}   {' '.join(f'{r / GB:.2f}' for r in rss) + ' GB':<24}"
+              f"{kl:13.5f}")
+    print(f"\nwall time {args.world_size} ranks / 1 process: {rows[1][1] / rows[0][1]:.2f}x (target: 0.65x or less)")
 
 
 if __name__ == "__main__":
