@@ -232,9 +232,10 @@ def check_shared(folder: Path) -> None:
     if w.main:
         token_path.unlink(missing_ok=True)
     blind = [r for r, ok in enumerate(views) if not ok]
-    if blind:
-        raise OutputError(f"{folder}: not shared by every rank (rank {', '.join(map(str, blind))} cannot see the "
+    if blind:  # rank 0 says it, once; the others stop quietly with its exit code
+        err = OutputError(f"{folder}: not shared by every rank (rank {', '.join(map(str, blind))} cannot see the "
                           "file rank 0 wrote there); DST must be a folder every node mounts (a shared filesystem)")
+        raise err if w.main else PeerFailed(0, str(err), err.exit_code)
 
 
 # ------------------------------------------------------------------------------ starting ranks

@@ -129,3 +129,26 @@ def test_rank_journals_merge_into_the_next_run(tmp_path):
         assert out.finished("f1.bin") is None
         assert not (dst / "f1.bin").exists()  # recorded by the earlier run: --overwrite removed it
     assert os.environ.get("WORLD_SIZE") is None
+
+
+def test_a_folder_some_rank_cannot_see_is_one_line(tmp_path):
+    """Rank 1 looks at another folder than rank 0 (as a node-local DST would be): every rank
+    stops with the line naming the rank that cannot see rank 0's token; in a shared folder all pass."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    root = str(Path(__file__).resolve().parents[2])
+    env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    probe = subprocess.run([__import__("sys").executable, "-c", (
+        "import sys; from cvt import world; "
+        f"sys.exit(world.launch('tests.convert.world_probe', {[str(a), str(b)]!r}, 2, env_extra={env!r}))")],
+        capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 1, probe.stderr
+    lines = [ln for ln in probe.stderr.splitlines() if ln.startswith("cvt:")]
+    assert len(lines) == 1 and "not shared by every rank (rank 1 cannot see" in lines[0], probe.stderr
+    ok = subprocess.run([__import__("sys").executable, "-c", (
+        "import sys; from cvt import world; "
+        f"sys.exit(world.launch('tests.convert.world_probe', {[str(a), str(a)]!r}, 2, env_extra={env!r}))")],
+        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert list(a.iterdir()) == []  # the token is gone

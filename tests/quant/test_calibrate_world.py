@@ -48,16 +48,21 @@ def test_gptq_on_two_ranks_resumes_after_a_killed_rank(fp8_release, tmp_path):
     assert weights(fresh) == weights(dst)
 
 
-def test_awq_on_more_ranks_than_sequences_is_deterministic(fp8_release, tmp_path):
-    """3 ranks, 2 calibration sequences (one rank computes none): two runs write the same bytes."""
+def test_smoothquant_c8_static_on_more_ranks_than_sequences_is_deterministic(fp8_release, tmp_path):
+    """3 ranks, 2 calibration sequences (one rank computes none): SmoothQuant's folds, the static
+    attention scales and the C8 KV-cache scales come from statistics combined over the ranks;
+    two runs write the same bytes."""
     outs = []
     for name in ("a", "b"):
         dst = tmp_path / name
-        r = run_cvt("quantize", fp8_release, dst, "--scheme", "w4a16", "--method", "awq", "--calib-tokens", "512",
-                    "--world-size", "3", "-q", subprocess_=True)
+        r = run_cvt("quantize", fp8_release, dst, "--scheme", "w8a8c8", "--format", "ascend", "--method",
+                    "smoothquant", "--static-attention", "--calib-tokens", "512", "--world-size", "3", "-q",
+                    subprocess_=True)
         assert r.rc == 0, r.err
         outs.append(weights(dst))
     assert outs[0] == outs[1]
+    q = json.loads((tmp_path / "a" / "cvt_manifest.json").read_text())["quant"]
+    assert q["calibration"]["ranks"] == 3 and q["kv_cache"]
 
 
 def test_two_ranks_match_one_process_quality(trained_fixture, tmp_path):
