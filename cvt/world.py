@@ -294,7 +294,8 @@ def launch(module: str, argv: list[str], world_size: int, *, debug: bool = False
     from cvt.scratch import child_env
 
     env = child_env(dict(os.environ))  # torchrun's log folders go to the command's private temp folder
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // world_size)))  # the CPUs this process may use, shared
     env.update(env_extra or {})
     # torchrun gets SIGTERM if this process dies (and stops its ranks, which also die with it)
     arm = die_with_parent(os.getpid())
