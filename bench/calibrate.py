@@ -17,8 +17,9 @@ Measured, in this one run: `python -m cvt quantize SRC DST --scheme w4a16 --grou
 --method M --calib-tokens N --quiet` in a child process per release: wall time, its peak RSS
 (a small wrapper process's RUSAGE_CHILDREN), and the per-layer seconds the manifest records (quant.calibration). Printed: both
 rows, the RSS ratio (target: within 20% when the layers double) and the mean s/layer.
-With ``--world-size N``: one release (--layers), quantized by one process and by ``cvt quantize
---world-size N`` (N ranks of torchrun, gloo); printed: wall time of each and their ratio, each
+With ``--world-size N``: one release (--layers), quantized by one process (torch's default
+threads, and again with OMP_NUM_THREADS=1: the share each rank gets of the CPUs) and by ``cvt
+quantize --world-size N`` (N ranks of torchrun, gloo); printed: wall time of each and the ratios, each
 rank's peak RSS (the manifest's quant.calibration), and the mean KL of each output's logits to
 the source's (`cvt verify`, 4 sequences of 64 tokens).
 A report, not a test: exit 0 unless something crashes.
@@ -153,13 +154,25 @@ def ranks(args) -> None:
     try:
         src = write_fp8_release(root / "src", config(args.layers, args.hidden, args.experts), n_shards=4)
         rows = []
-        for n in (1, args.world_size):
-            dst = root / f"out-{n}"
-            wall, rss, spl, argv = run(src, dst, args.method, args.calib_tokens,
-                                       ("--world-size", str(n)) if n > 1 else ())
+        # one process as a user runs it (torch's threads on every CPU), one process on one thread
+        # (what each rank gets when N ranks share the CPUs: the scaling of the split itself), N ranks
+        for label, n, threads in (("1 process", 1, None), ("1 process, 1 thread", 1, "1"),
+                                  (f"{args.world_size} ranks", args.world_size, None)):
+            dst = root / f"out-{len(rows)}"
+            saved = os.environ.get("OMP_NUM_THREADS")
+            if threads:
+                os.environ["OMP_NUM_THREADS"] = threads
+            try:
+                wall, rss, spl, argv = run(src, dst, args.method, args.calib_tokens,
+                                           ("--world-size", str(n)) if n > 1 else ())
+            finally:
+                if saved is None:
+                    os.environ.pop("OMP_NUM_THREADS", None)
+                else:
+                    os.environ["OMP_NUM_THREADS"] = saved
             cal = json.loads((dst / "cvt_manifest.json").read_text())["quant"]["calibration"]
-            kl = verify(dst, src, root / f"report-{n}", seq_len=64, max_sequences=4).report.logits.kl_mean
-            rows.append((n, wall, cal.get("peak_rss_per_rank", [cal["peak_rss_bytes"]]), spl, kl, argv))
+            kl = verify(dst, src, root / f"report-{len(rows)}", seq_len=64, max_sequences=4).report.logits.kl_mean
+            rows.append((label, wall, cal.get("peak_rss_per_rank", [cal["peak_rss_bytes"]]), spl, kl, argv))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -168,11 +181,12 @@ def ranks(args) -> None:
     print(f"command:  {shlex.join([sys.executable, *sys.argv])}")
     print(f"release:  DeepSeek-V3-shaped FP8, {args.layers} layers, hidden {args.hidden}, {args.experts} routed experts; "
           f"w4a16 g128, --method {args.method}, {args.calib_tokens} calibration tokens")
-    print(f"\n{'ranks':>6}{'wall s':>9}{'s/layer':>9}   {'peak RSS per rank':<24}{'KL to source':>13}")
-    for n, wall, rss, spl, kl, _ in rows:
-        print(f"{n:6d}{wall:9.1f}{sum(spl) / len(spl):9.2f}   {' '.join(f'{r / GB:.2f}' for r in rss) + ' GB':<24}"
+    print(f"\n{'':<22}{'wall s':>8}{'s/layer':>9}   {'peak RSS per rank':<24}{'KL to source':>13}")
+    for label, wall, rss, spl, kl, _ in rows:
+        print(f"{label:<22}{wall:8.1f}{sum(spl) / len(spl):9.2f}   {' '.join(f'{r / GB:.2f}' for r in rss) + ' GB':<24}"
               f"{kl:13.5f}")
-    print(f"\nwall time {args.world_size} ranks / 1 process: {rows[1][1] / rows[0][1]:.2f}x (target: 0.65x or less)")
+    print(f"\nwall time {args.world_size} ranks / 1 process: {rows[2][1] / rows[0][1]:.2f}x (target: 0.65x or less); "
+          f"/ 1 process on 1 thread: {rows[2][1] / rows[1][1]:.2f}x")
 
 
 if __name__ == "__main__":

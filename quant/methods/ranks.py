@@ -6,7 +6,8 @@ each statistics pass `reduce_sites` combines what the ranks saw, in rank order, 
 depends on the world size only: token counts, per-channel min / max and sum |x| on every rank;
 AWQ's samples are the ranks' samples in rank order, cut to the cap with a fixed seed; a GPTQ
 Hessian ``H = 2/N sum x x^T`` is summed on its owner rank alone (``sum_r n_r H_r / N``), the
-rank chosen by cost (`site_owners`: ``k^2 x rows + k^3`` per input site, bin-packed) that then
+rank chosen by cost (`site_owners`: ``k^2 x rows + k^3`` per input site plus a per-column cost,
+bin-packed) that then
 runs GPTQ for every linear reading that site. `exchange` quantizes each rank's share of a
 stage's linears (the other linears by cost, ``rows x k``) and shares the results -- quantized
 parts, statistics, method, fallback -- so every rank sets the same dequantized weights before
@@ -26,6 +27,11 @@ from cvt import world
 from cvt.quant.recipe import GPTQ
 
 
+# GPTQ visits the columns one by one: a fixed cost per column (measured ~50 us on a CPU core,
+# about this many flops), which dominates the k^3 + k^2 rows of a small linear
+COLUMN_COST = 2_500_000
+
+
 def share(n: int) -> slice:
     """This rank's contiguous share of `n` calibration sequences (empty when ranks outnumber them)."""
     w = world.current()
@@ -38,7 +44,7 @@ def site_owners(lc, sites: dict) -> dict[tuple, int]:
     keys = sorted(k for k, s in sites.items() if s.hess is not None)
     rows = {k: sum(lc.linears[t].weight.shape[0] for t in lc.schemes if lc.site_of[t] == k and lc.method[t] == GPTQ)
             for k in keys}
-    costs = [sites[k].k ** 2 * max(rows[k], 1) + sites[k].k ** 3 for k in keys]
+    costs = [sites[k].k ** 2 * max(rows[k], 1) + sites[k].k ** 3 + COLUMN_COST * sites[k].k for k in keys]
     return dict(zip(keys, world.current().owners(costs)))
 
 
