@@ -13,6 +13,7 @@ queries that see more than index_topk keys (the acceptance bound is 0.95).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -185,3 +186,37 @@ def test_non_power_of_two_index_head_dim_is_refused(tmp_path):
     assert r.rc != 0 and r.err.startswith("cvt: error: ") and len(r.err.strip().splitlines()) == 1, r.err
     assert "power-of-two index_head_dim" in r.err and "40" in r.err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(not os.environ.get("CVT_VLLM_ASCEND_SRC"),
+                    reason="set CVT_VLLM_ASCEND_SRC to a local vllm-ascend (main) source tree to run its own "
+                           "quantization package on the indexer C8 output")
+def test_vllm_ascend_main_declares_what_the_output_holds(outputs):
+    """vllm-ascend's own AscendModelSlimConfig (on the referee's stubs, tests/quant/vllm_ascend_referee.py)
+    picks AscendSFAQuantAttentionMethod for every decoder layer's attention from the description, and
+    the parameters its create_weights declares are the output's tensors, same names, shapes, dtypes.
+    The MLA attention prefix is the one vLLM passes (``…self_attn.attn``), parameters live under
+    ``…self_attn.mla_attn.mla_attn`` and load from ``…self_attn.{local}`` (get_cache_scale_mapper)."""
+    from pathlib import Path
+
+    from cvt.tests.quant.vllm_ascend_referee import _Attn, _declare_attention, _vllm_ascend
+
+    src = Path(os.environ["CVT_VLLM_ASCEND_SRC"])
+    src = src.parent if src.name == "vllm_ascend" else src
+    dst = outputs["c8"]
+    config = json.loads((dst / "config.json").read_text())
+    desc = json.loads((dst / "quant_model_description.json").read_text())
+    stored = {n: t for n, t in read_all(dst).items() if indexer_c8.ROT_RE.match(n)}
+    declared = {}
+    with _vllm_ascend(src, config, torch.bfloat16) as env:
+        cfg = env.mc.AscendModelSlimConfig(json.loads(json.dumps(desc)))
+        env.holder.quant_config = cfg
+        for i in range(config["num_hidden_layers"]):
+            a = f"model.layers.{i}.self_attn"
+            slots: dict = {}
+            name = _declare_attention(env, cfg, _Attn(f"{a}.attn", f"{a}.mla_attn.mla_attn", a,
+                                                      config["num_attention_heads"], 1, config["kv_lora_rank"]),
+                                      slots, config["model_type"])
+            assert name == "AscendSFAQuantAttentionMethod", (i, name)
+            declared.update({s.ckpt: (tuple(s.shape), s.dtype) for s in slots.values()})
+    assert declared == {n: (tuple(t.shape), t.dtype) for n, t in stored.items()}
