@@ -220,3 +220,30 @@ def test_vllm_ascend_main_declares_what_the_output_holds(outputs):
             assert name == "AscendSFAQuantAttentionMethod", (i, name)
             declared.update({s.ckpt: (tuple(s.shape), s.dtype) for s in slots.values()})
     assert declared == {n: (tuple(t.shape), t.dtype) for n, t in stored.items()}
+
+
+def test_plan_counts_the_indexer_c8_and_shard_replicates_it(outputs, tmp_path):
+    """`cvt plan` (convert.plan.memory_plan) sizes what the V3.2 Ascend C8 output holds and caches; `cvt shard`
+    puts every rotation whole on every rank, byte for byte."""
+    from cvt.convert.layout import make_layout
+    from cvt.convert.plan import memory_plan
+    from cvt.convert.shard import shard
+
+    cfg = json.loads((outputs["c8"] / "config.json").read_text())
+    lay = make_layout(world_size=2, tp=2)
+    p = memory_plan(cfg, lay, "w8a8c8", fmt=ASCEND, kv_tokens=10)
+    assert p.ranks[0].weights["kv_scales"] == 3 * 2 * 32 * 32 * 4                 # q_rot + k_rot f32 per layer
+    kvl, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    # dp 1: 10 tokens x 3 layers x (bf16 latent + bf16 rope key + int8 indexer key + f16 scale)
+    assert p.ranks[1].kv_cache == 10 * 3 * (kvl * 2 + rope * 2 + 32 + 2)
+    with pytest.raises(CvtError, match="power-of-two index_head_dim"):
+        memory_plan({**cfg, "index_head_dim": 40}, lay, "w8a8c8", fmt=ASCEND)
+    dst = shard(outputs["c8"], tmp_path / "tp2", lay, quiet=True).dst
+    whole = read_all(outputs["c8"])
+    for r in range(2):
+        part = read_all(dst / f"rank-{r:05d}")
+        rots = sorted(n for n in part if indexer_c8.ROT_RE.match(n))
+        assert rots == sorted(n for n in whole if indexer_c8.ROT_RE.match(n))
+        assert all(part[n].dtype == whole[n].dtype and torch.equal(part[n], whole[n]) for n in rots)
+        desc = json.loads((dst / f"rank-{r:05d}" / "quant_model_description.json").read_text())
+        assert desc["indexer_quant_type"] == "INT8_DYNAMIC" and desc["model.layers.2.self_attn.indexer.quant_type"]
