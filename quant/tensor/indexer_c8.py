@@ -120,5 +120,6 @@ def dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     copy (the int8 values are computed with the float32 one). An all-zero row gives q 0, scale 0."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True) / QMAX
-    q = torch.where(scale > 0, xf / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(xf))
-    return torch.round(q).clamp_(-128, 127).to(torch.int8), scale.to(getattr(torch, SCALE_DTYPE))
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))   # an all-zero row divides by 1: q = 0
+    q = torch.round(xf / safe).clamp_(-128, 127).to(torch.int8)
+    return q, scale.to(getattr(torch, SCALE_DTYPE))
