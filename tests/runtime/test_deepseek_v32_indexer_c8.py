@@ -249,3 +249,17 @@ def test_plan_counts_the_indexer_c8_and_shard_replicates_it(outputs, tmp_path):
         assert all(part[n].dtype == whole[n].dtype and torch.equal(part[n], whole[n]) for n in rots)
         desc = json.loads((dst / f"rank-{r:05d}" / "quant_model_description.json").read_text())
         assert desc["indexer_quant_type"] == "INT8_DYNAMIC" and desc["model.layers.2.self_attn.indexer.quant_type"]
+
+
+def test_rank_loader_keeps_the_rotations_whole(outputs):
+    """A TP rank narrows head-covering KV-cache scales to its heads (runtime.parallel._local_kv) but the
+    indexer is replicated: each rank attaches the whole [Di, Di] rotations (a 2-rank `cvt run` of the
+    sharded output failed on a [16, 32] half before)."""
+    from cvt.convert.layout import make_layout
+    from cvt.runtime.parallel import ParallelContext, _local_kv, coords
+
+    lay = make_layout(world_size=2, tp=2)
+    rots = {n: t for n, t in read_all(outputs["c8"]).items() if indexer_c8.ROT_RE.match(n)}
+    for r in range(2):
+        got = _local_kv(rots, ParallelContext(lay, r, torch.device("cpu"), coords(lay, r)), True)
+        assert sorted(got) == sorted(rots) and all(torch.equal(got[n], rots[n]) for n in rots)
