@@ -1,6 +1,7 @@
 """DeepSeek-V3.2's lightning-indexer C8 ("sparse LI C8"): on-disk layout, description keys, math.
 
-What vllm-ascend main loads and runs (read 2026-08, ``vllm_ascend/quantization/methods/kv_c8.py``
+What vllm-ascend main loads and runs (read at 182b75e, 2026-08; v0.23.0 is the same, v0.22.1rc1
+names the switch ``enable_sparse_c8``; ``vllm_ascend/quantization/methods/kv_c8.py``
 AscendSFAQuantAttentionMethod, ``quantization/modelslim_config.py`` get_quant_type_for_layer /
 _add_kvcache_quant_metadata / get_cache_scale_mapper, ``ascend_config.py``
 _parse_sparse_li_c8_layers_from_quant_config, ``attention/sfa_v1.py`` AscendSFAImpl
@@ -14,7 +15,7 @@ process_weights_after_loading / indexer_select_pre_process / indexer_select_post
 
   cvt writes the normalized Sylvester Hadamard H / sqrt(Di), the matrix vllm-ascend's SFA applies
   (``scipy.linalg.hadamard(128) / 128**0.5``; it loads q_rot / k_rot but multiplies by that
-  constant). msModelSlim's saver writes a random-sign Hadamard (seed 1234) there instead; both
+  constant). msModelSlim's saver writes its seeded random_hadamard_matrix (seed 1234) instead; both
   are orthogonal and q and k share one, so q . k is unchanged either way.
 * description: per layer ``model.layers.{i}.self_attn.indexer.quant_type: "INT8_DYNAMIC"`` (the
   layer filter of ``enable_sparse_li_c8``) and the global ``indexer_quant_type: "INT8_DYNAMIC"``
@@ -61,6 +62,8 @@ CONVENTION: dict[str, Any] = {
     "tensors": "model.layers.{i}.self_attn.indexer.{q_rot,k_rot} float32 [index_head_dim, index_head_dim]",
     "description": {"model.layers.{i}.self_attn.indexer.quant_type": QUANT_TYPE, GLOBAL_KEY: QUANT_TYPE},
     "layers": "decoder layers 0 .. num_hidden_layers-1 (no MTP layers)",
+    "serving": "vllm-ascend 0.23.0 and main: --additional-config '{\"enable_sparse_li_c8\": true}' (0.22: "
+               "enable_sparse_c8); its SFA backend applies a 128x128 Hadamard, the release's index_head_dim",
 }
 
 
