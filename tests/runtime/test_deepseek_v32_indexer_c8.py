@@ -85,7 +85,7 @@ def test_topk_overlap_with_the_float_indexer(model, monkeypatch):
 
 
 def test_c8_decode_equals_full_forward_and_caches_int8(model):
-    t = prompt(2, 24, seed=3)
+    t = prompt(2, 20, seed=3)
     cfg = model.args.__dict__ | {"model_type": "deepseek_v32"}
     float_logits = model(t)
     model.attach_indexer_rotations(indexer_c8.rotation_tensors(cfg))
@@ -98,9 +98,11 @@ def test_c8_decode_equals_full_forward_and_caches_int8(model):
         assert c.index_quant and c.index_k.dtype == torch.int8 and tuple(c.index_k.shape) == (2, 30, 32)
         assert c.index_scale.dtype == torch.float16 and tuple(c.index_scale.shape) == (2, 30, 1)
         assert c.nbytes == c.mla.nbytes + 2 * 30 * 32 + 2 * 30 * 2
-        steps = [model(t[:, :10], 0, cache)] + [model(t[:, p:p + 1], p, cache) for p in range(10, 24)]
+        # prefill past index_topk, a chunk, then one token at a time
+        steps = [model(t[:, :10], 0, cache), model(t[:, 10:16], 10, cache)]
+        steps += [model(t[:, p:p + 1], p, cache) for p in range(16, 20)]
         torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5 * full.abs().max().item())
-        assert bool(c.index_scale[:, :24].gt(0).all()) and not bool(c.index_scale[:, 24:].any())
+        assert bool(c.index_scale[:, :20].gt(0).all()) and not bool(c.index_scale[:, 20:].any())
         # quant=None: the model without C8 (float indexer cache, float scores)
         fc = model.new_cache(batch=2, max_len=30, quant=None)
         assert not fc[0].index_quant and fc[0].index_k.dtype == torch.float32
