@@ -407,9 +407,11 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         scheme, group_size, fmt, target, fp4_format)
     if disk is not None:
         if getattr(sch, "kv_cache", None) == "int8":  # what cvt quantize refuses, the plan refuses
+            from cvt.quant.tensor import indexer_c8
             from cvt.quant.tensor.kv_layout import kv_target_problem
 
-            why = kv_target_problem(cfg, disk.fmt, disk.target)
+            why = (indexer_c8.problem(cfg) if indexer_c8.applies(cfg, disk.fmt)
+                   else kv_target_problem(cfg, disk.fmt, disk.target))
             if why is not None:
                 raise FormatError(why)
     block = (fp8_block(config, "config.json") or (128, 128)) if scheme == "fp8" else None
@@ -455,16 +457,23 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     int8_kv = getattr(sch, "kv_cache", None) == "int8"
-    if int8_kv:  # the KV-cache scale tensors of cvt.runtime.kv_cache, replicated
+    from cvt.quant.tensor import indexer_c8
+
+    index_c8 = int8_kv and indexer_c8.applies(cfg, disk.fmt)  # V3.2 on Ascend: the indexer's C8, not the MLA's
+    if index_c8:  # q_rot / k_rot float32 [Di, Di] per decoder layer, replicated
+        per_rank["kv_scales"] = model["kv_scales"] = sum(t.numel() * 4 for t in indexer_c8.rotation_tensors(cfg).values())
+    elif int8_kv:  # the KV-cache scale tensors of cvt.runtime.kv_cache, replicated
         from cvt.quant.tensor.kv_layout import kv_tensor_specs_for_config
 
         per_rank["kv_scales"] = model["kv_scales"] = sum(math.prod(sp.shape) * sp.dtype.itemsize
                                                          for sp in kv_tensor_specs_for_config(cfg))
-    elem = 1 if int8_kv else 2
+    elem = 1 if int8_kv and not index_c8 else 2
     # MLA: latent int8 under C8 (FAKQuant), rope key always bf16; GQA: k and v
-    # DeepSeek-V3.2: the lightning indexer caches its own key (index_head_dim, bf16 in cvt's runtime)
+    # DeepSeek-V3.2: the lightning indexer caches its own key (index_head_dim, bf16 in cvt's runtime;
+    # int8 + a float16 scale under the indexer C8)
     index_dim = cfg.get("index_head_dim", 128) if arch.model_type == "deepseek_v32" else 0
-    per_token = n_layers * (cfg["kv_lora_rank"] * elem + cfg["qk_rope_head_dim"] * 2 + index_dim * 2 if mla
+    index_bytes = index_dim + 2 if index_c8 else index_dim * 2
+    per_token = n_layers * (cfg["kv_lora_rank"] * elem + cfg["qk_rope_head_dim"] * 2 + index_bytes if mla
                             else 2 * -(-kv_heads // layout.tp) * head_dim * elem)
     kv_rank = -(-kv_tokens // layout.dp) * per_token
 
@@ -502,9 +511,9 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         f"KV cache: {kv_tokens} tokens in flight over the world, split evenly over dp {layout.dp} "
         f"({-(-kv_tokens // layout.dp)} per rank); " + (
             f"MLA latent {cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}"
-            + (f" + indexer key {index_dim} (bf16)" if index_dim else "") + " per token and layer, whole on "
-            "every TP rank" if mla else f"GQA k+v {kv_heads} KV heads / tp x {head_dim}")
-        + f"; {'int8' if int8_kv else 'bf16'}; {n_layers} decoder layers (MTP layers not cached)"]
+            + (f" + indexer key {index_dim} ({'int8 + a float16 scale' if index_c8 else 'bf16'})" if index_dim else "")
+            + " per token and layer, whole on every TP rank" if mla else f"GQA k+v {kv_heads} KV heads / tp x {head_dim}")
+        + f"; {'int8' if int8_kv and not index_c8 else 'bf16'}; {n_layers} decoder layers (MTP layers not cached)"]
     group_bad = []
     for (answer, module, count) in fits.values():
         more = f" (and {count - 1} more linears like it)" if count > 1 else ""

@@ -75,6 +75,7 @@ from torch import nn
 
 from cvt.convert.arch import text_config
 from cvt.errors import CvtError
+from cvt.quant.tensor.indexer_c8 import ROT_RE as INDEXER_ROT_RE
 from cvt.quant.tensor.kv_layout import (
     CT_NAME_RE, NAME_RE, KV_CONVENTION, QMAX, QMIN, SCALE_DIVISOR, SCALE_MIN, KVTensorSpec,
     kv_tensor_specs, kv_tensor_specs_for_config)
@@ -176,7 +177,7 @@ def is_kv_cache_tensor(name: str) -> bool:
     """True for a KV-cache tensor name of either format (Ascend C8 / FAKQuant names, or
     compressed-tensors ``self_attn.k_scale`` / ``v_scale`` / ``*_zero_point``); a loader routes
     these to `attach_kv_cache_scales` instead of a module parameter."""
-    return bool(NAME_RE.match(name) or CT_NAME_RE.match(name))
+    return bool(NAME_RE.match(name) or CT_NAME_RE.match(name) or INDEXER_ROT_RE.match(name))
 
 
 # ------------------------------------------------------------------- model attachment
@@ -217,7 +218,18 @@ def attach_kv_cache_scales(model: nn.Module, tensors: Mapping[str, torch.Tensor]
     ``kv_cache_scale``; other scales optional; offsets optional and zero) or the
     compressed-tensors set (``self_attn.k_scale`` / ``v_scale`` per layer; `codec` "fp8": vLLM's
     FP8 cache, per-tensor scales; "int8": shape [1] or [kv_heads, 1, 1], broadcast exactly to
-    cvt's int8 channels). Anything else is a CvtError naming it."""
+    cvt's int8 channels). Anything else is a CvtError naming it. DeepSeek-V3.2's indexer C8
+    rotations (``self_attn.indexer.q_rot`` / ``k_rot``, `cvt.quant.tensor.indexer_c8`) among them go
+    to the model's `attach_indexer_rotations`."""
+    rots = {n: t for n, t in tensors.items() if INDEXER_ROT_RE.match(n)}
+    if rots:
+        attach = getattr(model, "attach_indexer_rotations", None)
+        if attach is None:
+            raise CvtError(f"{sorted(rots)[0]}: the {model.args.family} runtime model has no lightning indexer")
+        attach(rots)
+        tensors = {n: t for n, t in tensors.items() if n not in rots}
+        if not tensors:
+            return
     args = model.args
     mla = is_mla(args)
     if codec not in CODECS:

@@ -343,11 +343,15 @@ class RankModel:
 def _local_kv(kv: dict[str, torch.Tensor], ctx: ParallelContext, mla: bool) -> dict[str, torch.Tensor]:
     """KV-cache scales that cover every head (replicated by the sharder: GQA per-channel scales
     over the KV heads, MLA's fa_q [heads, 1]) keep the rank's heads; per-tensor ones ([1], [1, 1])
-    stay whole. `mla` is kept for callers; the rule is the same."""
+    stay whole, and so do DeepSeek-V3.2's indexer rotations (the indexer is replicated). `mla` is
+    kept for callers; the rule is the same."""
+    from cvt.runtime.kv_cache import INDEXER_ROT_RE
+
     tp = ctx.size("tp")
     if tp == 1:
         return kv
-    return {n: t if t.shape[0] == 1 else t.chunk(tp, dim=0)[ctx.coord("tp")].clone() for n, t in kv.items()}
+    return {n: t if t.shape[0] == 1 or INDEXER_ROT_RE.match(n) else t.chunk(tp, dim=0)[ctx.coord("tp")].clone()
+            for n, t in kv.items()}
 
 
 def load_rank(root, manifest: Manifest, config: dict, ctx: ParallelContext, *, dtype: torch.dtype) -> RankModel:

@@ -90,6 +90,8 @@ OTHER_PARAMS = frozenset(
         "offset",
         "k_scale",  # C8 (compressed-tensors naming)
         "v_scale",
+        "q_rot",  # DeepSeek-V3.2 indexer C8: self_attn.indexer.{q,k}_rot (cvt.quant.tensor.indexer_c8)
+        "k_rot",
     }
 )
 PARAMS = WEIGHT_PARAMS | OTHER_PARAMS

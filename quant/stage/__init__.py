@@ -92,13 +92,13 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
         plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target)
         check_kv_target(ckpt.config, plan, fmt, target)
+        kv_static = _kv_static(ckpt.config, plan, fmt)
         source = Source(ckpt, src_fmt)
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
             check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block))
         check_weights(ckpt, arch, "quantize", source.block or (128, 128))
 
-        needs_model = (any(m != RTN for m in plan.methods.values()) or static_attention
-                       or any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
+        needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
         if calib is not None and needs_model:  # before DST is touched
             from cvt.quant.methods.data import check_calib
 
@@ -113,10 +113,20 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume) as state:
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
             cal = _calibrate(ckpt, plan, calib, calib_tokens, static_attention, form.kv_codec, state, device, quiet,
-                             expert_memory)
+                             expert_memory, kv_static)
             return _write(ckpt, dst, plan, form, source, src_fmt, cal, req)
     finally:
         ckpt.close()
+
+
+def _kv_static(config: dict, plan: Plan, fmt: str) -> bool:
+    """Whether the run calibrates static KV-cache scales: an int8 KV cache, except DeepSeek-V3.2's
+    in the Ascend format, whose C8 is the indexer's dynamic one (`cvt.quant.tensor.indexer_c8`)."""
+    from cvt.convert.arch import text_config
+    from cvt.quant.tensor import indexer_c8
+
+    c8 = any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
+    return c8 and not indexer_c8.applies(text_config(config), fmt)
 
 
 def _takes_fp4_format(scheme: str, recipe: Recipe | None) -> bool:
@@ -166,7 +176,8 @@ class _Calib:
 
 
 def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_attention: bool,
-               kv_codec: str, state_dir: Path, device, quiet: bool, expert_memory: int | None = None) -> _Calib:
+               kv_codec: str, state_dir: Path, device, quiet: bool, expert_memory: int | None = None,
+               kv_static: bool = True) -> _Calib:
     """Calibration text through the model, one decoder layer from disk at a time
     (`cvt.quant.methods.stream`): the calibrated methods, static activation scales of the
     attention projections (--static-attention: amax / 127 of what they see, after smoothing and
@@ -183,7 +194,7 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
     tokens = calib_tokens_of(load_tokenizer(ckpt.root, ckpt.config), calib, seq_len=256,
                              max_sequences=max(1, calib_tokens // 256),
                              max_len=mod.Args.from_config(cfg).max_position_embeddings)
-    c8 = any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
+    c8 = kv_static and any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
     res = calibrate_streaming(ckpt, plan, tokens, state_dir, device=device, observe_kv=c8, quiet=quiet,
                               collect_stats=static_attention,
                               **({} if expert_memory is None else {"max_expert_bytes": expert_memory}))
@@ -283,7 +294,19 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
     c8 = any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
     kv_meta = None
     mla = "kv_lora_rank" in arch.config
-    if c8:
+    meta_kw: dict[str, Any] = {}
+    if c8 and not _kv_static(ckpt.config, plan, req.fmt):  # DeepSeek-V3.2 on Ascend: the indexer C8
+        from cvt.convert.arch import text_config
+        from cvt.quant.tensor import indexer_c8
+
+        lm = text_config(ckpt.config)
+        rots = indexer_c8.rotation_tensors(lm)
+        kv_meta = {"convention": indexer_c8.CONVENTION, "tensors": sorted(rots)}
+        for n, t in rots.items():
+            outs.append(OutTensor(TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)), produce=lambda t=t: t))
+            tags[n] = "FLOAT"
+        c8, meta_kw = False, {"extra_keys": indexer_c8.description_keys(lm)}  # no MLA (FAKQuant) scales
+    elif c8:
         from cvt.quant.tensor.kv_layout import kv_tag
 
         kv_meta = form.kv_manifest(cal.kv_scales)  # Ascend int8 names, or compressed-tensors fp8 k_scale / v_scale
@@ -292,7 +315,7 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
             tags[n] = kv_tag(mla)
     config = bf16_config(ckpt.config)
     extra_files = form.write_metadata(config, tags, plan.schemes, float_linears=float_linears, kv_cache=c8, mla=mla,
-                                      target=target)
+                                      target=target, **meta_kw)
 
     calibrated = {f.module for f in cal.fallbacks}
     fallbacks = sorted(list(cal.fallbacks) + [Fallback(module=m, method=plan.methods[m], reason=why)

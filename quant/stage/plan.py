@@ -147,7 +147,10 @@ def check_kv_target(config, plan: Plan, fmt: str, target: str) -> None:
         return
     from cvt.quant.tensor.kv_layout import kv_target_problem
 
-    why = kv_target_problem(text_config(config), fmt, target)
+    from cvt.quant.tensor import indexer_c8
+
+    lm = text_config(config)
+    why = indexer_c8.problem(lm) if indexer_c8.applies(lm, fmt) else kv_target_problem(lm, fmt, target)
     if why is not None:
         raise FormatError(why)
 

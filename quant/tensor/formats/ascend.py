@@ -32,6 +32,7 @@ from cvt.lazy import torch
 from cvt.errors import FormatError, ShapeError
 from cvt.quant.tensor import layouts as L
 from cvt.quant.tensor.formats.base import lm_section, register, scheme_name
+from cvt.quant.tensor.indexer_c8 import GLOBAL_KEY as INDEXER_KEY
 from cvt.quant.tensor.schemes import FP4, W4A16, W8A8, W8A8C8
 from cvt.quant.tensor.schemes.base import QuantizedTensor
 
@@ -129,10 +130,13 @@ class Ascend:
             out[f"{module}.bias"] = FLOAT
         return out
 
-    def description(self, tags: dict[str, str], kv_cache: str | None = None, group_size: int = 0) -> dict:
+    def description(self, tags: dict[str, str], kv_cache: str | None = None, group_size: int = 0,
+                    extra_keys: dict[str, str] | None = None) -> dict:
         """quant_model_description.json: `tags` (every tensor in the weights, FLOAT for float ones)
-        plus the global keys (module docstring). `kv_cache`: None, "C8" (GQA) or "FAKQuant" (MLA)."""
-        clash = sorted(set(GLOBAL_KEYS) & set(tags))
+        plus the global keys (module docstring). `kv_cache`: None, "C8" (GQA) or "FAKQuant" (MLA).
+        `extra_keys`: further keys that name no tensor (DeepSeek-V3.2's indexer C8:
+        `cvt.quant.tensor.indexer_c8.description_keys`)."""
+        clash = sorted((set(GLOBAL_KEYS) | set(extra_keys or ())) & set(tags))
         if clash:
             raise FormatError(f"ascend description: tensor names {clash} collide with the description's global keys")
         desc = dict(tags)
@@ -145,6 +149,7 @@ class Ascend:
             desc["fa_quant_type"] = "FAKQuant"
         elif kv_cache is not None:
             raise FormatError(f"ascend description: kv_cache {kv_cache!r} is not supported (C8, FAKQuant or None)")
+        desc.update(extra_keys or {})
         return desc
 
     def stored_metadata(self, root, quantization_config, load_json):
@@ -161,15 +166,17 @@ class Ascend:
         return {"convention": KV_CONVENTION, "tensors": sorted(kv_tensors)}
 
     def write_metadata(self, config: dict, tags: dict[str, str], schemes: dict, *, float_linears: list[str],
-                       kv_cache: bool, mla: bool, target: str) -> list[tuple[str, bytes]]:
+                       kv_cache: bool, mla: bool, target: str,
+                       extra_keys: dict[str, str] | None = None) -> list[tuple[str, bytes]]:
         """quant_model_description.json (returned as an extra file); a target that reads its keys
-        from config.json (MindIE) gets them there too. `schemes`: module -> scheme."""
+        from config.json (MindIE) gets them there too. `schemes`: module -> scheme; `extra_keys`:
+        see `description`."""
         groups = {s.group_size for s in schemes.values() if s.group_size}
         if len(groups) > 1:  # the stacks read one global group_size (vllm-ascend, MindIE)
             raise FormatError(f"the ascend description has one global group_size, but the recipe uses "
                               f"{sorted(groups)}: give every grouped module the same group size")
         desc = self.description(tags, kv_cache=("FAKQuant" if mla else "C8") if kv_cache else None,
-                                group_size=groups.pop() if groups else 0)
+                                group_size=groups.pop() if groups else 0, extra_keys=extra_keys)
         if target in L.CONFIG_KEY_TARGETS:
             lm_section(config).update(mindie_config(desc, mla))
         return [(self.description_file, (json.dumps(desc, indent=2) + "\n").encode())]
@@ -195,7 +202,8 @@ class Ascend:
             q = L.read_layout(module, found, by_suffix).decode(module, by_suffix)
         except FormatError as exc:
             raise FormatError(f"ascend: {exc}") from None
-        if q.scheme == W8A8.name and (desc.get("kv_cache_type") == "C8" or desc.get("fa_quant_type")):
+        if q.scheme == W8A8.name and (desc.get("kv_cache_type") == "C8" or desc.get("fa_quant_type")
+                                      or desc.get(INDEXER_KEY)):
             q.scheme = W8A8C8.name
         return q
 
