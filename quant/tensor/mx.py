@@ -5,8 +5,10 @@ Pure tensor functions (float32 math, no scheme or format knowledge); the MX sche
 (`cvt.quant.tensor.schemes.mx`) and the runtime's MX kernels (`cvt.runtime.kernels.mx`, which
 quantize activations the same way) use them. Every rule is msModelSlim's (commit 1e4a534,
 ``msmodelslim/ir/api/impl/mx_quantization.py``, element parameters from ``ir/qal/qbase.py``
-``_get_format_params``), written with the same torch operations so the numbers agree bit for bit
-for float32 inputs:
+``_get_format_params``, weights through ``core/quantizer/impl/minmax.py`` MXWeightPerBlockMinmax),
+written with the same torch operations. msModelSlim computes the shared exponent in the model's
+dtype -- bfloat16 for the releases -- and the elements in float32; cvt does the same (for any
+input dtype), so for a bf16 weight the numbers agree bit for bit:
 
 * MXFP8 shared exponent (``calculate_mx_qparam``): ``se = floor(log2(amax + 2**-126 * (amax ==
   0))) - 8`` (emax of E4M3 = 2**(4-1)); above 127: NaN, below -127: -127.
@@ -38,7 +40,7 @@ FP8_EMAX, FP8_MAX, FP8_MBITS, FP8_MIN_EXP = 8, 448.0, 5, -6      # mxfp8_e4m3: e
 FP4_EMAX, FP4_MAX = 2, 6.0                                       # mxfp4: ebits 2, mbits 3
 FP32_MIN_NORMAL = 2.0 ** -126
 FP4_EPS = 9.6e-7                                                 # msModelSlim's log2 guard
-FP8, FP4 = "fp8", "fp4"                                          # the element kinds
+FP8, FP4 = "e4m3", "e2m1"                                        # the element kinds
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -48,15 +50,22 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
 
 
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(torch.float32)
+
+
 def shared_exponent(amax: torch.Tensor, elem: str) -> torch.Tensor:
-    """float32 shared exponents (integer valued) of blocks with max |x| ``amax`` (module docstring)."""
-    amax = amax.to(torch.float32)
+    """float32 shared exponents (integer valued) of blocks with max |x| ``amax`` (module docstring),
+    each step rounded to bfloat16 as msModelSlim's ops round it on a bf16 model (its observer keeps
+    the weight's dtype: ``core/observer/minmax.py`` MsMinMaxBlockObserver.update): ``log2`` of a
+    block max just under a power of two rounds up to it there, and so here."""
+    amax = _bf16(amax)
     if elem == FP8:
-        se = torch.floor(torch.log2(amax + FP32_MIN_NORMAL * (amax == 0).to(amax.dtype))) - FP8_EMAX
+        se = torch.floor(_bf16(torch.log2(_bf16(amax + FP32_MIN_NORMAL * (amax == 0).to(amax.dtype))))) - FP8_EMAX
         se[se > E8M0_BIAS] = float("nan")
         se[se < -E8M0_BIAS] = -E8M0_BIAS
         return se
-    se = torch.floor(torch.log2(amax / (1 - 0.5 ** 3) + FP4_EPS)) - FP4_EMAX
+    se = torch.floor(_bf16(torch.log2(_bf16(_bf16(amax / (1 - 0.5 ** 3)) + FP4_EPS)))) - FP4_EMAX
     return torch.clip(se, -E8M0_BIAS - FP4_EMAX, E8M0_BIAS - FP4_EMAX)
 
 
