@@ -272,7 +272,7 @@ def attach_kv_cache_scales(model: nn.Module, tensors: Mapping[str, torch.Tensor]
         dev = _device_of(attn)
         a, b = _runtime_scales(mla, got)
         attn.kv_scales = (a.to(dev), None if b is None else b.to(dev))
-        attn.kv_extra, attn.kv_codec, attn.kv_names = ext, codec, "ascend"  # fp8: Ascend 950's FAKQuant
+        attn.kv_extra, attn.kv_codec, attn.kv_names = ext, codec, "c8"  # fp8: Ascend 950's FAKQuant
 
 
 def _attach_fp8(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -315,7 +315,7 @@ def get_kv_cache_scales(model: nn.Module, offsets: bool = True) -> dict[str, tor
     if scales is None:
         raise CvtError("the model has no KV-cache scales (not a C8 model; calibrate or load them first)")
     mla = is_mla(model)
-    if kv_codec(model) == "fp8" and getattr(_attentions(model)[0], "kv_names", "ct") != "ascend":
+    if kv_codec(model) == "fp8" and getattr(_attentions(model)[0], "kv_names", "ct") != "c8":
         out = {}
         for i, (a, b) in enumerate(scales):
             out[f"model.layers.{i}.self_attn.k_scale"] = a.detach().float().cpu().reshape(1).clone()
