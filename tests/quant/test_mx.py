@@ -257,6 +257,28 @@ def test_runtime_kernel_dequant_and_forward(cls):
     assert lin(x).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("act_order", [False, True], ids=["natural", "act_order"])
+@pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.name)
+def test_gptq_on_the_mx_grid(cls, act_order):
+    """GPTQ (`cvt.quant.methods.gptq`) with the MX schemes: block scales from the scheme's RTN,
+    each column's elements on msModelSlim's grid (`mx.quantize_elements`); beats RTN on a
+    correlated layer and the stored tensor dequantizes (scheme and runtime kernel) to exactly
+    GPTQ's columns."""
+    from cvt.quant.methods import HessianAccumulator, gptq_quantize
+    from cvt.tests.quant.test_methods import correlated_linear, out_err
+
+    s = cls()
+    x, w = correlated_linear()
+    acc = HessianAccumulator(w.shape[1])
+    for chunk in x.split(500):
+        acc.add(chunk)
+    r = gptq_quantize(w, acc.H, s, act_order=act_order)
+    assert out_err(x, w, r.weight) < 0.8 * out_err(x, w, s.fake_quant(w))
+    assert r.exact and torch.equal(s.dequantize(r.qtensor), r.weight)
+    assert torch.equal(K.get(r.qtensor.kernel_fmt).from_parts(r.qtensor.parts).dense_weight(), r.weight)
+    assert r.qtensor.parts["weight_scale"].dtype == torch.uint8
+
+
 def test_for_parts_still_finds_weight_only_mxfp4():
     # the W4A4 / W4A8 MX kernels store the same parts as mxfp4: the loader picks by the manifest's kernel_fmt
     assert K.for_parts({"weight_fp4", "weight_scale"}) is K.get(KF.MXFP4)
