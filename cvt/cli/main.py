@@ -99,7 +99,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
                    "(FAKQuant's e4m3 cache on Ascend 950, MLA models, vllm-ascend; scales amax / 448); "
                    "compressed-tensors: fp8 only.")
 @click.option("--method", type=METHODS, default=None,
-              help="Default rtn. rtn: any scheme, no data. gptq: fp4, w4a16, w8a8, w8a8c8, mxfp8, w4a4_mxfp4, w4a8_mxfp. awq: any scheme. smoothquant: w4a8, "
+              help="Default rtn. rtn: any scheme, no data. gptq: fp4, mxfp8, w4a16, w4a4_mxfp4, w4a8_mxfp, w8a8, w8a8c8. awq: any scheme. smoothquant: w4a8, "
                    "w8a8, w8a8c8 (it smooths activations for their int8 quantization). gptq, awq and smoothquant "
                    "calibrate on --calib text; a recipe can give modules other methods.")
 @click.option("--group-size", type=click.IntRange(0), default=None,
