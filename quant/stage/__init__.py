@@ -41,7 +41,6 @@ from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, defaul
 from cvt.errors import FormatError, OptionError
 from cvt.quant.tensor.formats import DEFAULT_FORMAT, get_format
 from cvt.quant.tensor.disk_layouts import DiskLayouts
-from cvt.quant.tensor.kv_layout import FP8_FAKQUANT, kv_storage
 from cvt.quant.tensor.layouts import check_target, kernel_fmt_of
 from cvt.quant.tensor.stack_versions import check_line, line_problem
 from cvt.quant.recipe import RTN, Policy, Recipe
@@ -101,8 +100,12 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
         plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         check_kv_target(ckpt.config, plan, fmt, target)
-        kv_codec = kv_storage(form.name, form.kv_codec, target, kv_dtype, "kv_lora_rank" in text_config(ckpt.config),
-                              any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
+        kv_codec = form.kv_codec
+        if kv_dtype is not None:  # kv_layout imports torch, which RTN otherwise never does
+            from cvt.quant.tensor.kv_layout import kv_storage
+
+            kv_codec = kv_storage(form.name, form.kv_codec, target, kv_dtype, "kv_lora_rank" in text_config(ckpt.config),
+                                  any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
         source = Source(ckpt, src_fmt)
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
             check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block))
@@ -300,6 +303,8 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
 
         kv_meta = form.kv_manifest(cal.kv_scales)  # Ascend int8 names, or compressed-tensors fp8 k_scale / v_scale
         if req.kv_dtype is not None and req.kv_dtype != form.kv_codec:  # Ascend 950's fp8 FAKQuant cache
+            from cvt.quant.tensor.kv_layout import FP8_FAKQUANT
+
             kv_meta["convention"] = {**kv_meta["convention"], **FP8_FAKQUANT}
         for n, t in cal.kv_scales.items():
             outs.append(OutTensor(TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)), produce=lambda t=t: t.contiguous()))
