@@ -42,6 +42,13 @@ class Survey:
     experts_seen: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
 
 
+def _mx_scaled(tensors, name: str) -> bool:
+    """An E4M3 ``X.weight`` with a uint8 / E8M0 ``X.weight_scale`` is an MXFP8 weight (Ascend
+    W8A8_MXFP8: one E8M0 exponent per 32 along k), not an FP8 block release's weight."""
+    s = tensors.get(name + "_scale")
+    return s is not None and s.dtype in ("U8", "F8_E8M0")
+
+
 def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> Survey:
     """Problems and bytes by role of `ckpt` under `arch` (None: the FP8 scale checks only)."""
     out = Survey()
@@ -65,7 +72,8 @@ def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> 
                 problems.append(f"scale {name}: shape {list(ref.shape)}, expected "
                                 f"{list(expected_scale_shape(w.shape, block))} for weight {list(w.shape)}")
         elif (ref.dtype.startswith("F8_") and ref.dtype != "F8_E8M0" and name.endswith(".weight")
-              and base + SCALE_SUFFIX not in ckpt.tensors):  # (NVFP4's E4M3 weight_scale is not a weight)
+              and base + SCALE_SUFFIX not in ckpt.tensors  # (NVFP4's E4M3 weight_scale is not a weight)
+              and not _mx_scaled(ckpt.tensors, name)):
             problems.append(f"FP8 weight {name} ({ref.path.name}) has no scale {base}{SCALE_SUFFIX}")
         elif ref.dtype in _FLOAT_DTYPES and name in expected and tuple(ref.shape) != tuple(expected[name]):
             problems.append(f"{name} ({ref.path.name}): shape {list(ref.shape)}, config.json describes "

@@ -84,6 +84,8 @@ class QuantizeOptions(_WriteOptions):
     scheme: str
     fmt: Optional[str] = Field(None, alias="format")  # None: compressed-tensors
     target: Optional[str] = None
+    target_version: Optional[str] = None              # None: 0.23 for vllm-ascend (cvt.quant.tensor.stack_versions)
+    kv_dtype: Optional[str] = None                    # None: the format's own (ascend int8, compressed-tensors fp8)
     method: Optional[str] = None                      # None: rtn
     group_size: Optional[int] = Field(None, ge=0)
     asym: bool = False
@@ -152,7 +154,8 @@ def quantize(options: QuantizeOptions | None = None, /, **kw):
                  static_attention=o.static_attention, ignore=o.ignore,
                  recipe=load_recipe(o.recipe) if o.recipe else None, revision=o.revision, workers=o.workers,
                  max_shard_size=o.max_shard_size, resume=o.resume, overwrite=o.overwrite, quiet=o.quiet,
-                 target=o.target, device=device, expert_memory=o.expert_memory)
+                 target=o.target, device=device, expert_memory=o.expert_memory, target_version=o.target_version,
+                 kv_dtype=o.kv_dtype)
 
 
 class LayoutOptions(_Options):

@@ -109,14 +109,17 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, codec: str = "int8") -> 
     return dequantize(quantize(x, scale, codec), scale, x.dtype)
 
 
-def codec_of_config(config: Mapping[str, Any]) -> str:
+def codec_of_config(config: Mapping[str, Any], manifest: Any = None) -> str:
     """The cache codec a checkpoint's KV-cache scales are for: "fp8" for a compressed-tensors
-    ``kv_cache_scheme`` of type float (vLLM's FP8 cache), else "int8" (Ascend C8 / FAKQuant, and
-    older cvt compressed-tensors outputs with type int)."""
+    ``kv_cache_scheme`` of type float (vLLM's FP8 cache) or an Ascend output whose manifest records
+    the fp8 FAKQuant cache (``quant.kv_cache.convention.dtype`` float8_e4m3fn, Ascend 950), else
+    "int8" (Ascend C8 / FAKQuant, and older cvt compressed-tensors outputs with type int)."""
     from cvt.convert.config import quantization_config
 
     kv = (quantization_config(config) or {}).get("kv_cache_scheme") or {}
-    return "fp8" if kv.get("type") == "float" else "int8"
+    quant = getattr(manifest, "quant", None)
+    conv = ((getattr(quant, "kv_cache", None) or {}).get("convention") or {})
+    return "fp8" if kv.get("type") == "float" or conv.get("dtype") == "float8_e4m3fn" else "int8"
 
 
 def kv_codec(model: nn.Module) -> str | None:
@@ -244,9 +247,9 @@ def attach_kv_cache_scales(model: nn.Module, tensors: Mapping[str, torch.Tensor]
             return _attach_fp8(model, tensors)
         tensors = from_compressed_tensors(tensors, model)
         names = set(tensors)
-    elif codec != "int8":
-        raise CvtError("Ascend KV-cache scales (C8 / FAKQuant) are int8; an fp8 cache takes compressed-tensors "
-                       "self_attn.k_scale / v_scale")
+    elif codec != "int8" and not mla:
+        raise CvtError("Ascend GQA KV-cache scales (C8) are int8; an fp8 cache takes compressed-tensors "
+                       "self_attn.k_scale / v_scale, or FAKQuant (MLA) fa_k on Ascend 950")
     specs = {s.name: s for s in kv_cache_tensor_specs(args)}
     unknown = sorted(names - set(specs))
     if unknown:
@@ -281,7 +284,7 @@ def attach_kv_cache_scales(model: nn.Module, tensors: Mapping[str, torch.Tensor]
         dev = _device_of(attn)
         a, b = _runtime_scales(mla, got)
         attn.kv_scales = (a.to(dev), None if b is None else b.to(dev))
-        attn.kv_extra, attn.kv_codec = ext, "int8"
+        attn.kv_extra, attn.kv_codec, attn.kv_names = ext, codec, "c8"  # fp8: Ascend 950's FAKQuant
 
 
 def _attach_fp8(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -306,6 +309,7 @@ def _attach_fp8(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
         dev = _device_of(attn)
         a, b = (got["k"], got["k"]) if is_mla(args) else (got["k"], got["v"])
         attn.kv_scales, attn.kv_extra, attn.kv_codec = (a.to(dev), b.to(dev)), {}, "fp8"
+        attn.kv_names = "ct"
 
 
 def detach_kv_cache_scales(model: nn.Module) -> None:
@@ -323,7 +327,7 @@ def get_kv_cache_scales(model: nn.Module, offsets: bool = True) -> dict[str, tor
     if scales is None:
         raise CvtError("the model has no KV-cache scales (not a C8 model; calibrate or load them first)")
     mla = is_mla(model)
-    if kv_codec(model) == "fp8":
+    if kv_codec(model) == "fp8" and getattr(_attentions(model)[0], "kv_names", "ct") != "c8":
         out = {}
         for i, (a, b) in enumerate(scales):
             out[f"model.layers.{i}.self_attn.k_scale"] = a.detach().float().cpu().reshape(1).clone()
@@ -429,8 +433,9 @@ class KVObserver:
             out[f"model.layers.{i}.self_attn.v_scale"] = scales_from_amax(v, "fp8").reshape(1)
         return out
 
-    def scales(self) -> dict[str, torch.Tensor]:
-        """{name: tensor} of every int8 scale (and zero offset) from the observed amax."""
+    def scales(self, codec: str = "int8") -> dict[str, torch.Tensor]:
+        """{name: tensor} of every Ascend scale (and zero offset) from the observed amax: int8
+        (amax / 127), or "fp8" (amax / 448: FAKQuant's fp8 cache on Ascend 950)."""
         out = {}
         for spec in kv_cache_tensor_specs(self.model):
             role = "k" if self.mla and spec.role == "v" else spec.role  # the latent is K and V
@@ -440,7 +445,7 @@ class KVObserver:
             if spec.kind == "offset":
                 out[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype)
             else:
-                out[spec.name] = scales_from_amax(amax).reshape(spec.shape)
+                out[spec.name] = scales_from_amax(amax, codec).reshape(spec.shape)
         return out
 
 

@@ -106,7 +106,8 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         if kv:
             from cvt.runtime.kv_cache import attach_kv_cache_scales, codec_of_config
 
-            attach_kv_cache_scales(model, {k: v.to(device) for k, v in kv.items()}, codec_of_config(ckpt.config))
+            attach_kv_cache_scales(model, {k: v.to(device) for k, v in kv.items()},
+                                   codec_of_config(ckpt.config, manifest))
         _drop_absent_mtp(model, seen, n_layers)
         check_complete(model, ckpt.root)
         model.eval()

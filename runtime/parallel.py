@@ -396,7 +396,7 @@ def load_rank(root, manifest: Manifest, config: dict, ctx: ParallelContext, *, d
     if kv:
         kv = _local_kv(kv, ctx, kv_cache.is_mla(largs))
         kv_cache.attach_kv_cache_scales(model, {k: v.to(ctx.device) for k, v in kv.items()},
-                                        kv_cache.codec_of_config(config))
+                                        kv_cache.codec_of_config(config, manifest))
     check_complete(model, root / entry.dir)
     holders = expert_holders(layout, config)
     _wrap(model, ctx, holders)

@@ -96,6 +96,8 @@ class QuantInfo(_Strict):
     format: Literal["ascend", "compressed-tensors"]
     target: str | None = Field(None, description="serving stack the layouts are for: vllm-ascend or mindie "
                                                  "(ascend), vllm (compressed-tensors)")
+    target_version: str | None = Field(None, description="vllm-ascend release line the output is for "
+                                                         "(0.23, 0.24, 0.25, main; ascend + vllm-ascend only)")
     method: str
     group_size: int | None = None
     symmetric: bool = True

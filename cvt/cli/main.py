@@ -92,8 +92,16 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
                    "(int32 packed) and MXFP4 only for MoE experts (other linears stay float), MLA C8 as FAKQuant; "
                    "mindie takes the int8 two-per-byte W4A16 for every linear, and gets its quantize keys in "
                    "config.json.")
+@click.option("--target-version", default=None, metavar="LINE",
+              help="vllm-ascend: the release line the output is for, 0.23 (default), 0.24, 0.25 or main; recorded "
+                   "in the manifest. A module that line no longer loads is refused, saying why (main: no W4A8 "
+                   "dense linear, no per-group W4A8).")
+@click.option("--kv-dtype", default=None, metavar="int8|fp8",
+              help="w8a8c8: the quantized KV cache's storage. ascend: int8 (default; C8 / FAKQuant) or fp8 "
+                   "(FAKQuant's e4m3 cache on Ascend 950, MLA models, vllm-ascend; scales amax / 448); "
+                   "compressed-tensors: fp8 only.")
 @click.option("--method", type=METHODS, default=None,
-              help="Default rtn. rtn: any scheme, no data. gptq: fp4, w4a16, w8a8, w8a8c8. awq: any scheme. smoothquant: w4a8, "
+              help="Default rtn. rtn: any scheme, no data. gptq: fp4, mxfp8, w4a16, w4a4_mxfp4, w4a8_mxfp, w8a8, w8a8c8. awq: any scheme. smoothquant: w4a8, "
                    "w8a8, w8a8c8 (it smooths activations for their int8 quantization). gptq, awq and smoothquant "
                    "calibrate on --calib text; a recipe can give modules other methods.")
 @click.option("--group-size", type=click.IntRange(0), default=None,
@@ -127,7 +135,8 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
 @ranks(what="the calibration samples, the layers' linears and experts (by cost) and the output files")
-def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_format, calib, calib_tokens, device,
+def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method, group_size, asym, fp4_format, calib,
+                 calib_tokens, device,
                  expert_memory, static_attention, ignore, recipe, revision, workers, max_shard_size, resume, overwrite,
                  quiet):
     """Quantize SRC (BF16, an FP8 release - dequantized on the fly - or compressed-tensors INT4)
@@ -135,7 +144,8 @@ def quantize_cmd(src, dst, scheme, fmt, target, method, group_size, asym, fp4_fo
     tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay
     float by default."""
     r = api.quantize(api.QuantizeOptions(
-        src=src, dst=dst, scheme=scheme, fmt=fmt, target=target, method=method, group_size=group_size, asym=asym,
+        src=src, dst=dst, scheme=scheme, fmt=fmt, target=target, target_version=target_version, kv_dtype=kv_dtype,
+        method=method, group_size=group_size, asym=asym,
         fp4_format=fp4_format, calib=calib, calib_tokens=calib_tokens, device=device, expert_memory=expert_memory,
         static_attention=static_attention, ignore=tuple(ignore), recipe=recipe, revision=revision, workers=workers,
         max_shard_size=max_shard_size, resume=resume, overwrite=overwrite, quiet=quiet))

@@ -40,7 +40,8 @@ otherwise on each group's current columns when the group starts. On the trained 
 mean KL from 0.00375 to 0.00304 (README).
 
 Supported kernel formats: w4a16 (int4 sym/asym, any group size), w8a8_dynamic (int8 per
-channel: one group = the row), nvfp4, mxfp4. w8a8_static (static activation scales) is
+channel: one group = the row), nvfp4, mxfp4, and the Ascend 950 MX ones (mxfp8, w4a4_mxfp4,
+w4a8_mxfp: block 32, E8M0 scales from the scheme, elements on msModelSlim's grid). w8a8_static (static activation scales) is
 refused: its parts fold the weight scale into deq_scale / quant_bias.
 
 The returned `GPTQResult.weight` is ``scheme.dequantize(qtensor)``; it is checked to equal
@@ -56,6 +57,8 @@ from dataclasses import dataclass
 import torch
 
 from cvt.quant.tensor import kernel_formats as KF
+from cvt.quant.tensor import mx as MX
+from cvt.quant.tensor.primitives import encode_e2m1
 from cvt.errors import CvtError
 from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
 
@@ -63,8 +66,10 @@ E2M1 = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), dtype=torch.float3
 # midpoints between consecutive E2M1 magnitudes: #(MIDS < v) = index of the nearest magnitude
 E2M1_MIDS = (E2M1[1:] + E2M1[:-1]) / 2
 INT_RANGES = {KF.W4A16: ("weight_int4", -8, 7), KF.W8A8_DYNAMIC: ("weight", -128, 127)}
-FP4_GROUP = {KF.NVFP4: 16, KF.MXFP4: 32}
-SUPPORTED = (KF.W4A16, KF.W8A8_DYNAMIC, KF.NVFP4, KF.MXFP4)
+# the Ascend 950 MX formats: (element kind, code part); the grid is msModelSlim's (`cvt.quant.tensor.mx`)
+MX_ELEM = {KF.MXFP8: (MX.FP8, "weight_fp8"), KF.W4A4_MXFP4: (MX.FP4, "weight_fp4"), KF.W4A8_MXFP: (MX.FP4, "weight_fp4")}
+FP4_GROUP = {KF.NVFP4: 16, KF.MXFP4: 32, **{f: MX.BLOCK for f in MX_ELEM}}
+SUPPORTED = (KF.W4A16, KF.W8A8_DYNAMIC, KF.NVFP4, KF.MXFP4, *MX_ELEM)
 METRICS = ("mse", "hdiag")
 # clipping ratios tried by the scale search: 1.0 (absmax) down to 0.8 in steps of 0.01, as
 # llm-compressor's MSE observer (maxshrink 0.2) and AutoAWQ's clip search cover
@@ -124,7 +129,12 @@ class _Grid:
         fmt = qt.kernel_fmt
         self.fmt = fmt
         self.n_groups = n_groups
-        if fmt in INT_RANGES:
+        self.elem = None
+        if fmt in MX_ELEM:  # E8M0 block scales: the multiplier 2**(e - 127), elements on msModelSlim's grid
+            self.elem, self.code = MX_ELEM[fmt]
+            self.scale = (2 ** MX.e8m0_exponents(qt.parts["weight_scale"])).reshape(qt.shape[0], -1).clone()
+            self.offset = None
+        elif fmt in INT_RANGES:
             self.code, self.qmin, self.qmax = INT_RANGES[fmt]
             self.scale = qt.parts["weight_scale"].to(torch.float32).reshape(qt.shape[0], -1).clone()
             self.offset = qt.parts["weight_offset"].to(torch.float32).reshape(qt.shape[0], -1).clone()
@@ -161,6 +171,9 @@ class _Grid:
     def quant(self, col: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes as float32, dequantized column) of column `col` [n] on group g's grid."""
         s, safe, zero, off, q0 = self._group(g)
+        if self.elem is not None:
+            vals = MX.quantize_elements(col / s, self.elem)
+            return (vals if self.elem == MX.FP8 else encode_e2m1(vals).to(torch.float32)), vals * s
         if off is not None:
             q = torch.round(col / safe + off).clamp_(self.qmin, self.qmax)
             if zero is not None:
@@ -181,6 +194,8 @@ class _Grid:
         n, k = W.shape
         G = k // self.n_groups
         s = self.scale.repeat_interleave(G, dim=1)
+        if self.elem is not None:
+            return MX.quantize_elements(W / s, self.elem) * s
         zero = s == 0
         safe = torch.where(zero, torch.ones_like(s), s)
         if self.offset is not None:

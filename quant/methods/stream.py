@@ -585,9 +585,10 @@ def _merge(res: StreamResult, meta: dict) -> None:
     res.seconds_per_layer += meta["seconds"]
 
 
-def kv_scales(res: StreamResult, model_or_config, codec: str) -> dict[str, torch.Tensor]:
+def kv_scales(res: StreamResult, model_or_config, codec: str, ascend_names: bool = False) -> dict[str, torch.Tensor]:
     """The KV-cache scales from the per-layer ranges observed while calibrating (the runtime's
-    `KVObserver` rules: int8 Ascend C8 / FAKQuant, or fp8 compressed-tensors)."""
+    `KVObserver` rules: int8 Ascend C8 / FAKQuant, fp8 compressed-tensors, or with `ascend_names`
+    fp8 FAKQuant, Ascend 950's cache: the Ascend names with amax / 448)."""
     from cvt.runtime import kv_cache
 
     class _Obs(kv_cache.KVObserver):
@@ -597,4 +598,4 @@ def kv_scales(res: StreamResult, model_or_config, codec: str) -> dict[str, torch
             self.amax = res.kv_amax
 
     obs = _Obs()
-    return obs.fp8_scales() if codec == "fp8" else obs.scales()
+    return obs.fp8_scales() if codec == "fp8" and not ascend_names else obs.scales(codec)

@@ -30,7 +30,7 @@ from typing import Any
 from cvt.lazy import torch
 
 from cvt.version import __version__
-from cvt.convert.arch import arch_for
+from cvt.convert.arch import arch_for, text_config
 from cvt.convert.config import SourceFormat, bf16_config, source_format
 from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
 from cvt.convert.validate import check_weights
@@ -41,7 +41,8 @@ from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, defaul
 from cvt.errors import FormatError, OptionError
 from cvt.quant.tensor.formats import DEFAULT_FORMAT, get_format
 from cvt.quant.tensor.disk_layouts import DiskLayouts
-from cvt.quant.tensor.layouts import check_target
+from cvt.quant.tensor.layouts import check_target, kernel_fmt_of
+from cvt.quant.tensor.stack_versions import check_line, line_problem
 from cvt.quant.recipe import RTN, Policy, Recipe
 from cvt.quant.tensor.schemes import scheme_from_options
 from cvt.quant.tensor.schemes.base import QuantizedTensor
@@ -58,15 +59,22 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
              static_attention: bool = False, revision: str | None = None, workers: int | None = None,
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
              quiet: bool = False, target: str | None = None, device: str = "cpu",
-             expert_memory: int | None = None) -> WriteResult:
+             expert_memory: int | None = None, target_version: str | None = None,
+             kv_dtype: str | None = None) -> WriteResult:
     """Quantize SRC into DST (see the module docstring) for the serving `target` (ascend:
     vllm-ascend, the default, or mindie; `cvt.quant.tensor.layouts`). Returns the writer's result,
     with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
-    reads at once, as float32 (None: `cvt.quant.methods.stream.MAX_EXPERT_BYTES`)."""
+    reads at once, as float32 (None: `cvt.quant.methods.stream.MAX_EXPERT_BYTES`). `target_version`:
+    the vllm-ascend release line (`cvt.quant.tensor.stack_versions`); `kv_dtype`: the quantized KV
+    cache's storage, int8 or fp8 (`cvt.quant.tensor.kv_layout.kv_storage`)."""
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
     form = get_format(fmt)
     target = check_target(fmt, target)
+    line = check_line(fmt, target, target_version)
     sch = scheme_from_options(scheme, fp4_format=fp4_format)  # unknown names fail here
+    why = line_problem(line, kernel_fmt_of(sch), expert=True, group_size=group_size)
+    if why is not None:  # e.g. per-group W4A8 on main: the line's reason before the scheme's own
+        raise FormatError(why)
     if fp4_format is not None and not _takes_fp4_format(scheme, recipe):
         raise OptionError(f"--fp4-format applies to --scheme {names_where(lambda s: 'fp4_format' in s.options, 'scheme')} "
                           f"(or a recipe rule with it), not {scheme}")
@@ -75,7 +83,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
                           f"exists only in the {names_where(lambda f: f.static_attention, 'format')} format with --scheme "
                           f"{names_where(lambda s: getattr(s, 'static_attention', False), 'scheme')}")
     req = _Request(scheme, fmt, target, method, group_size, asym, getattr(sch, "fp4_format", None),
-                   static_attention, workers, max_shard_size, resume, overwrite, quiet)
+                   static_attention, workers, max_shard_size, resume, overwrite, quiet, line, kv_dtype)
     ckpt = open_checkpoint(src, revision)
     try:
         src_fmt = source_format(ckpt.config, ckpt.has_manifest)
@@ -90,9 +98,15 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
                               "and compressed-tensors pack-quantized INT4 checkpoints)")
         arch = arch_for(ckpt.config)
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
-        plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target)
+        plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         check_kv_target(ckpt.config, plan, fmt, target)
         kv_static = _kv_static(ckpt.config, plan, fmt)
+        kv_codec = form.kv_codec
+        if kv_dtype is not None:  # kv_layout imports torch, which RTN otherwise never does
+            from cvt.quant.tensor.kv_layout import kv_storage
+
+            kv_codec = kv_storage(form.name, form.kv_codec, target, kv_dtype, "kv_lora_rank" in text_config(ckpt.config),
+                                  any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
         source = Source(ckpt, src_fmt)
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
             check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block))
@@ -112,8 +126,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
 
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume) as state:
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
-            cal = _calibrate(ckpt, plan, calib, calib_tokens, static_attention, form.kv_codec, state, device, quiet,
-                             expert_memory, kv_static)
+            cal = _calibrate(ckpt, plan, calib, calib_tokens, static_attention, kv_codec, state, device, quiet,
+                             expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec)
             return _write(ckpt, dst, plan, form, source, src_fmt, cal, req)
     finally:
         ckpt.close()
@@ -155,6 +169,8 @@ class _Request:
     resume: bool
     overwrite: bool
     quiet: bool
+    line: str | None = None       # the vllm-ascend release line (ascend + vllm-ascend)
+    kv_dtype: str | None = None   # --kv-dtype as given (None: the format's own)
 
 
 @dataclass
@@ -177,7 +193,7 @@ class _Calib:
 
 def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_attention: bool,
                kv_codec: str, state_dir: Path, device, quiet: bool, expert_memory: int | None = None,
-               kv_static: bool = True) -> _Calib:
+               kv_static: bool = True, ascend_names: bool = False) -> _Calib:
     """Calibration text through the model, one decoder layer from disk at a time
     (`cvt.quant.methods.stream`): the calibrated methods, static activation scales of the
     attention projections (--static-attention: amax / 127 of what they see, after smoothing and
@@ -214,7 +230,7 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
         out.static_inputs = {m: (torch.tensor([max(abs(st["act_min"]), abs(st["act_max"]), 1e-8) / 127.0]),
                                  torch.zeros(1)) for m, st in res.stats.items() if m in targets and "act_min" in st}
     if c8:
-        out.kv_scales = kv_scales(res, ckpt.config, kv_codec)
+        out.kv_scales = kv_scales(res, ckpt.config, kv_codec, ascend_names)
     out.summary = {"tokens": int(tokens.numel()), "layers": len(res.seconds_per_layer), "device": str(device),
                    "seconds_per_layer": [round(x, 3) for x in res.seconds_per_layer],
                    "peak_rss_bytes": max(res.peak_rss_per_rank or [res.peak_rss]), "resumed_layers": res.resumed_layers}
@@ -310,6 +326,10 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
         from cvt.quant.tensor.kv_layout import kv_tag
 
         kv_meta = form.kv_manifest(cal.kv_scales)  # Ascend int8 names, or compressed-tensors fp8 k_scale / v_scale
+        if req.kv_dtype is not None and req.kv_dtype != form.kv_codec:  # Ascend 950's fp8 FAKQuant cache
+            from cvt.quant.tensor.kv_layout import FP8_FAKQUANT
+
+            kv_meta["convention"] = {**kv_meta["convention"], **FP8_FAKQUANT}
         for n, t in cal.kv_scales.items():
             outs.append(OutTensor(TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)), produce=lambda t=t: t.contiguous()))
             tags[n] = kv_tag(mla)
@@ -321,7 +341,8 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
     fallbacks = sorted(list(cal.fallbacks) + [Fallback(module=m, method=plan.methods[m], reason=why)
                                               for m, why in plan.group_fallbacks.items()],
                        key=lambda f: f.module)  # one order whichever way the layers were calibrated
-    quant = QuantInfo(scheme=req.scheme, format=req.fmt, target=target, method=req.method, group_size=req.group_size,
+    quant = QuantInfo(scheme=req.scheme, format=req.fmt, target=target, target_version=req.line,
+                      method=req.method, group_size=req.group_size,
                       symmetric=not req.asym, fp4_format=req.fp4_format, kv_cache=kv_meta,
                       float_modules=dict(plan.float_reasons), fallbacks=fallbacks, calibration=cal.summary)
 
@@ -335,7 +356,8 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
     calib_id = None
     if cal.tokens:  # the calibration identity: a resumed run must have calibrated on the same tokens
         calib_id = {"tokens": cal.tokens, "sha256": cal.tokens_sha256}
-    params = {"scheme": req.scheme, "format": req.fmt, "target": target, "method": req.method,
+    params = {"scheme": req.scheme, "format": req.fmt, "target": target, "target_version": req.line,
+              "kv_dtype": req.kv_dtype, "method": req.method,
               "group_size": req.group_size, "asym": req.asym, "fp4_format": req.fp4_format,
               "static_attention": req.static_attention, "calibration": calib_id, "max_shard_size": req.max_shard_size}
     params["modules"] = hashlib.sha256(json.dumps(

@@ -49,8 +49,11 @@ def scheme_for(name: str, fmt_name: str, group_size: int | None, asym: bool, fp4
 
 
 def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_size: int | None, asym: bool,
-              fp4_format: str, target: str | None = None) -> Plan:
+              fp4_format: str, target: str | None = None, line: str | None = None) -> Plan:
+    """`line`: the vllm-ascend release line (`cvt.quant.tensor.stack_versions`); a routed expert or a
+    recipe-chosen module that line no longer loads is refused with the reason."""
     from cvt.quant.tensor import layouts
+    from cvt.quant.tensor.stack_versions import line_problem
 
     arch = policy.arch
     target = layouts.check_target(fmt.name, target)
@@ -68,9 +71,14 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
         if choice.scheme is None:
             plan.float_reasons[module] = choice.reason
             continue
+        expert = arch.classify(module + ".weight").role is Role.EXPERT
+        if line is not None and (expert or choice.explicit):  # before the scheme's own refusals
+            why = line_problem(line, layouts.kernel_fmt_of(choice.scheme), expert=expert,
+                               group_size=choice.group_size)
+            if why is not None:
+                raise FormatError(f"{module}: {why}")
         scheme = scheme_for(choice.scheme, fmt.name, choice.group_size, asym, fp4_format, cache)
         fmt.supports(scheme, target)
-        expert = arch.classify(module + ".weight").role is Role.EXPERT
         why = None if expert or choice.explicit else layouts.experts_only_reason(
             fmt.name, layouts.kernel_fmt_of(scheme), target)
         if why is not None:  # the stack has this layout for MoE experts only

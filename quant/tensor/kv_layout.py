@@ -122,3 +122,46 @@ def kv_target_problem(cfg: Mapping[str, Any], fmt: str, target: str) -> str | No
 def kv_tag(mla: bool) -> str:
     """The Ascend description tag of a KV-cache tensor."""
     return "FAQuant" if mla else "C8"
+
+
+# ---- the cache's storage dtype (--kv-dtype) ---------------------------------------------------------
+KV_DTYPES = ("int8", "fp8")
+# Ascend 950 (A5) FAKQuant: the same tensors and tags; vllm-ascend stores the latent as float8_e4m3fn
+# on A5 (attention/mla_v1.py: ``self.dtype = torch.float8_e4m3fn if A5 else torch.int8``), quantized
+# by npu_kv_rmsnorm_rope_cache with ``c_kv_scale = 1 / fa_k.scale`` and read back times fa_k.scale
+# (``fak_descale_float``; quantization/methods/kv_c8.py AscendFAQuantAttentionMethod); k_pe stays bf16.
+FP8_FAKQUANT: dict[str, Any] = {
+    "dtype": "float8_e4m3fn",
+    "scale": "max(amax / 448, 2**-14)",
+    "quantize": "q = e4m3(clamp(x / scale, -448, 448)) (round to nearest even, saturating)",
+    "dequantize": "x = q * scale",
+    "device": "Ascend 950 (A5) only: A2 / A3 cache int8 with the same scale, which clips at 127 / 448 of the range",
+}
+
+
+def kv_storage(fmt: str, fmt_codec: str, target: str | None, kv_dtype: str | None, mla: bool,
+               has_cache: bool) -> str:
+    """The codec a run calibrates its quantized KV cache for: `kv_dtype` (int8 | fp8) when given,
+    else the format's own (`fmt_codec`). fp8 in the ascend format is FAKQuant (MLA) for vllm-ascend
+    on Ascend 950; anything else a stack would not load is an OptionError saying why."""
+    from cvt.errors import OptionError
+
+    if kv_dtype is None:
+        return fmt_codec
+    if kv_dtype not in KV_DTYPES:
+        raise OptionError(f"--kv-dtype {kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
+    if not has_cache:
+        raise OptionError("--kv-dtype applies to a scheme with a quantized KV cache (w8a8c8)")
+    if kv_dtype == fmt_codec:
+        return kv_dtype
+    if fmt_codec == "fp8":  # compressed-tensors
+        raise OptionError(f"--kv-dtype {kv_dtype}: the {fmt} format's KV cache is fp8 (kv_cache_scheme type float, "
+                          "the only kind vLLM loads)")
+    if not mla:
+        raise OptionError("--kv-dtype fp8: vllm-ascend's GQA C8 cache is int8 (methods/kv_c8.py "
+                          "AscendC8KVCacheAttentionMethod sets kv_cache_torch_dtype int8); fp8 is FAKQuant (MLA) "
+                          "on Ascend 950")
+    if target != VLLM_ASCEND:
+        raise OptionError(f"--kv-dtype fp8: {target} caches FAKQuant in int8; the fp8 (e4m3) FAKQuant cache is "
+                          f"vllm-ascend's on Ascend 950 (--target {VLLM_ASCEND})")
+    return kv_dtype

@@ -110,6 +110,7 @@ class Layout:
     groups: tuple[int, ...] = ()    # the group sizes the stack accepts (empty: any)
     parallel: str = "any"           # "any" | "column" | "row": the modules it holds (`scale_bias_role`)
     pack: str | None = None         # how the fused RTN kernel (`cvt.quant.qkernel`) packs it; None: not fused
+    expert_k: int = 0               # routed experts' in_features must be a multiple of this (0: any; MX: 64)
 
     def holds(self, group_size: int, k: int) -> bool:
         # a group of k is one group, not per channel: the stacks read one global group_size, and a
@@ -569,6 +570,8 @@ def read_layout(module: str, kernel_candidates, disk: dict[str, torch.Tensor]) -
                           f"tensors {sorted(disk)} (missing {', '.join(need)})")
     return max(fits, key=lambda lo: len(lo.tensors))
 
+
+from cvt.quant.tensor import layouts_mx  # noqa: E402,F401  (registers the Ascend 950 MX entries)
 
 __all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
            "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason",

@@ -359,6 +359,8 @@ PLAN_CASES = [  # (scheme, format, target, quantize options)
     ("w4a16", "ascend", "mindie", {}),  # group 64 by default: attention at tp 1 (tp 2 leaves no whole group)
     ("fp4", "compressed-tensors", None, {}), ("fp4", "ascend", "vllm-ascend", {"fp4_format": "mxfp4"}),
     ("w4a8", "ascend", "vllm-ascend", {}),
+    ("mxfp8", "ascend", "vllm-ascend", {}), ("w4a4_mxfp4", "ascend", "vllm-ascend", {}),
+    ("w4a8_mxfp", "ascend", "vllm-ascend", {}),
 ]
 
 

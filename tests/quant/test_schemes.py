@@ -104,8 +104,9 @@ def reference(name, opts, w):
 # ---- the protocol ---------------------------------------------------------------------------------
 
 def test_registry():
-    assert scheme_names() == ["fp4", "w4a16", "w4a8", "w8a8", "w8a8c8"]
-    with pytest.raises(CvtError, match=r"unknown scheme 'w3'.*known: fp4, w4a16, w4a8, w8a8, w8a8c8"):
+    assert scheme_names() == ["fp4", "mxfp8", "w4a16", "w4a4_mxfp4", "w4a8", "w4a8_mxfp", "w8a8", "w8a8c8"]
+    with pytest.raises(CvtError, match=r"unknown scheme 'w3'.*known: fp4, mxfp8, w4a16, w4a4_mxfp4, w4a8, w4a8_mxfp, "
+                                       r"w8a8, w8a8c8"):
         get_scheme("w3")
     for name, opts in CASES:
         assert isinstance(get_scheme(name, **opts), Scheme)

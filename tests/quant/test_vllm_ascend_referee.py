@@ -38,7 +38,18 @@ CASES = [
     pytest.param("qmoe", {"scheme": "w4a16", "group_size": 32}, id="qwen3-moe-w4a16-g32"),
     pytest.param("qdense", {"scheme": "w8a8"}, id="qwen3-w8a8"),
     pytest.param("qdense", {"scheme": "w8a8c8"}, id="qwen3-w8a8c8"),
+    # Ascend 950 (issue 28): registered from v0.23.0 on, so a 0.23 tree and a main checkout both referee them
+    pytest.param("ds", {"scheme": "mxfp8"}, id="deepseek-w8a8-mxfp8"),
+    pytest.param("ds", {"scheme": "w4a4_mxfp4"}, id="deepseek-w4a4-mxfp4"),
+    pytest.param("ds", {"scheme": "w4a8_mxfp"}, id="deepseek-w4a8-mxfp"),
+    pytest.param("qmoe", {"scheme": "mxfp8"}, id="qwen3-moe-w8a8-mxfp8"),
+    pytest.param("ds", {"scheme": "w8a8c8", "kv_dtype": "fp8"}, id="deepseek-w8a8c8-fakquant-fp8"),
+    pytest.param("ds", {"scheme": "w4a8", "target_version": "main"}, id="deepseek-w4a8-main"),
 ]
+
+MX_METHODS = {"mxfp8": ("AscendW8A8MXFP8DynamicLinearMethod", "AscendW8A8MXFP8DynamicFusedMoEMethod"),
+              "w4a4_mxfp4": ("AscendW4A4MXFP4DynamicLinearMethod", "AscendW4A4MXFP4DynamicFusedMoEMethod"),
+              "w4a8_mxfp": ("unquantized linear", "AscendW4A8MXFPDynamicFusedMoEMethod")}
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +245,16 @@ def test_referee_reports_moe_kv_and_mtp_problems(sources, va_src, tmp_path):
         g + "k_proj.kv_cache_scale: shape [5]: the C8 scale must squeeze",
         g + "attn.v_cache_scale: declared by AscendC8KVCacheAttentionMethod",
     ])
+
+
+@pytest.mark.parametrize("scheme", sorted(MX_METHODS))
+def test_mx_outputs_get_vllm_ascends_mx_methods(sources, va_src, scheme):
+    """vllm-ascend's own dispatch picks its MX methods (methods/w8a8_mxfp8.py, w4a4_mxfp4.py,
+    w4a8_mxfp4.py) for the MX outputs, and their create_weights' parameters take cvt's tensors."""
+    r = inspect_output(build(sources, "ds", {"scheme": scheme}), va_src)
+    linear, moe = MX_METHODS[scheme]
+    assert r.problems == []
+    assert r.schemes["model.layers.1.self_attn.o_proj"] == linear
+    assert r.schemes["model.layers.1.mlp.experts"] == moe
+    s = r.slots[("model.layers.1.mlp.experts.w13_weight_scale", "w1", 0)]
+    assert s.dtype == torch.uint8 and s.filled_by == ["model.layers.1.mlp.experts.0.gate_proj.weight_scale"]

@@ -193,6 +193,7 @@ class _Env:
     AttentionLayerBase: type
     VocabParallelEmbedding: type
     holder: Any                # the stub VllmConfig (quant_config set once the config exists)
+    moe_bases: tuple = ()      # main: what _is_fused_moe_layer checks (MoERunner, RoutedExperts)
 
 
 @contextlib.contextmanager
@@ -223,6 +224,7 @@ def _vllm_ascend(va_src: Path, hf_config: dict, dtype: torch.dtype):
         import vllm.model_executor.layers.quantization.base_config as vqb
         import vllm.model_executor.parameter as vp
         import vllm.model_executor.utils as vmu
+        import vllm.utils.math_utils as vmath
         import vllm_ascend.ascend_config as ac
         import vllm_ascend.distributed.parallel_state as ps
         import vllm_ascend.utils as vu
@@ -232,8 +234,9 @@ def _vllm_ascend(va_src: Path, hf_config: dict, dtype: torch.dtype):
             compilation_config=NS(mode=0),
             model_config=NS(enforce_eager=True, dtype=dtype, hf_config=NS(**hf_config),
                             use_mla="kv_lora_rank" in hf_config),
-            parallel_config=NS(enable_expert_parallel=False, tensor_parallel_size=1),
+            parallel_config=NS(enable_expert_parallel=False, tensor_parallel_size=1, enable_eplb=False),
             kv_transfer_config=None,
+            use_v2_model_runner=False,  # main's MoE schemes read it
         )
         vc.get_current_vllm_config = lambda: holder
         vc.get_current_vllm_config_or_none = lambda: holder
@@ -243,6 +246,7 @@ def _vllm_ascend(va_src: Path, hf_config: dict, dtype: torch.dtype):
         vqb.QuantizationConfig = _QuantizationConfig
         vp.PerTensorScaleParameter = _PerTensorScaleParameter
         vmu.set_weight_attrs = _set_weight_attrs
+        vmath.cdiv = lambda a, b: -(-a // b)  # main's MX linear methods size scales with it
         vfm.FusedMoeWeightScaleSupported = enum.Enum(
             "FusedMoeWeightScaleSupported", {"TENSOR": "tensor", "CHANNEL": "channel", "GROUP": "group",
                                              "BLOCK": "block"})
@@ -266,8 +270,11 @@ def _vllm_ascend(va_src: Path, hf_config: dict, dtype: torch.dtype):
         from vllm_ascend.quantization.methods import kv_c8
 
         torch.set_default_dtype(dtype)
+        moe = getattr(modelslim_config, "_is_fused_moe_layer", None)  # main: isinstance of these
+        bases = tuple(getattr(modelslim_config, n) for n in ("MoERunner", "RoutedExperts")
+                      if moe is not None and isinstance(getattr(modelslim_config, n, None), type))
         yield _Env(modelslim_config, method_adapters, kv_c8, LinearBase, RowParallelLinear, vfm.FusedMoE,
-                   AttentionLayerBase, VocabParallelEmbedding, holder)
+                   AttentionLayerBase, VocabParallelEmbedding, holder, bases)
     finally:
         torch.set_default_dtype(default_dtype)
         with contextlib.suppress(ValueError):
@@ -853,8 +860,9 @@ def _declare_linear(env: _Env, cfg, m: _Lin, dtype: torch.dtype, slots: dict, fu
 
 
 def _declare_moe(env: _Env, cfg, m: _MoE, dtype: torch.dtype, slots: dict) -> str:
-    layer = _fake(env, env.FusedMoE)
+    layer = _fake(env, env.FusedMoE, *env.moe_bases)
     layer.moe_config = None
+    layer.weight_loader = None  # main wraps it (_make_modelslim_moe_weight_loader)
     meth = cfg.get_quant_method(layer, m.prefix)
     if isinstance(meth, env.adapters.AscendFusedMoEMethod):
         what = f"{type(meth.quant_method).__name__} ({m.prefix})"

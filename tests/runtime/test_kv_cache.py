@@ -509,8 +509,36 @@ def test_fp8_cache_matches_the_float_cache(family, qwen3, dsv3):
         assert all(torch.equal(got[k], scales[k]) for k in scales)
     finally:
         K.detach_kv_cache_scales(model)
-    with pytest.raises(CvtError, match="Ascend KV-cache scales .* are int8"):
-        K.attach_kv_cache_scales(model, K.calibrate_kv_scales(model, test), codec="fp8")
+    if family == "gqa":  # MLA: Ascend names with fp8 are FAKQuant's Ascend 950 cache (test_ascend_fp8_fakquant_cache)
+        with pytest.raises(CvtError, match="Ascend GQA KV-cache scales .* are int8"):
+            K.attach_kv_cache_scales(model, K.calibrate_kv_scales(model, test), codec="fp8")
+
+
+def test_ascend_fp8_fakquant_cache(dsv3):
+    """Ascend 950 FAKQuant (vllm-ascend attention/mla_v1.py: the latent cached float8_e4m3fn on A5,
+    ``c_kv_scale = 1 / fa_k.scale`` in npu_kv_rmsnorm_rope_cache, read back times ``fak_descale_float``;
+    k_pe kept in the compute dtype): the Ascend names with fp8 scales (amax / 448); the latent is
+    stored e4m3, the rope key float, and prefill through the cache equals the full forward."""
+    model = dsv3
+    test = byte_tokens(HELD_OUT_TEXT)[None]
+    ref = model(test)
+    scales = K.calibrate_kv_scales(model, test)
+    fp8 = {n: (t * K.SCALE_DIVISOR / K.FP8_MAX).clamp_min(kv_layout.SCALE_MIN) if n.endswith("scale") else t
+           for n, t in scales.items()}
+    K.attach_kv_cache_scales(model, fp8, codec="fp8")
+    try:
+        assert K.kv_codec(model) == "fp8"
+        cache = model.new_cache(1, test.shape[1])
+        assert cache[0].kv.dtype == torch.float8_e4m3fn and cache[0].pe.dtype.is_floating_point
+        assert cache[0].pe.dtype not in (torch.float8_e4m3fn, torch.int8)
+        q = model(test, 0, cache)
+        torch.testing.assert_close(model(test), q, rtol=0, atol=0)
+        assert cosine(q, ref) > 0.995
+        got = K.get_kv_cache_scales(model)  # written back under the Ascend names
+        assert set(got) == set(scales) and torch.equal(got["model.layers.0.self_attn.fa_k.scale"],
+                                                       fp8["model.layers.0.self_attn.fa_k.scale"])
+    finally:
+        K.detach_kv_cache_scales(model)
 
 
 def test_compressed_tensors_kv_scheme_is_one_vllm_loads():

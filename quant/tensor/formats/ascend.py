@@ -93,6 +93,10 @@ class Ascend:
             scheme.check(f"{module}.weight", tuple(shape))
             lo = self.layout(module, scheme, shape, target=target, expert=expert)
             g = 0 if scheme.group_size in (0, shape[1]) else scheme.group_size
+            if expert and lo.expert_k and shape[1] % lo.expert_k:
+                raise ShapeError(f"ascend {lo.name}: {module}.weight {list(shape)}: {target or L.DEFAULT_TARGET}'s MoE "
+                                 f"method views each expert's scale row in pairs: in_features must be a multiple of "
+                                 f"{lo.expert_k}, got {shape[1]}")
             for t in lo.tensors:
                 for axis, size in (("n", shape[0]), ("k", shape[1])):
                     m = t.multiple(axis, g, shape[1])
