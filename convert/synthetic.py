@@ -89,6 +89,15 @@ def tiny_deepseek_v32_config(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+def tiny_glm_moe_dsa_config(**overrides: Any) -> dict[str, Any]:
+    """`tiny_deepseek_v32_config` as a GLM-5 (model_type glm_moe_dsa): one routing group (GLM's), the
+    indexer rope interleaved (stated, as GLM-5's config.json does), every layer's indexer "full"."""
+    cfg = tiny_deepseek_v32_config(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", n_group=1,
+                                   indexer_rope_interleave=True)
+    cfg.update(overrides)
+    return cfg
+
+
 def quantize_fp8_block(w, block: tuple[int, int] = (128, 128), scale_dtype: str = "F32"):
     """float weight [n, k] -> (float8_e4m3fn [n, k], scale [ceil(n/bn), ceil(k/bk)]) as releases do:
     scale = amax(block) / 448, w_fp8 = w / scale. `scale_dtype` F8_E8M0 rounds scales up to powers of 2."""
