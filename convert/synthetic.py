@@ -20,6 +20,7 @@ from typing import Any
 from cvt.convert.arch import arch_for
 from cvt.dtypes import dtype_code
 from cvt.convert.safetensors_io import TensorSpec, encode_header
+from cvt.quant.tensor.layouts import COMPRESSED_TENSORS
 
 FP8_MAX = 448.0
 
@@ -108,7 +109,7 @@ KIMI_INT4_QC = {
                                               "type": "int"}}},
     "format": "pack-quantized",
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
-    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+    "kv_cache_scheme": None, "quant_method": COMPRESSED_TENSORS, "quantization_status": "compressed",
 }
 
 
