@@ -59,10 +59,10 @@ from cvt.units import parse_size
 from cvt.errors import CvtError, FormatError, ShapeError
 
 CATEGORIES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embedding", "head", "norm",
-              "mtp_proj", "kv_scales")
+              "mtp_proj", "kv_scales", "carried")
 _ROLE_CATEGORY = {Role.EMBEDDING: "embedding", Role.HEAD: "head", Role.NORM: "norm", Role.ROUTER: "router",
                   Role.EXPERT: "experts", Role.SHARED_EXPERT: "shared_experts", Role.MTP_PROJ: "mtp_proj",
-                  Role.KV_CACHE: "kv_scales"}
+                  Role.KV_CACHE: "kv_scales", Role.CARRIED: "carried"}  # carried: Kimi-K2.5's vision tower
 _PACKED_4BIT = ("weight_int4", "weight_fp4")
 _NUM = re.compile(r"(?<=\.)(\d+)(?=\.)")
 
