@@ -179,3 +179,20 @@ def test_meta_names_and_shapes_match_table():
     ours = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
     assert ours == param_shapes(cfg)
     assert {n.split(".")[2] for n in ours if ".indexer." in n} == {"0", "3"}          # full + MTP
+
+
+def test_two_ranks_match_one_process(tmp_path):
+    """TP 2 x EP 2 shard of a GLM-5 with a shared indexer layer: the 2-rank world gives the
+    single-process tokens and logits (tests/runtime/test_distributed.py's harness)."""
+    from cvt.convert.layout import make_layout
+    from cvt.convert.shard import shard
+    from cvt.convert.synthetic import write_bf16_checkpoint
+    from cvt.tests.runtime.test_distributed import _check_dumps, _reference, _spawn
+
+    cfg = tiny_glm_moe_dsa_config(index_topk=3, index_n_heads=16, indexer_types=["full", "shared", "full"])
+    cfg.pop("quantization_config")
+    src = write_bf16_checkpoint(tmp_path / "src", cfg)
+    dst = shard(src, tmp_path / "tp2", make_layout(2, tp=2, ep=2), quiet=True).dst
+    codes = _spawn(2, [("glm-tp2-ep2", str(dst))], tmp_path)
+    assert codes["glm-tp2-ep2"] == [0, 0]
+    _check_dumps(tmp_path / "out-2", "glm-tp2-ep2", 2, _reference(src))
