@@ -167,7 +167,7 @@ def test_shard_fp8_ep_and_bf16_tp(release, tmp_path):
     assert t["model.layers.0.self_attn.q_b_proj.weight"]["dim"] == 0
 
 
-@pytest.mark.parametrize("case", ["w8a8-ascend", "w4a16-compressed-tensors"])
+@pytest.mark.parametrize("case", ["w8a8-ascend", "w8a8c8-ascend", "w4a16-compressed-tensors"])
 def test_quantize_run_verify(release, tmp_path, case):
     """FP8 release -> quantized output (the indexer float: FLOAT in the Ascend description, `ignore`d in
     compressed-tensors; the shared layer has none) -> cvt run -> cvt verify against the BF16 output."""
@@ -176,7 +176,8 @@ def test_quantize_run_verify(release, tmp_path, case):
 
     scheme, fmt = case.split("-", 1)
     out = tmp_path / case
-    quantize(release, out, scheme=scheme, fmt=fmt, quiet=True, **({"group_size": 32} if scheme == "w4a16" else {}))
+    quantize(release, out, scheme=scheme, fmt=fmt, quiet=True, calib_tokens=64,
+             **({"group_size": 32} if scheme == "w4a16" else {}))
     bf16 = fp8_to_bf16(release, tmp_path / "bf16", quiet=True).dst
     got, ref = read_tensors(out), read_tensors(bf16)
     for i in (0, 2, 3):

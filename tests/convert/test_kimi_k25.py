@@ -150,8 +150,10 @@ def test_w4a8_requantizes_from_the_exact_float32_weight(release, tmp_path):
 def test_compressed_tensors_output_and_shard_replicate_the_vision_tower(release, tmp_path):
     src, tensors = release
     ct = tmp_path / "ct"
-    quantize(src, ct, scheme="w4a16", fmt="compressed-tensors", group_size=32, quiet=True)
+    r = quantize(src, ct, scheme="w4a16", fmt="compressed-tensors", group_size=32, quiet=True)
     assert assert_carried_identical(ct, src) == 35
+    experts = {m: t for m, t in r.manifest.quant.tensors.items() if ".experts." in m}
+    assert len(experts) == 24 and all(t.method == "source" for t in experts.values())     # the release's INT4
     r = run_cvt("shard", ct, tmp_path / "sh", "--ep", "2", "--quiet")
     assert r.rc == 0, r.err
     m = json.loads((tmp_path / "sh" / "cvt_manifest.json").read_text())
