@@ -167,7 +167,7 @@ def test_shard_fp8_ep_and_bf16_tp(release, tmp_path):
     assert t["model.layers.0.self_attn.q_b_proj.weight"]["dim"] == 0
 
 
-@pytest.mark.parametrize("case", ["w8a8-ascend", "w8a8c8-ascend", "w4a16-compressed-tensors"])
+@pytest.mark.parametrize("case", ["w8a8-ascend", "w4a16-compressed-tensors"])
 def test_quantize_run_verify(release, tmp_path, case):
     """FP8 release -> quantized output (the indexer float: FLOAT in the Ascend description, `ignore`d in
     compressed-tensors; the shared layer has none) -> cvt run -> cvt verify against the BF16 output."""
@@ -196,7 +196,7 @@ def test_quantize_run_verify(release, tmp_path, case):
                 "--device", "cpu", "--quiet")
     assert r.rc == 0, r.err
     r = run_cvt("verify", out, "--reference", bf16, "--report", tmp_path / "rep", "--device", "cpu",
-                "--max-sequences", "2", "--seq-len", "32")                        # 32 > index_topk 8
+                "--max-sequences", "1", "--seq-len", "32")                        # 32 > index_topk 8
     assert r.rc == 0, r.err
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     sqnr = {w["name"]: w["sqnr_db"] for w in report["weights"]}
