@@ -9,6 +9,8 @@ Refused, with one line each: a manifest whose files are missing or of another si
 sha256, with `verify_files=True`), a manifest whose tensor count or byte total disagrees with
 the headers, tensors the model has no place for, model weights the checkpoint lacks (MTP
 layers aside: a checkpoint without them just runs without them), and shapes that disagree.
+A wrapper's text model (Kimi-K2.5: names under ``language_model.``) loads under the runtime's
+names; its carried towers (vision tower, projector) are left unread and listed in `Loaded.skipped`.
 """
 
 from __future__ import annotations
@@ -97,8 +99,7 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         if fmt is SourceFormat.OTHER_QUANT:
             raise ManifestError(f"{ckpt.root}: {fmt.value} checkpoints are not runnable (bf16, fp8-block, "
                                 "compressed-tensors and cvt outputs are)")
-        arch = arch_for(ckpt.config)
-        arch.shapes()  # sizes that describe no model: one line naming the key
+        arch_for(ckpt.config).shapes()  # sizes that describe no model: one line naming the key
         block = fp8_block(ckpt, fmt)
         device = torch.device(device)
         with torch.device("meta"):
@@ -162,7 +163,7 @@ def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int,
         # KV-cache scales first: on GQA models they sit on k_proj / v_proj, next to the
         # quantized weight parts, and must not be taken for a part of the linear
         for param, name in list(params.items()):
-            if is_kv_cache_tensor(name):
+            if is_kv_cache_tensor(local(name)):
                 kv[local(name)] = ckpt.read(name).clone()
                 del params[param]
         if not params:

@@ -184,3 +184,24 @@ def test_fp8_variant_to_bf16_carries_the_vision_tower(tmp_path):
     out_cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert "quantization_config" not in out_cfg and "quantization_config" not in out_cfg["text_config"]
     assert out_cfg["vision_config"] == CFG["vision_config"]
+
+
+def test_calibrated_c8_reads_and_writes_the_release_names(release, tmp_path):
+    """Layer-by-layer calibration (int8 KV-cache ranges) reads the text model under
+    ``language_model.`` and writes the FAKQuant scales under the same prefix, which the runtime
+    attaches; the vision tower stays byte-identical."""
+    from cvt.runtime.loader import load_model
+
+    src, tensors = release
+    out = tmp_path / "c8"
+    r = quantize(src, out, scheme="w8a8c8", fmt="ascend", calib_tokens=64, quiet=True)
+    assert r.manifest.quant.calibration["layers"] == 3
+    got = read_all(out)
+    for i in range(3):
+        for part in ("fa_q", "fa_k", "fa_v"):
+            assert f"language_model.model.layers.{i}.self_attn.{part}.scale" in got
+    assert not any(n.startswith("model.") for n in got)
+    assert assert_carried_identical(out, src) == 35
+    loaded = load_model(out, dtype=torch.float32)
+    assert all(layer.self_attn.kv_scales is not None for layer in loaded.model.model.layers)
+    assert loaded.model.new_cache(batch=1, max_len=8)[0].quant == "int8"
