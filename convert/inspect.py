@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cvt.convert import source as source_mod
-from cvt.convert.arch import arch_for
+from cvt.convert.arch import arch_for, carried_names
 from cvt.convert.config import SourceFormat, describe_quant, fp8_block, quantization_config, source_format
 from cvt.convert.reader import (MANIFEST_NAME, file_problems, manifest_problems, open_checkpoint, sharded_manifest,
                                 unsharded_source)
@@ -151,6 +151,10 @@ def inspect_checkpoint(path, revision: str | None = None) -> InspectReport:
             layers["moe layers"] = f"{len(moe)} (dense: {n - len(moe)})"
             layers["experts"] = f"{arch.num_experts} routed per MoE layer, top-{arch.counts.get('experts_per_token', '?')}"
         layers["mtp layers"] = f"{mtp} in config, {len([i for i in seen if i >= n])} present"
+        carried = carried_names(cfg, ckpt.tensors)
+        if carried:
+            layers["carried"] = (f"{len(carried)} tensors ({', '.join(sorted({c.split('.')[0] for c in carried}))}): "
+                                 "float, copied byte for byte by every stage, replicated; the runtime runs text only")
 
     return InspectReport(
         path=str(ckpt.root),

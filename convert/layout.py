@@ -174,7 +174,7 @@ def moe_layers(config: Mapping[str, Any]) -> list[int]:
     cfg = dict(arch.config)
     cfg[key] = 1  # one expert per layer is enough to see which layers have them
     one = ArchSpec(arch.table, cfg, arch.model_type)
-    return sorted({int(n.split(".")[2]) for n in one.shapes() if ".mlp.experts.0." in n})
+    return sorted({one.classify(n).layer for n in one.shapes() if ".mlp.experts.0." in n})
 
 
 def placement_problems(placement: Placement, layers: list[int]) -> list[str]:

@@ -35,7 +35,7 @@ KV cache for ``kv_tokens``: the tokens in flight over the whole world; attention
 sequences evenly over the dp ranks (``ceil(kv_tokens / dp)`` per rank), TP ranks of a group
 hold the same tokens. Per token and decoder layer (MTP layers excluded): MLA caches
 ``kv_lora_rank + qk_rope_head_dim`` values (whole on every TP rank: the latent has no heads),
-plus DeepSeek-V3.2's indexer key (``index_head_dim``, bf16);
+plus DeepSeek-V3.2's indexer key (``index_head_dim``, bf16; GLM-5: in its "full" indexer layers only);
 GQA caches ``2 x kv_heads / tp x head_dim``. bf16, or int8 under w8a8c8 (MLA: the latent
 only; the rope key stays bf16).
 """
@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from cvt.convert.arch import Block, Role, TensorInfo, arch_for
+from cvt.convert.arch.glm_moe_dsa import FULL, indexer_types
 from cvt.convert.config import fp8_block
 from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
 from cvt.convert.plan_bytes import DiskBytes, format_group, plan_scheme, plan_schemes
@@ -58,10 +59,10 @@ from cvt.units import parse_size
 from cvt.errors import CvtError, FormatError, ShapeError
 
 CATEGORIES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embedding", "head", "norm",
-              "mtp_proj", "kv_scales")
+              "mtp_proj", "kv_scales", "carried")
 _ROLE_CATEGORY = {Role.EMBEDDING: "embedding", Role.HEAD: "head", Role.NORM: "norm", Role.ROUTER: "router",
                   Role.EXPERT: "experts", Role.SHARED_EXPERT: "shared_experts", Role.MTP_PROJ: "mtp_proj",
-                  Role.KV_CACHE: "kv_scales"}
+                  Role.KV_CACHE: "kv_scales", Role.CARRIED: "carried"}  # carried: Kimi-K2.5's vision tower
 _PACKED_4BIT = ("weight_int4", "weight_fp4")
 _NUM = re.compile(r"(?<=\.)(\d+)(?=\.)")
 
@@ -470,11 +471,13 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     elem = 1 if int8_kv and not index_c8 else 2
     # MLA: latent int8 under C8 (FAKQuant), rope key always bf16; GQA: k and v
     # DeepSeek-V3.2: the lightning indexer caches its own key (index_head_dim, bf16 in cvt's runtime;
-    # int8 + a float16 scale under the indexer C8)
-    index_dim = cfg.get("index_head_dim", 128) if arch.model_type == "deepseek_v32" else 0
+    # int8 + a float16 scale under the indexer C8); GLM-5: only its "full" indexer layers
+    # (`cvt.convert.arch.glm_moe_dsa.indexer_types`)
+    index_dim = cfg.get("index_head_dim", 128) if arch.model_type in ("deepseek_v32", "glm_moe_dsa") else 0
+    index_layers = (indexer_types(cfg).count(FULL) if arch.model_type == "glm_moe_dsa" else n_layers)
     index_bytes = index_dim + 2 if index_c8 else index_dim * 2
-    per_token = n_layers * (cfg["kv_lora_rank"] * elem + cfg["qk_rope_head_dim"] * 2 + index_bytes if mla
-                            else 2 * -(-kv_heads // layout.tp) * head_dim * elem)
+    per_token = (n_layers * (cfg["kv_lora_rank"] * elem + cfg["qk_rope_head_dim"] * 2) + index_layers * index_bytes
+                 if mla else n_layers * 2 * -(-kv_heads // layout.tp) * head_dim * elem)
     kv_rank = -(-kv_tokens // layout.dp) * per_token
 
     E, layers = arch.num_experts, moe_layers(config)
@@ -511,7 +514,8 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         f"KV cache: {kv_tokens} tokens in flight over the world, split evenly over dp {layout.dp} "
         f"({-(-kv_tokens // layout.dp)} per rank); " + (
             f"MLA latent {cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}"
-            + (f" + indexer key {index_dim} ({'int8 + a float16 scale' if index_c8 else 'bf16'})" if index_dim else "")
+            + (f" + indexer key {index_dim} ({'int8 + a float16 scale' if index_c8 else 'bf16'}"
+               + (f", {index_layers} full-indexer layers" if index_layers != n_layers else "") + ")" if index_dim else "")
             + " per token and layer, whole on every TP rank" if mla else f"GQA k+v {kv_heads} KV heads / tp x {head_dim}")
         + f"; {'int8' if int8_kv and not index_c8 else 'bf16'}; {n_layers} decoder layers (MTP layers not cached)"]
     group_bad = []

@@ -20,6 +20,7 @@ from typing import Any
 from cvt.convert.arch import arch_for
 from cvt.dtypes import dtype_code
 from cvt.convert.safetensors_io import TensorSpec, encode_header
+from cvt.quant.tensor.layouts import COMPRESSED_TENSORS
 
 FP8_MAX = 448.0
 
@@ -87,6 +88,82 @@ def tiny_deepseek_v32_config(**overrides: Any) -> dict[str, Any]:
     cfg.pop("rope_interleave")
     cfg.update(overrides)
     return cfg
+
+
+def tiny_glm_moe_dsa_config(**overrides: Any) -> dict[str, Any]:
+    """`tiny_deepseek_v32_config` as a GLM-5 (model_type glm_moe_dsa): one routing group (GLM's), the
+    indexer rope interleaved (stated, as GLM-5's config.json does), every layer's indexer "full"."""
+    cfg = tiny_deepseek_v32_config(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", n_group=1,
+                                   indexer_rope_interleave=True)
+    cfg.update(overrides)
+    return cfg
+
+
+# Kimi-K2.5's quantization_config (moonshotai/Kimi-K2.5 config.json, top level and text_config): routed
+# experts INT4 pack-quantized, symmetric, group 32; attention, shared experts, dense MLP, lm_head BF16
+KIMI_INT4_QC = {
+    "config_groups": {"group_0": {"input_activations": None, "output_activations": None, "targets": ["Linear"],
+                                  "weights": {"actorder": None, "block_structure": None, "dynamic": False,
+                                              "group_size": 32, "num_bits": 4, "observer": "minmax",
+                                              "observer_kwargs": {}, "strategy": "group", "symmetric": True,
+                                              "type": "int"}}},
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None, "quant_method": COMPRESSED_TENSORS, "quantization_status": "compressed",
+}
+
+
+def tiny_kimi_k25_config(vision: dict[str, Any] | None = None, **text_overrides: Any) -> dict[str, Any]:
+    """A tiny Kimi-K2.5: `tiny_deepseek_config`'s text model (no MTP layer, one routing group, as
+    Kimi's) under ``text_config``, a 2-block vision tower of width 32 (vt_* keys, as the release's
+    vision_config) with a 2x2 merge projector into the text width, and K2.5's INT4 quantization_config."""
+    text = tiny_deepseek_config(**{"num_nextn_predict_layers": 0, "n_group": 1, **text_overrides})
+    text["quantization_config"] = KIMI_INT4_QC
+    vc = {"init_pos_emb_height": 4, "init_pos_emb_time": 4, "init_pos_emb_width": 4, "merge_kernel_size": [2, 2],
+          "merge_type": "sd2_tpool", "mm_hidden_size": 32, "mm_projector_type": "patchmerger", "model_type": "",
+          "patch_size": 2, "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+          "text_hidden_size": text["hidden_size"], "video_attn_type": "spatial_temporal", "vt_hidden_size": 32,
+          "vt_intermediate_size": 48, "vt_num_attention_heads": 2, "vt_num_hidden_layers": 2, **(vision or {})}
+    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+            "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
+            "pad_token_id": text["pad_token_id"], "dtype": "bfloat16", "quantization_config": KIMI_INT4_QC,
+            "text_config": text, "tie_word_embeddings": False, "vision_config": vc}
+
+
+def pack_int4_ct(codes):
+    """int codes [n, k] in -8..7 -> int32 [n, k/8]: compressed-tensors pack-quantized (code + 8,
+    element i of each run of 8 along k at bits 4i; FORMATS.md 2.3)."""
+    import numpy as np
+    import torch
+
+    u = (codes.to(torch.int64) + 8).numpy().astype(np.uint32).reshape(codes.shape[0], -1, 8)
+    packed = np.zeros(u.shape[:2], dtype=np.uint32)
+    for i in range(8):
+        packed |= u[..., i] << np.uint32(4 * i)
+    return torch.from_numpy(packed.view(np.int32))
+
+
+def kimi_int4_tensors(config: dict[str, Any], seed: int = 0) -> dict:
+    """name -> tensor of a Kimi-K2.5 release of `config`: routed experts as INT4 g32 (random codes,
+    bf16 scales: weight_packed, weight_scale, weight_shape), the router bias F32, everything else
+    (vision tower and projector included) BF16."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    out = {}
+    for name, w in random_weights(config, seed).items():
+        if ".mlp.experts." in name and name.endswith(".weight"):
+            n, k = w.shape
+            codes = torch.randint(-8, 8, (n, k), generator=g)
+            base = name[: -len("weight")]
+            out[base + "weight_packed"] = pack_int4_ct(codes)
+            out[base + "weight_scale"] = (0.005 + 0.01 * torch.rand(n, k // 32, generator=g)).to(torch.bfloat16)
+            out[base + "weight_shape"] = torch.tensor([n, k], dtype=torch.int32)
+        elif name.endswith("e_score_correction_bias"):
+            out[name] = w.float()
+        else:
+            out[name] = w.to(torch.bfloat16)
+    return out
 
 
 def quantize_fp8_block(w, block: tuple[int, int] = (128, 128), scale_dtype: str = "F32"):

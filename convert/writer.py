@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable
 
 from cvt import world
 from cvt.version import __version__
+from cvt.convert.arch import carried_names
 from cvt.convert.outdir import OutputDir
 from cvt.convert.reader import Checkpoint
 from cvt.dtypes import DTYPES, dtype_code
@@ -461,7 +462,8 @@ def finish_output(out: OutputDir, ckpt: Checkpoint, files: list[FileInfo], *, sr
     prior = list(ckpt.manifest.stages) if ckpt.manifest is not None else []  # a later stage extends the history
     manifest = Manifest(tool=ToolInfo(version=__version__), source=src, stages=[*prior, stage], format=out_format,
                         plan_id=pid, tensor_count=tensor_count, total_size=total_size, files=files,
-                        summary=Summary(counts=summary), quant=quant, shard=shard)
+                        summary=Summary(counts=summary), carried=carried_names(ckpt.config, ckpt.tensors),
+                        quant=quant, shard=shard)
     out.finish(manifest)
     return manifest
 

@@ -312,6 +312,7 @@ class RunResult(BaseModel):
     tokenizer: str
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
+    notes: list[str] = []
 
 
 def run(options: RunOptions | None = None, /, **kw) -> RunResult:
@@ -322,6 +323,8 @@ def run(options: RunOptions | None = None, /, **kw) -> RunResult:
     o = _build(RunOptions, options, kw)
     from cvt.runtime.generate import generate
     from cvt.runtime.tokenizer import prompt_ids
+
+    notes: list[str] = []
 
     if not o.prompts and not o.input_ids:
         raise CvtError("give --prompt TEXT or --input-ids 1,2,3")
@@ -342,13 +345,17 @@ def run(options: RunOptions | None = None, /, **kw) -> RunResult:
                             revision=o.revision, quiet=o.quiet)
         tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
         lm = loaded.model
+        if loaded.skipped:
+            notes.append(f"{loaded.config.get('model_type')}: running the text model only (the "
+                         f"{len(loaded.skipped)} vision tower / projector tensors are not loaded)")
     ids = prompt_ids(tok, o.prompts, o.input_ids, lm.args.vocab_size)
     res = generate(lm, ids, o.max_new_tokens, temperature=o.temperature, top_p=o.top_p, seed=o.seed,
                    eos_id=tok.eos_id, device=dev, quiet=o.quiet)
     return RunResult(prompt_ids=ids, output_ids=res.outputs, texts=[tok.decode(p) + tok.decode(x)
                                                                      for p, x in zip(ids, res.outputs)],
                      device=str(dev), dtype=str(dtype), tokenizer=tok.kind,
-                     prefill_tokens_per_s=res.prefill_tokens_per_s, decode_tokens_per_s=res.decode_tokens_per_s)
+                     prefill_tokens_per_s=res.prefill_tokens_per_s, decode_tokens_per_s=res.decode_tokens_per_s,
+                     notes=notes)
 
 
 def inspect(path: str, revision: str | None = None):

@@ -9,6 +9,8 @@ Refused, with one line each: a manifest whose files are missing or of another si
 sha256, with `verify_files=True`), a manifest whose tensor count or byte total disagrees with
 the headers, tensors the model has no place for, model weights the checkpoint lacks (MTP
 layers aside: a checkpoint without them just runs without them), and shapes that disagree.
+A wrapper's text model (Kimi-K2.5: names under ``language_model.``) loads under the runtime's
+names; its carried towers (vision tower, projector) are left unread and listed in `Loaded.skipped`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from cvt.convert.arch import arch_for
+from cvt.convert.arch import arch_for, carried_names
 from cvt.convert.config import SourceFormat, fp8_config, source_format
 from cvt.convert.fp8 import dequant_fp8_block
 from cvt.convert.reader import Checkpoint, manifest_problems, open_checkpoint, read_manifest
@@ -43,6 +45,8 @@ class Loaded:
     source_format: str
     device: torch.device
     dtype: torch.dtype
+    # tensors the text runtime does not load (a wrapper's carried towers: Kimi-K2.5's vision)
+    skipped: tuple[str, ...] = ()
 
 
 def check_manifest(ckpt: Checkpoint, verify_files: bool = False) -> Manifest | None:
@@ -111,7 +115,7 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         _drop_absent_mtp(model, seen, n_layers)
         check_complete(model, ckpt.root)
         model.eval()
-        return Loaded(model, ckpt.root, ckpt.config, manifest, fmt.value, device, dtype)
+        return Loaded(model, ckpt.root, ckpt.config, manifest, fmt.value, device, dtype, carried_tensors(ckpt))
     finally:
         ckpt.close()
 
@@ -153,26 +157,27 @@ def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int,
     quant = _quant_reader(ckpt)
     seen: set[str] = set()
     kv: dict[str, torch.Tensor] = {}
+    carried = set(carried_tensors(ckpt))
+    local = text_names(ckpt)
     for module, params in _advancing(_by_module(ckpt), ckpt, progress):
-        if skip is not None:
-            params = {p: n for p, n in params.items() if not skip(n)}
+        params = {p: n for p, n in params.items() if n not in carried and (skip is None or not skip(n))}
         # KV-cache scales first: on GQA models they sit on k_proj / v_proj, next to the
         # quantized weight parts, and must not be taken for a part of the linear
         for param, name in list(params.items()):
-            if is_kv_cache_tensor(name):
-                kv[name] = ckpt.read(name).clone()
+            if is_kv_cache_tensor(local(name)):
+                kv[local(name)] = ckpt.read(name).clone()
                 del params[param]
         if not params:
             continue
         if quant is not None and quant.is_quantized(module, params):
-            _load_quantized(model, ckpt, quant, module, params, device, adjust)
-            seen.add(module + ".weight")
+            _load_quantized(model, ckpt, quant, module, params, device, adjust, local(module))
+            seen.add(local(module) + ".weight")
             continue
         for param, name in params.items():
             if name.endswith("_scale_inv"):
                 continue
             ref = ckpt.tensors[name]
-            owner = _owner(model, name)
+            owner = _owner(model, local(name))
             if owner is None:
                 raise TensorError(f"tensor {name} ({ref.path.name}) has no place in the "
                                   f"{ckpt.config.get('model_type')} runtime model")
@@ -184,7 +189,7 @@ def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int,
                 t = t.clone()  # out of the mmap: the model owns its memory
             ckpt.release(name)
             _assign(*owner, t.to(device), name)
-            seen.add(name)
+            seen.add(local(name))
     return seen, kv
 
 
@@ -242,11 +247,14 @@ def _quant_reader(ckpt: Checkpoint) -> _QuantReader | None:
 
 
 def _load_quantized(model: nn.Module, ckpt: Checkpoint, quant: _QuantReader, module: str, params: dict[str, str],
-                    device, adjust=None) -> None:
+                    device, adjust=None, target: str | None = None) -> None:
+    """Replace the model's linear `target` (default: `module`, the checkpoint's name) by the kernel
+    format of the quantized tensors `params` of checkpoint module `module`."""
     from cvt.runtime import kernels
 
+    target = module if target is None else target
     try:
-        current = model.get_submodule(module)
+        current = model.get_submodule(target)
     except AttributeError:
         current = None
     if not isinstance(current, kernels.Linear):
@@ -262,10 +270,22 @@ def _load_quantized(model: nn.Module, ckpt: Checkpoint, quant: _QuantReader, mod
                           f"[{current.out_features}, {current.in_features}]")
     parts = {k: v.to(device) for k, v in q.parts.items()}
     new = kernels.get(q.kernel_fmt).from_parts(parts, None if bias is None else bias.to(device))
-    parent, _, attr = module.rpartition(".")
+    parent, _, attr = target.rpartition(".")
     setattr(model.get_submodule(parent), attr, new)
     for name in params.values():
         ckpt.release(name)
+
+
+def carried_tensors(ckpt: Checkpoint) -> tuple[str, ...]:
+    """The checkpoint's tensors the text runtime leaves unread: a wrapper's carried towers
+    (`cvt.convert.arch.carried_names`: Kimi-K2.5's vision tower and projector)."""
+    return tuple(carried_names(ckpt.config, ckpt.tensors))
+
+
+def text_names(ckpt: Checkpoint) -> Callable[[str], str]:
+    """Checkpoint tensor name -> the runtime model's name (a wrapper's text prefix dropped)."""
+    prefix = arch_for(ckpt.config).table.text_prefix
+    return lambda name: name[len(prefix):] if prefix and name.startswith(prefix) else name
 
 
 def _named_tensors(model: nn.Module):

@@ -154,5 +154,8 @@ class Manifest(_Strict):
     total_size: int = Field(ge=0, description="bytes of tensor data (the index's metadata.total_size)")
     files: list[FileInfo] = Field(description="weight files, then index, config and copied files")
     summary: Summary = Field(default_factory=Summary)
+    carried: list[str] = Field(default_factory=list, description=(
+        "tensors of a wrapper's other towers (Kimi-K2.5's vision tower and projector): float, copied byte for "
+        "byte by every stage, replicated on every rank, not run by cvt's text-only runtime"))
     quant: QuantInfo | None = Field(None, description="present when the directory holds quantized weights")
     shard: ShardInfo | None = Field(None, description="present in a per-rank sharded directory (cvt shard)")

@@ -1,7 +1,8 @@
 """Architecture tables: tensor name pattern -> role, TP split, float-by-default.
 
 `arch_for(config)` picks the table by `model_type` (top level, or under `text_config` for
-wrappers such as Kimi-K2.5) and binds it to the config. Quantize, shard, runtime and
+wrappers such as Kimi-K2.5, whose `WRAPPERS` entry prefixes the text names and adds the
+tensors every stage carries through: `cvt.convert.arch.kimi_k25`) and binds it to the config. Quantize, shard, runtime and
 export all read these tables; nothing else in cvt knows a tensor name.
 """
 
@@ -9,15 +10,17 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from cvt.convert.arch import deepseek_v3, deepseek_v32, qwen3
+from cvt.convert.arch import deepseek_v3, deepseek_v32, glm_moe_dsa, kimi_k25, qwen3
 from cvt.convert.arch.base import ArchSpec, ArchTable, Block, Parallel, Role, Rule, TensorInfo
 from cvt.errors import ArchError
 from cvt.registry import Registry
 
-__all__ = ["ArchSpec", "ArchTable", "Block", "Parallel", "Role", "Rule", "TensorInfo", "arch_for", "config_problems",
-           "register", "TABLES"]
+__all__ = ["ArchSpec", "ArchTable", "Block", "Parallel", "Role", "Rule", "TensorInfo", "arch_for", "carried_names",
+           "config_problems", "register", "TABLES"]
 
 TABLES: Registry[ArchTable] = Registry("model_type", ArchError)
+# wrapper model_type -> (text table, whole config.json) -> the table of its checkpoints' names
+WRAPPERS = {"kimi_k25": kimi_k25.wrap}
 
 
 def register(table: ArchTable) -> None:
@@ -29,7 +32,7 @@ def register(table: ArchTable) -> None:
         TABLES.add(mt, table)
 
 
-for _t in (deepseek_v3.TABLE, deepseek_v32.TABLE, qwen3.DENSE, qwen3.MOE):
+for _t in (deepseek_v3.TABLE, deepseek_v32.TABLE, glm_moe_dsa.TABLE, qwen3.DENSE, qwen3.MOE):
     register(_t)
 
 
@@ -46,7 +49,29 @@ def arch_for(config: Mapping[str, Any]) -> ArchSpec:
     mt = cfg.get("model_type")
     if mt not in TABLES:
         raise ArchError(f"config.json model_type {mt!r} is not supported (supported: {', '.join(TABLES.names())})")
-    return ArchSpec(TABLES[mt], cfg, mt)
+    table = TABLES[mt]
+    wrap = WRAPPERS.get(config.get("model_type")) if cfg is not config else None
+    return ArchSpec(table if wrap is None else wrap(table, config), cfg, mt)
+
+
+def carried_names(config: Mapping[str, Any], names) -> list[str]:
+    """Of `names`, those a wrapper's table maps to `Role.CARRIED` (Kimi-K2.5's vision tower and
+    projector: copied byte for byte by every stage, replicated, never run), in order; [] for a plain
+    text model or a config no table reads."""
+    try:
+        arch = arch_for(config)
+    except ArchError:
+        return []
+    if not arch.table.text_prefix:
+        return []
+    out = []
+    for name in names:
+        try:
+            if arch.classify(name).role is Role.CARRIED:
+                out.append(name)
+        except ArchError:
+            pass  # the stages' survey names it
+    return out
 
 
 def config_problems(config: Mapping[str, Any]) -> list[str]:

@@ -39,6 +39,7 @@ class Role(str, Enum):
     ROUTER = "router"  # mlp.gate
     MTP_PROJ = "mtp_proj"  # eh_proj: concat(enorm(emb), hnorm(h)) -> hidden
     KV_CACHE = "kv_cache"  # int8 KV-cache scales (C8), see cvt.runtime.kv_cache
+    CARRIED = "carried"  # a wrapper's other towers (Kimi-K2.5 vision): byte-identical through every stage
 
 
 class Parallel(str, Enum):
@@ -58,6 +59,7 @@ class Block(str, Enum):
     HEAD = "head"
     NORM = "norm"
     MTP = "mtp"  # MTP-only modules (enorm, hnorm, eh_proj)
+    CARRIED = "carried"  # Role.CARRIED tensors: replicated, never run by cvt's text runtime
 
 
 # Parameter names a module may carry. Weight-like params split like the weight.
@@ -101,7 +103,7 @@ PARAMS = WEIGHT_PARAMS | OTHER_PARAMS
 class Rule:
     """One row of a table.
 
-    pattern:        module path with {L}/{E} placeholders
+    pattern:        module path with {L}/{E} placeholders ({B}: a carried tower's block, unchecked)
     role, parallel, block: see the enums
     quantizable:    a linear whose weight may be FP8 in a release / quantized by cvt
     float_default:  stays float under every quantization scheme unless a recipe says otherwise
@@ -159,6 +161,9 @@ class ArchTable:
     fused_groups: tuple[tuple[str, ...], ...] = ()
     # config -> one line per value no model can have (`cvt.convert.arch.checks`)
     config_checks: Callable[[Mapping[str, Any]], list[str]] | None = None
+    # a wrapper's prefix of the text model's tensor names (Kimi-K2.5: "language_model."), which the
+    # runtime's module names lack
+    text_prefix: str = ""
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,7 @@ def _count(config: Mapping[str, Any], canonical: str, key: str) -> int:
 
 def _compile(pattern: str) -> re.Pattern:
     rx = re.escape(pattern).replace(r"\{L\}", r"(?P<layer>\d+)").replace(r"\{E\}", r"(?P<expert>\d+)")
+    rx = rx.replace(r"\{B\}", r"\d+")
     return re.compile(rx)
 
 

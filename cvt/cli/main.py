@@ -332,6 +332,8 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
     res = api.run(api.RunOptions(model=model, prompts=prompts, input_ids=input_ids, max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_p=top_p, seed=seed, device=device, dtype=dtype,
                                  verify_files=verify_files, revision=revision, backend=backend, quiet=quiet))
+    for note in res.notes:
+        click.echo(f"cvt: note: {note}", err=True)
     for prompt, out, text in zip(res.prompt_ids, res.output_ids, res.texts):
         click.echo(text)
         if not quiet:

@@ -439,7 +439,7 @@ def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o
     from cvt.quant.methods.expert_stream import ExpertStream
     from cvt.runtime.loader import assign_tensors
 
-    prefix = f"model.layers.{i}"
+    prefix = f"{text_prefix(ckpt)}model.layers.{i}"
 
     def gptq_sites(e: int) -> list[int]:
         ex, name = layer.mlp.experts[e], f"{prefix}.mlp.experts.{e}."
@@ -511,7 +511,8 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
         model = build_model(ckpt.config, dtype=torch.float32)
     n_layers = model.args.num_hidden_layers
     block = fp8_block(ckpt, source_format(ckpt.config))
-    emb = ckpt.read("model.embed_tokens.weight")          # rows read through mmap, never the whole table
+    tp = text_prefix(ckpt)                                 # Kimi-K2.5: the checkpoint's language_model.
+    emb = ckpt.read(tp + "model.embed_tokens.weight")     # rows read through mmap, never the whole table
     model.model.embed_tokens.forward = lambda t: emb[t.cpu()].to(device=device, dtype=torch.float32)
     mine = tokens[ranks.share(tokens.shape[0])]            # this rank's sequences (all of them for one)
     x, args, kwargs = C._layer_args(model, (mine if mine.shape[0] else tokens[:1]).to(device))
@@ -537,7 +538,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
         for i in range(start, n_layers):
             t0 = time.perf_counter()
             layer = model.model.layers[i]
-            prefix = f"model.layers.{i}."
+            prefix = f"{tp}model.layers.{i}."
             streamed = _streams_experts(layer, prefix, plan, o)
             experts_at = prefix + "mlp.experts."
             assign_tensors(model, ckpt, device, block, skip=lambda name: not name.startswith(prefix)
@@ -547,7 +548,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
             if observer is not None:
                 layer.self_attn.kv_observer = observer._observer(i)
             lres = C.CalibResult()
-            C._LayerCalib(layer, f"model.layers.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
+            C._LayerCalib(layer, f"{tp}model.layers.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
                           lres, o, experts=es).run(x, args, kwargs)
             x = es.x_next if es is not None else C._run_layer(layer, x, args, kwargs, o["batch_size"])
             if observer is not None:
@@ -570,7 +571,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
                 on_layer(i)
     finally:
         bar.close()
-        ckpt.release("model.embed_tokens.weight")
+        ckpt.release(tp + "model.embed_tokens.weight")
     res.peak_rss = peak_rss_bytes()
     res.peak_rss_per_rank = world.all_gather(res.peak_rss)
     return res
@@ -585,10 +586,20 @@ def _merge(res: StreamResult, meta: dict) -> None:
     res.seconds_per_layer += meta["seconds"]
 
 
-def kv_scales(res: StreamResult, model_or_config, codec: str, ascend_names: bool = False) -> dict[str, torch.Tensor]:
+def text_prefix(ckpt) -> str:
+    """The checkpoint's prefix of the text model's names ("language_model." for Kimi-K2.5, else "");
+    the runtime model, calibrated here layer by layer, names its modules without it."""
+    from cvt.convert.arch import arch_for
+
+    return arch_for(ckpt.config).table.text_prefix
+
+
+def kv_scales(res: StreamResult, model_or_config, codec: str, ascend_names: bool = False,
+              prefix: str = "") -> dict[str, torch.Tensor]:
     """The KV-cache scales from the per-layer ranges observed while calibrating (the runtime's
     `KVObserver` rules: int8 Ascend C8 / FAKQuant, fp8 compressed-tensors, or with `ascend_names`
-    fp8 FAKQuant, Ascend 950's cache: the Ascend names with amax / 448)."""
+    fp8 FAKQuant, Ascend 950's cache: the Ascend names with amax / 448), named as the checkpoint
+    names the text model (`prefix`: `text_prefix`)."""
     from cvt.runtime import kv_cache
 
     class _Obs(kv_cache.KVObserver):
@@ -598,4 +609,5 @@ def kv_scales(res: StreamResult, model_or_config, codec: str, ascend_names: bool
             self.amax = res.kv_amax
 
     obs = _Obs()
-    return obs.fp8_scales() if codec == "fp8" and not ascend_names else obs.scales(codec)
+    out = obs.fp8_scales() if codec == "fp8" and not ascend_names else obs.scales(codec)
+    return {prefix + n: t for n, t in out.items()}

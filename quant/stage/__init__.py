@@ -201,7 +201,7 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
     import hashlib
 
     from cvt.quant.methods.data import calib_tokens as calib_tokens_of
-    from cvt.quant.methods.stream import calibrate_streaming, kv_scales
+    from cvt.quant.methods.stream import calibrate_streaming, kv_scales, text_prefix
     from cvt.runtime.models import family
     from cvt.runtime.tokenizer import load_tokenizer
     from cvt.schemas.manifest import Fallback as ManifestFallback
@@ -230,7 +230,7 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
         out.static_inputs = {m: (torch.tensor([max(abs(st["act_min"]), abs(st["act_max"]), 1e-8) / 127.0]),
                                  torch.zeros(1)) for m, st in res.stats.items() if m in targets and "act_min" in st}
     if c8:
-        out.kv_scales = kv_scales(res, ckpt.config, kv_codec, ascend_names)
+        out.kv_scales = kv_scales(res, ckpt.config, kv_codec, ascend_names, text_prefix(ckpt))
     out.summary = {"tokens": int(tokens.numel()), "layers": len(res.seconds_per_layer), "device": str(device),
                    "seconds_per_layer": [round(x, 3) for x in res.seconds_per_layer],
                    "peak_rss_bytes": max(res.peak_rss_per_rank or [res.peak_rss]), "resumed_layers": res.resumed_layers}

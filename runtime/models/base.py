@@ -41,6 +41,9 @@ HARMLESS_KEYS = frozenset({
     "ep_size", "moe_layer_freq", "num_nextn_predict_layers", "is_encoder_decoder", "torchscript",
     "chunk_size_feed_forward", "id2label", "label2id", "tokenizer_class", "task_specific_params",
     "problem_type", "bad_words_ids", "begin_suppress_tokens", "suppress_tokens", "use_bfloat16",
+    # transformers 4's generic PretrainedConfig attributes, saved into nested configs (Kimi-K2.5's text_config)
+    "add_cross_attention", "cross_attention_hidden_size", "decoder_start_token_id", "finetuning_task", "is_decoder",
+    "prefix", "pruned_heads", "sep_token_id", "tf_legacy_loss", "tie_encoder_decoder",
     # MindIE's quantization settings (cvt quantize --target mindie): they name the weights' formats,
     # which the loader reads from quant_model_description.json
     "quantize", "mla_quantize", "moe_quantize", "mtp_quantize",

@@ -185,6 +185,8 @@ class Indexer(nn.Module):
         kw = dict(dtype=dtype, device=device)
         h, self.n_heads, self.head_dim = args.hidden_size, args.index_n_heads, args.index_head_dim
         self.rope, self.topk = args.qk_rope_head_dim, args.index_topk
+        # GLM-5 (`glm_moe_dsa`) rotates the indexer's rope dims interleaved; V3.2 rotates halves
+        self.interleave = bool(getattr(args, "indexer_rope_interleave", False))
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, **kw)
         self.wk = Linear(h, self.head_dim, **kw)
         self.k_norm = LayerNorm(self.head_dim, **kw)
@@ -194,9 +196,9 @@ class Indexer(nn.Module):
         self.rot: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """t [b, s, heads, Di]: rotate the first dr dims by halves (not interleaved)."""
+        """t [b, s, heads, Di]: rotate the first dr dims, by halves (V3.2) or interleaved (GLM-5)."""
         pe, nope = t.split([self.rope, self.head_dim - self.rope], dim=-1)
-        return torch.cat([apply_rope(pe, cos, sin, interleave=False), nope], dim=-1)
+        return torch.cat([apply_rope(pe, cos, sin, interleave=self.interleave), nope], dim=-1)
 
     def index_scores(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      mask: torch.Tensor, start_pos: int, cache: DSACache | None) -> torch.Tensor:

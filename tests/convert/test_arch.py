@@ -70,7 +70,9 @@ def test_unknown_model_type():
 
 def test_text_config_wrapper():
     arch = arch_for({"model_type": "kimi_k25", "text_config": {**DSV3, "model_type": "kimi_k2"}})
-    assert arch.table.name == "deepseek_v3" and arch.model_type == "kimi_k2"
+    assert arch.table.name == "kimi_k25" and arch.model_type == "kimi_k2"       # DeepSeek-V3's, wrapped
+    bare, prefixed = (arch.classify(p + "model.layers.0.mlp.up_proj.weight") for p in ("", "language_model."))
+    assert (bare.role, bare.layer, bare.split_dim) == (prefixed.role, prefixed.layer, prefixed.split_dim)
 
 
 def test_duplicate_registration_fails_loudly():

@@ -57,7 +57,7 @@ PARITY_CONFIGS = {
 # transformers reference
 # ---------------------------------------------------------------------------------------------
 
-HF_CLASSES = {"deepseek_v3": "DeepseekV3", "deepseek_v32": "DeepseekV32"}  # model_type -> transformers prefix
+HF_CLASSES = {"deepseek_v3": "DeepseekV3", "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa"}  # model_type -> transformers prefix
 
 
 def hf_model(cfg: dict, seed: int = 0, bias_scale: float = 0.2):

@@ -1,0 +1,117 @@
+"""Kimi-K2.5 / K2.6 (model_type kimi_k25): the DeepSeek-V3 text model under ``language_model.``, plus a
+vision tower and projector that every stage carries through untouched.
+
+A wrapper, not a family: config.json's ``text_config`` is a DeepSeek-V3 config (model_type
+deepseek_v3, or kimi_k2 in older files) and picks the text table; `wrap(text_table, config)` binds it
+to the release's names (moonshotai/Kimi-K2.5 model.safetensors.index.json, the remote code's
+KimiK25ForConditionalGeneration):
+
+    language_model.model.embed_tokens / .layers.{L}.* / .norm, language_model.lm_head   the text table
+    vision_tower.patch_embed.proj            weight [h, 3, p, p], bias [h]    (Conv2d)
+    vision_tower.patch_embed.pos_emb         weight [H, W, h]
+    vision_tower.encoder.blocks.{B}.norm0 / norm1          weight, bias [h]  (LayerNorm)
+    vision_tower.encoder.blocks.{B}.wqkv                   weight [3h, h], bias [3h]
+    vision_tower.encoder.blocks.{B}.wo                     weight [h, h], bias [h]
+    vision_tower.encoder.blocks.{B}.mlp.fc0 / fc1          weight [i, h] / [h, i], bias
+    vision_tower.encoder.final_layernorm                   weight, bias [h]
+    mm_projector.pre_norm                    weight, bias [m]                 (LayerNorm)
+    mm_projector.proj.0                      weight [m*k, m*k], bias [m*k]
+    mm_projector.proj.2                      weight [text hidden, m*k], bias
+
+with, from ``vision_config``: h = vt_hidden_size, i = vt_intermediate_size, B < vt_num_hidden_layers,
+p = patch_size, H x W = init_pos_emb_height x init_pos_emb_width, m = mm_hidden_size,
+k = merge_kernel_size[0] * merge_kernel_size[1]; text hidden = text_config.hidden_size.
+
+Vision and projector tensors have role CARRIED: float (BF16 in the release), never quantized,
+replicated on every rank, copied byte for byte by fp8-to-bf16, quantize and shard; the runtime
+(text only) does not load them. The text names also classify without the ``language_model.``
+prefix (a text-only export under the same config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
+
+TEXT_PREFIX = "language_model."
+VT, BLK = "vision_tower", "vision_tower.encoder.blocks.{B}"
+CARRIED_MODULES = (f"{VT}.patch_embed.proj", f"{VT}.patch_embed.pos_emb", f"{BLK}.norm0", f"{BLK}.norm1",
+                   f"{BLK}.wqkv", f"{BLK}.wo", f"{BLK}.mlp.fc0", f"{BLK}.mlp.fc1", f"{VT}.encoder.final_layernorm",
+                   "mm_projector.pre_norm", "mm_projector.proj.0", "mm_projector.proj.2")
+CARRIED_RULES = tuple(Rule(m, Role.CARRIED, Parallel.REPLICATED, Block.CARRIED, float_default=True)
+                      for m in CARRIED_MODULES)
+CARRIED_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+def is_carried(name: str) -> bool:
+    """A tensor of the vision tower or projector (by name; `CARRIED_RULES` classify it)."""
+    return name.startswith(CARRIED_PREFIXES)
+
+
+def text_name(name: str) -> str:
+    """The text model's tensor name as cvt's runtime names it (``language_model.`` dropped)."""
+    return name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name
+
+
+def carried_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every vision tower and projector tensor with its shape (module docstring), from config.json's
+    ``vision_config`` (none without one: a text-only export); ValueError naming the key when one is
+    missing or not a positive integer."""
+    vc = config.get("vision_config")
+    if vc is None:
+        return {}
+    if not isinstance(vc, Mapping):
+        raise ValueError(f"vision_config = {vc!r}: must be an object")
+
+    def get(key: str, cfg: Mapping[str, Any] = vc, where: str = "vision_config") -> int:
+        v = cfg.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where}.{key} = {v!r}: must be a positive integer")
+        return v
+
+    h, inter, blocks, p = get("vt_hidden_size"), get("vt_intermediate_size"), get("vt_num_hidden_layers"), get("patch_size")
+    m = vc.get("mm_hidden_size", h)
+    merge = vc.get("merge_kernel_size") or [2, 2]
+    if not (isinstance(merge, (list, tuple)) and merge and all(isinstance(v, int) and v >= 1 for v in merge)):
+        raise ValueError(f"vision_config.merge_kernel_size = {merge!r}: must be a list of positive integers")
+    mk = m * math.prod(merge)
+    text_h = get("hidden_size", config["text_config"], "text_config")
+    out = {f"{VT}.patch_embed.proj.weight": (h, 3, p, p), f"{VT}.patch_embed.proj.bias": (h,),
+           f"{VT}.patch_embed.pos_emb.weight": (get("init_pos_emb_height"), get("init_pos_emb_width"), h)}
+    for b in range(blocks):
+        q = f"{VT}.encoder.blocks.{b}"
+        for norm in ("norm0", "norm1"):
+            out[f"{q}.{norm}.weight"] = out[f"{q}.{norm}.bias"] = (h,)
+        out.update({f"{q}.wqkv.weight": (3 * h, h), f"{q}.wqkv.bias": (3 * h,), f"{q}.wo.weight": (h, h),
+                    f"{q}.wo.bias": (h,), f"{q}.mlp.fc0.weight": (inter, h), f"{q}.mlp.fc0.bias": (inter,),
+                    f"{q}.mlp.fc1.weight": (h, inter), f"{q}.mlp.fc1.bias": (h,)})
+    out[f"{VT}.encoder.final_layernorm.weight"] = out[f"{VT}.encoder.final_layernorm.bias"] = (h,)
+    out.update({"mm_projector.pre_norm.weight": (m,), "mm_projector.pre_norm.bias": (m,),
+                "mm_projector.proj.0.weight": (mk, mk), "mm_projector.proj.0.bias": (mk,),
+                "mm_projector.proj.2.weight": (text_h, mk), "mm_projector.proj.2.bias": (text_h,)})
+    return out
+
+
+def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
+    """The kimi_k25 table of a config.json whose text model is `text`'s: its rules and fused groups
+    under ``language_model.`` (and bare), the carried rules, shapes = prefixed text shapes + `carried_shapes`."""
+    def prefixed(rule: Rule) -> Rule:
+        return dataclasses.replace(rule, pattern=TEXT_PREFIX + rule.pattern)
+
+    def param_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        return {TEXT_PREFIX + n: s for n, s in text.param_shapes(cfg).items()} | carried_shapes(config)
+
+    return ArchTable(
+        name="kimi_k25",
+        model_types=("kimi_k25",),
+        rules=tuple(map(prefixed, text.rules)) + text.rules + CARRIED_RULES,
+        config_keys=text.config_keys,
+        param_shapes=param_shapes,
+        explicit_defaults=text.explicit_defaults,
+        fused_groups=tuple(tuple(TEXT_PREFIX + p for p in g) for g in text.fused_groups) + text.fused_groups,
+        config_checks=text.config_checks,
+        text_prefix=TEXT_PREFIX,
+    )
