@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from cvt.convert.arch import deepseek_v3, deepseek_v32, qwen3
+from cvt.convert.arch import deepseek_v3, deepseek_v32, deepseek_v4, qwen3
 from cvt.convert.arch.base import ArchSpec, ArchTable, Block, Parallel, Role, Rule, TensorInfo
 from cvt.errors import ArchError
 from cvt.registry import Registry
@@ -29,7 +29,7 @@ def register(table: ArchTable) -> None:
         TABLES.add(mt, table)
 
 
-for _t in (deepseek_v3.TABLE, deepseek_v32.TABLE, qwen3.DENSE, qwen3.MOE):
+for _t in (deepseek_v3.TABLE, deepseek_v32.TABLE, deepseek_v4.TABLE, qwen3.DENSE, qwen3.MOE):
     register(_t)
 
 
