@@ -29,7 +29,7 @@ def tiny_deepseek_v4_config(**overrides: Any) -> dict[str, Any]:
         "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "scoring_func": "sqrtsoftplus",
         "norm_topk_prob": True, "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "sliding_window": 8,
         "compress_ratios": [0, 4, 128, 0, 4], "compress_rope_theta": 160000.0, "rope_theta": 10000.0,
-        "index_n_heads": 2, "index_head_dim": 32, "index_topk": 4, "hc_mult": 2, "hc_sinkhorn_iters": 3,
+        "index_n_heads": 8, "index_head_dim": 32, "index_topk": 4, "hc_mult": 2, "hc_sinkhorn_iters": 3,
         "hc_eps": 1e-6, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6, "max_position_embeddings": 1024,
         "bos_token_id": 256, "eos_token_id": 257, "torch_dtype": "bfloat16", "expert_dtype": EXPERT_DTYPE_FP4,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",

@@ -98,7 +98,7 @@ def qwen3(cfg: Mapping[str, Any]) -> list[str]:
 
 V4_RATIOS = (0, 4, 128)  # transformers' _COMPRESS_RATIO_TO_LAYER_TYPE: what cvt's V4 runtime implements
 V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
-V4_SCORING = ("sqrtsoftplus", "sigmoid", "softmax")
+V4_SCORING = ("sqrtsoftplus", "sigmoid")  # transformers' DeepseekV4 routers (ACT2FN has no softmax)
 
 
 def deepseek_v4(cfg: Mapping[str, Any]) -> list[str]:

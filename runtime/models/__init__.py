@@ -16,6 +16,7 @@ FAMILIES = {
     "deepseek_v3": "cvt.runtime.models.deepseek_v3",
     "kimi_k2": "cvt.runtime.models.deepseek_v3",
     "deepseek_v32": "cvt.runtime.models.deepseek_v32",
+    "deepseek_v4": "cvt.runtime.models.deepseek_v4",
     "qwen3_moe": "cvt.runtime.models.qwen3",
     "qwen3": "cvt.runtime.models.qwen3",
     "qwen2": "cvt.runtime.models.qwen3",
