@@ -23,14 +23,17 @@ hc = hc_mult streams, H heads of D = head_dim (one shared K=V head), dr = qk_rop
   experts and the shared expert clamp gate <= swiglu_limit, |up| <= swiglu_limit;
 * head: streams collapsed by hc_head (sigmoid weights), final norm, head.
 
-Not implemented (refused by `Args.validate`, by key): YaRN on the compressed rope
-(``rope_scaling`` / ``rope_parameters``), MTP decoding (``mtp.*`` layers are not run).
+RoPE: sliding-window layers use rope_theta; CSA / HCA layers (and their compressors and
+indexer) compress_rope_theta with the config's YaRN (``rope_scaling``), cos / sin unscaled.
+Not implemented (refused by `Args.validate`, by key): other rope scalings, softmax routing
+(transformers has none); MTP layers (``mtp.*``) are not run.
 The cache holds every position's kv and compressor projections (cached decode = full forward).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import torch
@@ -41,6 +44,10 @@ from cvt.convert.arch.deepseek_v4 import DEFAULTS, compress_ratios, num_hash_lay
 from cvt.errors import CvtError
 from cvt.runtime.kernels import Linear
 from cvt.runtime.models.base import ConfigError, ModelArgs, RMSNorm
+
+
+YARN_KEYS = frozenset({"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                       "mscale", "mscale_all_dim", "attention_factor", "rope_theta", "partial_rotary_factor"})
 
 
 @dataclasses.dataclass
@@ -91,8 +98,12 @@ class Args(ModelArgs):
         def bad(key, why):
             raise ConfigError(f"config.json {key}: {why} (the deepseek_v4 runtime does not implement it)")
 
-        if self.rope_config():
-            bad("rope_scaling / rope_parameters", "YaRN on the compressed layers' rope")
+        rc = self.rope_config()
+        kind = rc.get("rope_type", rc.get("type", "default")) if rc else "default"
+        if kind not in ("default", "yarn") or set(rc) - YARN_KEYS:
+            bad("rope_scaling / rope_parameters", f"{rc!r}: YaRN (or no scaling) with keys {sorted(YARN_KEYS)} only")
+        if kind == "yarn" and not (rc.get("factor") and rc.get("original_max_position_embeddings")):
+            bad("rope_scaling", "YaRN needs factor and original_max_position_embeddings")
         if self.attention_bias or self.mlp_bias:
             bad("attention_bias / mlp_bias", "biases on the linears")
         if self.hidden_act != "silu":
@@ -109,6 +120,28 @@ class Args(ModelArgs):
         if self.qk_rope_head_dim is not None:
             return self.qk_rope_head_dim
         return int(self.head_dim * (self.partial_rotary_factor or 64 / 512))
+
+    def compress_inv_freq(self) -> tuple[torch.Tensor, float]:
+        """(inv_freq [dr/2], cos / sin multiplier) of the compressed layers' rope: base
+        compress_rope_theta, YaRN when the config asks (transformers `_compute_yarn_parameters`,
+        with the attention factor 1.0 DeepseekV4Config forces: the official code scales no cos / sin)."""
+        dim, base = self.rope_dim, self.compress_rope_theta
+        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        rc = self.rope_config()
+        if rc.get("rope_type", rc.get("type")) != "yarn":
+            return 1.0 / pos_freqs, 1.0
+        factor, orig = rc["factor"], rc["original_max_position_embeddings"]
+
+        def corr(rot):
+            return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr(rc.get("beta_fast") or 32)), 0)
+        high = min(math.ceil(corr(rc.get("beta_slow") or 1)), dim - 1)
+        if low == high:
+            high += 0.001
+        extra = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        inv = 1.0 / (factor * pos_freqs) * (1 - extra) + 1.0 / pos_freqs * extra
+        return inv, float(rc.get("attention_factor", 1.0))
 
     def as_config(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -422,10 +455,10 @@ class Model(nn.Module):
 
     def _ropes(self, end: int, device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         a, out = self.args, {}
-        for name, theta in (("main", a.rope_theta), ("compress", a.compress_rope_theta)):
-            inv = 1.0 / (theta ** (torch.arange(0, a.rope_dim, 2, dtype=torch.float32, device=device) / a.rope_dim))
-            f = torch.arange(end, device=device, dtype=torch.float32)[:, None] * inv
-            out[name] = (f.cos(), f.sin())
+        main = 1.0 / (a.rope_theta ** (torch.arange(0, a.rope_dim, 2, dtype=torch.float32) / a.rope_dim))
+        for name, (inv, mult) in (("main", (main, 1.0)), ("compress", a.compress_inv_freq())):
+            f = torch.arange(end, device=device, dtype=torch.float32)[:, None] * inv.to(device)
+            out[name] = (f.cos() * mult, f.sin() * mult)
         return out
 
     @torch.no_grad()

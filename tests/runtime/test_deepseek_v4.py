@@ -34,7 +34,7 @@ HF_KEYS = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_lay
            "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "scoring_func", "routed_scaling_factor",
            "swiglu_limit", "sliding_window", "compress_ratios", "num_hash_layers", "compress_rope_theta",
            "rope_theta", "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
-           "rms_norm_eps", "max_position_embeddings")
+           "rms_norm_eps", "max_position_embeddings", "rope_scaling")
 
 RENAMES = [  # transformers conversion_mapping.py "deepseek_v4", in its order
     (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
@@ -90,8 +90,11 @@ CONFIGS = {
     # every layer type, 2 hash layers, sqrtsoftplus, 2 streams, MTP entry in compress_ratios
     "all-types": tiny_deepseek_v4_config(),
     # 3 streams, sigmoid scores, a tight swiglu clamp, index_topk 2 (the indexer drops entries)
-    "sigmoid-clamp": tiny_deepseek_v4_config(hc_mult=3, scoring_func="sigmoid", swiglu_limit=0.05, index_topk=2,
-                                             num_hash_layers=1, sliding_window=5, compress_ratios=[4, 128, 4, 0]),
+    # + YaRN on the compressed layers' rope (V4's rope_scaling; a short original length so it bites)
+    "sigmoid-clamp-yarn": tiny_deepseek_v4_config(
+        hc_mult=3, scoring_func="sigmoid", swiglu_limit=0.05, index_topk=2, num_hash_layers=1, sliding_window=5,
+        compress_ratios=[4, 128, 4, 0], rope_scaling={"type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                                                      "original_max_position_embeddings": 64}),
     # no hash layer, CSA / HCA only, 3 experts of top-3 (all), 4 heads in 4 output groups
     "no-hash-csa-hca": tiny_deepseek_v4_config(num_hash_layers=0, o_groups=4, n_routed_experts=3,
                                                num_experts_per_tok=3, compress_ratios=[128, 4, 4, 128, 0],
@@ -145,6 +148,8 @@ def test_refuses_what_it_does_not_implement():
     from cvt.runtime.models.base import ConfigError
 
     with pytest.raises(ConfigError, match="rope_scaling"):
-        build_model(tiny_deepseek_v4_config(rope_scaling={"type": "yarn", "factor": 16}))
+        build_model(tiny_deepseek_v4_config(rope_scaling={"type": "yarn", "factor": 16}))  # no original length
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        build_model(tiny_deepseek_v4_config(rope_scaling={"type": "longrope", "factor": 16}))
     with pytest.raises(ConfigError, match="compress_ratios"):
         build_model(tiny_deepseek_v4_config(compress_ratios=[0, 8, 128, 0, 4]))
