@@ -400,6 +400,25 @@ class Block(nn.Module):
         return post.to(dtype)[..., None] * y[..., None, :] + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
+class MTPBlock(Block):
+    """An MTP layer as the release stores it (``mtp.{j}``: a Block plus e_proj, h_proj, enorm,
+    hnorm, norm and its own hc_head_*; DeepSeek's V4 inference/model.py `MTPBlock`), loaded so that
+    the release's tensors have a place; the decoder's forward does not run it (speculative
+    decoding is not implemented)."""
+
+    def __init__(self, args: Args, layer: int, ratio: int, dtype=None, device=None):
+        super().__init__(args, layer, ratio, dtype, device)
+        d, hc = args.hidden_size, args.hc_mult
+        self.e_proj = Linear(d, d, dtype=dtype, device=device)
+        self.h_proj = Linear(d, d, dtype=dtype, device=device)
+        self.enorm = RMSNorm(d, args.rms_norm_eps, dtype=dtype, device=device)
+        self.hnorm = RMSNorm(d, args.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(d, args.rms_norm_eps, dtype=dtype, device=device)
+        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * d, device=device), requires_grad=False)
+        self.hc_head_base = nn.Parameter(torch.zeros(hc, device=device), requires_grad=False)
+        self.hc_head_scale = nn.Parameter(torch.zeros(1, device=device), requires_grad=False)
+
+
 class LayerCache:
     """One layer's state: named tensors growing along dim 1 (every position's kv and compressor
     projections, and the compressed entries emitted so far)."""
@@ -437,7 +456,10 @@ class Model(nn.Module):
         ratios = args.ratios()
         self.embed = nn.Embedding(args.vocab_size, d, dtype=dtype, device=device)
         self.embed.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(Block(args, i, ratios[i], dtype, device) for i in range(args.num_hidden_layers))
+        n = args.num_hidden_layers
+        self.layers = nn.ModuleList(Block(args, i, ratios[i], dtype, device) for i in range(n))
+        self.mtp = nn.ModuleList(MTPBlock(args, n + j, ratios[n + j], dtype, device)
+                                 for j in range(args.num_nextn_predict_layers or 0))
         self.norm = RMSNorm(d, args.rms_norm_eps, dtype=dtype, device=device)
         self.head = Linear(d, args.vocab_size, dtype=dtype, device=device)
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * d, device=device), requires_grad=False)
@@ -448,7 +470,12 @@ class Model(nn.Module):
     def max_positions(self) -> int:
         return self.args.max_position_embeddings
 
-    def new_cache(self, batch: int, max_len: int) -> list[LayerCache]:
+    def new_cache(self, batch: int, max_len: int, dtype=None, device=None,
+                  quant: str | None = "auto") -> list[LayerCache]:
+        """One `LayerCache` per decoder layer (in the compute dtype, on the model's device: the
+        tensors are the layer's own outputs). `quant`: None or "auto" only (no int8 V4 cache)."""
+        if quant not in (None, "auto"):
+            raise CvtError(f"{self.cache_name} quantization {quant!r} is not supported (supported: None, auto)")
         if max_len > self.max_positions:
             raise CvtError(f"{self.cache_name} max_len {max_len} exceeds max_position_embeddings {self.max_positions}")
         return [LayerCache(batch, max_len) for _ in range(self.args.num_hidden_layers)]

@@ -153,3 +153,26 @@ def test_refuses_what_it_does_not_implement():
         build_model(tiny_deepseek_v4_config(rope_scaling={"type": "longrope", "factor": 16}))
     with pytest.raises(ConfigError, match="compress_ratios"):
         build_model(tiny_deepseek_v4_config(compress_ratios=[0, 8, 128, 0, 4]))
+
+
+def test_loads_and_runs_the_bf16_output_of_a_v4_release(tmp_path):
+    """fp8-to-bf16 of a tiny V4 release (release names, FP4 experts) loads into the runtime by name,
+    MTP layer included, and `cvt run` generates from it."""
+    from safetensors.torch import load_file
+
+    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
+    from cvt.convert.synthetic_v4 import write_v4_release
+    from cvt.runtime.loader import load_model
+    from cvt.tests.conftest import run_cvt
+
+    out = tmp_path / "bf16"
+    fp8_to_bf16(write_v4_release(tmp_path / "src"), out, quiet=True)
+    loaded = load_model(out, dtype=torch.float32).model
+    assert len(loaded.mtp) == 1
+    stored = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    ref = build_model(CONFIGS["all-types"], dtype=torch.float32)
+    ref.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in stored.items()}, strict=True)
+    tokens = torch.arange(40).view(1, 40)
+    assert torch.equal(loaded(tokens), ref.eval()(tokens))
+    r = run_cvt("run", out, "--input-ids", "1,2,3", "--max-new-tokens", "2")
+    assert r.rc == 0 and "3 prompt + 2 new tokens" in r.out, r.err
