@@ -467,6 +467,9 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     per_token = n_layers * (cfg["kv_lora_rank"] * elem + cfg["qk_rope_head_dim"] * 2 + index_dim * 2 if mla
                             else 2 * -(-kv_heads // layout.tp) * head_dim * elem)
     kv_rank = -(-kv_tokens // layout.dp) * per_token
+    kv_what = None
+    if arch.table.kv_cache is not None:  # the family counts its own cache (one sequence per rank)
+        kv_rank, kv_what = arch.table.kv_cache(cfg, -(-kv_tokens // layout.dp), 2)
 
     E, layers = arch.num_experts, moe_layers(config)
     ep_bytes = [0] * layout.ep
@@ -501,6 +504,7 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         _scheme_assumption(scheme, sch, disk),
         f"KV cache: {kv_tokens} tokens in flight over the world, split evenly over dp {layout.dp} "
         f"({-(-kv_tokens // layout.dp)} per rank); " + (
+            f"{kv_what}, counted as one sequence per rank" if kv_what else
             f"MLA latent {cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}"
             + (f" + indexer key {index_dim} (bf16)" if index_dim else "") + " per token and layer, whole on "
             "every TP rank" if mla else f"GQA k+v {kv_heads} KV heads / tp x {head_dim}")

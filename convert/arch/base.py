@@ -164,6 +164,9 @@ class ArchTable:
     config_checks: Callable[[Mapping[str, Any]], list[str]] | None = None
     # the parameter holding an FP8 weight's block scale in the release (DeepSeek-V4: ``scale``)
     scale_param: str = "weight_scale_inv"
+    # (config, tokens on a rank, bytes per element) -> (KV-cache bytes, what it counts), for
+    # families whose cache is not one MLA latent or GQA k/v per token and layer (DeepSeek-V4)
+    kv_cache: Callable[[Mapping[str, Any], int, int], tuple[int, str]] | None = None
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,25 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def kv_cache(cfg: Mapping[str, Any], tokens: int, elem: int = 2) -> tuple[int, str]:
+    """KV-cache bytes of `tokens` positions of one sequence over the decoder layers (MTP layers
+    excluded), as DeepSeek's V4 inference/model.py `Attention` sizes its cache: every layer keeps
+    the last sliding_window K=V entries of head_dim; a layer at ratio r > 0 adds one head_dim
+    entry per r positions, and at r == 4 the indexer one index_head_dim key per 4 positions."""
+    n, dim = cfg["num_hidden_layers"], cfg["head_dim"]
+    window = cfg.get("sliding_window", DEFAULTS["sliding_window"])
+    idim = cfg.get("index_head_dim", DEFAULTS["index_head_dim"])
+    ratios = compress_ratios(cfg)[:n]
+    values = n * min(tokens, window) * dim
+    for r in ratios:
+        if r:
+            values += tokens // r * (dim + (idim if r == 4 else 0))
+    kinds = {r: ratios.count(r) for r in sorted(set(ratios))}
+    what = ", ".join(f"{c} x {'sliding window' if r == 0 else f'rate {r}'}" for r, c in kinds.items())
+    return values * elem, (f"DeepSeek-V4 layers ({what}): last {window} K=V entries of {dim} per layer, plus "
+                           f"{dim} per r positions at rate r and the indexer's {idim} per 4 at rate 4")
+
+
 def _layer_rules(L: str) -> tuple[Rule, ...]:
     """The rules of one decoder layer at prefix `L` (``layers.{L}`` or ``mtp.{M}``)."""
     a, f = f"{L}.attn", f"{L}.ffn"
@@ -203,6 +222,7 @@ TABLE = ArchTable(
     explicit_defaults=DEFAULTS,
     config_checks=checks.deepseek_v4,
     scale_param="scale",
+    kv_cache=kv_cache,
     fused_groups=tuple(  # each expert's w1 / w3 (vLLM's w13), the shared experts' gate_up
         grp for L in ("layers.{L}", M) for grp in (
             (f"{L}.ffn.experts.{{E}}.w1", f"{L}.ffn.experts.{{E}}.w3"),

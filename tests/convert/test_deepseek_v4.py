@@ -242,3 +242,15 @@ def test_plan_from_the_flash_config(tmp_path):
     # 256 experts over ep 16 = 16 per rank, 44 MoE layers (MTP included), w1 / w2 / w3 of 2048 x 4096, bf16
     per_rank = 16 * 44 * 3 * 2048 * 4096 * 2 / 2**30
     assert re.search(rf"^experts +{per_rank:.2f} +{per_rank:.2f} +{per_rank:.2f}$", r.out, re.M), r.out
+
+
+def test_plan_counts_each_layer_types_kv_cache():
+    from cvt.convert.layout import make_layout
+    from cvt.convert.plan import memory_plan
+
+    plan = memory_plan(FLASH, make_layout(world_size=16, ep=16), kv_tokens=1_000_000)
+    per_rank = 62500  # 1M tokens over dp 16
+    window = 43 * 128 * 512  # every decoder layer keeps the last 128 K=V entries of head_dim 512
+    csa = 21 * (per_rank // 4) * (512 + 128)  # 21 layers at rate 4: one entry + one indexer key per 4 tokens
+    hca = 20 * (per_rank // 128) * 512  # 20 layers at rate 128
+    assert {r.kv_cache for r in plan.ranks} == {2 * (window + csa + hca)}
