@@ -189,7 +189,7 @@ def validate(layout: Layout, config: Mapping[str, Any], scheme: str | None = Non
     out: list[Violation] = []
     heads = cfg.get("num_attention_heads") or 0
     out.append(_config_violation("config.num_attention_heads", "tp", layout.tp, heads, W, "head"))
-    if "kv_lora_rank" not in cfg:
+    if "kv_lora_rank" not in cfg and arch.table.kv_cache is None:  # (DeepSeek-V4's one K=V head: whole on every rank)
         kv = cfg.get("num_key_value_heads") or heads
         out.append(_config_violation("config.num_key_value_heads", "tp", layout.tp, kv, W, "KV head"))
     E, layers = arch.num_experts, moe_layers(config)

@@ -192,7 +192,8 @@ def _layer_rules(L: str) -> tuple[Rule, ...]:
         Rule(L, Role.NORM, REP, Block.NORM, float_default=True, params=HC_LAYER),
         Rule(f"{L}.attn_norm", Role.NORM, REP, Block.NORM, float_default=True),
         Rule(f"{L}.ffn_norm", Role.NORM, REP, Block.NORM, float_default=True),
-        Rule(a, Role.NORM, C, Block.ATTN, float_default=True, params=frozenset({"attn_sink"})),
+        # the per-head sinks split with the heads (role LINEAR: the attention's tp axis; never quantized)
+        Rule(a, Role.LINEAR, C, Block.ATTN, float_default=True, params=frozenset({"attn_sink"})),
         lin(f"{a}.wq_a", REP, Block.ATTN),
         Rule(f"{a}.q_norm", Role.NORM, REP, Block.ATTN, float_default=True),
         lin(f"{a}.wq_b", C, Block.ATTN),

@@ -254,3 +254,53 @@ def test_plan_counts_each_layer_types_kv_cache():
     csa = 21 * (per_rank // 4) * (512 + 128)  # 21 layers at rate 4: one entry + one indexer key per 4 tokens
     hca = 20 * (per_rank // 128) * 512  # 20 layers at rate 128
     assert {r.kv_cache for r in plan.ranks} == {2 * (window + csa + hca)}
+
+
+# ------------------------------------------------------------------------------ round trip
+@pytest.fixture(scope="module")
+def v4_bf16(v4_release, tmp_path_factory):
+    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
+
+    return fp8_to_bf16(v4_release, tmp_path_factory.mktemp("v4bf16") / "bf16", quiet=True).dst
+
+
+def test_shard_v4_reassembles_byte_for_byte_with_the_official_split_dims(v4_bf16, tmp_path):
+    from cvt.convert.layout import make_layout
+    from cvt.convert.shard import shard
+    from cvt.tests.convert.test_shard import assert_reproduces
+
+    m = assert_reproduces(v4_bf16, shard(v4_bf16, tmp_path / "out", make_layout(world_size=2, tp=2, ep=2),
+                                         quiet=True).dst)
+    t = m["shard"]["tensors"]
+    # inference/convert.py mapping: wq_b / wo_a / attn_sink / weights_proj dim 0, wo_b dim 1, wkv whole
+    assert [t[f"layers.1.attn.{n}"]["dim"] for n in ("wq_b.weight", "wo_a.weight", "attn_sink",
+                                                      "indexer.weights_proj.weight", "wo_b.weight", "wkv.weight")] \
+        == [0, 0, 0, 0, 1, None]
+    assert t["mtp.0.ffn.experts.3.w2.weight"]["expert"] == [4, 3]  # MTP layer 0 is layer num_hidden_layers
+
+
+def test_quantize_v4_w8a8_ascend_keeps_the_recipe_floats_and_runs(v4_bf16, tmp_path):
+    from cvt.runtime.loader import load_model
+
+    r = run_cvt("quantize", v4_bf16, tmp_path / "q", "--scheme", "w8a8", "--format", "ascend", "--quiet")
+    assert r.rc == 0, r.err
+    desc = json.loads((tmp_path / "q" / "quant_model_description.json").read_text())
+    # msModelSlim's V4 recipes: wo_a, wo_b, compressors, indexer float; the rest of attention and
+    # the experts W8A8_DYNAMIC (vllm-ascend's MoE and linear schemes)
+    for n in ("layers.1.attn.wo_a", "layers.1.attn.wo_b", "layers.1.attn.compressor.wkv",
+              "layers.1.attn.indexer.wq_b", "layers.1.attn.indexer.weights_proj", "mtp.0.e_proj", "head"):
+        assert desc[f"{n}.weight"] == "FLOAT", n
+    for n in ("layers.1.attn.wq_a", "layers.1.attn.wq_b", "layers.1.attn.wkv", "layers.1.ffn.experts.2.w1",
+              "layers.1.ffn.shared_experts.w2", "mtp.0.ffn.experts.0.w3"):
+        assert desc[f"{n}.weight"] == "W8A8_DYNAMIC", n
+    tokens = torch.arange(64).view(1, 64) % 300
+    ref = load_model(v4_bf16, dtype=torch.float32).model(tokens)
+    got = load_model(tmp_path / "q", dtype=torch.float32).model(tokens)
+    cos = torch.nn.functional.cosine_similarity(got.flatten().double(), ref.flatten().double(), dim=0)
+    assert cos > 0.99, float(cos)
+
+
+def test_quantize_refuses_the_v4_release_itself_saying_what_to_do(v4_release, tmp_path):
+    r = run_cvt("quantize", v4_release, tmp_path / "q", "--scheme", "w8a8", "--format", "ascend")
+    assert r.rc != 0 and "cvt fp8-to-bf16" in r.err and "layers.0.attn.wq_a.scale" in r.err, r.err
+    assert "Traceback" not in r.err and not (tmp_path / "q").exists()
