@@ -489,7 +489,11 @@ class Model(nn.Module):
         return out
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: list | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, cache: list | None = None,
+                hidden_states: list | None = None) -> torch.Tensor:
+        """tokens [b, s] -> logits [b, s, vocab] float32; a list as `hidden_states` receives the
+        residual after the embedding and after each decoder layer, the hc streams side by side
+        ``[b, s, hc_mult * hidden]``."""
         b, s = tokens.shape
         if start_pos + s > self.max_positions:
             raise CvtError(f"positions {start_pos}..{start_pos + s - 1} exceed max_position_embeddings "
@@ -498,8 +502,12 @@ class Model(nn.Module):
         pos = torch.arange(start_pos, start_pos + s, device=x.device)
         ropes = self._ropes(start_pos + s, x.device)
         streams = x[:, :, None].expand(-1, -1, self.args.hc_mult, -1).contiguous()
+        if hidden_states is not None:
+            hidden_states.append(streams.flatten(2))
         for i, layer in enumerate(self.layers):
             streams = layer(streams, tokens, pos, ropes, None if cache is None else cache[i])
+            if hidden_states is not None:
+                hidden_states.append(streams.flatten(2))
         flat = unweighted_rms(streams.flatten(2).float(), self.args.rms_norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
                             + self.hc_head_base.float()) + self.args.hc_eps

@@ -298,6 +298,13 @@ def test_quantize_v4_w8a8_ascend_keeps_the_recipe_floats_and_runs(v4_bf16, tmp_p
     got = load_model(tmp_path / "q", dtype=torch.float32).model(tokens)
     cos = torch.nn.functional.cosine_similarity(got.flatten().double(), ref.flatten().double(), dim=0)
     assert cos > 0.99, float(cos)
+    # cvt verify compares the two layer by layer (the hc streams side by side) and at the logits
+    r = run_cvt("verify", tmp_path / "q", "--reference", v4_bf16, "--report", tmp_path / "rep", "--quiet",
+                "--seq-len", "32", "--max-sequences", "2")
+    assert r.rc == 0, r.err
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert [row["name"] for row in report["layers"]] == ["embed", "layer.0", "layer.1", "layer.2", "layer.3", "logits"]
+    assert report["layers"][0]["Cosine"] == 1.0 and report["layers"][-1]["Cosine"] > 0.99
 
 
 def test_quantize_refuses_the_v4_release_itself_saying_what_to_do(v4_release, tmp_path):
