@@ -26,8 +26,10 @@ hc = hc_mult streams, H heads of D = head_dim (one shared K=V head), dr = qk_rop
 RoPE: sliding-window layers use rope_theta; CSA / HCA layers (and their compressors and
 indexer) compress_rope_theta with the config's YaRN (``rope_scaling``), cos / sin unscaled.
 Not implemented (refused by `Args.validate`, by key): other rope scalings, softmax routing
-(transformers has none); MTP layers (``mtp.*``) are not run.
-The cache holds every position's kv and compressor projections (cached decode = full forward).
+(transformers has none). MTP layers (``mtp.{j}``) run through `Model.mtp_logits` (whole
+sequences, no cache). The indexer breaks ties in its top-k towards the earlier entry (stable
+sort; ReLU scores tie at 0), so cached decode keeps what the full forward keeps. The cache
+holds every position's kv and compressor projections (cached decode = full forward).
 """
 
 from __future__ import annotations
@@ -402,9 +404,8 @@ class Block(nn.Module):
 
 class MTPBlock(Block):
     """An MTP layer as the release stores it (``mtp.{j}``: a Block plus e_proj, h_proj, enorm,
-    hnorm, norm and its own hc_head_*; DeepSeek's V4 inference/model.py `MTPBlock`), loaded so that
-    the release's tensors have a place; the decoder's forward does not run it (speculative
-    decoding is not implemented)."""
+    hnorm, norm and its own hc_head_*; DeepSeek's V4 inference/model.py `MTPBlock`); run by
+    `Model.mtp_logits`, not by the decoder's forward."""
 
     def __init__(self, args: Args, layer: int, ratio: int, dtype=None, device=None):
         super().__init__(args, layer, ratio, dtype, device)
@@ -508,8 +509,30 @@ class Model(nn.Module):
             streams = layer(streams, tokens, pos, ropes, None if cache is None else cache[i])
             if hidden_states is not None:
                 hidden_states.append(streams.flatten(2))
+        return self._logits(streams, self)
+
+    def _logits(self, streams: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+        """Streams [b, s, hc, d] -> logits: collapsed by owner's hc_head_* (sigmoid weights),
+        owner's norm, the shared head."""
         flat = unweighted_rms(streams.flatten(2).float(), self.args.rms_norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_head_fn.float()) * self.hc_head_scale.float()
-                            + self.hc_head_base.float()) + self.args.hc_eps
+        pre = torch.sigmoid(F.linear(flat, owner.hc_head_fn.float()) * owner.hc_head_scale.float()
+                            + owner.hc_head_base.float()) + self.args.hc_eps
         h = (pre[..., None] * streams).sum(2).to(streams.dtype)
-        return self.head(self.norm(h)).float()
+        return self.head(owner.norm(h)).float()
+
+    @torch.no_grad()
+    def mtp_logits(self, j: int, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """MTP layer j over a whole sequence (no cache), DeepSeek's V4 inference/model.py
+        `MTPBlock.forward`: x = e_proj(enorm(embed(tokens))) + h_proj(hnorm(streams)) on every
+        stream, the block, then its own hc_head_* and norm before the shared head. `hidden`: the
+        last decoder layer's streams ``[b, s, hc * d]`` (the last `hidden_states` entry);
+        `tokens` [b, s]: the tokens the MTP layer reads at those positions (the next ones)."""
+        if not 0 <= j < len(self.mtp):
+            raise CvtError(f"MTP layer {j}: this model has {len(self.mtp)} loaded")
+        b, s = tokens.shape
+        blk, a = self.mtp[j], self.args
+        streams = hidden.view(b, s, a.hc_mult, a.hidden_size)
+        x = blk.e_proj(blk.enorm(self.embed(tokens)))[:, :, None] + blk.h_proj(blk.hnorm(streams))
+        pos = torch.arange(s, device=x.device)
+        x = blk(x, tokens, pos, self._ropes(s, x.device))
+        return self._logits(x, blk)

@@ -105,7 +105,7 @@ CONFIGS = {
 def models(cfg: dict, seed: int = 0):
     w = weights_for(cfg, seed)
     ours = build_model(cfg, dtype=torch.float32)
-    ours.load_state_dict({k: v for k, v in w.items() if not k.startswith("mtp.")}, strict=True)
+    ours.load_state_dict(w, strict=True)
     hf_cfg = DeepseekV4Config(**{k: cfg[k] for k in HF_KEYS if k in cfg}, attn_implementation="eager")
     hf = DeepseekV4ForCausalLM(hf_cfg).float().eval()
     missing, unexpected = hf.load_state_dict(to_hf(w, cfg), strict=False)
@@ -176,3 +176,59 @@ def test_loads_and_runs_the_bf16_output_of_a_v4_release(tmp_path):
     assert torch.equal(loaded(tokens), ref.eval()(tokens))
     r = run_cvt("run", out, "--input-ids", "1,2,3", "--max-new-tokens", "2")
     assert r.rc == 0 and "3 prompt + 2 new tokens" in r.out, r.err
+
+
+def test_mtp_layer_is_the_official_mtp_block_around_transformers_decoder_layer():
+    """DeepSeek's V4 inference/model.py `MTPBlock.forward` (e = enorm(embed(ids)); x = hnorm(x);
+    x = e_proj(e).unsqueeze(2) + h_proj(x); x = Block.forward(x); head(x, hc_head_*, norm)) with
+    transformers' own DeepseekV4DecoderLayer as the Block (transformers does not build MTP layers)."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead, DeepseekV4RMSNorm
+
+    cfg = CONFIGS["all-types"]  # its MTP layer compresses at rate 4 (indexer included)
+    w = weights_for(cfg, 5)
+    ours = build_model(cfg, dtype=torch.float32)
+    ours.load_state_dict(w, strict=True)
+    ours.eval()
+    s = 2 * 128 + 5
+    tokens = torch.randint(0, cfg["vocab_size"], (1, s + 1), generator=torch.Generator().manual_seed(4))
+    hidden: list = []
+    ours(tokens[:, :-1], hidden_states=hidden)
+    got = ours.mtp_logits(0, hidden[-1], tokens[:, 1:])
+
+    # the MTP block as a one-layer transformers model: its compress ratio, scored routing
+    one = {**cfg, "num_hidden_layers": 1, "compress_ratios": [cfg["compress_ratios"][4]], "num_hash_layers": 0}
+    block = {k.replace("mtp.0.", "layers.0.", 1): v for k, v in w.items() if k.startswith("mtp.0.")}
+    block["head.weight"] = w["head.weight"]  # shared with the decoder (MTPBlock.head = Transformer.head)
+    hf = DeepseekV4ForCausalLM(DeepseekV4Config(**{k: one[k] for k in HF_KEYS if k in one},
+                                                attn_implementation="eager")).float().eval()
+    sd = to_hf(block, one)
+    glue = {k: sd.pop(f"model.layers.0.{k}") for k in ("e_proj.weight", "h_proj.weight", "enorm.weight",
+                                                        "hnorm.weight", "kv_norm.weight", "hc_head_fn",
+                                                        "hc_head_base", "hc_head_scale")}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and not [k for k in missing if k.startswith(("model.layers.0.", "lm_head"))], missing
+    eps = cfg["rms_norm_eps"]
+
+    def norm(weight):
+        n = DeepseekV4RMSNorm(cfg["hidden_size"], eps)
+        n.weight.data = weight
+        return n
+
+    head = DeepseekV4HyperHead(hf.config)
+    head.hc_fn.data, head.hc_base.data, head.hc_scale.data = glue["hc_head_fn"], glue["hc_head_base"], glue["hc_head_scale"]
+    with torch.no_grad():
+        ids = tokens[:, 1:]
+        streams = hidden[-1].view(1, s, cfg["hc_mult"], cfg["hidden_size"])
+        e = norm(glue["enorm.weight"])(w["embed.weight"][ids])
+        x = torch.nn.functional.linear(e, glue["e_proj.weight"])[:, :, None] + torch.nn.functional.linear(
+            norm(glue["hnorm.weight"])(streams), glue["h_proj.weight"])
+        pos = torch.arange(s)[None]
+        model = hf.model
+        mask = create_sliding_window_causal_mask(config=hf.config, inputs_embeds=e, attention_mask=None, cache=None,
+                                                 position_ids=pos)
+        pe = {k: model.rotary_emb(e, position_ids=pos, layer_type=k) for k in ("main", "compress")}
+        x = model.layers[0](x, position_embeddings=pe, position_ids=pos, attention_mask=mask, input_ids=ids, cache=None)
+        # the MTP layer's own norm (stored as mtp.0.norm, renamed kv_norm by the mapping's ".norm." rule)
+        want = hf.lm_head(norm(glue["kv_norm.weight"])(head(x))).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
