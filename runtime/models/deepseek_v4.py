@@ -95,6 +95,7 @@ class Args(ModelArgs):
     expert_dtype: str | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
+    topk_method: str | None = None  # V4-Pro's config.json says "noaux_tc" (the bias-steered top-k below)
 
     def validate(self) -> None:
         def bad(key, why):
@@ -108,6 +109,8 @@ class Args(ModelArgs):
             bad("rope_scaling", "YaRN needs factor and original_max_position_embeddings")
         if self.attention_bias or self.mlp_bias:
             bad("attention_bias / mlp_bias", "biases on the linears")
+        if self.topk_method not in (None, "noaux_tc"):
+            bad("topk_method", f"{self.topk_method!r} (noaux_tc only)")
         if self.hidden_act != "silu":
             bad("hidden_act", f"{self.hidden_act!r} (silu only)")
         if self.scoring_func not in ("sqrtsoftplus", "sigmoid"):

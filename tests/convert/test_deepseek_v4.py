@@ -311,3 +311,48 @@ def test_quantize_refuses_the_v4_release_itself_saying_what_to_do(v4_release, tm
     r = run_cvt("quantize", v4_release, tmp_path / "q", "--scheme", "w8a8", "--format", "ascend")
     assert r.rc != 0 and "cvt fp8-to-bf16" in r.err and "layers.0.attn.wq_a.scale" in r.err, r.err
     assert "Traceback" not in r.err and not (tmp_path / "q").exists()
+
+
+# DeepSeek-V4-Pro's config.json as published (deepseek-ai/DeepSeek-V4-Pro)
+PRO = {"architectures": ["DeepseekV4ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0,
+       "eos_token_id": 1, "expert_dtype": "fp4", "hc_eps": 1e-06, "hc_mult": 4, "hc_sinkhorn_iters": 20, "head_dim": 512,
+       "hidden_act": "silu", "hidden_size": 7168, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 1024,
+       "initializer_range": 0.02, "max_position_embeddings": 1048576, "model_type": "deepseek_v4",
+       "moe_intermediate_size": 3072, "n_routed_experts": 384, "n_shared_experts": 1, "norm_topk_prob": True,
+       "num_attention_heads": 128, "num_experts_per_tok": 6, "num_hidden_layers": 61, "num_hash_layers": 3,
+       "num_key_value_heads": 1, "num_nextn_predict_layers": 1, "o_groups": 16, "o_lora_rank": 1024,
+       "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+       "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                               "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+       "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16,
+                                               "original_max_position_embeddings": 65536, "type": "yarn"},
+       "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sqrtsoftplus", "sliding_window": 128,
+       "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+       "transformers_version": "4.57.1", "use_cache": True, "vocab_size": 129280, "compress_rope_theta": 160000,
+       "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0]}
+
+
+def test_pro_config_totals_by_hand():
+    assert len(PRO["compress_ratios"]) == 62 and config_problems(PRO) == []
+    total = sum(torch.Size(s).numel() for s in arch_for(PRO).shapes().values())
+    d, H, D, q, G, R, E, inter, vocab = 7168, 128, 512, 1536, 16, 1024, 384, 3072, 129280
+    experts = 62 * E * 3 * inter * d  # 61 layers + MTP
+    shared = 62 * 3 * inter * d
+    attn_core = 62 * (H + q * d + q + H * D * q + D * d + D + G * R * (H * D // G) + d * G * R)
+    csa = 30 * (4 * 2 * D + 2 * 2 * D * d + D + 64 * 128 * q + 64 * d + 4 * 2 * 128 + 2 * 2 * 128 * d + 128)
+    hca = 31 * (128 * D + 2 * D * d + D)  # layers 0, 1 and every other one after: rate 128; the MTP layer: none
+    hc = 62 * 2 * (24 * 4 * d + 24 + 3) + 2 * (4 * 4 * d + 4 + 1)
+    norms = 62 * 2 * d + d + 3 * d
+    router = 62 * E * d + 3 * vocab * 6 + 59 * E  # tid2eid in the 3 hash layers, bias in the 58 others + MTP
+    assert total == experts + shared + attn_core + csa + hca + hc + norms + router + 2 * vocab * d + 2 * d * d
+    assert 1.59e12 < total < 1.61e12  # "1.6T parameters"
+
+
+def test_runtime_accepts_the_real_configs():
+    from cvt.runtime.models import family
+
+    mod, cfg = family(PRO)
+    args = mod.Args.from_config(cfg)
+    assert args.ratios()[:3] == [128, 128, 4] and args.hash_layers() == 3
+    inv, mult = args.compress_inv_freq()
+    assert mult == 1.0 and inv.shape == (32,)
