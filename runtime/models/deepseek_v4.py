@@ -333,6 +333,11 @@ class Gate(nn.Module):
         scores = F.softplus(logits).sqrt() if fn == "sqrtsoftplus" else logits.sigmoid()
         if self.hashed:
             idx = self.tid2eid[tokens.reshape(-1)].long()
+            bad = (idx < 0) | (idx >= self.args.n_routed_experts)
+            if bad.any():  # a corrupt table would index past the experts (or wrap around, negative)
+                t = int(tokens.reshape(-1)[bad.any(-1)][0])
+                raise CvtError(f"ffn.gate.tid2eid routes token {t} to expert {int(idx[bad][0])}, outside the "
+                               f"config's {self.args.n_routed_experts} routed experts (n_routed_experts)")
         else:
             idx = torch.topk(scores + self.bias.to(scores.dtype), self.args.num_experts_per_tok, dim=-1).indices
         w = scores.gather(1, idx)

@@ -232,3 +232,15 @@ def test_mtp_layer_is_the_official_mtp_block_around_transformers_decoder_layer()
         # the MTP layer's own norm (stored as mtp.0.norm, renamed kv_norm by the mapping's ".norm." rule)
         want = hf.lm_head(norm(glue["kv_norm.weight"])(head(x))).float()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_tid2eid_past_the_experts_is_refused_naming_it(tmp_path):
+    from cvt.errors import CvtError
+
+    cfg = CONFIGS["all-types"]
+    w = weights_for(cfg, 0)
+    w["layers.0.ffn.gate.tid2eid"][7, 1] = cfg["n_routed_experts"]  # one past the last expert
+    ours = build_model(cfg, dtype=torch.float32)
+    ours.load_state_dict(w, strict=True)
+    with pytest.raises(CvtError, match=r"tid2eid routes token 7 to expert 4, outside the config's 4 routed"):
+        ours(torch.tensor([[3, 7, 9]]))
