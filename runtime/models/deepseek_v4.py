@@ -457,6 +457,9 @@ class Model(nn.Module):
     """The decoder (module docstring); ``forward(tokens, start_pos, cache)`` -> logits float32."""
 
     cache_name: ClassVar[str] = "DeepSeek-V4 cache"
+    # cvt.quant.methods drives HF-layout layers (model.layers[i](x, cos, sin, mask, ...)); V4's
+    # hyper-connected blocks are not that: the quantize stage refuses calibrated methods for it
+    calibratable: ClassVar[bool] = False
 
     def __init__(self, args: Args, dtype=None, device=None):
         super().__init__()

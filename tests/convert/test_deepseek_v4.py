@@ -356,3 +356,9 @@ def test_runtime_accepts_the_real_configs():
     assert args.ratios()[:3] == [128, 128, 4] and args.hash_layers() == 3
     inv, mult = args.compress_inv_freq()
     assert mult == 1.0 and inv.shape == (32,)
+
+
+def test_calibrated_methods_are_refused_for_v4_before_writing(v4_bf16, tmp_path):
+    r = run_cvt("quantize", v4_bf16, tmp_path / "q", "--scheme", "w4a16", "--method", "gptq")
+    assert r.rc != 0 and r.err.startswith("cvt: error: deepseek_v4: calibration") and "--method rtn" in r.err, r.err
+    assert not (tmp_path / "q").exists()
