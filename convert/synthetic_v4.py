@@ -7,7 +7,8 @@
 FP8 e4m3 linears with float8_e8m0fnu 128x128 block scales in ``X.scale``, FP4 routed experts
 (int8 ``[n, k/2]``, element 2i in the low nibble, float8_e8m0fnu ``[n, k/32]`` scales) under
 ``expert_dtype: "fp4"``, float32 hyper-connection / sink / compressor tensors and router bias,
-int32 ``tid2eid``, BF16 for the rest, over several shards with an index.
+int64 ``tid2eid`` (I64 in the release's shards), BF16 for the rest, over several shards with an
+index.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def v4_release_tensors(config: dict[str, Any], seed: int = 0) -> dict:
         info = arch.classify(name)
         param = info.param
         if param == "tid2eid":
-            out[name] = torch.randint(0, arch.num_experts, tuple(w.shape), generator=g, dtype=torch.int32)
+            out[name] = torch.randint(0, arch.num_experts, tuple(w.shape), generator=g, dtype=torch.int64)
         elif param.startswith("hc_") or param in F32_PARAMS or ".compressor.w" in name:
             out[name] = w.float()
         elif param == "weight" and "scale" in info.rule.params:  # FP8 (FP4) in the release: rules with a scale

@@ -26,7 +26,7 @@ windows) else 1, Hi / Di = index_n_heads / index_head_dim, I = moe_intermediate_
     attn.indexer.compressor.*            as above, D = Di, c = 2         replicated  yes (1)
     ffn.gate.weight                      [E, d]           bf16           replicated  always
     ffn.gate.bias (scored layers)        [E]              f32            replicated  always
-    ffn.gate.tid2eid (hash layers)       [vocab, top-k]   int            replicated  always
+    ffn.gate.tid2eid (hash layers)       [vocab, top-k]   int64          replicated  always
     ffn.experts.E.w1 / w3, w2            [I, d], [d, I]   FP4 (2)        EP; moe_tp  no
     ffn.shared_experts.w1 / w3, w2       [I, d], [d, I]   FP8            moe_tp      no
     mtp.M.e_proj / h_proj                [d, d]           FP8            replicated  yes
