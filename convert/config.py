@@ -118,6 +118,7 @@ def bf16_config(config: Mapping[str, Any]) -> dict[str, Any]:
         targets.append(out["text_config"])
     for cfg in targets:
         cfg.pop("quantization_config", None)
+        cfg.pop("expert_dtype", None)  # DeepSeek-V4: the routed experts' release dtype, BF16 now
     keys = [k for k in ("torch_dtype", "dtype") if k in out] or ["torch_dtype"]
     for k in keys:
         out[k] = "bfloat16"

@@ -1,9 +1,11 @@
 """The `cvt fp8-to-bf16` stage: an FP8 block release -> a BF16 Hugging Face checkpoint.
 
 Every FP8 weight `X.weight` (float8_e4m3fn) is paired with `X.weight_scale_inv` (found
-through the index, in whatever shard it lives), dequantized exactly (see `fp8.py`) and
-written as BF16 under the same name; the scales are dropped; every other tensor (norms,
-embeddings, router, F32 `e_score_correction_bias`, the MTP layer) is copied byte for byte.
+through the index, in whatever shard it lives; DeepSeek-V4 names it `X.scale`, the
+architecture table's `scale_param`), dequantized exactly (see `fp8.py`) and written as BF16
+under the same name; a DeepSeek-V4 release's FP4 routed experts (int8 + `X.scale`, with
+``expert_dtype: "fp4"``) likewise (see `fp4.py`); the scales are dropped; every other tensor
+(norms, embeddings, router, F32 `e_score_correction_bias`, the MTP layer) is copied byte for byte.
 Before anything is written, every tensor is mapped through the architecture table and
 every scale is checked: present, of the expected shape and dtype, finite.
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 from cvt.version import __version__
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config
+from cvt.convert.fp4 import EXPERT_DTYPE_FP4, FP4_DTYPES, FP4_MAX, GROUP, dequant_fp4_experts, fp4_scale_shape
 from cvt.convert.fp8 import dequant_fp8_block, dequant_fp8_block_np, expected_scale_shape, kernel_name, scale_to_f32_np
 from cvt.convert.reader import Checkpoint, open_checkpoint
 from cvt.convert.validate import check_weights
@@ -34,31 +37,55 @@ SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
 class Fp8Pair:
     weight: TensorRef
     scale: TensorRef
+    fp4: bool = False  # a DeepSeek-V4 FP4 expert: int8 [n, k/2] + [n, k/32] scale (`cvt.convert.fp4`)
 
 
-def pair_fp8_weights(ckpt: Checkpoint, block: tuple[int, int]) -> dict[str, Fp8Pair]:
-    """FP8 weight name -> (weight, scale) refs; TensorError on any inconsistency."""
+def _scale_name(weight: str, scale_param: str) -> str:
+    """X.weight -> X.weight_scale_inv (or DeepSeek-V4's X.scale)."""
+    return f"{weight.rpartition('.')[0]}.{scale_param}"
+
+
+def pair_fp8_weights(ckpt: Checkpoint, block: tuple[int, int], scale_param: str = "weight" + SCALE_SUFFIX,
+                     fp4_experts: bool = False) -> dict[str, Fp8Pair]:
+    """FP8 weight name -> (weight, scale) refs (with `fp4_experts`, DeepSeek-V4's int8 FP4
+    weights that have a scale too); TensorError on any inconsistency."""
     pairs: dict[str, Fp8Pair] = {}
     for name, ref in ckpt.tensors.items():
-        if name.endswith(SCALE_SUFFIX):
-            wname = name[: -len(SCALE_SUFFIX)]
+        module, _, param = name.rpartition(".")
+        if param == scale_param:
+            wname = f"{module}.weight"
             w = ckpt.tensors.get(wname)
-            if w is None or w.dtype != "F8_E4M3":
-                what = "is missing" if w is None else f"is {w.dtype}, not F8_E4M3"
+            ok = w is not None and (w.dtype == "F8_E4M3" or (fp4_experts and w.dtype in FP4_DTYPES))
+            if not ok:
+                what = "is missing" if w is None else f"is {w.dtype}, not F8_E4M3" + (
+                    f" (nor int8 FP4: config.json expert_dtype is not {EXPERT_DTYPE_FP4!r})" if w.dtype in FP4_DTYPES else "")
                 raise TensorError(f"scale {ref.describe()}: its weight {wname} {what}")
             continue
         if ref.dtype == "F8_E5M2":
             raise TensorError(f"{ref.describe()}: float8_e5m2 weights are not supported (e4m3 only)")
-        if ref.dtype != "F8_E4M3":
+        sname = _scale_name(name, scale_param)
+        fp4 = fp4_experts and ref.dtype in FP4_DTYPES and sname in ckpt.tensors
+        if ref.dtype != "F8_E4M3" and not fp4:
             continue
-        sname = name + SCALE_SUFFIX
         scale = ckpt.tensors.get(sname)
+        v4 = _scale_name(name, "scale")
+        if scale is None and scale_param != "scale" and v4 in ckpt.tensors:
+            raise TensorError(f"FP8 weight {ref.describe()} is scaled by {v4}, DeepSeek-V4's release format, which "
+                              "only `cvt fp8-to-bf16` reads: convert the release to BF16 first")
         if scale is None:
             raise TensorError(f"FP8 weight {ref.describe()} has no scale {sname} in any file of the checkpoint")
         if len(ref.shape) != 2:
-            raise TensorError(f"FP8 weight {ref.describe()} is not 2-D")
+            raise TensorError(f"{'FP4' if fp4 else 'FP8'} weight {ref.describe()} is not 2-D")
         if scale.dtype not in SCALE_DTYPES:
             raise TensorError(f"scale {scale.describe()}: dtype must be one of {', '.join(SCALE_DTYPES)}")
+        if fp4:
+            want = fp4_scale_shape(ref.shape)
+            if (2 * ref.shape[1]) % GROUP or scale.shape != want:
+                raise TensorError(
+                    f"scale {scale.describe()}: shape {list(scale.shape)} does not fit FP4 weight {list(ref.shape)} "
+                    f"(two codes per byte, one scale per {GROUP} inputs); expected {list(want)}")
+            pairs[name] = Fp8Pair(ref, scale, fp4=True)
+            continue
         want = expected_scale_shape(ref.shape, block)
         if scale.shape != want:
             raise TensorError(
@@ -86,13 +113,15 @@ def check_scales_finite(ckpt: Checkpoint, pairs: dict[str, Fp8Pair]) -> None:
             raise TensorError(
                 f"scale {p.scale.describe()}: {int(bad.sum())} non-finite value(s), first {float(s[tuple(idx)])} at block {idx}"
             )
-        # e4m3's largest value (448) times the scale must stay a bfloat16: past that the finite
-        # inputs dequantize to Inf (quantize refuses the same weight)
-        big = np.abs(s.astype(np.float64)) * E4M3_MAX > BF16_MAX
+        # e4m3's largest value (448; E2M1's, 6, for an FP4 expert) times the scale must stay a
+        # bfloat16: past that the finite inputs dequantize to Inf (quantize refuses the same weight)
+        top = FP4_MAX if p.fp4 else E4M3_MAX
+        big = np.abs(s.astype(np.float64)) * top > BF16_MAX
         if big.any():
             idx = [int(i[0]) for i in big.nonzero()]
             raise TensorError(
-                f"scale {p.scale.describe()}: {float(s[tuple(idx)])} at block {idx} times 448 (the largest e4m3 value) "
+                f"scale {p.scale.describe()}: {float(s[tuple(idx)])} at block {idx} times {top:g} (the largest "
+                f"{'e2m1' if p.fp4 else 'e4m3'} value) "
                 f"overflows bfloat16 (max {BF16_MAX:.4g}): the weight would dequantize to Inf")
         ckpt.release(p.scale.name)
 
@@ -116,7 +145,8 @@ def fp8_to_bf16(
         arch = arch_for(ckpt.config)
         for name in ckpt.tensors:
             arch.classify(name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name)
-        pairs = pair_fp8_weights(ckpt, block)
+        scale_param = arch.table.scale_param
+        pairs = pair_fp8_weights(ckpt, block, scale_param, fp4_experts=arch.config.get("expert_dtype") == EXPERT_DTYPE_FP4)
         check_scales_finite(ckpt, pairs)
         check_weights(ckpt, arch, "fp8-to-bf16", block)
 
@@ -125,11 +155,13 @@ def fp8_to_bf16(
         outs: list[OutTensor] = []
         pool = BufferPool()
         for name, ref in ckpt.tensors.items():
-            if name.endswith(SCALE_SUFFIX):
+            if name.rpartition(".")[2] == scale_param:
                 continue
             pair = pairs.get(name)
             if pair is None:
                 outs.append(_passthrough(ckpt, ref))
+            elif pair.fp4:
+                outs.append(_dequantized_fp4(ckpt, pair))
             else:
                 outs.append(_dequantized(ckpt, pair, block, threads, pool))
         n_deq = len(pairs)
@@ -156,6 +188,19 @@ def fp8_to_bf16(
         return result
     finally:
         ckpt.close()
+
+
+def _dequantized_fp4(ckpt: Checkpoint, pair: Fp8Pair) -> OutTensor:
+    w, s = pair.weight, pair.scale
+
+    def produce():
+        out = dequant_fp4_experts(ckpt.read(w.name), ckpt.read(s.name))
+        ckpt.release(w.name)
+        ckpt.release(s.name)
+        return out
+
+    return OutTensor(spec=TensorSpec(w.name, "BF16", (w.shape[0], 2 * w.shape[1])), produce=produce,
+                     read_bytes=w.nbytes + s.nbytes)
 
 
 def _passthrough(ckpt: Checkpoint, ref: TensorRef) -> OutTensor:

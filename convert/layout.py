@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from cvt.convert.arch import ArchSpec, arch_for
+from cvt.convert.arch import ArchSpec, Role, arch_for
 from cvt.errors import CvtError, validation_summary
 from cvt.schemas.layout import AXES, AxisRule, LayerPlacement, Layout, Placement
 
@@ -174,7 +174,8 @@ def moe_layers(config: Mapping[str, Any]) -> list[int]:
     cfg = dict(arch.config)
     cfg[key] = 1  # one expert per layer is enough to see which layers have them
     one = ArchSpec(arch.table, cfg, arch.model_type)
-    return sorted({one.classify(n).layer for n in one.shapes() if ".mlp.experts.0." in n})
+    infos = (one.classify(n) for n in one.shapes())
+    return sorted({i.layer for i in infos if i.role is Role.EXPERT and i.layer is not None})
 
 
 def placement_problems(placement: Placement, layers: list[int]) -> list[str]:

@@ -190,7 +190,7 @@ def validate(layout: Layout, config: Mapping[str, Any], scheme: str | None = Non
     out: list[Violation] = []
     heads = cfg.get("num_attention_heads") or 0
     out.append(_config_violation("config.num_attention_heads", "tp", layout.tp, heads, W, "head"))
-    if "kv_lora_rank" not in cfg:
+    if "kv_lora_rank" not in cfg and arch.table.kv_cache is None:  # (DeepSeek-V4's one K=V head: whole on every rank)
         kv = cfg.get("num_key_value_heads") or heads
         out.append(_config_violation("config.num_key_value_heads", "tp", layout.tp, kv, W, "KV head"))
     E, layers = arch.num_experts, moe_layers(config)
@@ -479,6 +479,9 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     per_token = (n_layers * (cfg["kv_lora_rank"] * elem + cfg["qk_rope_head_dim"] * 2) + index_layers * index_bytes
                  if mla else n_layers * 2 * -(-kv_heads // layout.tp) * head_dim * elem)
     kv_rank = -(-kv_tokens // layout.dp) * per_token
+    kv_what = None
+    if arch.table.kv_cache is not None:  # the family counts its own cache (one sequence per rank)
+        kv_rank, kv_what = arch.table.kv_cache(cfg, -(-kv_tokens // layout.dp), 2)
 
     E, layers = arch.num_experts, moe_layers(config)
     ep_bytes = [0] * layout.ep
@@ -513,6 +516,7 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         _scheme_assumption(scheme, sch, disk),
         f"KV cache: {kv_tokens} tokens in flight over the world, split evenly over dp {layout.dp} "
         f"({-(-kv_tokens // layout.dp)} per rank); " + (
+            f"{kv_what}, counted as one sequence per rank" if kv_what else
             f"MLA latent {cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}"
             + (f" + indexer key {index_dim} ({'int8 + a float16 scale' if index_c8 else 'bf16'}"
                + (f", {index_layers} full-indexer layers" if index_layers != n_layers else "") + ")" if index_dim else "")

@@ -5,7 +5,8 @@ and layer, what the checkpoint holds and every problem a later stage or the runt
 trip over:
 
 * a tensor no architecture pattern maps (or one past the config's layers / experts);
-* an FP8 weight without its ``weight_scale_inv``, a scale without a weight, a misshaped scale;
+* an FP8 weight without its ``weight_scale_inv`` (DeepSeek-V4: ``scale``), a scale without a
+  weight, a misshaped scale (a V4 FP4 expert's: ``[n, k/32]``);
 * a float or FP8 weight whose shape differs from what config.json describes
   (`ArchSpec.shapes`; packed quantized parts are checked by their formats' readers);
 * a decoder layer without tensors, a MoE layer missing some of the config's routed experts, a
@@ -26,6 +27,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from cvt.convert.arch import ArchSpec, Role, config_problems
+from cvt.convert.fp4 import FP4_DTYPES, fp4_scale_shape
 from cvt.convert.fp8 import expected_scale_shape
 from cvt.errors import ArchError, CheckpointError
 
@@ -62,19 +64,25 @@ def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> 
             problems.append(str(exc))
     dense = arch.counts.get("dense_layers", 0) if arch is not None else 0
     dense_moe: set[int] = set()
+    # the release's block-scale parameter: X.weight_scale_inv, or DeepSeek-V4's X.scale
+    sp = arch.table.scale_param if arch is not None else "weight" + SCALE_SUFFIX
     for name, ref in ckpt.tensors.items():
-        base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
-        if name.endswith(SCALE_SUFFIX):
+        module, _, param = name.rpartition(".")
+        is_scale = param == sp
+        base = f"{module}.weight" if is_scale else name
+        if is_scale:
             w = ckpt.tensors.get(base)
+            want = None if w is None or len(w.shape) != 2 else (
+                fp4_scale_shape(w.shape) if w.dtype in FP4_DTYPES else expected_scale_shape(w.shape, block))
             if w is None:
                 problems.append(f"scale {name} has no weight {base}")
-            elif len(w.shape) == 2 and ref.shape != expected_scale_shape(w.shape, block):
-                problems.append(f"scale {name}: shape {list(ref.shape)}, expected "
-                                f"{list(expected_scale_shape(w.shape, block))} for weight {list(w.shape)}")
+            elif want is not None and ref.shape != want:
+                problems.append(f"scale {name}: shape {list(ref.shape)}, expected {list(want)} for weight "
+                                f"{list(w.shape)}")
         elif (ref.dtype.startswith("F8_") and ref.dtype != "F8_E8M0" and name.endswith(".weight")
-              and base + SCALE_SUFFIX not in ckpt.tensors  # (NVFP4's E4M3 weight_scale is not a weight)
+              and f"{name[:-len('.weight')]}.{sp}" not in ckpt.tensors  # (NVFP4's E4M3 weight_scale is not a weight)
               and not _mx_scaled(ckpt.tensors, name)):
-            problems.append(f"FP8 weight {name} ({ref.path.name}) has no scale {base}{SCALE_SUFFIX}")
+            problems.append(f"FP8 weight {name} ({ref.path.name}) has no scale {name[:-len('.weight')]}.{sp}")
         elif ref.dtype in _FLOAT_DTYPES and name in expected and tuple(ref.shape) != tuple(expected[name]):
             problems.append(f"{name} ({ref.path.name}): shape {list(ref.shape)}, config.json describes "
                             f"{list(expected[name])}")
@@ -87,7 +95,7 @@ def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> 
             out.by_role["unmapped"] += ref.nbytes
             continue
         role = info.role.value + (" (mtp)" if info.is_mtp else "")
-        out.by_role["scale" if name.endswith(SCALE_SUFFIX) else role] += ref.nbytes
+        out.by_role["scale" if is_scale else role] += ref.nbytes
         if (info.layer is not None and not info.is_mtp and info.layer < dense
                 and info.role in (Role.EXPERT, Role.SHARED_EXPERT, Role.ROUTER) and info.layer not in dense_moe):
             dense_moe.add(info.layer)

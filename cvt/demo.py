@@ -35,7 +35,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     out = {"fp8": root / "source-fp8", "bf16": root / "bf16"}
 
     say = (lambda s: None) if quiet else echo
-    say(f"[1/9] writing a tiny DeepSeek-V3-style FP8 release, trained on Python's standard library source, "
+    say(f"[1/10] writing a tiny DeepSeek-V3-style FP8 release, trained on Python's standard library source, "
         f"to {out['fp8']}\n(the first run trains it, about a minute of one core; cached in {cache_root()})")
     write_demo_release(out["fp8"], quiet=quiet)
     # held-out Python source (never trained on): what verify compares the models on
@@ -43,14 +43,14 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     out["heldout"].write_text(corpus.text("heldout"), encoding="utf-8")
     say(inspect_checkpoint(out["fp8"]).render())
 
-    say(f"\n[2/9] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
+    say(f"\n[2/10] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
     r = fp8_to_bf16(out["fp8"], out["bf16"], quiet=True)
     say(f"dequantized {r.extra['dequantized']} tensors, passed {r.extra['passed_through']} through, "
         f"{r.bytes_out} bytes in {len(r.files)} files")
     say(inspect_checkpoint(out["bf16"]).render())
 
     prompt = "def __init__(self"
-    say(f"\n[3/9] cvt run {out['bf16']} --prompt '{prompt}' --max-new-tokens 64 --temperature 0.8 --seed 0")
+    say(f"\n[3/10] cvt run {out['bf16']} --prompt '{prompt}' --max-new-tokens 64 --temperature 0.8 --seed 0")
     import torch
 
     from cvt.runtime.generate import generate
@@ -66,7 +66,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     del loaded
 
     out["report"] = root / "verify-report"
-    say(f"\n[4/9] cvt verify {out['fp8']} --reference {out['bf16']} --data {out['heldout']} --report {out['report']}")
+    say(f"\n[4/10] cvt verify {out['fp8']} --reference {out['bf16']} --data {out['heldout']} --report {out['report']}")
     v = verify(out["fp8"], out["bf16"], out["report"], data=out["heldout"], seq_len=128, max_sequences=8).report
     worst = min(row.cosine for row in v.layers)
     say(f"FP8 dequantized on load vs the BF16 output: min layer cosine {worst:.6f}, mean KL {v.logits.kl_mean:.3g}, "
@@ -75,7 +75,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     from cvt.quant.stage import quantize
 
     out["w4a16"] = root / "w4a16-compressed-tensors"
-    say(f"\n[5/9] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
+    say(f"\n[5/10] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
     q = quantize(out["fp8"], out["w4a16"], scheme="w4a16", fmt="compressed-tensors", quiet=True)
     say(f"quantized {q.extra['quantized']} linears from the FP8 release (dequantized on the fly), "
         f"{q.extra['float_modules']} kept float; worst SQNR {q.extra['min_sqnr_db']}")
@@ -84,7 +84,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     say(f"cvt quantize {out['bf16']} {out['w8a8']} --scheme w8a8 --format ascend: {q.extra['quantized']} linears, "
         f"worst SQNR {q.extra['min_sqnr_db']}")
 
-    say(f"\n[6/9] cvt verify, each quantized model against {out['bf16']} --data {out['heldout']}")
+    say(f"\n[6/10] cvt verify, each quantized model against {out['bf16']} --data {out['heldout']}")
     for key in ("w8a8", "w4a16"):
         out[f"report-{key}"] = root / f"verify-{key}"
         v = verify(out[key], out["bf16"], out[f"report-{key}"], data=out["heldout"], seq_len=128,
@@ -95,6 +95,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     step_shard(root, out, say)
     step_export(root, out, say)
     step_v32(root, out, say)
+    step_v4(root, out, say)
 
     say("\noutputs:")
     for key, path in out.items():
@@ -118,7 +119,7 @@ def step_shard(root: Path, out: dict[str, Path], say) -> None:
 
     out["w4a16-ascend"] = root / "w4a16-ascend"
     out["shards"] = root / "w4a16-ascend-tp2-ep4"
-    say(f"\n[7/9] cvt quantize {out['bf16']} {out['w4a16-ascend']} --scheme w4a16 --format ascend --group-size 64; "
+    say(f"\n[7/10] cvt quantize {out['bf16']} {out['w4a16-ascend']} --scheme w4a16 --format ascend --group-size 64; "
         f"cvt shard {out['w4a16-ascend']} {out['shards']} --world-size 4 --tp 2 --ep 4")
     quantize(out["bf16"], out["w4a16-ascend"], scheme="w4a16", fmt="ascend", group_size=64, quiet=True)
     r = shard(out["w4a16-ascend"], out["shards"], make_layout(world_size=4, tp=2, ep=4), quiet=True)
@@ -151,7 +152,7 @@ def step_export(root: Path, out: dict[str, Path], say) -> None:
 
     lacking = missing("export")
     if lacking:
-        say(f"\n[8/9] skipped: {message(lacking[0], 'cvt export onnx / om')}")
+        say(f"\n[8/10] skipped: {message(lacking[0], 'cvt export onnx / om')}")
         return
     from cvt.errors import CvtError
     from cvt.export.atc import precheck
@@ -159,7 +160,7 @@ def step_export(root: Path, out: dict[str, Path], say) -> None:
     from cvt.export.onnx_export import export_onnx
 
     out["onnx-w4a16"] = root / "onnx-w4a16"
-    say(f"\n[8/9] cvt export onnx {out['w4a16']} {out['onnx-w4a16']} --int4-op matmulnbits --verify")
+    say(f"\n[8/10] cvt export onnx {out['w4a16']} {out['onnx-w4a16']} --int4-op matmulnbits --verify")
     r = export_onnx(out["w4a16"], out["onnx-w4a16"], int4_op="matmulnbits", verify=True, quiet=True)
     for check in r.parity:
         say(check.render())
@@ -193,7 +194,7 @@ def step_v32(root: Path, out: dict[str, Path], say) -> None:
     cfg = tiny_deepseek_v32_config()
     out["v32-fp8"], out["v32-bf16"], out["v32-w8a8"] = (root / "v32-source-fp8", root / "v32-bf16",
                                                         root / "v32-w8a8-ascend")
-    say(f"\n[9/9] DeepSeek-V3.2 (index_topk {cfg['index_topk']}): cvt fp8-to-bf16 {out['v32-fp8']} {out['v32-bf16']}; "
+    say(f"\n[9/10] DeepSeek-V3.2 (index_topk {cfg['index_topk']}): cvt fp8-to-bf16 {out['v32-fp8']} {out['v32-bf16']}; "
         f"cvt quantize ... {out['v32-w8a8']} --scheme w8a8 --format ascend; cvt verify")
     write_fp8_release(out["v32-fp8"], cfg)
     fp8_to_bf16(out["v32-fp8"], out["v32-bf16"], quiet=True)
@@ -203,3 +204,26 @@ def step_v32(root: Path, out: dict[str, Path], say) -> None:
     say(f"{q.extra['quantized']} linears quantized, the indexer kept float; 32-token sequences (sparse past "
         f"{cfg['index_topk']} keys): min layer cosine {min(r.cosine for r in v.layers):.4f}, "
         f"mean KL {v.logits.kl_mean:.3g}")
+
+
+def step_v4(root: Path, out: dict[str, Path], say) -> None:
+    """A tiny DeepSeek-V4 release (release names, FP8 linears, FP4 experts, every attention type,
+    hash and scored MoE, an MTP layer) -> BF16 -> W8A8 Ascend (wo_a / wo_b / compressors / indexer
+    kept float), verified against the BF16 model on sequences past its window and compression rate."""
+    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
+    from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config, write_v4_release
+    from cvt.quant.stage import quantize
+    from cvt.runtime.verify import verify
+
+    cfg = tiny_deepseek_v4_config()
+    out["v4-release"], out["v4-bf16"], out["v4-w8a8"] = (root / "v4-source", root / "v4-bf16",
+                                                         root / "v4-w8a8-ascend")
+    say(f"\n[10/10] DeepSeek-V4 (compress ratios {cfg['compress_ratios']}): cvt fp8-to-bf16 {out['v4-release']} "
+        f"{out['v4-bf16']}; cvt quantize ... {out['v4-w8a8']} --scheme w8a8 --format ascend; cvt verify")
+    write_v4_release(out["v4-release"], cfg)
+    d = fp8_to_bf16(out["v4-release"], out["v4-bf16"], quiet=True)
+    q = quantize(out["v4-bf16"], out["v4-w8a8"], scheme="w8a8", fmt="ascend", quiet=True)
+    out["report-v4"] = root / "verify-v4-w8a8"
+    v = verify(out["v4-w8a8"], out["v4-bf16"], out["report-v4"], seq_len=32, max_sequences=2).report
+    say(f"{d.extra['dequantized']} FP8 linears and FP4 experts dequantized; {q.extra['quantized']} linears quantized; "
+        f"min layer cosine {min(r.cosine for r in v.layers):.4f}, mean KL {v.logits.kl_mean:.3g}")

@@ -295,6 +295,10 @@ def _named_tensors(model: nn.Module):
 
 def _drop_absent_mtp(model: nn.Module, seen: set[str], n_layers: int) -> None:
     """MTP layers (index >= num_hidden_layers) are optional: keep them only if fully loaded."""
+    if isinstance(getattr(model, "mtp", None), nn.ModuleList):  # DeepSeek-V4 stores them apart, as mtp.{j}
+        if not any(n.startswith("mtp.") for n in seen):
+            model.mtp = nn.ModuleList()
+        return
     layers = model.get_submodule("model.layers")
     if len(layers) <= n_layers:
         return

@@ -48,7 +48,8 @@ def test_demo_runs_the_pipeline(tmp_path, demo_weights):
     # the sharded 4-rank run agreed with one process; the ONNX export with the torch runtime
     assert "4 ranks vs 1 process" in r.out and "greedy tokens identical" in r.out
     assert "greedy tokens agree: yes: PASS" in r.out and "atc --framework=5" in r.out
-    assert "[9/9] DeepSeek-V3.2" in r.out and "the indexer kept float" in r.out
+    assert "[9/10] DeepSeek-V3.2" in r.out and "the indexer kept float" in r.out
+    assert "[10/10] DeepSeek-V4" in r.out and "FP4 experts" in r.out
     assert (tmp_path / "demo" / "verify-v32-w8a8" / "report.json").is_file()
     manifest = json.loads((tmp_path / "demo" / "bf16" / "cvt_manifest.json").read_text())
     assert manifest["format"] == "hf-bf16"

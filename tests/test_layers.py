@@ -40,7 +40,7 @@ INDEPENDENT = [
     {"cvt.quant.methods.rtn", "cvt.quant.methods.smoothquant", "cvt.quant.methods.gptq", "cvt.quant.methods.awq"},
     {"cvt.runtime.kernels.int8", "cvt.runtime.kernels.int4", "cvt.runtime.kernels.w4a8", "cvt.runtime.kernels.fp4",
      "cvt.runtime.kernels.fp8_block", "cvt.runtime.kernels.mx"},
-    {"cvt.runtime.models.qwen3", "cvt.runtime.models.deepseek_v3"},
+    {"cvt.runtime.models.qwen3", "cvt.runtime.models.deepseek_v3", "cvt.runtime.models.deepseek_v4"},
 ]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from cvt.convert.arch import deepseek_v3, deepseek_v32, glm_moe_dsa, kimi_k25, qwen3
+from cvt.convert.arch import deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa, kimi_k25, qwen3
 from cvt.convert.arch.base import ArchSpec, ArchTable, Block, Parallel, Role, Rule, TensorInfo
 from cvt.errors import ArchError
 from cvt.registry import Registry
@@ -32,7 +32,7 @@ def register(table: ArchTable) -> None:
         TABLES.add(mt, table)
 
 
-for _t in (deepseek_v3.TABLE, deepseek_v32.TABLE, glm_moe_dsa.TABLE, qwen3.DENSE, qwen3.MOE):
+for _t in (deepseek_v3.TABLE, deepseek_v32.TABLE, deepseek_v4.TABLE, glm_moe_dsa.TABLE, qwen3.DENSE, qwen3.MOE):
     register(_t)
 
 

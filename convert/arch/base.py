@@ -1,10 +1,12 @@
 """The shape of an architecture table, and the matcher every stage uses.
 
 A table is data: rows of (module name pattern -> role, parallel style, block, flags). A
-pattern is a dotted module path with placeholders ``{L}`` (layer index) and ``{E}`` (routed
-expert id); the tensor name is ``<module>.<param>``, where param is one of `PARAMS`
-(``weight``, ``bias``, ``weight_scale_inv``, ``e_score_correction_bias``, and the
-quantized parts later stages write). `ArchSpec.classify(name)` returns a `TensorInfo`, or
+pattern is a dotted module path with placeholders ``{L}`` (layer index), ``{M}`` (MTP
+layer index, for releases that store MTP layers apart, e.g. DeepSeek-V4's ``mtp.0``; it is
+layer ``num_hidden_layers + M``) and ``{E}`` (routed expert id); the tensor name is
+``<module>.<param>``, where param is one of `PARAMS` (``weight``, ``bias``,
+``weight_scale_inv``, ``e_score_correction_bias``, and the quantized parts later stages
+write) or one of the rule's own `Rule.params`. `ArchSpec.classify(name)` returns a `TensorInfo`, or
 raises ArchError naming the tensor.
 
 Parallel style -> TP split dim of a ``[out, in]`` weight (and of its block/group scales):
@@ -108,6 +110,8 @@ class Rule:
     quantizable:    a linear whose weight may be FP8 in a release / quantized by cvt
     float_default:  stays float under every quantization scheme unless a recipe says otherwise
     mtp_only:       exists only in MTP layers (index >= num_hidden_layers)
+    params:         parameter names this module carries beyond `PARAMS` (DeepSeek-V4's
+                    ``attn_sink``, ``hc_attn_fn``, its block ``scale``); they split like the weight
     """
 
     pattern: str
@@ -117,6 +121,7 @@ class Rule:
     quantizable: bool = False
     float_default: bool = False
     mtp_only: bool = False
+    params: frozenset[str] = frozenset()
 
 
 # The Hugging Face decoder skeleton every family shares (the runtime's model contract,
@@ -164,6 +169,11 @@ class ArchTable:
     # a wrapper's prefix of the text model's tensor names (Kimi-K2.5: "language_model."), which the
     # runtime's module names lack
     text_prefix: str = ""
+    # the parameter holding an FP8 weight's block scale in the release (DeepSeek-V4: ``scale``)
+    scale_param: str = "weight_scale_inv"
+    # (config, tokens on a rank, bytes per element) -> (KV-cache bytes, what it counts), for
+    # families whose cache is not one MLA latent or GQA k/v per token and layer (DeepSeek-V4)
+    kv_cache: Callable[[Mapping[str, Any], int, int], tuple[int, str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -192,7 +202,7 @@ class TensorInfo:
         par = self.rule.parallel
         if self.param == "weight_shape":
             return None
-        if self.param in WEIGHT_PARAMS:
+        if self.param in WEIGHT_PARAMS or self.param in self.rule.params:
             return {Parallel.COLUMN: 0, Parallel.ROW: 1, Parallel.VOCAB: 0}.get(par)
         if self.param == "bias" and par is Parallel.COLUMN:
             return 0
@@ -224,6 +234,7 @@ def _count(config: Mapping[str, Any], canonical: str, key: str) -> int:
 def _compile(pattern: str) -> re.Pattern:
     rx = re.escape(pattern).replace(r"\{L\}", r"(?P<layer>\d+)").replace(r"\{E\}", r"(?P<expert>\d+)")
     rx = rx.replace(r"\{B\}", r"\d+")
+    rx = rx.replace(r"\{M\}", r"(?P<mtp>\d+)")
     return re.compile(rx)
 
 
@@ -247,7 +258,7 @@ class ArchSpec:
                 if m is not None:
                     g = m.groupdict()
                     return tuple(p.replace("{L}", g.get("layer") or "").replace("{E}", g.get("expert") or "")
-                                 for p in group)
+                                 .replace("{M}", g.get("mtp") or "") for p in group)
         return None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -283,17 +294,19 @@ class ArchSpec:
     def classify(self, name: str) -> TensorInfo:
         """Map a tensor name to its role; ArchError when nothing in the table matches."""
         module, _, param = name.rpartition(".")
-        if param not in PARAMS:
+        if param not in PARAMS and not any(param in r.params for _, r in self._rules):
             raise ArchError(
                 f"tensor {name}: parameter {param!r} is not one {self.table.name} checkpoints use "
                 f"(known: {', '.join(sorted(PARAMS))})"
             )
         for rx, rule in self._rules:
             m = rx.fullmatch(module)
-            if m is None:
+            if m is None or (param not in PARAMS and param not in rule.params):
                 continue
             g = m.groupdict()
             layer = int(g["layer"]) if g.get("layer") is not None else None
+            if g.get("mtp") is not None:
+                layer = self.num_layers + int(g["mtp"])
             expert = int(g["expert"]) if g.get("expert") is not None else None
             is_mtp = layer is not None and layer >= self.num_layers
             if layer is not None and layer >= self.num_layers + self.num_mtp_layers:

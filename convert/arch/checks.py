@@ -13,6 +13,9 @@ config, so that nothing a writer accepts is refused by `cvt run` later. Checked:
   ``topk_group`` in 1..n_group, top-k within the experts of the kept groups;
 * DeepSeek-V3.2's indexer sizes (``index_topk``, ``index_n_heads``, ``index_head_dim``):
   positive integers;
+* DeepSeek-V4 (`deepseek_v4`): what its runtime implements, by key: compress ratios 0 / 4 /
+  128 only (``compress_ratios``, ``layer_types``, ``compress_rates``), one KV head, one
+  shared expert, hash layers first, ``scoring_func`` / ``expert_dtype`` among the known ones;
 * a rope scaling ``factor``: a finite number >= 1 (transformers' rule for every rope type).
 
 Counts that are not integers at all are `ArchSpec`'s (`cvt.convert.arch.base._count`).
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import math
 from typing import Any, Mapping
+
+from cvt.convert.fp4 import EXPERT_DTYPES
 
 
 def _is_int(v: Any) -> bool:
@@ -89,3 +94,68 @@ def deepseek_v32(cfg: Mapping[str, Any]) -> list[str]:
 
 def qwen3(cfg: Mapping[str, Any]) -> list[str]:
     return _common(cfg, "num_experts")
+
+
+V4_RATIOS = (0, 4, 128)  # transformers' _COMPRESS_RATIO_TO_LAYER_TYPE: what cvt's V4 runtime implements
+V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+V4_SCORING = ("sqrtsoftplus", "sigmoid")  # transformers' DeepseekV4 routers (ACT2FN has no softmax)
+
+
+def deepseek_v4(cfg: Mapping[str, Any]) -> list[str]:
+    """DeepSeek-V4: the common checks, then what its runtime implements, by key."""
+    out = _common(cfg, "n_routed_experts")
+    layers = _count(cfg, "num_hidden_layers")
+    for key in ("head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "qk_rope_head_dim", "hc_mult",
+                "hc_sinkhorn_iters", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
+                "moe_intermediate_size"):
+        if key in cfg and not (_is_int(cfg[key]) and cfg[key] >= 1):
+            out.append(f"config.json {key} = {cfg[key]!r}: must be a positive integer")
+    heads, dim, rope, groups = (cfg.get(k) for k in ("num_attention_heads", "head_dim", "qk_rope_head_dim", "o_groups"))
+    if _is_int(heads) and _is_int(groups) and groups >= 1 and heads % groups:
+        out.append(f"config.json o_groups = {groups}: must divide num_attention_heads ({heads})")
+    if _is_int(dim) and _is_int(rope) and not (rope < dim and rope % 2 == 0):
+        out.append(f"config.json qk_rope_head_dim = {rope}: must be even and below head_dim ({dim})")
+    kv = cfg.get("num_key_value_heads")
+    if kv is not None and kv != 1:
+        out.append(f"config.json num_key_value_heads = {kv!r}: DeepSeek-V4 attention has one shared KV head (1)")
+    if cfg.get("n_shared_experts") is not None and cfg["n_shared_experts"] != 1:
+        out.append(f"config.json n_shared_experts = {cfg['n_shared_experts']!r}: DeepSeek-V4 has exactly 1 "
+                   "(the official inference/model.py asserts it)")
+    sf = cfg.get("scoring_func")
+    if sf is not None and sf not in V4_SCORING:
+        out.append(f"config.json scoring_func = {sf!r}: must be one of {', '.join(V4_SCORING)}")
+    ed = cfg.get("expert_dtype")
+    if ed is not None and ed not in EXPERT_DTYPES:
+        out.append(f"config.json expert_dtype = {ed!r}: must be one of {', '.join(EXPERT_DTYPES)} or absent")
+    sl = cfg.get("swiglu_limit")
+    if sl is not None and not (_is_number(sl) and sl >= 0):
+        out.append(f"config.json swiglu_limit = {sl!r}: must be a finite number >= 0 (0: no clamp)")
+    ratios = cfg.get("compress_ratios")
+    if ratios is not None:
+        if not isinstance(ratios, list) or any(r not in V4_RATIOS or isinstance(r, bool) for r in ratios):
+            out.append(f"config.json compress_ratios = {ratios!r}: must be a list of "
+                       f"{', '.join(map(str, V4_RATIOS))} (sliding window, CSA, HCA)")
+        elif layers is not None and len(ratios) < layers:
+            out.append(f"config.json compress_ratios has {len(ratios)} entries: one per decoder layer "
+                       f"(num_hidden_layers = {layers}) is needed")
+    for key, allowed in (("layer_types", V4_LAYER_TYPES), ("mlp_layer_types", ("hash_moe", "moe"))):
+        types = cfg.get(key)
+        if types is None:
+            continue
+        if not isinstance(types, list) or any(t not in allowed for t in types):
+            out.append(f"config.json {key} = {types!r}: entries must be one of {', '.join(allowed)}")
+        elif layers is not None and len(types) != layers:
+            out.append(f"config.json {key} has {len(types)} entries, num_hidden_layers = {layers}")
+        elif key == "mlp_layer_types" and types != sorted(types, key=lambda t: t != "hash_moe"):
+            out.append(f"config.json {key}: the hash_moe layers must come first (tid2eid routes the first layers)")
+    rates = cfg.get("compress_rates")
+    if rates is not None:
+        ok = isinstance(rates, Mapping) and all(
+            k in V4_LAYER_TYPES[1:] and dict(zip(V4_LAYER_TYPES, V4_RATIOS))[k] == v for k, v in rates.items())
+        if not ok:
+            out.append(f"config.json compress_rates = {rates!r}: cvt implements compressed_sparse_attention at 4 and "
+                       "heavily_compressed_attention at 128 only")
+    nh = cfg.get("num_hash_layers")
+    if nh is not None and not (_is_int(nh) and 0 <= nh <= (layers if layers is not None else nh)):
+        out.append(f"config.json num_hash_layers = {nh!r}: must be an integer in 0..num_hidden_layers ({layers})")
+    return out

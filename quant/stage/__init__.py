@@ -122,6 +122,12 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
                               "gptq / awq / smoothquant, --static-attention or an int8 KV cache, or drop --calib")
         if not needs_model:
             return _write(ckpt, dst, plan, form, source, src_fmt, _Calib(), req)
+        from cvt.runtime.models import family
+
+        if not getattr(family(ckpt.config)[0].Model, "calibratable", True):  # before DST is touched
+            raise OptionError(f"{arch.model_type}: calibration (--method gptq / awq / smoothquant, "
+                              "--static-attention, an int8 KV cache) does not run this model family yet; "
+                              "quantize it with --method rtn")
         from cvt.convert.outdir import calibration_dir
 
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume) as state:

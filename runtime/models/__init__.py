@@ -17,6 +17,7 @@ FAMILIES = {
     "kimi_k2": "cvt.runtime.models.deepseek_v3",
     "deepseek_v32": "cvt.runtime.models.deepseek_v32",
     "glm_moe_dsa": "cvt.runtime.models.glm_moe_dsa",
+    "deepseek_v4": "cvt.runtime.models.deepseek_v4",
     "qwen3_moe": "cvt.runtime.models.qwen3",
     "qwen3": "cvt.runtime.models.qwen3",
     "qwen2": "cvt.runtime.models.qwen3",
