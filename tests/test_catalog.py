@@ -47,6 +47,7 @@ from typing import Callable
 import pytest
 
 from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint, write_safetensors
+from cvt.quant.tensor.schemes import scheme_names
 from cvt.tests.conftest import run_cvt
 
 # ---------------------------------------------------------------------------------- harness
@@ -650,7 +651,7 @@ ISSUE_24 = [
                                       "--calib", "FIFO"), "calib.fifo: not a regular file"),
     Case("quantize-calib-dir-is-a-file", _calib_dir_is_file, ".cvt-calib: exists and is not a directory"),
     Case("quantize-missing-scheme", _verb(["quantize"], "qwen", _nothing),
-         "Missing option '--scheme'. Choose from: fp4, w4a16, w4a8, w8a8, w8a8c8", rc=2),
+         "Missing option '--scheme'. Choose from: " + ", ".join(scheme_names()), rc=2),  # the registry's, sorted
     Case("shard-ep-3", _verb(["shard"], "fp8", _nothing, "--ep", "3"), "cannot shard this model: config.n_routed_experts"),
     Case("export-onnx-dst-is-src-no-overwrite", _overlap(["export", "onnx"], "qwen", overwrite=False),
          "DST is the source directory"),

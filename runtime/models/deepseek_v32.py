@@ -266,13 +266,17 @@ class Model(v3.Model):
         with an indexer key cache [batch, max_len, index_head_dim] in `dtype` (default the model's)."""
         w = self.model.embed_tokens.weight
         mla = super().new_cache(batch, max_len, dtype, device, quant)
-        int8 = [quant is not None and self.model.layers[i].self_attn.indexer.rot is not None for i in range(len(mla))]
+        int8 = [quant is not None and getattr(self._indexer(i), "rot", None) is not None for i in range(len(mla))]
         return [DSACache(c, self.args.index_head_dim, dtype or w.dtype, device or w.device, i8)
                 for c, i8 in zip(mla, int8)]
 
     def has_indexer_rotations(self) -> bool:
         """Whether the decoder layers' indexers run C8 (rotations attached)."""
-        return any(self.model.layers[i].self_attn.indexer.rot is not None for i in range(self.args.num_hidden_layers))
+        return any(getattr(self._indexer(i), "rot", None) is not None for i in range(self.args.num_hidden_layers))
+
+    def _indexer(self, i: int):
+        """Decoder layer i's indexer (None in a layer without one: GLM-5's "shared" layers)."""
+        return getattr(self.model.layers[i].self_attn, "indexer", None)
 
     def attach_indexer_rotations(self, tensors: dict[str, torch.Tensor]) -> None:
         """Switch the indexer C8 on with every decoder layer's ``self_attn.indexer.q_rot`` / ``k_rot``
@@ -293,15 +297,18 @@ class Model(v3.Model):
                 raise CvtError(f"indexer rotation {name} is not an orthogonal matrix (it would change q . k)")
             got.setdefault(int(m.group(1)), {})[m.group(2)] = t
         missing = [f"model.layers.{i}.self_attn.indexer.{r}_rot" for i in range(n) for r in "qk"
-                   if r not in got.get(i, {})]
+                   if self._indexer(i) is not None and r not in got.get(i, {})]
         if missing:
             raise CvtError(f"the indexer C8 needs {missing[0]} ([{d}, {d}] float32): missing")
         for i in range(n):
-            ix = self.model.layers[i].self_attn.indexer
+            ix = self._indexer(i)
+            if ix is None:
+                continue
             dev = next(ix.parameters()).device
             ix.rot = (got[i]["q"].to(dev), got[i]["k"].to(dev))
 
     def detach_indexer_rotations(self) -> None:
         """Back to the float indexer."""
         for i in range(self.args.num_hidden_layers):
-            self.model.layers[i].self_attn.indexer.rot = None
+            if self._indexer(i) is not None:
+                self._indexer(i).rot = None
