@@ -817,6 +817,13 @@ static void *run(void *arg) {
     return NULL;
 }
 
+/* The SIMD level cvt_quantize runs at when the caller allows `allowed` (scales permitting):
+ * 0 scalar, 1 AVX2, 2 AVX-512 (`cvt.quant.qkernel.simd_in_use`). */
+int cvt_simd_level(int64_t allowed) {
+    if (allowed <= 0 || !cpu_simd()) return 0;
+    return allowed >= 2 && cpu_avx512() ? 2 : 1;
+}
+
 /* Returns 0, or -1 on bad arguments, -2 when out of memory. See cvt_qargs for the buffers. */
 int cvt_quantize(const cvt_qargs *a) {
     pthread_once(&lut_once, init_lut);

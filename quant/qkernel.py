@@ -98,7 +98,22 @@ def _c_kernel():
     lib.cvt_quantize.restype = ctypes.c_int
     lib.cvt_pack_zero_points.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.cvt_pack_zero_points.restype = None
+    lib.cvt_simd_level.argtypes = [ctypes.c_int64]
+    lib.cvt_simd_level.restype = ctypes.c_int
     return lib
+
+
+def simd_in_use(simd: bool | int = True) -> str:
+    """Which loops the C kernel runs on this CPU for `simd` (`cvt.extras.simd_level`, so
+    ``CVT_KERNEL_SIMD`` counts): "avx512", "avx2" or "scalar" (FP8 block scales >= 2**100 take the
+    scalar loops whatever this says); "" without the C kernel."""
+    from cvt.extras import SIMD_LEVELS
+
+    lib = _c_kernel()
+    if lib is None:
+        return ""
+    level = lib.cvt_simd_level(simd_level(simd))
+    return next(name for name, v in SIMD_LEVELS.items() if v == level)
 
 
 def kernel_name() -> str:
