@@ -100,3 +100,25 @@ def test_sqnr_sums_agree_across_levels():
     sch, lo = get_scheme("fp4"), LAYOUTS.get("ct-nvfp4")
     got = [QK.quantize_to_layout(src, sch, lo, simd=v, threads=1).sqnr_db for v in LEVELS.values()]
     assert all(math.isfinite(x) and abs(x - got[0]) < 1e-9 for x in got), got
+
+
+@pytest.mark.parametrize("level", list(LEVELS))
+@pytest.mark.parametrize("layout,scheme,opts", [("ct-int8", "w8a8", {}),
+                                                ("ct-int4", "w4a16", {"group_size": 32, "symmetric": False})],
+                         ids=["w8a8", "w4a16-asym"])
+def test_quotients_on_and_beside_every_rounding_boundary(level, layout, scheme, opts):
+    """BF16 values at (j + 0.5) x the row's scale and the bf16 neighbours either side, for every j
+    of the range, in rows of several scales: the AVX-512 loop's multiply-first quotient must give
+    the reference's rint(w / scale) on each (it divides where a lane is near a boundary)."""
+    rows = []
+    for r, amax in enumerate([127.0, 1.0, 3.0e-3, 7.7e4, 0.37, 1e-20, 5.5, 2.0**-120]):
+        sc = float(torch.tensor(amax / 127.0).to(torch.bfloat16).float())
+        mids = torch.tensor([(j + 0.5) * sc for j in range(-128, 128)]).to(torch.bfloat16)
+        bits = mids.view(torch.int16)
+        row = torch.cat([mids, (bits + 1).view(torch.bfloat16), (bits - 1).view(torch.bfloat16)])[:512].float()
+        row[0] = amax  # the row's scale: amax / 127 as above
+        rows.append(row)
+    src = QK.WeightSource(torch.stack(rows).to(torch.bfloat16))
+    sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+    assert_same(QK.quantize_to_layout(src, sch, lo, name="m.weight", simd=LEVELS[level], threads=2),
+                reference(src, sch, lo))
