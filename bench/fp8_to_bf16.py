@@ -33,7 +33,6 @@ speed, kernel >= 5x the reference, cvt peak RSS <= 2 x largest tensor + 1 GB.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import json
 import math
@@ -215,15 +214,18 @@ def compile_bytecode() -> str:
             + (f"; OPENSSL_ia32cap={cap} (OpenSSL's CPU features masked, sha256 rate below)" if cap else ""))
 
 
-def sha256_rate(chunk: int = 64 << 20) -> float:
-    """sha256 bytes/s on one core, best of 2 over 256 MB hashed as one stream of `chunk`-byte
-    updates of the same buffer: 64 MB, bytes read from memory (what a separate hasher costs);
-    2 MB, bytes already in cache (how `DirectFile` hashes each chunk it has just staged)."""
+def checksum_rate(chunk: int = 64 << 20) -> float:
+    """Bytes/s on one core of cvt's per-file checksum (`cvt.convert.checksum.ALGORITHM`), best of
+    2 over 256 MB hashed as one stream of `chunk`-byte updates of the same buffer: 64 MB, bytes
+    read from memory (what a separate hasher costs); 2 MB, bytes already in cache (how
+    `DirectFile` hashes each chunk it has just staged)."""
+    from cvt.convert.checksum import hasher
+
     buf = memoryview(os.urandom(chunk))
     reps = max(1, (256 << 20) // chunk)
 
     def run():
-        h = hashlib.sha256()
+        h = hasher()
         for _ in range(reps):
             h.update(buf)
         return h.digest()
@@ -310,7 +312,7 @@ def main() -> None:
         # what the stage's process imports (numpy and the C kernel; torch only without the kernel)
         t_start = import_seconds("cvt.cli, cvt.convert.fp8_to_bf16, numpy" + ("" if kernel_name() == "c" else ", torch"))
         krows = kernel_rows()
-        sha_rate = sha256_rate()
+        sha_rate = checksum_rate()
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -352,7 +354,7 @@ def main() -> None:
           f"{cpu / (in_total / GB):.2f} CPU-s per GB of input; peak RSS {rss / GB:.2f} GB")
     print(f"  {'floor: read input (page cache)':32}{t_rd:9.2f}{in_total / t_rd / GB:10.3f}  (GB/s in)")
     print(f"  {'floor: write + fsync output':32}{t_wr:9.2f}{out_total / t_wr / GB:10.3f}")
-    print(f"  {'sha256 of the output, 1 core':32}{out_total / sha_rate:9.2f}{sha_rate / GB:10.3f}  (estimated; cvt hashes every file)")
+    print(f"  {'checksum of the output, 1 core':32}{out_total / sha_rate:9.2f}{sha_rate / GB:10.3f}  (estimated; cvt hashes every file)")
     imports = "python + cvt imports (no torch)" if kernel_name() == "c" else "python + torch + cvt imports"
     print(f"  {imports:32}{t_start:9.2f}   (part of cvt's time)")
     if t_ref is not None:

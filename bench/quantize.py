@@ -29,7 +29,7 @@ Measured, in this one run, best of --repeat:
      with --repeat N every repeat's seconds too (the floor swings 2-3x between runs on a VM);
   f. the fixed costs inside cvt's time: a child that starts python and imports what an RTN
      run imports (the CLI and the quantize stage; not torch, which the C-kernel path never
-     imports), and sha256 GB/s on one core, from memory and on 2 MB chunks in cache (each
+     imports), and the checksum's (BLAKE3) GB/s on one core, from memory and on 2 MB chunks in cache (each
      output file is hashed in order, files in parallel; written with O_DIRECT chunk by chunk as
      staged);
   k. the kernels alone on one large FP8 weight (in this process, best of 3): the fused C
@@ -311,8 +311,8 @@ def main() -> None:
         out_files: dict[str, list[int]] = {}
         rows = rtn_rows(fb, src, root, cfg, args.repeat, args.keep, not args.no_reference, spread, out_files)
         # fixed costs no pipelining hides on a small release: start + imports, and hashing in order
-        t_start, sha_gbs = fb.import_seconds("cvt.cli, cvt.quant.stage"), fb.sha256_rate() / GB
-        sha_hot = fb.sha256_rate(2 << 20) / GB
+        t_start, sha_gbs = fb.import_seconds("cvt.cli, cvt.quant.stage"), fb.checksum_rate() / GB
+        sha_hot = fb.checksum_rate(2 << 20) / GB
         shutil.rmtree(src, ignore_errors=True)
         crows = []
         if not args.rtn_only:
@@ -364,7 +364,7 @@ def main() -> None:
         print(f"  cvt run: {shlex.join(cmd[:4] + ['SRC', 'DST'] + cmd[6:])}")
     if args.repeat > 1:
         print("  every repeat, seconds: " + "; ".join(f"{k} {' '.join(f'{x:.2f}' for x in v)}" for k, v in spread.items()))
-    print(f"  fixed costs inside cvt's time: python + cvt imports (no torch) {t_start:.2f} s; sha256 on one core "
+    print(f"  fixed costs inside cvt's time: python + cvt imports (no torch) {t_start:.2f} s; checksum (BLAKE3) on one core "
           f"{sha_gbs:.2f} GB/s from memory, {sha_hot:.2f} GB/s on 2 MB chunks in cache (how cvt hashes what it "
           f"stages for O_DIRECT), i.e. {max(max(v) for v in out_files.values()) / GB / sha_hot:.2f} s for the "
           f"largest output file (each file hashed in order on one thread; files per output: "

@@ -7,7 +7,7 @@
  * - the e4m3fn decode table: LUT[c] is code c as float32 (exact; a quiet NaN for 0x7f / 0xff),
  *   filled once by pthread_once(&lut_once, init_lut) (first calls may race from several threads);
  * - bf16_rne: float32 -> bfloat16 bits, round to nearest even (NaN kept, quiet), torch's rounding;
- * - cpu_simd: AVX2 + F16C present at run time (x86 only; 0 elsewhere);
+ * - cpu_simd: AVX2 + F16C present at run time (x86 only; 0 elsewhere); cpu_avx512: AVX-512F too;
  * - fp8_scales_simd_ok: the SIMD FP8 decode rescales by an exact 2**8, so it needs every block
  *   scale finite and below 2**100 in magnitude;
  * - run_jobs: the row blocks' fan-out over pthreads.
@@ -54,8 +54,13 @@ static int cpu_simd(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 }
+static inline int cpu_avx512(void) {
+    __builtin_cpu_init();
+    return cpu_simd() && __builtin_cpu_supports("avx512f");
+}
 #else
 static int cpu_simd(void) { return 0; }
+static inline int cpu_avx512(void) { return 0; }
 #endif
 
 /* s: the `count` float32 block scales of an FP8 weight */

@@ -6,7 +6,6 @@ staging buffers, on local block filesystems), and small whole files (`write_byte
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import mmap
 import os
@@ -14,6 +13,7 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
+from cvt.convert.checksum import hasher
 from cvt.errors import OutputError
 
 def fsync_dir(path: Path) -> None:
@@ -110,9 +110,10 @@ class DirectFile:
     reads the staging buffer itself; the copy into it is a plain memcpy (numpy, outside the
     GIL). The bytes are not left in the page cache, which a TB-sized output would evict anyway.
 
-    Why hash here (`sha`): sha256 of a 2 MB chunk that was just copied (so sits in the core's
-    L2) ran at 1.9 GB/s on the bench machine, against 1.15 GB/s for the same bytes read back
-    from memory by a separate hasher; with one output file the hash is a run's critical path.
+    Why hash here (`sha`, a `cvt.convert.checksum.hasher`): a 2 MB chunk that was just copied
+    sits in the core's L2, where hashing it ran 2-3x faster on the bench machine than over
+    the same bytes read back from memory by a separate hasher; with one output file the hash
+    is on a run's critical path.
 
     Layout: the caller's thread copies into a staging buffer and hashes it; for the first
     `DOUBLE_BUFFERED` files open at once, a disk thread writes each full buffer (aligned
@@ -293,7 +294,8 @@ class DirectFile:
 
 
 class AtomicFile:
-    """Write to `<dir>/.<name>.tmp`, hashing as it goes; `commit()` fsyncs and renames.
+    """Write to `<dir>/.<name>.tmp`, hashing as it goes (`cvt.convert.checksum.ALGORITHM`);
+    `commit()` fsyncs, renames and returns (size, hex digest).
 
     Until commit nothing named `name` exists, so a killed or failed run never leaves a file
     that looks complete. Every byte goes through `write`, which also feeds the test-only
@@ -314,7 +316,7 @@ class AtomicFile:
         self.path = path
         self.tmp = path.with_name(f".{path.name}.tmp")
         self._faults = faults
-        self.sha = hashlib.sha256()
+        self.sha = hasher()
         self.size = 0
         self._synced = 0  # bytes handed to start_writeback
         try:
@@ -330,8 +332,8 @@ class AtomicFile:
     def write(self, data) -> None:
         """Write and hash `data`, each chunk of at most `DIRECT_STAGE` bytes hashed right after it
         was copied (into the staging buffer, or into the page cache by a buffered write), while
-        it is still in cache: sha256 ran at 1.9 GB/s so, against 1.15 GB/s for a separate hasher
-        reading the bytes back from memory (a buffered quantize: 1.9-2.0 s -> 1.8 s)."""
+        it is still in cache (sha256, measured: 1.9 GB/s so, against 1.15 GB/s for a separate
+        hasher reading the bytes back from memory; a buffered quantize: 1.9-2.0 s -> 1.8 s)."""
         mv = memoryview(data).cast("B")
         try:
             if isinstance(self._f, DirectFile):  # hashes each chunk as it stages it
@@ -392,7 +394,7 @@ def write_json_atomic(path: Path, obj) -> tuple[int, str]:
 
 def write_safetensors_atomic(path: Path, tensors: dict) -> tuple[int, str]:
     """torch `tensors` as one safetensors file, in their order, atomically and hashed as
-    written: (size, sha256)."""
+    written: (size, hex digest)."""
     import torch  # the tensors are torch's: it is imported already
 
     from cvt.convert.safetensors_io import TensorSpec, encode_header

@@ -22,7 +22,7 @@ import math
 import os
 from functools import lru_cache
 
-from cvt.extras import c_kernel
+from cvt.extras import c_kernel, simd_level
 from cvt.errors import TensorError
 
 NAN_CODES = (0x7F, 0xFF)
@@ -105,7 +105,7 @@ def dequant_fp8_block_np(w: memoryview, shape: tuple[int, int], scale_f32, block
     if n and k:
         wa = np.frombuffer(w, dtype=np.uint8)
         fn(wa.ctypes.data, s.ctypes.data, out.ctypes.data, n, k, s.shape[1], block[0], block[1],
-           max(1, threads or os.cpu_count() or 1), 1)
+           max(1, threads or os.cpu_count() or 1), simd_level())
     return out
 
 
@@ -149,7 +149,8 @@ def dequant_fp8_block(w, scale, block: tuple[int, int] = (128, 128), threads: in
     fn = _c_kernel()
     if fn is not None:
         threads = threads or os.cpu_count() or 1
-        fn(w.data_ptr(), s.data_ptr(), out.data_ptr(), n, k, s.shape[1], block[0], block[1], max(1, threads), int(simd))
+        fn(w.data_ptr(), s.data_ptr(), out.data_ptr(), n, k, s.shape[1], block[0], block[1], max(1, threads),
+           simd_level(simd))
         return out
     return _dequant_torch(w, s, block, out)
 

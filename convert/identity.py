@@ -8,8 +8,8 @@ base's tensor names, shapes and file sizes; ``touch -r`` or a copy keeps mtimes)
 of a 700 GB source on each run is minutes of I/O. So the identity is content, read cheaply:
 per weight file its size, the sha256 of its safetensors header (every tensor's name, dtype,
 shape and offset) and of `SAMPLES` blocks of `BLOCK` bytes spread evenly over its data (a
-file up to `WHOLE` bytes is hashed whole), plus the sha256 recorded for it in SRC's cvt
-manifest when SRC is a cvt output; and the sha256 of config.json and the weight index. A
+file up to `WHOLE` bytes is hashed whole), plus the checksum recorded for it in SRC's
+cvt manifest when SRC is a cvt output; and the sha256 of config.json and the weight index. A
 different checkpoint with the same names and sizes (a fine-tune changes nearly every weight)
 differs in the sampled blocks; an in-place edit of a few bytes between samples is not seen
 (re-run with ``--no-resume`` after editing SRC in place).
@@ -21,6 +21,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from cvt.convert import checksum
 from cvt.errors import CheckpointError, ManifestError
 
 BLOCK = 4096       # bytes per sampled block (a page: one read each)
@@ -37,7 +38,8 @@ def source_identity(ckpt) -> dict[str, str]:
     recorded: dict[str, str] = {}
     if ckpt.has_manifest:
         try:
-            recorded = {f.path: f.sha256 for f in ckpt.manifest.files} if ckpt.manifest is not None else {}
+            recorded = {f.path: checksum.recorded(f)[1] for f in ckpt.manifest.files} \
+                if ckpt.manifest is not None else {}
         except ManifestError:  # refused where the manifest is used; here it only adds nothing
             recorded = {}
     for path in ckpt.weight_files:
@@ -51,7 +53,7 @@ def source_identity(ckpt) -> dict[str, str]:
 
 def file_identity(path: Path, recorded: str = "") -> str:
     """sha256 over one weight file's size, header and sampled data blocks (module doc), plus
-    `recorded` (its sha256 in SRC's manifest, if any)."""
+    `recorded` (its checksum in SRC's manifest, if any)."""
     h = hashlib.sha256()
     try:
         with open(path, "rb") as f:

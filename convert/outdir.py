@@ -4,7 +4,7 @@
 source (`cvt.convert.paths.check_disjoint`), locks DST (flock: a second concurrent run is
 refused; the kernel drops the lock when a run dies, even by kill -9), and decides what an
 earlier run left there: a resumable run of the same plan (its finished files are kept when
-size and sha256 still match), another run's output or foreign files (refused unless
+size and checksum still match), another run's output or foreign files (refused unless
 ``--overwrite``, which then deletes only what that run's manifest recorded writing, and never
 replaces a file it did not record).
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from cvt.convert.paths import check_disjoint, is_inside
 from cvt.convert.reader import MANIFEST_NAME, read_manifest
-from cvt.convert.safetensors_io import sha256_file
+from cvt.convert.checksum import ALGORITHM, recorded, verify
 from cvt.convert.durable import AtomicFile, write_bytes_atomic, write_json_atomic
 from cvt.errors import ManifestError, OutputError
 from cvt.schemas.manifest import FileInfo, Manifest
@@ -139,7 +139,7 @@ class OutputDir:
                 manifest, prior_plan, invalid = None, "unreadable", str(exc)
             if manifest is not None:
                 prior_plan = manifest.plan_id
-                records = {f.path: {"size": f.size, "sha256": f.sha256, "tensors": f.tensors} for f in manifest.files}
+                records = {f.path: _record(f) for f in manifest.files}
                 self.prior_meta = {k: v.model_dump() for k, v in manifest.quant.tensors.items()} if manifest.quant else {}
         if prior_plan is None:
             visible = sorted(p.name for p in self.dst.iterdir() if not p.name.startswith("."))
@@ -193,15 +193,16 @@ class OutputDir:
         known = {**self.prior_meta, **(rec.get("meta") or {})}
         if not keys <= set(known):
             return None
-        if sha256_file(path) != rec["sha256"]:
+        digests = verify(path, rec)  # an old journal's sha256 checked; BLAKE3 from the same read
+        if digests is None:
             return None
-        info = FileInfo(path=rel, size=rec["size"], sha256=rec["sha256"], tensors=rec.get("tensors", 0))
+        info = FileInfo(path=rel, size=rec["size"], tensors=rec.get("tensors", 0), **{ALGORITHM: digests[ALGORITHM]})
         return info, {k: known[k] for k in keys}
 
     def record(self, info: FileInfo, meta: dict | None = None) -> None:
         with self._lock:
-            self._state[info.path] = {"size": info.size, "sha256": info.sha256, "tensors": info.tensors,
-                                      "meta": meta or {}, **({"rank": self.rank} if self.rank else {})}
+            self._state[info.path] = {**_record(info), "meta": meta or {},
+                                      **({"rank": self.rank} if self.rank else {})}
             self._save()
 
     def path(self, rel: str) -> Path:
@@ -230,14 +231,14 @@ class OutputDir:
         return self.write_small(rel, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode())
 
     def write_small(self, rel: str, data: bytes, tensors: int = 0) -> FileInfo:
-        size, sha = write_bytes_atomic(self.path(rel), data)
-        return FileInfo(path=rel, size=size, sha256=sha, tensors=tensors)
+        size, digest = write_bytes_atomic(self.path(rel), data)
+        return file_info(rel, size, digest, tensors)
 
     def copy_file(self, src: Path, rel: str) -> FileInfo:
         with AtomicFile(self.path(rel)) as f, open(src, "rb") as fin:
             shutil.copyfileobj(fin, _Sink(f), 16 << 20)
-            size, sha = f.commit()
-        return FileInfo(path=rel, size=size, sha256=sha)
+            size, digest = f.commit()
+        return file_info(rel, size, digest)
 
     def finish(self, manifest: Manifest) -> None:
         write_bytes_atomic(self.dst / MANIFEST_NAME, manifest_bytes(manifest))
@@ -262,6 +263,18 @@ def _rank_journals(dst: Path, plan: str) -> dict[str, dict]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
     return out
+
+
+def file_info(rel: str, size: int, digest: str, tensors: int = 0) -> FileInfo:
+    """The manifest record of a file just written (`AtomicFile.commit`: its size and digest)."""
+    return FileInfo(path=rel, size=size, tensors=tensors, **{ALGORITHM: digest})
+
+
+def _record(info: FileInfo) -> dict:
+    """A manifest record as the journal keeps it: size, tensors and the digest under its
+    algorithm's name (sha256 in a journal or manifest written before BLAKE3)."""
+    algorithm, digest = recorded(info)
+    return {"size": info.size, algorithm: digest, "tensors": info.tensors}
 
 
 def lock_fd(fd: int, dst: Path) -> None:

@@ -296,8 +296,9 @@ def unsharded_source(manifest) -> str:
 
 def file_problems(root: Path, files, verify_files: bool = False) -> list[str]:
     """Manifest file records (`FileInfo`, paths already confined by `read_manifest`) that the
-    files under `root` do not match: missing, another size, or (`verify_files`) another sha256."""
-    from cvt.convert.safetensors_io import sha256_file
+    files under `root` do not match: missing, another size, or (`verify_files`) another checksum
+    (`cvt.convert.checksum`: the algorithm each record names)."""
+    from cvt.convert.checksum import recorded, verify
 
     out = []
     for f in files:
@@ -306,8 +307,8 @@ def file_problems(root: Path, files, verify_files: bool = False) -> list[str]:
             out.append(f"{p}: missing (the manifest lists it: {f.size} bytes)")
         elif p.stat().st_size != f.size:
             out.append(f"{p}: {p.stat().st_size} bytes, the manifest says {f.size}: the file was modified")
-        elif verify_files and sha256_file(p) != f.sha256:
-            out.append(f"{p}: sha256 differs from the manifest: the file was modified")
+        elif verify_files and verify(p, f) is None:
+            out.append(f"{p}: {recorded(f)[0]} differs from the manifest: the file was modified")
     return out
 
 
@@ -324,7 +325,7 @@ def check_manifest_files(ckpt: Checkpoint) -> None:
 
 def manifest_problems(ckpt: Checkpoint, manifest, verify_files: bool = False) -> list[str]:
     """What disagrees between a (single-directory) cvt output's manifest and its files: files
-    missing or of another size (sha256 too with `verify_files`), tensor count or byte total."""
+    missing or of another size (checksum too with `verify_files`), tensor count or byte total."""
     where = ckpt.root / MANIFEST_NAME
     out = file_problems(ckpt.root, manifest.files, verify_files)
     if manifest.shard is None:

@@ -13,7 +13,6 @@ Layout: ``[u64 N][N bytes JSON, space padded to 8][data]``; every tensor's
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import threading
@@ -257,15 +256,3 @@ def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None =
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return len(raw).to_bytes(8, "little") + raw
-
-
-def sha256_file(path: Path, chunk: int = 16 << 20, progress=None) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb") as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            if progress is not None:
-                progress(n)
-    return h.hexdigest()

@@ -2,7 +2,7 @@
 
 Output (DST)::
 
-    cvt_manifest.json              layout, every tensor's split, every rank's files (size, sha256)
+    cvt_manifest.json              layout, every tensor's split, every rank's files (size, checksum)
     config.json, tokenizer*, ...   the source's, unchanged
     expert_placement.json          MindIE / vllm-ascend expert map  (MoE models)
     expert_placement_eplb.json     DeepSeek EPLB phy2log / log2phy / logcnt  (MoE models)

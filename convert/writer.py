@@ -9,7 +9,7 @@ a function producing the bytes). `write_checkpoint` then
    same file names with the same contents;
 2. enters DST (`cvt.convert.outdir.OutputDir`: refuses a DST overlapping SRC, locks it, and
    finds what an earlier run of the same plan finished: recorded in `.cvt-state.json` after
-   each file, trusted only when size and sha256 on disk still match);
+   each file, trusted only when size and checksum on disk still match);
 3. writes the other files through a `FileSet`, `workers` files at a time, each to a hidden
    temp file that is fsynced and renamed into place, hashed as it is written (`cvt shard`
    feeds its per-rank files through a `FileSet` too);
@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable
 from cvt import world
 from cvt.version import __version__
 from cvt.convert.arch import carried_names
-from cvt.convert.outdir import OutputDir
+from cvt.convert.outdir import OutputDir, file_info
 from cvt.convert.reader import Checkpoint
 from cvt.dtypes import DTYPES, dtype_code
 from cvt.convert.safetensors_io import TensorSpec, encode_header
@@ -52,7 +52,7 @@ from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summ
 DEFAULT_MAX_SHARD = 5 * 10**9
 DEFAULT_WORKERS = 2  # output files written at once (1 on a 1-core machine)
 # a small output is cut into this many balanced files (`plan_shards`), so that workers hash in
-# parallel (sha256 is sequential within a file); a constant, not the worker count: the same
+# parallel (the checksum is sequential within a file); a constant, not the worker count: the same
 # command must write the same files whatever the machine or --workers
 BALANCED_FILES = 4
 # ... unless they would be smaller than this (below it a further file saves little)
@@ -246,7 +246,7 @@ class FileSet:
 
     `files`: ``[(relative path, items)]``, items with a ``.spec`` (`TensorSpec`) and optionally a
     ``.meta_key`` (stage metadata recorded per file). Files an earlier run of the same plan
-    finished (`OutputDir.finished`: size, sha256 and metadata match) are skipped: `pending`
+    finished (`OutputDir.finished`: size, checksum and metadata match) are skipped: `pending`
     lists the others. A file opens at its first `put` and, after its last, is closed, fsynced,
     renamed and journaled on a closer thread while the caller goes on. Bytes produced but not
     yet hashed are bounded by `IN_FLIGHT_BYTES` (`charge` before producing a buffer)."""
@@ -327,8 +327,8 @@ class FileSet:
 
     def _finish(self, rel: str, f: _Open) -> FileInfo:
         f.pipe.close()
-        size, sha = f.f.commit()
-        info = FileInfo(path=rel, size=size, sha256=sha, tensors=f.count)
+        size, digest = f.f.commit()
+        info = file_info(rel, size, digest, f.count)
         self.out.record(info, f.meta)
         return info
 

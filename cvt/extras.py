@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from types import ModuleType
 
 from cvt.errors import CvtError
@@ -62,7 +63,26 @@ def missing(extra: str) -> list[str]:
     return [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
 
 
-__all__ = ["EXTRAS", "MissingDependencyError", "extra_of", "message", "require", "missing"]
+__all__ = ["EXTRAS", "MissingDependencyError", "extra_of", "message", "require", "missing", "SIMD_LEVELS",
+           "simd_level"]
+
+
+# the compiled kernels' SIMD levels (`simd_level`): what each may use at most
+SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+def simd_level(simd: bool | int = True) -> int:
+    """The highest SIMD level a compiled kernel may use: `simd` True -> the best the CPU has
+    (the kernel checks at run time; AVX-512 where present), False -> 0 (the scalar loops), or a
+    level of `SIMD_LEVELS`; capped by ``CVT_KERNEL_SIMD`` (scalar, avx2 or avx512: to compare
+    the paths or rule one out; every level writes the same bytes)."""
+    level = SIMD_LEVELS["avx512"] if simd is True else int(simd)
+    cap = os.environ.get("CVT_KERNEL_SIMD", "").strip().lower()
+    if cap:
+        if cap not in SIMD_LEVELS:
+            raise CvtError(f"CVT_KERNEL_SIMD={cap}: expected one of {', '.join(SIMD_LEVELS)}")
+        level = min(level, SIMD_LEVELS[cap])
+    return level
 
 
 def c_kernel(module: str, what: str, fallback: str):

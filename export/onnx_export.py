@@ -11,7 +11,7 @@ holds:
 * ``config.json`` and the tokenizer files of SRC (so `cvt run --backend onnxruntime DST` works);
 * ``export_manifest.json``, written last: the source, every option, each graph's inputs and
   outputs with dtypes and symbolic shapes, the linears by format, and every file with its
-  size and sha256.
+  size and checksum (`cvt.convert.checksum.ALGORITHM`, under its name).
 
 Everything is written into a hidden temporary folder inside DST (``DST/.cvt-tmp``, a real
 directory: `cvt.convert.outdir.owned_dir`) and renamed into place at the end, manifest last, so
@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cvt.convert import checksum
 from cvt.convert.paths import check_disjoint
 from cvt.errors import ArchError, CheckpointError, CvtError, OutputError
 
@@ -143,9 +144,10 @@ def _check_layer(scope: str, layer: int | None, n_layers: int) -> int | None:
 
 
 def _sha256(path: Path) -> str:
-    from cvt.convert.safetensors_io import sha256_file
+    """sha256 of a source file (the identity fields ``*_sha256`` name it)."""
+    from cvt.convert.checksum import SHA256, file_digest
 
-    return sha256_file(path)
+    return file_digest(path, SHA256)
 
 
 def _check_dst(src_root: Path | None, dst: Path, overwrite: bool) -> None:
@@ -362,7 +364,8 @@ def _export(src, dst: Path, loaded, *, tmp: Path, recorded: set[str], scope, lay
             "files": [],
         }
         for p in sorted(tmp.iterdir()):
-            manifest["files"].append({"path": p.name, "size": p.stat().st_size, "sha256": _sha256(p)})
+            manifest["files"].append({"path": p.name, "size": p.stat().st_size,
+                                      checksum.ALGORITHM: checksum.file_digest(p)})
         data = json.dumps(manifest, indent=2) + "\n"
         with open(tmp / MANIFEST, "w") as f:  # last: its presence means the export is complete
             f.write(data)

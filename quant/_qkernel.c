@@ -31,7 +31,8 @@
  * and their int8 codes, so temporaries stay a few rows whatever the weight's size. Non-finite
  * values are counted, not quantized: the caller refuses the weight (its outputs are garbage).
  * On x86-64 with AVX2 + F16C (checked at run time) the inner loops are vectorized with the same
- * operations (bit-identical; the tests compare both). The module init below only exists so that
+ * operations, 8 lanes, or 16 with AVX-512F (`simd` 2, where the CPU has it): bit-identical codes
+ * and scales (the tests compare every level with the scalar path). The module init below only exists so that
  * setuptools can build this file as an importable extension; it is called through ctypes.
  */
 #include <Python.h>
@@ -59,7 +60,7 @@ typedef struct {
     int64_t n, k, src_kind, s_cols, bn, bk;
     int64_t mode, group, qmin, qmax, pack;
     float qdiv, global_scale;
-    int64_t nthreads, simd;
+    int64_t nthreads, simd; /* simd: the highest level allowed (0 scalar, 1 AVX2, 2 AVX-512) */
     int64_t f64_squares;    /* square in double (the caller's retry when a float32 square overflowed) */
     uint16_t *scale_bf16;   /* [n, ng] the int scales' bfloat16 bits too (or NULL) */
 } cvt_qargs;
@@ -447,6 +448,184 @@ AVX static double sumsq_avx2(const float *w, int64_t len) {
     return hsum4d(acc) + sumsq_scalar(w + j, len - j);
 }
 
+/* ---- AVX-512 row pieces: the AVX2 pieces' float32 operations, 16 lanes at a time ------------------
+ * (the same IEEE operations per element, so the same codes and scales; only the SQNR sums' double
+ * additions come in another order). Used when the CPU has AVX-512F and the caller allows level 2. */
+
+#define AVX512 __attribute__((target("avx512f,avx2,f16c")))
+
+AVX512 static inline __m512 fp8x16(const uint8_t *p, __m512 sc256, __m256i *nan) {
+    const __m256i m7f = _mm256_set1_epi16(0x7f), m80 = _mm256_set1_epi16(0x80);
+    __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    __m256i mag = _mm256_and_si256(x, m7f);
+    *nan = _mm256_or_si256(*nan, _mm256_cmpeq_epi16(mag, m7f));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(x, m80), 8));
+    __m512i b = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(h), sc256));
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(r, 16), 16));
+}
+
+AVX512 static inline int exp_all_ones16(__m512 v) {
+    const __m512i e = _mm512_set1_epi32(0x7f800000);
+    return __builtin_popcount((unsigned)_mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), e), e));
+}
+
+AVX512 static int64_t decode_avx512(const cvt_qargs *a, int64_t i, float *out) {
+    int64_t k = a->k, j = 0, cnt = 0;
+    if (a->src_kind == SRC_BF16) {
+        const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
+        for (; j + 16 <= k; j += 16) {
+            __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * j)));
+            __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+            cnt += exp_all_ones16(v);
+            _mm512_storeu_ps(out + j, v);
+        }
+        for (; j < k; j++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * j, 2);
+            out[j] = u2f((uint32_t)h << 16);
+            cnt += not_finite(out[j]);
+        }
+        return cnt;
+    }
+    const uint8_t *row = (const uint8_t *)a->src + i * k;
+    const float *srow = a->fp8_scale + (i / a->bn) * a->s_cols;
+    __m256i nan = _mm256_setzero_si256();
+    for (int64_t c0 = 0, b = 0; c0 < k; c0 += a->bk, b++) {
+        int64_t end = c0 + a->bk < k ? c0 + a->bk : k;
+        float sc = srow[b];
+        __m512 sc256 = _mm512_set1_ps(sc * 256.0f);
+        for (j = c0; j + 16 <= end; j += 16) {
+            __m512 v = fp8x16(row + j, sc256, &nan);
+            cnt += exp_all_ones16(v);
+            _mm512_storeu_ps(out + j, v);
+        }
+        for (; j < end; j++) {
+            out[j] = bf16_round(LUT[row[j]] * sc);
+            cnt += not_finite(out[j]);
+        }
+    }
+    if (_mm256_movemask_epi8(nan)) return decode_scalar(a, i, out); /* a NaN code: the plain path */
+    return cnt;
+}
+
+/* float32 squares of d, widened: 8 doubles */
+AVX512 static inline __m512d sq8(__m512 d) {
+    __m512 s = _mm512_mul_ps(d, d);
+    return _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(s)),
+                         _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1))));
+}
+
+AVX512 static void gstats_avx512(const float *w, int64_t k, int64_t g, int minmax, float *ga, float *gb) {
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+    for (int64_t t = 0, j = 0; j < k; t++) {
+        int64_t end = j + g;
+        if (minmax) {
+            __m512 lo = _mm512_loadu_ps(w + j), hi = lo;
+            for (j += 16; j < end; j += 16) {
+                __m512 v = _mm512_loadu_ps(w + j);
+                lo = _mm512_min_ps(lo, v);
+                hi = _mm512_max_ps(hi, v);
+            }
+            ga[t] = _mm512_reduce_min_ps(lo);
+            gb[t] = _mm512_reduce_max_ps(hi);
+        } else {
+            __m512 m = _mm512_setzero_ps();
+            for (; j < end; j += 16)
+                m = _mm512_max_ps(m, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(w + j)), absm)));
+            ga[t] = _mm512_reduce_max_ps(m);
+        }
+    }
+}
+
+AVX512 static double sumsq_avx512(const float *w, int64_t len) {
+    __m512d acc = _mm512_setzero_pd();
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) acc = _mm512_add_pd(acc, sq8(_mm512_loadu_ps(w + j)));
+    return _mm512_reduce_add_pd(acc) + sumsq_scalar(w + j, len - j);
+}
+
+/* a whole row of k = ng * g elements, g a multiple of 16 (see qint8).
+ * Division is the loop's cost, and only rint(w / sc [+ off]) is kept: each 16 lanes are first
+ * computed as w * (1 / sc), within 2**-22 relative of the exact quotient, and divided properly
+ * only when some lane lies within a generous 2**-17 (|x| + |off| + 1) of a rounding boundary
+ * (a half-integer), where the two could round apart; elsewhere both give the same integer. A
+ * group whose reciprocal is not a normal float (subnormal or huge scales) always divides. */
+AVX512 static double qint_row_avx512(const float *w, int8_t *q, int64_t k, int64_t g, const float *sc,
+                                     const float *off, int asym, float qmin, float qmax) {
+    const __m512 lo = _mm512_set1_ps(qmin), hi = _mm512_set1_ps(qmax), half = _mm512_set1_ps(0.5f);
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+    __m512d acc = _mm512_setzero_pd();
+    for (int64_t t = 0, j = 0; j < k; t++) {
+        const __m512 vs = _mm512_set1_ps(sc[t]), vo = _mm512_set1_ps(off[t]);
+        float rs = 1.0f / sc[t];
+        int fast = rs >= 0x1p-126f && rs <= 0x1p126f; /* sc > 0; false for NaN */
+        const __m512 vr = _mm512_set1_ps(rs), slack = _mm512_set1_ps(fabsf(off[t]) + 1.0f),
+                     eps = _mm512_set1_ps(0x1p-17f);
+        for (int64_t end = j + g; j < end; j += 16) {
+            __m512 v = _mm512_loadu_ps(w + j), x;
+            if (fast) {
+                x = _mm512_mul_ps(v, vr);
+                if (asym) x = _mm512_add_ps(x, vo);
+                __m512 edge = _mm512_add_ps(_mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), half);
+                __m512 dist = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(x, edge)), absm));
+                __m512 ax = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm));
+                __m512 tol = _mm512_mul_ps(_mm512_add_ps(ax, slack), eps);
+                if (_mm512_cmp_ps_mask(dist, tol, _CMP_GT_OQ) != 0xffff) { /* near a boundary, or NaN */
+                    x = _mm512_div_ps(v, vs);
+                    if (asym) x = _mm512_add_ps(x, vo);
+                }
+            } else {
+                x = _mm512_div_ps(v, vs);
+                if (asym) x = _mm512_add_ps(x, vo);
+            }
+            __m512 r = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+            _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+            acc = _mm512_add_pd(acc, sq8(_mm512_sub_ps(v, _mm512_mul_ps(_mm512_sub_ps(r, vo), vs))));
+        }
+    }
+    return _mm512_reduce_add_pd(acc);
+}
+
+/* a whole row, g a multiple of 16: group t uses mult[t] (see fp48) */
+AVX512 static double fp4_row_avx512(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult) {
+    const __m512 six = _mm512_set1_ps(6.0f), msix = _mm512_set1_ps(-6.0f);
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1);
+    const __m512 table = _mm512_castps256_ps512(_mm256_loadu_ps(E2M1));
+    const __m512 t1 = _mm512_set1_ps(0.25f), t2 = _mm512_set1_ps(0.75f), t3 = _mm512_set1_ps(1.25f),
+                 t4 = _mm512_set1_ps(1.75f), t5 = _mm512_set1_ps(2.5f), t6 = _mm512_set1_ps(3.5f),
+                 t7 = _mm512_set1_ps(5.0f);
+    __m512d acc = _mm512_setzero_pd();
+    for (int64_t t = 0, j = 0; j < k; t++) {
+        const __m512 vm = _mm512_set1_ps(mult[t]);
+        for (int64_t end = j + g; j < end; j += 16) {
+            __m512 v = _mm512_loadu_ps(w + j);
+            __m512 x = _mm512_div_ps(v, vm);
+            /* clamp as x < lo ? lo : (x > hi ? hi : x): keeps -0.0 */
+            x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, six, _CMP_GT_OQ), x, six);
+            x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, msix, _CMP_LT_OQ), x, msix);
+            __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm));
+            __m512i idx = _mm512_setzero_si512();
+            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t1, _CMP_GT_OQ), idx, one);
+            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t2, _CMP_GE_OQ), idx, one);
+            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t3, _CMP_GT_OQ), idx, one);
+            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t4, _CMP_GE_OQ), idx, one);
+            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t5, _CMP_GT_OQ), idx, one);
+            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t6, _CMP_GE_OQ), idx, one);
+            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t7, _CMP_GT_OQ), idx, one);
+            __m512i sgn = _mm512_srli_epi32(_mm512_castps_si512(x), 31);
+            __m512i code = _mm512_or_si512(idx, _mm512_slli_epi32(sgn, 3));
+            _mm_storeu_si128((__m128i *)(c + j), _mm512_cvtepi32_epi8(code));
+            __m512 mag = _mm512_permutexvar_ps(idx, table);
+            __m512 val = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(mag), _mm512_slli_epi32(sgn, 31)));
+            acc = _mm512_add_pd(acc, sq8(_mm512_sub_ps(v, _mm512_mul_ps(val, vm))));
+        }
+    }
+    return _mm512_reduce_add_pd(acc);
+}
+
 #define PICK(name, simd) ((simd) ? name##_avx2 : name##_scalar)
 #else
 #define PICK(name, simd) name##_scalar
@@ -474,11 +653,14 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
     const cvt_qargs *a = jb->a;
     int64_t k = a->k, g = a->group, ng = k / g;
     int simd = jb->simd, f64 = (int)a->f64_squares, row = simd && !f64 && g % 8 == 0;
+    int row512 = simd == 2 && !f64 && g % 16 == 0; /* 16-lane pieces where the groups fit them */
     int asym = a->mode == MODE_ASYM, fp4 = a->mode == MODE_NVFP4 || a->mode == MODE_MXFP4;
     float qmin = (float)a->qmin, qmax = (float)a->qmax;
     float *ga = jb->gbuf, *gb = ga + ng, *sc = gb + ng, *off = sc + ng; /* sc: the fp4 multipliers too */
 #ifdef CVT_X86
-    if (row)
+    if (row512)
+        gstats_avx512(w, k, g, asym, ga, gb);
+    else if (row)
         gstats_avx2(w, k, g, asym, ga, gb);
     else
 #endif
@@ -522,7 +704,9 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
     }
     double err = 0.0;
 #ifdef CVT_X86
-    if (row)
+    if (row512)
+        err = fp4 ? fp4_row_avx512(w, (uint8_t *)q, k, g, sc) : qint_row_avx512(w, q, k, g, sc, off, asym, qmin, qmax);
+    else if (row)
         err = fp4 ? fp4_row_avx2(w, (uint8_t *)q, k, g, sc) : qint_row_avx2(w, q, k, g, sc, off, asym, qmin, qmax);
     else
 #endif
@@ -536,6 +720,12 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
                            : PICK(qint, simd)(wg, qg, g, sc[t], off[t], asym, qmin, qmax);
         }
     jb->err += err;
+#ifdef CVT_X86
+    if (simd == 2 && !f64) {
+        jb->sig += sumsq_avx512(w, k);
+        return;
+    }
+#endif
     jb->sig += f64 ? sumsq_scalar_sq(w, k, 1) : PICK(sumsq, simd)(w, k);
 }
 
@@ -612,6 +802,7 @@ static int64_t amax_row(const cvt_qargs *a, int64_t i, float *out) {
 
 static int64_t decode(job_t *jb, int64_t i, float *out) {
 #ifdef CVT_X86
+    if (jb->simd == 2) return decode_avx512(jb->a, i, out);
     if (jb->simd) return decode_avx2(jb->a, i, out);
 #endif
     return decode_scalar(jb->a, i, out);
@@ -649,6 +840,13 @@ static void *run(void *arg) {
     return NULL;
 }
 
+/* The SIMD level cvt_quantize runs at when the caller allows `allowed` (scales permitting):
+ * 0 scalar, 1 AVX2, 2 AVX-512 (`cvt.quant.qkernel.simd_in_use`). */
+int cvt_simd_level(int64_t allowed) {
+    if (allowed <= 0 || !cpu_simd()) return 0;
+    return allowed >= 2 && cpu_avx512() ? 2 : 1;
+}
+
 /* Returns 0, or -1 on bad arguments, -2 when out of memory. See cvt_qargs for the buffers. */
 int cvt_quantize(const cvt_qargs *a) {
     pthread_once(&lut_once, init_lut);
@@ -657,8 +855,10 @@ int cvt_quantize(const cvt_qargs *a) {
     if (a->mode < MODE_AMAX || a->mode > MODE_MXFP4 || a->pack < PACK_I8 || a->pack > PACK_FP4) return -1;
     if (a->src_kind == SRC_FP8 && (a->bn <= 0 || a->bk <= 0 || a->s_cols < (k + a->bk - 1) / a->bk)) return -1;
     if ((a->pack == PACK_NIB_ROWS && n % 2) || ((a->pack == PACK_NIB_K || a->pack == PACK_FP4) && k % 2)) return -1;
-    int simd = a->simd && cpu_simd() &&
+    /* SIMD level: 0 scalar, 1 AVX2, 2 AVX-512; the caller's a->simd is the highest it allows */
+    int simd = a->simd > 0 && cpu_simd() &&
                (a->src_kind != SRC_FP8 || fp8_scales_simd_ok(a->fp8_scale, ((n + a->bn - 1) / a->bn) * a->s_cols));
+    if (simd && a->simd >= 2 && cpu_avx512()) simd = 2;
     int64_t nt = a->nthreads < 1 ? 1 : (a->nthreads > 64 ? 64 : a->nthreads);
     int64_t unit = a->pack == PACK_NIB_ROWS ? 2 : 1, units = (n + unit - 1) / unit;
     if (nt > units) nt = units > 0 ? units : 1;

@@ -8,7 +8,8 @@ bit, without the float32 copies (DeepSeek-V3's 18432 x 7168 dense MLP weights ta
 float32 for w alone, and the reference makes several more). Two implementations:
 
 * `_qkernel.c` (built at install when a C compiler is present; pthreads over row blocks, a
-  few decoded rows per thread, AVX2 on x86-64 checked at run time): the reference's float32
+  few decoded rows per thread, AVX2 or AVX-512 on x86-64 checked at run time, `simd` /
+  ``CVT_KERNEL_SIMD`` to cap it: `cvt.extras.simd_level`): the reference's float32
   operations in the same order (division, not a reciprocal multiply; torch.round's half-even;
   c10's e4m3 rounding), so the same bits;
 * a torch fallback (no compiler, or ``CVT_QUANT_KERNEL=torch``): the reference functions
@@ -55,7 +56,7 @@ from functools import lru_cache
 from typing import Any
 
 from cvt.quant.tensor import kernel_formats as KF
-from cvt.extras import c_kernel
+from cvt.extras import c_kernel, simd_level
 from cvt.lazy import torch
 
 from cvt.quant.tensor import primitives as P
@@ -97,7 +98,22 @@ def _c_kernel():
     lib.cvt_quantize.restype = ctypes.c_int
     lib.cvt_pack_zero_points.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.cvt_pack_zero_points.restype = None
+    lib.cvt_simd_level.argtypes = [ctypes.c_int64]
+    lib.cvt_simd_level.restype = ctypes.c_int
     return lib
+
+
+def simd_in_use(simd: bool | int = True) -> str:
+    """Which loops the C kernel runs on this CPU for `simd` (`cvt.extras.simd_level`, so
+    ``CVT_KERNEL_SIMD`` counts): "avx512", "avx2" or "scalar" (FP8 block scales >= 2**100 take the
+    scalar loops whatever this says); "" without the C kernel."""
+    from cvt.extras import SIMD_LEVELS
+
+    lib = _c_kernel()
+    if lib is None:
+        return ""
+    level = lib.cvt_simd_level(simd_level(simd))
+    return next(name for name, v in SIMD_LEVELS.items() if v == level)
 
 
 def kernel_name() -> str:
@@ -269,7 +285,8 @@ def _check_source(src: WeightSource) -> None:
                              f"{sc.dtype} {list(sc.shape)} (build FP8 sources with WeightSource.fp8)")
 
 
-def _call(fn, src: WeightSource, mode: int, threads: int | None, simd: bool, **kw) -> tuple[int, float, float, float]:
+def _call(fn, src: WeightSource, mode: int, threads: int | None, simd: bool | int,
+          **kw) -> tuple[int, float, float, float]:
     """Run the kernel; returns (non-finite count, amax, sum w^2, sum err^2)."""
     _check_source(src)  # the C side reads raw pointers: shapes and dtypes must be what it assumes
     import numpy as np
@@ -280,7 +297,7 @@ def _call(fn, src: WeightSource, mode: int, threads: int | None, simd: bool, **k
     amax = np.zeros(1, dtype=np.float32)
     w = np.ascontiguousarray(src.w) if src.is_numpy else src.w.contiguous()
     a = _Args(src=_ptr(w), n=n, k=k, mode=mode, sums=sums.ctypes.data, nonfinite=bad.ctypes.data,
-              amax=amax.ctypes.data, nthreads=max(1, threads or _cpus()), simd=int(simd),
+              amax=amax.ctypes.data, nthreads=max(1, threads or _cpus()), simd=simd_level(simd),
               group=kw.pop("group", k), **kw)
     if src.is_fp8:
         a.src_kind, a.fp8_scale, a.s_cols = SRC_FP8, _ptr(src.scale), src.scale.shape[1]
@@ -293,7 +310,7 @@ def _call(fn, src: WeightSource, mode: int, threads: int | None, simd: bool, **k
     return int(bad[0]), float(amax[0]), float(sums[0]), float(sums[1])
 
 
-def absmax(src: WeightSource, threads: int | None = None, simd: bool = True) -> float | None:
+def absmax(src: WeightSource, threads: int | None = None, simd: bool | int = True) -> float | None:
     """max |w| over the float32 source (FP8: after its BF16 dequantization); None when the
     weight holds NaN/Inf (the caller then takes the reference path, which refuses it)."""
     lib = _c_kernel()
@@ -310,7 +327,7 @@ def absmax(src: WeightSource, threads: int | None = None, simd: bool = True) -> 
 
 
 def quantize_to_layout(src: WeightSource, scheme, layout, name: str | None = None,
-                       global_scale=None, threads: int | None = None, simd: bool = True) -> Fused:
+                       global_scale=None, threads: int | None = None, simd: bool | int = True) -> Fused:
     """`layout.encode(scheme.quantize(w))` and its SQNR for the weight `src` (see the module
     docstring); `global_scale`: nvfp4's shared per-tensor scale (a fused group's; a float or a
     one-element tensor), else computed from the weight. Raises the reference's errors (shape,

@@ -6,7 +6,7 @@ weight is read (`preflight`):
 * reads DST/cvt_manifest.json (`cvt.convert.shard.read_shard_manifest`) and refuses a launch
   whose WORLD_SIZE differs from the manifest's world size;
 * checks its own files -- its rank directory's weight files, index and Ascend description,
-  and config.json -- exist with the manifest's size and sha256 (``--no-verify-files`` checks
+  and config.json -- exist with the manifest's size and checksum (``--no-verify-files`` checks
   sizes only);
 * checks that the layout still validates against config.json (`cvt.convert.plan.check`) and
   that its manifest coordinates follow the layout's rank rule;
@@ -176,7 +176,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=CHOICES, default="auto")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--no-verify-files", action="store_true", help="check file sizes only, not sha256")
+    p.add_argument("--no-verify-files", action="store_true", help="check file sizes only, not checksums")
     p.add_argument("--dump-logits", metavar="FILE", help="safetensors file of every call's logits (module doc)")
     p.add_argument("--quiet", "-q", action="store_true")
     p.add_argument("--debug", action="store_true")

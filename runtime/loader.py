@@ -6,7 +6,7 @@ is built on the meta device and each tensor is read from the mmap, converted and
 place, so the process never holds two copies of the model.
 
 Refused, with one line each: a manifest whose files are missing or of another size (and
-sha256, with `verify_files=True`), a manifest whose tensor count or byte total disagrees with
+checksum, with `verify_files=True`), a manifest whose tensor count or byte total disagrees with
 the headers, tensors the model has no place for, model weights the checkpoint lacks (MTP
 layers aside: a checkpoint without them just runs without them), and shapes that disagree.
 A wrapper's text model (Kimi-K2.5: names under ``language_model.``) loads under the runtime's

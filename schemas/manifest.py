@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from cvt.schemas.layout import Layout
 
@@ -55,11 +55,36 @@ class StageInfo(_Strict):
     parameters: dict[str, Any] = Field(default_factory=dict)
 
 
+_HEX256 = r"^[0-9a-f]{64}$"
+
+
 class FileInfo(_Strict):
+    """One file of the directory: its size and one checksum of its bytes, under the algorithm's
+    name (`cvt.convert.checksum`): ``blake3`` (what cvt writes), ``sha256`` (older manifests, still
+    verified). Exactly one is present; an absent one is not written."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "oneOf": [{"required": ["blake3"]}, {"required": ["sha256"]}]})
+
     path: str = Field(description="path relative to the manifest's directory")
     size: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    blake3: str | None = Field(None, pattern=_HEX256, description="BLAKE3 (256-bit) of the file's bytes")
+    sha256: str | None = Field(None, pattern=_HEX256, description="sha256 of the file's bytes (older manifests)")
     tensors: int = Field(0, ge=0, description="tensors in the file (0 for non-weight files)")
+
+    @model_validator(mode="after")
+    def _one_checksum(self):
+        if (self.blake3 is None) == (self.sha256 is None):
+            raise ValueError("a file needs exactly one checksum: blake3 or sha256")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_checksum(self, handler):
+        out = handler(self)
+        for key in ("blake3", "sha256"):
+            if out.get(key, "") is None:
+                del out[key]
+        return out
 
 
 class Summary(_Strict):

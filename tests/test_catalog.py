@@ -317,7 +317,7 @@ def _manifest_path(path: str):
 
 def _manifest_invalid(ctx, src):
     m = json.loads((src / "cvt_manifest.json").read_text())
-    m["files"][0]["sha256"] = "zz"
+    m["files"][0]["blake3"] = "zz"
     m["tensor_count"] = -1
     (src / "cvt_manifest.json").write_text(json.dumps(m))
 
@@ -440,7 +440,7 @@ def _killed_state(ctx: Ctx) -> Path:
 
 def _bad_state(edit: Callable[[Path], None], forge: bool = False, prep: Callable[[Ctx, Path], None] = None):
     """The killed GPTQ state, edited, resumed. `forge`: state.json's records (size, sha256 of
-    every state file) rewritten to match the edited files, so that the readers' own checks are
+    every state file: the older records' algorithm, still read) rewritten to match the edited files, so that the readers' own checks are
     what refuses it; else the records catch the edit. `prep(ctx, src)`: SRC edited first."""
     def build(ctx: Ctx):
         src = ctx.copy("qwen")
@@ -628,7 +628,7 @@ ISSUE_24 = [
     # item 6b: the state is checksummed (each file's size and sha256 recorded as it was written)
     # and keyed on SRC's content, not its names, sizes and mtimes
     Case("quantize-state-scaled-x3", _bad_state(_scaled_x3),
-         "layer-0.safetensors: calibration state file changed since cvt wrote it (sha256 "),
+         "layer-0.safetensors: calibration state file changed since cvt wrote it (blake3 "),
     Case("quantize-state-truncated-unforged", _bad_state(_truncate("layer-0.safetensors", 5000)),
          "layer-0.safetensors: calibration state file changed since cvt wrote it (5000 bytes, 112896 recorded); "
          "re-run with --no-resume"),
@@ -693,7 +693,7 @@ def _rank_link(resume: bool):
         if resume:  # a killed run of the same command (its journal, no manifest), rank 0 moved out and linked
             assert run_cvt("shard", src, dst, "--ep", "2", "--quiet").rc == 0
             m = json.loads((dst / "cvt_manifest.json").read_text())
-            files = {f["path"]: {"size": f["size"], "sha256": f["sha256"], "tensors": f["tensors"]} for f in m["files"]}
+            files = {f["path"]: {"size": f["size"], "blake3": f["blake3"], "tensors": f["tensors"]} for f in m["files"]}
             (dst / ".cvt-state.json").write_text(json.dumps({"plan_id": m["plan_id"], "files": files}))
             (dst / "cvt_manifest.json").unlink()
             shutil.move(dst / "rank-00000", target)
@@ -800,7 +800,7 @@ CASES = [
     Case("shard-placement-missing-layer", _placement([1]), "places 1 of the model's 2 MoE layers"),
     Case("quantize-bad-yaml-recipe", _quantize("qwen", _bad_recipe, "--recipe", "RECIPE"), "recipe.yaml: not valid YAML"),
     Case("run-manifest-invalid", _verb(["run"], "bf16", _manifest_invalid, "--input-ids", "1,2", dst_name=None),
-         "files.0.sha256"),
+         "files.0.blake3"),
     Case("run-world-size-manifest-invalid", _verb(["run"], "bf16", _manifest_invalid, "--input-ids", "1,2",
                                                  "--world-size", "2", dst_name=None), "tensor_count"),
     # --- NaN / Inf

@@ -47,7 +47,7 @@ def cli() -> None:
                    "files of about equal shares (at least 256 MiB each; a large tensor keeps its own file), "
                    "so they are hashed in parallel.")
 @click.option("--resume/--no-resume", default=True, show_default=True,
-              help="Keep output files an interrupted run of the same conversion finished (size and sha256 checked).")
+              help="Keep output files an interrupted run of the same conversion finished (size and checksum checked).")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
 @ranks()
@@ -251,7 +251,7 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target
               resume, overwrite, quiet, **degrees):
     """Write SRC as per-rank directories DST/rank-XXXXX/ for an EP/TP layout (one world of
     W ranks: attention tp x dp = W, MoE moe-tp x ep = W), with DST/cvt_manifest.json giving
-    every tensor's split and every rank's files (size, sha256) and expert slots. Works on BF16,
+    every tensor's split and every rank's files (size, checksum) and expert slots. Works on BF16,
     FP8 releases and cvt quantize outputs; every tensor is read once, whatever W. The layout is
     validated before anything is written (heads, experts, vocab, FP8 blocks and quantization
     groups must divide). `torchrun --nproc-per-node W -m cvt.runtime.launch DST` (or
@@ -303,11 +303,11 @@ def inspect_cmd(path, revision, as_json, quiet):
 @click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=0, show_default=True, help="Sampling seed, 0 .. 2**64-1.")
 @click.option("--device", type=click.Choice(get_args(api.Device)), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(get_args(api.DType)), default="bf16", show_default=True)
-@click.option("--verify-files", is_flag=True, help="Check every file's sha256 against the manifest before loading.")
+@click.option("--verify-files", is_flag=True, help="Check every file's checksum against the manifest before loading.")
 @click.option("--revision", help="Hub revision when MODEL is a repo id.")
 @click.option("--world-size", type=click.IntRange(1), default=None,
               help="Run a cvt shard output on W ranks: launches torchrun (python -m cvt.runtime.launch), which "
-                   "always checks each rank's files' sha256.")
+                   "always checks each rank's files' checksums.")
 @click.option("--backend", type=click.Choice(get_args(api.Backend)), default="torch", show_default=True,
               help="onnxruntime: MODEL is a `cvt export onnx` output, run on the CPU (--dtype is the export's).")
 @common

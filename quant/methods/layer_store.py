@@ -1,6 +1,6 @@
 """The streaming calibration's state folder (``DST/.cvt-calib``, `cvt.quant.methods.stream`):
 each finished decoder layer's results and the next layer's input, every file recorded with
-its size and sha256 as it is written and checked before a resumed run uses it; in a torchrun
+its size and checksum as it is written and checked before a resumed run uses it; in a torchrun
 world rank 0 writes the layers and each rank its share of the inputs (`cvt.world`).
 """
 
@@ -24,14 +24,14 @@ class LayerStore:
     ``q/{module}/{part}``, changed float tensors as ``f/{name}``, KV ranges as ``kv/{role}``) +
     ``layer-{i}.json`` (the parts' QuantizedTensor fields, methods, stats, fallbacks), the next
     layer's input ``x-{i+1}.bin`` and ``state.json`` (plan id, SRC's content identity, layers
-    done, and the size and sha256 of every state file a resumed run may use)."""
+    done, and the size and checksum of every state file a resumed run may use)."""
 
     def __init__(self, root: Path, plan_id: str, source: dict[str, str] | None = None):
         self.root, self.plan_id, self.source = Path(root), plan_id, source or {}
         self.world = world.current()  # several ranks: rank 0 writes the layers, each rank its inputs
         self._index: dict[str, tuple[int, dict]] = {}   # module -> (layer, QuantizedTensor fields)
         self._floats: dict[str, int] = {}                # float tensor name -> layer
-        self._files: dict[str, dict] = {}                # state file -> {size, sha256}: checked or written here
+        self._files: dict[str, dict] = {}                # state file -> {size, algorithm: digest}: checked or written here
 
     # -- state ------------------------------------------------------------------------------------
     def done(self) -> int:
@@ -76,27 +76,32 @@ class LayerStore:
         return 0
 
     def _check_files(self, files: dict) -> None:
-        """Every state file an earlier run recorded, before any is used: its size and sha256
-        must be those recorded as it was written; else refused with one line naming it."""
-        from cvt.convert.safetensors_io import sha256_file
+        """Every state file an earlier run recorded, before any is used: its size and checksum
+        (`cvt.convert.checksum`: the algorithm the record names, sha256 in an older state) must
+        be those recorded as it was written; else refused with one line naming it."""
+        from cvt.convert.checksum import file_digest, recorded
 
         for name, rec in files.items():
             path = self.root / name
-            if "/" in name or name.startswith(".") or not isinstance(rec, dict):
+            got = recorded(rec) if isinstance(rec, dict) else None
+            if "/" in name or name.startswith(".") or got is None:
                 raise _unreadable(self.root / "state.json", f"{name!r} is not a state file's record")
+            algorithm, want = got
             try:
                 size = path.stat().st_size
-                sha = sha256_file(path) if size == rec["size"] else None
+                digest = file_digest(path, algorithm) if size == rec["size"] else None
             except OSError as exc:
                 raise _unreadable(path, exc) from None
-            if size != rec["size"] or sha != rec["sha256"]:
-                what = f"{size} bytes, {rec['size']} recorded" if sha is None else \
-                    f"sha256 {sha[:16]}..., {str(rec['sha256'])[:16]}... recorded"
+            if size != rec["size"] or digest != want:
+                what = f"{size} bytes, {rec['size']} recorded" if digest is None else \
+                    f"{algorithm} {digest[:16]}..., {want[:16]}... recorded"
                 raise _changed(path, what)
-            self._files[name] = {"size": size, "sha256": sha}
+            self._files[name] = {"size": size, algorithm: digest}
 
     def _record(self, name: str, written: tuple[int, str]) -> None:
-        self._files[name] = {"size": written[0], "sha256": written[1]}
+        from cvt.convert.checksum import ALGORITHM
+
+        self._files[name] = {"size": written[0], ALGORITHM: written[1]}
 
     def _use(self, name: str) -> Path:
         """``root/name``, a state file this store checked or wrote; one it has no record of

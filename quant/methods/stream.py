@@ -16,7 +16,7 @@ device, so that a 0.7-2 TB checkpoint calibrates on a host with less RAM than th
    state folder through mmap instead of RAM.
 3. A killed run restarts after its last finished layer (`state.json` names the plan: SRC's
    content identity (`cvt.convert.identity`), schemes and methods, tokens, options, device;
-   and records the size and sha256 of every state file, hashed as it was written); the
+   and records the size and checksum of every state file, hashed as it was written); the
    persisted inputs and results are the exact float32 bytes an uninterrupted run has, so the
    output is byte-identical. Before a resumed run uses the state, every recorded file is
    checked against its record: a changed file (a tensor scaled at the same size), one not

@@ -7,6 +7,7 @@ import json
 import re
 
 import jsonschema
+import blake3
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -135,7 +136,7 @@ def test_manifest_validates_and_matches_files(fp8_release, tmp_path):
     assert set(listed) == on_disk
     for name, info in listed.items():
         data = (dst / name).read_bytes()
-        assert info["size"] == len(data) and info["sha256"] == hashlib.sha256(data).hexdigest()
+        assert info["size"] == len(data) and info["blake3"] == blake3.blake3(data).hexdigest()
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     assert manifest["tensor_count"] == len(index["weight_map"])
     assert manifest["total_size"] == index["metadata"]["total_size"]
@@ -159,11 +160,11 @@ def test_direct_and_buffered_writes_give_the_same_files(fp8_release, tmp_path, m
     assert len([n for n in names if n.endswith(".safetensors")]) > 1
     for n in names:
         assert (tmp_path / "d1" / n).read_bytes() == (tmp_path / "d0" / n).read_bytes(), n
-    # each way hashes chunk by chunk as it writes: the recorded sha256 is the file's
+    # each way hashes chunk by chunk as it writes: the recorded blake3 is the file's
     for d in ("d1", "d0"):
         for f in json.loads((tmp_path / d / "cvt_manifest.json").read_text())["files"]:
             data = (tmp_path / d / f["path"]).read_bytes()
-            assert f["size"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest(), (d, f["path"])
+            assert f["size"] == len(data) and f["blake3"] == blake3.blake3(data).hexdigest(), (d, f["path"])
 
 
 def test_quantization_config_under_text_config(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -105,8 +106,7 @@ def test_writeback_starts_on_each_finished_range(tmp_path, monkeypatch):
     """AtomicFile asks the kernel to write every WRITEBACK_EVERY bytes out as they are written
     (sync_file_range, so the final fsync waits only for the tail and dirty pages stay bounded):
     the ranges handed over are contiguous from offset 0, never past what was written, and the
-    file's bytes and sha256 are unchanged by it."""
-    import hashlib
+    file's bytes and checksum are unchanged by it."""
     import os
     import sys
 
@@ -122,7 +122,7 @@ def test_writeback_starts_on_each_finished_range(tmp_path, monkeypatch):
             f.write(data[i:i + 300_000])
         size, sha = f.commit()
     assert (tmp_path / "w.bin").read_bytes() == data and size == len(data)
-    assert sha == hashlib.sha256(data).hexdigest()
+    assert sha == blake3.blake3(data).hexdigest()  # the blake3 package's own digest
     assert calls and calls[0][0] == 0 and all(n >= 1 << 20 for _, n in calls)
     assert all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:]))  # contiguous, no gap, no overlap
     assert len(data) - (1 << 20) - 300_000 < calls[-1][0] + calls[-1][1] <= len(data)  # only the tail left
@@ -140,9 +140,8 @@ def _write_direct(path, data: bytes, piece: int):
 @pytest.mark.parametrize("size", [0, 100, 4096, (2 << 20) - 1, 2 << 20, (5 << 20) + 12345])
 def test_direct_file_writes_the_same_bytes(tmp_path, monkeypatch, size):
     """Weight files go out through O_DIRECT (`DirectFile`: whole staging buffers as aligned
-    writes, the unaligned tail buffered at commit): the same bytes and sha256 as the data, for
+    writes, the unaligned tail buffered at commit): the same bytes and checksum as the data, for
     empty, sub-page, page-sized, stage-sized and multi-stage files written in odd pieces."""
-    import hashlib
     import os
 
     from cvt.convert import durable as S
@@ -153,7 +152,7 @@ def test_direct_file_writes_the_same_bytes(tmp_path, monkeypatch, size):
     real = S.DirectFile.__init__
     monkeypatch.setattr(S.DirectFile, "__init__", lambda self, *a: (real(self, *a), opened.append(self.direct))[0])
     data = os.urandom(size)
-    assert _write_direct(tmp_path / "w.bin", data, 300_001) == (size, hashlib.sha256(data).hexdigest())
+    assert _write_direct(tmp_path / "w.bin", data, 300_001) == (size, blake3.blake3(data).hexdigest())
     assert (tmp_path / "w.bin").read_bytes() == data
     assert len(opened) == 1  # O_DIRECT itself, or a buffered file where the filesystem refuses it: same bytes
 
@@ -256,7 +255,6 @@ def test_direct_files_beyond_the_double_buffered_ones_write_in_place(tmp_path, m
     """`cvt shard` feeds every rank's file at once: only the first DOUBLE_BUFFERED open files get a
     second staging buffer and a disk thread (memory), the rest write each full buffer in the
     caller's thread; the same bytes either way, and closing gives the slots back."""
-    import hashlib
     import os
 
     from cvt.convert import durable as S
@@ -272,6 +270,6 @@ def test_direct_files_beyond_the_double_buffered_ones_write_in_place(tmp_path, m
         for f, d in zip(files, data):
             f.write(d[piece:piece + 700_000])
     for i, (f, d) in enumerate(zip(files, data)):
-        assert f.commit() == (len(d), hashlib.sha256(d).hexdigest())
+        assert f.commit() == (len(d), blake3.blake3(d).hexdigest())
         assert (tmp_path / f"f{i}.bin").read_bytes() == d
     assert S.DirectFile._open_double == before

@@ -300,11 +300,11 @@ def test_manifest_records_source_and_files(sources, tmp_path):
     assert m["source"]["path"] == str(src) and m["source"]["cvt_manifest_sha256"]
     assert m["opset"] == 17 and m["dtype"] == "bf16" and m["compute_dtype"] == "fp32"
     assert m["moe"]["mode"] == "gated" and "exact" in m["moe"]["math"]
-    from cvt.convert.safetensors_io import sha256_file
+    import blake3
 
     for f in m["files"]:
         p = tmp_path / "onnx" / f["path"]
-        assert p.stat().st_size == f["size"] and sha256_file(p) == f["sha256"]
+        assert p.stat().st_size == f["size"] and blake3.blake3(p.read_bytes()).hexdigest() == f["blake3"]
 
 
 def _family_configs():

@@ -26,10 +26,11 @@ SQNR_TOL_DB = 0.01
 
 # ---- helpers ---------------------------------------------------------------------------------------
 
-@pytest.fixture(params=["c-simd", "c-scalar", "c-numpy", "torch"])
+@pytest.fixture(params=["c-simd", "c-avx2", "c-scalar", "c-numpy", "torch"])
 def kernel(request, monkeypatch):
-    """Which implementation runs: the C kernel (AVX2 / scalar loops; "c-numpy": on a numpy
-    source, as the stage gives it, with numpy outputs) or the torch fallback."""
+    """Which implementation runs: the C kernel (its best SIMD: AVX-512 where the CPU has it;
+    AVX2 at most; scalar loops; "c-numpy": on a numpy source, as the stage gives it, with numpy
+    outputs) or the torch fallback."""
     QK._c_kernel.cache_clear()
     if request.param == "torch":
         monkeypatch.setenv("CVT_QUANT_KERNEL", "torch")
@@ -39,10 +40,13 @@ def kernel(request, monkeypatch):
     QK._c_kernel.cache_clear()
 
 
+SIMD = {"c-scalar": 0, "c-avx2": 1}  # the kernel fixture's `simd` argument (else True: the best)
+
+
 def run(kind: str, src, scheme, layout, **kw) -> QK.Fused:
     if kind == "c-numpy":
         src = as_raw(src)
-    return QK.quantize_to_layout(src, scheme, layout, name="m.weight", simd=(kind != "c-scalar"), threads=3, **kw)
+    return QK.quantize_to_layout(src, scheme, layout, name="m.weight", simd=SIMD.get(kind, True), threads=3, **kw)
 
 
 def as_raw(src: QK.WeightSource) -> QK.WeightSource:
@@ -372,7 +376,7 @@ def test_without_the_compiled_kernel(monkeypatch):
 def test_absmax_matches_torch(kernel):
     src = fp8_weight((136, 352), seed=8)
     want = float(src.rows_float(0, 136).abs().amax())
-    assert QK.absmax(as_raw(src) if kernel == "c-numpy" else src, simd=(kernel != "c-scalar")) == want
+    assert QK.absmax(as_raw(src) if kernel == "c-numpy" else src, simd=SIMD.get(kernel, True)) == want
     w = src.rows_float(0, 136)
     w[100, 3] = float("nan")
     assert QK.absmax(QK.WeightSource(w.to(torch.bfloat16))) is None
@@ -411,7 +415,7 @@ def test_absmax_without_decoding_every_element(kernel, case):
         src = as_raw(src)
     dec = src.rows_float(0, src.shape[0])
     want = None if not bool(torch.isfinite(dec).all()) else float(dec.abs().amax())
-    assert QK.absmax(src, simd=(kernel != "c-scalar")) == want
+    assert QK.absmax(src, simd=SIMD.get(kernel, True)) == want
     assert (want is None) == (case in ("fp8-nan-code", "fp8-overflow", "bf16-inf", "bf16-nan"))
 
 

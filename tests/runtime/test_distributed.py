@@ -298,7 +298,7 @@ def test_altered_rank_file(sharded, tmp_path):
     dst = tmp_path / "dst"
     shutil.copytree(sharded["ds-tp2-ep2"], dst)
     _flip_byte(dst / "rank-00001" / "model-00001-of-00001.safetensors")
-    with pytest.raises(ManifestError, match=r"rank-00001/model-00001-of-00001.safetensors: sha256 differs"):
+    with pytest.raises(ManifestError, match=r"rank-00001/model-00001-of-00001.safetensors: blake3 differs"):
         launch.preflight(dst, 1, 2, prompts=["x"])
     launch.preflight(dst, 1, 2, prompts=["x"], verify_files=False)  # --no-verify-files: sizes only
 
@@ -308,7 +308,7 @@ def test_layout_checked_against_config(sharded, tmp_path):
     shutil.copytree(sharded["ds-tp4-moetp2-ep2"], dst)
     cfg = dst / "config.json"
     cfg.write_text(cfg.read_text().replace('"num_attention_heads": 4', '"num_attention_heads": 6'))
-    with pytest.raises(CvtError, match="config.json: sha256 differs"):
+    with pytest.raises(CvtError, match="config.json: blake3 differs"):
         launch.preflight(dst, 0, 4, prompts=["x"])
     with pytest.raises(CvtError, match=r"num_attention_heads = 6 heads: tp 4 does not divide it"):
         launch.preflight(dst, 0, 4, prompts=["x"], verify_files=False)

@@ -88,7 +88,7 @@ def test_manifest_file_modified_same_size_needs_verify_files(cvt_output):
     data[-2] ^= 0x01
     victim.write_bytes(data)
     load_model(cvt_output)  # names, shapes and sizes still agree
-    with pytest.raises(ManifestError, match="sha256 differs"):
+    with pytest.raises(ManifestError, match="blake3 differs"):
         load_model(cvt_output, verify_files=True)
 
 
