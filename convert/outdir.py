@@ -67,8 +67,18 @@ class OutputDir:
         w = world.current()
         if w.size == 1:
             return self._enter()
+        # rank 0 makes DST (nothing in it is touched yet); every rank must see it and plan the same
+        # output (the same SRC, cvt and command on every node); then rank 0 checks, locks and reads
+        # DST and the others take its view
+        shared_dst(self.dst, self.source, self.verb)
+        plans = world.all_gather(self.plan)
+        odd = [r for r, p in enumerate(plans) if p != plans[0]]
+        if odd:
+            raise OutputError(f"{self.dst}: rank {', '.join(map(str, odd))} plans another output than rank 0 (another "
+                              "SRC, cvt version or command line): run the same command, on the same files, on every "
+                              "rank")
         err = None
-        if w.main:  # rank 0 checks, locks and reads DST; the others wait for its answer
+        if w.main:
             try:
                 self._enter()
             except BaseException as exc:
@@ -81,11 +91,6 @@ class OutputDir:
         if not w.main:
             self.rank = w.rank
             self._state, self.prior_meta, self._foreign = view["state"], view["prior_meta"], set(view["foreign"])
-        try:
-            world.check_shared(self.dst)
-        except BaseException:
-            self.__exit__()
-            raise
         return self
 
     def _enter(self) -> "OutputDir":
@@ -247,6 +252,29 @@ class OutputDir:
             p.unlink(missing_ok=True)
 
 
+def shared_dst(dst: Path, source: Path | None, verb: str) -> None:
+    """In a world of several ranks, before anything in DST is touched: rank 0 checks DST against
+    SRC and makes it, then every rank must see it (`cvt.world.check_shared`)."""
+    from cvt import world
+
+    err = None
+    if world.current().main:
+        try:
+            if source is not None:
+                check_disjoint(source, dst, verb)
+            if dst.exists() and not dst.is_dir():
+                raise OutputError(f"{dst}: exists and is not a directory")
+            dst.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            err = OutputError(f"{dst}: cannot create the output directory: {exc.strerror or exc}")
+        except BaseException as exc:
+            err = exc
+    err = world.agree(err)
+    if err is not None:
+        raise err
+    world.check_shared(dst)
+
+
 def _rank_journal_paths(dst: Path) -> list[Path]:
     return [p for p in Path(dst).glob(RANK_STATE.format("*")) if p.is_file() and not p.is_symlink()]
 
@@ -391,8 +419,8 @@ def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
     foreign files unless --overwrite), DST locked for the whole run from here on, calibration
     included (a second run on DST is refused while this one calibrates; `OutputDir` finds the
     lock held), the folder (`owned_dir`: never a symlink) cleared with --no-resume, and removed
-    once the stage finished. Several ranks: rank 0 does all of that, the others use the folder
-    once it stands (DST checked shared first)."""
+    once the stage finished. Several ranks: DST checked shared first (`shared_dst`), then rank 0
+    does all of that and the others use the folder once it stands."""
     from cvt import world
 
     w = world.current()
@@ -400,6 +428,7 @@ def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
         with _calibration_dir(source, dst, overwrite, resume) as state:
             yield state
         return
+    shared_dst(Path(dst), source, "quantize")
     err, ctx, state = None, None, None
     if w.main:
         try:
@@ -410,7 +439,6 @@ def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
     err = world.agree(err)
     if err is not None:
         raise err
-    world.check_shared(dst)
     if not w.main:
         yield Path(dst) / STATE_DIR
         return

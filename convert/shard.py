@@ -369,13 +369,14 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
         with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
                        verb="shard") as out:
             w, manifest = world.current(), None
-            if w.main:
+            def prepare() -> None:
                 out.claim([*(RANK_DIR.format(r) for r in range(layout.world_size)), "config.json",
                            "expert_placement.json", "expert_placement_eplb.json",
                            *(p.name for p in ckpt.aux_files() if p.name != ASCEND_DESCRIPTION)])
-                for r in range(layout.world_size):
-                    out.subdir(RANK_DIR.format(r))  # a real directory: never written through a link
-            world.barrier()
+                if w.main:
+                    for r in range(layout.world_size):
+                        out.subdir(RANK_DIR.format(r))  # a real directory: never written through a link
+            together(prepare)  # every rank checks; rank 0 makes the rank folders
             mine = ranked(files, lambda hs: sum(h.spec.nbytes for h in hs))  # this process's files
             with make_progress(sum(h.spec.nbytes for _, hs in mine for h in hs), "shard", quiet or not w.main) as bar:
                 infos, written, skipped = together(lambda: _write_ranks(ckpt, out, splits, order, mine, bar))

@@ -555,9 +555,8 @@ def write_checkpoint(
     manifest = None
     with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
                    verb=stage.name) as out:
-        if w.main:
-            out.claim([*(rel for rel, _ in shards), f"{prefix}.safetensors.index.json", "config.json",
-                       *(rel for rel, _ in extra_files), *(p.name for p in ckpt.aux_files())])
+        together(lambda: out.claim([*(rel for rel, _ in shards), f"{prefix}.safetensors.index.json", "config.json",
+                                    *(rel for rel, _ in extra_files), *(p.name for p in ckpt.aux_files())]))
         meta: dict[str, dict] = {}
         mine = ranked(shards, lambda ts: sum(t.spec.nbytes for t in ts))  # this rank's files (all, for one)
         with make_progress(sum(t.spec.nbytes for _, ts in mine for t in ts), stage.name, quiet or not w.main) as bar:

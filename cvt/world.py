@@ -19,6 +19,7 @@ each rank dies with its agent (`die_with_parent`).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,7 @@ def from_env(env=os.environ) -> World:
     if size < 1 or not 0 <= rank < size or local < 0:
         raise CvtError(f"RANK {rank} / WORLD_SIZE {size} / LOCAL_RANK {local} describe no rank of a world")
     asked = env.get(WORLD_ENV)
-    if asked and int(asked) != size:
+    if asked and asked != str(size):
         raise CvtError(f"--world-size {asked} was asked for, but torchrun started {size} ranks")
     return World(rank, size, local) if size > 1 else _ONE
 
@@ -168,7 +169,8 @@ def broadcast(obj, src: int = 0):
 def gather_sum(t, dst: int):
     """sum over ranks r = 0, 1, ... of each rank's `t` (same shape and dtype everywhere), added in
     rank order on rank `dst` (None elsewhere): the same bits for a given world size whatever
-    the transport. CPU tensors travel through gloo."""
+    the transport. Rank `dst` receives one rank's tensor at a time (memory: the sum and one
+    buffer, whatever the world size). CPU tensors travel through gloo."""
     w = current()
     if w.size == 1:
         return t
@@ -177,13 +179,18 @@ def gather_sum(t, dst: int):
 
     dev = t.device
     src = t.detach().cpu().contiguous()
-    parts = [torch.empty_like(src) for _ in range(w.size)] if w.rank == dst else None
-    dist.gather(src, parts, dst=dst, group=_group())
     if w.rank != dst:
+        dist.send(src, dst=dst, group=_group())
         return None
-    total = parts[0].clone()
-    for p in parts[1:]:
-        total += p
+    total = buf = None
+    for r in range(w.size):
+        if r == dst:
+            part = src
+        else:
+            buf = torch.empty_like(src) if buf is None else buf
+            dist.recv(buf, src=r, group=_group())
+            part = buf
+        total = part.clone() if total is None else total.add_(part)
     return total.to(dev)
 
 
@@ -199,7 +206,8 @@ class PeerFailed(CvtError):
 def agree(error: BaseException | None) -> BaseException | None:
     """Every rank says whether it failed. A rank that failed keeps its own error; the others get a
     `PeerFailed` naming the first rank that did (so that no rank waits for a peer that left)."""
-    code = 130 if isinstance(error, KeyboardInterrupt) else getattr(error, "exit_code", 70)
+    code = (130 if isinstance(error, KeyboardInterrupt) else error.exit_code if isinstance(error, CvtError)
+            else 1 if isinstance(error, OSError) else 70)  # as the CLI's `main` exits for each
     mine = None if error is None else (str(error) if isinstance(error, CvtError) else
                                        f"{type(error).__name__}: {error}", code)
     said = all_gather(mine)
@@ -239,6 +247,13 @@ def check_shared(folder: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ starting ranks
+# the lines torchrun's agent prints itself (its log records and its failure report), as opposed
+# to what the ranks print
+_AGENT = re.compile(
+    r"^([WEI]\d{4} |\[rank\d+\]|\[\d+\]:|Traceback |  File |torch\.distributed\.|=+\s*$|-+\s*$|Failures:|Root Cause"
+    r"|  <NO_OTHER_FAILURES>|\s+(time|host|rank|exitcode|error_file|traceback)\s*:|.* FAILED\s*$)")
+
+
 def boot(module: str) -> str:
     """Python code for `python -c` that runs MODULE as `python -m MODULE` would, except that the
     current directory is not put on sys.path.
@@ -286,7 +301,6 @@ def launch(module: str, argv: list[str], world_size: int, *, debug: bool = False
     ``cvt:`` lines (an error said by several ranks once) and drops torchrun's own report,
     which is shown only when the run fails without any ``cvt:`` line."""
     import collections
-    import re
     import subprocess
 
     cmd = [sys.executable, "-c", boot("torch.distributed.run"), "--standalone", "--nproc-per-node", str(world_size),
@@ -301,25 +315,45 @@ def launch(module: str, argv: list[str], world_size: int, *, debug: bool = False
     arm = die_with_parent(os.getpid())
     if debug:
         return subprocess.call(cmd, env=env, preexec_fn=arm)
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace", preexec_fn=arm)
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=arm)
     said: set[str] = set()
     other: collections.deque[str] = collections.deque(maxlen=40)
     codes: list[int] = []
-    for line in proc.stderr:
+    root_cause = False
+
+    def line_out(line: str) -> None:
+        nonlocal root_cause
         if line.startswith("cvt:"):
             key = re.sub(r"^cvt: (error: |internal error: )?rank \d+: ", r"cvt: \1", line)
             if key not in said:
                 said.add(key)
                 sys.stderr.write(line)
-                sys.stderr.flush()
-        else:
+        elif _AGENT.match(line):  # torchrun's own report: shown only when no rank said why it failed
             other.append(line)
+            root_cause = root_cause or line.startswith("Root Cause")
             m = re.match(r"\s*exitcode\s*:\s*(-?\d+)", line)
-            if m:
+            if m and root_cause:
                 codes.append(int(m.group(1)))
+        else:  # rank 0's progress bar and log lines (the other ranks run quiet)
+            sys.stderr.write(line)
+        sys.stderr.flush()
+
+    pending = ""
+    while chunk := os.read(proc.stderr.fileno(), 1 << 16):
+        pending += chunk.decode(errors="replace")
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            line_out(line + "\n")
+        cut = pending.rfind("\r")  # a progress bar's redraws, passed on as they come
+        if cut >= 0 and not pending.startswith("cvt:"):
+            sys.stderr.write(pending[:cut + 1])
+            sys.stderr.flush()
+            pending = pending[cut + 1:]
+    if pending:
+        line_out(pending)
     rc = proc.wait()
     if rc != 0 and not said:
         sys.stderr.write("".join(other))
     if rc != 0 and codes and codes[0] > 0:
-        return codes[0]  # the rank's own exit code (1 refused input, 70 a bug, ...), not torchrun's 1
+        return codes[0]  # the failing rank's own exit code (1 refused input, 70 a bug, ...), not torchrun's 1
     return rc

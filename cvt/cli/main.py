@@ -423,6 +423,13 @@ def one_line(msg: str) -> str:
     return out
 
 
+def _peer_left(exc: BaseException) -> bool:
+    """Whether `exc` is torch.distributed's report that a peer rank went away mid-collective."""
+    text = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    return "torch.distributed" in text or "Connection closed by peer" in text or "Connection reset by peer" in text \
+        or type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistError")
+
+
 def main(argv=None) -> None:
     """Entry point: run the CLI and turn every failure into one line and an exit code."""
     debug = bool(os.environ.get("CVT_DEBUG")) or "--debug" in (argv if argv is not None else sys.argv[1:])
@@ -433,7 +440,8 @@ def main(argv=None) -> None:
     from cvt import world
 
     options.ARGV[:] = list(sys.argv[1:] if argv is None else argv)
-    who = f"rank {world.current().rank}: " if "WORLD_SIZE" in os.environ and os.environ["WORLD_SIZE"] != "1" else ""
+    ranked = os.environ.get("WORLD_SIZE", "1") != "1"  # a rank of torchrun
+    who = f"rank {os.environ.get('RANK', '?')}: " if ranked else ""
     try:
         with scratch_dir():  # torch's caches and torchrun's logs: removed when the command ends
             cli.main(args=argv, prog_name="cvt", standalone_mode=False)
@@ -483,6 +491,10 @@ def main(argv=None) -> None:
             if debug:
                 traceback.print_exc()
             click.echo(f"cvt: error: invalid input: {one_line(validation_summary(exc))}", err=True)
+            sys.exit(EXIT_ERROR)
+        if ranked and _peer_left(exc):  # a collective whose peer died: that rank says why, this one stops
+            if debug:
+                traceback.print_exc()
             sys.exit(EXIT_ERROR)
         if debug:
             traceback.print_exc()

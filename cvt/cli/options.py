@@ -159,6 +159,8 @@ def ranks(flag: str = "--world-size", what: str = "its output files"):
             from cvt import world
 
             if "WORLD_SIZE" in os.environ:  # a rank of torchrun (ours or the user's)
+                if os.environ.get(world.WORLD_ENV):  # started by `ranks` below: never outlive its torchrun
+                    world.die_with_parent()()
                 w = world.current()
                 if ranks is not None and ranks != w.size:
                     raise CvtError(f"{flag} {ranks}, but torchrun started {w.size} ranks (WORLD_SIZE)")

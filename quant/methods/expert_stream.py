@@ -126,7 +126,7 @@ class ExpertStream:
         for b0, attn, a, s in zip(starts, self._attn, acc, shared):
             h = x[b0:b0 + bs] + attn
             outs.append(h + (a if s is None else a + s).view(h.shape))
-        self.x_next = torch.cat(outs)
+        self.x_next = torch.cat(outs) if outs else x.clone()  # (no batch: a rank with no calibration sequence)
         self._attn = self._shared = None
 
     @torch.no_grad()

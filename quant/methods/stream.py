@@ -101,7 +101,8 @@ def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict, source:
         "tokens": hashlib.sha256(tokens.numpy().tobytes()).hexdigest(), "shape": list(tokens.shape),
         # max_expert_bytes changes how much is read at once, not a byte of the result: a run killed
         # for memory may resume with a smaller --expert-memory
-        "device": str(device), "opts": {k: str(v) for k, v in sorted(opts.items()) if k != "max_expert_bytes"},
+        # the device kind, not its index: rank r of a torchrun world computes on cuda:r
+        "device": torch.device(device).type, "opts": {k: str(v) for k, v in sorted(opts.items()) if k != "max_expert_bytes"},
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 

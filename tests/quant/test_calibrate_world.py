@@ -18,29 +18,32 @@ def weights(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.glob("*.safetensors"))}
 
 
-def test_gptq_on_two_ranks_resumes_after_a_killed_rank(fp8_release, tmp_path):
-    """Rank 1 SIGKILLed after layer 1: the job ends with no process left; the state holds two
-    finished layers; a run with another world size is one line naming the right one; the same
-    command resumes without recomputing them and writes what an uninterrupted 2-rank run writes."""
-    argv = ("quantize", fp8_release, None, "--scheme", "w4a16", "--method", "gptq", "--calib-tokens", "1024",
-            "--world-size", "2", "-q")
+def test_gptq_on_three_ranks_resumes_after_a_killed_rank(fp8_release, tmp_path):
+    """3 ranks, 2 calibration sequences (rank 2 computes none), the routed experts read a chunk at
+    a time (--expert-memory): rank 2 SIGKILLed after layer 1 ends the job with no process left;
+    the state holds two finished layers; a run with another world size is one line naming the
+    right one; the same command resumes without recomputing them and writes what an
+    uninterrupted 3-rank run writes."""
+    argv = ("quantize", fp8_release, None, "--scheme", "w4a16", "--method", "gptq", "--calib-tokens", "512",
+            "--expert-memory", "4KB", "--world-size", "3", "-q")
     dst = tmp_path / "killed"
     a = [str(dst) if x is None else x for x in argv]
-    killed = run_cvt(*a, subprocess_=True, env={"CVT_TEST_KILL_AFTER_LAYER": "1", "CVT_TEST_KILL_RANK": "1"})
+    killed = run_cvt(*a, subprocess_=True, env={"CVT_TEST_KILL_AFTER_LAYER": "1", "CVT_TEST_KILL_RANK": "2"})
     assert killed.rc != 0
     assert subprocess.run(["pgrep", "-f", str(dst)], capture_output=True).stdout == b""
     state = json.loads((dst / ".cvt-calib" / "state.json").read_text())
-    assert state["done"] == 2 and state["world"] == 2
-    assert {"x-2.r0.bin", "x-2.r1.bin"} <= set(state["files"])  # each rank's share of layer 2's input
+    assert state["done"] == 2 and state["world"] == 3
+    assert {"x-2.r0.bin", "x-2.r1.bin", "x-2.r2.bin"} <= set(state["files"])  # each rank's share of layer 2's input
+    assert state["files"]["x-2.r2.bin"]["size"] == 0
 
-    other = run_cvt(*a[:-3], "--world-size", "3", "-q", subprocess_=True)
+    other = run_cvt(*a[:-3], "--world-size", "2", "-q", subprocess_=True)
     assert other.rc == 1 and other.err.count("\n") == 1, other.err
-    assert "computed by 2 ranks" in other.err and "--world-size 2" in other.err
+    assert "computed by 3 ranks" in other.err and "--world-size 3" in other.err
 
     resumed = run_cvt(*a, subprocess_=True)
     assert resumed.rc == 0, resumed.err
     cal = json.loads((dst / "cvt_manifest.json").read_text())["quant"]["calibration"]
-    assert cal["resumed_layers"] == 2 and cal["ranks"] == 2 and len(cal["peak_rss_per_rank"]) == 2
+    assert cal["resumed_layers"] == 2 and cal["ranks"] == 3 and len(cal["peak_rss_per_rank"]) == 3
 
     fresh = tmp_path / "fresh"
     r = run_cvt(*[str(fresh) if x is None else x for x in argv], subprocess_=True)
