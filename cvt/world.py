@@ -319,17 +319,18 @@ def launch(module: str, argv: list[str], world_size: int, *, debug: bool = False
     said: set[str] = set()
     other: collections.deque[str] = collections.deque(maxlen=40)
     codes: list[int] = []
-    root_cause = False
+    root_cause = report = False
 
     def line_out(line: str) -> None:
-        nonlocal root_cause
+        nonlocal root_cause, report
         if line.startswith("cvt:"):
             key = re.sub(r"^cvt: (error: |internal error: )?rank \d+: ", r"cvt: \1", line)
             if key not in said:
                 said.add(key)
                 sys.stderr.write(line)
-        elif _AGENT.match(line):  # torchrun's own report: shown only when no rank said why it failed
+        elif report or _AGENT.match(line):  # torchrun's own log and report: shown only when no rank said why
             other.append(line)
+            report = report or line.startswith("Traceback ")  # the agent's failure: all that follows is its
             root_cause = root_cause or line.startswith("Root Cause")
             m = re.match(r"\s*exitcode\s*:\s*(-?\d+)", line)
             if m and root_cause:
@@ -345,7 +346,7 @@ def launch(module: str, argv: list[str], world_size: int, *, debug: bool = False
         for line in lines:
             line_out(line + "\n")
         cut = pending.rfind("\r")  # a progress bar's redraws, passed on as they come
-        if cut >= 0 and not pending.startswith("cvt:"):
+        if cut >= 0 and not report and not pending.startswith("cvt:"):
             sys.stderr.write(pending[:cut + 1])
             sys.stderr.flush()
             pending = pending[cut + 1:]
