@@ -49,6 +49,7 @@ from cvt.quant.tensor.schemes.base import QuantizedTensor
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
 from cvt.units import article
 from cvt.quant.stage.plan import CT_PARTS, FP8_SCALE, Plan, check_kv_target, make_plan, names_where, weight_shape
+from cvt.quant.stage import fp4_source
 from cvt.quant.stage.quantizer import Quantizer, Source
 
 log = logging.getLogger("cvt")
@@ -111,6 +112,11 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
             check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block, source.scale_param, fp4_experts=source.fp4))
         check_weights(ckpt, arch, "quantize", source.block or (128, 128))
+        if source.fp4:  # DeepSeek-V4's FP4 experts on another grid than the scheme's: one line says so
+            note = fp4_source.requantized_note({m: s.name for m, s in plan.schemes.items()
+                                                if source.is_fp4(plan.modules[m]["weight"]) and not fp4_source.carries(s)})
+            if note is not None:
+                log.warning(note)
 
         needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
         if calib is not None and needs_model:  # before DST is touched

@@ -75,4 +75,18 @@ def carried(packed: torch.Tensor, scale: torch.Tensor, scheme) -> QuantizedTenso
                            {"weight_fp4": codes, "weight_scale": codes_scale.contiguous()}, GROUP, True, extra)
 
 
-__all__ = ["CARRY_KERNELS", "carried", "carries", "e8m0_bytes", "fp4_experts"]
+def requantized_note(schemes: Mapping[str, str]) -> str | None:
+    """One line for the FP4 experts a run requantizes (`schemes`: module -> scheme name, the
+    experts whose scheme does not carry them over), or None when there are none."""
+    if not schemes:
+        return None
+    from cvt.quant.tensor.schemes.fp4 import FP4
+    from cvt.quant.tensor.schemes.mx import W4A4MXFP4, W4A8MXFP
+
+    names = sorted(set(schemes.values()))
+    return (f"cvt: {len(schemes)} FP4 routed expert(s) of the release requantized to {', '.join(names)} from their "
+            f"exact dequantized values ({W4A8MXFP.name}, {W4A4MXFP4.name} and {FP4.name} --fp4-format {KF.MXFP4} "
+            "carry them over unchanged)")
+
+
+__all__ = ["CARRY_KERNELS", "carried", "carries", "e8m0_bytes", "fp4_experts", "requantized_note"]
