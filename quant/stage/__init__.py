@@ -2,7 +2,8 @@
 weights in the Ascend (msModelSlim AscendV1) or compressed-tensors format.
 
 Streaming like every stage: tensors are read one at a time (FP8 weights dequantized on the
-fly, so no BF16 copy is ever written), each quantized linear is quantized once when its first
+fly, so no BF16 copy is ever written; a DeepSeek-V4 release's FP4 experts carried over or
+requantized, `cvt.quant.stage.fp4_source`), each quantized linear is quantized once when its first
 part is written, and the writer shards, hashes, resumes and writes the manifest. RTN goes
 straight from the stored weight (BF16, or FP8 with its block scale, over the mmap) to the
 on-disk tensors and the SQNR in one pass (`cvt.quant.qkernel`: the C kernel, or its blockwise

@@ -148,3 +148,26 @@ def test_power_of_two_float_scales_carry_others_do_not(dtype):
     assert q.parts["weight_scale"].tolist() == [[127, 129]]
     assert q.parts["weight_fp4"][0, :4].tolist() == [1, 2, 9, 15]  # element 2j the low nibble
     assert carried(packed, torch.tensor([[1.0, 4.0]], dtype=dtype), get_scheme(W8A8.name)) is None
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("shape", "does not fit FP4 weight"),       # a [n, k/64] scale for a [n, k/2] packed weight
+    ("nan", "non-finite"),                      # E8M0 code 255 is NaN
+], ids=["scale-shape", "nan-scale"])
+def test_a_bad_fp4_expert_scale_is_one_line_before_anything_is_written(tmp_path, bad, words):
+    from cvt.convert.synthetic import write_release
+    from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config, v4_release_tensors
+
+    cfg = tiny_deepseek_v4_config()
+    tensors = v4_release_tensors(cfg)
+    name = "layers.2.ffn.experts.1.w3.scale"
+    if bad == "shape":
+        tensors[name] = tensors[name][:, :2].contiguous()
+    else:
+        u = tensors[name].view(torch.uint8).clone()
+        u[3, 1] = 255
+        tensors[name] = u.view(torch.float8_e8m0fnu)
+    src = write_release(tmp_path / "src", cfg, tensors, 2, move_scale=False)
+    r = run_cvt("quantize", src, tmp_path / "q", "--scheme", "w4a8_mxfp", "--format", "ascend")
+    assert r.rc != 0 and r.err.startswith("cvt: error: ") and name in r.err and words in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 1 and not (tmp_path / "q").exists()
