@@ -210,6 +210,7 @@ class Quantizer:
         scheme = self.plan.schemes[module]
         method = self.plan.methods[module]
         q = self.loader(module) if module in self.precomputed else None  # calibrated (from the state folder)
+        exact = False
         if "weight_packed" in params:  # an INT4 source: read it once, as its own quantized tensor
             src_q = self.source.source_quantized(params)
             w = get_scheme(src_q.scheme, group_size=src_q.group_size, symmetric=src_q.symmetric).dequantize(src_q)
@@ -223,9 +224,10 @@ class Quantizer:
                 q, method = dataclasses.replace(src_q, group_size=scheme.group_size), "source"
         elif self.source.is_fp4(params["weight"]):  # a DeepSeek-V4 FP4 expert (`fp4_source`)
             src_q = self.source.fp4_quantized(params, scheme) if q is None else None
-            w = self.source.float_weight(params)
-            if src_q is not None:  # the scheme's grid is the release's: codes and scales copied
-                q, method = src_q, "source"
+            if src_q is not None:  # the scheme's grid is the release's: codes and scales copied, exact
+                q, method, exact = src_q, "source", True
+            else:
+                w = self.source.float_weight(params)
         else:
             if q is None and module not in self.static_inputs and qkernel.kernel_name() != "reference":
                 fused = self._quantize_fused(module, params, scheme, method)
@@ -248,6 +250,8 @@ class Quantizer:
         if module in self.precomputed:  # calibrated: its method and SQNR (vs the smoothed weight) come with it
             method = self.methods_applied.get(module, method)
             sqnr = sqnr_value(self.sqnr_known.get(module), module, scheme.name)
+        elif exact:  # the source's own numbers: no float copy of the weight to compare with
+            sqnr = sqnr_value(float("inf"))
         else:
             from cvt.runtime.metrics import sqnr_db
 

@@ -171,3 +171,26 @@ def test_a_bad_fp4_expert_scale_is_one_line_before_anything_is_written(tmp_path,
     r = run_cvt("quantize", src, tmp_path / "q", "--scheme", "w4a8_mxfp", "--format", "ascend")
     assert r.rc != 0 and r.err.startswith("cvt: error: ") and name in r.err and words in r.err, r.err
     assert len(r.err.strip().splitlines()) == 1 and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("args, weight, tag", [
+    (("--scheme", "w4a4_mxfp4", "--format", "ascend"), "weight", "W4A4_MXFP4"),
+    # compressed-tensors mxfp4-pack-quantized: uint8 weight_packed (element 2j low), uint8 E8M0 scales
+    (("--scheme", "fp4", "--fp4-format", "mxfp4", "--format", "compressed-tensors"), "weight_packed", None),
+], ids=["w4a4_mxfp4", "ct-mxfp4"])
+def test_the_other_e2m1_e8m0_grids_carry_the_experts_too(release, tmp_path, args, weight, tag):
+    # wq_b's in_features (q_lora_rank 200) is no multiple of 32: kept float for these every-linear schemes
+    r = run_cvt("quantize", release, tmp_path / "q", *args, "--ignore", r"attn\.wq_b", "--quiet")
+    assert r.rc == 0, r.err
+    src, out = _load(release), _load(tmp_path / "q")
+    quant = json.loads((tmp_path / "q" / "cvt_manifest.json").read_text())["quant"]
+    experts = sorted(n[:-len(".weight")] for n in src if ".ffn.experts." in n and n.endswith(".weight"))
+    for m in experts:
+        assert torch.equal(out[f"{m}.{weight}"], src[f"{m}.weight"].view(torch.uint8)), m
+        assert torch.equal(out[f"{m}.weight_scale"], src[f"{m}.scale"].view(torch.uint8)), m
+        assert (quant["tensors"][m]["method"], quant["tensors"][m]["sqnr_db"]) == ("source", "Infinity"), m
+    if tag is not None:
+        desc = json.loads((tmp_path / "q" / "quant_model_description.json").read_text())
+        assert {desc[f"{m}.weight"] for m in experts} == {tag}
+    # the shared experts (FP8 in the release) are quantized from their dequantized weight
+    assert quant["tensors"]["layers.1.ffn.shared_experts.w1"]["method"] == "rtn"
