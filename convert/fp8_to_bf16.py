@@ -71,7 +71,7 @@ def pair_fp8_weights(ckpt: Checkpoint, block: tuple[int, int], scale_param: str 
         v4 = _scale_name(name, "scale")
         if scale is None and scale_param != "scale" and v4 in ckpt.tensors:
             raise TensorError(f"FP8 weight {ref.describe()} is scaled by {v4}, DeepSeek-V4's release format, which "
-                              "only `cvt fp8-to-bf16` reads: convert the release to BF16 first")
+                              "only `cvt fp8-to-bf16` and `cvt quantize` read: convert (or quantize) the release first")
         if scale is None:
             raise TensorError(f"FP8 weight {ref.describe()} has no scale {sname} in any file of the checkpoint")
         if len(ref.shape) != 2:

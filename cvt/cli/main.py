@@ -139,8 +139,8 @@ def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method
                  calib_tokens, device,
                  expert_memory, static_attention, ignore, recipe, revision, workers, max_shard_size, resume, overwrite,
                  quiet):
-    """Quantize SRC (BF16, an FP8 release - dequantized on the fly - or compressed-tensors INT4)
-    into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
+    """Quantize SRC (BF16, an FP8 release - dequantized on the fly; a DeepSeek-V4 release's FP4
+    experts copied unchanged into the MX FP4 schemes - or compressed-tensors INT4) into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
     tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay
     float by default."""
     r = api.quantize(api.QuantizeOptions(

@@ -2,7 +2,8 @@
 weights in the Ascend (msModelSlim AscendV1) or compressed-tensors format.
 
 Streaming like every stage: tensors are read one at a time (FP8 weights dequantized on the
-fly, so no BF16 copy is ever written), each quantized linear is quantized once when its first
+fly, so no BF16 copy is ever written; a DeepSeek-V4 release's FP4 experts carried over or
+requantized, `cvt.quant.stage.fp4_source`), each quantized linear is quantized once when its first
 part is written, and the writer shards, hashes, resumes and writes the manifest. RTN goes
 straight from the stored weight (BF16, or FP8 with its block scale, over the mmap) to the
 on-disk tensors and the SQNR in one pass (`cvt.quant.qkernel`: the C kernel, or its blockwise
@@ -49,6 +50,7 @@ from cvt.quant.tensor.schemes.base import QuantizedTensor
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
 from cvt.units import article
 from cvt.quant.stage.plan import CT_PARTS, FP8_SCALE, Plan, check_kv_target, make_plan, names_where, weight_shape
+from cvt.quant.stage import fp4_source
 from cvt.quant.stage.quantizer import Quantizer, Source
 
 log = logging.getLogger("cvt")
@@ -107,10 +109,15 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
 
             kv_codec = kv_storage(form.name, form.kv_codec, target, kv_dtype, "kv_lora_rank" in text_config(ckpt.config),
                                   any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
-        source = Source(ckpt, src_fmt)
+        source = Source(ckpt, src_fmt, arch.table.scale_param)
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
-            check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block))
+            check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block, source.scale_param, fp4_experts=source.fp4))
         check_weights(ckpt, arch, "quantize", source.block or (128, 128))
+        if source.fp4:  # DeepSeek-V4's FP4 experts on another grid than the scheme's: one line says so
+            note = fp4_source.requantized_note({m: s.name for m, s in plan.schemes.items()
+                                                if source.is_fp4(plan.modules[m]["weight"]) and not fp4_source.carries(s)})
+            if note is not None:
+                log.warning(note)
 
         needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
         if calib is not None and needs_model:  # before DST is touched
@@ -265,6 +272,8 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
         if name.endswith(FP8_SCALE):
             continue
         info = arch.classify(name)
+        if info.param == source.scale_param:  # DeepSeek-V4's X.scale: with its weight, or dropped
+            continue
         module = info.module
         if module in plan.schemes:
             if module in emitted:
@@ -299,15 +308,15 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
             tags[wname] = "FLOAT"
             float_linears.append(module)
             continue
-        dt = "BF16" if ref.dtype == "F8_E4M3" else ref.dtype
+        dt, shape = source.float_spec(name)
         if name in cal.float_overrides:
             read = cal.float_loader or cal.float_overrides.get
             produce = (lambda n=name, d=dt, read=read: read(n).to(getattr(torch, _torch_name(d))).contiguous())
-        elif ref.dtype == "F8_E4M3":
+        elif dt != ref.dtype:  # FP8 (or DeepSeek-V4 FP4) dequantized to BF16
             produce = (lambda n=name: source.float_tensor(n))
         else:
             produce = (lambda n=name: ckpt.view(n))
-        outs.append(OutTensor(TensorSpec(name, dt, ref.shape), produce=produce,
+        outs.append(OutTensor(TensorSpec(name, dt, shape), produce=produce,
                               release=(lambda n=name: ckpt.release(n)), read_bytes=ref.nbytes))
         tags[name] = "FLOAT"
         if info.param == "weight" and len(ref.shape) == 2 and info.role.value in LINEAR_ROLES and module not in float_linears:

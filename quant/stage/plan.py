@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 
 
 from cvt.convert.arch import Role, text_config
+from cvt.convert.fp4 import FP4_DTYPES
 from cvt.convert.reader import Checkpoint
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.quant.tensor.formats import default_group, group_fallback
 from cvt.quant.recipe import GPTQ, SMOOTHQUANT, Policy
+from cvt.quant.stage.fp4_source import fp4_experts
 from cvt.quant.tensor.schemes import scheme_from_options
 from cvt.quant.tensor.schemes.base import Scheme
 
@@ -134,9 +136,12 @@ def method_kernels(method: str) -> tuple[str, ...] | None:
 def weight_shape(ckpt: Checkpoint, params: dict[str, str]) -> tuple[int, int]:
     if "weight_shape" in params:
         return tuple(int(x) for x in ckpt.read(params["weight_shape"]).tolist())
-    shape = ckpt.tensors[params["weight"]].shape
+    ref = ckpt.tensors[params["weight"]]
+    shape = ref.shape
     if len(shape) != 2:
         raise TensorError(f"{params['weight']}: a linear weight must be 2-D, got {list(shape)}")
+    if ref.dtype in FP4_DTYPES and "scale" in params and fp4_experts(ckpt.config):
+        return (shape[0], 2 * shape[1])  # a DeepSeek-V4 FP4 expert: two E2M1 codes per byte
     return shape
 
 

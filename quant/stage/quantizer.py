@@ -14,6 +14,7 @@ from cvt.lazy import torch
 
 from cvt.convert.config import SourceFormat, fp8_config
 from cvt.convert.fp8 import dequant_fp8_block, scale_to_f32_np
+from cvt.convert.fp4 import FP4_DTYPES, dequant_fp4_experts
 from cvt.convert.fp8_to_bf16 import dequantize_stored
 from cvt.convert.reader import Checkpoint
 from cvt.errors import TensorError
@@ -26,6 +27,7 @@ from cvt.quant.tensor.schemes import get_scheme
 from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
 from cvt.schemas.manifest import QuantTensorInfo
 
+from cvt.quant.stage import fp4_source
 from cvt.quant.stage.plan import CT_PARTS, FP8_SCALE, Plan
 
 
@@ -47,18 +49,51 @@ def sqnr_value(v: float | None, module: str = "", scheme: str = "") -> float | s
 class Source:
     """Float (or already-quantized) views of the source's modules, whatever its format."""
 
-    def __init__(self, ckpt: Checkpoint, fmt: SourceFormat):
+    def __init__(self, ckpt: Checkpoint, fmt: SourceFormat, scale_param: str = "weight" + FP8_SCALE):
         self.ckpt = ckpt
         self.block = fp8_config(ckpt.config, str(ckpt.root)).block if fmt is SourceFormat.FP8_BLOCK else None
         self.ct = CompressedTensors() if fmt is SourceFormat.CT_INT4 else None
+        # the release's block-scale parameter (`ArchTable.scale_param`): X.weight_scale_inv, or
+        # DeepSeek-V4's X.scale, which also scales its FP4 experts (`fp4_source`)
+        self.scale_param = scale_param
+        self.fp4 = self.block is not None and fp4_source.fp4_experts(ckpt.config)
+
+    def scale_of(self, weight: str) -> str:
+        """The name of an FP8 (or FP4) weight's scale."""
+        return f"{weight.rpartition('.')[0]}.{self.scale_param}"
+
+    def is_fp4(self, weight: str) -> bool:
+        """Whether `weight` is one of a DeepSeek-V4 release's packed FP4 experts."""
+        return (self.fp4 and self.ckpt.tensors[weight].dtype in FP4_DTYPES
+                and self.scale_of(weight) in self.ckpt.tensors)
+
+    def fp4_quantized(self, params: dict[str, str], scheme: Scheme) -> QuantizedTensor | None:
+        """An FP4 expert's codes and scales as `scheme`'s tensor, unchanged (None: another grid)."""
+        ck, name = self.ckpt, params["weight"]
+        try:
+            return fp4_source.carried(ck.read(name), ck.read(self.scale_of(name)), scheme)
+        finally:
+            ck.release(name)
+            ck.release(self.scale_of(name))
+
+    def _dequant_fp4(self, name: str) -> torch.Tensor:
+        """bfloat16 [n, k], bit-exact with DeepSeek's official dequant (`cvt.convert.fp4`)."""
+        ck = self.ckpt
+        w = dequant_fp4_experts(ck.read(name), ck.read(self.scale_of(name)))
+        ck.release(name)
+        ck.release(self.scale_of(name))
+        return w
 
     def float_weight(self, params: dict[str, str]) -> torch.Tensor:
-        """float32 [n, k] of a linear's weight: FP8 dequantized, CT INT4 unpacked, else cast."""
+        """float32 [n, k] of a linear's weight: FP8 / FP4 dequantized (to BF16 as `cvt fp8-to-bf16`
+        writes it, then widened), CT INT4 unpacked, else cast."""
         ck = self.ckpt
         if "weight" in params and ck.tensors[params["weight"]].dtype == "F8_E4M3":
-            w = dequant_fp8_block(ck.read(params["weight"]), ck.read(params["weight"] + FP8_SCALE), self.block)
+            w = dequant_fp8_block(ck.read(params["weight"]), ck.read(self.scale_of(params["weight"])), self.block)
             ck.release(params["weight"])
             return w.float()
+        if "weight" in params and self.is_fp4(params["weight"]):
+            return self._dequant_fp4(params["weight"]).float()
         if "weight_packed" in params:
             q = self.source_quantized(params)
             return get_scheme(q.scheme, group_size=q.group_size, symmetric=q.symmetric).dequantize(q)
@@ -78,11 +113,11 @@ class Source:
         if qkernel.kernel_name() == "c":  # numpy over the mmap: this process never needs torch
             if ref.dtype == "BF16":
                 return WeightSource.raw(self.ckpt.view(name), "BF16", ref.shape)
-            s = self.ckpt.tensors[name + FP8_SCALE]
+            s = self.ckpt.tensors[self.scale_of(name)]
             scale = scale_to_f32_np(self.ckpt.view(s.name), s.dtype, s.shape)
             return WeightSource.raw(self.ckpt.view(name), "F8_E4M3", ref.shape, scale, self.block)
         if ref.dtype == "F8_E4M3":
-            return WeightSource.fp8(self.ckpt.read(name), self.ckpt.read(name + FP8_SCALE), self.block)
+            return WeightSource.fp8(self.ckpt.read(name), self.ckpt.read(self.scale_of(name)), self.block)
         return WeightSource(self.ckpt.read(name))
 
     def source_quantized(self, params: dict[str, str]) -> QuantizedTensor:
@@ -92,10 +127,22 @@ class Source:
 
     def float_tensor(self, name: str):
         """A tensor kept float: FP8 ones dequantized to BF16 (with the C kernel: a numpy
-        ``uint16`` array of the BF16 bits, no torch), others as stored."""
+        ``uint16`` array of the BF16 bits, no torch), FP4 experts to BF16, others as stored."""
         if self.ckpt.tensors[name].dtype == "F8_E4M3":
-            return dequantize_stored(self.ckpt, name, name + FP8_SCALE, self.block)
+            return dequantize_stored(self.ckpt, name, self.scale_of(name), self.block)
+        if self.is_fp4(name):
+            return self._dequant_fp4(name)
         return self.ckpt.read(name)
+
+    def float_spec(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(dtype code, shape) of a tensor kept float in the output: FP8 / FP4 ones become BF16
+        (an FP4 expert's packed ``[n, k/2]`` is ``[n, k]``)."""
+        ref = self.ckpt.tensors[name]
+        if ref.dtype == "F8_E4M3":
+            return "BF16", tuple(ref.shape)
+        if self.is_fp4(name):
+            return "BF16", (ref.shape[0], 2 * ref.shape[1])
+        return ref.dtype, tuple(ref.shape)
 
 
 class Quantizer:
@@ -163,6 +210,7 @@ class Quantizer:
         scheme = self.plan.schemes[module]
         method = self.plan.methods[module]
         q = self.loader(module) if module in self.precomputed else None  # calibrated (from the state folder)
+        exact = False
         if "weight_packed" in params:  # an INT4 source: read it once, as its own quantized tensor
             src_q = self.source.source_quantized(params)
             w = get_scheme(src_q.scheme, group_size=src_q.group_size, symmetric=src_q.symmetric).dequantize(src_q)
@@ -174,6 +222,12 @@ class Quantizer:
                 # same int4 grid: re-emitted as is, without loss, recorded with the scheme's group
                 # size (a [n, 1] scale reads back as 0; a group of k is written in the grouped layout)
                 q, method = dataclasses.replace(src_q, group_size=scheme.group_size), "source"
+        elif self.source.is_fp4(params["weight"]):  # a DeepSeek-V4 FP4 expert (`fp4_source`)
+            src_q = self.source.fp4_quantized(params, scheme) if q is None else None
+            if src_q is not None:  # the scheme's grid is the release's: codes and scales copied, exact
+                q, method, exact = src_q, "source", True
+            else:
+                w = self.source.float_weight(params)
         else:
             if q is None and module not in self.static_inputs and qkernel.kernel_name() != "reference":
                 fused = self._quantize_fused(module, params, scheme, method)
@@ -196,6 +250,8 @@ class Quantizer:
         if module in self.precomputed:  # calibrated: its method and SQNR (vs the smoothed weight) come with it
             method = self.methods_applied.get(module, method)
             sqnr = sqnr_value(self.sqnr_known.get(module), module, scheme.name)
+        elif exact:  # the source's own numbers: no float copy of the weight to compare with
+            sqnr = sqnr_value(float("inf"))
         else:
             from cvt.runtime.metrics import sqnr_db
 
