@@ -21,7 +21,7 @@ from typing import Mapping
 
 from cvt.lazy import torch
 
-from cvt.convert.fp4 import EXPERT_DTYPE_FP4, FP4_DTYPES, GROUP
+from cvt.convert.fp4 import EXPERT_DTYPE_FP4, GROUP
 from cvt.quant.tensor import kernel_formats as KF
 from cvt.quant.tensor.layouts import kernel_fmt_of
 from cvt.quant.tensor.schemes.base import QuantizedTensor
