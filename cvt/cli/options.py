@@ -158,7 +158,7 @@ def ranks(flag: str = "--world-size", what: str = "its output files"):
 
             from cvt import world
 
-            if "WORLD_SIZE" in os.environ:  # a rank of torchrun (ours or the user's)
+            if os.environ.get("WORLD_SIZE", "1") != "1":  # a rank of torchrun (ours or the user's)
                 if os.environ.get(world.WORLD_ENV):  # started by `ranks` below: never outlive its torchrun
                     world.die_with_parent()()
                 w = world.current()
