@@ -97,7 +97,7 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
         plan.methods[module] = choice.method
         kernels = method_kernels(choice.method)
         if kernels is not None and layouts.kernel_fmt_of(scheme) not in kernels:
-            why = (" (it smooths activations for their int8 quantization; this scheme keeps them float)"
+            why = (" (it smooths activations for their int8 per-token quantization, which this scheme does not use)"
                    if choice.method == SMOOTHQUANT else "")
             raise CvtError(f"{module}: --method {choice.method} does not support scheme {scheme.name}{why} "
                            f"({layouts.kernel_fmt_of(scheme)}; {choice.method} handles {', '.join(kernels)}): use "
