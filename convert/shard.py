@@ -354,6 +354,7 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
     ckpt = open_checkpoint(src, revision)
     try:
         splits, ranks, order = plan_holdings(ckpt, layout)
+        _ascend_description(ckpt, [])  # an unreadable description: refused before any rank file is written
         rank_files = [_plan_files(hs, r, max_shard_size) for r, hs in enumerate(ranks)]
         files = [f for per in rank_files for f in per]
         fmt = source_format(ckpt.config, ckpt.has_manifest).value

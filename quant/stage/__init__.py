@@ -104,6 +104,11 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         check_kv_target(ckpt.config, plan, fmt, target)
         kv_static = _kv_static(ckpt.config, plan, fmt)
         kv_codec = form.kv_codec
+        c8 = any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
+        if kv_dtype is not None and c8 and not kv_static and kv_dtype != "int8":  # V3.2's C8: the indexer's
+            raise OptionError(f"--kv-dtype {kv_dtype}: this output's C8 is the lightning indexer's int8 cache (vllm-ascend's "
+                              "sparse LI C8), not FAKQuant's latent cache; the fp8 cache applies to MLA models "
+                              "without an indexer")
         if kv_dtype is not None:  # kv_layout imports torch, which RTN otherwise never does
             from cvt.quant.tensor.kv_layout import kv_storage
 

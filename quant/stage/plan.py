@@ -160,9 +160,18 @@ def check_kv_target(config, plan: Plan, fmt: str, target: str) -> None:
         return
     from cvt.quant.tensor.kv_layout import kv_target_problem
 
-    from cvt.quant.tensor import indexer_c8
+    from cvt.quant.tensor import indexer_c8, layouts
 
     lm = text_config(config)
+    if (fmt == layouts.ASCEND and "index_topk" in lm and not indexer_c8.applies(lm, fmt)
+            and not lm.get("compress_ratios") and not lm.get("compress_rates")):
+        # vllm-ascend serves a model with a lightning indexer (and no V4 compression) through its SFA
+        # backend (`utils.model_uses_sfa_sparse`), whose C8 is the indexer's and which never reads
+        # FAKQuant's fa_* scales: an MLA C8 would load and do nothing
+        raise FormatError(f"{lm.get('model_type')}: vllm-ascend runs this model's attention through its SFA backend, "
+                          "whose int8 cache is the lightning indexer's (sparse LI C8, which cvt writes for "
+                          "DeepSeek-V3.2 only so far) and which never reads FAKQuant fa_* scales: --scheme w8a8c8 "
+                          f"--format {layouts.ASCEND} is refused for it; use --scheme w8a8")
     why = indexer_c8.problem(lm) if indexer_c8.applies(lm, fmt) else kv_target_problem(lm, fmt, target)
     if why is not None:
         raise FormatError(why)

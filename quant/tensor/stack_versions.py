@@ -4,8 +4,10 @@ and what a line no longer loads.
 The lines are vllm-ascend's releases as tagged in its repository (v0.23.0, v0.24.0rc1,
 v0.25.1rc1) and ``main``. cvt's layouts are pinned to 0.23, the default; every line loads the
 layouts cvt writes (the Ascend 950 MX methods ``W8A8_MXFP8`` / ``W4A4_MXFP4`` / ``W4A8_MXFP``
-and FAKQuant with an fp8 cache on A5 are registered from v0.23.0 on), except what ``REMOVED``
-lists: main dropped the W4A8_DYNAMIC linear method and per-group W4A8 MoE weights (PR #13713,
+and FAKQuant with an fp8 cache on A5 are registered from v0.23.0 on), except a ``W4A4_MXFP4``
+dense linear whose in_features / 32 is odd on 0.23 / 0.24 (their linear method reshapes
+weight_scale to [n, k/64, 2] without the padding PR #12201 brought in v0.25.1rc1; not yet
+refused: see the README) and what ``REMOVED`` lists: main dropped the W4A8_DYNAMIC linear method and per-group W4A8 MoE weights (PR #13713,
 commit efda044, "Remove deprecated W4A8Linear/W8A8PDMixMoE schemes": ``methods/w4a8.py``
 registers ("W4A8_DYNAMIC", "moe") only, and its __init__ raises "The current weights use
 Per-Group quantization, which is no longer supported" for a description ``group_size`` > 0); no
