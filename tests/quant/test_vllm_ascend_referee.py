@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.convert.synthetic import (release_tensors, tiny_glm_moe_dsa_config, tiny_qwen3_config,
+                                   write_bf16_checkpoint, write_release)
 from cvt.quant.stage import quantize
 from cvt.tests.quant.vllm_ascend_referee import check_output, inspect_output
 
@@ -45,6 +46,10 @@ CASES = [
     pytest.param("qmoe", {"scheme": "mxfp8"}, id="qwen3-moe-w8a8-mxfp8"),
     pytest.param("ds", {"scheme": "w8a8c8", "kv_dtype": "fp8"}, id="deepseek-w8a8c8-fakquant-fp8"),
     pytest.param("ds", {"scheme": "w4a8", "target_version": "main"}, id="deepseek-w4a8-main"),
+    # GLM-5 (issue 27): GlmMoeDsaForCausalLM is vLLM's DeepseekV2ForCausalLM with the V3.2 Indexer; the
+    # indexer stays float (FLOAT in the description), layer 1 a "shared" layer without one
+    pytest.param("glm", {"scheme": "w8a8"}, id="glm5-w8a8"),
+    pytest.param("glm", {"scheme": "w4a8"}, id="glm5-w4a8"),
 ]
 
 MX_METHODS = {"mxfp8": ("AscendW8A8MXFP8DynamicLinearMethod", "AscendW8A8MXFP8DynamicFusedMoEMethod"),
@@ -69,7 +74,11 @@ def sources(fp8_release_session, tmp_path_factory):
     qmoe = write_bf16_checkpoint(root / "qwen3-moe", tiny_qwen3_config(moe=True, hidden_size=128, head_dim=32,
                                                                        intermediate_size=256, moe_intermediate_size=64))
     qdense = write_bf16_checkpoint(root / "qwen3", tiny_qwen3_config(moe=False))
-    return {"ds": fp8_release_session, "qmoe": qmoe, "qdense": qdense, "root": root}
+    # GLM-5's FP8 release; the shared layer stated both ways vllm-ascend reads it (indexer_types and
+    # index_topk_pattern: patch_deepseek_v2._should_skip_indexer_init needs both)
+    glm_cfg = tiny_glm_moe_dsa_config(indexer_types=["full", "shared", "full"], index_topk_pattern="FSF")
+    glm = write_release(root / "glm5", glm_cfg, release_tensors(glm_cfg, 1, "F32"), n_shards=2)
+    return {"ds": fp8_release_session, "qmoe": qmoe, "qdense": qdense, "glm": glm, "root": root}
 
 
 def build(sources, src: str, opts: dict) -> Path:
@@ -258,3 +267,30 @@ def test_mx_outputs_get_vllm_ascends_mx_methods(sources, va_src, scheme):
     assert r.schemes["model.layers.1.mlp.experts"] == moe
     s = r.slots[("model.layers.1.mlp.experts.w13_weight_scale", "w1", 0)]
     assert s.dtype == torch.uint8 and s.filled_by == ["model.layers.1.mlp.experts.0.gate_proj.weight_scale"]
+
+
+def test_glm5_indexer_is_vllms_float_indexer(sources, va_src, tmp_path):
+    """GLM-5: vLLM's Indexer (deepseek_v2.py) in every "full" layer and the MTP layer, none in the shared
+    layer 1 (vllm-ascend patch_deepseek_v2._should_skip_indexer_init); wq_b asks the description
+    (FLOAT: unquantized), wk + weights_proj load into the fused float wk_weights_proj."""
+    out = build(sources, "glm", {"scheme": "w8a8"})
+    r = inspect_output(out, va_src)
+    assert r.problems == []
+    ix = "model.layers.{}.self_attn.indexer."
+    assert r.schemes[ix.format(0) + "wq_b"] == "unquantized linear"
+    assert r.schemes[ix.format(2) + "wk_weights_proj"] == "unquantized linear"
+    assert r.schemes["model.layers.2.mlp.experts"] == "AscendW8A8DynamicFusedMoEMethod"
+    assert not any(k.startswith(ix.format(1)) for k in r.schemes)
+    assert r.slots[(ix.format(2) + "wk_weights_proj.weight", 1, None)].filled_by == [ix.format(2) + "weights_proj.weight"]
+    assert r.slots[(ix.format(0) + "k_norm.bias", None, None)].filled_by == [ix.format(0) + "k_norm.bias"]
+    w = r.mtp_slots[(ix.format(3).replace("layers.3.", "layers.3.mtp_block.") + "wk_weights_proj.weight", 0, None)]
+    assert w.filled_by == [ix.format(3) + "wk.weight"]
+    # without index_topk_pattern vllm-ascend computes top-k in layer 1 (index_topk_freq 1) and builds its
+    # indexer, which the checkpoint (transformers' reading of indexer_types) does not have
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["index_topk_pattern"]
+    bad = shutil.copytree(out, tmp_path / "no-pattern")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    problems = check_output(bad, va_src)
+    assert problems and all(p.startswith(ix.format(1)) for p in problems), problems
+    assert any(p.startswith(ix.format(1) + "wq_b: KeyError in vllm-ascend") for p in problems), problems

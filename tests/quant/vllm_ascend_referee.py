@@ -387,6 +387,8 @@ def _deepseek_decoder(c: dict, dt: torch.dtype, i: int) -> list:
              _Lin(f"{a}.o_proj", "row", heads * vd, [(f"{a}.o_proj", None, H)]),
              # AscendMultiHeadLatentAttention.mla_attn = MLAAttention(prefix=f"{prefix}.attn")
              _Attn(f"{a}.attn", f"{a}.mla_attn.mla_attn", a, heads, 1, kvl)]
+    if _builds_indexer(c, i):
+        mods += _indexer(c, dt, a)
     E = c.get("n_routed_experts")
     if E and i >= c.get("first_k_dense_replace", 0) and i % c.get("moe_layer_freq", 1) == 0:
         mods.append(_Plain(f"{p}.mlp.gate.weight", (E, H), dt))
@@ -398,6 +400,41 @@ def _deepseek_decoder(c: dict, dt: torch.dtype, i: int) -> list:
     else:
         mods += _mlp(f"{p}.mlp", H, c["intermediate_size"])
     return mods
+
+
+def _builds_indexer(c: dict, i: int) -> bool:
+    """DeepSeek-V3.2 / GLM-5 (``index_topk`` in the config): does layer ``i`` get an Indexer?  vllm-ascend
+    patch/worker/patch_deepseek_v2.py (_deepseek_v2_mla_attention_init + _should_skip_indexer_init): not
+    when top-k is skipped there (``index_topk_pattern`` letter "S", else the ``index_topk_freq`` /
+    ``index_skip_topk_offset`` schedule) *and* ``indexer_types`` calls the decoder layer "shared" (as
+    transformers' GlmMoeDsaConfig.__post_init__ derives it from the pattern when absent)."""
+    if "index_topk" not in c:
+        return False
+    pattern, freq, off = c.get("index_topk_pattern"), c.get("index_topk_freq", 1), c.get("index_skip_topk_offset", 2)
+    if pattern is None:
+        skip = max(i - off + 1, 0) % freq != 0
+    else:
+        skip = 0 <= i < len(pattern) and pattern[i] == "S"
+    if not skip or i >= c["num_hidden_layers"]:
+        return True
+    types = c.get("indexer_types")
+    if types is None and isinstance(pattern, str):
+        types = ["shared" if x == "S" else "full" for x in pattern]
+    kind = types[i] if types is not None and i < len(types) else None
+    return not (isinstance(kind, str) and kind.lower() == "shared")
+
+
+def _indexer(c: dict, dt: torch.dtype, a: str) -> list:
+    """vLLM deepseek_v2.py Indexer(prefix=f"{a}.indexer") (after vLLM PR #38870): wq_b a ReplicatedLinear
+    *with* quant_config, wk + weights_proj fused into a MergedColumnParallelLinear built without it
+    (always float), k_norm a LayerNorm (weight + bias)."""
+    ix = f"{a}.indexer"
+    hd = c.get("index_head_dim", 128)
+    n = c.get("index_n_heads") or (32 if c.get("model_type") == "glm_moe_dsa" else 64)
+    return [_Lin(f"{ix}.wq_b", "replicated", c["q_lora_rank"], [(f"{ix}.wq_b", None, n * hd)]),
+            _Lin(f"{ix}.wk_weights_proj", "merged", c["hidden_size"],
+                 [(f"{ix}.wk", 0, hd), (f"{ix}.weights_proj", 1, n)], quant=False),
+            _Plain(f"{ix}.k_norm.weight", (hd,), dt), _Plain(f"{ix}.k_norm.bias", (hd,), dt)]
 
 
 def _deepseek_layout(c: dict, dt: torch.dtype) -> list:
@@ -611,10 +648,11 @@ def inspect_output(dst: Path, va_src: Path) -> Report:
                         "quantize with that method, not vllm-ascend's 'ascend' (msModelSlim strips "
                         "quantization_config)")
     mt = config.get("model_type")
-    if mt in ("deepseek_v3", "deepseek_v2", "kimi_k2") and config.get("kv_lora_rank"):
-        if "index_topk" in config:
-            return Report([f"config.json: model_type {mt} with an indexer (V3.2) is not modelled by the referee"])
-        layout, arch = _deepseek_layout(config, dtype), "deepseek"
+    if mt in ("deepseek_v3", "deepseek_v2", "kimi_k2", "deepseek_v32", "glm_moe_dsa") and config.get("kv_lora_rank"):
+        if ("index_topk" in config) != (mt in ("deepseek_v32", "glm_moe_dsa")):
+            return Report([f"config.json: model_type {mt} with{'' if 'index_topk' in config else 'out'} an indexer "
+                           "is not modelled by the referee"])
+        layout, arch = _deepseek_layout(config, dtype), "deepseek"  # GlmMoeDsaForCausalLM is a DeepseekV2ForCausalLM
     elif mt == "qwen3":
         layout, arch = _qwen3_layout(config, dtype, moe=False), "qwen3"
     elif mt == "qwen3_moe":
