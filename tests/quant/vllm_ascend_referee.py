@@ -233,7 +233,7 @@ def _vllm_ascend(va_src: Path, hf_config: dict, dtype: torch.dtype):
             quant_config=None,
             compilation_config=NS(mode=0),
             model_config=NS(enforce_eager=True, dtype=dtype, hf_config=NS(**hf_config),
-                            use_mla="kv_lora_rank" in hf_config),
+                            use_mla="kv_lora_rank" in hf_config.get("text_config", hf_config)),
             parallel_config=NS(enable_expert_parallel=False, tensor_parallel_size=1, enable_eplb=False),
             kv_transfer_config=None,
             use_v2_model_runner=False,  # main's MoE schemes read it
@@ -361,16 +361,16 @@ def _mlp(prefix: str, hidden: int, inter: int) -> list:
             _Lin(f"{prefix}.down_proj", "row", inter, [(f"{prefix}.down_proj", None, hidden)])]
 
 
-def _deepseek_decoder(c: dict, dt: torch.dtype, i: int) -> list:
+def _deepseek_decoder(c: dict, dt: torch.dtype, i: int, root: str = "model") -> list:
     """DeepseekV2DecoderLayer(prefix=f"model.layers.{i}") (vllm/model_executor/models/deepseek_v2.py, its
     MLA attention as vllm-ascend's patch_deepseek_v2 rebuilds it): MLA attention (fused_qkv_a_proj
     when q_lora_rank, else kv_a_proj_with_mqa + q_proj), dense MLP unless i >= first_k_dense_replace
     and i % moe_layer_freq == 0, else GateLinear router (no quant_config) + shared_experts MLP +
-    FusedMoE."""
+    FusedMoE.  ``root``: the DeepseekV2Model's prefix (``language_model`` under Kimi-K2.5)."""
     H, heads = c["hidden_size"], c["num_attention_heads"]
     nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     ql, kvl = c.get("q_lora_rank"), c["kv_lora_rank"]
-    p = f"model.layers.{i}"
+    p = f"{root}.layers.{i}"
     a = f"{p}.self_attn"
     mods: list = [_Plain(f"{p}.input_layernorm.weight", (H,), dt),
                   _Plain(f"{p}.post_attention_layernorm.weight", (H,), dt)]
@@ -444,6 +444,19 @@ def _deepseek_layout(c: dict, dt: torch.dtype) -> list:
     mods: list = [_Embed("model.embed_tokens", V, H), _Plain("model.norm.weight", (H,), dt), _Embed("lm_head", V, H)]
     for i in range(c["num_hidden_layers"]):
         mods += _deepseek_decoder(c, dt, i)
+    return mods
+
+
+def _kimi_k25_layout(c: dict, dt: torch.dtype) -> list:
+    """vLLM models/kimi_k25.py KimiK25ForConditionalGeneration: ``language_model`` = DeepseekV2Model(prefix
+    "language_model") on text_config (module prefixes ``language_model.layers.{i}``), ``lm_head`` at the
+    top; the vision tower / projector are checked by _route_kimi_k25 only (float, carried)."""
+    t = c["text_config"]
+    H, V = t["hidden_size"], t["vocab_size"]
+    mods: list = [_Embed("language_model.embed_tokens", V, H), _Plain("language_model.norm.weight", (H,), dt),
+                  _Embed("lm_head", V, H)]
+    for i in range(t["num_hidden_layers"]):
+        mods += _deepseek_decoder(t, dt, i, root="language_model")
     return mods
 
 
@@ -526,6 +539,8 @@ def _qwen3_layout(c: dict, dt: torch.dtype, moe: bool) -> list:
 # config; vllm-ascend replaces it by its table for model types it lists, e.g. deepseek_v3, qwen3_moe).
 def _class_packed_mapping(c: dict) -> dict[str, list[str]]:
     mt = c.get("model_type")
+    if mt == "kimi_k25":  # KimiK25ForConditionalGeneration defines none: QuantizationConfig's empty default
+        return {}
     if mt == "qwen3":
         return {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     if mt == "qwen3_moe":
@@ -653,6 +668,8 @@ def inspect_output(dst: Path, va_src: Path) -> Report:
             return Report([f"config.json: model_type {mt} with{'' if 'index_topk' in config else 'out'} an indexer "
                            "is not modelled by the referee"])
         layout, arch = _deepseek_layout(config, dtype), "deepseek"  # GlmMoeDsaForCausalLM is a DeepseekV2ForCausalLM
+    elif mt == "kimi_k25" and config.get("text_config", {}).get("kv_lora_rank"):
+        layout, arch = _kimi_k25_layout(config, dtype), "kimi_k25"
     elif mt == "qwen3":
         layout, arch = _qwen3_layout(config, dtype, moe=False), "qwen3"
     elif mt == "qwen3_moe":
@@ -662,7 +679,8 @@ def inspect_output(dst: Path, va_src: Path) -> Report:
 
     tensors, hp = read_headers(dst)
     problems += hp
-    route = {"deepseek": _route_deepseek, "qwen3": _route_qwen3, "qwen3_moe": _route_qwen3_moe}[arch]
+    route = {"deepseek": _route_deepseek, "qwen3": _route_qwen3, "qwen3_moe": _route_qwen3_moe,
+             "kimi_k25": _route_kimi_k25}[arch]
     with _vllm_ascend(va_src, config, dtype) as env:
         cfg = env.mc.AscendModelSlimConfig(json.loads(json.dumps(desc)))
         cfg.packed_modules_mapping = _class_packed_mapping(config)
@@ -722,6 +740,11 @@ def _run_pass(env: _Env, cfg, layout: list, route, tensors: dict, config: dict, 
         if verdict == "valueerror":
             problems.append(f"{label}{name}: checkpoint tensor with no module or parameter in vLLM "
                             "(ValueError in AutoWeightsLoader)")
+            continue
+        if verdict == "carried":
+            if not _ST_DTYPES.get(st_dtype, torch.int8).is_floating_point:
+                problems.append(f"{label}{name}: {st_dtype} tensor in the vision tower / projector, which vLLM "
+                                "builds without quant_config (float)")
             continue
         if verdict == "drop":
             problems.append(f"{label}{name}: checkpoint tensor dropped silently by vLLM's {arch} load_weights "
@@ -1064,6 +1087,30 @@ def _route_deepseek(name: str, params: set[str], c: dict, cfg):
     if any(name.startswith(f"model.layers.{i}.") for i in _mtp_layers(c)):
         return "skip", None  # get_spec_layer_idx_from_weight_name: the main model skips it
     return _deepseek_body(name, params, c)
+
+
+_KIMI_CARRIED = ("vision_tower.", "mm_projector.")
+
+
+def _route_kimi_k25(name: str, params: set[str], c: dict, cfg):
+    """KimiK25ForConditionalGeneration.load_weights (vLLM models/kimi_k25.py): spec layers skipped,
+    ``language_model.lm_head`` -> ``lm_head``, ``language_model.model`` -> ``language_model``, then the
+    DeepseekV2 stacked / expert / default routing.  The vision tower and projector (default loading
+    into MoonViT / KimiK25MultiModalProjector, not modelled here) must be the float tensors cvt
+    carries: an integer one is reported, a float one accepted."""
+    t = c["text_config"]
+    if "rotary_emb.inv_freq" in name:
+        return "skip", None
+    if name.startswith(_KIMI_CARRIED):
+        return "carried", name
+    if any(f"model.layers.{i}." in name for i in _mtp_layers(t)):
+        return "skip", None
+    name = name.replace("language_model.lm_head", "lm_head").replace("language_model.model", "language_model")
+    if name.startswith("lm_head."):
+        return ("load", (name, None, None)) if name in params else ("keyerror", name)
+    if not name.startswith("language_model."):
+        return "keyerror", name  # params_dict[name]
+    return _deepseek_body(name, params, t)
 
 
 def _route_deepseek_mtp(name: str, params: set[str], c: dict, cfg):
