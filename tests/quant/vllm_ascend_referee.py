@@ -1170,13 +1170,30 @@ _QWEN3_STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qk
                   ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
 
 
+_C8_SUFFIXES = ((".k_proj.kv_cache_scale", ".attn.k_cache_scale"), (".k_proj.kv_cache_offset", ".attn.k_cache_offset"),
+                (".v_proj.kv_cache_scale", ".attn.v_cache_scale"), (".v_proj.kv_cache_offset", ".attn.v_cache_offset"))
+
+
+def _c8_cache_name(cfg, name: str) -> str | None:
+    """The vLLM name of a C8 scale / offset: 0.23's AscendModelSlimConfig.get_cache_scale; on main (no
+    get_cache_scale) the C8 part of get_cache_scale_mapper's suffix map, which vLLM applies to every
+    weight name before load_weights."""
+    if hasattr(cfg, "get_cache_scale"):
+        return cfg.get_cache_scale(name)
+    if getattr(cfg, "enable_c8_quant", False):
+        for src, dst in _C8_SUFFIXES:
+            if name.endswith(src):
+                return name[: -len(src)] + dst
+    return None
+
+
 def _route_qwen3(name: str, params: set[str], c: dict, cfg):
     """Qwen3ForCausalLM.load_weights as patched by vllm-ascend (patch_gqa_c8: C8 scales through
     get_cache_scale first), then Qwen2Model.load_weights (qwen2.py)."""
     top = _top_level(name, params, bool(c.get("tie_word_embeddings", False)))
     if top is not None:
         return top
-    scale_name = cfg.get_cache_scale(name)
+    scale_name = _c8_cache_name(cfg, name)
     if scale_name is not None:
         return ("load", (scale_name, None, None)) if scale_name in params else ("drop", scale_name)
     for pn, wn, sid in _QWEN3_STACKED:
