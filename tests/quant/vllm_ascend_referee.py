@@ -78,6 +78,12 @@ APPROXIMATIONS = """
 - Only headers are read (except fused per-tensor values, compared across shards): packing,
   nibble order and scale values are not checked; a float tensor landing in an integer offset
   parameter is accepted as msModelSlim writes it (values assumed integral).
+- DeepSeek-V3.2 / GLM-5: vLLM's Indexer as after vLLM PR #38870 (wq_b with quant_config, wk +
+  weights_proj fused without it, k_norm LayerNorm); its k_cache (no quant_config) is not modelled.
+- Kimi-K2.5: the text model as KimiK25ForConditionalGeneration builds it (vLLM models/kimi_k25.py at
+  vllm-project/vllm 009dff45: no hf_to_vllm_mapper, no packed_modules_mapping); the vision tower and
+  projector are only checked to be float (vLLM builds them without quant_config), their shapes
+  and names are not.
 - Embeddings / lm_head are checked as unquantized; a quantized VocabParallelEmbedding is reported
   as not modelled.
 - Device gates are not modelled: FA quant (FAKQuant) params are created whenever the
