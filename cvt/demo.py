@@ -7,7 +7,9 @@ then cached), so its text looks like Python and the quantization losses mean som
 stages run in pipeline order: fp8-to-bf16, run, verify, quantize, shard + a 4-rank torchrun on
 CPU checked against one process, ONNX export checked with onnxruntime, the atc pre-check and
 command; then a tiny DeepSeek-V3.2 (lightning indexer, top-k sparse attention; random weights:
-a smoke test of the architecture) through fp8-to-bf16, quantize and verify.
+a smoke test of the architecture) and a tiny DeepSeek-V4 through fp8-to-bf16, quantize and verify;
+last a tiny GLM-5 (fp8-to-bf16, W8A8 Ascend) and Kimi-K2.5 (INT4 experts to Ascend W4A16, codes
+carried) with no verify (they are the V3.2 / V3 runtimes; kept to well under a second or two).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     out = {"fp8": root / "source-fp8", "bf16": root / "bf16"}
 
     say = (lambda s: None) if quiet else echo
-    say(f"[1/10] writing a tiny DeepSeek-V3-style FP8 release, trained on Python's standard library source, "
+    say(f"[1/11] writing a tiny DeepSeek-V3-style FP8 release, trained on Python's standard library source, "
         f"to {out['fp8']}\n(the first run trains it, about a minute of one core; cached in {cache_root()})")
     write_demo_release(out["fp8"], quiet=quiet)
     # held-out Python source (never trained on): what verify compares the models on
@@ -43,14 +45,14 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     out["heldout"].write_text(corpus.text("heldout"), encoding="utf-8")
     say(inspect_checkpoint(out["fp8"]).render())
 
-    say(f"\n[2/10] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
+    say(f"\n[2/11] cvt fp8-to-bf16 {out['fp8']} {out['bf16']}")
     r = fp8_to_bf16(out["fp8"], out["bf16"], quiet=True)
     say(f"dequantized {r.extra['dequantized']} tensors, passed {r.extra['passed_through']} through, "
         f"{r.bytes_out} bytes in {len(r.files)} files")
     say(inspect_checkpoint(out["bf16"]).render())
 
     prompt = "def __init__(self"
-    say(f"\n[3/10] cvt run {out['bf16']} --prompt '{prompt}' --max-new-tokens 64 --temperature 0.8 --seed 0")
+    say(f"\n[3/11] cvt run {out['bf16']} --prompt '{prompt}' --max-new-tokens 64 --temperature 0.8 --seed 0")
     import torch
 
     from cvt.runtime.generate import generate
@@ -66,7 +68,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     del loaded
 
     out["report"] = root / "verify-report"
-    say(f"\n[4/10] cvt verify {out['fp8']} --reference {out['bf16']} --data {out['heldout']} --report {out['report']}")
+    say(f"\n[4/11] cvt verify {out['fp8']} --reference {out['bf16']} --data {out['heldout']} --report {out['report']}")
     v = verify(out["fp8"], out["bf16"], out["report"], data=out["heldout"], seq_len=128, max_sequences=8).report
     worst = min(row.cosine for row in v.layers)
     say(f"FP8 dequantized on load vs the BF16 output: min layer cosine {worst:.6f}, mean KL {v.logits.kl_mean:.3g}, "
@@ -75,7 +77,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     from cvt.quant.stage import quantize
 
     out["w4a16"] = root / "w4a16-compressed-tensors"
-    say(f"\n[5/10] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
+    say(f"\n[5/11] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
     q = quantize(out["fp8"], out["w4a16"], scheme="w4a16", fmt="compressed-tensors", quiet=True)
     say(f"quantized {q.extra['quantized']} linears from the FP8 release (dequantized on the fly), "
         f"{q.extra['float_modules']} kept float; worst SQNR {q.extra['min_sqnr_db']}")
@@ -84,7 +86,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     say(f"cvt quantize {out['bf16']} {out['w8a8']} --scheme w8a8 --format ascend: {q.extra['quantized']} linears, "
         f"worst SQNR {q.extra['min_sqnr_db']}")
 
-    say(f"\n[6/10] cvt verify, each quantized model against {out['bf16']} --data {out['heldout']}")
+    say(f"\n[6/11] cvt verify, each quantized model against {out['bf16']} --data {out['heldout']}")
     for key in ("w8a8", "w4a16"):
         out[f"report-{key}"] = root / f"verify-{key}"
         v = verify(out[key], out["bf16"], out[f"report-{key}"], data=out["heldout"], seq_len=128,
@@ -96,6 +98,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     step_export(root, out, say)
     step_v32(root, out, say)
     step_v4(root, out, say)
+    step_glm_kimi(root, out, say)
 
     say("\noutputs:")
     for key, path in out.items():
@@ -119,7 +122,7 @@ def step_shard(root: Path, out: dict[str, Path], say) -> None:
 
     out["w4a16-ascend"] = root / "w4a16-ascend"
     out["shards"] = root / "w4a16-ascend-tp2-ep4"
-    say(f"\n[7/10] cvt quantize {out['bf16']} {out['w4a16-ascend']} --scheme w4a16 --format ascend --group-size 64; "
+    say(f"\n[7/11] cvt quantize {out['bf16']} {out['w4a16-ascend']} --scheme w4a16 --format ascend --group-size 64; "
         f"cvt shard {out['w4a16-ascend']} {out['shards']} --world-size 4 --tp 2 --ep 4")
     quantize(out["bf16"], out["w4a16-ascend"], scheme="w4a16", fmt="ascend", group_size=64, quiet=True)
     r = shard(out["w4a16-ascend"], out["shards"], make_layout(world_size=4, tp=2, ep=4), quiet=True)
@@ -152,7 +155,7 @@ def step_export(root: Path, out: dict[str, Path], say) -> None:
 
     lacking = missing("export")
     if lacking:
-        say(f"\n[8/10] skipped: {message(lacking[0], 'cvt export onnx / om')}")
+        say(f"\n[8/11] skipped: {message(lacking[0], 'cvt export onnx / om')}")
         return
     from cvt.errors import CvtError
     from cvt.export.atc import precheck
@@ -160,7 +163,7 @@ def step_export(root: Path, out: dict[str, Path], say) -> None:
     from cvt.export.onnx_export import export_onnx
 
     out["onnx-w4a16"] = root / "onnx-w4a16"
-    say(f"\n[8/10] cvt export onnx {out['w4a16']} {out['onnx-w4a16']} --int4-op matmulnbits --verify")
+    say(f"\n[8/11] cvt export onnx {out['w4a16']} {out['onnx-w4a16']} --int4-op matmulnbits --verify")
     r = export_onnx(out["w4a16"], out["onnx-w4a16"], int4_op="matmulnbits", verify=True, quiet=True)
     for check in r.parity:
         say(check.render())
@@ -194,7 +197,7 @@ def step_v32(root: Path, out: dict[str, Path], say) -> None:
     cfg = tiny_deepseek_v32_config()
     out["v32-fp8"], out["v32-bf16"], out["v32-w8a8"] = (root / "v32-source-fp8", root / "v32-bf16",
                                                         root / "v32-w8a8-ascend")
-    say(f"\n[9/10] DeepSeek-V3.2 (index_topk {cfg['index_topk']}): cvt fp8-to-bf16 {out['v32-fp8']} {out['v32-bf16']}; "
+    say(f"\n[9/11] DeepSeek-V3.2 (index_topk {cfg['index_topk']}): cvt fp8-to-bf16 {out['v32-fp8']} {out['v32-bf16']}; "
         f"cvt quantize ... {out['v32-w8a8']} --scheme w8a8 --format ascend; cvt verify")
     write_fp8_release(out["v32-fp8"], cfg)
     fp8_to_bf16(out["v32-fp8"], out["v32-bf16"], quiet=True)
@@ -218,7 +221,7 @@ def step_v4(root: Path, out: dict[str, Path], say) -> None:
     cfg = tiny_deepseek_v4_config()
     out["v4-release"], out["v4-bf16"], out["v4-w8a8"] = (root / "v4-source", root / "v4-bf16",
                                                          root / "v4-w8a8-ascend")
-    say(f"\n[10/10] DeepSeek-V4 (compress ratios {cfg['compress_ratios']}): cvt fp8-to-bf16 {out['v4-release']} "
+    say(f"\n[10/11] DeepSeek-V4 (compress ratios {cfg['compress_ratios']}): cvt fp8-to-bf16 {out['v4-release']} "
         f"{out['v4-bf16']}; cvt quantize ... {out['v4-w8a8']} --scheme w8a8 --format ascend; cvt verify")
     write_v4_release(out["v4-release"], cfg)
     d = fp8_to_bf16(out["v4-release"], out["v4-bf16"], quiet=True)
@@ -227,3 +230,32 @@ def step_v4(root: Path, out: dict[str, Path], say) -> None:
     v = verify(out["v4-w8a8"], out["v4-bf16"], out["report-v4"], seq_len=32, max_sequences=2).report
     say(f"{d.extra['dequantized']} FP8 linears and FP4 experts dequantized; {q.extra['quantized']} linears quantized; "
         f"min layer cosine {min(r.cosine for r in v.layers):.4f}, mean KL {v.logits.kl_mean:.3g}")
+
+
+def step_glm_kimi(root: Path, out: dict[str, Path], say) -> None:
+    """A tiny GLM-5 FP8 release (one "shared" indexer layer) -> BF16 -> W8A8 Ascend (indexer float),
+    and a tiny Kimi-K2.5 INT4 release -> Ascend W4A16 g32 (the release's codes and scales carried,
+    vision tower copied byte for byte). No verify: the runtimes are V3.2's / V3's, verified above."""
+    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
+    from cvt.convert.synthetic import (kimi_int4_tensors, tiny_glm_moe_dsa_config, tiny_kimi_k25_config,
+                                       write_fp8_release, write_release)
+    from cvt.quant.stage import quantize
+
+    glm = tiny_glm_moe_dsa_config(indexer_types=["full", "shared", "full"], index_topk_pattern="FSF")
+    kimi = tiny_kimi_k25_config()
+    for k, d in (("glm-fp8", "glm5-source-fp8"), ("glm-bf16", "glm5-bf16"), ("glm-w8a8", "glm5-w8a8-ascend"),
+                 ("kimi-int4", "kimi-k2.5-source-int4"), ("kimi-w4a16", "kimi-k2.5-w4a16-ascend")):
+        out[k] = root / d
+    say(f"\n[11/11] GLM-5 (indexer_types {glm['indexer_types']}): cvt fp8-to-bf16 {out['glm-fp8']} {out['glm-bf16']}; "
+        f"cvt quantize ... {out['glm-w8a8']} --scheme w8a8 --format ascend; Kimi-K2.5 (INT4 g32 experts, vision "
+        f"tower): cvt quantize {out['kimi-int4']} {out['kimi-w4a16']} --scheme w4a16 --format ascend --group-size 32")
+    write_fp8_release(out["glm-fp8"], glm)
+    fp8_to_bf16(out["glm-fp8"], out["glm-bf16"], quiet=True)
+    g = quantize(out["glm-bf16"], out["glm-w8a8"], scheme="w8a8", fmt="ascend", quiet=True)
+    write_release(out["kimi-int4"], kimi, kimi_int4_tensors(kimi, seed=2), n_shards=1, move_scale=False)
+    q = quantize(out["kimi-int4"], out["kimi-w4a16"], scheme="w4a16", fmt="ascend", group_size=32, quiet=True)
+    carried = len(q.manifest.carried)
+    source = sum(t.method == "source" for t in q.manifest.quant.tensors.values())
+    say(f"GLM-5: {g.extra['quantized']} linears quantized, the indexer kept float (none in the shared layer); "
+        f"Kimi-K2.5: {q.extra['quantized']} linears, {source} of them the INT4 release's codes and scales carried, "
+        f"{carried} vision tower / projector tensors copied byte for byte")

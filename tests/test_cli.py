@@ -48,8 +48,17 @@ def test_demo_runs_the_pipeline(tmp_path, demo_weights):
     # the sharded 4-rank run agreed with one process; the ONNX export with the torch runtime
     assert "4 ranks vs 1 process" in r.out and "greedy tokens identical" in r.out
     assert "greedy tokens agree: yes: PASS" in r.out and "atc --framework=5" in r.out
-    assert "[9/10] DeepSeek-V3.2" in r.out and "the indexer kept float" in r.out
-    assert "[10/10] DeepSeek-V4" in r.out and "FP4 experts" in r.out
+    assert "[9/11] DeepSeek-V3.2" in r.out and "the indexer kept float" in r.out
+    assert "[10/11] DeepSeek-V4" in r.out and "FP4 experts" in r.out
+    # GLM-5 and Kimi-K2.5 (issue 27): the indexer float in GLM's W8A8 description; every Kimi expert the
+    # INT4 release's own codes (method "source"), the vision tower carried
+    assert "[11/11] GLM-5" in r.out and "copied byte for byte" in r.out
+    desc = json.loads((tmp_path / "demo" / "glm5-w8a8-ascend" / "quant_model_description.json").read_text())
+    assert desc["model.layers.2.self_attn.indexer.wq_b.weight"] == "FLOAT"
+    assert desc["model.layers.2.mlp.experts.0.down_proj.weight"] == "W8A8_DYNAMIC"
+    k25 = json.loads((tmp_path / "demo" / "kimi-k2.5-w4a16-ascend" / "cvt_manifest.json").read_text())
+    experts = {n: t["method"] for n, t in k25["quant"]["tensors"].items() if ".experts." in n}
+    assert experts and set(experts.values()) == {"source"} and k25["carried"]
     assert (tmp_path / "demo" / "verify-v32-w8a8" / "report.json").is_file()
     manifest = json.loads((tmp_path / "demo" / "bf16" / "cvt_manifest.json").read_text())
     assert manifest["format"] == "hf-bf16"

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.convert.synthetic import (kimi_int4_tensors, release_tensors, tiny_glm_moe_dsa_config,
+                                   tiny_kimi_k25_config, tiny_qwen3_config, write_bf16_checkpoint,
+                                   write_release)
 from cvt.quant.stage import quantize
 from cvt.tests.quant.vllm_ascend_referee import check_output, inspect_output
 
@@ -45,6 +47,14 @@ CASES = [
     pytest.param("qmoe", {"scheme": "mxfp8"}, id="qwen3-moe-w8a8-mxfp8"),
     pytest.param("ds", {"scheme": "w8a8c8", "kv_dtype": "fp8"}, id="deepseek-w8a8c8-fakquant-fp8"),
     pytest.param("ds", {"scheme": "w4a8", "target_version": "main"}, id="deepseek-w4a8-main"),
+    # GLM-5 (issue 27): GlmMoeDsaForCausalLM is vLLM's DeepseekV2ForCausalLM with the V3.2 Indexer; the
+    # indexer stays float (FLOAT in the description), layer 1 a "shared" layer without one
+    pytest.param("glm", {"scheme": "w8a8"}, id="glm5-w8a8"),
+    pytest.param("glm", {"scheme": "w4a8"}, id="glm5-w4a8"),
+    # Kimi-K2.5 (issue 27): the INT4 release's experts to Ascend W4A16 (int32) and W4A8_DYNAMIC, under
+    # KimiK25ForConditionalGeneration's language_model. prefix; vision tower / projector carried float
+    pytest.param("k25", {"scheme": "w4a16", "group_size": 32}, id="kimi-k2.5-w4a16-g32"),
+    pytest.param("k25", {"scheme": "w4a8"}, id="kimi-k2.5-w4a8"),
 ]
 
 MX_METHODS = {"mxfp8": ("AscendW8A8MXFP8DynamicLinearMethod", "AscendW8A8MXFP8DynamicFusedMoEMethod"),
@@ -69,7 +79,13 @@ def sources(fp8_release_session, tmp_path_factory):
     qmoe = write_bf16_checkpoint(root / "qwen3-moe", tiny_qwen3_config(moe=True, hidden_size=128, head_dim=32,
                                                                        intermediate_size=256, moe_intermediate_size=64))
     qdense = write_bf16_checkpoint(root / "qwen3", tiny_qwen3_config(moe=False))
-    return {"ds": fp8_release_session, "qmoe": qmoe, "qdense": qdense, "root": root}
+    # GLM-5's FP8 release; the shared layer stated both ways vllm-ascend reads it (indexer_types and
+    # index_topk_pattern: patch_deepseek_v2._should_skip_indexer_init needs both)
+    glm_cfg = tiny_glm_moe_dsa_config(indexer_types=["full", "shared", "full"], index_topk_pattern="FSF")
+    glm = write_release(root / "glm5", glm_cfg, release_tensors(glm_cfg, 1, "F32"), n_shards=2)
+    k25_cfg = tiny_kimi_k25_config()
+    k25 = write_release(root / "k25", k25_cfg, kimi_int4_tensors(k25_cfg, seed=2), n_shards=2, move_scale=False)
+    return {"ds": fp8_release_session, "qmoe": qmoe, "qdense": qdense, "glm": glm, "k25": k25, "root": root}
 
 
 def build(sources, src: str, opts: dict) -> Path:
@@ -258,3 +274,63 @@ def test_mx_outputs_get_vllm_ascends_mx_methods(sources, va_src, scheme):
     assert r.schemes["model.layers.1.mlp.experts"] == moe
     s = r.slots[("model.layers.1.mlp.experts.w13_weight_scale", "w1", 0)]
     assert s.dtype == torch.uint8 and s.filled_by == ["model.layers.1.mlp.experts.0.gate_proj.weight_scale"]
+
+
+def test_glm5_indexer_is_vllms_float_indexer(sources, va_src, tmp_path):
+    """GLM-5: vLLM's Indexer (deepseek_v2.py) in every "full" layer and the MTP layer, none in the shared
+    layer 1 (vllm-ascend patch_deepseek_v2._should_skip_indexer_init); wq_b asks the description
+    (FLOAT: unquantized), wk + weights_proj load into the fused float wk_weights_proj."""
+    out = build(sources, "glm", {"scheme": "w8a8"})
+    r = inspect_output(out, va_src)
+    assert r.problems == []
+    ix = "model.layers.{}.self_attn.indexer."
+    assert r.schemes[ix.format(0) + "wq_b"] == "unquantized linear"
+    assert r.schemes[ix.format(2) + "wk_weights_proj"] == "unquantized linear"
+    assert r.schemes["model.layers.2.mlp.experts"] == "AscendW8A8DynamicFusedMoEMethod"
+    assert not any(k.startswith(ix.format(1)) for k in r.schemes)
+    assert r.slots[(ix.format(2) + "wk_weights_proj.weight", 1, None)].filled_by == [ix.format(2) + "weights_proj.weight"]
+    assert r.slots[(ix.format(0) + "k_norm.bias", None, None)].filled_by == [ix.format(0) + "k_norm.bias"]
+    w = r.mtp_slots[(ix.format(3).replace("layers.3.", "layers.3.mtp_block.") + "wk_weights_proj.weight", 0, None)]
+    assert w.filled_by == [ix.format(3) + "wk.weight"]
+    # without index_topk_pattern vllm-ascend computes top-k in layer 1 (index_topk_freq 1) and builds its
+    # indexer, which the checkpoint (transformers' reading of indexer_types) does not have
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["index_topk_pattern"]
+    bad = shutil.copytree(out, tmp_path / "no-pattern")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    problems = check_output(bad, va_src)
+    assert problems and all(p.startswith(ix.format(1)) for p in problems), problems
+    assert any(p.startswith(ix.format(1) + "wq_b: KeyError in vllm-ascend") for p in problems), problems
+
+
+@pytest.mark.parametrize("scheme, moe", [("w4a16", "AscendW4A16FusedMoEMethod"), ("w4a8", "AscendW4A8DynamicFusedMoEMethod")])
+def test_kimi_k25_loads_under_vllms_language_model_prefix(sources, va_src, tmp_path, scheme, moe):
+    """Kimi-K2.5: vLLM models/kimi_k25.py builds DeepseekV2Model(prefix="language_model") with no
+    packed_modules_mapping, so vllm-ascend's AscendModelSlimConfig.get_quant_method looks up
+    ``language_model.layers.{i}.…`` and the fused names (modelslim_config.py get_linear_quant_type);
+    cvt's description carries them (cvt.quant.tensor.kimi_k25_keys). Without them every text module
+    is a KeyError; the vision tower must stay float."""
+    out = build(sources, "k25", {"scheme": scheme, **({"group_size": 32} if scheme == "w4a16" else {})})
+    r = inspect_output(out, va_src)
+    assert r.problems == []
+    assert r.schemes["language_model.layers.1.mlp.experts"] == moe
+    assert r.schemes["language_model.layers.1.self_attn.fused_qkv_a_proj"] == "unquantized linear"
+    assert r.schemes["language_model.layers.0.mlp.gate_up_proj"] == "unquantized linear"
+    local = "weight_packed" if scheme == "w4a16" else "weight"
+    s = r.slots[(f"language_model.layers.1.mlp.experts.w13_{local}", "w3", 2)]
+    assert s.filled_by == [f"language_model.model.layers.1.mlp.experts.2.up_proj.{local}"]
+    assert r.slots[("lm_head.weight", None, None)].filled_by == ["language_model.lm_head.weight"]
+
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    old = _mutate(out, tmp_path / "old", edit_desc=lambda d: [d.pop(k) for k in list(d)
+                                                                if k.startswith("language_model.layers.")])
+    problems = check_output(old, va_src)
+    assert "language_model.layers.1.mlp.experts: KeyError in vllm-ascend" in "\n".join(problems)
+    assert all(": KeyError in vllm-ascend" in p for p in problems), problems
+    tag = desc[f"language_model.layers.1.mlp.experts.{local}"]
+    assert tag == desc[f"language_model.model.layers.1.mlp.experts.0.gate_proj.{local}"] == scheme.upper() + (
+        "_DYNAMIC" if scheme == "w4a8" else "")
+
+    v = "vision_tower.encoder.blocks.0.wo.weight"
+    bad = _mutate(out, tmp_path / "int8-vision", lambda t: t.update({v: t[v].to(torch.int8)}))
+    _expect(check_output(bad, va_src), [f"{v}: I8 tensor in the vision tower / projector"])

@@ -78,6 +78,12 @@ APPROXIMATIONS = """
 - Only headers are read (except fused per-tensor values, compared across shards): packing,
   nibble order and scale values are not checked; a float tensor landing in an integer offset
   parameter is accepted as msModelSlim writes it (values assumed integral).
+- DeepSeek-V3.2 / GLM-5: vLLM's Indexer as after vLLM PR #38870 (wq_b with quant_config, wk +
+  weights_proj fused without it, k_norm LayerNorm); its k_cache (no quant_config) is not modelled.
+- Kimi-K2.5: the text model as KimiK25ForConditionalGeneration builds it (vLLM models/kimi_k25.py at
+  vllm-project/vllm 009dff45: no hf_to_vllm_mapper, no packed_modules_mapping); the vision tower and
+  projector are only checked to be float (vLLM builds them without quant_config), their shapes
+  and names are not.
 - Embeddings / lm_head are checked as unquantized; a quantized VocabParallelEmbedding is reported
   as not modelled.
 - Device gates are not modelled: FA quant (FAKQuant) params are created whenever the
@@ -233,7 +239,7 @@ def _vllm_ascend(va_src: Path, hf_config: dict, dtype: torch.dtype):
             quant_config=None,
             compilation_config=NS(mode=0),
             model_config=NS(enforce_eager=True, dtype=dtype, hf_config=NS(**hf_config),
-                            use_mla="kv_lora_rank" in hf_config),
+                            use_mla="kv_lora_rank" in hf_config.get("text_config", hf_config)),
             parallel_config=NS(enable_expert_parallel=False, tensor_parallel_size=1, enable_eplb=False),
             kv_transfer_config=None,
             use_v2_model_runner=False,  # main's MoE schemes read it
@@ -361,16 +367,16 @@ def _mlp(prefix: str, hidden: int, inter: int) -> list:
             _Lin(f"{prefix}.down_proj", "row", inter, [(f"{prefix}.down_proj", None, hidden)])]
 
 
-def _deepseek_decoder(c: dict, dt: torch.dtype, i: int) -> list:
+def _deepseek_decoder(c: dict, dt: torch.dtype, i: int, root: str = "model") -> list:
     """DeepseekV2DecoderLayer(prefix=f"model.layers.{i}") (vllm/model_executor/models/deepseek_v2.py, its
     MLA attention as vllm-ascend's patch_deepseek_v2 rebuilds it): MLA attention (fused_qkv_a_proj
     when q_lora_rank, else kv_a_proj_with_mqa + q_proj), dense MLP unless i >= first_k_dense_replace
     and i % moe_layer_freq == 0, else GateLinear router (no quant_config) + shared_experts MLP +
-    FusedMoE."""
+    FusedMoE.  ``root``: the DeepseekV2Model's prefix (``language_model`` under Kimi-K2.5)."""
     H, heads = c["hidden_size"], c["num_attention_heads"]
     nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     ql, kvl = c.get("q_lora_rank"), c["kv_lora_rank"]
-    p = f"model.layers.{i}"
+    p = f"{root}.layers.{i}"
     a = f"{p}.self_attn"
     mods: list = [_Plain(f"{p}.input_layernorm.weight", (H,), dt),
                   _Plain(f"{p}.post_attention_layernorm.weight", (H,), dt)]
@@ -387,6 +393,8 @@ def _deepseek_decoder(c: dict, dt: torch.dtype, i: int) -> list:
              _Lin(f"{a}.o_proj", "row", heads * vd, [(f"{a}.o_proj", None, H)]),
              # AscendMultiHeadLatentAttention.mla_attn = MLAAttention(prefix=f"{prefix}.attn")
              _Attn(f"{a}.attn", f"{a}.mla_attn.mla_attn", a, heads, 1, kvl)]
+    if _builds_indexer(c, i):
+        mods += _indexer(c, dt, a)
     E = c.get("n_routed_experts")
     if E and i >= c.get("first_k_dense_replace", 0) and i % c.get("moe_layer_freq", 1) == 0:
         mods.append(_Plain(f"{p}.mlp.gate.weight", (E, H), dt))
@@ -400,6 +408,41 @@ def _deepseek_decoder(c: dict, dt: torch.dtype, i: int) -> list:
     return mods
 
 
+def _builds_indexer(c: dict, i: int) -> bool:
+    """DeepSeek-V3.2 / GLM-5 (``index_topk`` in the config): does layer ``i`` get an Indexer?  vllm-ascend
+    patch/worker/patch_deepseek_v2.py (_deepseek_v2_mla_attention_init + _should_skip_indexer_init): not
+    when top-k is skipped there (``index_topk_pattern`` letter "S", else the ``index_topk_freq`` /
+    ``index_skip_topk_offset`` schedule) *and* ``indexer_types`` calls the decoder layer "shared" (as
+    transformers' GlmMoeDsaConfig.__post_init__ derives it from the pattern when absent)."""
+    if "index_topk" not in c:
+        return False
+    pattern, freq, off = c.get("index_topk_pattern"), c.get("index_topk_freq", 1), c.get("index_skip_topk_offset", 2)
+    if pattern is None:
+        skip = max(i - off + 1, 0) % freq != 0
+    else:
+        skip = 0 <= i < len(pattern) and pattern[i] == "S"
+    if not skip or i >= c["num_hidden_layers"]:
+        return True
+    types = c.get("indexer_types")
+    if types is None and isinstance(pattern, str):
+        types = ["shared" if x == "S" else "full" for x in pattern]
+    kind = types[i] if types is not None and i < len(types) else None
+    return not (isinstance(kind, str) and kind.lower() == "shared")
+
+
+def _indexer(c: dict, dt: torch.dtype, a: str) -> list:
+    """vLLM deepseek_v2.py Indexer(prefix=f"{a}.indexer") (after vLLM PR #38870): wq_b a ReplicatedLinear
+    *with* quant_config, wk + weights_proj fused into a MergedColumnParallelLinear built without it
+    (always float), k_norm a LayerNorm (weight + bias)."""
+    ix = f"{a}.indexer"
+    hd = c.get("index_head_dim", 128)
+    n = c.get("index_n_heads") or (32 if c.get("model_type") == "glm_moe_dsa" else 64)
+    return [_Lin(f"{ix}.wq_b", "replicated", c["q_lora_rank"], [(f"{ix}.wq_b", None, n * hd)]),
+            _Lin(f"{ix}.wk_weights_proj", "merged", c["hidden_size"],
+                 [(f"{ix}.wk", 0, hd), (f"{ix}.weights_proj", 1, n)], quant=False),
+            _Plain(f"{ix}.k_norm.weight", (hd,), dt), _Plain(f"{ix}.k_norm.bias", (hd,), dt)]
+
+
 def _deepseek_layout(c: dict, dt: torch.dtype) -> list:
     """DeepseekV2ForCausalLM / DeepseekV3ForCausalLM: embed_tokens, num_hidden_layers decoder layers,
     norm, lm_head (ParallelLMHead with quant_config)."""
@@ -407,6 +450,19 @@ def _deepseek_layout(c: dict, dt: torch.dtype) -> list:
     mods: list = [_Embed("model.embed_tokens", V, H), _Plain("model.norm.weight", (H,), dt), _Embed("lm_head", V, H)]
     for i in range(c["num_hidden_layers"]):
         mods += _deepseek_decoder(c, dt, i)
+    return mods
+
+
+def _kimi_k25_layout(c: dict, dt: torch.dtype) -> list:
+    """vLLM models/kimi_k25.py KimiK25ForConditionalGeneration: ``language_model`` = DeepseekV2Model(prefix
+    "language_model") on text_config (module prefixes ``language_model.layers.{i}``), ``lm_head`` at the
+    top; the vision tower / projector are checked by _route_kimi_k25 only (float, carried)."""
+    t = c["text_config"]
+    H, V = t["hidden_size"], t["vocab_size"]
+    mods: list = [_Embed("language_model.embed_tokens", V, H), _Plain("language_model.norm.weight", (H,), dt),
+                  _Embed("lm_head", V, H)]
+    for i in range(t["num_hidden_layers"]):
+        mods += _deepseek_decoder(t, dt, i, root="language_model")
     return mods
 
 
@@ -489,6 +545,8 @@ def _qwen3_layout(c: dict, dt: torch.dtype, moe: bool) -> list:
 # config; vllm-ascend replaces it by its table for model types it lists, e.g. deepseek_v3, qwen3_moe).
 def _class_packed_mapping(c: dict) -> dict[str, list[str]]:
     mt = c.get("model_type")
+    if mt == "kimi_k25":  # KimiK25ForConditionalGeneration defines none: QuantizationConfig's empty default
+        return {}
     if mt == "qwen3":
         return {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     if mt == "qwen3_moe":
@@ -611,10 +669,13 @@ def inspect_output(dst: Path, va_src: Path) -> Report:
                         "quantize with that method, not vllm-ascend's 'ascend' (msModelSlim strips "
                         "quantization_config)")
     mt = config.get("model_type")
-    if mt in ("deepseek_v3", "deepseek_v2", "kimi_k2") and config.get("kv_lora_rank"):
-        if "index_topk" in config:
-            return Report([f"config.json: model_type {mt} with an indexer (V3.2) is not modelled by the referee"])
-        layout, arch = _deepseek_layout(config, dtype), "deepseek"
+    if mt in ("deepseek_v3", "deepseek_v2", "kimi_k2", "deepseek_v32", "glm_moe_dsa") and config.get("kv_lora_rank"):
+        if ("index_topk" in config) != (mt in ("deepseek_v32", "glm_moe_dsa")):
+            return Report([f"config.json: model_type {mt} with{'' if 'index_topk' in config else 'out'} an indexer "
+                           "is not modelled by the referee"])
+        layout, arch = _deepseek_layout(config, dtype), "deepseek"  # GlmMoeDsaForCausalLM is a DeepseekV2ForCausalLM
+    elif mt == "kimi_k25" and config.get("text_config", {}).get("kv_lora_rank"):
+        layout, arch = _kimi_k25_layout(config, dtype), "kimi_k25"
     elif mt == "qwen3":
         layout, arch = _qwen3_layout(config, dtype, moe=False), "qwen3"
     elif mt == "qwen3_moe":
@@ -624,7 +685,8 @@ def inspect_output(dst: Path, va_src: Path) -> Report:
 
     tensors, hp = read_headers(dst)
     problems += hp
-    route = {"deepseek": _route_deepseek, "qwen3": _route_qwen3, "qwen3_moe": _route_qwen3_moe}[arch]
+    route = {"deepseek": _route_deepseek, "qwen3": _route_qwen3, "qwen3_moe": _route_qwen3_moe,
+             "kimi_k25": _route_kimi_k25}[arch]
     with _vllm_ascend(va_src, config, dtype) as env:
         cfg = env.mc.AscendModelSlimConfig(json.loads(json.dumps(desc)))
         cfg.packed_modules_mapping = _class_packed_mapping(config)
@@ -684,6 +746,11 @@ def _run_pass(env: _Env, cfg, layout: list, route, tensors: dict, config: dict, 
         if verdict == "valueerror":
             problems.append(f"{label}{name}: checkpoint tensor with no module or parameter in vLLM "
                             "(ValueError in AutoWeightsLoader)")
+            continue
+        if verdict == "carried":
+            if not _ST_DTYPES.get(st_dtype, torch.int8).is_floating_point:
+                problems.append(f"{label}{name}: {st_dtype} tensor in the vision tower / projector, which vLLM "
+                                "builds without quant_config (float)")
             continue
         if verdict == "drop":
             problems.append(f"{label}{name}: checkpoint tensor dropped silently by vLLM's {arch} load_weights "
@@ -1028,6 +1095,30 @@ def _route_deepseek(name: str, params: set[str], c: dict, cfg):
     return _deepseek_body(name, params, c)
 
 
+_KIMI_CARRIED = ("vision_tower.", "mm_projector.")
+
+
+def _route_kimi_k25(name: str, params: set[str], c: dict, cfg):
+    """KimiK25ForConditionalGeneration.load_weights (vLLM models/kimi_k25.py): spec layers skipped,
+    ``language_model.lm_head`` -> ``lm_head``, ``language_model.model`` -> ``language_model``, then the
+    DeepseekV2 stacked / expert / default routing.  The vision tower and projector (default loading
+    into MoonViT / KimiK25MultiModalProjector, not modelled here) must be the float tensors cvt
+    carries: an integer one is reported, a float one accepted."""
+    t = c["text_config"]
+    if "rotary_emb.inv_freq" in name:
+        return "skip", None
+    if name.startswith(_KIMI_CARRIED):
+        return "carried", name
+    if any(f"model.layers.{i}." in name for i in _mtp_layers(t)):
+        return "skip", None
+    name = name.replace("language_model.lm_head", "lm_head").replace("language_model.model", "language_model")
+    if name.startswith("lm_head."):
+        return ("load", (name, None, None)) if name in params else ("keyerror", name)
+    if not name.startswith("language_model."):
+        return "keyerror", name  # params_dict[name]
+    return _deepseek_body(name, params, t)
+
+
 def _route_deepseek_mtp(name: str, params: set[str], c: dict, cfg):
     """DeepSeekMTP.load_weights (deepseek_mtp.py; vllm-ascend's AscendDeepSeekMTP only adds a rot.weight
     case): only spec-layer names, rewritten by _rewrite_spec_layer_name, then the same stacked /
@@ -1085,13 +1176,30 @@ _QWEN3_STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qk
                   ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
 
 
+_C8_SUFFIXES = ((".k_proj.kv_cache_scale", ".attn.k_cache_scale"), (".k_proj.kv_cache_offset", ".attn.k_cache_offset"),
+                (".v_proj.kv_cache_scale", ".attn.v_cache_scale"), (".v_proj.kv_cache_offset", ".attn.v_cache_offset"))
+
+
+def _c8_cache_name(cfg, name: str) -> str | None:
+    """The vLLM name of a C8 scale / offset: 0.23's AscendModelSlimConfig.get_cache_scale; on main (no
+    get_cache_scale) the C8 part of get_cache_scale_mapper's suffix map, which vLLM applies to every
+    weight name before load_weights."""
+    if hasattr(cfg, "get_cache_scale"):
+        return cfg.get_cache_scale(name)
+    if getattr(cfg, "enable_c8_quant", False):
+        for src, dst in _C8_SUFFIXES:
+            if name.endswith(src):
+                return name[: -len(src)] + dst
+    return None
+
+
 def _route_qwen3(name: str, params: set[str], c: dict, cfg):
     """Qwen3ForCausalLM.load_weights as patched by vllm-ascend (patch_gqa_c8: C8 scales through
     get_cache_scale first), then Qwen2Model.load_weights (qwen2.py)."""
     top = _top_level(name, params, bool(c.get("tie_word_embeddings", False)))
     if top is not None:
         return top
-    scale_name = cfg.get_cache_scale(name)
+    scale_name = _c8_cache_name(cfg, name)
     if scale_name is not None:
         return ("load", (scale_name, None, None)) if scale_name in params else ("drop", scale_name)
     for pn, wn, sid in _QWEN3_STACKED:

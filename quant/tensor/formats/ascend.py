@@ -179,6 +179,9 @@ class Ascend:
         if len(groups) > 1:  # the stacks read one global group_size (vllm-ascend, MindIE)
             raise FormatError(f"the ascend description has one global group_size, but the recipe uses "
                               f"{sorted(groups)}: give every grouped module the same group size")
+        from cvt.quant.tensor.kimi_k25_keys import vllm_prefix_keys
+
+        extra_keys = {**(extra_keys or {}), **vllm_prefix_keys(config, tags)}  # Kimi-K2.5: vLLM's module names
         desc = self.description(tags, kv_cache=("FAKQuant" if mla else "C8") if kv_cache else None,
                                 group_size=groups.pop() if groups else 0, extra_keys=extra_keys)
         if target in L.CONFIG_KEY_TARGETS:
