@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from cvt.convert.arch import Block, Role, TensorInfo, arch_for
+from cvt.convert.arch import Block, Role, TensorInfo, arch_for, config_problems
 from cvt.convert.arch.glm_moe_dsa import FULL, indexer_types
 from cvt.convert.config import fp8_block
 from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
@@ -403,6 +403,9 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     if scheme in ("bf16", "fp8") and (fmt or target or fp4_format):
         raise CvtError(f"--format, --target and --fp4-format describe quantized weights, not {scheme}")
     arch = arch_for(config)
+    problems = config_problems(config)  # what the writers and the runtime refuse, the plan refuses
+    if problems:
+        raise CvtError(f"{problems[0]}; plan refused")
     cfg = arch.config
     sch, disk = (None, None) if scheme in ("bf16", "fp8") else DiskBytes.resolve(
         scheme, group_size, fmt, target, fp4_format)

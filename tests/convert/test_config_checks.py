@@ -68,6 +68,13 @@ def test_writers_refuse_before_writing(v32_topk0, tmp_path, verb):
     assert not dst.exists()
 
 
+def test_plan_refuses_it(v32_topk0):
+    r = run_cvt("plan", v32_topk0, "--ep", "2")
+    assert r.rc == 1, r.err
+    assert r.err.strip().splitlines() == [
+        "cvt: error: config.json index_topk = 0: must be a positive integer; plan refused"]
+
+
 def test_inspect_lists_it(v32_topk0):
     r = run_cvt("inspect", v32_topk0)
     assert r.rc == 3, r.err
