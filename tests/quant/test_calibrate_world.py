@@ -71,7 +71,7 @@ def test_smoothquant_c8_static_on_more_ranks_than_sequences_is_deterministic(fp8
 def test_two_ranks_match_one_process_quality(trained_fixture, tmp_path):
     """GPTQ and AWQ at w4a16 g128 on 2 ranks, 2048 calibration tokens, on the trained fixture:
     the KL to BF16 is the one-process run's (README's table rows, which
-    tests/quant/test_methods_e2e.py checks against one process) within 25% -- GPTQ's rounding is
+    tests/quant/test_methods_e2e.py checks against one process) or at most 25% above -- GPTQ's rounding is
     chaotic under a change of summation order: measured 0.0037 on 2 ranks and 0.0047 on 3 against
     0.0047 on one."""
     for method in ("gptq", "awq"):
@@ -81,4 +81,6 @@ def test_two_ranks_match_one_process_quality(trained_fixture, tmp_path):
         assert r.rc == 0, r.err
         kl, _ = kl_and_ppl(dst, trained_fixture, tmp_path)
         one, _ = readme_row(f"w4a16 g128, {method}")
-        assert abs(kl - one) <= 0.25 * one, (method, kl, one)
+        # one-sided: the rank order moves GPTQ's rounding either way (2 ranks measured 21% BETTER here), and
+        # another CPU's summation order moves it again; what must hold is that ranks cost no quality
+        assert kl <= 1.25 * one, (method, kl, one)
