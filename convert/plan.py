@@ -153,13 +153,15 @@ def _unit(kind: Kind, dim: int, block, sch, k: int) -> tuple[int, str]:
 
         axis = "n" if dim == 0 else "k"
         g = getattr(sch, "group_size", 0) or 0
+        expert = kind.info.role is Role.EXPERT
         q = 1
         for lo in LAYOUTS.values():
             if lo.kernel_fmt == kernel_fmt_of(sch) and lo.holds(g, k):
-                q = math.lcm(q, lo.split_units(axis, g, k))
+                q = math.lcm(q, lo.split_units(axis, g, k, expert=expert))
         if q > 1:
             unit = math.lcm(unit, q)
-            what = "group" if g and q % g == 0 else "packing unit"
+            what = ("expert in_features unit" if expert and axis == "k" and q > g
+                    else "group" if g and q % g == 0 else "packing unit")
             names.append(f"{sch.name} {what} of {q}")
     return unit, " and ".join(names) if names else ("row" if dim == 0 else "column")
 

@@ -126,10 +126,11 @@ class Layout:
         g = 0 if group_size in (0, k) else group_size
         return {t.suffix: (t.shape(n, k, g), t.dtype) for t in self.tensors if not t.optional}
 
-    def split_units(self, axis: str, group_size: int, k: int) -> int:
-        """The logical unit a TP split along `axis` must keep whole (lcm over the tensors)."""
+    def split_units(self, axis: str, group_size: int, k: int, *, expert: bool = False) -> int:
+        """The logical unit a TP split along `axis` must keep whole (lcm over the tensors; a routed
+        expert's in_features also `expert_k`, which every rank's part must be a multiple of)."""
         g = 0 if group_size in (0, k) else group_size
-        unit = 1
+        unit = self.expert_k if expert and axis == "k" and self.expert_k else 1
         for t in self.tensors:
             a = t.along(axis, g, k)
             if a is not None:

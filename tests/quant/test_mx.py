@@ -364,6 +364,22 @@ def test_shard_reassembles_byte_exact(outputs, tmp_path):
         assert torch.equal(torch.cat(held[e + "gate_proj." + p], 0), whole[e + "gate_proj." + p]), p
 
 
+def test_shard_keeps_each_ranks_expert_in_features_a_multiple_of_64(outputs, tmp_path):
+    """moe_tp 4 would give each rank 32 of down_proj's 128 in_features: vllm-ascend's MX MoE
+    method views each expert's scale row in pairs (Layout.expert_k, 64), so that layout is refused
+    before any rank file is written, naming the unit and the valid moe_tp; moe_tp 2 (64) is not."""
+    from cvt.convert.layout import make_layout
+    from cvt.convert.shard import shard
+
+    d = outputs[W4A8MXFP.name]
+    dst = tmp_path / "tp4"
+    with pytest.raises(CvtError) as err:
+        shard(d, dst, make_layout(4, tp=4, ep=1, moe_tp=4, dense_tp=1, embed_tp=1), quiet=True)
+    msg = str(err.value)
+    assert "down_proj" in msg and "expert in_features unit of 64" in msg and "moe_tp" in msg, msg
+    assert not any(dst.glob("rank-*/*.safetensors"))
+
+
 # ---- quality on the trained fixture (README's table) -----------------------------------------------
 
 @pytest.mark.slow
