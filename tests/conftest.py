@@ -74,6 +74,24 @@ def fp8_release(fp8_release_session, tmp_path) -> Path:
     return dst
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temp_dir_inside_pytests(tmp_path_factory):
+    """The temp directory of this process and of every process a test starts is a folder in
+    pytest's own: a cvt a test kills (kill -9 mid-write) cannot remove its private ``cvt-*``
+    scratch folder, and those piled up in the user's /tmp; pytest prunes its old basetemps."""
+    import tempfile
+
+    folder = str(tmp_path_factory.mktemp("TMPDIR"))
+    saved_env, saved_cached = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = folder, folder
+    yield
+    tempfile.tempdir = saved_cached
+    if saved_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved_env
+
+
 @pytest.fixture
 def tiny_config() -> dict:
     return tiny_deepseek_config()
