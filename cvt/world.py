@@ -23,7 +23,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from cvt.errors import CvtError, OutputError
 
@@ -270,6 +270,48 @@ def boot(module: str) -> str:
             f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
 
 
+def boot_rank(module: str) -> str:
+    """`boot` for a rank: MODULE runs through `run_rank`, which ends the process without the
+    interpreter's teardown."""
+    return (f"import sys; sys.path.pop(0) if sys.path[:1] == [''] else None; "
+            f"from cvt.world import run_rank; run_rank({module!r})")
+
+
+def run_rank(module: str) -> NoReturn:
+    """Run MODULE as ``__main__`` (as `boot` does), then flush and leave with ``os._exit``.
+
+    A rank's work is over when MODULE returns (its process group destroyed, its files closed,
+    its output printed); what is left is the interpreter's teardown, where C++ static destructors
+    run while gloo's or the store's threads may still be joinable: now and then that aborted a
+    rank that had succeeded ("terminate called without an active exception", SIGABRT, and
+    torchrun reports the run failed). Skipping the teardown keeps the exit code MODULE chose."""
+    import logging
+    import runpy
+    import traceback
+
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:  # sys.exit(None | int | message), as the interpreter maps it
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            sys.stderr.write(f"{exc.code}\n")
+            code = 1
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # an uncaught error: the traceback the interpreter would print
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said there
+            pass
+    os._exit(code)
+
+
 def die_with_parent(parent: int | None = None, sig: int = 15):
     """On Linux, make the calling process receive `sig` (SIGTERM) when its parent exits, kill -9
     included, so that no rank or torchrun outlives the command that started it. `parent`: the
@@ -304,7 +346,7 @@ def launch(module: str, argv: list[str], world_size: int, *, debug: bool = False
     import subprocess
 
     cmd = [sys.executable, "-c", boot("torch.distributed.run"), "--standalone", "--nproc-per-node", str(world_size),
-           "--no-python", sys.executable, "-u", "-c", boot(module), *argv]
+           "--no-python", sys.executable, "-u", "-c", boot_rank(module), *argv]
     from cvt.scratch import child_env
 
     env = child_env(dict(os.environ))  # torchrun's log folders go to the command's private temp folder
