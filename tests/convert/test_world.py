@@ -152,3 +152,23 @@ def test_a_folder_some_rank_cannot_see_is_one_line(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert list(a.iterdir()) == []  # the token is gone
+
+
+@pytest.mark.parametrize("body, rc, err", [
+    ("import atexit, os, sys; atexit.register(os.abort); print('done')", 0, ""),  # a teardown that aborts
+    ("import sys; print('done'); sys.exit(3)", 3, ""),
+    ("print('done'); raise SystemExit('bad input')", 1, "bad input\n"),
+    ("print('done'); raise ValueError('boom')", 1, "ValueError: boom"),
+])
+def test_a_rank_keeps_its_exit_code_whatever_the_teardown_does(tmp_path, body, rc, err):
+    """`boot_rank` (what each rank of `launch` runs): MODULE's own exit code, its output flushed,
+    and the interpreter's teardown skipped -- an abort there (gloo's 'terminate called without
+    an active exception' at exit, now and then) no longer fails a rank that succeeded."""
+    import sys
+
+    (tmp_path / "rank_probe_mod.py").write_text(body + "\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.run([sys.executable, "-c", world.boot_rank("rank_probe_mod")], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=tmp_path)
+    assert (p.returncode, p.stdout) == (rc, "done\n"), (p.returncode, p.stdout, p.stderr)
+    assert (p.stderr == err) if not err.startswith("ValueError") else p.stderr.rstrip().endswith(err), p.stderr
