@@ -55,7 +55,7 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
     """`line`: the vllm-ascend release line (`cvt.quant.tensor.stack_versions`); a routed expert or a
     recipe-chosen module that line no longer loads is refused with the reason."""
     from cvt.quant.tensor import layouts
-    from cvt.quant.tensor.stack_versions import line_problem
+    from cvt.quant.tensor.stack_versions import line_problem, shape_problem
 
     arch = policy.arch
     target = layouts.check_target(fmt.name, target)
@@ -87,6 +87,12 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
             plan.float_reasons[module] = why
             continue
         shape = weight_shape(ckpt, params)
+        why = shape_problem(line, layouts.kernel_fmt_of(scheme), expert=expert, k=shape[1])
+        if why is not None:  # the line cannot load this shape: float, unless a recipe asked for it
+            if choice.explicit:
+                raise FormatError(f"{module}: {why}")
+            plan.float_reasons[module] = f"{why}: kept float"
+            continue
         fallback = group_fallback(fmt, module, scheme, shape, target)
         if fallback is not None:
             scheme = scheme_for(choice.scheme, fmt.name, 0, asym, fp4_format, cache)

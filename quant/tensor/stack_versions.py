@@ -6,8 +6,8 @@ v0.25.1rc1) and ``main``. cvt's layouts are pinned to 0.23, the default; every l
 layouts cvt writes (the Ascend 950 MX methods ``W8A8_MXFP8`` / ``W4A4_MXFP4`` / ``W4A8_MXFP``
 and FAKQuant with an fp8 cache on A5 are registered from v0.23.0 on), except a ``W4A4_MXFP4``
 dense linear whose in_features / 32 is odd on 0.23 / 0.24 (their linear method reshapes
-weight_scale to [n, k/64, 2] without the padding PR #12201 brought in v0.25.1rc1; not yet
-refused: see the README) and what ``REMOVED`` lists: main dropped the W4A8_DYNAMIC linear method and per-group W4A8 MoE weights (PR #13713,
+weight_scale to [n, k/64, 2] without the padding PR #12201 brought in v0.25.1rc1:
+`shape_problem`; such a linear stays float unless a recipe asks for it) and what ``REMOVED`` lists: main dropped the W4A8_DYNAMIC linear method and per-group W4A8 MoE weights (PR #13713,
 commit efda044, "Remove deprecated W4A8Linear/W8A8PDMixMoE schemes": ``methods/w4a8.py``
 registers ("W4A8_DYNAMIC", "moe") only, and its __init__ raises "The current weights use
 Per-Group quantization, which is no longer supported" for a description ``group_size`` > 0); no
@@ -59,4 +59,20 @@ def line_problem(line: str | None, kernel_fmt: str, *, expert: bool, group_size:
         why = REMOVED.get((kernel_fmt, what), {}).get(line)
         if why is not None:
             return f"--target-version {line}: {why}"
+    return None
+
+
+# lines whose W4A4_MXFP4 linear method views weight_scale [n, k/32] as [n, k/64, 2] with no padding
+# (vllm-ascend v0.23.0 / v0.24.0rc1 quantization/methods/w4a4_mxfp4.py, the linear method's
+# process_weights_after_loading: weight_scale.reshape(n_dim, k_dim // 2, 2);
+# v0.25.1rc1 pads the scale columns to even first, PR #12201)
+_PAIRED_SCALES = ("0.23", "0.24")
+
+
+def shape_problem(line: str | None, kernel_fmt: str, *, expert: bool, k: int) -> str | None:
+    """Why vllm-ascend `line` cannot load a module of `kernel_fmt` with `k` in_features, or None."""
+    if line in _PAIRED_SCALES and kernel_fmt == KF.W4A4_MXFP4 and not expert and (k // 32) % 2:
+        return (f"--target-version {line}: vllm-ascend {line}'s W4A4_MXFP4 linear method views weight_scale "
+                f"[n, k/32] in pairs without padding, so in_features / 32 must be even (got {k} / 32 = {k // 32}; "
+                "0.25.1rc1 and main pad it)")
     return None

@@ -391,7 +391,7 @@ def test_mx_quality_rows_on_the_trained_fixture(trained_fixture, tmp_path):
     from cvt.tests.quant.test_methods_e2e import assert_readme_row, kl_and_ppl
 
     rows = {"mxfp8 (W8A8_MXFP8), rtn": dict(scheme="mxfp8"),
-            "w4a4_mxfp4 (W4A4_MXFP4), rtn": dict(scheme="w4a4_mxfp4"),
+            "w4a4_mxfp4 (W4A4_MXFP4), rtn (the 96-wide q_b_proj float: 0.23)": dict(scheme="w4a4_mxfp4"),
             "w4a8_mxfp (W4A8_MXFP, experts), rtn": dict(scheme="w4a8_mxfp"),
             "w8a8c8 with the fp8 FAKQuant cache (--kv-dtype fp8), rtn": dict(scheme="w8a8c8", kv_dtype="fp8",
                                                                               calib_tokens=2048)}

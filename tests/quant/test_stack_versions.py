@@ -12,6 +12,9 @@ Pinned to vllm-ascend's repository (main at 182b75e; tags v0.23.0, v0.24.0rc1, v
   to npu_kv_rmsnorm_rope_cache and the latent is read back times ``fak_descale_float`` (fa_k.scale);
   ``quantization/methods/kv_c8.py`` AscendFAQuantAttentionMethod.create_weights declares the same
   fa_{q,k,v}.{scale,offset} as for int8. GQA C8 (AscendC8KVCacheAttentionMethod) is int8 only.
+* ``quantization/methods/w4a4_mxfp4.py`` (v0.23.0; v0.24.0rc1 alike): the linear method's
+  process_weights_after_loading does ``weight_scale.reshape(n_dim, k_dim // 2, 2)`` with k_dim the
+  scale's k / 32 columns, unpadded (v0.25.1rc1 pads them to even first, PR #12201).
 """
 
 from __future__ import annotations
@@ -74,6 +77,28 @@ def test_main_refuses_what_pr_13713_removed(fp8_release_session, root):
         quantize(fp8_release_session, root / "r3", fmt="ascend", scheme="w8a8", recipe=rec, quiet=True)
     assert "13713" not in str(e.value)
     assert not any((root / n).exists() and any((root / n).iterdir()) for n in ("r1", "r2", "r3"))
+
+
+def test_w4a4_mxfp4_linear_with_odd_k_over_32_is_float_on_0_23_and_0_24(tmp_path):
+    """q_b_proj with 96 in_features (3 scale columns) cannot be loaded by 0.23 / 0.24's W4A4_MXFP4
+    linear method: kept float there with the reason (a recipe asking for it is refused); 0.25 and
+    main pad the scales and get it quantized."""
+    from cvt.convert.synthetic import tiny_deepseek_config, write_fp8_release
+
+    src = write_fp8_release(tmp_path / "fp8", tiny_deepseek_config(q_lora_rank=96))
+    qb = "model.layers.0.self_attn.q_b_proj"
+    for line, quantized in (("0.23", False), ("0.24", False), ("0.25", True), ("main", True)):
+        dst = tmp_path / f"q{line}"
+        quantize(src, dst, fmt="ascend", scheme="w4a4_mxfp4", target_version=line, quiet=True)
+        desc = json.loads((dst / "quant_model_description.json").read_text())
+        assert desc[f"{qb}.weight"] == ("W4A4_MXFP4" if quantized else "FLOAT"), line
+        assert desc["model.layers.0.self_attn.o_proj.weight"] == "W4A4_MXFP4", line  # k 128: 4 columns
+        if not quantized:
+            why = json.loads((dst / "cvt_manifest.json").read_text())["quant"]["float_modules"][qb]
+            assert "in_features / 32 must be even (got 96 / 32 = 3" in why, why
+    rec = Recipe.model_validate({"rules": [{"pattern": r"q_b_proj", "scheme": "w4a4_mxfp4"}]})
+    with pytest.raises(CvtError, match=r"q_b_proj: --target-version 0.23: .*in_features / 32 must be even"):
+        quantize(src, tmp_path / "r", fmt="ascend", scheme="w4a4_mxfp4", recipe=rec, quiet=True)
 
 
 @pytest.mark.parametrize("kw,msg", [
