@@ -42,6 +42,11 @@ quantize each rank's input slice with its own scale, as MindIE / vllm-ascend do:
 layer differs from the single-process run by quantization noise; weight-only and static
 formats agree with it to float rounding.
 
+The module paths above are the Hugging Face layout's; a family that names its parts otherwise
+says where they are (``Model.parallel``, a `ParallelNames`: DeepSeek-V4's ``embed``,
+``layers.{i}.attn.wo_b``, ``ffn``, ``head``, the Args fields a rank holds a share of, and the
+linears whose split rows are all-gathered).
+
 Attention DP: every rank runs the same tokens (the dp ranks are replicas here; serving
 would give each dp group its own sequences). Every rank therefore routes identically (the
 same inputs, bit-identical all-reduce results), which the MoE scheme relies on. MTP layers
@@ -63,6 +68,7 @@ from torch import nn
 
 from cvt.convert.layout import Layout, RankCoords, coords, group
 from cvt.errors import CvtError, ManifestError
+from cvt.runtime.models.base import ParallelNames
 from cvt.schemas.layout import AXES
 from cvt.schemas.manifest import Manifest, RankShard
 
@@ -257,12 +263,24 @@ class GatheredHead(nn.Module):
         return self.ctx.all_gather(y.float(), self.axis, dim=-1)
 
 
+class Gathered(nn.Module):
+    """A linear whose output rows are split over `axis`: the rank's rows, all-gathered (in the
+    input's dtype; float32 through gloo for bf16 / fp16) so that every rank has them all."""
+
+    def __init__(self, linear: nn.Module, ctx: ParallelContext, axis: str):
+        super().__init__()
+        self.linear, self.ctx, self.axis = linear, ctx, axis
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ctx.all_gather(self.linear(x), self.axis, dim=-1)
+
+
 class ParallelMoE(nn.Module):
     """A MoE layer's share on this rank (module docstring): route all tokens, run the local
     experts on the tokens this rank computes for them, add the shared experts where they count,
     all-reduce over the world. `holders`: global expert id -> EP ranks holding it, in order."""
 
-    def __init__(self, moe: nn.Module, ctx: ParallelContext, holders: dict[int, list[int]]):
+    def __init__(self, moe: nn.Module, ctx: ParallelContext, holders: dict[int, list[int]], down: str = "down_proj"):
         super().__init__()
         self.moe, self.ctx = moe, ctx
         ep_rank = ctx.coords.ep_rank
@@ -280,18 +298,19 @@ class ParallelMoE(nn.Module):
         elif ctx.layout.shared_experts == "moe_tp":
             self.shared = ep_rank == 0
             if ctx.size("moe_tp") > 1 and ctx.coord("moe_tp") != 0:
-                drop_additive(shared.down_proj)
+                drop_additive(getattr(shared, down))
         else:
             self.shared = ctx.rank == 0
         if ctx.size("moe_tp") > 1 and ctx.coord("moe_tp") != 0:
             for expert in moe.experts.values():
-                drop_additive(expert.down_proj)
+                drop_additive(getattr(expert, down))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [b, s, h] -> [b, s, h] (the full MoE output on every rank)."""
+    def forward(self, x: torch.Tensor, *route_args) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h] (the full MoE output on every rank); `route_args`: what the
+        MoE's router takes besides the tokens' states (DeepSeek-V4's hash layers: the token ids)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                           # [n, h]
-        weights, idx = self.moe.route(x)                                       # [n, k], global ids
+        weights, idx = self.moe.route(x, *route_args)                          # [n, k], global ids
         weights = weights.to(x.dtype)
         y = torch.zeros_like(x)
         for e, replica, count in self.slots:
@@ -307,18 +326,20 @@ class ParallelMoE(nn.Module):
 
 
 # ------------------------------------------------------------------------------ local model
-# Args field -> the layout degree dividing it on a rank
-LOCAL_SIZES = {"num_attention_heads": "tp", "num_key_value_heads": "tp", "intermediate_size": "dense_tp",
-               "moe_intermediate_size": "moe_tp"}
+def names_of(model_or_class) -> ParallelNames:
+    """Where `cvt.runtime.parallel` finds the parts of this model (class) (`ParallelNames`)."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    return getattr(cls, "parallel", None) or ParallelNames()
 
 
-def local_args(args, layout: Layout):
-    """The model args of one rank: heads / tp, KV heads / tp, intermediate / dense_tp,
-    moe_intermediate / moe_tp (vocab stays global: embedding and head are resized apart)."""
+def local_args(args, layout: Layout, names: ParallelNames | None = None):
+    """The model args of one rank: the fields `names.local_sizes` lists divided by their degree
+    (by default heads / tp, KV heads / tp, intermediate / dense_tp, moe_intermediate / moe_tp;
+    vocab stays global: embedding and head are resized apart)."""
     changes: dict[str, Any] = {}
     if hasattr(args, "dim_head"):  # GQA families: keep the head size when the head count shrinks
         changes["head_dim"] = args.dim_head
-    for key, axis in LOCAL_SIZES.items():
+    for key, axis in (names or ParallelNames()).local_sizes:
         value, degree = getattr(args, key, None), getattr(layout, axis)
         if value is None or degree == 1:
             continue
@@ -370,13 +391,14 @@ def load_rank(root, manifest: Manifest, config: dict, ctx: ParallelContext, *, d
     entry = next(e for e in shard.ranks if e.rank == ctx.rank)
     mod, cfg = family(config)
     args = mod.Args.from_config(cfg)
-    largs = local_args(args, layout)
+    names = names_of(mod.Model)
+    largs = local_args(args, layout, names)
     n_layers = args.num_hidden_layers
     experts = {int(L): ids for L, ids in entry.experts.items() if int(L) < n_layers}
     kw = {"mtp": False} if "mtp" in inspect.signature(mod.Model).parameters else {}
     with torch.device("meta"):
         model = mod.Model(largs, dtype=dtype, experts=experts, **kw)
-        _resize(model, args, layout, dtype)
+        _resize(model, args, layout, dtype, names)
     arch = arch_for(config)
     ckpt = open_checkpoint(root / entry.dir, need_config=False)
     try:
@@ -399,7 +421,7 @@ def load_rank(root, manifest: Manifest, config: dict, ctx: ParallelContext, *, d
                                         kv_cache.codec_of_config(config, manifest))
     check_complete(model, root / entry.dir)
     holders = expert_holders(layout, config)
-    _wrap(model, ctx, holders)
+    _wrap(model, ctx, holders, names)
     model.eval()
     return RankModel(model, config, ctx, entry)
 
@@ -428,51 +450,79 @@ def _local_shape(tensors):
     return adjust
 
 
-def _resize(model: nn.Module, args, layout: Layout, dtype) -> None:
+def _get(root: nn.Module, path: str):
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _set(root: nn.Module, path: str, module: nn.Module) -> None:
+    *parent, last = path.split(".")
+    setattr(_get(root, ".".join(parent)) if parent else root, last, module)
+
+
+def _resize(model: nn.Module, args, layout: Layout, dtype, names: ParallelNames) -> None:
     """Parts `local_args` cannot express (on meta): vocab-parallel embedding rows, lm_head rows,
-    shared experts held whole (``replicated``) under moe_tp."""
+    shared experts held whole (``replicated``) under moe_tp, the rows of `names.gathered`."""
     from cvt.runtime.kernels import Linear
     from cvt.runtime.models.base import MLP
 
     h, V = args.hidden_size, args.vocab_size
-    backbone = model.model
     if layout.embed_tp > 1:
-        backbone.embed_tokens = nn.Embedding(V // layout.embed_tp, h, dtype=dtype)
-        backbone.embed_tokens.weight.requires_grad_(False)
-    if getattr(model, "lm_head", None) is not None and layout.lmhead_tp > 1:
-        model.lm_head = Linear(h, V // layout.lmhead_tp, dtype=dtype)
-    if layout.shared_experts == "replicated" and layout.moe_tp > 1:
-        for layer in backbone.layers:
-            if getattr(layer.mlp, "shared_experts", None) is not None:
-                width = args.moe_intermediate_size * (getattr(args, "n_shared_experts", None) or 1)
-                layer.mlp.shared_experts = MLP(h, width, dtype=dtype)
+        emb = nn.Embedding(V // layout.embed_tp, h, dtype=dtype)
+        emb.weight.requires_grad_(False)
+        _set(model, names.embed, emb)
+    if getattr(model, names.head, None) is not None and layout.lmhead_tp > 1:
+        _set(model, names.head, Linear(h, V // layout.lmhead_tp, dtype=dtype))
+    for layer in _get(model, names.layers)[: args.num_hidden_layers]:
+        mlp = _get(layer, names.mlp)
+        shared = getattr(mlp, "shared_experts", None)
+        if layout.shared_experts == "replicated" and layout.moe_tp > 1 and shared is not None:
+            width = args.moe_intermediate_size * (getattr(args, "n_shared_experts", None) or 1)
+            # the family's own shared-expert class, built from the global args (DeepSeek-V4's
+            # Expert(args)); the HF-layout families' MLP(hidden, width)
+            mlp.shared_experts = MLP(h, width, dtype=dtype) if isinstance(shared, MLP) else type(shared)(args, dtype)
+        for path in names.gathered if layout.tp > 1 else ():
+            try:
+                linear = _get(layer, path)
+            except AttributeError:  # not in this layer (e.g. V4's indexer: its CSA layers only)
+                continue
+            if linear.out_features % layout.tp:
+                raise CvtError(f"{path}: {linear.out_features} output rows do not divide over tp {layout.tp}")
+            _set(layer, path, Linear(linear.in_features, linear.out_features // layout.tp, dtype=dtype))
 
 
-def _wrap(model: nn.Module, ctx: ParallelContext, holders: dict[int, dict[int, list[int]]]) -> None:
+def _wrap(model: nn.Module, ctx: ParallelContext, holders: dict[int, dict[int, list[int]]],
+          names: ParallelNames) -> None:
     """Put the collectives in (after loading: the loader swaps quantized linears in by name)."""
     layout = ctx.layout
-    backbone = model.model
-    emb = backbone.embed_tokens
+    emb = _get(model, names.embed)
     V = model.args.vocab_size
     if layout.embed_tp > 1:
         start = ctx.coord("embed_tp") * (V // layout.embed_tp)
-        backbone.embed_tokens = VocabParallelEmbedding(emb.weight, start, ctx)
-    if getattr(model, "lm_head", None) is not None:
+        _set(model, names.embed, VocabParallelEmbedding(emb.weight, start, ctx))
+    if getattr(model, names.head, None) is not None:
         if layout.lmhead_tp > 1:
-            model.lm_head = GatheredHead(model.lm_head, ctx, "lmhead_tp")
+            _set(model, names.head, GatheredHead(_get(model, names.head), ctx, "lmhead_tp"))
     elif layout.embed_tp > 1:  # tied embeddings: the head has the embedding's vocab rows
-        model.lm_head = GatheredHead(None, ctx, "embed_tp", weight=backbone.embed_tokens.weight)
+        _set(model, names.head, GatheredHead(None, ctx, "embed_tp", weight=_get(model, names.embed).weight))
+    layers = _get(model, names.layers)
     for i in range(model.args.num_hidden_layers):
-        layer = backbone.layers[i]
-        attn = layer.self_attn
+        layer = layers[i]
         if layout.tp > 1:
-            attn.o_proj = RowParallel(attn.o_proj, ctx, "tp")
-        mlp = layer.mlp
+            _set(layer, names.attn_out, RowParallel(_get(layer, names.attn_out), ctx, "tp"))
+            for path in names.gathered:
+                try:
+                    linear = _get(layer, path)
+                except AttributeError:
+                    continue
+                _set(layer, path, Gathered(linear, ctx, "tp"))
+        mlp = _get(layer, names.mlp)
         if hasattr(mlp, "route"):
-            layer.mlp = ParallelMoE(mlp, ctx, holders.get(i, {}))
+            _set(layer, names.mlp, ParallelMoE(mlp, ctx, holders.get(i, {}), names.down))
         elif layout.dense_tp > 1:
-            mlp.down_proj = RowParallel(mlp.down_proj, ctx, "dense_tp")
+            setattr(mlp, names.down, RowParallel(getattr(mlp, names.down), ctx, "dense_tp"))
 
 
-__all__ = ["ParallelContext", "RowParallel", "VocabParallelEmbedding", "GatheredHead", "ParallelMoE",
-           "backend_for", "rank_device", "agree", "local_args", "load_rank", "RankModel", "WORLD"]
+__all__ = ["ParallelContext", "RowParallel", "VocabParallelEmbedding", "GatheredHead", "Gathered", "ParallelMoE",
+           "backend_for", "rank_device", "agree", "local_args", "names_of", "load_rank", "RankModel", "WORLD"]

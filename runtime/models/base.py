@@ -50,6 +50,28 @@ HARMLESS_KEYS = frozenset({
 })
 
 
+@dataclasses.dataclass(frozen=True)
+class ParallelNames:
+    """Where the multi-rank runtime (`cvt.runtime.parallel`) finds a model's parts: attribute
+    paths from the Model (dotted), and which Args fields a rank holds a share of. The defaults
+    are the Hugging Face layout of the contract above; a family with other names gives its own
+    (``Model.parallel``)."""
+
+    embed: str = "model.embed_tokens"
+    head: str = "lm_head"
+    layers: str = "model.layers"
+    attn_out: str = "self_attn.o_proj"   # row-parallel over tp (from a layer)
+    mlp: str = "mlp"                     # a dense MLP (down row-parallel over dense_tp) or a MoE with `route`
+    down: str = "down_proj"              # an MLP's / expert's down projection (from the MLP)
+    # Args field -> the layout degree dividing it on a rank
+    local_sizes: tuple[tuple[str, str], ...] = (("num_attention_heads", "tp"), ("num_key_value_heads", "tp"),
+                                                ("intermediate_size", "dense_tp"),
+                                                ("moe_intermediate_size", "moe_tp"))
+    # linears (from a layer) whose output rows the sharder splits over tp while the model needs
+    # them all: the rank computes its rows, an all-gather completes them
+    gathered: tuple[str, ...] = ()
+
+
 class ConfigError(CvtError):
     """config.json asks for something the runtime does not implement."""
 
@@ -170,6 +192,7 @@ class CausalLM(nn.Module):
     gives `rope_at` (cos / sin of the positions) and may give `logits` (default ``lm_head(x).float()``)."""
 
     cache_name: ClassVar[str] = "KV cache"   # how new_cache's errors name the family's cache
+    parallel: ClassVar[ParallelNames] = ParallelNames()
 
     @property
     def max_positions(self) -> int:

@@ -45,7 +45,7 @@ from torch import nn
 from cvt.convert.arch.deepseek_v4 import DEFAULTS, compress_ratios, num_hash_layers
 from cvt.errors import CvtError
 from cvt.runtime.kernels import Linear
-from cvt.runtime.models.base import ConfigError, ModelArgs, RMSNorm
+from cvt.runtime.models.base import ConfigError, ModelArgs, ParallelNames, RMSNorm, build_experts
 
 
 YARN_KEYS = frozenset({"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
@@ -346,16 +346,23 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, args: Args, hashed: bool, dtype=None, device=None):
+    """Routed experts (`experts`: the global ids to build, None: all; `base.build_experts`) and
+    the shared expert; `route` is what the multi-rank runtime calls (`cvt.runtime.parallel`)."""
+
+    def __init__(self, args: Args, hashed: bool, dtype=None, device=None, experts=None):
         super().__init__()
         self.gate = Gate(args, hashed, dtype, device)
-        self.experts = nn.ModuleList(Expert(args, dtype, device) for _ in range(args.n_routed_experts))
+        self.experts = build_experts(experts, args.n_routed_experts, lambda: Expert(args, dtype, device))
         self.shared_experts = Expert(args, dtype, device)
+
+    def route(self, flat: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """flat [n, d], tokens [b, s] (n = b * s) -> (weights [n, k], global expert ids [n, k])."""
+        return self.gate(flat, tokens)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        w, idx = self.gate(flat, tokens)
+        w, idx = self.route(flat, tokens)
         y = torch.zeros_like(flat)
         for e in torch.unique(idx).tolist():
             tok, slot = torch.where(idx == e)
@@ -381,7 +388,7 @@ def hyper(streams, fn, base, scale, hc: int, iters: int, eps: float, norm_eps: f
 
 
 class Block(nn.Module):
-    def __init__(self, args: Args, layer: int, ratio: int, dtype=None, device=None):
+    def __init__(self, args: Args, layer: int, ratio: int, dtype=None, device=None, experts=None):
         super().__init__()
         self.args = args
         d, hc = args.hidden_size, args.hc_mult
@@ -393,7 +400,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(d, args.rms_norm_eps, dtype=dtype, device=device)
         self.ffn_norm = RMSNorm(d, args.rms_norm_eps, dtype=dtype, device=device)
         self.attn = Attention(args, ratio, dtype, device)
-        self.ffn = MoE(args, layer < args.hash_layers(), dtype, device)
+        self.ffn = MoE(args, layer < args.hash_layers(), dtype, device, experts)
 
     def _mix(self, part: str, streams):
         a = self.args
@@ -457,11 +464,23 @@ class Model(nn.Module):
     """The decoder (module docstring); ``forward(tokens, start_pos, cache)`` -> logits float32."""
 
     cache_name: ClassVar[str] = "DeepSeek-V4 cache"
+    # under tp a rank holds heads / tp and o_groups / tp (wq_b, attn_sink, wo_a rows; wo_b columns,
+    # all-reduced), the one KV head whole, and the indexer's heads / tp (its wq_b and weights_proj
+    # rows): the split of DeepSeek's V4 inference/convert.py (`cvt.convert.arch.deepseek_v4`). The
+    # indexer's two projections are all-gathered, so every rank scores and picks its top-k over all
+    # index heads exactly as one process does (a sum of per-rank partial scores would round
+    # differently and could change which entries are kept)
+    parallel: ClassVar[ParallelNames] = ParallelNames(
+        embed="embed", head="head", layers="layers", attn_out="attn.wo_b", mlp="ffn", down="w2",
+        local_sizes=(("num_attention_heads", "tp"), ("o_groups", "tp"), ("moe_intermediate_size", "moe_tp")),
+        gathered=("attn.indexer.wq_b", "attn.indexer.weights_proj"))
     # cvt.quant.methods drives HF-layout layers (model.layers[i](x, cos, sin, mask, ...)); V4's
     # hyper-connected blocks are not that: the quantize stage refuses calibrated methods for it
     calibratable: ClassVar[bool] = False
 
-    def __init__(self, args: Args, dtype=None, device=None):
+    def __init__(self, args: Args, dtype=None, device=None, mtp: bool = True, experts=None):
+        """`mtp`: build the MTP layers; `experts` (decoder layer -> global expert ids) builds only
+        those routed experts (a rank of `cvt.runtime.parallel`, which builds no MTP layers)."""
         super().__init__()
         self.args = args
         d, hc = args.hidden_size, args.hc_mult
@@ -469,9 +488,10 @@ class Model(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, d, dtype=dtype, device=device)
         self.embed.weight.requires_grad_(False)
         n = args.num_hidden_layers
-        self.layers = nn.ModuleList(Block(args, i, ratios[i], dtype, device) for i in range(n))
+        ids = (lambda i: None) if experts is None else experts.get
+        self.layers = nn.ModuleList(Block(args, i, ratios[i], dtype, device, ids(i)) for i in range(n))
         self.mtp = nn.ModuleList(MTPBlock(args, n + j, ratios[n + j], dtype, device)
-                                 for j in range(args.num_nextn_predict_layers or 0))
+                                 for j in range((args.num_nextn_predict_layers or 0) if mtp else 0))
         self.norm = RMSNorm(d, args.rms_norm_eps, dtype=dtype, device=device)
         self.head = Linear(d, args.vocab_size, dtype=dtype, device=device)
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * d, device=device), requires_grad=False)

@@ -33,7 +33,7 @@ ARGV = [a for p in PROMPTS for a in ("--prompt", p)] + ["--max-new-tokens", str(
 
 
 # ------------------------------------------------------------------------------ helpers
-def _worker(rank: int, world: int, store: str, cases: list, out: str) -> None:
+def _worker(rank: int, world: int, store: str, cases: list, out: str, argv: list | None = None) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -41,20 +41,22 @@ def _worker(rank: int, world: int, store: str, cases: list, out: str) -> None:
     codes = {}
     try:
         for name, dst in cases:
-            codes[name] = launch.main([str(dst), *ARGV, "--dump-logits", f"{out}/{name}.{{rank}}.safetensors"])
+            codes[name] = launch.main([str(dst), *(argv or ARGV), "--dump-logits",
+                                       f"{out}/{name}.{{rank}}.safetensors"])
     finally:
         Path(out, f"codes.{rank}.json").write_text(json.dumps(codes))
         dist.barrier()  # no rank tears the world down under a peer still in it
         dist.destroy_process_group()
 
 
-def _spawn(world: int, cases: list, tmp: Path, timeout: float = 240) -> dict[str, list[int]]:
-    """Run `cases` [(name, dst)] in one spawned world; exit codes per case, by rank."""
+def _spawn(world: int, cases: list, tmp: Path, timeout: float = 240, argv: list | None = None) -> dict[str, list[int]]:
+    """Run `cases` [(name, dst)] in one spawned world (`launch.main` with `argv`, default ARGV);
+    exit codes per case, by rank."""
     import torch.multiprocessing as mp
 
     out = tmp / f"out-{world}"
     out.mkdir()
-    ctx = mp.start_processes(_worker, args=(world, str(tmp / f"store-{world}"), cases, str(out)), nprocs=world,
+    ctx = mp.start_processes(_worker, args=(world, str(tmp / f"store-{world}"), cases, str(out), argv), nprocs=world,
                              join=False, start_method="spawn")
     import time
 
@@ -68,7 +70,7 @@ def _spawn(world: int, cases: list, tmp: Path, timeout: float = 240) -> dict[str
     return {name: [c[name] for c in codes] for name, _ in cases}
 
 
-def _reference(src: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _reference(src: Path, prompts: list[str] = PROMPTS) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Single-process tokens (prompt + generated) and per-call logits of every prompt, float32."""
     from cvt.runtime.generate import generate
     from cvt.runtime.loader import load_model
@@ -76,19 +78,19 @@ def _reference(src: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
 
     loaded = load_model(src, dtype=torch.float32)
     tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
-    ids = [tok.encode(p) for p in PROMPTS]
+    ids = [tok.encode(p) for p in prompts]
     rec = launch.LogitsRecorder(loaded.model)
     res = generate(rec, ids, NEW_TOKENS, eos_id=tok.eos_id, device=torch.device("cpu"))
     return [p + o for p, o in zip(ids, res.outputs)], rec.per_prompt(ids)
 
 
-def _check_dumps(out: Path, name: str, world: int, ref) -> None:
+def _check_dumps(out: Path, name: str, world: int, ref, prompts: list[str] = PROMPTS) -> None:
     from safetensors.torch import load_file
 
     tokens, logits = ref
     for rank in range(world):
         d = load_file(out / f"{name}.{rank}.safetensors")
-        for i in range(len(PROMPTS)):
+        for i in range(len(prompts)):
             assert d[f"tokens.{i}"].tolist() == tokens[i], (name, rank, i)
             torch.testing.assert_close(d[f"logits.{i}"], logits[i], atol=1e-4, rtol=1e-4,
                                        msg=lambda m: f"{name} rank {rank} prompt {i}: {m}")
