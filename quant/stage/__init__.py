@@ -42,7 +42,7 @@ from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, defaul
 from cvt.errors import FormatError, OptionError
 from cvt.quant.tensor.formats import DEFAULT_FORMAT, get_format
 from cvt.quant.tensor.disk_layouts import DiskLayouts
-from cvt.quant.tensor.layouts import check_target, kernel_fmt_of
+from cvt.quant.tensor.layouts import ASCEND, check_target, kernel_fmt_of
 from cvt.quant.tensor.stack_versions import check_line, line_problem
 from cvt.quant.recipe import RTN, Policy, Recipe
 from cvt.quant.tensor.schemes import scheme_from_options
@@ -50,7 +50,7 @@ from cvt.quant.tensor.schemes.base import QuantizedTensor
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
 from cvt.units import article
 from cvt.quant.stage.plan import CT_PARTS, FP8_SCALE, Plan, check_kv_target, make_plan, names_where, weight_shape
-from cvt.quant.stage import fp4_source
+from cvt.quant.stage import fp4_source, v4_mtp
 from cvt.quant.stage.quantizer import Quantizer, Source
 
 log = logging.getLogger("cvt")
@@ -326,6 +326,12 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
         tags[name] = "FLOAT"
         if info.param == "weight" and len(ref.shape) == 2 and info.role.value in LINEAR_ROLES and module not in float_linears:
             float_linears.append(module)
+
+    if form.name == ASCEND:  # DeepSeek-V4: the MTP draft's own embed / head copies (`v4_mtp`)
+        for alias, name in v4_mtp.aliases(ckpt.config, ckpt.tensors).items():
+            dt, shape = source.float_spec(name)
+            outs.append(OutTensor(TensorSpec(alias, dt, shape), produce=lambda n=name: source.float_tensor(n)))
+            tags[alias] = "FLOAT"
 
     c8 = any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
     kv_meta = None
