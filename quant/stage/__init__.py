@@ -50,7 +50,7 @@ from cvt.quant.tensor.schemes.base import QuantizedTensor
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
 from cvt.units import article
 from cvt.quant.stage.plan import CT_PARTS, FP8_SCALE, Plan, check_kv_target, make_plan, names_where, weight_shape
-from cvt.quant.stage import fp4_source, v4_mtp
+from cvt.quant.stage import deepseek_v4, fp4_source
 from cvt.quant.stage.quantizer import Quantizer, Source
 
 log = logging.getLogger("cvt")
@@ -99,6 +99,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             raise FormatError(f"{src}: cannot quantize {article(src_fmt.value)} checkpoint (quantize reads BF16, FP8 block "
                               "and compressed-tensors pack-quantized INT4 checkpoints)")
         arch = arch_for(ckpt.config)
+        deepseek_v4.check_format(ckpt.config, fmt)
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
         plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         check_kv_target(ckpt.config, plan, fmt, target)
@@ -327,8 +328,8 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
         if info.param == "weight" and len(ref.shape) == 2 and info.role.value in LINEAR_ROLES and module not in float_linears:
             float_linears.append(module)
 
-    if form.name == ASCEND:  # DeepSeek-V4: the MTP draft's own embed / head copies (`v4_mtp`)
-        for alias, name in v4_mtp.aliases(ckpt.config, ckpt.tensors).items():
+    if form.name == ASCEND:  # DeepSeek-V4: the MTP draft's own embed / head copies (`deepseek_v4`)
+        for alias, name in deepseek_v4.aliases(ckpt.config, ckpt.tensors).items():
             dt, shape = source.float_spec(name)
             outs.append(OutTensor(TensorSpec(alias, dt, shape), produce=lambda n=name: source.float_tensor(n)))
             tags[alias] = "FLOAT"
