@@ -83,16 +83,19 @@ def test_a_release_with_the_copies_is_read_and_carried(releases, tmp_path):
     assert all(torch.equal(_load(bf16)[c], src[c]) for c in COPIES)
 
 
-def test_compressed_tensors_is_refused_before_dst_exists(releases, tmp_path):
-    """vLLM's DeepseekV4ForCausalLM (vllm/models/deepseek_v4/nvidia/model.py, DeepseekV4Model.load_weights)
-    fuses attn.wq_a + attn.wkv into attn.fused_wqa_wkv and declares no packed_modules_mapping: a
-    compressed-tensors config under the release's names matches no fused module. One line, nothing written."""
+@pytest.mark.parametrize("args", [("--scheme", "w8a8"), ("--scheme", "fp4", "--fp4-format", "mxfp4")])
+def test_compressed_tensors_is_refused_before_dst_exists(releases, tmp_path, args):
+    """vLLM's compressed-tensors MoE lookup (vllm/model_executor/layers/quantization/compressed_tensors/
+    compressed_tensors_moe.py, get_compressed_tensors_moe_method) finds the experts' scheme from a "Linear"
+    target or targets matching gate_proj / up_proj / down_proj, and DeepseekV4ForCausalLM
+    (vllm/models/deepseek_v4/nvidia/model.py) fuses attn.wq_a + attn.wkv with no packed_modules_mapping:
+    V4's w1 / w2 / w3 release names are neither. One line, nothing written."""
     from cvt.quant.tensor.layouts import COMPRESSED_TENSORS
 
     flash, _ = releases
     dst = tmp_path / "ct"
-    r = run_cvt("quantize", flash, dst, "--scheme", "w8a8", "--format", COMPRESSED_TENSORS, "--quiet")
+    r = run_cvt("quantize", flash, dst, *args, "--format", COMPRESSED_TENSORS, "--quiet")
     assert r.rc != 0 and not dst.exists()
     lines = r.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cvt: error: deepseek_v4: --format compressed-tensors is refused")
-    assert "wq_a + wkv" in lines[0] and "--format ascend" in lines[0]
+    assert "w1 / w2 / w3" in lines[0] and "--format ascend" in lines[0]
