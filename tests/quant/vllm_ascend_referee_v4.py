@@ -32,7 +32,14 @@ the same modules in ``models/deepseek_v4.py`` / ``deepseek_v4_mtp.py``):
 Beyond vllm_ascend_referee.APPROXIMATIONS: the draft's quant lookups use the target's model_type
 (deepseek_v4); ``tid2eid`` (int32 in vLLM) takes the release's int64 values through
 default_weight_loader's copy_, which converts the expert ids exactly, so an int64 or int32
-checkpoint tensor is accepted there.
+checkpoint tensor is accepted there; the stand-in device is not A5 (compressor wkv / wgate ask the
+quant config; on A5 they are built without it: FLOAT resolves both ways to unquantized);
+``process_weights_after_loading`` is not run (NZ format casts and int4 packing are NPU kernels).
+
+Seen in vllm-ascend itself: the draft's load_weights sends every name containing ``.norm.`` to
+``shared_head.norm``, so an MTP layer that compresses (compress_ratios[num_hidden_layers] 4 or 128)
+cannot load its ``attn.compressor.norm.weight``; the published V4 configs end compress_ratios with
+0 for the MTP layer, as the referee's test release does.
 """
 
 from __future__ import annotations
