@@ -450,6 +450,14 @@ def run_plan_id(ckpt: Checkpoint, src: SourceInfo, stage: StageInfo, **parts: An
     })
 
 
+def _carried(ckpt: Checkpoint, names: Iterable[str] | None) -> list[str]:
+    """The source's carried tensors, then those only the output has (DeepSeek-V4's MTP copies)."""
+    out = carried_names(ckpt.config, ckpt.tensors)
+    if names is not None:
+        out += [n for n in carried_names(ckpt.config, names) if n not in ckpt.tensors]
+    return out
+
+
 def finish_output(out: OutputDir, ckpt: Checkpoint, files: list[FileInfo], *, src: SourceInfo, stage: StageInfo,
                   pid: str, out_format: str, tensor_count: int, total_size: int, summary: dict[str, int],
                   quant=None, shard=None, skip_aux: Iterable[str] = (), names: Iterable[str] | None = None) -> Manifest:
@@ -463,8 +471,7 @@ def finish_output(out: OutputDir, ckpt: Checkpoint, files: list[FileInfo], *, sr
     prior = list(ckpt.manifest.stages) if ckpt.manifest is not None else []  # a later stage extends the history
     manifest = Manifest(tool=ToolInfo(version=__version__), source=src, stages=[*prior, stage], format=out_format,
                         plan_id=pid, tensor_count=tensor_count, total_size=total_size, files=files,
-                        summary=Summary(counts=summary), carried=carried_names(ckpt.config, ckpt.tensors if names is None else names),
-                        quant=quant, shard=shard)
+                        summary=Summary(counts=summary), carried=_carried(ckpt, names), quant=quant, shard=shard)
     out.finish(manifest)
     return manifest
 
