@@ -17,7 +17,9 @@ leaves no index, config or manifest behind. Which
 linears are quantized, and how, is `cvt.quant.recipe.Policy`. Calibrated methods (gptq, awq,
 smoothquant) first run the runtime model layer by layer on calibration text
 (`cvt.quant.methods`); their results replace RTN for the modules they cover, and every
-fallback to RTN is recorded in the manifest.
+fallback to RTN is recorded in the manifest. DeepSeek-V4 (`cvt.quant.stage.deepseek_v4`): an Ascend
+output also holds the MTP draft's copies of embed / head, which vllm-ascend's draft reads, and
+compressed-tensors is refused up front.
 """
 
 from __future__ import annotations
