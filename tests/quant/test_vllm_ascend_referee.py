@@ -25,7 +25,7 @@ from cvt.convert.synthetic import (kimi_int4_tensors, release_tensors, tiny_glm_
 from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config, write_v4_release
 from cvt.quant.stage import quantize
 from cvt.tests.quant.vllm_ascend_referee import check_output, inspect_output
-from cvt.tests.quant.vllm_ascend_referee_v4 import check_v4_output, inspect_v4_output
+from cvt.tests.quant.vllm_ascend_referee_v4 import check_v4_output, inspect_v4_output, process_after_loading
 
 _ENV = os.environ.get("CVT_VLLM_ASCEND_SRC", "")
 pytestmark = pytest.mark.skipif(not _ENV or not Path(_ENV).exists(),
@@ -422,3 +422,19 @@ def test_v4_referee_finds_what_vllm_ascend_would_not_load(sources, va_src, tmp_p
     a = "layers.1.attn.wo_a.weight"
     _expect(check_v4_output(_mutate(out, tmp_path / "int8", lambda t: t.update({a: t[a].to(torch.int8)})), va_src),
             [f"{a}: integer tensor (torch.int8) for float parameter model.layers.1.self_attn.wo_a.weight"])
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8_mxfp", "mxfp8", "w4a4_mxfp4"])
+def test_v4_weights_go_through_vllm_ascends_process_weights_after_loading(sources, va_src, scheme):
+    """cvt's values in the parameters vllm-ascend creates, then its own process_weights_after_loading (NZ
+    casts as the identity off-device): every quantized linear and MoE layer of a CSA and an HCA layer
+    processes. (W4A8_DYNAMIC's experts call .npu() and W4A16's NPU packing: not runnable here.)"""
+    if not (va_src / "vllm_ascend" / "models" / "deepseek_v4").is_dir() and not (
+            va_src / "vllm_ascend" / "models" / "deepseek_v4.py").is_file():
+        pytest.skip(f"{va_src}: this vllm-ascend has no DeepSeek-V4 model")
+    mods = [f"model.layers.{i}.{m}" for i in (1, 2) for m in ("self_attn.wq_a", "self_attn.wq_b", "self_attn.wkv",
+                                                             "self_attn.wo_a", "mlp.shared_experts.gate_up_proj",
+                                                             "mlp.shared_experts.down_proj", "mlp.experts")]
+    r = process_after_loading(build(sources, "v4", {"scheme": scheme}), va_src, mods)
+    assert r["model.layers.1.self_attn.wo_a"] == "unquantized" and r["model.layers.2.mlp.experts"] == "ok", r
+    assert all(v in ("ok", "unquantized") for v in r.values()), r

@@ -34,7 +34,9 @@ Beyond vllm_ascend_referee.APPROXIMATIONS: the draft's quant lookups use the tar
 default_weight_loader's copy_, which converts the expert ids exactly, so an int64 or int32
 checkpoint tensor is accepted there; the stand-in device is not A5 (compressor wkv / wgate ask the
 quant config; on A5 they are built without it: FLOAT resolves both ways to unquantized);
-``process_weights_after_loading`` is not run (NZ format casts and int4 packing are NPU kernels).
+``process_weights_after_loading`` runs in `process_after_loading` only, with the NZ format casts
+as the identity (W4A8_DYNAMIC's experts move tensors with ``.npu()`` and W4A16's pack with NPU
+kernels: those cannot run here).
 
 Seen in vllm-ascend itself: the draft's load_weights sends every name containing ``.norm.`` to
 ``shared_head.norm``, so an MTP layer that compresses (compress_ratios[num_hidden_layers] 4 or 128)
@@ -45,13 +47,14 @@ cannot load its ``attn.compressor.norm.weight``; the published V4 configs end co
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from cvt.tests.quant.vllm_ascend_referee import (_CFG_DTYPES, _ROTARY_UNUSED, _Attn, _Embed, _experts, _Lin, _mlp,
-                                                _MoE, _Plain, _run_pass, _vllm_ascend, _vllm_remap_kv_scale,
+from cvt.tests.quant.vllm_ascend_referee import (_CFG_DTYPES, _ROTARY_UNUSED, _Attn, _Embed, _experts, _fake, _Lin,
+                                                _mlp, _MoE, _Plain, _run_pass, _vllm_ascend, _vllm_remap_kv_scale,
                                                 read_headers, Report)
 
 F32 = torch.float32
@@ -338,3 +341,106 @@ def inspect_v4_output(dst: Path, va_src: Path) -> Report:
 
 def check_v4_output(dst: Path, va_src: Path) -> list[str]:
     return inspect_v4_output(dst, va_src).problems
+
+
+# ---------------------------------------------------------------------------------------------
+# process_weights_after_loading on the loaded values (NZ format casts as identity)
+# ---------------------------------------------------------------------------------------------
+
+def _identity(t, *a, **k):
+    return t
+
+
+def _read_tensor(dst: Path, name: str, files: dict) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(files[name][2], framework="pt") as h:
+        return h.get_tensor(name)
+
+
+def _fill(p: torch.nn.Parameter, local: str, m, slots: dict, tensors: dict, dst: Path) -> list[str]:
+    """Copy the checkpoint tensors the referee routed into `p` (module `m`'s parameter `local`) as
+    vLLM's weight loaders place them (fused shards along output_dim, experts along dim 0 then their
+    w1 / w3 half); names of the tensors copied."""
+    full = f"{m.prefix}.{local}"
+    used = []
+    if isinstance(m, _MoE):
+        for (param, sid, e), s in slots.items():
+            if param != full or not s.filled_by:
+                continue
+            v = _read_tensor(dst, s.filled_by[0], tensors)
+            region = p.data[e]
+            if sid in ("w1", "w3") and tuple(s.shape) != tuple(region.shape):
+                half = region.shape[0] // 2
+                region = region.narrow(0, 0 if sid == "w1" else half, half)
+            region.copy_(v.reshape(region.shape))
+            used.append(s.filled_by[0])
+        return used
+    out_dim, offset = getattr(p, "output_dim", None), 0
+    for ck, sid, _ in m.shards:
+        s = slots.get((full, sid if len(m.shards) > 1 else None, None))
+        if s is None or not s.filled_by:
+            continue
+        v = _read_tensor(dst, s.filled_by[0], tensors)
+        if len(m.shards) > 1 and out_dim is not None:
+            n = s.shape[out_dim]
+            p.data.narrow(out_dim, offset, n).copy_(v)
+            offset += n
+        else:
+            p.data.copy_(v.reshape(p.shape))
+        used.append(s.filled_by[0])
+    return used
+
+
+def process_after_loading(dst: Path, va_src: Path, prefixes: list[str]) -> dict[str, str]:
+    """``{vLLM module prefix: "ok" | "unquantized" | the error}``: each quantized module's vllm-ascend
+    method creates its weights (all experts),
+    takes the checkpoint values the referee routes to them, and runs its own
+    ``process_weights_after_loading`` (``torch_npu.npu_format_cast`` and ``maybe_trans_nz`` -- NZ
+    layout casts on the NPU -- are the identity here; any other NPU kernel it calls fails the module)."""
+    dst, va_src = Path(dst), Path(va_src)
+    report = inspect_v4_output(dst, va_src)
+    config = json.loads((dst / "config.json").read_text())
+    desc = json.loads((dst / "quant_model_description.json").read_text())
+    dtype = torch.bfloat16
+    tensors, _ = read_headers(dst)
+    mods = {getattr(m, "prefix", None): m for m in _v4_layout(config, dtype)}
+    out: dict[str, str] = {}
+    with _vllm_ascend(va_src, config, dtype) as env:
+        env.mc.WeightsMapper = _WeightsMapper
+        sys.modules["torch_npu"].npu_format_cast = _identity
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("vllm_ascend.quantization") and hasattr(mod, "maybe_trans_nz"):
+                mod.maybe_trans_nz = _identity
+        cfg = env.mc.AscendModelSlimConfig(json.loads(json.dumps(desc)))
+        cfg.packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+        env.holder.quant_config = cfg
+        for prefix in prefixes:
+            m = mods[prefix]
+            try:
+                if isinstance(m, _MoE):
+                    layer = _fake(env, env.FusedMoE, *env.moe_bases)
+                    layer.moe_config, layer.weight_loader = None, None
+                    meth = cfg.get_quant_method(layer, prefix)
+                    if not isinstance(meth, env.adapters.AscendFusedMoEMethod):
+                        out[prefix] = "unquantized"
+                        continue
+                    meth.create_weights(layer, num_experts=m.num_experts, hidden_size=m.hidden,
+                                        intermediate_size_per_partition=m.inter, params_dtype=dtype, weight_loader=None,
+                                        intermediate_size_full=m.inter)
+                else:
+                    sizes = [n for _, _, n in m.shards]
+                    layer = _fake(env, *((env.RowParallelLinear, env.LinearBase) if m.kind == "row" else (env.LinearBase,)))
+                    meth = cfg.get_quant_method(layer, prefix)
+                    if not isinstance(meth, env.adapters.AscendLinearMethod):
+                        out[prefix] = "unquantized"
+                        continue
+                    meth.create_weights(layer, m.in_size, sizes, m.in_size, sum(sizes), dtype, weight_loader=None)
+                layer.prefix = prefix
+                for local, p in list(layer.named_parameters(recurse=False)):
+                    _fill(p, local, m, report.slots, tensors, dst)
+                meth.process_weights_after_loading(layer)
+                out[prefix] = "ok"
+            except Exception as exc:  # the module's processing failed: say how
+                out[prefix] = f"{type(exc).__name__}: {exc}"
+    return out
