@@ -450,11 +450,20 @@ def run_plan_id(ckpt: Checkpoint, src: SourceInfo, stage: StageInfo, **parts: An
     })
 
 
+def _carried(ckpt: Checkpoint, names: Iterable[str] | None) -> list[str]:
+    """The source's carried tensors, then those only the output has (DeepSeek-V4's MTP copies)."""
+    out = carried_names(ckpt.config, ckpt.tensors)
+    if names is not None:
+        out += [n for n in carried_names(ckpt.config, names) if n not in ckpt.tensors]
+    return out
+
+
 def finish_output(out: OutputDir, ckpt: Checkpoint, files: list[FileInfo], *, src: SourceInfo, stage: StageInfo,
                   pid: str, out_format: str, tensor_count: int, total_size: int, summary: dict[str, int],
-                  quant=None, shard=None, skip_aux: Iterable[str] = ()) -> Manifest:
+                  quant=None, shard=None, skip_aux: Iterable[str] = (), names: Iterable[str] | None = None) -> Manifest:
     """Copy the source's side files (tokenizer, generation config, remote code, ...; not
-    `skip_aux`) into DST, then write the manifest: the last file, which makes DST complete."""
+    `skip_aux`) into DST, then write the manifest: the last file, which makes DST complete.
+    `names`: the tensors written, when not the source's (the manifest lists their carried ones)."""
     skip = set(skip_aux)
     for path in ckpt.aux_files():
         if path.name not in skip:
@@ -462,8 +471,7 @@ def finish_output(out: OutputDir, ckpt: Checkpoint, files: list[FileInfo], *, sr
     prior = list(ckpt.manifest.stages) if ckpt.manifest is not None else []  # a later stage extends the history
     manifest = Manifest(tool=ToolInfo(version=__version__), source=src, stages=[*prior, stage], format=out_format,
                         plan_id=pid, tensor_count=tensor_count, total_size=total_size, files=files,
-                        summary=Summary(counts=summary), carried=carried_names(ckpt.config, ckpt.tensors),
-                        quant=quant, shard=shard)
+                        summary=Summary(counts=summary), carried=_carried(ckpt, names), quant=quant, shard=shard)
     out.finish(manifest)
     return manifest
 
@@ -573,7 +581,8 @@ def write_checkpoint(
             for rel, data in extra_files:
                 files.append(out.write_small(rel, data))
             manifest = finish_output(out, ckpt, files, src=src, stage=stage, pid=pid, out_format=out_format,
-                                     tensor_count=len(tensors), total_size=total_out, summary=summary, quant=quant)
+                                     tensor_count=len(tensors), total_size=total_out, summary=summary, quant=quant,
+                                     names=[t.spec.name for t in tensors])
         world.barrier()
     return WriteResult(
         dst=Path(dst),

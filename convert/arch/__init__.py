@@ -55,14 +55,14 @@ def arch_for(config: Mapping[str, Any]) -> ArchSpec:
 
 
 def carried_names(config: Mapping[str, Any], names) -> list[str]:
-    """Of `names`, those a wrapper's table maps to `Role.CARRIED` (Kimi-K2.5's vision tower and
-    projector: copied byte for byte by every stage, replicated, never run), in order; [] for a plain
-    text model or a config no table reads."""
+    """Of `names`, those a table maps to `Role.CARRIED` (Kimi-K2.5's vision tower and projector,
+    DeepSeek-V4's MTP copies of embed / head: copied byte for byte by every stage, replicated, never
+    run), in order; [] for a model without them or a config no table reads."""
     try:
         arch = arch_for(config)
     except ArchError:
         return []
-    if not arch.table.text_prefix:
+    if not any(r.role is Role.CARRIED for r in arch.table.rules):  # (DeepSeek-V4: the MTP embed / head copies)
         return []
     out = []
     for name in names:

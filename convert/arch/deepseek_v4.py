@@ -32,6 +32,7 @@ windows) else 1, Hi / Di = index_n_heads / index_head_dim, I = moe_intermediate_
     mtp.M.e_proj / h_proj                [d, d]           FP8            replicated  yes
     mtp.M.enorm / hnorm / norm .weight   [d]              bf16           replicated  always
     mtp.M.hc_head_fn / _base / _scale    [hc, hc*d] / [hc] / [1]  f32    replicated  always
+    mtp.M.emb.tok_emb / head .weight (3) [vocab, d]       bf16           replicated  always (carried)
 
 and at the top: ``embed.weight`` [vocab, d] (vocab-parallel), ``head.weight`` [vocab, d]
 (column), ``norm.weight``, ``hc_head_fn`` / ``hc_head_base`` / ``hc_head_scale``. Layers below
@@ -48,6 +49,10 @@ TP column: DeepSeek's ``inference/convert.py`` ``mapping`` (wq_b, wo_a, attn_sin
 weights_proj, embed, head: dim 0; wo_b: dim 1; every other name whole on each rank).
 (1) msModelSlim's V4 recipes keep ``wo_a``, ``wo_b``, the compressors and the indexer float.
 (2) int8-packed E2M1 with E8M0 group-32 scales under ``expert_dtype: "fp4"``; FP8 under "fp8".
+(3) copies of ``embed`` / ``head`` for the MTP draft: in V4-Flash-Base, not in V4-Flash (so not in
+    `param_shapes`); vLLM's and vllm-ascend's DeepSeekV4MTP.load_weights read only ``mtp.0.*``.
+    ``Role.CARRIED``: copied byte for byte by every stage, never run (cvt's MTPBlock uses embed /
+    head, as DeepSeek's inference/model.py ties them), replicated by ``cvt shard``.
 """
 
 from __future__ import annotations
@@ -253,5 +258,8 @@ TABLE = ArchTable(
         Rule(f"{M}.hnorm", Role.NORM, REP, Block.MTP, float_default=True, mtp_only=True),
         Rule(f"{M}.norm", Role.NORM, REP, Block.MTP, float_default=True, mtp_only=True),
         Rule(M, Role.NORM, REP, Block.MTP, float_default=True, mtp_only=True, params=HC_HEAD),
+        # the MTP layer's own copies of embed / head (3): carried, cvt's MTPBlock runs embed / head
+        Rule(f"{M}.emb.tok_emb", Role.CARRIED, REP, Block.CARRIED, float_default=True, mtp_only=True),
+        Rule(f"{M}.head", Role.CARRIED, REP, Block.CARRIED, float_default=True, mtp_only=True),
     ),
 )

@@ -17,7 +17,9 @@ leaves no index, config or manifest behind. Which
 linears are quantized, and how, is `cvt.quant.recipe.Policy`. Calibrated methods (gptq, awq,
 smoothquant) first run the runtime model layer by layer on calibration text
 (`cvt.quant.methods`); their results replace RTN for the modules they cover, and every
-fallback to RTN is recorded in the manifest.
+fallback to RTN is recorded in the manifest. DeepSeek-V4 (`cvt.quant.stage.deepseek_v4`): an Ascend
+output also holds the MTP draft's copies of embed / head, which vllm-ascend's draft reads, and
+compressed-tensors is refused up front.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, defaul
 from cvt.errors import FormatError, OptionError
 from cvt.quant.tensor.formats import DEFAULT_FORMAT, get_format
 from cvt.quant.tensor.disk_layouts import DiskLayouts
-from cvt.quant.tensor.layouts import check_target, kernel_fmt_of
+from cvt.quant.tensor.layouts import ASCEND, check_target, kernel_fmt_of
 from cvt.quant.tensor.stack_versions import check_line, line_problem
 from cvt.quant.recipe import RTN, Policy, Recipe
 from cvt.quant.tensor.schemes import scheme_from_options
@@ -50,7 +52,7 @@ from cvt.quant.tensor.schemes.base import QuantizedTensor
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
 from cvt.units import article
 from cvt.quant.stage.plan import CT_PARTS, FP8_SCALE, Plan, check_kv_target, make_plan, names_where, weight_shape
-from cvt.quant.stage import fp4_source
+from cvt.quant.stage import deepseek_v4, fp4_source
 from cvt.quant.stage.quantizer import Quantizer, Source
 
 log = logging.getLogger("cvt")
@@ -99,6 +101,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             raise FormatError(f"{src}: cannot quantize {article(src_fmt.value)} checkpoint (quantize reads BF16, FP8 block "
                               "and compressed-tensors pack-quantized INT4 checkpoints)")
         arch = arch_for(ckpt.config)
+        deepseek_v4.check_format(ckpt.config, fmt)
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
         plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         check_kv_target(ckpt.config, plan, fmt, target)
@@ -326,6 +329,12 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
         tags[name] = "FLOAT"
         if info.param == "weight" and len(ref.shape) == 2 and info.role.value in LINEAR_ROLES and module not in float_linears:
             float_linears.append(module)
+
+    if form.name == ASCEND:  # DeepSeek-V4: the MTP draft's own embed / head copies (`deepseek_v4`)
+        for alias, name in deepseek_v4.aliases(ckpt.config, ckpt.tensors).items():
+            dt, shape = source.float_spec(name)
+            outs.append(OutTensor(TensorSpec(alias, dt, shape), produce=lambda n=name: source.float_tensor(n)))
+            tags[alias] = "FLOAT"
 
     c8 = any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
     kv_meta = None

@@ -22,8 +22,10 @@ import torch
 from cvt.convert.synthetic import (kimi_int4_tensors, release_tensors, tiny_glm_moe_dsa_config,
                                    tiny_kimi_k25_config, tiny_qwen3_config, write_bf16_checkpoint,
                                    write_release)
+from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config, write_v4_release
 from cvt.quant.stage import quantize
 from cvt.tests.quant.vllm_ascend_referee import check_output, inspect_output
+from cvt.tests.quant.vllm_ascend_referee_v4 import check_v4_output, inspect_v4_output, process_after_loading
 
 _ENV = os.environ.get("CVT_VLLM_ASCEND_SRC", "")
 pytestmark = pytest.mark.skipif(not _ENV or not Path(_ENV).exists(),
@@ -85,7 +87,11 @@ def sources(fp8_release_session, tmp_path_factory):
     glm = write_release(root / "glm5", glm_cfg, release_tensors(glm_cfg, 1, "F32"), n_shards=2)
     k25_cfg = tiny_kimi_k25_config()
     k25 = write_release(root / "k25", k25_cfg, kimi_int4_tensors(k25_cfg, seed=2), n_shards=2, move_scale=False)
-    return {"ds": fp8_release_session, "qmoe": qmoe, "qdense": qdense, "glm": glm, "k25": k25, "root": root}
+    # DeepSeek-V4's release (FP8 linears, FP4 experts): every attention type and an MTP layer without
+    # compression, as V4-Flash's compress_ratios end; q_lora_rank 192 so the MX schemes' group 32 divides
+    v4_cfg = tiny_deepseek_v4_config(q_lora_rank=192, compress_ratios=[0, 4, 128, 0, 0])
+    v4 = write_v4_release(root / "v4", v4_cfg)
+    return {"ds": fp8_release_session, "qmoe": qmoe, "qdense": qdense, "glm": glm, "k25": k25, "v4": v4, "root": root}
 
 
 def build(sources, src: str, opts: dict) -> Path:
@@ -334,3 +340,101 @@ def test_kimi_k25_loads_under_vllms_language_model_prefix(sources, va_src, tmp_p
     v = "vision_tower.encoder.blocks.0.wo.weight"
     bad = _mutate(out, tmp_path / "int8-vision", lambda t: t.update({v: t[v].to(torch.int8)}))
     _expect(check_output(bad, va_src), [f"{v}: I8 tensor in the vision tower / projector"])
+
+
+# ---- DeepSeek-V4 (issue 26): vllm-ascend's models/deepseek_v4 (tests/quant/vllm_ascend_referee_v4.py) ----
+
+V4_CASES = [
+    pytest.param({"scheme": "w8a8"}, "AscendW8A8DynamicLinearMethod", "AscendW8A8DynamicFusedMoEMethod", id="w8a8"),
+    pytest.param({"scheme": "w4a8"}, "unquantized linear", "AscendW4A8DynamicFusedMoEMethod", id="w4a8"),
+    pytest.param({"scheme": "w4a8", "target_version": "main"}, "unquantized linear", "AscendW4A8DynamicFusedMoEMethod",
+                 id="w4a8-main"),
+    # Ascend 950: the FP4 experts carried over (w4a8_mxfp, w4a4_mxfp4) or requantized (mxfp8)
+    pytest.param({"scheme": "w4a8_mxfp"}, "unquantized linear", "AscendW4A8MXFPDynamicFusedMoEMethod", id="w4a8-mxfp"),
+    pytest.param({"scheme": "mxfp8"}, "AscendW8A8MXFP8DynamicLinearMethod", "AscendW8A8MXFP8DynamicFusedMoEMethod",
+                 id="w8a8-mxfp8"),
+    pytest.param({"scheme": "w4a4_mxfp4"}, "AscendW4A4MXFP4DynamicLinearMethod", "AscendW4A4MXFP4DynamicFusedMoEMethod",
+                 id="w4a4-mxfp4"),
+    # experts-only schemes vllm-ascend's generic MoE registry takes for V4 too
+    pytest.param({"scheme": "w4a16", "group_size": 32}, "unquantized linear", "AscendW4A16FusedMoEMethod", id="w4a16-g32"),
+    pytest.param({"scheme": "fp4", "fp4_format": "mxfp4"}, "unquantized linear", "AscendW4A16MXFP4FusedMoEMethod",
+                 id="mxfp4"),
+]
+V4_FLOAT = ("self_attn.wo_a", "self_attn.wo_b", "self_attn.compressor.wkv", "self_attn.compressor.wgate",
+            "self_attn.indexer.wq_b", "self_attn.indexer.weights_proj", "self_attn.indexer.compressor.wkv",
+            "self_attn.indexer.compressor.wgate", "mlp.gate")
+
+
+@pytest.mark.parametrize("opts, linear, moe", V4_CASES)
+def test_vllm_ascend_loads_every_v4_output(sources, va_src, opts, linear, moe):
+    """Every module vllm-ascend's AscendDeepseekV4ForCausalLM and DeepSeekV4MTP build gets the method cvt's
+    description asks for (vllm-ascend's own dispatch after its hc_head_fn key normalisation and the
+    deepseek_v4 prefix / substr / packed maps), and every parameter its create_weights declares is filled
+    by one cvt tensor of the exact shape and dtype: zero problems."""
+    if not (va_src / "vllm_ascend" / "models" / "deepseek_v4").is_dir() and not (
+            va_src / "vllm_ascend" / "models" / "deepseek_v4.py").is_file():
+        pytest.skip(f"{va_src}: this vllm-ascend has no DeepSeek-V4 model")
+    dst = build(sources, "v4", opts)
+    desc = json.loads((dst / "quant_model_description.json").read_text())
+    assert "hc_head_fn" in desc  # what makes _apply_extra_quant_adaptations normalise the release's names
+    r = inspect_v4_output(dst, va_src)
+    assert r.problems == [], f"{len(r.problems)} problems:\n" + "\n".join(r.problems[:60])
+    for layer in ("model.layers.1.", "model.layers.2.", "mtp.0."):  # CSA, HCA, the MTP draft's block
+        assert r.schemes[layer + "mlp.experts"] == moe
+        for m in ("self_attn.wq_a", "self_attn.wq_b", "self_attn.wkv", "mlp.shared_experts.gate_up_proj"):
+            assert r.schemes[layer + m] == linear, (layer, m)
+        for m in V4_FLOAT:
+            if layer + m in r.schemes:
+                assert r.schemes[layer + m] == "unquantized linear", (layer, m)
+    assert r.schemes["model.layers.1.self_attn.indexer.wq_b"] == "unquantized linear"
+    assert r.schemes["mtp.0.e_proj"] == r.schemes["mtp.0.h_proj"] == "unquantized linear"
+    # w1 / w3 land in gate_up_proj's shards and the experts' w13 after the SUBSTR mapping (.w1. -> .gate_proj.)
+    w = "weight_packed" if opts["scheme"] == "w4a16" else "weight"
+    s = r.slots[("model.layers.1.mlp.shared_experts.gate_up_proj.weight", 1, None)]
+    assert s.filled_by == ["layers.1.ffn.shared_experts.w3.weight"]
+    s = r.slots[(f"model.layers.2.mlp.experts.w13_{w}", "w3", 3)]
+    assert s.filled_by == [f"layers.2.ffn.experts.3.w3.{w}"]
+    assert r.slots[("model.layers.0.mlp.gate.tid2eid", None, None)].filled_by == ["layers.0.ffn.gate.tid2eid"]
+    assert r.slots[("lm_head.weight", None, None)].filled_by == ["head.weight"]
+    # the draft's own embedding and head, which vllm-ascend reads only as mtp.0.* (cvt.quant.stage.deepseek_v4)
+    assert r.mtp_slots[("model.embed_tokens.weight", None, None)].filled_by == ["mtp.0.emb.tok_emb.weight"]
+    assert r.mtp_slots[("model.layers.0.shared_head.head.weight", None, None)].filled_by == ["mtp.0.head.weight"]
+    assert r.mtp_slots[("model.layers.0.mtp_block.mlp.gate.e_score_correction_bias", None, None)].filled_by == [
+        "mtp.0.ffn.gate.bias"]
+
+
+def test_v4_referee_finds_what_vllm_ascend_would_not_load(sources, va_src, tmp_path):
+    """Without the MTP copies (cvt's V4 outputs before issue 26's referee) vllm-ascend's draft asks the
+    description for mtp.0.head (KeyError) and leaves its embedding empty; without hc_head_fn no key is
+    normalised and every quantized module is a KeyError; an int8 wo_a loads into a float parameter."""
+    if not (va_src / "vllm_ascend" / "models" / "deepseek_v4").is_dir() and not (
+            va_src / "vllm_ascend" / "models" / "deepseek_v4.py").is_file():
+        pytest.skip(f"{va_src}: this vllm-ascend has no DeepSeek-V4 model")
+    out = build(sources, "v4", {"scheme": "w8a8"})
+    old = _mutate(out, tmp_path / "old", lambda t: [t.pop(k) for k in ("mtp.0.emb.tok_emb.weight", "mtp.0.head.weight")],
+                  lambda d: [d.pop(k) for k in ("mtp.0.emb.tok_emb.weight", "mtp.0.head.weight")])
+    problems = check_v4_output(old, va_src)
+    assert any(p.startswith("[MTP draft] model.embed_tokens.weight: declared by") for p in problems), problems
+    assert all(p.startswith("[MTP draft] ") for p in problems) and len(problems) == 2, problems
+    problems = check_v4_output(_mutate(out, tmp_path / "no-hc", edit_desc=lambda d: d.pop("hc_head_fn")), va_src)
+    assert any(p.startswith("model.layers.1.self_attn.wq_a: KeyError in vllm-ascend") for p in problems), problems
+    assert any(p.startswith("model.layers.1.mlp.experts: KeyError in vllm-ascend") for p in problems), problems
+    a = "layers.1.attn.wo_a.weight"
+    _expect(check_v4_output(_mutate(out, tmp_path / "int8", lambda t: t.update({a: t[a].to(torch.int8)})), va_src),
+            [f"{a}: integer tensor (torch.int8) for float parameter model.layers.1.self_attn.wo_a.weight"])
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8_mxfp", "mxfp8", "w4a4_mxfp4"])
+def test_v4_weights_go_through_vllm_ascends_process_weights_after_loading(sources, va_src, scheme):
+    """cvt's values in the parameters vllm-ascend creates, then its own process_weights_after_loading (NZ
+    casts as the identity off-device): every quantized linear and MoE layer of a CSA and an HCA layer
+    processes. (W4A8_DYNAMIC's experts call .npu() and W4A16's NPU packing: not runnable here.)"""
+    if not (va_src / "vllm_ascend" / "models" / "deepseek_v4").is_dir() and not (
+            va_src / "vllm_ascend" / "models" / "deepseek_v4.py").is_file():
+        pytest.skip(f"{va_src}: this vllm-ascend has no DeepSeek-V4 model")
+    mods = [f"model.layers.{i}.{m}" for i in (1, 2) for m in ("self_attn.wq_a", "self_attn.wq_b", "self_attn.wkv",
+                                                             "self_attn.wo_a", "mlp.shared_experts.gate_up_proj",
+                                                             "mlp.shared_experts.down_proj", "mlp.experts")]
+    r = process_after_loading(build(sources, "v4", {"scheme": scheme}), va_src, mods)
+    assert r["model.layers.1.self_attn.wo_a"] == "unquantized" and r["model.layers.2.mlp.experts"] == "ok", r
+    assert all(v in ("ok", "unquantized") for v in r.values()), r

@@ -1,0 +1,101 @@
+"""DeepSeek-V4 outputs for the serving stacks (cvt.quant.stage.deepseek_v4).
+
+The MTP draft reads its own embed / head copies (``mtp.0.emb.tok_emb``, ``mtp.0.head``):
+vllm-ascend's DeepSeekV4MTP.load_weights (vllm_ascend/models/deepseek_v4/mtp.py @ 182b75e) reads
+only ``mtp.0.*`` tensors (``.emb.tok_emb.`` -> the draft's ``model.embed_tokens``, ``.head.`` ->
+``shared_head.head``) and its SharedHead asks AscendModelSlimConfig.get_quant_method for prefix
+``mtp.0.head``, which needs ``mtp.0.head.weight`` in the description; the release's top-level
+``embed`` / ``head`` are aliased to them only under ``deepseek_v4_fp8``. DeepSeek-V4-Flash-Base ships
+the two copies, V4-Flash does not: cvt's ascend output of either has them, equal to embed / head,
+and cvt reads a release that has them (carried: its runtime uses embed / head).
+
+``--format compressed-tensors`` is refused for V4 before DST exists (vLLM's V4 model fuses modules
+a compressed-tensors config under the release's names cannot address).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config, v4_release_tensors
+from cvt.convert.synthetic import write_release
+from cvt.tests.conftest import run_cvt
+
+COPIES = {"mtp.0.emb.tok_emb.weight": "embed.weight", "mtp.0.head.weight": "head.weight"}
+
+
+def _load(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v4-mtp")
+    cfg = tiny_deepseek_v4_config()
+    t = v4_release_tensors(cfg)
+    flash = write_release(root / "flash", cfg, dict(t), 2, move_scale=False)
+    # V4-Flash-Base: the copies as separate tensors (other values than embed / head: carried as they are)
+    base = dict(t, **{c: t[n] + 1 for c, n in COPIES.items()})
+    return flash, write_release(root / "base", cfg, base, 2, move_scale=False)
+
+
+def test_the_ascend_output_has_the_drafts_copies(releases, tmp_path):
+    flash, _ = releases
+    dst = tmp_path / "w8a8"
+    r = run_cvt("quantize", flash, dst, "--scheme", "w8a8", "--format", "ascend", "--quiet")
+    assert r.rc == 0, r.err
+    out, desc = _load(dst), json.loads((dst / "quant_model_description.json").read_text())
+    for copy, name in COPIES.items():
+        assert out[copy].dtype == torch.bfloat16 and torch.equal(out[copy], out[name]), copy
+        assert desc[copy] == "FLOAT"
+    manifest = json.loads((dst / "cvt_manifest.json").read_text())
+    assert manifest["carried"] == sorted(COPIES)
+    # cvt's own runtime loads the output (the copies are carried, not run) and runs its MTP layer
+    from cvt.runtime.loader import load_model
+
+    model = load_model(dst, dtype=torch.float32).model
+    assert len(model.mtp) == 1
+    tokens = torch.tensor([[3, 5, 7, 11]])
+    assert torch.isfinite(model(tokens)).all()
+
+
+def test_a_release_with_the_copies_is_read_and_carried(releases, tmp_path):
+    _, base = releases
+    src = _load(base)
+    r = run_cvt("inspect", base)
+    assert r.rc == 0 and "problems        none" in r.out, r.out + r.err
+    dst = tmp_path / "w4a8"
+    r = run_cvt("quantize", base, dst, "--scheme", "w4a8", "--format", "ascend", "--quiet")
+    assert r.rc == 0, r.err
+    out = _load(dst)
+    for copy in COPIES:
+        assert torch.equal(out[copy], src[copy]), copy  # the release's own, byte for byte, not replaced
+    bf16 = tmp_path / "bf16"
+    assert run_cvt("fp8-to-bf16", base, bf16, "--quiet").rc == 0
+    assert all(torch.equal(_load(bf16)[c], src[c]) for c in COPIES)
+
+
+@pytest.mark.parametrize("args", [("--scheme", "w8a8"), ("--scheme", "fp4", "--fp4-format", "mxfp4")])
+def test_compressed_tensors_is_refused_before_dst_exists(releases, tmp_path, args):
+    """vLLM's compressed-tensors MoE lookup (vllm/model_executor/layers/quantization/compressed_tensors/
+    compressed_tensors_moe.py, get_compressed_tensors_moe_method) finds the experts' scheme from a "Linear"
+    target or targets matching gate_proj / up_proj / down_proj, and DeepseekV4ForCausalLM
+    (vllm/models/deepseek_v4/nvidia/model.py) fuses attn.wq_a + attn.wkv with no packed_modules_mapping:
+    V4's w1 / w2 / w3 release names are neither. One line, nothing written."""
+    from cvt.quant.tensor.layouts import COMPRESSED_TENSORS
+
+    flash, _ = releases
+    dst = tmp_path / "ct"
+    r = run_cvt("quantize", flash, dst, *args, "--format", COMPRESSED_TENSORS, "--quiet")
+    assert r.rc != 0 and not dst.exists()
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cvt: error: deepseek_v4: --format compressed-tensors is refused")
+    assert "w1 / w2 / w3" in lines[0] and "--format ascend" in lines[0]
