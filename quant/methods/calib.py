@@ -5,7 +5,8 @@ line) or the built-in sample, tokenizes it with the model's tokenizer and cuts i
 sequences ``[b, s]``.
 
 Driver: `calibrate(model, tokens, scheme_for, method)` runs a runtime model (any family that
-follows `cvt.runtime.models.base`'s contract: ``model.model.layers[i]``, linears are
+follows `cvt.runtime.models.base`'s contract: ``model.model.layers[i]``, or where the model's
+`calib_layout` says (`cvt.quant.methods.layout`: DeepSeek-V4's ``layers[i]``); linears are
 `cvt.runtime.kernels.Linear`) one decoder layer at a time, so that memory is about one decoder
 layer plus the calibration activations:
 
@@ -62,6 +63,7 @@ from cvt.quant.methods.awq import awq_clip, awq_search
 from cvt.quant.methods.data import calib_tokens  # noqa: F401  (re-exported)
 from cvt.quant.recipe import AWQ, DATA_METHODS, GPTQ, METHODS, RTN, SMOOTHQUANT  # noqa: F401  (METHODS re-exported)
 from cvt.quant.methods.gptq import gptq_quantize
+from cvt.quant.methods.layout import Layout, _PerSequence  # noqa: F401  (Layout re-exported)
 from cvt.quant.methods.sites import _children, _Group, _Site, _site_key, _smooth_groups
 from cvt.quant.methods.smoothquant import scale_columns, scale_rows, smooth_scales
 from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
@@ -115,40 +117,6 @@ class CalibResult:
 
 class _Stop(Exception):
     pass
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the driver finds a runtime model's decoder layers and embedding. A model class
-    says so in ``calib_layout`` (a dict of these fields); the default is the HF layout of
-    `cvt.runtime.models.base.CausalLM` (``model.layers.{i}``, ``model.embed_tokens``).
-
-    layers:       module path of the decoder layers (ModuleList); layer i is ``{layers}.{i}``,
-                  also its checkpoint name (after a wrapper's text prefix)
-    embed:        module path of the token embedding (its ``.weight`` in the checkpoint)
-    per_sequence: positions, among the positional arguments after the layer input, of those that
-                  hold one row per sequence ([b, ...]: DeepSeek-V4's token ids): each mini-batch
-                  gets its rows, as it gets its rows of the layer input
-    """
-
-    layers: str = "model.layers"
-    embed: str = "model.embed_tokens"
-    per_sequence: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, model: nn.Module) -> "Layout":
-        return cls(**getattr(model, "calib_layout", {}))
-
-    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
-        return model.get_submodule(self.layers)
-
-
-class _PerSequence:
-    """A captured layer argument with one row per sequence: `_run_layer` passes each mini-batch
-    its rows (`Layout.per_sequence`)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.t = t
 
 
 def _layer_args(model: nn.Module, tokens: torch.Tensor):
