@@ -4,9 +4,10 @@
 SmoothQuant, RTN in place, the true-sequential stages) over a runtime model built on the meta
 device, so that a 0.7-2 TB checkpoint calibrates on a host with less RAM than the model:
 
-1. The calibration tokens are embedded by reading only their rows of ``embed_tokens`` from the
-   checkpoint (mmap), and the model's own forward gives the arguments of decoder layer 0 (rope,
-   mask) through the driver's capture hook; no other weight is loaded.
+1. The calibration tokens are embedded by reading only their rows of ``embed_tokens`` (the
+   model's `calib_layout` embedding: DeepSeek-V4's ``embed``) from the checkpoint (mmap), and
+   the model's own forward gives the arguments of decoder layer 0 (rope, mask; V4: the token
+   ids, positions, ropes) through the driver's capture hook; no other weight is loaded.
 2. For each decoder layer i: its tensors are read from the source and assigned in the compute
    dtype on `device` (FP8 blocks dequantized, compressed-tensors INT4 unpacked to float, BF16
    as is); the layer is calibrated; its quantized parts, changed float tensors, statistics and
