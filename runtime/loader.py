@@ -133,14 +133,27 @@ def _refuse_sharded(path) -> None:
 
 def fp8_block(ckpt: Checkpoint, fmt: SourceFormat) -> tuple[int, int] | None:
     """The FP8 block of an FP8 release (every FP8 weight's scale checked present, well shaped and
-    finite), else None."""
+    finite; DeepSeek-V4's ``X.scale`` and FP4 experts too), else None."""
     if fmt is not SourceFormat.FP8_BLOCK:
         return None
     block = fp8_config(ckpt.config, str(ckpt.root)).block
     from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
 
-    check_scales_finite(ckpt, pair_fp8_weights(ckpt, block))
+    check_scales_finite(ckpt, pair_fp8_weights(ckpt, block, _scale_param(ckpt), fp4_experts=_fp4_experts(ckpt)))
     return block
+
+
+def _scale_param(ckpt: Checkpoint) -> str:
+    """The release's block-scale parameter (`ArchTable.scale_param`): ``weight_scale_inv``, or
+    DeepSeek-V4's ``scale`` (``X.scale`` next to ``X.weight``)."""
+    return arch_for(ckpt.config).table.scale_param
+
+
+def _fp4_experts(ckpt: Checkpoint) -> bool:
+    """Whether config.json says the routed experts are packed FP4 (DeepSeek-V4's ``expert_dtype``)."""
+    from cvt.convert.fp4 import EXPERT_DTYPE_FP4
+
+    return ckpt.config.get("expert_dtype") == EXPERT_DTYPE_FP4
 
 
 def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int, int] | None, *,
@@ -159,6 +172,7 @@ def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int,
     kv: dict[str, torch.Tensor] = {}
     carried = set(carried_tensors(ckpt))
     local = text_names(ckpt)
+    scale_param, fp4 = _scale_param(ckpt), block is not None and _fp4_experts(ckpt)
     for module, params in _advancing(_by_module(ckpt), ckpt, progress):
         params = {p: n for p, n in params.items() if n not in carried and (skip is None or not skip(n))}
         # KV-cache scales first: on GQA models they sit on k_proj / v_proj, next to the
@@ -174,7 +188,7 @@ def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int,
             seen.add(local(module) + ".weight")
             continue
         for param, name in params.items():
-            if name.endswith("_scale_inv"):
+            if name.endswith("_scale_inv") or (block is not None and param == scale_param):
                 continue
             ref = ckpt.tensors[name]
             owner = _owner(model, local(name))
@@ -182,9 +196,19 @@ def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int,
                 raise TensorError(f"tensor {name} ({ref.path.name}) has no place in the "
                                   f"{ckpt.config.get('model_type')} runtime model")
             t = ckpt.read(name)
+            # DeepSeek-V4 names a weight's scale X.scale, the others X.weight_scale_inv
+            sname = f"{module}.{scale_param}" if scale_param in params else name + "_scale_inv"
             if block is not None and ref.dtype == "F8_E4M3":
-                t = dequant_fp8_block(t, ckpt.read(name + "_scale_inv"), block)
-                ckpt.release(name + "_scale_inv")
+                t = dequant_fp8_block(t, ckpt.read(sname), block)
+                ckpt.release(sname)
+            elif fp4 and param == "weight" and scale_param in params:
+                # DeepSeek-V4's packed FP4 expert: bf16 [n, k], bit-exact with the official dequant
+                from cvt.convert.fp4 import FP4_DTYPES, dequant_fp4_experts
+
+                if ref.dtype not in FP4_DTYPES:
+                    raise TensorError(f"{ref.describe()}: scaled by {sname}, neither F8_E4M3 nor packed FP4")
+                t = dequant_fp4_experts(t, ckpt.read(sname))
+                ckpt.release(sname)
             else:
                 t = t.clone()  # out of the mmap: the model owns its memory
             ckpt.release(name)

@@ -5,7 +5,8 @@ line) or the built-in sample, tokenizes it with the model's tokenizer and cuts i
 sequences ``[b, s]``.
 
 Driver: `calibrate(model, tokens, scheme_for, method)` runs a runtime model (any family that
-follows `cvt.runtime.models.base`'s contract: ``model.model.layers[i]``, linears are
+follows `cvt.runtime.models.base`'s contract: ``model.model.layers[i]``, or where the model's
+`calib_layout` says (`cvt.quant.methods.layout`: DeepSeek-V4's ``layers[i]``); linears are
 `cvt.runtime.kernels.Linear`) one decoder layer at a time, so that memory is about one decoder
 layer plus the calibration activations:
 
@@ -62,6 +63,7 @@ from cvt.quant.methods.awq import awq_clip, awq_search
 from cvt.quant.methods.data import calib_tokens  # noqa: F401  (re-exported)
 from cvt.quant.recipe import AWQ, DATA_METHODS, GPTQ, METHODS, RTN, SMOOTHQUANT  # noqa: F401  (METHODS re-exported)
 from cvt.quant.methods.gptq import gptq_quantize
+from cvt.quant.methods.layout import Layout, _PerSequence  # noqa: F401  (Layout re-exported)
 from cvt.quant.methods.sites import _children, _Group, _Site, _site_key, _smooth_groups
 from cvt.quant.methods.smoothquant import scale_columns, scale_rows, smooth_scales
 from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
@@ -118,14 +120,17 @@ class _Stop(Exception):
 
 
 def _layer_args(model: nn.Module, tokens: torch.Tensor):
-    """(hidden states [b, s, h], the other positional args, kwargs) the model passes to layer 0."""
+    """(layer input [b, s, ...] -- hidden states [b, s, h], DeepSeek-V4's hc streams
+    [b, s, hc, h] --, the other positional args, kwargs) the model passes to layer 0; the
+    arguments `Layout.per_sequence` names come wrapped as `_PerSequence`."""
     captured = {}
+    layout = Layout.of(model)
 
     def hook(module, args, kwargs):
         captured["args"], captured["kwargs"] = args, kwargs
         raise _Stop
 
-    h = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    h = layout.decoder_layers(model)[0].register_forward_pre_hook(hook, with_kwargs=True)
     try:
         model(tokens)
     except _Stop:
@@ -134,8 +139,8 @@ def _layer_args(model: nn.Module, tokens: torch.Tensor):
         h.remove()
     if "args" not in captured:
         raise CvtError("calibration: the model's forward did not call its first decoder layer")
-    args = captured["args"]
-    return args[0], tuple(args[1:]), dict(captured["kwargs"])
+    args = tuple(_PerSequence(a) if j in layout.per_sequence else a for j, a in enumerate(captured["args"][1:]))
+    return captured["args"][0], args, dict(captured["kwargs"])
 
 
 def _stub(module: nn.Module):
@@ -153,7 +158,8 @@ def _run_layer(layer, x, args, kwargs, batch_size, out=True):
         return x.clone() if out else None
     outs = []
     for b0 in range(0, x.shape[0], batch_size):
-        y = layer(x[b0:b0 + batch_size], *args, **kwargs)
+        a = tuple(v.t[b0:b0 + batch_size] if isinstance(v, _PerSequence) else v for v in args)
+        y = layer(x[b0:b0 + batch_size], *a, **kwargs)
         if out:
             outs.append(y)
     return torch.cat(outs) if out else None
@@ -206,9 +212,10 @@ def calibrate(model: nn.Module, tokens: torch.Tensor, scheme_for: Callable[[str]
                 if method_for(name) not in METHODS:
                     raise CvtError(f"{name}: unknown calibration method {method_for(name)!r} "
                                    f"(known: {', '.join(METHODS)})")
-    layers = model.model.layers
+    layout = Layout.of(model)
+    layers = layout.decoder_layers(model)
     n_layers = model.args.num_hidden_layers
-    dev = next((p.device for p in model.model.embed_tokens.parameters()), torch.device("cpu"))
+    dev = next((p.device for p in model.get_submodule(layout.embed).parameters()), torch.device("cpu"))
     if on_layer_start is not None:
         on_layer_start(0, layers[0])
     x, args, kwargs = _layer_args(model, tokens.to(dev))
@@ -219,11 +226,11 @@ def calibrate(model: nn.Module, tokens: torch.Tensor, scheme_for: Callable[[str]
         if on_layer_start is not None and i > 0:
             on_layer_start(i, layer)
         lres = CalibResult()
-        _LayerCalib(layer, f"model.layers.{i}", scheme_for, method_for, lres, opts).run(x, args, kwargs)
+        _LayerCalib(layer, f"{layout.layers}.{i}", scheme_for, method_for, lres, opts).run(x, args, kwargs)
         x = _run_layer(layer, x, args, kwargs, batch_size)
         lres.seconds_per_layer.append(time.perf_counter() - t0)
         _merge(result, lres, keep_tensors)
-        done |= {n for n, _ in layer.named_modules(prefix=f"model.layers.{i}")}
+        done |= {n for n, _ in layer.named_modules(prefix=f"{layout.layers}.{i}")}
         log.info("calibrated layer %d/%d in %.1f s (%d linears, %d fallbacks)", i + 1, n_layers,
                  lres.seconds_per_layer[0], len(lres.quantized), len(lres.fallbacks))
         if on_layer_end is not None:
@@ -271,10 +278,15 @@ def _quantize_rtn(mod, name, scheme, res: CalibResult, w: torch.Tensor | None = 
 class _LayerCalib:
     """Calibrate the linears of one decoder layer (see the module doc)."""
 
-    def __init__(self, layer, prefix, scheme_for, method_for, res: CalibResult, opts: dict, experts=None):
+    def __init__(self, layer, prefix, scheme_for, method_for, res: CalibResult, opts: dict, experts=None,
+                 frozen: frozenset[str] = frozenset()):
         # experts: a `expert_stream.ExpertStream` loading the routed experts a chunk at a time
         # (the streaming driver, when a layer's experts pass its memory budget), or None
+        # frozen: linears the output takes from the source as they are (DeepSeek-V4's FP4 experts
+        # carried into an MX scheme): not calibrated, and no smoothing fold may change them
         self.layer, self.prefix, self.res, self.o, self.experts = layer, prefix, res, opts, experts
+        self.frozen = frozen
+        self.no_clip = NO_CLIP + tuple(getattr(layer, "no_clip", ()))
         self._refresh()
         self.schemes = {n: s for n in self.linears if (s := scheme_for(n)) is not None}
         self.h_users: dict[tuple, int] = {}
@@ -460,6 +472,10 @@ class _LayerCalib:
         quant_cons = [c for c in g.consumers if c in self.schemes]
         if not quant_cons:
             return
+        if self.frozen.intersection(g.consumers + g.extras):  # a fold would change a carried weight
+            log.info("%s: not smoothed (%s is carried from the source as it is)", g.producer,
+                     sorted(self.frozen.intersection(g.consumers + g.extras))[0])
+            return
         if g.norm:
             src = sites[("out", g.producer)]
         else:
@@ -534,7 +550,7 @@ class _LayerCalib:
                 site.hess = None     # every linear of this site is done: free the Hessian
             return
         w = None
-        if meth == AWQ and o["awq_clip_search"] and name.rsplit(".", 1)[-1] not in NO_CLIP:
+        if meth == AWQ and o["awq_clip_search"] and name.rsplit(".", 1)[-1] not in self.no_clip:
             w = awq_clip(site.samples(), mod.weight, scheme, n_grid=o["n_grid"])
             stats["awq_clip"] = True
         _quantize_rtn(mod, name, scheme, self.res, w)

@@ -129,7 +129,11 @@ def _children(module: nn.Module, prefix: str) -> dict[str, nn.Module]:
 
 
 def _smooth_groups(layer: nn.Module, prefix: str) -> list[_Group]:
-    """The smoothing groups of one decoder layer of either runtime family (by module names)."""
+    """The smoothing groups of one decoder layer of either runtime family (by module names); a
+    layer that lists its own (``layer.smooth_groups(prefix)``: DeepSeek-V4's block) gives those."""
+    own = getattr(layer, "smooth_groups", None)
+    if own is not None:
+        return [_Group(p, list(cons), extras=list(extras)) for p, cons, extras in own(prefix)]
     groups: list[_Group] = []
     attn = getattr(layer, "self_attn", None)
     ap = f"{prefix}.self_attn"
@@ -188,6 +192,9 @@ def _smooth_groups(layer: nn.Module, prefix: str) -> list[_Group]:
 
 def _site_key(name: str, module: nn.Module, parent: nn.Module, parent_name: str) -> tuple[str, str]:
     leaf = name.rsplit(".", 1)[-1]
+    own = getattr(parent, "shared_input", ())   # a runtime module that names its own (DeepSeek-V4)
+    if leaf in own:
+        return ("in", f"{parent_name}.{next(n for n in own if isinstance(getattr(parent, n, None), Linear))}")
     if leaf == "kv_b_proj" and hasattr(parent, "kv_a_layernorm"):
         return ("out", f"{parent_name}.kv_a_layernorm")
     for names in SHARED_INPUT:

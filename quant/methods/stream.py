@@ -4,9 +4,10 @@
 SmoothQuant, RTN in place, the true-sequential stages) over a runtime model built on the meta
 device, so that a 0.7-2 TB checkpoint calibrates on a host with less RAM than the model:
 
-1. The calibration tokens are embedded by reading only their rows of ``embed_tokens`` from the
-   checkpoint (mmap), and the model's own forward gives the arguments of decoder layer 0 (rope,
-   mask) through the driver's capture hook; no other weight is loaded.
+1. The calibration tokens are embedded by reading only their rows of ``embed_tokens`` (the
+   model's `calib_layout` embedding: DeepSeek-V4's ``embed``) from the checkpoint (mmap), and
+   the model's own forward gives the arguments of decoder layer 0 (rope, mask; V4: the token
+   ids, positions, ropes) through the driver's capture hook; no other weight is loaded.
 2. For each decoder layer i: its tensors are read from the source and assigned in the compute
    dtype on `device` (FP8 blocks dequantized, compressed-tensors INT4 unpacked to float, BF16
    as is); the layer is calibrated; its quantized parts, changed float tensors, statistics and
@@ -108,9 +109,12 @@ def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict, source:
 
 
 def _streams_experts(layer: nn.Module, prefix: str, plan, o: dict) -> bool:
-    """Whether this layer's routed experts are calibrated a chunk at a time (module doc)."""
+    """Whether this layer's routed experts are calibrated a chunk at a time (module doc). A layer
+    without the HF ``mlp`` (DeepSeek-V4's block: ``ffn``) is calibrated whole."""
     from cvt.quant.methods.expert_stream import expert_bytes
 
+    if not isinstance(getattr(layer, "mlp", None), nn.Module):
+        return False
     if not o["true_sequential"] or expert_bytes(layer) <= o["max_expert_bytes"]:
         return False
     smoothed = sorted(m for m, meth in plan.methods.items()
@@ -170,10 +174,14 @@ def _dense_linears(layer: nn.Module) -> None:
 
 def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, device="cpu",
                         observe_kv: bool = False, spill_bytes: int | None = None, quiet: bool = True,
-                        on_layer: Callable[[int], None] | None = None, **opts) -> StreamResult:
+                        on_layer: Callable[[int], None] | None = None, frozen: frozenset[str] = frozenset(),
+                        **opts) -> StreamResult:
     """Calibrate `plan` (``plan.schemes``, ``plan.methods``) on `tokens` [b, s], one decoder layer
     at a time (module doc). `opts` go to the driver (`cvt.quant.methods.calib.calibrate`'s
-    options). `on_layer(i)` is called after layer i is saved (tests kill runs there)."""
+    options). `on_layer(i)` is called after layer i is saved (tests kill runs there). `frozen`:
+    linears the output carries from SRC as they are (not in ``plan.schemes``; no fold changes them).
+    The layer input stored between layers is whatever the model's layers take (`calib.Layout`):
+    hidden states [b, s, h], DeepSeek-V4's hc streams [b, s, hc, h], float32."""
     from cvt.convert import faults
     from cvt.quant.methods import calib as C
     from cvt.runtime import kv_cache
@@ -197,14 +205,19 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     with torch.device("meta"):
         model = build_model(ckpt.config, dtype=torch.float32)
     n_layers = model.args.num_hidden_layers
+    layout = C.Layout.of(model)
+    layers = layout.decoder_layers(model)
+    if observe_kv and not getattr(model, "calibrates_kv", True):
+        raise CvtError(f"{ckpt.config.get('model_type')}: KV-cache scales are not calibrated for this model family")
     block = fp8_block(ckpt, source_format(ckpt.config))
     tp = text_prefix(ckpt)                                 # Kimi-K2.5: the checkpoint's language_model.
-    emb = ckpt.read(tp + "model.embed_tokens.weight")     # rows read through mmap, never the whole table
-    model.model.embed_tokens.forward = lambda t: emb[t.cpu()].to(device=device, dtype=torch.float32)
+    embed = model.get_submodule(layout.embed)
+    emb = ckpt.read(f"{tp}{layout.embed}.weight")         # rows read through mmap, never the whole table
+    embed.forward = lambda t: emb[t.cpu()].to(device=device, dtype=torch.float32)
     mine = tokens[ranks.share(tokens.shape[0])]            # this rank's sequences (all of them for one)
     x, args, kwargs = C._layer_args(model, (mine if mine.shape[0] else tokens[:1]).to(device))
     x = x[:mine.shape[0]]                                  # a rank with none still needs the layer arguments
-    del model.model.embed_tokens.forward
+    del embed.forward
     shape = tuple(x.shape)
     spill = x.numel() * 4 > (SPILL_BYTES if spill_bytes is None else spill_bytes)
     start = store.done()
@@ -224,8 +237,8 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     try:
         for i in range(start, n_layers):
             t0 = time.perf_counter()
-            layer = model.model.layers[i]
-            prefix = f"{tp}model.layers.{i}."
+            layer = layers[i]
+            prefix = f"{tp}{layout.layers}.{i}."
             streamed = _streams_experts(layer, prefix, plan, o)
             experts_at = prefix + "mlp.experts."
             assign_tensors(model, ckpt, device, block, skip=lambda name: not name.startswith(prefix)
@@ -235,8 +248,8 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
             if observer is not None:
                 layer.self_attn.kv_observer = observer._observer(i)
             lres = C.CalibResult()
-            C._LayerCalib(layer, f"{tp}model.layers.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
-                          lres, o, experts=es).run(x, args, kwargs)
+            C._LayerCalib(layer, f"{tp}{layout.layers}.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
+                          lres, o, experts=es, frozen=frozen).run(x, args, kwargs)
             x = es.x_next if es is not None else C._run_layer(layer, x, args, kwargs, o["batch_size"])
             if observer is not None:
                 layer.self_attn.kv_observer = None
@@ -258,7 +271,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
                 on_layer(i)
     finally:
         bar.close()
-        ckpt.release(tp + "model.embed_tokens.weight")
+        ckpt.release(f"{tp}{layout.embed}.weight")
     res.peak_rss = peak_rss_bytes()
     res.peak_rss_per_rank = world.all_gather(res.peak_rss)
     return res

@@ -139,16 +139,16 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             return _write(ckpt, dst, plan, form, source, src_fmt, _Calib(), req)
         from cvt.runtime.models import family
 
-        if not getattr(family(ckpt.config)[0].Model, "calibratable", True):  # before DST is touched
-            raise OptionError(f"{arch.model_type}: calibration (--method gptq / awq / smoothquant, "
-                              "--static-attention, an int8 KV cache) does not run this model family yet; "
-                              "quantize it with --method rtn")
+        if (static_attention or kv_static) and not getattr(family(ckpt.config)[0].Model, "calibrates_kv", True):
+            # before DST is touched: DeepSeek-V4 has no int8 KV cache and no static attention inputs
+            raise OptionError(f"{arch.model_type}: {'--static-attention' if static_attention else 'an int8 KV cache'} "
+                              "is not calibrated for this model family (--method gptq / awq / smoothquant are)")
         from cvt.convert.outdir import calibration_dir
 
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume) as state:
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
             cal = _calibrate(ckpt, plan, calib, calib_tokens, static_attention, kv_codec, state, device, quiet,
-                             expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec)
+                             expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec, source=source)
             return _write(ckpt, dst, plan, form, source, src_fmt, cal, req)
     finally:
         ckpt.close()
@@ -214,7 +214,7 @@ class _Calib:
 
 def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_attention: bool,
                kv_codec: str, state_dir: Path, device, quiet: bool, expert_memory: int | None = None,
-               kv_static: bool = True, ascend_names: bool = False) -> _Calib:
+               kv_static: bool = True, ascend_names: bool = False, source: Source | None = None) -> _Calib:
     """Calibration text through the model, one decoder layer from disk at a time
     (`cvt.quant.methods.stream`): the calibrated methods, static activation scales of the
     attention projections (--static-attention: amax / 127 of what they see, after smoothing and
@@ -232,8 +232,9 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_at
                              max_sequences=max(1, calib_tokens // 256),
                              max_len=mod.Args.from_config(cfg).max_position_embeddings)
     c8 = kv_static and any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
+    plan, frozen = fp4_source.calibration_plan(plan, source) if source is not None else (plan, frozenset())
     res = calibrate_streaming(ckpt, plan, tokens, state_dir, device=device, observe_kv=c8, quiet=quiet,
-                              collect_stats=static_attention,
+                              collect_stats=static_attention, frozen=frozen,
                               **({} if expert_memory is None else {"max_expert_bytes": expert_memory}))
     store = res.store
     out = _Calib(tokens=int(tokens.numel()), tokens_sha256=hashlib.sha256(tokens.numpy().tobytes()).hexdigest())

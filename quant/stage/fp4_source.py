@@ -90,3 +90,18 @@ def requantized_note(schemes: Mapping[str, str]) -> str | None:
 
 
 __all__ = ["CARRY_KERNELS", "carried", "carries", "e8m0_bytes", "fp4_experts", "requantized_note"]
+
+
+def calibration_plan(plan, source):
+    """(the plan the calibration driver runs, the frozen linears): the FP4 experts this output
+    carries as they are (method "source") are left out of the calibrated modules -- their
+    weights in the calibration forward are the exact dequant, which is what the output holds --
+    and named frozen, so that no smoothing fold changes them (`cvt.quant.methods.calib`)."""
+    import dataclasses
+
+    frozen = frozenset(m for m, s in plan.schemes.items()
+                       if carries(s) and "weight" in plan.modules[m] and source.is_fp4(plan.modules[m]["weight"]))
+    if not frozen:
+        return plan, frozen
+    return dataclasses.replace(plan, schemes={m: s for m, s in plan.schemes.items() if m not in frozen},
+                               methods={m: v for m, v in plan.methods.items() if m not in frozen}), frozen

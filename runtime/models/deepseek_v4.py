@@ -233,6 +233,9 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
+    # linears reading the identical input (attn_norm's output): one calibration site (`sites._site_key`)
+    shared_input: ClassVar[tuple[str, ...]] = ("wq_a", "wkv")
+
     def __init__(self, args: Args, ratio: int, dtype=None, device=None):
         super().__init__()
         H, D, q = args.num_attention_heads, args.head_dim, args.q_lora_rank
@@ -299,6 +302,8 @@ class Attention(nn.Module):
 
 
 class Expert(nn.Module):
+    shared_input: ClassVar[tuple[str, ...]] = ("w1", "w3")  # both read the MoE input
+
     def __init__(self, args: Args, dtype=None, device=None):
         super().__init__()
         d, i = args.hidden_size, args.moe_intermediate_size
@@ -388,6 +393,9 @@ def hyper(streams, fn, base, scale, hc: int, iters: int, eps: float, norm_eps: f
 
 
 class Block(nn.Module):
+    # AWQ skips its clipping search for the projections that produce queries / keys
+    no_clip: ClassVar[tuple[str, ...]] = ("wq_a", "wq_b", "wkv")
+
     def __init__(self, args: Args, layer: int, ratio: int, dtype=None, device=None, experts=None):
         super().__init__()
         self.args = args
@@ -415,6 +423,31 @@ class Block(nn.Module):
         post, comb, x = self._mix("ffn", streams)
         y = self.ffn(self.ffn_norm(x), tokens)
         return post.to(dtype)[..., None] * y[..., None, :] + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+    def smooth_groups(self, prefix: str) -> list[tuple[str, list[str], list[str]]]:
+        """The calibration driver's smoothing folds (`cvt.quant.methods.sites`), as (producer norm,
+        consumer linears, other float consumers whose input columns scale too): only those where
+        dividing the norm's weight by s and multiplying the consumers' columns by s leaves the
+        block's output unchanged (up to float rounding). The norms sit after the hyper-connection
+        pre-mix (``attn_norm(x)``, ``ffn_norm(x)`` with x already collapsed), so:
+
+        * attn_norm -> wq_a, wkv; its output also feeds the compressor's wkv / wgate and the
+          indexer's weights_proj and compressor (float: extras);
+        * q_norm -> wq_b (and the indexer's wq_b, float);
+        * ffn_norm -> every expert's and the shared expert's w1 / w3 (the router's gate reads it too).
+
+        Not smoothed: kv_norm (its output is roped and cached, no linear reads it), wo_a / wo_b
+        (float), and w3 -> w2 inside an expert: the SwiGLU clamp (``swiglu_limit``) acts on w3's
+        output, so a fold through it is not exact."""
+        a, f = f"{prefix}.attn", f"{prefix}.ffn"
+        extras = [f"{a}.compressor.wkv", f"{a}.compressor.wgate"] if self.attn.compressor is not None else []
+        if self.attn.indexer is not None:
+            extras += [f"{a}.indexer.weights_proj", f"{a}.indexer.compressor.wkv", f"{a}.indexer.compressor.wgate"]
+        experts = [f"{f}.experts.{e}" for e in range(len(self.ffn.experts))] + [f"{f}.shared_experts"]
+        return [(f"{prefix}.attn_norm", [f"{a}.wq_a", f"{a}.wkv"], extras),
+                (f"{a}.q_norm", [f"{a}.wq_b"], [f"{a}.indexer.wq_b"] if self.attn.indexer is not None else []),
+                (f"{prefix}.ffn_norm", [f"{e}.{w}" for e in experts for w in ("w1", "w3")], [f"{f}.gate"])]
 
 
 class MTPBlock(Block):
@@ -474,9 +507,13 @@ class Model(nn.Module):
         embed="embed", head="head", layers="layers", attn_out="attn.wo_b", mlp="ffn", down="w2",
         local_sizes=(("num_attention_heads", "tp"), ("o_groups", "tp"), ("moe_intermediate_size", "moe_tp")),
         gathered=("attn.indexer.wq_b", "attn.indexer.weights_proj"))
-    # cvt.quant.methods drives HF-layout layers (model.layers[i](x, cos, sin, mask, ...)); V4's
-    # hyper-connected blocks are not that: the quantize stage refuses calibrated methods for it
-    calibratable: ClassVar[bool] = False
+    # the calibration driver's view (`cvt.quant.methods.calib.Layout`): the blocks are
+    # ``layers.{i}``, called as ``block(streams [b, s, hc, d], tokens [b, s], pos [s], ropes, None)``:
+    # the state between blocks is the hc streams, and the token ids (hash routing) go with each
+    # mini-batch of sequences (positional argument 0 after the streams)
+    calib_layout: ClassVar[dict] = {"layers": "layers", "embed": "embed", "per_sequence": (0,)}
+    # no KV-cache quantization for V4 (`new_cache`): static attention / KV scales are not calibrated
+    calibrates_kv: ClassVar[bool] = False
 
     def __init__(self, args: Args, dtype=None, device=None, mtp: bool = True, experts=None):
         """`mtp`: build the MTP layers; `experts` (decoder layer -> global expert ids) builds only

@@ -352,8 +352,9 @@ def test_runtime_accepts_the_real_configs():
     assert mult == 1.0 and inv.shape == (32,)
 
 
-def test_calibrated_methods_are_refused_for_v4_before_writing(v4_bf16, tmp_path):
-    # (--format ascend: the default compressed-tensors is refused for V4 first, cvt.quant.stage.deepseek_v4)
-    r = run_cvt("quantize", v4_bf16, tmp_path / "q", "--scheme", "w4a16", "--method", "gptq", "--format", "ascend")
-    assert r.rc != 0 and r.err.startswith("cvt: error: deepseek_v4: calibration") and "--method rtn" in r.err, r.err
+def test_static_attention_is_refused_for_v4_before_writing(v4_bf16, tmp_path):
+    # GPTQ / AWQ / SmoothQuant calibrate V4 (tests/quant/test_calibrate_v4.py); static attention
+    # scales do not (no V4 KV-cache or attention-input quantization)
+    r = run_cvt("quantize", v4_bf16, tmp_path / "q", "--scheme", "w8a8", "--format", "ascend", "--static-attention")
+    assert r.rc != 0 and r.err.startswith("cvt: error: deepseek_v4: --static-attention is not calibrated"), r.err
     assert not (tmp_path / "q").exists()

@@ -1,0 +1,50 @@
+"""Where the calibration driver (`cvt.quant.methods.calib`) finds a runtime model's decoder
+layers and embedding, and which captured layer arguments go with each mini-batch of sequences.
+
+Most families follow `cvt.runtime.models.base.CausalLM`'s HF layout (``model.layers.{i}``,
+``model.embed_tokens``; a layer takes hidden states [b, s, h] plus arguments shared by every
+sequence: rope, mask). DeepSeek-V4 declares its own in ``Model.calib_layout``: blocks
+``layers.{i}`` taking the hc streams [b, s, hc, h] and the token ids [b, s] (hash routing), which
+must be cut with the streams per mini-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the driver finds a runtime model's decoder layers and embedding. A model class
+    says so in ``calib_layout`` (a dict of these fields); the default is the HF layout of
+    `cvt.runtime.models.base.CausalLM` (``model.layers.{i}``, ``model.embed_tokens``).
+
+    layers:       module path of the decoder layers (ModuleList); layer i is ``{layers}.{i}``,
+                  also its checkpoint name (after a wrapper's text prefix)
+    embed:        module path of the token embedding (its ``.weight`` in the checkpoint)
+    per_sequence: positions, among the positional arguments after the layer input, of those that
+                  hold one row per sequence ([b, ...]: DeepSeek-V4's token ids): each mini-batch
+                  gets its rows, as it gets its rows of the layer input
+    """
+
+    layers: str = "model.layers"
+    embed: str = "model.embed_tokens"
+    per_sequence: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "Layout":
+        return cls(**getattr(model, "calib_layout", {}))
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        return model.get_submodule(self.layers)
+
+
+class _PerSequence:
+    """A captured layer argument with one row per sequence: `_run_layer` passes each mini-batch
+    its rows (`Layout.per_sequence`)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
