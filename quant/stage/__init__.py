@@ -121,11 +121,11 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
             check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block, source.scale_param, fp4_experts=source.fp4))
         check_weights(ckpt, arch, "quantize", source.block or (128, 128))
-        if source.fp4:  # DeepSeek-V4's FP4 experts on another grid than the scheme's: one line says so
-            note = fp4_source.requantized_note({m: s.name for m, s in plan.schemes.items()
-                                                if source.is_fp4(plan.modules[m]["weight"]) and not fp4_source.carries(s)})
-            if note is not None:
-                log.warning(note)
+        # DeepSeek-V4's FP4 experts on another grid than the scheme's: one line says so, once every
+        # refusal below has had its say (a refused run prints its error alone)
+        note = fp4_source.requantized_note({m: s.name for m, s in plan.schemes.items()
+                                            if source.is_fp4(plan.modules[m]["weight"]) and not fp4_source.carries(s)}) \
+            if source.fp4 else None
 
         needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
         if calib is not None and needs_model:  # before DST is touched
@@ -136,6 +136,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             raise OptionError(f"--calib {calib}: nothing in this run calibrates (RTN needs no data); give --method "
                               "gptq / awq / smoothquant, --static-attention or an int8 KV cache, or drop --calib")
         if not needs_model:
+            _note(note)
             return _write(ckpt, dst, plan, form, source, src_fmt, _Calib(), req)
         from cvt.runtime.models import family
 
@@ -145,6 +146,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
                               "is not calibrated for this model family (--method gptq / awq / smoothquant are)")
         from cvt.convert.outdir import calibration_dir
 
+        _note(note)
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume) as state:
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
             cal = _calibrate(ckpt, plan, calib, calib_tokens, static_attention, kv_codec, state, device, quiet,
@@ -152,6 +154,11 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             return _write(ckpt, dst, plan, form, source, src_fmt, cal, req)
     finally:
         ckpt.close()
+
+
+def _note(note: str | None) -> None:
+    if note is not None:
+        log.warning(note)
 
 
 def _kv_static(config: dict, plan: Plan, fmt: str) -> bool:
