@@ -261,9 +261,9 @@ class ExpertStream:
                 _unstub(m)
 
 
-def expert_bytes(layer: nn.Module) -> int:
-    """float32 bytes of a layer's routed experts (0 without)."""
-    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+def expert_bytes(layer: nn.Module, moe: str = "mlp") -> int:
+    """float32 bytes of a layer's routed experts (0 without); `moe`: the layer's MoE attribute."""
+    experts = getattr(getattr(layer, moe, None), "experts", None)
     if not experts:
         return 0
     return 4 * sum(p.numel() for ex in experts for p in ex.parameters())

@@ -28,11 +28,14 @@ class Layout:
     per_sequence: positions, among the positional arguments after the layer input, of those that
                   hold one row per sequence ([b, ...]: DeepSeek-V4's token ids): each mini-batch
                   gets its rows, as it gets its rows of the layer input
+    moe:          attribute of a layer holding its MoE (``.experts``); only the HF layout's ``mlp``
+                  is calibrated a chunk of experts at a time (`cvt.quant.methods.expert_stream`)
     """
 
     layers: str = "model.layers"
     embed: str = "model.embed_tokens"
     per_sequence: tuple[int, ...] = ()
+    moe: str = "mlp"
 
     @classmethod
     def of(cls, model: nn.Module) -> "Layout":

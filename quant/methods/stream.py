@@ -108,11 +108,21 @@ def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict, source:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
-def _streams_experts(layer: nn.Module, prefix: str, plan, o: dict) -> bool:
+def _streams_experts(layer: nn.Module, prefix: str, plan, o: dict, moe: str = "mlp") -> bool:
     """Whether this layer's routed experts are calibrated a chunk at a time (module doc). A layer
-    without the HF ``mlp`` (DeepSeek-V4's block: ``ffn``) is calibrated whole."""
+    whose MoE is not the HF ``mlp`` (DeepSeek-V4's block: ``ffn``) is calibrated whole: a
+    CvtError when its routed experts do not fit ``max_expert_bytes`` (before anything of the
+    layer is read, rather than running the host out of memory)."""
     from cvt.quant.methods.expert_stream import expert_bytes
 
+    if moe != "mlp":
+        need = expert_bytes(layer, moe)
+        if need > o["max_expert_bytes"]:
+            raise CvtError(f"{prefix}{moe}.experts: {need / 2**30:.1f} GiB of routed experts in float32, above "
+                           f"--expert-memory ({o['max_expert_bytes'] / 2**30:.1f} GiB); this family's blocks are "
+                           "calibrated with all their experts at once (not a chunk at a time): give --expert-memory "
+                           "at least that on a host with the memory, or quantize with --method rtn")
+        return False
     if not isinstance(getattr(layer, "mlp", None), nn.Module):
         return False
     if not o["true_sequential"] or expert_bytes(layer) <= o["max_expert_bytes"]:
@@ -239,7 +249,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
             t0 = time.perf_counter()
             layer = layers[i]
             prefix = f"{tp}{layout.layers}.{i}."
-            streamed = _streams_experts(layer, prefix, plan, o)
+            streamed = _streams_experts(layer, prefix, plan, o, layout.moe)
             experts_at = prefix + "mlp.experts."
             assign_tensors(model, ckpt, device, block, skip=lambda name: not name.startswith(prefix)
                            or (streamed and name.startswith(experts_at)))

@@ -511,7 +511,7 @@ class Model(nn.Module):
     # ``layers.{i}``, called as ``block(streams [b, s, hc, d], tokens [b, s], pos [s], ropes, None)``:
     # the state between blocks is the hc streams, and the token ids (hash routing) go with each
     # mini-batch of sequences (positional argument 0 after the streams)
-    calib_layout: ClassVar[dict] = {"layers": "layers", "embed": "embed", "per_sequence": (0,)}
+    calib_layout: ClassVar[dict] = {"layers": "layers", "embed": "embed", "per_sequence": (0,), "moe": "ffn"}
     # no KV-cache quantization for V4 (`new_cache`): static attention / KV scales are not calibrated
     calibrates_kv: ClassVar[bool] = False
 

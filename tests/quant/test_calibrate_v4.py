@@ -268,3 +268,15 @@ def test_the_release_loads_as_its_bf16_copy(release, model, tmp_path):
     assert sorted(got) == sorted(bf16)
     for n, t in got.items():
         assert torch.equal(t, bf16[n]), n
+
+
+def test_blocks_over_the_expert_memory_are_one_line_before_reading_them(release, tmp_path):
+    """A V4 block is calibrated with all its routed experts at once (the chunked expert stream
+    is the HF layout's): experts above --expert-memory stop the run at the first block, naming
+    it and the bytes, instead of running the host out of memory (V4-Flash: ~26 GiB a block)."""
+    r = run_cvt("quantize", release, tmp_path / "q", "--scheme", "w8a8", "--format", "ascend", "--method", "gptq",
+                "--calib-tokens", "256", "--expert-memory", "64KB")
+    errors = [line for line in r.err.splitlines() if line.startswith("cvt: error:")]
+    assert r.rc == 1 and len(errors) == 1, r.err
+    assert errors[0].startswith("cvt: error: layers.0.ffn.experts: ") and "above --expert-memory" in errors[0], errors
+    assert not list((tmp_path / "q").glob("*.safetensors"))
