@@ -309,6 +309,12 @@ def run_rank(module: str) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: nothing more can be said there
             pass
+    try:  # what C / C++ code (torch, gloo) printed through stdio's buffers: os._exit skips exit()'s flush
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
     os._exit(code)
 
 

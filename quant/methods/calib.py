@@ -511,7 +511,9 @@ class _LayerCalib:
             scale_columns(self.mods[c], s)
             self.changed.add(f"{c}.weight")
         seen = set()
-        for c in g.consumers:
+        # the statistics already collected at the consumers' inputs, and at a quantized extra's
+        # (a recipe may quantize one: its samples / Hessian must be those of the folded input)
+        for c in list(g.consumers) + [e for e in g.extras if e in self.schemes and e in self.site_of]:
             key = self.site_of[c]
             if key in sites and key not in seen:
                 sites[key].scale(s)

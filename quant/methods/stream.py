@@ -92,9 +92,11 @@ def _trim() -> None:
         pass
 
 
-def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict, source: dict | None = None) -> str:
+def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict, source: dict | None = None,
+                   frozen=frozenset()) -> str:
     """The calibration's identity: a resumed run continues only the same one. `source`: SRC's
-    content identity (`Checkpoint.content_identity` when not given)."""
+    content identity (`Checkpoint.content_identity` when not given); `frozen`: modules kept as
+    the source has them (a fold may not change them: it changes what is calibrated)."""
     ident = {
         "source": source if source is not None else ckpt.content_identity,
         "modules": sorted((m, s.name, s.group_size, s.symmetric, getattr(s, "fp4_format", None),
@@ -105,6 +107,8 @@ def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict, source:
         # the device kind, not its index: rank r of a torchrun world computes on cuda:r
         "device": torch.device(device).type, "opts": {k: str(v) for k, v in sorted(opts.items()) if k != "max_expert_bytes"},
     }
+    if frozen:  # (absent otherwise: the identity of every run without carried experts is unchanged)
+        ident["frozen"] = sorted(frozen)
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -211,7 +215,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
         raise CvtError(f"unknown calibration option(s) {sorted(unknown)}")
     o.update(opts)
     source = ckpt.content_identity
-    store = LayerStore(state_dir, stream_plan_id(ckpt, plan, tokens, device, o, source), source)
+    store = LayerStore(state_dir, stream_plan_id(ckpt, plan, tokens, device, o, source, frozen), source)
     with torch.device("meta"):
         model = build_model(ckpt.config, dtype=torch.float32)
     n_layers = model.args.num_hidden_layers

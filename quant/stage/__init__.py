@@ -121,8 +121,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
             check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block, source.scale_param, fp4_experts=source.fp4))
         check_weights(ckpt, arch, "quantize", source.block or (128, 128))
-        # DeepSeek-V4's FP4 experts on another grid than the scheme's: one line says so, once every
-        # refusal below has had its say (a refused run prints its error alone)
+        # DeepSeek-V4's FP4 experts on another grid than the scheme's: one line says so once the
+        # output is written (a refused or failed run prints its error alone)
         note = fp4_source.requantized_note({m: s.name for m, s in plan.schemes.items()
                                             if source.is_fp4(plan.modules[m]["weight"]) and not fp4_source.carries(s)}) \
             if source.fp4 else None
@@ -136,8 +136,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             raise OptionError(f"--calib {calib}: nothing in this run calibrates (RTN needs no data); give --method "
                               "gptq / awq / smoothquant, --static-attention or an int8 KV cache, or drop --calib")
         if not needs_model:
-            _note(note)
-            return _write(ckpt, dst, plan, form, source, src_fmt, _Calib(), req)
+            return _note(note, _write(ckpt, dst, plan, form, source, src_fmt, _Calib(), req))
         from cvt.runtime.models import family
 
         if (static_attention or kv_static) and not getattr(family(ckpt.config)[0].Model, "calibrates_kv", True):
@@ -146,19 +145,19 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
                               "is not calibrated for this model family (--method gptq / awq / smoothquant are)")
         from cvt.convert.outdir import calibration_dir
 
-        _note(note)
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume) as state:
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
             cal = _calibrate(ckpt, plan, calib, calib_tokens, static_attention, kv_codec, state, device, quiet,
                              expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec, source=source)
-            return _write(ckpt, dst, plan, form, source, src_fmt, cal, req)
+            return _note(note, _write(ckpt, dst, plan, form, source, src_fmt, cal, req))
     finally:
         ckpt.close()
 
 
-def _note(note: str | None) -> None:
+def _note(note: str | None, result: WriteResult) -> WriteResult:
     if note is not None:
         log.warning(note)
+    return result
 
 
 def _kv_static(config: dict, plan: Plan, fmt: str) -> bool:

@@ -444,7 +444,7 @@ class Block(nn.Module):
         extras = [f"{a}.compressor.wkv", f"{a}.compressor.wgate"] if self.attn.compressor is not None else []
         if self.attn.indexer is not None:
             extras += [f"{a}.indexer.weights_proj", f"{a}.indexer.compressor.wkv", f"{a}.indexer.compressor.wgate"]
-        experts = [f"{f}.experts.{e}" for e in range(len(self.ffn.experts))] + [f"{f}.shared_experts"]
+        experts = [f"{f}.experts.{e}" for e, _ in self.ffn.experts.named_children()] + [f"{f}.shared_experts"]
         return [(f"{prefix}.attn_norm", [f"{a}.wq_a", f"{a}.wkv"], extras),
                 (f"{a}.q_norm", [f"{a}.wq_b"], [f"{a}.indexer.wq_b"] if self.attn.indexer is not None else []),
                 (f"{prefix}.ffn_norm", [f"{e}.{w}" for e in experts for w in ("w1", "w3")], [f"{f}.gate"])]

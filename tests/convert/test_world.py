@@ -172,3 +172,14 @@ def test_a_rank_keeps_its_exit_code_whatever_the_teardown_does(tmp_path, body, r
                        env=env, timeout=60, cwd=tmp_path)
     assert (p.returncode, p.stdout) == (rc, "done\n"), (p.returncode, p.stdout, p.stderr)
     assert (p.stderr == err) if not err.startswith("ValueError") else p.stderr.rstrip().endswith(err), p.stderr
+
+
+def test_a_rank_keeps_what_c_code_printed_through_stdio(tmp_path):
+    """C code's buffered stdio output (a pipe is fully buffered) is flushed before os._exit."""
+    import sys
+
+    (tmp_path / "rank_c_mod.py").write_text("import ctypes; ctypes.CDLL(None).printf(b'from C\\n')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.run([sys.executable, "-c", world.boot_rank("rank_c_mod")], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=tmp_path)
+    assert (p.returncode, p.stdout) == (0, "from C\n"), (p.returncode, p.stdout, p.stderr)

@@ -280,3 +280,40 @@ def test_blocks_over_the_expert_memory_are_one_line_before_reading_them(release,
     assert r.rc == 1 and len(errors) == 1, r.err
     assert errors[0].startswith("cvt: error: layers.0.ffn.experts: ") and "above --expert-memory" in errors[0], errors
     assert not list((tmp_path / "q").glob("*.safetensors"))
+
+
+def test_the_resume_identity_includes_the_carried_experts():
+    """Experts carried from the source (frozen) block the ffn_norm fold, so a run with them and one
+    without can plan the same schemes yet store different layers: their identities differ (and a
+    run without any is identified as before)."""
+    from types import SimpleNamespace
+
+    from cvt.quant.methods.stream import stream_plan_id
+
+    plan = SimpleNamespace(schemes={}, methods={})
+    args = (None, plan, torch.zeros(1, 4, dtype=torch.int64), "cpu", {}, {"files": []})
+    assert stream_plan_id(*args) == stream_plan_id(*args, frozenset())
+    assert stream_plan_id(*args) != stream_plan_id(*args, frozenset({"layers.0.ffn.experts.0.w1"}))
+
+
+def test_smoothing_groups_name_the_experts_a_block_holds():
+    """A block built with some routed experts (a rank's: global ids) folds into those, by id."""
+    from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config
+    from cvt.runtime.models.deepseek_v4 import Args, Block
+
+    args = Args.from_config(tiny_deepseek_v4_config())
+    with torch.device("meta"):
+        block = Block(args, 2, 0, experts=[1, 3])
+    ffn = [g for g in block.smooth_groups("layers.2") if g[0] == "layers.2.ffn_norm"][0]
+    assert ffn[1] == [f"layers.2.ffn.{m}.{w}" for m in ("experts.1", "experts.3", "shared_experts") for w in ("w1", "w3")]
+
+
+def test_a_refused_destination_prints_its_error_alone(release, tmp_path):
+    """The FP4 experts' requantize note is printed once the output is written: a DST cvt may not
+    write into (a foreign file in it) gets its one error line and nothing else."""
+    dst = tmp_path / "q"
+    dst.mkdir()
+    (dst / "mine.txt").write_text("keep")
+    r = run_cvt("quantize", release, dst, "--scheme", "w8a8", "--format", "ascend")
+    assert r.rc != 0 and r.err.count("\n") == 1 and r.err.startswith("cvt: error:"), r.err
+    assert (dst / "mine.txt").read_text() == "keep"
