@@ -436,5 +436,7 @@ def test_v4_weights_go_through_vllm_ascends_process_weights_after_loading(source
                                                              "self_attn.wo_a", "mlp.shared_experts.gate_up_proj",
                                                              "mlp.shared_experts.down_proj", "mlp.experts")]
     r = process_after_loading(build(sources, "v4", {"scheme": scheme}), va_src, mods)
-    assert r["model.layers.1.self_attn.wo_a"] == "unquantized" and r["model.layers.2.mlp.experts"] == "ok", r
-    assert all(v in ("ok", "unquantized") for v in r.values()), r
+    # every parameter vllm-ascend's method creates is filled from cvt's output, then processed;
+    # wo_a is float (msModelSlim's V4 recipes); W4A8_MXFP is for the routed experts only
+    quantized = {m for m in mods if not m.endswith("wo_a") and (scheme != "w4a8_mxfp" or m.endswith("mlp.experts"))}
+    assert r == {m: "ok" if m in quantized else "unquantized" for m in mods}, r

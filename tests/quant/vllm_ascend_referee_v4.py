@@ -400,6 +400,8 @@ def process_after_loading(dst: Path, va_src: Path, prefixes: list[str]) -> dict[
     layout casts on the NPU -- are the identity here; any other NPU kernel it calls fails the module)."""
     dst, va_src = Path(dst), Path(va_src)
     report = inspect_v4_output(dst, va_src)
+    if report.problems:  # the loading the parameters would come from already fails
+        return {"(load)": "; ".join(report.problems)}
     config = json.loads((dst / "config.json").read_text())
     desc = json.loads((dst / "quant_model_description.json").read_text())
     dtype = torch.bfloat16
@@ -437,8 +439,12 @@ def process_after_loading(dst: Path, va_src: Path, prefixes: list[str]) -> dict[
                         continue
                     meth.create_weights(layer, m.in_size, sizes, m.in_size, sum(sizes), dtype, weight_loader=None)
                 layer.prefix = prefix
-                for local, p in list(layer.named_parameters(recurse=False)):
-                    _fill(p, local, m, report.slots, tensors, dst)
+                # vLLM's loader refuses a model with a parameter no checkpoint tensor initialized
+                unfilled = [local for local, p in list(layer.named_parameters(recurse=False))
+                            if not _fill(p, local, m, report.slots, tensors, dst)]
+                if unfilled:
+                    out[prefix] = f"parameters no checkpoint tensor fills: {unfilled}"
+                    continue
                 meth.process_weights_after_loading(layer)
                 out[prefix] = "ok"
             except Exception as exc:  # the module's processing failed: say how
