@@ -440,3 +440,17 @@ def test_v4_weights_go_through_vllm_ascends_process_weights_after_loading(source
     # wo_a is float (msModelSlim's V4 recipes); W4A8_MXFP is for the routed experts only
     quantized = {m for m in mods if not m.endswith("wo_a") and (scheme != "w4a8_mxfp" or m.endswith("mlp.experts"))}
     assert r == {m: "ok" if m in quantized else "unquantized" for m in mods}, r
+
+
+def test_the_v4_routing_copies_vllm_ascends_renames(va_src):
+    """The referee's copy of vllm-ascend's V4 load_weights renames (tests/quant/vllm_ascend_referee_v4.py
+    MODEL_RENAMES / MTP_RENAMES) is the tree's own, pair for pair and in order."""
+    from cvt.tests.quant.vllm_ascend_referee_v4 import MODEL_RENAMES, MTP_RENAMES, name_renames
+
+    models = va_src / "vllm_ascend" / "models"
+    model, mtp = ((models / "deepseek_v4" / "model.py", models / "deepseek_v4" / "mtp.py")
+                  if (models / "deepseek_v4").is_dir() else (models / "deepseek_v4.py", models / "deepseek_v4_mtp.py"))
+    if not model.is_file():
+        pytest.skip(f"{va_src}: this vllm-ascend has no DeepSeek-V4 model")
+    assert name_renames(model) == MODEL_RENAMES
+    assert name_renames(mtp) == MTP_RENAMES

@@ -291,6 +291,39 @@ def _route_v4_mtp(name: str, params: set[str], c: dict, cfg):
     return _body(name, params, c)
 
 
+# the renames `_route_v4` / `_route_v4_mtp` (with `_body`) apply, in their order: copied from
+# vllm-ascend's load_weights of models/deepseek_v4/model.py (AscendDeepseekV4ForCausalLM) and
+# mtp.py (DeepSeekV4MTP; v0.23.0: deepseek_v4.py, deepseek_v4_mtp.py). `name_renames` reads the
+# tree's own, and the pin test compares: a rename vllm-ascend adds or changes fails it.
+MODEL_RENAMES = [(".w1.", ".gate_proj."), (".w2.", ".down_proj."), (".w3.", ".up_proj."), ("model.head.", "lm_head."),
+                 ("model.lm_head.", "lm_head."), ("embed.", "embed_tokens."), (".attn.", ".self_attn."),
+                 (".ffn.", ".mlp."), (".ffn_norm.", ".post_attention_layernorm."),
+                 (".attn_norm.", ".input_layernorm."), (".scale", ".weight_scale"),
+                 (".gate.bias", ".gate.e_score_correction_bias")]
+MTP_RENAMES = [("mtp.0.", "model."), ("mtp.0.", "model.layers.0."), ("mtp.0.", "model.layers.0.mtp_block."),
+               (".w1.", ".gate_proj."), (".w2.", ".down_proj."), (".w3.", ".up_proj."), (".scale", ".weight_scale"),
+               (".head.", ".shared_head.head."), (".norm.", ".shared_head.norm."),
+               (".emb.tok_emb.", ".embed_tokens."), (".attn.", ".self_attn."), (".ffn.", ".mlp."),
+               (".ffn_norm.", ".post_attention_layernorm."), (".attn_norm.", ".input_layernorm."),
+               (".gate.bias", ".gate.e_score_correction_bias")]
+
+
+def name_renames(path: Path, function: str = "load_weights") -> list[tuple[str, str]]:
+    """The ``name = name.replace("A", "B")`` calls of `function` in the Python file `path`, in
+    source order (vllm-ascend's renames of the release's tensor names)."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            for n in ast.walk(node):
+                if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "replace"
+                        and isinstance(n.func.value, ast.Name) and n.func.value.id == "name" and len(n.args) == 2
+                        and all(isinstance(a, ast.Constant) for a in n.args)):
+                    out.append((n.lineno, n.col_offset, n.args[0].value, n.args[1].value))
+    return [(a, b) for *_, a, b in sorted(out)]
+
+
 def _tid2eid_ok(problem: str) -> bool:
     """tid2eid: default_weight_loader's copy_ turns int64 / int32 expert ids into the int32 parameter exactly."""
     head = problem.split(": ", 1)[0].removeprefix("[MTP draft] ")
