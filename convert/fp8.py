@@ -88,7 +88,8 @@ def dequant_fp8_block_np(w: memoryview, shape: tuple[int, int], scale_f32, block
                          threads: int | None = None, out=None):
     """`dequant_fp8_block` without torch, through the C kernel: e4m3 bytes `w` of a ``[n, k]``
     weight and its float32 scale (``ndarray`` of ``expected_scale_shape``) -> the BF16 bytes,
-    a ``uint16`` ``ndarray [n, k]`` (written into `out`, a buffer of 2nk bytes, when given);
+    a ``uint16`` ``ndarray [n, k]`` (written into `out`, a buffer of 2nk bytes, when given, else
+    into a `cvt.convert.buffers.OUTPUTS` buffer);
     the same bits. Needs the C kernel (``kernel_name() == "c"``); without it callers take
     `dequant_fp8_block`, the torch path."""
     import numpy as np
@@ -101,7 +102,12 @@ def dequant_fp8_block_np(w: memoryview, shape: tuple[int, int], scale_f32, block
         raise TensorError(f"FP8 weight of {len(w)} bytes as {list(shape)}, scale {list(scale_f32.shape)}: "
                           f"expected {n * k} bytes and a {list(expected_scale_shape(shape, block))} scale")
     s = np.require(scale_f32, np.float32, ["C", "A"])  # a view of the mmap may sit at an unaligned offset
-    out = np.empty((n, k), dtype=np.uint16) if out is None else np.frombuffer(out, dtype=np.uint16).reshape(n, k)
+    if out is None:  # page-aligned, recycled, placed for the writer's O_DIRECT (`OutputPool`)
+        from cvt.convert.buffers import OUTPUTS
+
+        out = OUTPUTS.array((n, k), np.uint16)
+    else:
+        out = np.frombuffer(out, dtype=np.uint16).reshape(n, k)
     if n and k:
         wa = np.frombuffer(w, dtype=np.uint8)
         fn(wa.ctypes.data, s.ctypes.data, out.ctypes.data, n, k, s.shape[1], block[0], block[1],

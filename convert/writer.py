@@ -45,7 +45,7 @@ from cvt.dtypes import DTYPES, dtype_code
 from cvt.convert.safetensors_io import TensorSpec, encode_header
 from cvt.convert.durable import AtomicFile
 from cvt.errors import TensorError
-from cvt.convert.buffers import IN_FLIGHT_BYTES, ByteBudget, Countdown
+from cvt.convert.buffers import IN_FLIGHT_BYTES, ByteBudget, Countdown, place
 from cvt.progress import make_progress
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
@@ -393,11 +393,14 @@ def write_shards(
     stop = threading.Event()
 
     def write_one(rel: str, tensors: list[OutTensor]) -> None:
+        offset = len(encode_header(fs.specs[rel], fs.header_meta))  # of the next tensor's bytes in the file
         for t in tensors:
             if stop.is_set():
                 raise _Cancelled
             charge = fs.charge(t.spec.nbytes, 1, t.release)
             try:
+                place(offset)  # a kernel's output buffer lands as O_DIRECT writes it, with no staging copy
+                offset += t.spec.nbytes
                 data = t.produce()
             except BaseException:
                 charge.done()

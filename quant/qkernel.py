@@ -365,21 +365,25 @@ _NP_BITS = {"I8": "int8", "I32": "int32", "U8": "uint8", "F32": "float32", "BF16
 def _outputs(layout, shape, cfg, c: bool) -> dict[str, Any]:
     """Uninitialized outputs: numpy arrays for the C kernel, torch tensors for the fallback.
     The kernel writes every element (torch fills would wake torch's OpenMP pool, whose
-    spinning threads then compete with the kernel's)."""
+    spinning threads then compete with the kernel's). The C kernel's come from the recycled
+    page-aligned pool (`cvt.convert.buffers.OUTPUTS`: no zeroing of fresh pages), the packed
+    weight first, placed where the writer's O_DIRECT takes it without a staging copy (`place`:
+    it is the first tensor of its module on disk); the others at the start of a page."""
     import numpy as np
 
+    from cvt.convert.buffers import OUTPUTS
     from cvt.dtypes import torch_dtype
 
-    def empty(shape_, code, zeros=False):
+    def empty(shape_, code, zeros=False, phase=0):
         if c:
-            return np.empty(shape_, dtype=_NP_BITS[code])
+            return OUTPUTS.array(shape_, _NP_BITS[code], phase)
         return (torch.zeros if zeros else torch.empty)(shape_, dtype=torch_dtype(code))
 
     n, k = shape
     ng = k // cfg["group"]
     q = {PACK_I8: ((n, k), "I8"), PACK_CT32: ((n, -(-k // 8)), "I32"), PACK_NIB_K: ((n, k // 2), "I8"),
          PACK_NIB_ROWS: ((n // 2, k), "I8"), PACK_FP4: ((n, k // 2), "U8")}[_PACK[layout.pack]]
-    out = {"q": empty(*q)}
+    out = {"q": empty(*q, phase=None)}  # None: this thread's `place`d phase
     if cfg["mode"] in (MODE_SYM, MODE_ASYM):
         out["scale"] = empty((n, ng), "F32")
         out["offset"] = empty((n, ng), "F32", zeros=cfg["mode"] != MODE_ASYM)  # the fallback writes no sym offset
