@@ -50,7 +50,11 @@ class Countdown:
 # ---- page-aligned output buffers, placed for O_DIRECT -------------------------------------------
 
 PAGE = 4096  # O_DIRECT's alignment of buffers and file offsets (`cvt.convert.durable`)
-POOLED_MIN = 256 << 10  # smaller outputs come from malloc's reused heap, not the pool
+# smaller outputs come from malloc, which reuses freed memory below its largest mmap threshold
+# (glibc: 32 MiB on 64-bit; larger blocks are fresh mmaps, zeroed on first touch, every time);
+# above it they repeat per decoder layer (DeepSeek-V3 w8a8: o_proj 117 MB, q_b_proj 37 MB)
+POOLED_MIN = 32 << 20
+PLACED_MIN = 64 << 10  # smaller outputs are not worth placing (the writer stages them anyway)
 _place = threading.local()
 
 
@@ -86,7 +90,7 @@ class OutputPool:
     the writer still holds are never handed out again. Idle blocks are capped at `max_idle` bytes
     (what the pool may add to peak RSS), the least recently used freed first."""
 
-    def __init__(self, max_idle: int = IN_FLIGHT_BYTES // 4):
+    def __init__(self, max_idle: int = IN_FLIGHT_BYTES // 2):
         self.max_idle, self.idle = max_idle, 0
         self._free: list = []  # idle (mmap, address) blocks, least recently used first
         self._lock = threading.Lock()
@@ -94,7 +98,9 @@ class OutputPool:
 
     def array(self, shape, dtype, phase: int | None = None):
         """An uninitialized C-contiguous ``ndarray`` of `shape` / `dtype`, whose first byte sits
-        `phase` bytes into a page (default: `placed_phase`); small ones from ``np.empty``."""
+        `phase` bytes into a page (default: `placed_phase`): a pooled block from `POOLED_MIN`
+        bytes, a slice of a page-larger ``np.empty`` below it, a plain ``np.empty`` below
+        `PLACED_MIN` (not placed)."""
         import math
         import mmap
         import weakref
@@ -103,9 +109,13 @@ class OutputPool:
 
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < POOLED_MIN:
+        if nbytes < PLACED_MIN:
             return np.empty(shape, dtype=dtype)
         phase = placed_phase() if phase is None else phase % PAGE
+        if nbytes < POOLED_MIN:  # from malloc, a page's slack to place it
+            raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+            at = (phase - raw.ctypes.data) % PAGE
+            return raw[at:at + nbytes].view(dtype).reshape(shape)
         size = _size_class(nbytes + phase)
         block = None
         with self._lock:
@@ -118,7 +128,9 @@ class OutputPool:
         if block is None:
             import ctypes
 
-            m = mmap.mmap(-1, size)  # page-aligned
+            m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # page-aligned; private: huge pages may back it
+            if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+                m.madvise(mmap.MADV_HUGEPAGE)  # as numpy does for its large arrays: 2 MB faults, not 4 KB
             block = (m, ctypes.addressof(ctypes.c_char.from_buffer(m)))
         holder = _Held()
         holder.block = block

@@ -159,7 +159,7 @@ class DirectFile:
         self._maps: list = []
         try:
             for _ in range(2 if self._double else 1):
-                self._maps.append(mmap.mmap(-1, DIRECT_STAGE))  # page-aligned, as O_DIRECT needs
+                self._maps.append(mmap.mmap(-1, DIRECT_STAGE, flags=mmap.MAP_PRIVATE))  # page-aligned, as O_DIRECT needs
         except BaseException:
             self._release_maps()
             self._uncount()

@@ -17,7 +17,13 @@ from cvt.convert import durable as D
 from cvt.convert.durable import AtomicFile
 
 
-def test_pool_places_arrays_within_a_page_and_recycles_a_block_once_its_last_view_is_gone():
+@pytest.fixture
+def small_pool(monkeypatch):
+    """Pool from 1 MiB up (the real threshold, `POOLED_MIN`, is glibc's largest mmap threshold)."""
+    monkeypatch.setattr(B, "POOLED_MIN", 1 << 20)
+
+
+def test_pool_places_arrays_within_a_page_and_recycles_a_block_once_its_last_view_is_gone(small_pool):
     pool = B.OutputPool(max_idle=64 << 20)
     a = pool.array((700, 1000), np.uint16, phase=1234)
     assert a.shape == (700, 1000) and a.dtype == np.uint16 and a.flags["C_CONTIGUOUS"] and a.flags["WRITEABLE"]
@@ -41,7 +47,19 @@ def test_pool_places_arrays_within_a_page_and_recycles_a_block_once_its_last_vie
     assert pool.array((10, 10), np.float32).base is None  # small: plain np.empty, not pooled
 
 
-def test_pool_idle_bytes_stay_under_the_cap_least_recently_used_freed():
+def test_below_the_pool_arrays_are_placed_slices_of_malloc_memory():
+    """Between `PLACED_MIN` and `POOLED_MIN`: malloc's memory (which it reuses itself), a page
+    larger, sliced so the array sits at its phase; no pool block."""
+    pool = B.OutputPool()
+    for phase in (0, 1, 4095, 2222):
+        a = pool.array((300, 1000), np.float32, phase=phase)
+        assert a.ctypes.data % 4096 == phase and a.shape == (300, 1000) and a.flags["C_CONTIGUOUS"]
+        a[:] = 1.5
+        assert float(a.sum()) == 450_000.0
+    assert pool.reused == 0 and pool.idle == 0
+
+
+def test_pool_idle_bytes_stay_under_the_cap_least_recently_used_freed(small_pool):
     pool = B.OutputPool(max_idle=3 << 20)
     arrays = [pool.array((1 << 20,), np.uint8, phase=0) for _ in range(4)]  # 1 MiB blocks
     addrs = [x.ctypes.data for x in arrays]
@@ -53,7 +71,7 @@ def test_pool_idle_bytes_stay_under_the_cap_least_recently_used_freed():
     assert {x.ctypes.data for x in again} == set(addrs[1:]) and pool.idle == 0
 
 
-def test_place_sets_this_threads_phase_only():
+def test_place_sets_this_threads_phase_only(small_pool):
     B.place(4096 * 3 + 99)
     seen = []
     t = threading.Thread(target=lambda: seen.append(B.placed_phase()))
@@ -126,7 +144,7 @@ def test_quantize_writes_kernel_outputs_straight_and_the_reference_bytes(fp8_rel
                                                                          scheme, opts):
     """The fused kernels' packed weights land in placed pool buffers and go out through O_DIRECT
     without a staging copy (the tiny release's tensors are small: the size thresholds are lowered
-    so that they qualify), and the files are the unfused reference's
+    so that they qualify, both placements used), and the files are the unfused reference's
     (tests/quant/test_qkernel.py::test_stage_writes_the_reference_bytes: CVT_QUANT_KERNEL=reference)."""
     from cvt.quant import qkernel as QK
     from cvt.quant.stage import quantize
@@ -136,7 +154,8 @@ def test_quantize_writes_kernel_outputs_straight_and_the_reference_bytes(fp8_rel
     if QK._c_kernel() is None:
         pytest.skip("C quantize kernel not built")
     monkeypatch.setattr(D, "DIRECT_MIN", 0)
-    monkeypatch.setattr(B, "POOLED_MIN", 0)
+    monkeypatch.setattr(B, "PLACED_MIN", 0)
+    monkeypatch.setattr(B, "POOLED_MIN", 16 << 10)  # the larger tensors from pool blocks, the others sliced
     try:
         monkeypatch.setenv("CVT_QUANT_KERNEL", "reference")
         QK._c_kernel.cache_clear()
@@ -160,7 +179,8 @@ def test_fp8_to_bf16_writes_kernel_outputs_straight_and_the_torch_bytes(fp8_rele
     if F._c_kernel() is None:
         pytest.skip("C FP8 kernel not built")
     monkeypatch.setattr(D, "DIRECT_MIN", 0)
-    monkeypatch.setattr(B, "POOLED_MIN", 0)
+    monkeypatch.setattr(B, "PLACED_MIN", 0)
+    monkeypatch.setattr(B, "POOLED_MIN", 16 << 10)  # the larger tensors from pool blocks, the others sliced
     try:
         monkeypatch.setenv("CVT_FP8_KERNEL", "torch")
         F._c_kernel.cache_clear()
