@@ -38,11 +38,24 @@ def _c_kernel():
     fn = lib.cvt_dequant_fp8_block
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 7
     fn.restype = ctypes.c_int
+    lib.cvt_fp8_simd_level.argtypes = [ctypes.c_int64]
+    lib.cvt_fp8_simd_level.restype = ctypes.c_int
+    fn.level = lib.cvt_fp8_simd_level
     return fn
 
 
 def kernel_name() -> str:
     return "c" if _c_kernel() is not None else "torch"
+
+
+def simd_in_use(simd: bool | int = True) -> str:
+    """Which loops the C kernel runs on this CPU for `simd` (`cvt.extras.simd_level`, so
+    ``CVT_KERNEL_SIMD`` counts): "avx512", "avx2", "neon" (aarch64) or "scalar" (block scales >=
+    2**100 take the scalar loop whatever this says); "" without the C kernel."""
+    from cvt.extras import simd_name
+
+    fn = _c_kernel()
+    return "" if fn is None else simd_name(fn.level(simd_level(simd)))
 
 
 def scale_to_f32(scale):

@@ -105,15 +105,15 @@ def _c_kernel():
 
 def simd_in_use(simd: bool | int = True) -> str:
     """Which loops the C kernel runs on this CPU for `simd` (`cvt.extras.simd_level`, so
-    ``CVT_KERNEL_SIMD`` counts): "avx512", "avx2" or "scalar" (FP8 block scales >= 2**100 take the
-    scalar loops whatever this says); "" without the C kernel."""
-    from cvt.extras import SIMD_LEVELS
+    ``CVT_KERNEL_SIMD`` counts): "avx512", "avx2", "neon" (aarch64: its FP8 / BF16 decode) or
+    "scalar" (FP8 block scales >= 2**100 take the scalar loops whatever this says); "" without
+    the C kernel."""
+    from cvt.extras import simd_name
 
     lib = _c_kernel()
     if lib is None:
         return ""
-    level = lib.cvt_simd_level(simd_level(simd))
-    return next(name for name, v in SIMD_LEVELS.items() if v == level)
+    return simd_name(lib.cvt_simd_level(simd_level(simd)))
 
 
 def kernel_name() -> str:
