@@ -190,8 +190,8 @@ class DirectFile:
         n = len(src)
         if self.direct and n >= DIRECT_MIN:
             head = -self._pos % _DIRECT_ALIGN  # bytes up to the file's next page boundary
-            body = (n - head) // _DIRECT_ALIGN * _DIRECT_ALIGN
-            if body and (src.ctypes.data + head) % _DIRECT_ALIGN == 0:  # placed: no staging copy
+            body = max(0, n - head) // _DIRECT_ALIGN * _DIRECT_ALIGN
+            if body > 0 and (src.ctypes.data + head) % _DIRECT_ALIGN == 0:  # placed: no staging copy
                 self._stage(src[:head])
                 self._straight(src[head:head + body])
                 self._stage(src[head + body:])
@@ -217,6 +217,8 @@ class DirectFile:
         """Write `body` (whole pages of a caller's buffer, at a page-aligned file offset) from
         where it is: the staged pages before it first, then chunk by chunk, each hashed while
         the disk thread writes it."""
+        if self._fill % _DIRECT_ALIGN:
+            raise RuntimeError(f"internal: O_DIRECT stage of {self._fill} bytes before a placed buffer")
         if self._fill:
             self._submit()  # a whole number of pages: the file offset is page-aligned here
         for i in range(0, len(body), DIRECT_CHUNK):

@@ -122,6 +122,34 @@ def test_placed_buffers_go_to_disk_straight_from_where_they_are(tmp_path, monkey
     assert direct == pages(1000, placed.nbytes) + pages(pos, second.nbytes) > 24 << 20
 
 
+def test_placed_and_unplaced_writes_of_every_size_keep_the_bytes(tmp_path, monkeypatch):
+    """Random sequences of placed and unplaced buffers (empty, shorter than the rest of the
+    current page -- once written twice --, page-sized, stage-sized), every size going the direct
+    way where it can (`DIRECT_MIN` 0): the file is their bytes in order."""
+    import random
+
+    _needs_direct(tmp_path)
+    monkeypatch.setattr(D, "DIRECT_MIN", 0)
+    monkeypatch.setattr(B, "PLACED_MIN", 0)
+    monkeypatch.setattr(B, "POOLED_MIN", 64 << 10)
+    pool = B.OutputPool()
+    rng = random.Random(1)
+    sizes = [0, 1, 415, 2091, 4095, 4096, 4097, 8192 + 5, 70_000, (2 << 20) - 3, (2 << 20) + 4096]
+    for _ in range(12):
+        f = AtomicFile(tmp_path / "x.bin", direct=True)
+        pos, parts = 0, []
+        for _ in range(rng.randint(1, 12)):
+            n = rng.choice(sizes)
+            a = pool.array((n,), np.uint8, phase=pos if rng.random() < 0.7 else pos + 1)
+            a[:] = np.frombuffer(os.urandom(n), np.uint8)
+            parts.append(a.tobytes())
+            f.write(a)
+            pos += n
+        want = b"".join(parts)
+        assert f.commit() == (len(want), blake3.blake3(want).hexdigest())
+        assert (tmp_path / "x.bin").read_bytes() == want
+
+
 def _direct_bytes(monkeypatch) -> list[int]:
     seen: list[int] = []
     real = D.DirectFile.close
