@@ -119,12 +119,13 @@ class OutputPool:
         size = _size_class(nbytes + phase)
         block = None
         with self._lock:
-            for i, b in enumerate(self._free):
-                if len(b[0]) == size:
-                    block = self._free.pop(i)
-                    self.idle -= size
-                    self.reused += 1
-                    break
+            # best fit: the smallest idle block that holds it (its pages are faulted in already,
+            # so a larger one costs nothing; DeepSeek's layers repeat the same few sizes)
+            fits = [(len(b[0]), i) for i, b in enumerate(self._free) if len(b[0]) >= nbytes + phase]
+            if fits:
+                block = self._free.pop(min(fits)[1])
+                self.idle -= len(block[0])
+                self.reused += 1
         if block is None:
             import ctypes
 

@@ -47,6 +47,21 @@ def test_pool_places_arrays_within_a_page_and_recycles_a_block_once_its_last_vie
     assert pool.array((10, 10), np.float32).base is None  # small: plain np.empty, not pooled
 
 
+def test_pool_hands_out_the_smallest_idle_block_that_holds_the_request(small_pool):
+    """Best fit over every idle block (their pages are faulted in: a larger one costs nothing),
+    a fresh block only when none holds it."""
+    pool = B.OutputPool(max_idle=64 << 20)
+    small, big = pool.array((2 << 20,), np.uint8, phase=0), pool.array((6 << 20,), np.uint8, phase=0)
+    at = {"small": small.ctypes.data, "big": big.ctypes.data}
+    del small, big
+    gc.collect()
+    a = pool.array((3 << 20,), np.uint8, phase=100)  # only the 6 MiB block holds it
+    b = pool.array((1 << 20,), np.uint8, phase=5)  # the 2 MiB one
+    assert (a.ctypes.data - 100, b.ctypes.data - 5) == (at["big"], at["small"]) and pool.reused == 2
+    c = pool.array((1 << 20,), np.uint8, phase=0)  # none idle: fresh
+    assert c.ctypes.data not in at.values() and pool.reused == 2
+
+
 def test_below_the_pool_arrays_are_placed_slices_of_malloc_memory():
     """Between `PLACED_MIN` and `POOLED_MIN`: malloc's memory (which it reuses itself), a page
     larger, sliced so the array sits at its phase; no pool block."""
