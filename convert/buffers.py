@@ -50,10 +50,10 @@ class Countdown:
 # ---- page-aligned output buffers, placed for O_DIRECT -------------------------------------------
 
 PAGE = 4096  # O_DIRECT's alignment of buffers and file offsets (`cvt.convert.durable`)
-# smaller outputs come from malloc, which reuses freed memory below its largest mmap threshold
-# (glibc: 32 MiB on 64-bit; larger blocks are fresh mmaps, zeroed on first touch, every time);
-# above it they repeat per decoder layer (DeepSeek-V3 w8a8: o_proj 117 MB, q_b_proj 37 MB)
-POOLED_MIN = 32 << 20
+# smaller outputs come from malloc; from here on they are pooled: glibc's own reuse of freed
+# blocks depends on its mmap threshold, arenas and trimming, and on the bench VM the OS zeroing
+# fresh pages was still 14-45% of an fp8-to-bf16 / w8a8 run's CPU samples (perf) with it
+POOLED_MIN = 1 << 20
 PLACED_MIN = 64 << 10  # smaller outputs are not worth placing (the writer stages them anyway)
 _place = threading.local()
 
@@ -90,7 +90,7 @@ class OutputPool:
     the writer still holds are never handed out again. Idle blocks are capped at `max_idle` bytes
     (what the pool may add to peak RSS), the least recently used freed first."""
 
-    def __init__(self, max_idle: int = IN_FLIGHT_BYTES // 2):
+    def __init__(self, max_idle: int = IN_FLIGHT_BYTES):
         self.max_idle, self.idle = max_idle, 0
         self._free: list = []  # idle (mmap, address) blocks, least recently used first
         self._lock = threading.Lock()

@@ -132,8 +132,9 @@ class DirectFile:
     the C kernels write): the bytes up to the next page boundary are staged, the staged pages
     written, then the buffer's whole pages go to the disk straight from it (`DIRECT_CHUNK` at
     a time, queued to the disk thread and hashed while it writes them; at most
-    `DIRECT_QUEUED` chunks queued, which hold the buffer alive until written), and its last
-    partial page is staged. `direct_bytes` counts the bytes written so.
+    `DIRECT_QUEUED` chunks queued; `write` returns once they are written, so that the caller
+    may reuse the buffer), and its last partial page is staged. `direct_bytes` counts the bytes
+    written so.
         """
 
     DOUBLE_BUFFERED = 4
@@ -233,6 +234,11 @@ class DirectFile:
                 self._write(memoryview(chunk))
             self._pos += len(chunk)
             self.direct_bytes += len(chunk)
+        if self._double:  # the caller may reuse the buffer once this returns (its writer's budget
+            with self._cond:  # is released, a pooled block goes back): written by then
+                while self._error is None and any(i is None for i, _ in self._todo):
+                    self._cond.wait()
+                self._raise()
 
     def _submit(self) -> None:
         """Hand the filled part of the current stage (all of it, or whole pages) to the disk
