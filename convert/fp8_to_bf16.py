@@ -222,15 +222,36 @@ def dequantize_stored(ckpt: Checkpoint, weight: str, scale: str, block: tuple[in
     return dequant_fp8_block(ckpt.read(weight), ckpt.read(scale), block, threads=threads)
 
 
+PIECE_BYTES = 32 << 20  # BF16 bytes per piece of a dequantized weight (whole FP8 block rows)
+
+
 def _dequantized(ckpt: Checkpoint, pair: Fp8Pair, block: tuple[int, int], threads: int) -> OutTensor:
     w, s = pair.weight, pair.scale
+    if kernel_name() != "c":
+        def produce():
+            out = dequantize_stored(ckpt, w.name, s.name, block, threads)
+            ckpt.release(w.name)
+            ckpt.release(s.name)
+            return out
 
-    def produce():
-        # with the C kernel into a recycled page-aligned buffer (`buffers.OUTPUTS`), placed where
-        # the writer's O_DIRECT takes it without a staging copy
-        out = dequantize_stored(ckpt, w.name, s.name, block, threads)
+        return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=produce, read_bytes=w.nbytes + s.nbytes)
+
+    def pieces():
+        # with the C kernel: whole FP8 block rows at a time (the same bits: rows are independent
+        # and each piece keeps its scale rows), each into a recycled page-aligned buffer placed
+        # where the writer's O_DIRECT takes it without a staging copy (`buffers.OUTPUTS`); pieces
+        # of a bounded size, so that a 250 MB weight is not a fresh 250 MB to fault in and zero
+        n, k = w.shape
+        bn = block[0]
+        codes = ckpt.view(w.name)
+        s32 = scale_to_f32_np(ckpt.view(s.name), s.dtype, s.shape)
+        rows = max(bn, PIECE_BYTES // max(2 * k, 1) // bn * bn)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            yield dequant_fp8_block_np(codes[r0 * k:r1 * k], (r1 - r0, k), s32[r0 // bn:-(-r1 // bn)], block,
+                                       threads=threads)
         ckpt.release(w.name)
         ckpt.release(s.name)
-        return out
 
-    return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=produce, read_bytes=w.nbytes + s.nbytes)
+    return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=pieces, read_bytes=w.nbytes + s.nbytes,
+                     pieces=True)

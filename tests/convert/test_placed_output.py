@@ -215,9 +215,21 @@ def test_quantize_writes_kernel_outputs_straight_and_the_reference_bytes(fp8_rel
     assert seen and sum(seen) > 0
 
 
-def test_fp8_to_bf16_writes_kernel_outputs_straight_and_the_torch_bytes(fp8_release_session, tmp_path, monkeypatch):
+@pytest.mark.parametrize("piece_bytes", [32 << 20, 1], ids=["whole", "one-block-row-per-piece"])
+def test_fp8_to_bf16_writes_kernel_outputs_straight_and_the_torch_bytes(fp8_release_session, tmp_path, monkeypatch,
+                                                                        piece_bytes):
+    """fp8-to-bf16 with the C kernel writes each weight in pieces of whole FP8 block rows
+    (`PIECE_BYTES`; 1: one block row a piece, several per weight of the tiny release), each
+    placed and written straight; the files are the torch kernel's (CVT_FP8_KERNEL=torch, one
+    whole tensor per weight)."""
     from cvt.convert import fp8 as F
+    from cvt.convert import fp8_to_bf16 as S
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16
+
+    monkeypatch.setattr(S, "PIECE_BYTES", piece_bytes)
+    made = []
+    real_np = S.dequant_fp8_block_np
+    monkeypatch.setattr(S, "dequant_fp8_block_np", lambda *a, **k: made.append(a[1]) or real_np(*a, **k))
 
     _needs_direct(tmp_path)
     F._c_kernel.cache_clear()
@@ -238,3 +250,4 @@ def test_fp8_to_bf16_writes_kernel_outputs_straight_and_the_torch_bytes(fp8_rele
         F._c_kernel.cache_clear()
     assert _files(tmp_path / "torch") == _files(tmp_path / "c")
     assert seen and sum(seen) > 0
+    assert made and (max(r for r, _ in made) <= 128) == (piece_bytes == 1)  # the tiny release's blocks: 128 rows
