@@ -236,22 +236,26 @@ def _dequantized(ckpt: Checkpoint, pair: Fp8Pair, block: tuple[int, int], thread
 
         return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=produce, read_bytes=w.nbytes + s.nbytes)
 
-    def pieces():
-        # with the C kernel: whole FP8 block rows at a time (the same bits: rows are independent
-        # and each piece keeps its scale rows), each into a recycled page-aligned buffer placed
-        # where the writer's O_DIRECT takes it without a staging copy (`buffers.OUTPUTS`); pieces
-        # of a bounded size, so that a 250 MB weight is not a fresh 250 MB to fault in and zero
-        n, k = w.shape
-        bn = block[0]
-        codes = ckpt.view(w.name)
-        s32 = scale_to_f32_np(ckpt.view(s.name), s.dtype, s.shape)
-        rows = max(bn, PIECE_BYTES // max(2 * k, 1) // bn * bn)
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            yield dequant_fp8_block_np(codes[r0 * k:r1 * k], (r1 - r0, k), s32[r0 // bn:-(-r1 // bn)], block,
-                                       threads=threads)
-        ckpt.release(w.name)
-        ckpt.release(s.name)
+    return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), read_bytes=w.nbytes + s.nbytes, pieces=True,
+                     produce=lambda: dequantized_pieces(ckpt, w.name, s.name, block, threads))
 
-    return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=pieces, read_bytes=w.nbytes + s.nbytes,
-                     pieces=True)
+
+def dequantized_pieces(ckpt: Checkpoint, weight: str, scale: str, block: tuple[int, int], threads: int | None = None):
+    """A stored FP8 weight ``[n, k]`` as BF16 bits, in pieces (``uint16 [rows, k]`` ndarrays, in
+    order) of whole FP8 block rows, about `PIECE_BYTES` each: the C kernel (`dequant_fp8_block_np`)
+    into recycled page-aligned buffers placed where the writer's O_DIRECT takes them without a
+    staging copy (`buffers.OUTPUTS`). The same bits as one call (rows are independent, each piece
+    keeps its scale rows); bounded pieces, so that a 250 MB weight is not a fresh 250 MB to fault
+    in and zero. Releases the weight's and scale's pages at the end."""
+    w, s = ckpt.tensors[weight], ckpt.tensors[scale]
+    n, k = w.shape
+    bn = block[0]
+    codes = ckpt.view(weight)
+    s32 = scale_to_f32_np(ckpt.view(scale), s.dtype, s.shape)
+    rows = max(bn, PIECE_BYTES // max(2 * k, 1) // bn * bn)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        yield dequant_fp8_block_np(codes[r0 * k:r1 * k], (r1 - r0, k), s32[r0 // bn:-(-r1 // bn)], block,
+                                   threads=threads)
+    ckpt.release(weight)
+    ckpt.release(scale)

@@ -33,7 +33,8 @@ from cvt.lazy import torch
 from cvt.version import __version__
 from cvt.convert.arch import arch_for, text_config
 from cvt.convert.config import SourceFormat, bf16_config, source_format
-from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
+from cvt.convert.fp8 import kernel_name as fp8_kernel_name
+from cvt.convert.fp8_to_bf16 import check_scales_finite, dequantized_pieces, pair_fp8_weights
 from cvt.convert.validate import check_weights
 from cvt.convert.reader import Checkpoint, check_manifest_files, open_checkpoint
 from cvt.dtypes import dtype_code
@@ -314,15 +315,19 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
             float_linears.append(module)
             continue
         dt, shape = source.float_spec(name)
+        pieces = name not in cal.float_overrides and ref.dtype == "F8_E4M3" and fp8_kernel_name() == "c"
         if name in cal.float_overrides:
             read = cal.float_loader or cal.float_overrides.get
             produce = (lambda n=name, d=dt, read=read: read(n).to(getattr(torch, _torch_name(d))).contiguous())
+        elif pieces:  # FP8 dequantized to BF16 by the C kernel, in pieces
+            produce = (lambda n=name: dequantized_pieces(ckpt, n, source.scale_of(n), source.block))
         elif dt != ref.dtype:  # FP8 (or DeepSeek-V4 FP4) dequantized to BF16
             produce = (lambda n=name: source.float_tensor(n))
         else:
             produce = (lambda n=name: ckpt.view(n))
         outs.append(OutTensor(TensorSpec(name, dt, shape), produce=produce,
-                              release=(lambda n=name: ckpt.release(n)), read_bytes=ref.nbytes))
+                              release=(lambda n=name: ckpt.release(n)), read_bytes=ref.nbytes,
+                              pieces=pieces))
         tags[name] = "FLOAT"
         if info.param == "weight" and len(ref.shape) == 2 and info.role.value in LINEAR_ROLES and module not in float_linears:
             float_linears.append(module)

@@ -191,10 +191,14 @@ def test_quantize_writes_kernel_outputs_straight_and_the_reference_bytes(fp8_rel
     without a staging copy (the tiny release's tensors are small: the size thresholds are lowered
     so that they qualify, both placements used), and the files are the unfused reference's
     (tests/quant/test_qkernel.py::test_stage_writes_the_reference_bytes: CVT_QUANT_KERNEL=reference)."""
+    import cvt.quant.stage as ST
     from cvt.quant import qkernel as QK
     from cvt.quant.stage import quantize
 
     _needs_direct(tmp_path)
+    pieces = []  # the FP8 tensors kept float: BF16 in pieces, as fp8-to-bf16 writes them
+    real_pieces = ST.dequantized_pieces
+    monkeypatch.setattr(ST, "dequantized_pieces", lambda ck, n, *a: pieces.append(n) or real_pieces(ck, n, *a))
     QK._c_kernel.cache_clear()
     if QK._c_kernel() is None:
         pytest.skip("C quantize kernel not built")
@@ -213,6 +217,7 @@ def test_quantize_writes_kernel_outputs_straight_and_the_reference_bytes(fp8_rel
         QK._c_kernel.cache_clear()
     assert _files(tmp_path / "ref") == _files(tmp_path / "fused")
     assert seen and sum(seen) > 0
+    assert pieces and all(n.endswith(".weight") for n in pieces)
 
 
 @pytest.mark.parametrize("piece_bytes", [32 << 20, 1], ids=["whole", "one-block-row-per-piece"])
