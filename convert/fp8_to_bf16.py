@@ -222,7 +222,7 @@ def dequantize_stored(ckpt: Checkpoint, weight: str, scale: str, block: tuple[in
     return dequant_fp8_block(ckpt.read(weight), ckpt.read(scale), block, threads=threads)
 
 
-PIECE_BYTES = 32 << 20  # BF16 bytes per piece of a dequantized weight (whole FP8 block rows)
+PIECE_BYTES = 8 << 20  # BF16 bytes per piece of a dequantized weight (whole FP8 block rows)
 
 
 def _dequantized(ckpt: Checkpoint, pair: Fp8Pair, block: tuple[int, int], threads: int) -> OutTensor:

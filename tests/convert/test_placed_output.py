@@ -220,7 +220,7 @@ def test_quantize_writes_kernel_outputs_straight_and_the_reference_bytes(fp8_rel
     assert pieces and all(n.endswith(".weight") for n in pieces)
 
 
-@pytest.mark.parametrize("piece_bytes", [32 << 20, 1], ids=["whole", "one-block-row-per-piece"])
+@pytest.mark.parametrize("piece_bytes", [8 << 20, 1], ids=["default", "one-block-row-per-piece"])
 def test_fp8_to_bf16_writes_kernel_outputs_straight_and_the_torch_bytes(fp8_release_session, tmp_path, monkeypatch,
                                                                         piece_bytes):
     """fp8-to-bf16 with the C kernel writes each weight in pieces of whole FP8 block rows
