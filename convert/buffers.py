@@ -140,6 +140,11 @@ class OutputPool:
         weakref.finalize(holder, self._give, block).atexit = False
         return np.asarray(holder).view(dtype).reshape(shape)
 
+    def clear(self) -> None:
+        """Free every idle block (after a stage: a long-lived process keeps none of it)."""
+        with self._lock:
+            self._free, self.idle = [], 0
+
     def _give(self, block) -> None:
         with self._lock:
             self._free.append(block)

@@ -45,7 +45,7 @@ from cvt.dtypes import DTYPES, dtype_code
 from cvt.convert.safetensors_io import TensorSpec, encode_header
 from cvt.convert.durable import AtomicFile
 from cvt.errors import TensorError
-from cvt.convert.buffers import IN_FLIGHT_BYTES, ByteBudget, Countdown, place
+from cvt.convert.buffers import IN_FLIGHT_BYTES, OUTPUTS, ByteBudget, Countdown, place
 from cvt.progress import make_progress
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
@@ -476,6 +476,8 @@ def write_shards(
     except BaseException:
         fs.abort()
         raise
+    finally:
+        OUTPUTS.clear()  # the recycled output blocks: not kept past the stage
     if meta is not None:
         meta.update(fs.meta)
     return infos, len(fs.pending), len(shards) - len(fs.pending)
