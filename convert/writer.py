@@ -69,9 +69,9 @@ class OutTensor:
 
     `produce()` returns a torch tensor of exactly `spec`'s dtype and shape, or a buffer of
     `spec.nbytes` bytes; `release()` (optional) is called once the bytes are written. With
-    `pieces`, it returns an iterator of buffers (numpy arrays) that are the tensor's bytes in
-    order, each made when the writer asks for it (placed and charged one by one), so that a
-    large tensor is never whole in memory.
+    `pieces`, it returns an iterator of numpy arrays that are the tensor's bytes in order, each
+    made when the writer asks for it (placed and charged one by one), so that a large tensor is
+    never whole in memory; or of one whole tensor (any of the above).
     """
 
     spec: TensorSpec
@@ -301,11 +301,11 @@ class FileSet:
         `piece`: `data` (a numpy array) is a piece of that item, any length, and unless `last`
         more of it follows."""
         try:
-            if piece:
+            if piece and type(data).__module__ == "numpy":
                 import numpy as np
 
                 buf = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-            else:
+            else:  # a whole tensor (a piece that is not numpy is the whole item: `OutTensor.pieces`)
                 buf = _as_buffer(data, spec)
         except BaseException:
             charge.done()
@@ -443,6 +443,10 @@ def write_shards(
             data = next(it, None)
             if data is None:
                 break
+            bad = _nonfinite(data) if check_finite else 0
+            if bad:
+                raise TensorError(f"{t.spec.name}: {bad} of its {data.numel()} values are NaN / Inf (in the source, or "
+                                  f"overflowed when computed from it); {check_finite} refused")
             n = data.nbytes
             if offset + n > end:
                 raise RuntimeError(f"internal: {t.spec.name} produced more than its {t.spec.nbytes} planned bytes")

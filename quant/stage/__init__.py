@@ -45,6 +45,7 @@ from cvt.quant.tensor.formats import DEFAULT_FORMAT, get_format
 from cvt.quant.tensor.disk_layouts import DiskLayouts
 from cvt.quant.tensor.layouts import check_target, kernel_fmt_of
 from cvt.quant.tensor.stack_versions import check_line, line_problem
+from cvt.quant import qkernel
 from cvt.quant.recipe import RTN, Policy, Recipe
 from cvt.quant.tensor.schemes import scheme_from_options
 from cvt.quant.tensor.schemes.base import QuantizedTensor
@@ -294,10 +295,13 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
                                              None if b is None else getattr(torch, _torch_name(b.dtype)),
                                              plan.experts[module])
             tags.update(module_tags)
+            streamed = qkernel.kernel_name() == "c"  # the packed weight in pieces where it is fused (`Quantizer.pieces`)
             for j, (disk_name, (shape_, dt)) in enumerate(specs.items()):
                 outs.append(OutTensor(
                     spec=TensorSpec(disk_name, dt, shape_),
-                    produce=lambda m=module, n=disk_name, c=len(specs): quantizer.part(m, n, c),
+                    produce=(lambda m=module, n=disk_name, c=len(specs): quantizer.pieces(m, n, c)) if j == 0 and streamed
+                    else (lambda m=module, n=disk_name, c=len(specs): quantizer.part(m, n, c)),
+                    pieces=j == 0 and streamed,
                     read_bytes=ref.nbytes if j == 0 else 0,
                     meta=(lambda m=module: (m, quantizer.info[m].model_dump())) if j == 0 else None,
                     meta_key=module if j == 0 else None,
