@@ -7,7 +7,8 @@
  * - the e4m3fn decode table: LUT[c] is code c as float32 (exact; a quiet NaN for 0x7f / 0xff),
  *   filled once by pthread_once(&lut_once, init_lut) (first calls may race from several threads);
  * - bf16_rne: float32 -> bfloat16 bits, round to nearest even (NaN kept, quiet), torch's rounding;
- * - cpu_simd: AVX2 + F16C present at run time (x86 only; 0 elsewhere); cpu_avx512: AVX-512F too;
+ * - cpu_simd: AVX2 + F16C present at run time on x86, NEON on aarch64 (always), 0 elsewhere;
+ *   cpu_avx512: AVX-512F too (x86 only);
  * - fp8_scales_simd_ok: the SIMD FP8 decode rescales by an exact 2**8, so it needs every block
  *   scale finite and below 2**100 in magnitude;
  * - run_jobs: the row blocks' fan-out over pthreads.
@@ -23,6 +24,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define CVT_X86 1
+#elif defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 static float LUT[256];
@@ -58,6 +61,9 @@ static inline int cpu_avx512(void) {
     __builtin_cpu_init();
     return cpu_simd() && __builtin_cpu_supports("avx512f");
 }
+#elif defined(__aarch64__)
+static int cpu_simd(void) { return 1; } /* NEON: part of every AArch64 CPU */
+static inline int cpu_avx512(void) { return 0; }
 #else
 static int cpu_simd(void) { return 0; }
 static inline int cpu_avx512(void) { return 0; }

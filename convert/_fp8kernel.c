@@ -10,10 +10,13 @@
  * index is a division.
  *
  * Called through ctypes (see fp8.py); rows are split over `nthreads` pthreads. On x86-64 with
- * AVX2 + F16C (checked at run time) the inner loop is vectorized, bit-identically. The module
- * init below only exists so that setuptools can build this as an importable extension.
+ * AVX2 + F16C, or AVX-512F (checked at run time; `CVT_KERNEL_SIMD` caps the level), and on
+ * aarch64 with NEON the inner loop is vectorized, bit-identically. The module init below only
+ * exists so that setuptools can build this as an importable extension.
  */
+#ifndef CVT_NO_PYTHON
 #include <Python.h>
+#endif
 #include "_cvt_kernel.h" /* LUT, bf16_rne, cpu_simd, fp8_scales_simd_ok, run_jobs */
 
 typedef struct {
@@ -21,7 +24,7 @@ typedef struct {
     const float *s;
     uint16_t *out;
     int64_t k, s_cols, bn, bk, row0, row1;
-    int simd; /* AVX2 + F16C available and every scale finite and < 2**100 */
+    int simd; /* 0 scalar, 1 AVX2 + F16C (NEON on aarch64), 2 AVX-512F; SIMD needs every scale finite and < 2**100 */
 } job_t;
 
 static void span_scalar(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
@@ -56,8 +59,61 @@ __attribute__((target("avx2,f16c"))) static void span_simd(const uint8_t *w, uin
     span_scalar(w + c, out + c, len - c, sc);
     if (_mm_movemask_epi8(nan)) span_scalar(w, out, c, sc);
 }
+
+/* 16 elements at a time with AVX-512F: span_simd's operations on 16 lanes (the same IEEE multiply
+ * and integer rounding per element, so the same bits); the 32 -> 16 bit narrowing is exact (each
+ * rounded lane is below 2**16). The rest (< 16) goes through span_simd. */
+__attribute__((target("avx512f,avx2,f16c"))) static void span_avx512(const uint8_t *w, uint16_t *out, int64_t len,
+                                                                     float sc) {
+    const __m512 vs = _mm512_set1_ps(sc * 256.0f);
+    const __m256i m7f = _mm256_set1_epi16(0x7f), m80 = _mm256_set1_epi16(0x80);
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+    __m256i nan = _mm256_setzero_si256();
+    int64_t c = 0;
+    for (; c + 16 <= len; c += 16) {
+        __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + c)));
+        __m256i mag = _mm256_and_si256(x, m7f);
+        nan = _mm256_or_si256(nan, _mm256_cmpeq_epi16(mag, m7f));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(x, m80), 8));
+        __m512i b = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(h), vs));
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), one);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, half)), 16);
+        _mm256_storeu_si256((__m256i *)(out + c), _mm512_cvtepi32_epi16(r));
+    }
+    span_simd(w + c, out + c, len - c, sc);
+    if (_mm256_movemask_epi8(nan)) span_scalar(w, out, c, sc);
+}
+#elif defined(__aarch64__)
+/*
+ * NEON (every AArch64 CPU has it): span_simd's bit move, 8 elements at a time; vcvt_f32_f16 widens
+ * exactly and vmulq_f32 is one IEEE single multiply (Linux leaves FPCR's flush-to-zero off, so
+ * subnormal products stay), then the same integer round to nearest even. NaN codes: redone in scalar.
+ */
+static void span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
+    const float32x4_t vs = vdupq_n_f32(sc * 256.0f);
+    const uint16x8_t m7f = vdupq_n_u16(0x7f), m80 = vdupq_n_u16(0x80);
+    const uint32x4_t one = vdupq_n_u32(1), half = vdupq_n_u32(0x7fff);
+    uint16x8_t nan = vdupq_n_u16(0);
+    int64_t c = 0;
+    for (; c + 8 <= len; c += 8) {
+        uint16x8_t x = vmovl_u8(vld1_u8(w + c));
+        uint16x8_t mag = vandq_u16(x, m7f);
+        nan = vorrq_u16(nan, vceqq_u16(mag, m7f));
+        uint16x8_t h = vorrq_u16(vshlq_n_u16(mag, 7), vshlq_n_u16(vandq_u16(x, m80), 8));
+        float32x4_t lo = vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h))), vs);
+        float32x4_t hi = vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(h))), vs);
+        uint32x4_t bl = vreinterpretq_u32_f32(lo), bh = vreinterpretq_u32_f32(hi);
+        bl = vshrq_n_u32(vaddq_u32(bl, vaddq_u32(vandq_u32(vshrq_n_u32(bl, 16), one), half)), 16);
+        bh = vshrq_n_u32(vaddq_u32(bh, vaddq_u32(vandq_u32(vshrq_n_u32(bh, 16), one), half)), 16);
+        vst1q_u16(out + c, vcombine_u16(vmovn_u32(bl), vmovn_u32(bh)));
+    }
+    span_scalar(w + c, out + c, len - c, sc);
+    if (vmaxvq_u16(nan)) span_scalar(w, out, c, sc);
+}
+static void span_avx512(const uint8_t *w, uint16_t *out, int64_t len, float sc) { span_simd(w, out, len, sc); }
 #else
 static void span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) { span_scalar(w, out, len, sc); }
+static void span_avx512(const uint8_t *w, uint16_t *out, int64_t len, float sc) { span_scalar(w, out, len, sc); }
 #endif
 
 static void *run(void *arg) {
@@ -68,7 +124,9 @@ static void *run(void *arg) {
         const float *srow = j->s + (i / j->bn) * j->s_cols;
         for (int64_t c0 = 0, b = 0; c0 < j->k; c0 += j->bk, b++) {
             int64_t len = c0 + j->bk < j->k ? j->bk : j->k - c0;
-            if (j->simd)
+            if (j->simd == 2)
+                span_avx512(wr + c0, orow + c0, len, srow[b]);
+            else if (j->simd)
                 span_simd(wr + c0, orow + c0, len, srow[b]);
             else
                 span_scalar(wr + c0, orow + c0, len, srow[b]);
@@ -77,11 +135,19 @@ static void *run(void *arg) {
     return NULL;
 }
 
-/* w: [n, k] uint8 (e4m3fn bits); s: [ceil(n/bn), s_cols] float32; out: [n, k] uint16 (bf16 bits) */
+/* The SIMD level cvt_dequant_fp8_block runs at when the caller allows `allowed` (scales
+ * permitting): 0 scalar, 1 AVX2 (NEON on aarch64), 2 AVX-512 (`cvt.convert.fp8.simd_in_use`). */
+int cvt_fp8_simd_level(int64_t allowed) {
+    if (allowed <= 0 || !cpu_simd()) return 0;
+    return allowed >= 2 && cpu_avx512() ? 2 : 1;
+}
+
+/* w: [n, k] uint8 (e4m3fn bits); s: [ceil(n/bn), s_cols] float32; out: [n, k] uint16 (bf16 bits);
+ * allow_simd: the highest SIMD level allowed (`cvt.extras.simd_level`) */
 int cvt_dequant_fp8_block(const uint8_t *w, const float *s, uint16_t *out, int64_t n, int64_t k,
                           int64_t s_cols, int64_t bn, int64_t bk, int64_t nthreads, int64_t allow_simd) {
     pthread_once(&lut_once, init_lut);
-    int simd = allow_simd && cpu_simd() && fp8_scales_simd_ok(s, ((n + bn - 1) / bn) * s_cols);
+    int simd = fp8_scales_simd_ok(s, ((n + bn - 1) / bn) * s_cols) ? cvt_fp8_simd_level(allow_simd) : 0;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
     if (nthreads > n) nthreads = n > 0 ? n : 1;
@@ -95,7 +161,9 @@ int cvt_dequant_fp8_block(const uint8_t *w, const float *s, uint16_t *out, int64
     return 0;
 }
 
+#ifndef CVT_NO_PYTHON /* tests/kernels/neon_harness.c builds the kernel alone, for aarch64 under qemu */
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_fp8kernel",
                                     "FP8 block dequant kernel (called through ctypes)", -1, NULL};
 
 PyMODINIT_FUNC PyInit__fp8kernel(void) { return PyModule_Create(&moddef); }
+#endif

@@ -61,6 +61,9 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 DIRECT_STAGE = 2 << 20  # bytes per O_DIRECT write (a multiple of every block size); one per open weight file
 _DIRECT_ALIGN = 4096
+DIRECT_CHUNK = 8 << 20  # bytes per O_DIRECT write straight from a caller's placed buffer
+DIRECT_QUEUED = 2  # such chunks queued to the disk thread at most
+DIRECT_MIN = 64 << 10  # smaller buffers are staged (not worth two extra writes)
 
 
 # local block filesystems, where an O_DIRECT write is one DMA from the staging buffer; on network
@@ -123,7 +126,16 @@ class DirectFile:
     the disk thread, then writes the staged rest itself, its unaligned tail through a buffered
     write (the file is buffered from then on). A filesystem that refuses O_DIRECT at open or
     at the first write (EINVAL) gets buffered writes of the same bytes.
-    """
+
+    No staging copy for a large buffer placed as its bytes sit in the file (its address and
+    its file offset at the same offset within a page: `cvt.convert.buffers.OutputPool`, where
+    the C kernels write): the bytes up to the next page boundary are staged, the staged pages
+    written, then the buffer's whole pages go to the disk straight from it (`DIRECT_CHUNK` at
+    a time, queued to the disk thread and hashed while it writes them; at most
+    `DIRECT_QUEUED` chunks queued; `write` returns once they are written, so that the caller
+    may reuse the buffer), and its last partial page is staged. `direct_bytes` counts the bytes
+    written so.
+        """
 
     DOUBLE_BUFFERED = 4
     _open_double = 0
@@ -148,7 +160,7 @@ class DirectFile:
         self._maps: list = []
         try:
             for _ in range(2 if self._double else 1):
-                self._maps.append(mmap.mmap(-1, DIRECT_STAGE))  # page-aligned, as O_DIRECT needs
+                self._maps.append(mmap.mmap(-1, DIRECT_STAGE, flags=mmap.MAP_PRIVATE))  # page-aligned, as O_DIRECT needs
         except BaseException:
             self._release_maps()
             self._uncount()
@@ -160,7 +172,11 @@ class DirectFile:
         self._cur = self._free.pop()
         self._fill = 0
         self._cond = threading.Condition()
-        self._todo: list[int] = []  # full stages, in file order, for the disk thread
+        # (stage index or None, bytes) to write, in file order, for the disk thread: a filled stage,
+        # or a chunk of a caller's placed buffer (`write`)
+        self._todo: list[tuple[int | None, memoryview]] = []
+        self._pos = 0  # bytes written to this file so far (staged, queued or on disk)
+        self.direct_bytes = 0  # of which written straight from the caller's buffers
         self._error: BaseException | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -172,6 +188,19 @@ class DirectFile:
         import numpy as np
 
         src = np.frombuffer(data, dtype=np.uint8)
+        n = len(src)
+        if self.direct and n >= DIRECT_MIN:
+            head = -self._pos % _DIRECT_ALIGN  # bytes up to the file's next page boundary
+            body = max(0, n - head) // _DIRECT_ALIGN * _DIRECT_ALIGN
+            if body > 0 and (src.ctypes.data + head) % _DIRECT_ALIGN == 0:  # placed: no staging copy
+                self._stage(src[:head])
+                self._straight(src[head:head + body])
+                self._stage(src[head + body:])
+                return
+        self._stage(src)
+
+    def _stage(self, src) -> None:
+        """Copy `src` (uint8 ``ndarray``) into the staging buffers and hash it, writing each full one."""
         pos, n = 0, len(src)
         while pos < n:
             k = min(DIRECT_STAGE - self._fill, n - pos)
@@ -183,25 +212,63 @@ class DirectFile:
             pos += k
             if self._fill == DIRECT_STAGE:
                 self._submit()
+        self._pos += n
+
+    def _straight(self, body) -> None:
+        """Write `body` (whole pages of a caller's buffer, at a page-aligned file offset) from
+        where it is: the staged pages before it first, then chunk by chunk, each hashed while
+        the disk thread writes it."""
+        if self._fill % _DIRECT_ALIGN:
+            raise RuntimeError(f"internal: O_DIRECT stage of {self._fill} bytes before a placed buffer")
+        if self._fill:
+            self._submit()  # a whole number of pages: the file offset is page-aligned here
+        for i in range(0, len(body), DIRECT_CHUNK):
+            chunk = body[i:i + DIRECT_CHUNK]
+            if self._double:
+                self._queue(None, memoryview(chunk))
+                if self.sha is not None:
+                    self.sha.update(chunk)
+            else:
+                if self.sha is not None:
+                    self.sha.update(chunk)
+                self._write(memoryview(chunk))
+            self._pos += len(chunk)
+            self.direct_bytes += len(chunk)
+        if self._double:  # the caller may reuse the buffer once this returns (its writer's budget
+            with self._cond:  # is released, a pooled block goes back): written by then
+                while self._error is None and any(i is None for i, _ in self._todo):
+                    self._cond.wait()
+                self._raise()
 
     def _submit(self) -> None:
-        """Hand the full current stage to the disk thread; take a free one (waiting for it).
-        Single-buffered: write it here."""
+        """Hand the filled part of the current stage (all of it, or whole pages) to the disk
+        thread; take a free one (waiting for it). Single-buffered: write it here."""
+        view = memoryview(self._maps[self._cur])[:self._fill]
         if not self._double:
-            self._write(memoryview(self._maps[self._cur]))
+            self._write(view)
             self._fill = 0
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._disk, name="cvt-direct-write", daemon=True)
-            self._thread.start()
+        self._queue(self._cur, view)
         with self._cond:
-            self._todo.append(self._cur)
-            self._cond.notify_all()
             while not self._free and self._error is None:
                 self._cond.wait()
             self._raise()
             self._cur = self._free.pop()
         self._fill = 0
+
+    def _queue(self, stage: int | None, view: memoryview) -> None:
+        """Queue `view` for the disk thread (started on first use); a caller's chunk (`stage`
+        None) waits while `DIRECT_QUEUED` are queued."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._disk, name="cvt-direct-write", daemon=True)
+            self._thread.start()
+        with self._cond:
+            while (stage is None and self._error is None
+                   and sum(i is None for i, _ in self._todo) >= DIRECT_QUEUED):
+                self._cond.wait()
+            self._raise()
+            self._todo.append((stage, view))
+            self._cond.notify_all()
 
     def _disk(self) -> None:
         while True:
@@ -210,15 +277,17 @@ class DirectFile:
                     self._cond.wait()
                 if not self._todo:
                     return
-                i = self._todo[0]
+                i, view = self._todo[0]
             try:
                 if self._error is None:
-                    self._write(memoryview(self._maps[i]))
+                    self._write(view)
             except BaseException as exc:  # raised in the caller's thread by the next call
                 self._error = exc
+            del view
             with self._cond:
                 self._todo.pop(0)
-                self._free.append(i)
+                if i is not None:
+                    self._free.append(i)
                 self._cond.notify_all()
 
     def _drain(self) -> None:

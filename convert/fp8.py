@@ -38,11 +38,24 @@ def _c_kernel():
     fn = lib.cvt_dequant_fp8_block
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 7
     fn.restype = ctypes.c_int
+    lib.cvt_fp8_simd_level.argtypes = [ctypes.c_int64]
+    lib.cvt_fp8_simd_level.restype = ctypes.c_int
+    fn.level = lib.cvt_fp8_simd_level
     return fn
 
 
 def kernel_name() -> str:
     return "c" if _c_kernel() is not None else "torch"
+
+
+def simd_in_use(simd: bool | int = True) -> str:
+    """Which loops the C kernel runs on this CPU for `simd` (`cvt.extras.simd_level`, so
+    ``CVT_KERNEL_SIMD`` counts): "avx512", "avx2", "neon" (aarch64) or "scalar" (block scales >=
+    2**100 take the scalar loop whatever this says); "" without the C kernel."""
+    from cvt.extras import simd_name
+
+    fn = _c_kernel()
+    return "" if fn is None else simd_name(fn.level(simd_level(simd)))
 
 
 def scale_to_f32(scale):
@@ -88,7 +101,8 @@ def dequant_fp8_block_np(w: memoryview, shape: tuple[int, int], scale_f32, block
                          threads: int | None = None, out=None):
     """`dequant_fp8_block` without torch, through the C kernel: e4m3 bytes `w` of a ``[n, k]``
     weight and its float32 scale (``ndarray`` of ``expected_scale_shape``) -> the BF16 bytes,
-    a ``uint16`` ``ndarray [n, k]`` (written into `out`, a buffer of 2nk bytes, when given);
+    a ``uint16`` ``ndarray [n, k]`` (written into `out`, a buffer of 2nk bytes, when given, else
+    into a `cvt.convert.buffers.OUTPUTS` buffer);
     the same bits. Needs the C kernel (``kernel_name() == "c"``); without it callers take
     `dequant_fp8_block`, the torch path."""
     import numpy as np
@@ -101,7 +115,12 @@ def dequant_fp8_block_np(w: memoryview, shape: tuple[int, int], scale_f32, block
         raise TensorError(f"FP8 weight of {len(w)} bytes as {list(shape)}, scale {list(scale_f32.shape)}: "
                           f"expected {n * k} bytes and a {list(expected_scale_shape(shape, block))} scale")
     s = np.require(scale_f32, np.float32, ["C", "A"])  # a view of the mmap may sit at an unaligned offset
-    out = np.empty((n, k), dtype=np.uint16) if out is None else np.frombuffer(out, dtype=np.uint16).reshape(n, k)
+    if out is None:  # page-aligned, recycled, placed for the writer's O_DIRECT (`OutputPool`)
+        from cvt.convert.buffers import OUTPUTS
+
+        out = OUTPUTS.array((n, k), np.uint16)
+    else:
+        out = np.frombuffer(out, dtype=np.uint16).reshape(n, k)
     if n and k:
         wa = np.frombuffer(w, dtype=np.uint8)
         fn(wa.ctypes.data, s.ctypes.data, out.ctypes.data, n, k, s.shape[1], block[0], block[1],

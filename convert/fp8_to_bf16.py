@@ -24,7 +24,6 @@ from cvt.convert.fp8 import dequant_fp8_block, dequant_fp8_block_np, expected_sc
 from cvt.convert.reader import Checkpoint, open_checkpoint
 from cvt.convert.validate import check_weights
 from cvt.convert.safetensors_io import TensorRef, TensorSpec
-from cvt.convert.buffers import BufferPool
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
 from cvt.errors import TensorError
 from cvt.schemas.manifest import StageInfo
@@ -153,7 +152,6 @@ def fp8_to_bf16(
         workers = default_workers(workers)
         threads = max(1, (os.cpu_count() or 1) // workers)
         outs: list[OutTensor] = []
-        pool = BufferPool()
         for name, ref in ckpt.tensors.items():
             if name.rpartition(".")[2] == scale_param:
                 continue
@@ -163,7 +161,7 @@ def fp8_to_bf16(
             elif pair.fp4:
                 outs.append(_dequantized_fp4(ckpt, pair))
             else:
-                outs.append(_dequantized(ckpt, pair, block, threads, pool))
+                outs.append(_dequantized(ckpt, pair, block, threads))
         n_deq = len(pairs)
         result = write_checkpoint(
             ckpt,
@@ -224,24 +222,40 @@ def dequantize_stored(ckpt: Checkpoint, weight: str, scale: str, block: tuple[in
     return dequant_fp8_block(ckpt.read(weight), ckpt.read(scale), block, threads=threads)
 
 
-def _dequantized(ckpt: Checkpoint, pair: Fp8Pair, block: tuple[int, int], threads: int, pool: BufferPool) -> OutTensor:
+PIECE_BYTES = 8 << 20  # BF16 bytes per piece of a dequantized weight (whole FP8 block rows)
+
+
+def _dequantized(ckpt: Checkpoint, pair: Fp8Pair, block: tuple[int, int], threads: int) -> OutTensor:
     w, s = pair.weight, pair.scale
-    held: list = []  # the pooled buffer between produce and release (each tensor is produced once)
+    if kernel_name() != "c":
+        def produce():
+            out = dequantize_stored(ckpt, w.name, s.name, block, threads)
+            ckpt.release(w.name)
+            ckpt.release(s.name)
+            return out
 
-    def produce():
-        # with the C kernel into a recycled buffer (e4m3: one byte per element in, two out)
-        buf = pool.take(2 * w.nbytes) if kernel_name() == "c" else None
-        out = dequantize_stored(ckpt, w.name, s.name, block, threads, out=buf)
-        if buf is not None:
-            held.append(buf)
-            out = memoryview(buf)
-        ckpt.release(w.name)
-        ckpt.release(s.name)
-        return out
+        return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=produce, read_bytes=w.nbytes + s.nbytes)
 
-    def release():
-        if held:
-            pool.give(held.pop())
+    return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), read_bytes=w.nbytes + s.nbytes, pieces=True,
+                     produce=lambda: dequantized_pieces(ckpt, w.name, s.name, block, threads))
 
-    return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=produce, release=release,
-                     read_bytes=w.nbytes + s.nbytes)
+
+def dequantized_pieces(ckpt: Checkpoint, weight: str, scale: str, block: tuple[int, int], threads: int | None = None):
+    """A stored FP8 weight ``[n, k]`` as BF16 bits, in pieces (``uint16 [rows, k]`` ndarrays, in
+    order) of whole FP8 block rows, about `PIECE_BYTES` each: the C kernel (`dequant_fp8_block_np`)
+    into recycled page-aligned buffers placed where the writer's O_DIRECT takes them without a
+    staging copy (`buffers.OUTPUTS`). The same bits as one call (rows are independent, each piece
+    keeps its scale rows); bounded pieces, so that a 250 MB weight is not a fresh 250 MB to fault
+    in and zero. Releases the weight's and scale's pages at the end."""
+    w, s = ckpt.tensors[weight], ckpt.tensors[scale]
+    n, k = w.shape
+    bn = block[0]
+    codes = ckpt.view(weight)
+    s32 = scale_to_f32_np(ckpt.view(scale), s.dtype, s.shape)
+    rows = max(bn, PIECE_BYTES // max(2 * k, 1) // bn * bn)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        yield dequant_fp8_block_np(codes[r0 * k:r1 * k], (r1 - r0, k), s32[r0 // bn:-(-r1 // bn)], block,
+                                   threads=threads)
+    ckpt.release(weight)
+    ckpt.release(scale)

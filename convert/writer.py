@@ -45,7 +45,7 @@ from cvt.dtypes import DTYPES, dtype_code
 from cvt.convert.safetensors_io import TensorSpec, encode_header
 from cvt.convert.durable import AtomicFile
 from cvt.errors import TensorError
-from cvt.convert.buffers import IN_FLIGHT_BYTES, ByteBudget, Countdown
+from cvt.convert.buffers import IN_FLIGHT_BYTES, OUTPUTS, ByteBudget, Countdown, place
 from cvt.progress import make_progress
 from cvt.schemas.manifest import FileInfo, Manifest, SourceInfo, StageInfo, Summary, ToolInfo
 
@@ -68,7 +68,10 @@ class OutTensor:
     """One output tensor: its spec, a producer of its bytes, and what reading it costs.
 
     `produce()` returns a torch tensor of exactly `spec`'s dtype and shape, or a buffer of
-    `spec.nbytes` bytes; `release()` (optional) is called once the bytes are written.
+    `spec.nbytes` bytes; `release()` (optional) is called once the bytes are written. With
+    `pieces`, it returns an iterator of numpy arrays that are the tensor's bytes in order, each
+    made when the writer asks for it (placed and charged one by one), so that a large tensor is
+    never whole in memory; or of one whole tensor (any of the above).
     """
 
     spec: TensorSpec
@@ -79,6 +82,7 @@ class OutTensor:
     # that a resumed run can rebuild the manifest without recomputing finished files
     meta: Callable[[], tuple[str, dict]] | None = None
     meta_key: str | None = None
+    pieces: bool = False
 
 
 @dataclass
@@ -291,10 +295,18 @@ class FileSet:
                 on_last()
         return Countdown(holders, release)
 
-    def put(self, rel: str, spec: TensorSpec, data, charge: Countdown, meta: tuple[str, dict] | None = None) -> None:
-        """Hand `data` (a tensor or buffer of exactly `spec`) to file `rel`, the next of its items."""
+    def put(self, rel: str, spec: TensorSpec, data, charge: Countdown, meta: tuple[str, dict] | None = None,
+            piece: bool = False, last: bool = True) -> None:
+        """Hand `data` (a tensor or buffer of exactly `spec`) to file `rel`, the next of its items;
+        `piece`: `data` (a numpy array) is a piece of that item, any length, and unless `last`
+        more of it follows."""
         try:
-            buf = _as_buffer(data, spec)
+            if piece and type(data).__module__ == "numpy":
+                import numpy as np
+
+                buf = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+            else:  # a whole tensor (a piece that is not numpy is the whole item: `OutTensor.pieces`)
+                buf = _as_buffer(data, spec)
         except BaseException:
             charge.done()
             raise
@@ -305,7 +317,9 @@ class FileSet:
                 af.write(encode_header(self.specs[rel], self.header_meta))
                 n = len(self.specs[rel])
                 f = self._open[rel] = _Open(af, _FilePipeline(af, self.update, self.depth), n, n)
-        f.pipe.put(buf, data, spec.nbytes, charge)
+        f.pipe.put(buf, data, len(buf), charge)
+        if not last:
+            return
         if meta is not None:
             f.meta[meta[0]] = meta[1]
         f.left -= 1
@@ -393,11 +407,17 @@ def write_shards(
     stop = threading.Event()
 
     def write_one(rel: str, tensors: list[OutTensor]) -> None:
+        offset = len(encode_header(fs.specs[rel], fs.header_meta))  # of the next tensor's bytes in the file
         for t in tensors:
             if stop.is_set():
                 raise _Cancelled
+            if t.pieces:
+                offset = write_pieces(rel, t, offset)
+                continue
             charge = fs.charge(t.spec.nbytes, 1, t.release)
             try:
+                place(offset)  # a kernel's output buffer lands as O_DIRECT writes it, with no staging copy
+                offset += t.spec.nbytes
                 data = t.produce()
             except BaseException:
                 charge.done()
@@ -409,6 +429,36 @@ def write_shards(
                                   f"overflowed when computed from it); {check_finite} refused")
             fs.put(rel, t.spec, data, charge, t.meta() if t.meta is not None else None)
             del data
+
+    def write_pieces(rel: str, t: OutTensor, offset: int) -> int:
+        """`t`'s pieces into file `rel` from `offset`, each placed and charged as it is made, then
+        an empty last piece that closes the item. Returns the offset after it."""
+        import numpy as np
+
+        end, it = offset + t.spec.nbytes, iter(t.produce())
+        while True:
+            if stop.is_set():
+                raise _Cancelled
+            place(offset)
+            data = next(it, None)
+            if data is None:
+                break
+            bad = _nonfinite(data) if check_finite else 0
+            if bad:
+                raise TensorError(f"{t.spec.name}: {bad} of its {data.numel()} values are NaN / Inf (in the source, or "
+                                  f"overflowed when computed from it); {check_finite} refused")
+            n = data.nbytes
+            if offset + n > end:
+                raise RuntimeError(f"internal: {t.spec.name} produced more than its {t.spec.nbytes} planned bytes")
+            fs.put(rel, t.spec, data, fs.charge(n, 1), piece=True, last=False)
+            offset += n
+            del data
+        if offset != end:
+            raise RuntimeError(f"internal: {t.spec.name} produced {t.spec.nbytes - (end - offset)} bytes, planned "
+                               f"{t.spec.nbytes}")
+        fs.put(rel, t.spec, np.empty(0, np.uint8), fs.charge(0, 1, t.release), t.meta() if t.meta else None,
+               piece=True)
+        return end
 
     try:
         if fs.pending:
@@ -430,6 +480,8 @@ def write_shards(
     except BaseException:
         fs.abort()
         raise
+    finally:
+        OUTPUTS.clear()  # the recycled output blocks: not kept past the stage
     if meta is not None:
         meta.update(fs.meta)
     return infos, len(fs.pending), len(shards) - len(fs.pending)

@@ -64,11 +64,21 @@ def missing(extra: str) -> list[str]:
 
 
 __all__ = ["EXTRAS", "MissingDependencyError", "extra_of", "message", "require", "missing", "SIMD_LEVELS",
-           "simd_level"]
+           "simd_level", "simd_name"]
 
 
 # the compiled kernels' SIMD levels (`simd_level`): what each may use at most
 SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+def simd_name(level: int) -> str:
+    """The name of a SIMD level a compiled kernel reports running at: level 1 is NEON on aarch64
+    (``CVT_KERNEL_SIMD=avx2`` allows it there: the level, not the instruction set)."""
+    import platform
+
+    if level == SIMD_LEVELS["avx2"] and platform.machine().lower() in ("aarch64", "arm64"):
+        return "neon"
+    return next(name for name, v in SIMD_LEVELS.items() if v == level)
 
 
 def simd_level(simd: bool | int = True) -> int:

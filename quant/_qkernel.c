@@ -31,11 +31,14 @@
  * and their int8 codes, so temporaries stay a few rows whatever the weight's size. Non-finite
  * values are counted, not quantized: the caller refuses the weight (its outputs are garbage).
  * On x86-64 with AVX2 + F16C (checked at run time) the inner loops are vectorized with the same
- * operations, 8 lanes, or 16 with AVX-512F (`simd` 2, where the CPU has it): bit-identical codes
- * and scales (the tests compare every level with the scalar path). The module init below only exists so that
+ * operations, 8 lanes, or 16 with AVX-512F (`simd` 2, where the CPU has it), and on aarch64 with
+ * NEON (`simd` 1: decode, group statistics, int codes, sums): bit-identical codes and scales (the
+ * tests compare every level with the scalar path; NEON under qemu, tests/kernels/neon_harness.c). The module init below only exists so that
  * setuptools can build this file as an importable extension; it is called through ctypes.
  */
+#ifndef CVT_NO_PYTHON /* tests/kernels/neon_harness.c builds the kernel alone, for aarch64 under qemu */
 #include <Python.h>
+#endif
 #include <stdlib.h>
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF /* GCC: -ffp-contract=off (pyproject.toml) */
@@ -60,7 +63,7 @@ typedef struct {
     int64_t n, k, src_kind, s_cols, bn, bk;
     int64_t mode, group, qmin, qmax, pack;
     float qdiv, global_scale;
-    int64_t nthreads, simd; /* simd: the highest level allowed (0 scalar, 1 AVX2, 2 AVX-512) */
+    int64_t nthreads, simd; /* simd: the highest level allowed (0 scalar, 1 AVX2 or NEON, 2 AVX-512) */
     int64_t f64_squares;    /* square in double (the caller's retry when a float32 square overflowed) */
     uint16_t *scale_bf16;   /* [n, ng] the int scales' bfloat16 bits too (or NULL) */
 } cvt_qargs;
@@ -627,6 +630,138 @@ AVX512 static double fp4_row_avx512(const float *w, uint8_t *c, int64_t k, int64
 }
 
 #define PICK(name, simd) ((simd) ? name##_avx2 : name##_scalar)
+#elif defined(__aarch64__)
+/* ---- NEON row pieces (aarch64): the scalar pieces' float32 operations, 4 or 8 lanes at a time ----
+ * vdivq_f32 / vmulq_f32 / vsubq_f32 round once each as IEEE single operations (Linux leaves FPCR's
+ * flush-to-zero off; -ffp-contract=off keeps them unfused), vrndnq_f32 is rintf's nearest-even, and
+ * max / min are exact: the same codes and scales; only the SQNR sums' double additions come in
+ * another order. The FP4 code lookup stays scalar. */
+
+/* 8 bf16 results of e4m3 codes times sc, as float32 (the AVX2 fp8x8's bit move and rounding) */
+static inline void fp8x8_neon(const uint8_t *p, float32x4_t sc256, uint16x8_t *nan, float32x4_t *lo,
+                              float32x4_t *hi) {
+    const uint16x8_t m7f = vdupq_n_u16(0x7f), m80 = vdupq_n_u16(0x80);
+    const uint32x4_t one = vdupq_n_u32(1), half = vdupq_n_u32(0x7fff), top = vdupq_n_u32(0xffff0000u);
+    uint16x8_t x = vmovl_u8(vld1_u8(p));
+    uint16x8_t mag = vandq_u16(x, m7f);
+    *nan = vorrq_u16(*nan, vceqq_u16(mag, m7f));
+    uint16x8_t h = vorrq_u16(vshlq_n_u16(mag, 7), vshlq_n_u16(vandq_u16(x, m80), 8));
+    uint32x4_t bl = vreinterpretq_u32_f32(vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h))), sc256));
+    uint32x4_t bh = vreinterpretq_u32_f32(vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(h))), sc256));
+    bl = vandq_u32(vaddq_u32(bl, vaddq_u32(vandq_u32(vshrq_n_u32(bl, 16), one), half)), top);
+    bh = vandq_u32(vaddq_u32(bh, vaddq_u32(vandq_u32(vshrq_n_u32(bh, 16), one), half)), top);
+    *lo = vreinterpretq_f32_u32(bl);
+    *hi = vreinterpretq_f32_u32(bh);
+}
+
+/* lanes of v whose exponent is all ones (Inf / NaN), as 0 / -1 */
+static inline int32x4_t exp_all_ones_neon(float32x4_t v) {
+    const uint32x4_t e = vdupq_n_u32(0x7f800000u);
+    return vreinterpretq_s32_u32(vceqq_u32(vandq_u32(vreinterpretq_u32_f32(v), e), e));
+}
+
+static int64_t decode_neon(const cvt_qargs *a, int64_t i, float *out) {
+    int64_t k = a->k, j = 0, cnt = 0;
+    int32x4_t bad = vdupq_n_s32(0);
+    if (a->src_kind == SRC_BF16) {
+        const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
+        for (; j + 4 <= k; j += 4) {
+            uint16_t h4[4];
+            memcpy(h4, row + 2 * j, 8);
+            float32x4_t v = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(h4), 16));
+            bad = vsubq_s32(bad, exp_all_ones_neon(v));
+            vst1q_f32(out + j, v);
+        }
+        for (; j < k; j++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * j, 2);
+            out[j] = u2f((uint32_t)h << 16);
+            cnt += not_finite(out[j]);
+        }
+        return cnt + vaddvq_s32(bad);
+    }
+    const uint8_t *row = (const uint8_t *)a->src + i * k;
+    const float *srow = a->fp8_scale + (i / a->bn) * a->s_cols;
+    uint16x8_t nan = vdupq_n_u16(0);
+    for (int64_t c0 = 0, b = 0; c0 < k; c0 += a->bk, b++) {
+        int64_t end = c0 + a->bk < k ? c0 + a->bk : k;
+        float sc = srow[b];
+        float32x4_t sc256 = vdupq_n_f32(sc * 256.0f), lo, hi;
+        for (j = c0; j + 8 <= end; j += 8) {
+            fp8x8_neon(row + j, sc256, &nan, &lo, &hi);
+            bad = vsubq_s32(bad, vaddq_s32(exp_all_ones_neon(lo), exp_all_ones_neon(hi)));
+            vst1q_f32(out + j, lo);
+            vst1q_f32(out + j + 4, hi);
+        }
+        for (; j < end; j++) {
+            out[j] = bf16_round(LUT[row[j]] * sc);
+            cnt += not_finite(out[j]);
+        }
+    }
+    if (vmaxvq_u16(nan)) return decode_scalar(a, i, out); /* a NaN code: the plain path */
+    return cnt + vaddvq_s32(bad);
+}
+
+static float amax_neon(const float *w, int64_t len) {
+    float32x4_t m4 = vdupq_n_f32(0.0f);
+    int64_t j = 0;
+    for (; j + 4 <= len; j += 4) m4 = vmaxq_f32(m4, vabsq_f32(vld1q_f32(w + j)));
+    float m = vmaxvq_f32(m4), r = amax_scalar(w + j, len - j);
+    return r > m ? r : m;
+}
+
+static void minmax_neon(const float *w, int64_t len, float *mn, float *mx) {
+    if (len < 4) {
+        minmax_scalar(w, len, mn, mx);
+        return;
+    }
+    float32x4_t lo4 = vld1q_f32(w), hi4 = lo4;
+    int64_t j = 4;
+    for (; j + 4 <= len; j += 4) {
+        float32x4_t v = vld1q_f32(w + j);
+        lo4 = vminq_f32(lo4, v);
+        hi4 = vmaxq_f32(hi4, v);
+    }
+    float lo = vminvq_f32(lo4), hi = vmaxvq_f32(hi4);
+    for (; j < len; j++) {
+        lo = w[j] < lo ? w[j] : lo;
+        hi = w[j] > hi ? w[j] : hi;
+    }
+    *mn = lo; /* +-0 may come out as either sign: the callers clamp through 0 (min(lo, 0), max(hi, 0)) */
+    *mx = hi;
+}
+
+static inline float64x2_t sq4_neon(float64x2_t acc, float32x4_t d) {
+    float32x4_t s = vmulq_f32(d, d); /* float32 squares, as the scalar path's */
+    return vaddq_f64(vaddq_f64(acc, vcvt_f64_f32(vget_low_f32(s))), vcvt_high_f64_f32(s));
+}
+
+static double qint_neon(const float *w, int8_t *q, int64_t len, float sc, float off, int asym, float qmin,
+                        float qmax) {
+    const float32x4_t vsc = vdupq_n_f32(sc), voff = vdupq_n_f32(off), lo = vdupq_n_f32(qmin), hi = vdupq_n_f32(qmax);
+    float64x2_t acc = vdupq_n_f64(0.0);
+    int64_t j = 0;
+    for (; j + 4 <= len; j += 4) {
+        float32x4_t v = vld1q_f32(w + j), x = vdivq_f32(v, vsc);
+        if (asym) x = vaddq_f32(x, voff);
+        float32x4_t r = vminq_f32(vmaxq_f32(vrndnq_f32(x), lo), hi);
+        int16x4_t q16 = vmovn_s32(vcvtq_s32_f32(r));
+        int32_t packed = vget_lane_s32(vreinterpret_s32_s8(vmovn_s16(vcombine_s16(q16, q16))), 0);
+        memcpy(q + j, &packed, 4);
+        acc = sq4_neon(acc, vsubq_f32(v, vmulq_f32(vsubq_f32(r, voff), vsc)));
+    }
+    return vaddvq_f64(acc) + qint_scalar(w + j, q + j, len - j, sc, off, asym, qmin, qmax);
+}
+
+static double sumsq_neon(const float *w, int64_t len) {
+    float64x2_t acc = vdupq_n_f64(0.0);
+    int64_t j = 0;
+    for (; j + 4 <= len; j += 4) acc = sq4_neon(acc, vld1q_f32(w + j));
+    return vaddvq_f64(acc) + sumsq_scalar(w + j, len - j);
+}
+
+#define fp4_neon fp4_scalar
+#define PICK(name, simd) ((simd) ? name##_neon : name##_scalar)
 #else
 #define PICK(name, simd) name##_scalar
 #endif
@@ -654,6 +789,9 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
     int64_t k = a->k, g = a->group, ng = k / g;
     int simd = jb->simd, f64 = (int)a->f64_squares, row = simd && !f64 && g % 8 == 0;
     int row512 = simd == 2 && !f64 && g % 16 == 0; /* 16-lane pieces where the groups fit them */
+#ifndef CVT_X86
+    (void)row, (void)row512; /* whole-row pieces are x86's; NEON works group by group (PICK) */
+#endif
     int asym = a->mode == MODE_ASYM, fp4 = a->mode == MODE_NVFP4 || a->mode == MODE_MXFP4;
     float qmin = (float)a->qmin, qmax = (float)a->qmax;
     float *ga = jb->gbuf, *gb = ga + ng, *sc = gb + ng, *off = sc + ng; /* sc: the fp4 multipliers too */
@@ -804,6 +942,8 @@ static int64_t decode(job_t *jb, int64_t i, float *out) {
 #ifdef CVT_X86
     if (jb->simd == 2) return decode_avx512(jb->a, i, out);
     if (jb->simd) return decode_avx2(jb->a, i, out);
+#elif defined(__aarch64__)
+    if (jb->simd) return decode_neon(jb->a, i, out);
 #endif
     return decode_scalar(jb->a, i, out);
 }
@@ -910,7 +1050,9 @@ void cvt_pack_zero_points(const float *offset, uint32_t *out, int64_t n, int64_t
         }
 }
 
+#ifndef CVT_NO_PYTHON
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_qkernel",
                                     "fused RTN quantization kernels (called through ctypes)", -1, NULL};
 
 PyMODINIT_FUNC PyInit__qkernel(void) { return PyModule_Create(&moddef); }
+#endif

@@ -105,15 +105,15 @@ def _c_kernel():
 
 def simd_in_use(simd: bool | int = True) -> str:
     """Which loops the C kernel runs on this CPU for `simd` (`cvt.extras.simd_level`, so
-    ``CVT_KERNEL_SIMD`` counts): "avx512", "avx2" or "scalar" (FP8 block scales >= 2**100 take the
-    scalar loops whatever this says); "" without the C kernel."""
-    from cvt.extras import SIMD_LEVELS
+    ``CVT_KERNEL_SIMD`` counts): "avx512", "avx2", "neon" (aarch64: its FP8 / BF16 decode) or
+    "scalar" (FP8 block scales >= 2**100 take the scalar loops whatever this says); "" without
+    the C kernel."""
+    from cvt.extras import simd_name
 
     lib = _c_kernel()
     if lib is None:
         return ""
-    level = lib.cvt_simd_level(simd_level(simd))
-    return next(name for name, v in SIMD_LEVELS.items() if v == level)
+    return simd_name(lib.cvt_simd_level(simd_level(simd)))
 
 
 def kernel_name() -> str:
@@ -358,28 +358,97 @@ def quantize_to_layout(src: WeightSource, scheme, layout, name: str | None = Non
     return Fused(tensors if src.is_numpy else _as_torch(tensors, layout), sqnr_from_sums(sig, err), kernel)
 
 
+def quantize_in_pieces(src: WeightSource, scheme, layout, name: str | None = None, global_scale=None,
+                       threads: int | None = None, simd: bool | int = True, piece_bytes: int = 8 << 20):
+    """`quantize_to_layout` with the C kernel on a numpy source (`WeightSource.raw`), the packed
+    weight made in pieces of whole row blocks (about `piece_bytes` each; FP8 block rows, row
+    pairs), each into its own `cvt.convert.buffers.OUTPUTS` buffer (placed for the writer): a
+    generator yielding those pieces (numpy arrays, rows in order) whose return value
+    (``StopIteration.value``) is the `Fused` of the layout's tensors with the packed weight's
+    entry None. The same bytes as `quantize_to_layout` (rows are independent; the scales are
+    written per row); the SQNR sums are added per piece (a piece whose float32 squares overflow
+    is summed in float64, as the whole weight is there). A large weight is so never a fresh
+    buffer to fault in and zero. Raises the reference's errors (NaN/Inf: before the first piece
+    whose rows hold one, counting the whole weight's)."""
+    import numpy as np
+
+    from cvt.convert.buffers import OUTPUTS
+
+    n, k = src.shape
+    scheme.check(name or "weight", (n, k))
+    lib = _c_kernel()
+    if lib is None or not src.is_numpy or not supports(layout, scheme, src):
+        raise ValueError(f"internal: {layout.name} of {scheme!r} is not made in pieces for this source")
+    cfg = _config(layout, scheme, k)
+    gs = None
+    if cfg["mode"] == MODE_NVFP4:
+        if global_scale is None:
+            m = absmax(src, threads, simd)
+            if m is None:
+                raise P.nonfinite_error(name, _desc((n, k)), _count_nonfinite(src))
+            gs = P.nvfp4_global_scale_of(m)
+        else:
+            gs = float(global_scale if isinstance(global_scale, float) else global_scale.reshape(-1)[0])
+    pack = _PACK[layout.pack]
+    raw = _outputs(layout, (n, k), cfg, c=True, q=False)
+    qshape = {PACK_I8: (n, k), PACK_CT32: (n, -(-k // 8)), PACK_NIB_K: (n, k // 2), PACK_NIB_ROWS: (n // 2, k),
+              PACK_FP4: (n, k // 2)}[pack]
+    qdtype = np.dtype(_NP_BITS["I32" if pack == PACK_CT32 else "U8" if pack == PACK_FP4 else "I8"])
+    qrows_per_row = 0.5 if pack == PACK_NIB_ROWS else 1
+    unit = math.lcm(src.block[0] if src.is_fp8 else 1, 2)  # whole FP8 block rows, whole row pairs
+    row_bytes = max(1, int(qshape[1] * qdtype.itemsize * qrows_per_row))
+    rows = max(unit, piece_bytes // row_bytes // unit * unit)
+    fn = lib.cvt_quantize
+    sig = err = 0.0
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        sc = src.scale[r0 // src.block[0]:-(-r1 // src.block[0])] if src.is_fp8 else None
+        part = WeightSource(src.w[r0:r1], sc, src.block, src.dtype)
+        q = OUTPUTS.array((int((r1 - r0) * qrows_per_row), qshape[1]), qdtype)
+        kw = dict(group=cfg["group"], qdiv=cfg["qdiv"], qmin=cfg["qmin"], qmax=cfg["qmax"], pack=pack,
+                  q=q.ctypes.data, global_scale=gs if gs is not None else 0.0,
+                  **{f: raw[f][r0:r1].ctypes.data for f in ("scale", "offset", "scale8", "scale_bf16") if f in raw})
+        bad, _, s1, e1 = _call(fn, part, cfg["mode"], threads, simd, **kw)
+        if bad:
+            raise P.nonfinite_error(name, _desc(src.shape), _count_nonfinite(src))
+        if math.isinf(s1) or math.isinf(e1):
+            _, _, s1, e1 = _call(fn, part, cfg["mode"], threads, simd, f64_squares=1, **kw)
+        sig, err = sig + s1, err + e1
+        yield q
+    if cfg["mode"] == MODE_ASYM and pack == PACK_CT32:
+        ng = raw["offset"].shape[1]
+        raw["zero_point"] = np.empty((-(-n // 8), ng), dtype=np.int32)
+        lib.cvt_pack_zero_points(raw["offset"].ctypes.data, raw["zero_point"].ctypes.data, n, ng)
+    raw["q"] = None
+    return Fused(_assemble(layout, scheme, (n, k), raw, gs), sqnr_from_sums(sig, err), "c")
+
+
 # safetensors code -> the numpy dtype holding its bits (numpy has no bfloat16 / float8)
 _NP_BITS = {"I8": "int8", "I32": "int32", "U8": "uint8", "F32": "float32", "BF16": "uint16", "F8_E4M3": "uint8"}
 
 
-def _outputs(layout, shape, cfg, c: bool) -> dict[str, Any]:
+def _outputs(layout, shape, cfg, c: bool, q: bool = True) -> dict[str, Any]:
     """Uninitialized outputs: numpy arrays for the C kernel, torch tensors for the fallback.
     The kernel writes every element (torch fills would wake torch's OpenMP pool, whose
-    spinning threads then compete with the kernel's)."""
+    spinning threads then compete with the kernel's). The C kernel's come from the recycled
+    page-aligned pool (`cvt.convert.buffers.OUTPUTS`: no zeroing of fresh pages), the packed
+    weight first, placed where the writer's O_DIRECT takes it without a staging copy (`place`:
+    it is the first tensor of its module on disk); the others at the start of a page."""
     import numpy as np
 
+    from cvt.convert.buffers import OUTPUTS
     from cvt.dtypes import torch_dtype
 
-    def empty(shape_, code, zeros=False):
+    def empty(shape_, code, zeros=False, phase=0):
         if c:
-            return np.empty(shape_, dtype=_NP_BITS[code])
+            return OUTPUTS.array(shape_, _NP_BITS[code], phase)
         return (torch.zeros if zeros else torch.empty)(shape_, dtype=torch_dtype(code))
 
     n, k = shape
     ng = k // cfg["group"]
-    q = {PACK_I8: ((n, k), "I8"), PACK_CT32: ((n, -(-k // 8)), "I32"), PACK_NIB_K: ((n, k // 2), "I8"),
-         PACK_NIB_ROWS: ((n // 2, k), "I8"), PACK_FP4: ((n, k // 2), "U8")}[_PACK[layout.pack]]
-    out = {"q": empty(*q)}
+    qspec = {PACK_I8: ((n, k), "I8"), PACK_CT32: ((n, -(-k // 8)), "I32"), PACK_NIB_K: ((n, k // 2), "I8"),
+             PACK_NIB_ROWS: ((n // 2, k), "I8"), PACK_FP4: ((n, k // 2), "U8")}[_PACK[layout.pack]]
+    out = {"q": empty(*qspec, phase=None)} if q else {}  # None: this thread's `place`d phase
     if cfg["mode"] in (MODE_SYM, MODE_ASYM):
         out["scale"] = empty((n, ng), "F32")
         out["offset"] = empty((n, ng), "F32", zeros=cfg["mode"] != MODE_ASYM)  # the fallback writes no sym offset

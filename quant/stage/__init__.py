@@ -35,7 +35,8 @@ from cvt.lazy import torch
 from cvt.version import __version__
 from cvt.convert.arch import arch_for, text_config
 from cvt.convert.config import SourceFormat, bf16_config, source_format
-from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
+from cvt.convert.fp8 import kernel_name as fp8_kernel_name
+from cvt.convert.fp8_to_bf16 import check_scales_finite, dequantized_pieces, pair_fp8_weights
 from cvt.convert.validate import check_weights
 from cvt.convert.reader import Checkpoint, check_manifest_files, open_checkpoint
 from cvt.dtypes import dtype_code
@@ -46,6 +47,7 @@ from cvt.quant.tensor.formats import DEFAULT_FORMAT, get_format
 from cvt.quant.tensor.disk_layouts import DiskLayouts
 from cvt.quant.tensor.layouts import ASCEND, check_target, kernel_fmt_of
 from cvt.quant.tensor.stack_versions import check_line, line_problem
+from cvt.quant import qkernel
 from cvt.quant.recipe import RTN, Policy, Recipe
 from cvt.quant.tensor.schemes import scheme_from_options
 from cvt.quant.tensor.schemes.base import QuantizedTensor
@@ -303,10 +305,13 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
                                              None if b is None else getattr(torch, _torch_name(b.dtype)),
                                              plan.experts[module])
             tags.update(module_tags)
+            streamed = qkernel.kernel_name() == "c"  # the packed weight in pieces where it is fused (`Quantizer.pieces`)
             for j, (disk_name, (shape_, dt)) in enumerate(specs.items()):
                 outs.append(OutTensor(
                     spec=TensorSpec(disk_name, dt, shape_),
-                    produce=lambda m=module, n=disk_name, c=len(specs): quantizer.part(m, n, c),
+                    produce=(lambda m=module, n=disk_name, c=len(specs): quantizer.pieces(m, n, c)) if j == 0 and streamed
+                    else (lambda m=module, n=disk_name, c=len(specs): quantizer.part(m, n, c)),
+                    pieces=j == 0 and streamed,
                     read_bytes=ref.nbytes if j == 0 else 0,
                     meta=(lambda m=module: (m, quantizer.info[m].model_dump())) if j == 0 else None,
                     meta_key=module if j == 0 else None,
@@ -324,15 +329,19 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
             float_linears.append(module)
             continue
         dt, shape = source.float_spec(name)
+        pieces = name not in cal.float_overrides and ref.dtype == "F8_E4M3" and fp8_kernel_name() == "c"
         if name in cal.float_overrides:
             read = cal.float_loader or cal.float_overrides.get
             produce = (lambda n=name, d=dt, read=read: read(n).to(getattr(torch, _torch_name(d))).contiguous())
+        elif pieces:  # FP8 dequantized to BF16 by the C kernel, in pieces
+            produce = (lambda n=name: dequantized_pieces(ckpt, n, source.scale_of(n), source.block))
         elif dt != ref.dtype:  # FP8 (or DeepSeek-V4 FP4) dequantized to BF16
             produce = (lambda n=name: source.float_tensor(n))
         else:
             produce = (lambda n=name: ckpt.view(n))
         outs.append(OutTensor(TensorSpec(name, dt, shape), produce=produce,
-                              release=(lambda n=name: ckpt.release(n)), read_bytes=ref.nbytes))
+                              release=(lambda n=name: ckpt.release(n)), read_bytes=ref.nbytes,
+                              pieces=pieces))
         tags[name] = "FLOAT"
         if info.param == "weight" and len(ref.shape) == 2 and info.role.value in LINEAR_ROLES and module not in float_linears:
             float_linears.append(module)

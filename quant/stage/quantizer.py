@@ -194,14 +194,61 @@ class Quantizer:
         with self._lock:
             lock = self._locks.setdefault(module, threading.Lock())
         with lock:
-            if module not in self._ready:
-                self._ready[module] = (self._quantize(module), n_parts)
-            tensors, left = self._ready[module]
-            if left == 1:
-                del self._ready[module]
-            else:
-                self._ready[module] = (tensors, left - 1)
-            return tensors[name]
+            return self._take(module, name, n_parts)
+
+    def _take(self, module: str, name: str, n_parts: int):
+        if module not in self._ready:
+            self._ready[module] = (self._quantize(module), n_parts)
+        tensors, left = self._ready[module]
+        if left == 1:
+            del self._ready[module]
+        else:
+            self._ready[module] = (tensors, left - 1)
+        return tensors[name]
+
+    def pieces(self, module: str, name: str, n_parts: int):
+        """Part `name`, the module's first on disk, for `OutTensor.pieces`: where the module is
+        fused from a numpy source and `name` is its packed weight, made row block by row block
+        (`qkernel.quantize_in_pieces`: never a whole fresh buffer to fault in and zero), the
+        other parts kept for `part`; else the whole part, as one piece. The module's lock is held
+        until the last piece is made (its other parts wait for it)."""
+        with self._lock:
+            lock = self._locks.setdefault(module, threading.Lock())
+        with lock:
+            made = None if module in self._ready else self._fused_pieces(module, name)
+            if made is None:
+                yield self._take(module, name, n_parts)
+                return
+            rest = yield from made
+            if n_parts > 1:
+                self._ready[module] = (rest, n_parts - 1)
+
+    def _fused_pieces(self, module: str, name: str):
+        """The generator of `pieces` for a module fused from a numpy source (RTN, not calibrated,
+        not static), or None."""
+        params = self.plan.modules[module]
+        if (module in self.precomputed or module in self.static_inputs or qkernel.kernel_name() != "c"
+                or "weight_packed" in params or self.source.is_fp4(params["weight"])):
+            return None
+        scheme, method = self.plan.schemes[module], self.plan.methods[module]
+        src = self.source.weight_source(params)
+        if src is None or not src.is_numpy:
+            return None
+        expert = self.plan.experts[module]
+        layout = self.fmt.layout_for(module, shell_q(scheme, src.shape), target=self.target, expert=expert)
+        if not qkernel.supports(layout, scheme, src) or name != f"{module}.{layout.tensors[0].suffix}":
+            return None
+        return self._stream(module, params, scheme, method, src, layout)
+
+    def _stream(self, module, params, scheme, method, src, layout):
+        group = self.plan.shared.get(module)
+        made = qkernel.quantize_in_pieces(src, scheme, layout, name=module + ".weight",
+                                          global_scale=self.shared_scale(group) if group else None)
+        try:
+            res = yield from made
+        finally:
+            self.source.ckpt.release(params["weight"])
+        return self._fused_parts(module, params, scheme, method, layout, res)
 
     def _quantize(self, module: str) -> dict[str, torch.Tensor]:
         from cvt.quant.tensor.schemes.w8a8 import static_parts
@@ -270,7 +317,6 @@ class Quantizer:
         src = self.source.weight_source(params)
         if src is None:
             return None
-        kf = kernel_fmt_of(scheme)
         expert = self.plan.experts[module]
         layout = self.fmt.layout_for(module, shell_q(scheme, src.shape), target=self.target, expert=expert)
         if not qkernel.supports(layout, scheme, src):
@@ -281,6 +327,11 @@ class Quantizer:
                                              global_scale=self.shared_scale(group) if group else None)
         finally:
             self.source.ckpt.release(params["weight"])
+        return self._fused_parts(module, params, scheme, method, layout, res)
+
+    def _fused_parts(self, module: str, params: dict[str, str], scheme: Scheme, method: str, layout, res):
+        """The on-disk tensors of a fused result (and the module's manifest record)."""
+        kf = kernel_fmt_of(scheme)
         bias = self.source.ckpt.read(params["bias"]).clone() if "bias" in params else None
         self.info[module] = QuantTensorInfo(
             scheme=scheme.name, kernel_fmt=kf, layout=layout.name, method=RTN if method == RTN else "rtn-fallback",

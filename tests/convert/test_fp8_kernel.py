@@ -26,8 +26,14 @@ SHAPES = [
 
 
 def _kernels():
+    """Every implementation: torch, and the C kernel at every SIMD level (the best the CPU has --
+    AVX-512 where present --, AVX2 or NEON, scalar) and through its numpy entry."""
     return [pytest.param("torch", id="torch-kernel"), pytest.param("c", id="c-kernel-simd"),
+            pytest.param("c-avx2", id="c-kernel-avx2-or-neon"),
             pytest.param("c-scalar", id="c-kernel-scalar"), pytest.param("c-numpy", id="c-kernel-numpy-entry")]
+
+
+LEVEL = {"c": True, "c-avx2": 1, "c-scalar": False}
 
 
 def run_kernel(kind: str, w, s, block, threads=2):
@@ -42,7 +48,7 @@ def run_kernel(kind: str, w, s, block, threads=2):
         out = fp8.dequant_fp8_block_np(memoryview(w.contiguous().view(torch.uint8).numpy()).cast("B"),
                                        tuple(w.shape), s32, block, threads=threads)
         return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
-    return fp8.dequant_fp8_block(w, s, block, threads=threads, simd=(kind == "c"))
+    return fp8.dequant_fp8_block(w, s, block, threads=threads, simd=LEVEL[kind])
 
 
 def random_case(shape, block, scale_dtype, seed=0, nan=False):
@@ -112,6 +118,26 @@ def test_every_code_with_moderate_scales(kind):
     got = run_kernel(kind, w, s, (1, 128))
     assert same_bits_nan_aware(bits(got), dequant(codes.numpy(), s.numpy(), (1, 128)))
     assert torch.isnan(got[:, [0x7F, 0xFF]]).all()
+
+
+def test_the_levels_are_what_they_say(monkeypatch):
+    """`simd` and CVT_KERNEL_SIMD choose the FP8 kernel's loops, as the quantize kernel's: AVX-512
+    where the CPU has it (tests/quant/test_qkernel_simd.py::test_the_levels_are_what_they_say)."""
+    import os
+    import platform
+
+    if fp8._c_kernel() is None:
+        pytest.skip("C kernel not built")
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    best = ("neon" if platform.machine() in ("aarch64", "arm64") else
+            "avx512" if "avx512f" in flags and "avx2" in flags else ("avx2" if "avx2" in flags else None))
+    if best is not None:
+        assert fp8.simd_in_use() == best
+    assert fp8.simd_in_use(False) == "scalar"
+    monkeypatch.setenv("CVT_KERNEL_SIMD", "avx2")
+    assert fp8.simd_in_use() == ("avx2" if best == "avx512" else best)
+    monkeypatch.setenv("CVT_KERNEL_SIMD", "scalar")
+    assert fp8.simd_in_use() == "scalar"
 
 
 def test_thread_counts_give_identical_bits():

@@ -203,26 +203,6 @@ def test_cli_summary_and_progress(fp8_release, tmp_path):
     assert q.rc == 0 and q.out == "" and q.err == ""
 
 
-def test_buffer_pool_recycles_by_size_within_its_idle_cap():
-    """fp8-to-bf16's recycled output buffers (`buffers.BufferPool`): the same buffer comes back
-    for the same size, never for another, and idle bytes stay under the cap (what it may add
-    to peak RSS). That recycling never hands out bytes the writer still needs is what
-    test_output_equals_independent_reference and test_workers_do_not_change_the_bytes check:
-    their experts share a size, so their buffers are reused."""
-    from cvt.convert.buffers import BufferPool
-
-    pool = BufferPool(max_idle=3000)
-    a, b = pool.take(1000), pool.take(1000)
-    pool.give(a)
-    assert pool.take(1000) is a and pool.take(500) is not a
-    pool.give(a), pool.give(b)
-    assert pool.idle == 2000
-    c = pool.take(2000)
-    pool.give(c)  # 2000 + 2000 > 3000: freed, not kept
-    assert pool.idle == 2000 and pool.take(2000) is not c
-    assert {id(pool.take(1000)), id(pool.take(1000))} == {id(a), id(b)} and pool.idle == 0
-
-
 def test_writer_takes_numpy_arrays_holding_the_planned_bits():
     """Producers may return numpy arrays (the torch-free fast paths): of the planned dtype, or an
     unsigned array of the same item size holding the bits of a dtype numpy lacks (BF16 as

@@ -466,8 +466,9 @@ def test_stage_writes_the_reference_bytes(fp8_release_session, tmp_path, monkeyp
     if impl == "c" and (QK._c_kernel.cache_clear() or QK._c_kernel() is None):
         pytest.skip("C quantize kernel not built")
     calls = []
-    real = QK.quantize_to_layout
+    real, real_pieces = QK.quantize_to_layout, QK.quantize_in_pieces
     monkeypatch.setattr(QK, "quantize_to_layout", lambda *a, **k: calls.append(a[2].name) or real(*a, **k))
+    monkeypatch.setattr(QK, "quantize_in_pieces", lambda *a, **k: calls.append(a[2].name) or real_pieces(*a, **k))
     try:
         monkeypatch.setenv("CVT_QUANT_KERNEL", "reference")
         QK._c_kernel.cache_clear()
