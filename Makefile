@@ -13,7 +13,10 @@ $(PY):
 
 # torch first, pinned to the local CPU build when one is offered (pip's find-links), so that
 # resolving the other requirements never pulls a multi-GB CUDA build.
-$(STAMP): $(PY) pyproject.toml
+# the C kernels too: an existing .venv is rebuilt when they change (they are compiled at install)
+KERNELS := $(wildcard convert/*.c convert/*.h quant/*.c quant/*.h)
+
+$(STAMP): $(PY) pyproject.toml $(KERNELS)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0" || $(PIP) install "torch>=2.4,<3"
 	$(PIP) install -e ".[test]"
 	touch $(STAMP)
