@@ -11,11 +11,11 @@ STAMP  := $(VENV)/.installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch first, pinned to the local CPU build when one is offered (pip's find-links), so that
-# resolving the other requirements never pulls a multi-GB CUDA build.
-# the C kernels too: an existing .venv is rebuilt when they change (they are compiled at install)
+# The C kernels are compiled at install: an existing .venv reinstalls when they change.
 KERNELS := $(wildcard convert/*.c convert/*.h quant/*.c quant/*.h)
 
+# torch first, pinned to the local CPU build when one is offered (pip's find-links), so that
+# resolving the other requirements never pulls a multi-GB CUDA build.
 $(STAMP): $(PY) pyproject.toml $(KERNELS)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0" || $(PIP) install "torch>=2.4,<3"
 	$(PIP) install -e ".[test]"
