@@ -34,7 +34,7 @@ shares they sit, so every rank's file is fed at once); each tensor's distinct sl
 made once (zero-copy for dim-0 runs and whole tensors, one copy for dim-1 runs), charged once
 against the writer's in-flight byte budget, and handed to every rank file that holds them (a
 replicated 1.85 GB embedding goes to all W ranks at once, not one rank at a time). The files
-are the writer's (`cvt.convert.writer.FileSet`): a rank's files are consecutive runs of its
+are the writer's (`cvt.convert.fileset.FileSet`): a rank's files are consecutive runs of its
 tensors in that same order, so at most one file per rank is open, each with a writer thread
 (which hashes as it writes); peak memory is a few tensors whatever W or the model size. The source
 tensor's pages are released once every rank file has hashed its slice. Resume, locking and
@@ -61,9 +61,9 @@ from cvt.convert.validate import check_weights
 from cvt.dtypes import DTYPES
 from cvt.convert.safetensors_io import TensorSpec, load_json
 from cvt.convert.buffers import Countdown
+from cvt.convert.fileset import FileSet
 from cvt.convert.writer import (
     DEFAULT_MAX_SHARD,
-    FileSet,
     OutputDir,
     WriteResult,
     finish_output,

@@ -211,7 +211,7 @@ def test_writer_takes_numpy_arrays_holding_the_planned_bits():
     import numpy as np
 
     from cvt.convert.safetensors_io import TensorSpec
-    from cvt.convert.writer import _as_buffer
+    from cvt.convert.fileset import _as_buffer
 
     bf16 = np.arange(6, dtype=np.uint16).reshape(2, 3)
     assert bytes(_as_buffer(bf16, TensorSpec("a", "BF16", (2, 3)))) == bf16.tobytes()
