@@ -456,6 +456,14 @@ def _get(root: nn.Module, path: str):
     return root
 
 
+def _find(root: nn.Module, path: str):
+    """The module at dotted `path`, or None where there is none (a tied head)."""
+    try:
+        return _get(root, path)
+    except AttributeError:
+        return None
+
+
 def _set(root: nn.Module, path: str, module: nn.Module) -> None:
     *parent, last = path.split(".")
     setattr(_get(root, ".".join(parent)) if parent else root, last, module)
@@ -472,7 +480,7 @@ def _resize(model: nn.Module, args, layout: Layout, dtype, names: ParallelNames)
         emb = nn.Embedding(V // layout.embed_tp, h, dtype=dtype)
         emb.weight.requires_grad_(False)
         _set(model, names.embed, emb)
-    if getattr(model, names.head, None) is not None and layout.lmhead_tp > 1:
+    if _find(model, names.head) is not None and layout.lmhead_tp > 1:
         _set(model, names.head, Linear(h, V // layout.lmhead_tp, dtype=dtype))
     for layer in _get(model, names.layers)[: args.num_hidden_layers]:
         mlp = _get(layer, names.mlp)
@@ -501,7 +509,7 @@ def _wrap(model: nn.Module, ctx: ParallelContext, holders: dict[int, dict[int, l
     if layout.embed_tp > 1:
         start = ctx.coord("embed_tp") * (V // layout.embed_tp)
         _set(model, names.embed, VocabParallelEmbedding(emb.weight, start, ctx))
-    if getattr(model, names.head, None) is not None:
+    if _find(model, names.head) is not None:
         if layout.lmhead_tp > 1:
             _set(model, names.head, GatheredHead(_get(model, names.head), ctx, "lmhead_tp"))
     elif layout.embed_tp > 1:  # tied embeddings: the head has the embedding's vocab rows
