@@ -6,6 +6,7 @@ them without a staging copy."""
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Callable
 
@@ -91,8 +92,9 @@ class OutputPool:
     (what the pool may add to peak RSS), the least recently used freed first."""
 
     def __init__(self, max_idle: int = IN_FLIGHT_BYTES):
-        self.max_idle, self.idle = max_idle, 0
+        self.max_idle, self._idle = max_idle, 0
         self._free: list = []  # idle (mmap, address) blocks, least recently used first
+        self._returned: collections.deque = collections.deque()  # given back, not yet in _free (`_give`)
         self._lock = threading.Lock()
         self.reused = 0  # blocks handed out again (tests, bench)
 
@@ -119,12 +121,15 @@ class OutputPool:
         size = _size_class(nbytes + phase)
         block = None
         with self._lock:
+            self._take_returned()
             # best fit: the smallest idle block that holds it (its pages are faulted in already,
-            # so a larger one costs nothing; DeepSeek's layers repeat the same few sizes)
-            fits = [(len(b[0]), i) for i, b in enumerate(self._free) if len(b[0]) >= nbytes + phase]
+            # so a larger one costs nothing; DeepSeek's layers repeat the same few sizes), and not
+            # one over 4x the size (a small output would keep a large block from the large ones)
+            need = nbytes + phase
+            fits = [(len(b[0]), i) for i, b in enumerate(self._free) if need <= len(b[0]) <= 4 * max(need, 1 << 20)]
             if fits:
                 block = self._free.pop(min(fits)[1])
-                self.idle -= len(block[0])
+                self._idle -= len(block[0])
                 self.reused += 1
         if block is None:
             import ctypes
@@ -140,17 +145,33 @@ class OutputPool:
         weakref.finalize(holder, self._give, block).atexit = False
         return np.asarray(holder).view(dtype).reshape(shape)
 
+    @property
+    def idle(self) -> int:
+        """Bytes of idle blocks (those given back included)."""
+        with self._lock:
+            self._take_returned()
+            return self._idle
+
     def clear(self) -> None:
         """Free every idle block (after a stage: a long-lived process keeps none of it)."""
         with self._lock:
-            self._free, self.idle = [], 0
+            self._take_returned()
+            self._free, self._idle = [], 0
 
     def _give(self, block) -> None:
-        with self._lock:
+        # a block's last view went away: possibly inside the garbage collector, on a thread that
+        # holds self._lock already (any allocation can collect a cycle holding a view), so no lock
+        # here: deque.append is atomic; `array` / `clear` take the returned blocks under the lock
+        self._returned.append(block)
+
+    def _take_returned(self) -> None:
+        """(under self._lock) the returned blocks into the idle list, oldest dropped past max_idle."""
+        while self._returned:
+            block = self._returned.popleft()
             self._free.append(block)
-            self.idle += len(block[0])
-            while self.idle > self.max_idle:  # unmapped when dropped
-                self.idle -= len(self._free.pop(0)[0])
+            self._idle += len(block[0])
+        while self._idle > self.max_idle:  # unmapped when dropped
+            self._idle -= len(self._free.pop(0)[0])
 
 
 class _Held:

@@ -185,8 +185,15 @@ class FileSet:
         with self._lock:
             f = self._open.get(rel)
             if f is None:
-                af = AtomicFile(self.out.path(rel), direct=True)  # weight files: O_DIRECT (`DirectFile`)
-                af.write(encode_header(self.specs[rel], self.header_meta))
+                af = None
+                try:
+                    af = AtomicFile(self.out.path(rel), direct=True)  # weight files: O_DIRECT (`DirectFile`)
+                    af.write(encode_header(self.specs[rel], self.header_meta))
+                except BaseException:  # (a full disk, no file handles left): the bytes are not held
+                    charge.done()
+                    if af is not None:
+                        af.abort()
+                    raise
                 n = len(self.specs[rel])
                 f = self._open[rel] = _Open(af, _FilePipeline(af, self.update, self.depth), n, n)
         f.pipe.put(buf, data, len(buf), charge)

@@ -194,9 +194,19 @@ def write_shards(
     def write_pieces(rel: str, t: OutTensor, offset: int) -> int:
         """`t`'s pieces into file `rel` from `offset`, each placed and charged as it is made, then
         an empty last piece that closes the item. Returns the offset after it."""
+        end, it = offset + t.spec.nbytes, iter(t.produce())
+        try:
+            return _pieces_into(rel, t, it, offset, end)
+        finally:
+            # a producer left mid-way (another worker failed, the disk is full) may hold a lock
+            # the next file's parts wait on (a fused module's) or source pages: let it unwind now
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+    def _pieces_into(rel: str, t: OutTensor, it, offset: int, end: int) -> int:
         import numpy as np
 
-        end, it = offset + t.spec.nbytes, iter(t.produce())
         while True:
             if stop.is_set():
                 raise _Cancelled

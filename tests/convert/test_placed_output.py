@@ -258,3 +258,27 @@ def test_fp8_to_bf16_writes_kernel_outputs_straight_and_the_torch_bytes(fp8_rele
     assert seen and sum(seen) > 0
     assert B.OUTPUTS.idle == 0 and not B.OUTPUTS._free  # nothing kept past the stage
     assert made and (max(r for r, _ in made) <= 128) == (piece_bytes == 1)  # the tiny release's blocks: 128 rows
+
+
+def test_a_block_given_back_inside_the_pools_lock_does_not_deadlock():
+    """The last view of a pooled array can go inside the garbage collector on a thread that holds
+    the pool's lock (any allocation there may collect a cycle): giving the block back takes no lock."""
+    import threading
+
+    pool = B.OutputPool(max_idle=64 << 20)
+    a = pool.array((4 << 20,), "uint8")
+    done = []
+
+    def drop_under_the_lock():
+        with pool._lock:
+            nonlocal a
+            del a  # the finalizer runs here, the lock held
+        done.append(True)
+
+    t = threading.Thread(target=drop_under_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert done == [True], "giving the block back waited on the pool's own lock"
+    assert pool.idle >= 4 << 20
+    b = pool.array((4 << 20,), "uint8")
+    assert pool.reused == 1 and b.nbytes == 4 << 20

@@ -211,3 +211,32 @@ def test_a_failure_in_the_writer_thread_is_reported_not_hung(fp8_release_session
     assert not t.is_alive(), "the writer hung"
     assert errors and "release failed" in str(errors[0])
     assert not (tmp_path / "out" / "cvt_manifest.json").exists()
+
+
+def test_a_producer_left_mid_tensor_is_closed(fp8_release_session, tmp_path):
+    """A tensor made in pieces whose writing fails mid-way (here: more bytes than planned) has its
+    producer closed: its `finally` runs (a fused module's lock, source pages), so a worker of
+    another file waiting on that lock is not left hanging."""
+    import numpy as np
+
+    from cvt.convert.reader import open_checkpoint
+    from cvt.convert.safetensors_io import TensorSpec
+    from cvt.convert.writer import OutTensor, write_checkpoint
+    from cvt.schemas.manifest import StageInfo
+
+    closed = []
+
+    def pieces():
+        try:
+            for _ in range(3):
+                yield np.zeros(600, np.uint8)  # 1800 bytes of a 1000-byte tensor
+        finally:
+            closed.append(True)
+
+    outs = [OutTensor(TensorSpec("t", "U8", (1000,)), produce=pieces, pieces=True)]
+    with pytest.raises(RuntimeError, match="more than its 1000 planned bytes"):
+        write_checkpoint(open_checkpoint(fp8_release_session), tmp_path / "out", outs,
+                         stage=StageInfo(name="test", tool_version="0"), source_format="bf16", out_format="test",
+                         config={}, summary={}, quiet=True)
+    assert closed == [True]
+    assert not (tmp_path / "out" / "cvt_manifest.json").exists()
