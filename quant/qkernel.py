@@ -326,6 +326,19 @@ def absmax(src: WeightSource, threads: int | None = None, simd: bool | int = Tru
     return None if bad else m
 
 
+def _global_scale(src: WeightSource, cfg: dict, name: str | None, global_scale, threads, simd) -> float | None:
+    """nvfp4's shared per-tensor scale: `global_scale` (a float or a one-element tensor: a fused
+    group's) or the weight's own; None for the other modes."""
+    if cfg["mode"] != MODE_NVFP4:
+        return None
+    if global_scale is not None:
+        return float(global_scale if isinstance(global_scale, float) else global_scale.reshape(-1)[0])
+    m = absmax(src, threads, simd)
+    if m is None:
+        raise P.nonfinite_error(name, _desc(src.shape), _count_nonfinite(src))
+    return P.nvfp4_global_scale_of(m)
+
+
 def quantize_to_layout(src: WeightSource, scheme, layout, name: str | None = None,
                        global_scale=None, threads: int | None = None, simd: bool | int = True) -> Fused:
     """`layout.encode(scheme.quantize(w))` and its SQNR for the weight `src` (see the module
@@ -338,15 +351,7 @@ def quantize_to_layout(src: WeightSource, scheme, layout, name: str | None = Non
         raise ValueError(f"internal: layout {layout.name} of {scheme!r} is not fused for {src.dtype or src.w.dtype} "
                          f"{[n, k]}")
     cfg = _config(layout, scheme, k)
-    gs = None
-    if cfg["mode"] == MODE_NVFP4:
-        if global_scale is None:
-            m = absmax(src, threads, simd)
-            if m is None:
-                raise P.nonfinite_error(name, _desc((n, k)), _count_nonfinite(src))
-            gs = P.nvfp4_global_scale_of(m)
-        else:
-            gs = float(global_scale if isinstance(global_scale, float) else global_scale.reshape(-1)[0])
+    gs = _global_scale(src, cfg, name, global_scale, threads, simd)
     lib = _c_kernel()
     if lib is None:
         raw, sig, err = _torch_blocks(src, scheme, layout, cfg, name, gs)
@@ -380,20 +385,11 @@ def quantize_in_pieces(src: WeightSource, scheme, layout, name: str | None = Non
     if lib is None or not src.is_numpy or not supports(layout, scheme, src):
         raise ValueError(f"internal: {layout.name} of {scheme!r} is not made in pieces for this source")
     cfg = _config(layout, scheme, k)
-    gs = None
-    if cfg["mode"] == MODE_NVFP4:
-        if global_scale is None:
-            m = absmax(src, threads, simd)
-            if m is None:
-                raise P.nonfinite_error(name, _desc((n, k)), _count_nonfinite(src))
-            gs = P.nvfp4_global_scale_of(m)
-        else:
-            gs = float(global_scale if isinstance(global_scale, float) else global_scale.reshape(-1)[0])
+    gs = _global_scale(src, cfg, name, global_scale, threads, simd)
     pack = _PACK[layout.pack]
     raw = _outputs(layout, (n, k), cfg, c=True, q=False)
-    qshape = {PACK_I8: (n, k), PACK_CT32: (n, -(-k // 8)), PACK_NIB_K: (n, k // 2), PACK_NIB_ROWS: (n // 2, k),
-              PACK_FP4: (n, k // 2)}[pack]
-    qdtype = np.dtype(_NP_BITS["I32" if pack == PACK_CT32 else "U8" if pack == PACK_FP4 else "I8"])
+    qshape, qcode = _packed_spec(layout, n, k)
+    qdtype = np.dtype(_NP_BITS[qcode])
     qrows_per_row = 0.5 if pack == PACK_NIB_ROWS else 1
     unit = math.lcm(src.block[0] if src.is_fp8 else 1, 2)  # whole FP8 block rows, whole row pairs
     row_bytes = max(1, int(qshape[1] * qdtype.itemsize * qrows_per_row))
@@ -427,6 +423,12 @@ def quantize_in_pieces(src: WeightSource, scheme, layout, name: str | None = Non
 _NP_BITS = {"I8": "int8", "I32": "int32", "U8": "uint8", "F32": "float32", "BF16": "uint16", "F8_E4M3": "uint8"}
 
 
+def _packed_spec(layout, n: int, k: int) -> tuple[tuple[int, int], str]:
+    """(shape, dtype code) of the kernel's packed weight for a linear [n, k] in `layout`."""
+    return {PACK_I8: ((n, k), "I8"), PACK_CT32: ((n, -(-k // 8)), "I32"), PACK_NIB_K: ((n, k // 2), "I8"),
+            PACK_NIB_ROWS: ((n // 2, k), "I8"), PACK_FP4: ((n, k // 2), "U8")}[_PACK[layout.pack]]
+
+
 def _outputs(layout, shape, cfg, c: bool, q: bool = True) -> dict[str, Any]:
     """Uninitialized outputs: numpy arrays for the C kernel, torch tensors for the fallback.
     The kernel writes every element (torch fills would wake torch's OpenMP pool, whose
@@ -434,8 +436,6 @@ def _outputs(layout, shape, cfg, c: bool, q: bool = True) -> dict[str, Any]:
     page-aligned pool (`cvt.convert.buffers.OUTPUTS`: no zeroing of fresh pages), the packed
     weight first, placed where the writer's O_DIRECT takes it without a staging copy (`place`:
     it is the first tensor of its module on disk); the others at the start of a page."""
-    import numpy as np
-
     from cvt.convert.buffers import OUTPUTS
     from cvt.dtypes import torch_dtype
 
@@ -446,9 +446,7 @@ def _outputs(layout, shape, cfg, c: bool, q: bool = True) -> dict[str, Any]:
 
     n, k = shape
     ng = k // cfg["group"]
-    qspec = {PACK_I8: ((n, k), "I8"), PACK_CT32: ((n, -(-k // 8)), "I32"), PACK_NIB_K: ((n, k // 2), "I8"),
-             PACK_NIB_ROWS: ((n // 2, k), "I8"), PACK_FP4: ((n, k // 2), "U8")}[_PACK[layout.pack]]
-    out = {"q": empty(*qspec, phase=None)} if q else {}  # None: this thread's `place`d phase
+    out = {"q": empty(*_packed_spec(layout, n, k), phase=None)} if q else {}  # None: this thread's `place`d phase
     if cfg["mode"] in (MODE_SYM, MODE_ASYM):
         out["scale"] = empty((n, ng), "F32")
         out["offset"] = empty((n, ng), "F32", zeros=cfg["mode"] != MODE_ASYM)  # the fallback writes no sym offset

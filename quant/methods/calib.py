@@ -5,8 +5,8 @@ line) or the built-in sample, tokenizes it with the model's tokenizer and cuts i
 sequences ``[b, s]``.
 
 Driver: `calibrate(model, tokens, scheme_for, method)` runs a runtime model (any family that
-follows `cvt.runtime.models.base`'s contract: ``model.model.layers[i]``, or where the model's
-`calib_layout` says (`cvt.quant.methods.layout`: DeepSeek-V4's ``layers[i]``); linears are
+follows `cvt.runtime.models.base`'s contract: ``model.model.layers[i]``, or where the model
+says (`cvt.quant.methods.layout`: DeepSeek-V4's ``layers[i]``); linears are
 `cvt.runtime.kernels.Linear`) one decoder layer at a time, so that memory is about one decoder
 layer plus the calibration activations:
 

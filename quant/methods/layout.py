@@ -3,7 +3,7 @@ layers and embedding, and which captured layer arguments go with each mini-batch
 
 Most families follow `cvt.runtime.models.base.CausalLM`'s HF layout (``model.layers.{i}``,
 ``model.embed_tokens``; a layer takes hidden states [b, s, h] plus arguments shared by every
-sequence: rope, mask). DeepSeek-V4 declares its own in ``Model.calib_layout``: blocks
+sequence: rope, mask). DeepSeek-V4 declares its own (``Model.parallel``, ``calib_per_sequence``): blocks
 ``layers.{i}`` taking the hc streams [b, s, hc, h] and the token ids [b, s] (hash routing), which
 must be cut with the streams per mini-batch.
 """
@@ -18,9 +18,10 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the driver finds a runtime model's decoder layers and embedding. A model class
-    says so in ``calib_layout`` (a dict of these fields); the default is the HF layout of
-    `cvt.runtime.models.base.CausalLM` (``model.layers.{i}``, ``model.embed_tokens``).
+    """Where the driver finds a runtime model's decoder layers and embedding: where the model
+    class says the multi-rank runtime finds them (``Model.parallel``,
+    `cvt.runtime.models.base.ParallelNames`; the HF layout of `CausalLM` by default:
+    ``model.layers.{i}``, ``model.embed_tokens``, ``mlp``), and ``Model.calib_per_sequence``.
 
     layers:       module path of the decoder layers (ModuleList); layer i is ``{layers}.{i}``,
                   also its checkpoint name (after a wrapper's text prefix)
@@ -39,7 +40,11 @@ class Layout:
 
     @classmethod
     def of(cls, model: nn.Module) -> "Layout":
-        return cls(**getattr(model, "calib_layout", {}))
+        from cvt.runtime.models.base import ParallelNames
+
+        names = getattr(model, "parallel", None) or ParallelNames()
+        return cls(layers=names.layers, embed=names.embed, moe=names.mlp,
+                   per_sequence=tuple(getattr(model, "calib_per_sequence", ())))
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers)

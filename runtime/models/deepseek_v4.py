@@ -426,20 +426,13 @@ class Block(nn.Module):
 
 
     def smooth_groups(self, prefix: str) -> list[tuple[str, list[str], list[str]]]:
-        """The calibration driver's smoothing folds (`cvt.quant.methods.sites`), as (producer norm,
-        consumer linears, other float consumers whose input columns scale too): only those where
-        dividing the norm's weight by s and multiplying the consumers' columns by s leaves the
-        block's output unchanged (up to float rounding). The norms sit after the hyper-connection
-        pre-mix (``attn_norm(x)``, ``ffn_norm(x)`` with x already collapsed), so:
-
-        * attn_norm -> wq_a, wkv; its output also feeds the compressor's wkv / wgate and the
-          indexer's weights_proj and compressor (float: extras);
-        * q_norm -> wq_b (and the indexer's wq_b, float);
-        * ffn_norm -> every expert's and the shared expert's w1 / w3 (the router's gate reads it too).
-
-        Not smoothed: kv_norm (its output is roped and cached, no linear reads it), wo_a / wo_b
-        (float), and w3 -> w2 inside an expert: the SwiGLU clamp (``swiglu_limit``) acts on w3's
-        output, so a fold through it is not exact."""
+        """The calibration driver's smoothing folds (`cvt.quant.methods.sites`): (producer norm,
+        consumer linears, other readers whose input columns scale too), only where norm / s and
+        columns * s leave the block's output unchanged (the norms sit after the hc pre-mix):
+        attn_norm -> wq_a, wkv (extras: the compressor's wkv / wgate, the indexer's weights_proj
+        and compressor); q_norm -> wq_b (extra: the indexer's wq_b); ffn_norm -> every expert's
+        and the shared expert's w1 / w3 (extra: the router). Not smoothed: kv_norm (no linear
+        reads it), wo_a / wo_b (float), w3 -> w2 (the ``swiglu_limit`` clamp acts on w3's output)."""
         a, f = f"{prefix}.attn", f"{prefix}.ffn"
         extras = [f"{a}.compressor.wkv", f"{a}.compressor.wgate"] if self.attn.compressor is not None else []
         if self.attn.indexer is not None:
@@ -497,21 +490,17 @@ class Model(nn.Module):
     """The decoder (module docstring); ``forward(tokens, start_pos, cache)`` -> logits float32."""
 
     cache_name: ClassVar[str] = "DeepSeek-V4 cache"
-    # under tp a rank holds heads / tp and o_groups / tp (wq_b, attn_sink, wo_a rows; wo_b columns,
-    # all-reduced), the one KV head whole, and the indexer's heads / tp (its wq_b and weights_proj
-    # rows): the split of DeepSeek's V4 inference/convert.py (`cvt.convert.arch.deepseek_v4`). The
-    # indexer's two projections are all-gathered, so every rank scores and picks its top-k over all
-    # index heads exactly as one process does (a sum of per-rank partial scores would round
-    # differently and could change which entries are kept)
+    # tp (DeepSeek's V4 inference/convert.py split): heads, o_groups and index heads / tp, the KV head
+    # whole; the indexer's projections all-gathered, so each rank keeps exactly one process's entries
+    # (summing per-rank partial scores would round differently and could change the top-k)
     parallel: ClassVar[ParallelNames] = ParallelNames(
         embed="embed", head="head", layers="layers", attn_out="attn.wo_b", mlp="ffn", down="w2",
         local_sizes=(("num_attention_heads", "tp"), ("o_groups", "tp"), ("moe_intermediate_size", "moe_tp")),
         gathered=("attn.indexer.wq_b", "attn.indexer.weights_proj"))
-    # the calibration driver's view (`cvt.quant.methods.calib.Layout`): the blocks are
-    # ``layers.{i}``, called as ``block(streams [b, s, hc, d], tokens [b, s], pos [s], ropes, None)``:
-    # the state between blocks is the hc streams, and the token ids (hash routing) go with each
-    # mini-batch of sequences (positional argument 0 after the streams)
-    calib_layout: ClassVar[dict] = {"layers": "layers", "embed": "embed", "per_sequence": (0,), "moe": "ffn"}
+    # the calibration driver (`cvt.quant.methods.layout.Layout`, paths from `parallel`) calls block i
+    # as ``block(streams [b, s, hc, d], tokens [b, s], pos [s], ropes, None)``: the token ids (hash
+    # routing; argument 0 after the streams) go with each mini-batch of sequences
+    calib_per_sequence: ClassVar[tuple[int, ...]] = (0,)
     # no KV-cache quantization for V4 (`new_cache`): static attention / KV scales are not calibrated
     calibrates_kv: ClassVar[bool] = False
 
