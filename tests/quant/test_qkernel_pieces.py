@@ -14,21 +14,10 @@ from cvt.quant import qkernel as QK
 from cvt.quant.tensor.layouts import LAYOUTS
 from cvt.quant.tensor.schemes import get_scheme
 from cvt.tests.quant.test_qkernel import as_raw, assert_same, bf16_weight, fp8_weight, reference
+from cvt.tests.quant.test_qkernel_simd import CASES as SIMD_CASES
+from cvt.tests.quant.test_qkernel_simd import c_kernel  # noqa: F401 (the autouse fixture: skip without the C kernel)
 
-CASES = [("ascend-w8a8-dynamic", "w8a8", {}), ("ct-int8", "w8a8", {}),
-         ("ascend-w4a16-int8-grouped", "w4a16", {"group_size": 128}),
-         ("ascend-w4a16-int8-grouped", "w4a16", {"group_size": 32, "symmetric": False}),
-         ("ascend-w4a16-int8-channel", "w4a16", {"group_size": 0}),
-         ("ascend-w4a16-int32", "w4a16", {"group_size": 128}), ("ct-int4", "w4a16", {"group_size": 64}),
-         ("ct-int4", "w4a16", {"group_size": 8, "symmetric": False}), ("ct-nvfp4", "fp4", {}),
-         ("ct-mxfp4", "fp4", {"fp4_format": "mxfp4"}), ("ascend-mxfp4", "fp4", {"fp4_format": "mxfp4"})]
-
-
-@pytest.fixture(autouse=True)
-def c_kernel():
-    QK._c_kernel.cache_clear()
-    if QK._c_kernel() is None:
-        pytest.skip("C quantize kernel not built")
+CASES = [*SIMD_CASES, ("ascend-w4a16-int8-channel", "w4a16", {"group_size": 0})]
 
 
 def _run(gen):
