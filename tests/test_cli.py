@@ -79,6 +79,24 @@ def test_imports_stay_cheap(module):
     assert out == ""
 
 
+@pytest.mark.parametrize("preset", [None, "28"])
+def test_cli_quiets_numpys_blas_threads_unless_told(preset):
+    """numpy's OpenBLAS spins its threads ~0.1 s after loading unless OPENBLAS_THREAD_TIMEOUT is
+    small (OpenBLAS's openblas_read_env reads it at load): the CLI sets 4, its minimum, before
+    anything imports numpy, and keeps a user's own value."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if preset is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = preset
+    code = ("import os, sys, cvt; before = 'numpy' in sys.modules; import cvt.cli; "
+            "print(before, os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    numpy_before, value = out.stdout.split()
+    assert numpy_before == "False"  # the package itself loads no numpy: the CLI's setting comes first
+    assert value == (preset or "4")
+
+
 def test_cli_choices_follow_the_registries():
     """The CLI's choices are the registries' names, read when first needed: `cvt --help`
     imports no registry, `cvt quantize --help` lists them all."""
