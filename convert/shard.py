@@ -31,7 +31,8 @@ stored tensor whose split dim does not divide.
 
 Streaming: source tensors are visited once (in `_visit_order`: by how far into their holders'
 shares they sit, so every rank's file is fed at once); each tensor's distinct slices are
-made once (zero-copy for dim-0 runs and whole tensors, one copy for dim-1 runs), charged once
+made once (zero-copy for dim-0 runs and whole tensors, one copy for dim-1 runs, into a pooled
+buffer placed as its first holder file has it), charged once
 against the writer's in-flight byte budget, and handed to every rank file that holds them (a
 replicated 1.85 GB embedding goes to all W ranks at once, not one rank at a time). The files
 are the writer's (`cvt.convert.fileset.FileSet`): a rank's files are consecutive runs of its
@@ -59,8 +60,8 @@ from cvt.convert.plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, check_manifest_files, open_checkpoint, read_manifest
 from cvt.convert.validate import check_weights
 from cvt.dtypes import DTYPES
-from cvt.convert.safetensors_io import TensorSpec, load_json
-from cvt.convert.buffers import Countdown
+from cvt.convert.safetensors_io import TensorSpec, encode_header, load_json
+from cvt.convert.buffers import OUTPUTS, Countdown
 from cvt.convert.fileset import FileSet
 from cvt.convert.writer import (
     DEFAULT_MAX_SHARD,
@@ -285,8 +286,11 @@ def _plan_files(holdings: list[_Holding], rank: int, max_shard_size: int) -> lis
     return plan_shards(holdings, max_shard_size, prefix=f"{RANK_DIR.format(rank)}/model")
 
 
-def _slice(ckpt: Checkpoint, name: str, sp: Split, index: int):
-    """The bytes of run `index` of `name` (a memoryview of the mmap when contiguous)."""
+def _slice(ckpt: Checkpoint, name: str, sp: Split, index: int, phase: int = 0):
+    """The bytes of run `index` of `name`: a memoryview of the mmap when contiguous (dim-0 runs,
+    whole tensors); otherwise one strided copy into a pooled buffer whose first byte sits `phase`
+    bytes into a page, as the slice's first holder file has it (`OutputPool`: no fresh pages to
+    zero, and O_DIRECT writes it with no staging copy)."""
     if sp.dim is None:
         return ckpt.view(name)
     import numpy as np
@@ -296,8 +300,26 @@ def _slice(ckpt: Checkpoint, name: str, sp: Split, index: int):
     # raw bytes as [*shape, itemsize] uint8, whatever the dtype: a run along `dim` is a plain
     # numpy slice (a view for dim 0, one strided copy otherwise), and torch is never imported
     raw = np.frombuffer(ckpt.view(name), dtype=np.uint8).reshape(*ref.shape, DTYPES[ref.dtype][1])
-    part = np.ascontiguousarray(raw[(slice(None),) * sp.dim + (slice(start, start + n),)])
-    return memoryview(part).cast("B") if part.size else b""
+    run = raw[(slice(None),) * sp.dim + (slice(start, start + n),)]
+    if run.size == 0:
+        return b""
+    if sp.dim == 0:
+        return memoryview(np.ascontiguousarray(run)).cast("B")  # a view: already contiguous
+    part = OUTPUTS.array(run.shape, np.uint8, phase=phase)
+    np.copyto(part, run)
+    return memoryview(part).cast("B")
+
+
+def _offsets(fs: FileSet) -> dict[str, dict[str, int]]:
+    """Each pending file's tensors' byte offsets in that file (after its header), by name."""
+    out: dict[str, dict[str, int]] = {}
+    for rel, _ in fs.pending:
+        at = len(encode_header(fs.specs[rel], fs.header_meta))
+        out[rel] = {}
+        for spec in fs.specs[rel]:
+            out[rel][spec.name] = at
+            at += spec.nbytes
+    return out
 
 
 def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], order: list[str],
@@ -306,6 +328,7 @@ def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], ord
     source tensor once: each distinct slice is made once, charged once against the write
     budget and handed to every rank file holding it."""
     fs = FileSet(out, files, progress=progress)
+    offsets = _offsets(fs)
     consumers: dict[str, list[tuple[str, _Holding]]] = {name: [] for name in order}
     for rel, hs in fs.pending:
         for h in hs:
@@ -322,7 +345,8 @@ def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], ord
             for index, holders in by_index.items():
                 charge = fs.charge(holders[0][1].spec.nbytes, len(holders), release.done)
                 try:
-                    data = _slice(ckpt, name, splits[name], index)
+                    rel0 = holders[0][0]
+                    data = _slice(ckpt, name, splits[name], index, offsets[rel0][name])
                 except BaseException:
                     for _ in holders:
                         charge.done()
@@ -334,6 +358,8 @@ def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], ord
     except BaseException:
         fs.abort()
         raise
+    finally:
+        OUTPUTS.clear()  # the recycled slice buffers: not kept past the stage
     return infos, len(fs.pending), len(files) - len(fs.pending)
 
 

@@ -242,7 +242,6 @@ def test_fp8_to_bf16_writes_kernel_outputs_straight_and_the_torch_bytes(fp8_rele
         pytest.skip("C FP8 kernel not built")
     monkeypatch.setattr(D, "DIRECT_MIN", 0)
     monkeypatch.setattr(B, "PLACED_MIN", 0)
-    monkeypatch.setattr(B, "POOLED_MIN", 16 << 10)
     monkeypatch.setattr(B, "POOLED_MIN", 16 << 10)  # the larger tensors from pool blocks, the others sliced
     try:
         monkeypatch.setenv("CVT_FP8_KERNEL", "torch")
@@ -282,3 +281,39 @@ def test_a_block_given_back_inside_the_pools_lock_does_not_deadlock():
     assert pool.idle >= 4 << 20
     b = pool.array((4 << 20,), "uint8")
     assert pool.reused == 1 and b.nbytes == 4 << 20
+
+
+def test_shard_writes_split_slices_straight_and_reassembles(tmp_path, monkeypatch):
+    """`cvt shard`'s dim-1 runs (row-parallel o_proj / down_proj under tp) are copied once into
+    pool buffers placed as their first holder file has them, so O_DIRECT writes them with no
+    staging copy (thresholds lowered for the tiny model); the rank files still put the source
+    back together byte for byte (tests/convert/test_shard.py's reassembly, independent of the
+    writer) and nothing stays pooled after the stage."""
+    from cvt.convert import shard as SH
+    from cvt.convert.layout import make_layout
+    from cvt.convert.synthetic import tiny_deepseek_config, write_bf16_checkpoint
+    from cvt.tests.convert.test_shard import assert_reproduces
+
+    _needs_direct(tmp_path)
+    cfg = tiny_deepseek_config()
+    cfg.pop("quantization_config")
+    src = write_bf16_checkpoint(tmp_path / "src", cfg)
+    monkeypatch.setattr(D, "DIRECT_MIN", 0)
+    monkeypatch.setattr(B, "PLACED_MIN", 0)
+    monkeypatch.setattr(B, "POOLED_MIN", 16 << 10)
+    placed = []  # (where the first holder file has the slice, where its buffer starts) within a page
+    real = SH._slice
+
+    def spy(ck, n, sp, i, phase=0):
+        data = real(ck, n, sp, i, phase)
+        if sp.dim == 1:
+            placed.append((phase % B.PAGE, np.frombuffer(data, np.uint8).ctypes.data % B.PAGE))
+        return data
+
+    monkeypatch.setattr(SH, "_slice", spy)
+    seen = _direct_bytes(monkeypatch)
+    m = assert_reproduces(src, SH.shard(src, tmp_path / "out", make_layout(world_size=4, tp=2, ep=4), quiet=True).dst)
+    assert placed and all(want == got for want, got in placed) and len({w for w, _ in placed}) > 1
+    assert m["shard"]["tensors"]["model.layers.0.self_attn.o_proj.weight"]["dim"] == 1
+    assert seen and sum(seen) > 0
+    assert B.OUTPUTS.idle == 0 and not B.OUTPUTS._free
