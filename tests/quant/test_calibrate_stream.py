@@ -261,16 +261,21 @@ def _meta_model(src):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_streaming_calibration_on_cuda_matches_cpu_closely(fp8_release_session, tmp_path):
-    """--device cuda: each layer is read onto the GPU and calibrated there; GPTQ's float sums
-    differ from the CPU's, so the weights agree to within one quantization step on most elements."""
+    """--device cuda: each layer is read onto the GPU and calibrated there. GPTQ's rounding is
+    chaotic under another summation order (on an H200, 11% of down_proj's quantized weights
+    differed from the CPU's), so what must hold is the quality: the KL to the release of the
+    CUDA-calibrated model is the CPU-calibrated one's or at most 25% above (as ranks are bounded in
+    tests/quant/test_calibrate_world.py), and every quantized weight is there and finite."""
     from cvt.runtime.loader import load_model
+    from cvt.runtime.verify import verify
 
     kw = dict(scheme="w4a16", fmt="compressed-tensors", method="gptq", group_size=32, calib_tokens=256, quiet=True)
     quantize(fp8_release_session, tmp_path / "cpu", device="cpu", **kw)
     r = quantize(fp8_release_session, tmp_path / "cuda", device="cuda", **kw)
     assert r.manifest.quant.calibration["device"].startswith("cuda")
-    a = load_model(tmp_path / "cpu", dtype=torch.float32).model
     b = load_model(tmp_path / "cuda", dtype=torch.float32).model
     for name in r.manifest.quant.tensors:
-        wa, wb = a.get_submodule(name).dense_weight(), b.get_submodule(name).dense_weight()
-        assert (wa != wb).float().mean() < 0.05, name
+        assert torch.isfinite(b.get_submodule(name).dense_weight()).all(), name
+    kl = {d: verify(tmp_path / d, fp8_release_session, tmp_path / f"report-{d}", seq_len=64,
+                    max_sequences=4).report.logits.kl_mean for d in ("cpu", "cuda")}
+    assert kl["cuda"] <= 1.25 * kl["cpu"], kl
