@@ -103,7 +103,9 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             raise FormatError(f"{src}: cannot quantize {article(src_fmt.value)} checkpoint (quantize reads BF16, FP8 block "
                               "and compressed-tensors pack-quantized INT4 checkpoints)")
         arch = arch_for(ckpt.config)
-        deepseek_v4.check_format(ckpt.config, fmt)
+        why = form.refused_models.get(ckpt.config.get("model_type"))
+        if why:  # the format's own knowledge of what its consumers load (`Format.refused_models`)
+            raise FormatError(f"{ckpt.config['model_type']}: --format {fmt} is refused: {why}")
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
         plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         check_kv_target(ckpt.config, plan, fmt, target)

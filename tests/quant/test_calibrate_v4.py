@@ -24,7 +24,7 @@ from cvt.convert.synthetic_v4 import write_v4_release
 from cvt.tests.conftest import run_cvt
 from cvt.tests.quant.test_calibrate_stream import snapshot
 
-# Ascend (compressed-tensors is refused for V4: cvt.quant.stage.deepseek_v4): W4A16 for the routed
+# Ascend (compressed-tensors is refused for V4: its Format.refused_models): W4A16 for the routed
 # experts (vllm-ascend loads it for MoE experts only) and, by a recipe, W8A8 for the attention's
 # quantized projections and the shared experts, so that every linear the V4 table allows is calibrated
 RECIPE = {"rules": [{"pattern": r"\.attn\.(wq_a|wq_b|wkv)$", "scheme": "w8a8"},

@@ -66,6 +66,7 @@ class Ascend:
     kv_codec = "int8"          # a quantized KV cache is int8 (C8 / FAKQuant), what the Ascend stacks load
     static_attention = True    # static W8A8 attention (input_scale / deq_scale / quant_bias) exists here
     default_groups = {W4A16.name: 64}  # the group MindIE and vllm-ascend both load
+    refused_models: dict[str, str] = {}
 
     # ---- what this format can hold ----------------------------------------------------------------
 

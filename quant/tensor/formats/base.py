@@ -19,6 +19,7 @@ class Format(Protocol):
     kv_codec: str
     static_attention: bool
     default_groups: dict[str, int]
+    refused_models: dict[str, str]  # model_type -> why no consumer of the format loads it (one clause)
 
     def supports(self, scheme, target: str | None = None) -> None: ...
 

@@ -93,6 +93,18 @@ class CompressedTensors:
     static_attention = False
     default_groups = {W4A16.name: 128}  # llm-compressor's and vLLM's usual group
     per_channel_fallback = True  # each config group has its own strategy (`group_fallback`)
+    # vLLM's DeepseekV4ForCausalLM (vllm/models/deepseek_v4/nvidia/model.py) is built for the
+    # release's FP8 layout: its load_weights fuses attn.wq_a + attn.wkv, the compressors' wkv + wgate
+    # and the shared experts' w1 + w3, with no packed_modules_mapping, and the compressed-tensors MoE
+    # lookup (compressed_tensors_moe.py, get_compressed_tensors_moe_method) takes the experts'
+    # scheme from a Linear target or gate_proj / up_proj / down_proj targets, names V4's w1 / w2 /
+    # w3 experts lack: no compressed-tensors output of V4 is known to load there
+    refused_models = {
+        "deepseek_v4": "no compressed-tensors output of V4 is known to load in vLLM's DeepseekV4ForCausalLM (its MoE "
+                       "scheme lookup matches experts by a Linear target or gate_proj / up_proj / down_proj names, not "
+                       "V4's w1 / w2 / w3, and it fuses wq_a + wkv with no packed_modules_mapping); serve the release "
+                       "(or its fp8-to-bf16 output) with vLLM, or quantize with --format ascend for vllm-ascend",
+    }
 
     def supports(self, scheme, target: str | None = None) -> None:
         L.check_target(self.name, target)
