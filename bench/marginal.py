@@ -85,7 +85,23 @@ def run_stage(stage: str, src: Path, dst: Path, tree: Path | None) -> tuple[floa
 
 
 def digest(d: Path) -> list[tuple[str, str]]:
-    return [(str(p.relative_to(d)), hashlib.blake2b(p.read_bytes()).hexdigest()) for p in sorted(d.rglob("*.safetensors"))]
+    out = []
+    for p in sorted(d.rglob("*.safetensors")):
+        h = hashlib.blake2b()
+        with open(p, "rb") as f:
+            while chunk := f.read(16 << 20):
+                h.update(chunk)
+        out.append((str(p.relative_to(d)), h.hexdigest()))
+    return out
+
+
+def kernels(tree: Path | None) -> str:
+    """Which quantize / FP8 kernels that tree's cvt runs ("c" when its C kernels are built)."""
+    code = ("from cvt.quant import qkernel; from cvt.convert import fp8; "
+            "print(qkernel.kernel_name(), fp8.kernel_name())")
+    env = dict(os.environ, **({"PYTHONPATH": str(tree)} if tree is not None else {}))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    return " / ".join(out.stdout.split()) if out.returncode == 0 else "?"
 
 
 def measure(stage: str, rels: dict[str, Path], root: Path, trees: dict[str, Path | None], repeat: int,
@@ -164,8 +180,9 @@ def main() -> None:
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\ncvt marginal cost per byte  ({os.cpu_count()} CPUs; this tree {describe(HERE.parent)}"
-          + (f"; base {a.base} at {describe(a.base)}" if a.base else "") + ")")
+    print(f"\ncvt marginal cost per byte  ({os.cpu_count()} CPUs; this tree {describe(HERE.parent)}, kernels "
+          f"(quantize / fp8) {kernels(None)}" + (f"; base {a.base} at {describe(a.base)}, kernels {kernels(trees['base'])}"
+                                               if a.base else "") + ")")
     print(f"releases: A {a.layers[0]} MoE layers, {inb['A'] / GB:.2f} GB; B {a.layers[1]} MoE layers, "
           f"{inb['B'] / GB:.2f} GB (8 routed experts + 1 shared, hidden 7168, vocab {VOCAB}); marginal input "
           f"{d_in:.2f} GB; best of {a.repeat}; page cache warm")
