@@ -71,8 +71,8 @@ def run_stage(stage: str, src: Path, dst: Path, tree: Path | None) -> tuple[floa
     verb, *opts = STAGES[stage]
     cmd = [sys.executable, "-m", "cvt", verb, str(src), str(dst), *opts, "--quiet"]
     old = os.environ.get("PYTHONPATH")
-    if tree is not None:
-        os.environ["PYTHONPATH"] = str(tree)
+    if tree is not None:  # that checkout first, whatever else the path holds (its dependencies)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(tree), *([old] if old else [])])
     try:
         t, rss, cpu = run_cvt_cpu(cmd)
     finally:
@@ -99,7 +99,9 @@ def kernels(tree: Path | None) -> str:
     """Which quantize / FP8 kernels that tree's cvt runs ("c" when its C kernels are built)."""
     code = ("from cvt.quant import qkernel; from cvt.convert import fp8; "
             "print(qkernel.kernel_name(), fp8.kernel_name())")
-    env = dict(os.environ, **({"PYTHONPATH": str(tree)} if tree is not None else {}))
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     return " / ".join(out.stdout.split()) if out.returncode == 0 else "?"
 
