@@ -177,6 +177,30 @@ static double fp4_scalar_sq(const float *w, uint8_t *c, int64_t len, float mult,
     return err;
 }
 
+/* ---- fp4 codes without a division ----------------------------------------------------------------
+ * The SIMD fp4 loops only need e2m1_code(w / mult), and a vector division is their largest cost.
+ * FP4_EXACT: mult is a power of two whose reciprocal is a float (every mxfp4 multiplier 2**(e-127),
+ *   e = 0..254: 1/mult = 2**(127-e) in [2**-127, 2**127]): w * (1/mult) and w / mult are the one
+ *   correctly rounded value of the same real number (subnormal, overflowing and NaN results too).
+ * FP4_NEAR: 1/mult is a normal float: w * (1/mult) is within 3 * 2**-24 relative of w / mult (or
+ *   both are below 2**-125, far under the first threshold), so the code is the same unless |x|
+ *   lies within that of a threshold; the loops check each vector against a generous
+ *   2**-17 |x| and divide the vectors where some lane is that near (or NaN).
+ * FP4_DIV: otherwise (zero, subnormal, huge or non-finite mult): divide. */
+enum { FP4_DIV = 0, FP4_NEAR = 1, FP4_EXACT = 2 };
+
+/* r: 1.0f / mult, as the parameter loops compute it */
+static inline int fp4_kind(float mult, float r) {
+    uint32_t m = f2u(mult) & 0x7fffffffu, e = m >> 23;
+    float ar = fabsf(r);
+    if (((m & 0x7fffffu) == 0 && e >= 1 && e <= 254) || m == 0x00400000u) return FP4_EXACT;
+    return ar >= 0x1p-126f && ar <= 0x1p126f ? FP4_NEAR : FP4_DIV;
+}
+
+/* the thresholds around E2M1 index i: e2m1_code gives i to E2M1_LO[i] <(=) |x| <(=) E2M1_HI[i] */
+static const float E2M1_LO[8] = {-1.0f, 0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+static const float E2M1_HI[8] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, INFINITY};
+
 static double sumsq_scalar_sq(const float *w, int64_t len, int f64) {
     double s = 0.0;
     for (int64_t j = 0; j < len; j++) s += SQ(w[j], f64);
@@ -363,24 +387,25 @@ AVX static double qint_row_avx2(const float *w, int8_t *q, int64_t k, int64_t g,
 }
 
 typedef struct {
-    __m256 six, msix, absm, table, t1, t2, t3, t4, t5, t6, t7;
+    __m256 six, msix, absm, table, lo, hi, eps, t1, t2, t3, t4, t5, t6, t7;
 } fp4k;
 
 AVX static inline fp4k fp4_consts(void) {
     fp4k c = {_mm256_set1_ps(6.0f), _mm256_set1_ps(-6.0f), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)),
-              _mm256_loadu_ps(E2M1), _mm256_set1_ps(0.25f), _mm256_set1_ps(0.75f), _mm256_set1_ps(1.25f),
-              _mm256_set1_ps(1.75f), _mm256_set1_ps(2.5f), _mm256_set1_ps(3.5f), _mm256_set1_ps(5.0f)};
+              _mm256_loadu_ps(E2M1), _mm256_loadu_ps(E2M1_LO), _mm256_loadu_ps(E2M1_HI), _mm256_set1_ps(0x1p-17f),
+              _mm256_set1_ps(0.25f), _mm256_set1_ps(0.75f), _mm256_set1_ps(1.25f), _mm256_set1_ps(1.75f),
+              _mm256_set1_ps(2.5f), _mm256_set1_ps(3.5f), _mm256_set1_ps(5.0f)};
     return c;
 }
 
-/* 8 lanes of E2M1 codes of clamp(w / mult, -6, 6); returns the 4-double sum of float32 (w - fp4 * mult)^2 */
-AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, const fp4k *k) {
-    __m256 v = _mm256_loadu_ps(w);
-    __m256 x = _mm256_div_ps(v, vm);
-    /* clamp as x < lo ? lo : (x > hi ? hi : x): keeps -0.0 */
+/* clamp(x, -6, 6) as x < lo ? lo : (x > hi ? hi : x) (keeps -0.0 and NaN), and its E2M1 index
+ * (e2m1_code's compares: NaN -> 0) */
+AVX static inline __m256 fp4_clamp8(__m256 x, const fp4k *k) {
     x = _mm256_blendv_ps(x, k->six, _mm256_cmp_ps(x, k->six, _CMP_GT_OQ));
-    x = _mm256_blendv_ps(x, k->msix, _mm256_cmp_ps(x, k->msix, _CMP_LT_OQ));
-    __m256 a = _mm256_and_ps(x, k->absm);
+    return _mm256_blendv_ps(x, k->msix, _mm256_cmp_ps(x, k->msix, _CMP_LT_OQ));
+}
+
+AVX static inline __m256i e2m1_idx8(__m256 a, const fp4k *k) {
     __m256i idx = _mm256_setzero_si256();
     idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t1, _CMP_GT_OQ)));
     idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t2, _CMP_GE_OQ)));
@@ -388,7 +413,27 @@ AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, const fp4k
     idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t4, _CMP_GE_OQ)));
     idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t5, _CMP_GT_OQ)));
     idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t6, _CMP_GE_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t7, _CMP_GT_OQ)));
+    return _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t7, _CMP_GT_OQ)));
+}
+
+/* 8 lanes of E2M1 codes of clamp(w / mult, -6, 6) (kind: fp4_kind's, vr = 1 / mult); returns the 4-double
+ * sum of float32 (w - fp4 * mult)^2 */
+AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, __m256 vr, int kind, const fp4k *k) {
+    __m256 v = _mm256_loadu_ps(w);
+    __m256 x = fp4_clamp8(kind ? _mm256_mul_ps(v, vr) : _mm256_div_ps(v, vm), k);
+    __m256 a = _mm256_and_ps(x, k->absm);
+    __m256i idx = e2m1_idx8(a, k);
+    if (kind == FP4_NEAR) { /* every lane more than 2**-17 |x| from both thresholds around it? */
+        __m256 tol = _mm256_mul_ps(a, k->eps);
+        __m256 below = _mm256_sub_ps(a, _mm256_permutevar8x32_ps(k->lo, idx));
+        __m256 above = _mm256_sub_ps(_mm256_permutevar8x32_ps(k->hi, idx), a);
+        __m256 safe = _mm256_and_ps(_mm256_cmp_ps(below, tol, _CMP_GT_OQ), _mm256_cmp_ps(above, tol, _CMP_GT_OQ));
+        if (_mm256_movemask_ps(safe) != 0xff) {
+            x = fp4_clamp8(_mm256_div_ps(v, vm), k);
+            a = _mm256_and_ps(x, k->absm);
+            idx = e2m1_idx8(a, k);
+        }
+    }
     __m256i sgn = _mm256_srli_epi32(_mm256_castps_si256(x), 31);
     __m256i code = _mm256_or_si256(idx, _mm256_slli_epi32(sgn, 3));
     __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
@@ -400,20 +445,24 @@ AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, const fp4k
 
 AVX static double fp4_avx2(const float *w, uint8_t *c, int64_t len, float mult) {
     const fp4k k = fp4_consts();
-    const __m256 vm = _mm256_set1_ps(mult);
+    float r = 1.0f / mult;
+    int kind = fp4_kind(mult, r);
+    const __m256 vm = _mm256_set1_ps(mult), vr = _mm256_set1_ps(r);
     __m256d acc = _mm256_setzero_pd();
     int64_t j = 0;
-    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, &k));
+    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, kind, &k));
     return hsum4d(acc) + fp4_scalar(w + j, c + j, len - j, mult);
 }
 
 /* a whole row, g a multiple of 8: group t uses mult[t] */
-AVX static double fp4_row_avx2(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult) {
+AVX static double fp4_row_avx2(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult,
+                               const float *rcp) {
     const fp4k kk = fp4_consts();
     __m256d acc = _mm256_setzero_pd();
     for (int64_t t = 0, j = 0; j < k; t++) {
-        const __m256 vm = _mm256_set1_ps(mult[t]);
-        for (int64_t end = j + g; j < end; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, &kk));
+        int kind = fp4_kind(mult[t], rcp[t]);
+        const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(rcp[t]);
+        for (int64_t end = j + g; j < end; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, kind, &kk));
     }
     return hsum4d(acc);
 }
@@ -592,32 +641,53 @@ AVX512 static double qint_row_avx512(const float *w, int8_t *q, int64_t k, int64
     return _mm512_reduce_add_pd(acc);
 }
 
-/* a whole row, g a multiple of 16: group t uses mult[t] (see fp48) */
-AVX512 static double fp4_row_avx512(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult) {
-    const __m512 six = _mm512_set1_ps(6.0f), msix = _mm512_set1_ps(-6.0f);
-    const __m512i absm = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1);
-    const __m512 table = _mm512_castps256_ps512(_mm256_loadu_ps(E2M1));
-    const __m512 t1 = _mm512_set1_ps(0.25f), t2 = _mm512_set1_ps(0.75f), t3 = _mm512_set1_ps(1.25f),
-                 t4 = _mm512_set1_ps(1.75f), t5 = _mm512_set1_ps(2.5f), t6 = _mm512_set1_ps(3.5f),
-                 t7 = _mm512_set1_ps(5.0f);
+/* E2M1 index of a = min(|x|, 6) (NaN kept) without compares against each threshold: with
+ * y = 2a (a < 2), a (2 <= a < 4) or a / 2 (a >= 4) (exact), idx = rint(y) + 0, 2 or 4: e2m1_code's
+ * thresholds are y's half-integers, and round-half-even ties down exactly at its strict ones
+ * (0.25 1.25 2.5 5: y = 0.5 2.5 2.5 2.5) and up at its >= ones (0.75 1.75 3.5: y = 1.5 3.5 3.5);
+ * a NaN gets 0, as the compares give it. *y, *r: y and rint(y), for fp4_safe16. */
+AVX512 static inline __m512i e2m1_idx16(__m512 a, __m512 *y, __m512 *r) {
+    __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.0f), _CMP_LT_OQ);
+    __mmask16 big = _mm512_cmp_ps_mask(a, _mm512_set1_ps(4.0f), _CMP_GE_OQ);
+    __m512 f = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_set1_ps(1.0f), small, _mm512_set1_ps(2.0f)), big,
+                                  _mm512_set1_ps(0.5f));
+    __m512i off = _mm512_mask_mov_epi32(_mm512_mask_mov_epi32(_mm512_set1_epi32(2), small, _mm512_setzero_si512()),
+                                        big, _mm512_set1_epi32(4));
+    *y = _mm512_mul_ps(a, f);
+    *r = _mm512_roundscale_ps(*y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_maskz_add_epi32(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), _mm512_cvttps_epi32(*r), off);
+}
+
+/* every lane of y more than 2**-17 y from a half-integer (a threshold; false for NaN): a quotient
+ * within 2**-22 relative of this one (FP4_NEAR) has the same E2M1 index */
+AVX512 static inline int fp4_safe16(__m512 y, __m512 r) {
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+    __m512 h = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(y, r)), absm));
+    __m512 gap = _mm512_sub_ps(_mm512_set1_ps(0.5f), h);
+    return _mm512_cmp_ps_mask(gap, _mm512_mul_ps(y, _mm512_set1_ps(0x1p-17f)), _CMP_GT_OQ) == 0xffff;
+}
+
+/* a whole row, g a multiple of 16: group t uses mult[t] (see fp48: multiply by 1 / mult where
+ * fp4_kind allows, dividing the vectors near a threshold) */
+AVX512 static double fp4_row_avx512(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult,
+                                   const float *rcp) {
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+    const __m512 table = _mm512_castps256_ps512(_mm256_loadu_ps(E2M1)), six = _mm512_set1_ps(6.0f);
     __m512d acc = _mm512_setzero_pd();
     for (int64_t t = 0, j = 0; j < k; t++) {
-        const __m512 vm = _mm512_set1_ps(mult[t]);
+        int kind = fp4_kind(mult[t], rcp[t]);
+        const __m512 vm = _mm512_set1_ps(mult[t]), vr = _mm512_set1_ps(rcp[t]);
         for (int64_t end = j + g; j < end; j += 16) {
-            __m512 v = _mm512_loadu_ps(w + j);
-            __m512 x = _mm512_div_ps(v, vm);
-            /* clamp as x < lo ? lo : (x > hi ? hi : x): keeps -0.0 */
-            x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, six, _CMP_GT_OQ), x, six);
-            x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, msix, _CMP_LT_OQ), x, msix);
-            __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm));
-            __m512i idx = _mm512_setzero_si512();
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t1, _CMP_GT_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t2, _CMP_GE_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t3, _CMP_GT_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t4, _CMP_GE_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t5, _CMP_GT_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t6, _CMP_GE_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t7, _CMP_GT_OQ), idx, one);
+            __m512 v = _mm512_loadu_ps(w + j), y, r;
+            __m512 x = kind ? _mm512_mul_ps(v, vr) : _mm512_div_ps(v, vm);
+            /* min(6, |x|): the clamp's code (a NaN stays a NaN: min returns its second operand) */
+            __m512 a = _mm512_min_ps(six, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm)));
+            __m512i idx = e2m1_idx16(a, &y, &r);
+            if (kind == FP4_NEAR && !fp4_safe16(y, r)) {
+                x = _mm512_div_ps(v, vm);
+                a = _mm512_min_ps(six, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm)));
+                idx = e2m1_idx16(a, &y, &r);
+            }
             __m512i sgn = _mm512_srli_epi32(_mm512_castps_si512(x), 31);
             __m512i code = _mm512_or_si512(idx, _mm512_slli_epi32(sgn, 3));
             _mm_storeu_si128((__m128i *)(c + j), _mm512_cvtepi32_epi8(code));
@@ -627,6 +697,105 @@ AVX512 static double fp4_row_avx512(const float *w, uint8_t *c, int64_t k, int64
         }
     }
     return _mm512_reduce_add_pd(acc);
+}
+
+/* ---- group parameters, 16 groups at a time (params_scalar's float32 operations in its order, so
+ * the same bits); returns how many groups it did (a multiple of 16), params_scalar does the rest */
+
+/* bf16_round on 16 lanes: nearest even, a NaN kept quiet (bf16_rne) */
+AVX512 static inline __m512i bf16_bits16(__m512 v) {
+    __m512i b = _mm512_castps_si512(v);
+    __m512i rne = _mm512_srli_epi32(
+        _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                             _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)))), 16);
+    __mmask16 nan = _mm512_cmp_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
+                                          _mm512_set1_epi32(0x7f800000), _MM_CMPINT_NLE);
+    return _mm512_mask_mov_epi32(rne, nan, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
+}
+
+/* clampf(x, lo, hi) = x < lo ? lo : (x > hi ? hi : x) */
+AVX512 static inline __m512 clamp16(__m512 x, __m512 lo, __m512 hi) {
+    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), hi);
+    return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), lo);
+}
+
+/* e4m3_from_f32 on 16 lanes (its three cases as masks; the subnormal case's float add as it is) */
+AVX512 static inline __m512i e4m3_16(__m512 f) {
+    __m512i b = _mm512_castps_si512(f), sign = _mm512_and_si512(b, _mm512_set1_epi32((int)0x80000000u));
+    b = _mm512_xor_si512(b, sign);
+    __mmask16 over = _mm512_cmp_epu32_mask(b, _mm512_set1_epi32(1087 << 20), _MM_CMPINT_NLT);
+    __mmask16 sub = _mm512_cmp_epu32_mask(b, _mm512_set1_epi32(121 << 23), _MM_CMPINT_LT);
+    __m512i magic = _mm512_set1_epi32(141 << 23);
+    __m512i rs = _mm512_sub_epi32(
+        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(magic))), magic);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 20), _mm512_set1_epi32(1));
+    __m512i rn = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7ffffu))), odd);
+    rn = _mm512_srli_epi32(rn, 20);
+    __m512i r = _mm512_mask_mov_epi32(_mm512_mask_mov_epi32(rn, sub, rs), over, _mm512_set1_epi32(0x7f));
+    return _mm512_and_si512(_mm512_or_si512(r, _mm512_srli_epi32(sign, 24)), _mm512_set1_epi32(0xff));
+}
+
+AVX512 static int64_t params_avx512(const cvt_qargs *a, int64_t i, const float *ga, float *gb, float *sc, float *off) {
+    int64_t ng = a->k / a->group, t = 0;
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f), qdiv = _mm512_set1_ps(a->qdiv);
+    const __m512 qmin = _mm512_set1_ps((float)a->qmin), qmax = _mm512_set1_ps((float)a->qmax);
+    const __m512 gs = _mm512_set1_ps(a->global_scale);
+    for (; t + 16 <= ng; t += 16) {
+        int64_t o = i * ng + t;
+        __m512 s, va = _mm512_loadu_ps(ga + t);
+        if (a->mode == MODE_NVFP4) {
+            s = clamp16(_mm512_mul_ps(_mm512_div_ps(va, _mm512_set1_ps(6.0f)), gs), _mm512_set1_ps(-448.0f),
+                        _mm512_set1_ps(448.0f));
+            __m512i code = e4m3_16(s);
+            __m512 v = _mm512_i32gather_ps(code, LUT, 4);
+            __mmask16 z = _mm512_cmp_ps_mask(v, zero, _CMP_EQ_OQ); /* 0.125, the e4m3 eps */
+            code = _mm512_mask_mov_epi32(code, z, _mm512_set1_epi32(0x20));
+            v = _mm512_mask_mov_ps(v, z, _mm512_set1_ps(0.125f));
+            _mm_storeu_si128((__m128i *)(a->scale8 + o), _mm512_cvtepi32_epi8(code));
+            s = _mm512_div_ps(v, gs);
+            _mm512_storeu_ps(sc + t, s);
+            _mm512_storeu_ps(gb + t, _mm512_div_ps(one, s));
+            continue;
+        }
+        if (a->mode == MODE_MXFP4) {
+            __m512i b = _mm512_castps_si512(va);
+            __m512i e = _mm512_sub_epi32(
+                _mm512_and_si512(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(1 << 21)), 23),
+                                 _mm512_set1_epi32(0xff)), _mm512_set1_epi32(2));
+            e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), _mm512_set1_epi32(254));
+            _mm_storeu_si128((__m128i *)(a->scale8 + o), _mm512_cvtepi32_epi8(e));
+            __mmask16 e0 = _mm512_cmp_epi32_mask(e, _mm512_setzero_si512(), _MM_CMPINT_EQ);
+            s = _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), e0, _mm512_set1_epi32(0x00400000)));
+            _mm512_storeu_ps(sc + t, s);
+            _mm512_storeu_ps(gb + t, _mm512_div_ps(one, s));
+            continue;
+        }
+        __m512 vo = zero;
+        if (a->mode == MODE_SYM) {
+            s = _mm512_div_ps(va, qdiv);
+        } else { /* MODE_ASYM: lo = min(ga, 0) as ga < 0 ? ga : 0, hi likewise */
+            __m512 lo = _mm512_mask_mov_ps(zero, _mm512_cmp_ps_mask(va, zero, _CMP_LT_OQ), va);
+            __m512 vb = _mm512_loadu_ps(gb + t);
+            __m512 hi = _mm512_mask_mov_ps(zero, _mm512_cmp_ps_mask(vb, zero, _CMP_GT_OQ), vb);
+            __m512 s0 = _mm512_div_ps(_mm512_sub_ps(hi, lo), qdiv);
+            s0 = _mm512_mask_mov_ps(s0, _mm512_cmp_ps_mask(s0, zero, _CMP_EQ_OQ), one);
+            __m512 r = _mm512_roundscale_ps(_mm512_sub_ps(qmin, _mm512_div_ps(lo, s0)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            vo = _mm512_add_ps(clamp16(r, qmin, qmax), zero);
+            s = s0;
+        }
+        __m512i bits = bf16_bits16(s);
+        s = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+        __mmask16 z = _mm512_cmp_ps_mask(s, zero, _CMP_EQ_OQ);
+        s = _mm512_mask_mov_ps(s, z, one);
+        bits = _mm512_mask_mov_epi32(bits, z, _mm512_set1_epi32(0x3f80));
+        _mm512_storeu_ps(sc + t, s);
+        _mm512_storeu_ps(off + t, vo);
+        _mm512_storeu_ps(a->scale + o, s);
+        if (a->scale_bf16) _mm256_storeu_si256((__m256i *)(a->scale_bf16 + o), _mm512_cvtepi32_epi16(bits));
+        if (a->offset) _mm512_storeu_ps(a->offset + o, vo);
+    }
+    return t;
 }
 
 #define PICK(name, simd) ((simd) ? name##_avx2 : name##_scalar)
@@ -781,6 +950,50 @@ typedef struct {
     int failed;
 } job_t;
 
+/* group t0.. of row i's parameters from their statistics ga (max |w|, or min) and gb (max; asym):
+ * int scales sc and offsets off, or fp4 multipliers sc and their reciprocals (in gb); the scale
+ * outputs written. The scalar reference of params_avx512. */
+static void params_scalar(const cvt_qargs *a, int64_t i, int64_t t0, const float *ga, float *gb, float *sc,
+                          float *off) {
+    int64_t ng = a->k / a->group;
+    int asym = a->mode == MODE_ASYM, fp4 = a->mode == MODE_NVFP4 || a->mode == MODE_MXFP4;
+    float qmin = (float)a->qmin, qmax = (float)a->qmax;
+    for (int64_t t = t0; t < ng; t++) {
+        int64_t o = i * ng + t;
+        if (a->mode == MODE_SYM) {
+            sc[t] = bf16_round(ga[t] / a->qdiv);
+            if (sc[t] == 0.0f) sc[t] = 1.0f;
+            off[t] = 0.0f;
+        } else if (asym) {
+            float lo = ga[t] < 0.0f ? ga[t] : 0.0f, hi = gb[t] > 0.0f ? gb[t] : 0.0f;
+            float s0 = (hi - lo) / a->qdiv;
+            if (s0 == 0.0f) s0 = 1.0f;
+            off[t] = clampf(rintf(qmin - lo / s0), qmin, qmax) + 0.0f;
+            sc[t] = bf16_round(s0);
+            if (sc[t] == 0.0f) sc[t] = 1.0f;
+        } else if (a->mode == MODE_NVFP4) {
+            float s = clampf((ga[t] / 6.0f) * a->global_scale, -448.0f, 448.0f);
+            uint8_t code = e4m3_from_f32(s);
+            if (LUT[code] == 0.0f) code = 0x20; /* 0.125, the e4m3 eps */
+            a->scale8[o] = code;
+            sc[t] = LUT[code] / a->global_scale;
+            gb[t] = 1.0f / sc[t]; /* for the SIMD loops (fp4_kind) */
+        } else { /* MODE_MXFP4 */
+            uint32_t bits = f2u(ga[t]);
+            int64_t e = (int64_t)(((bits + (1u << 21)) >> 23) & 0xffu) - 2;
+            e = e < 0 ? 0 : (e > 254 ? 254 : e);
+            a->scale8[o] = (uint8_t)e;
+            sc[t] = u2f(e == 0 ? 0x00400000u : (uint32_t)e << 23);
+            gb[t] = 1.0f / sc[t];
+        }
+        if (!fp4) {
+            a->scale[o] = sc[t];
+            if (a->scale_bf16) a->scale_bf16[o] = (uint16_t)(f2u(sc[t]) >> 16); /* a bf16 value */
+            if (a->offset) a->offset[o] = off[t];
+        }
+    }
+}
+
 /* quantize row i (decoded in w) into codes q (int8 values, or fp4 codes), scales to row i's slots.
  * Two phases: each group's statistics and scale (scalar formulas, outputs written), then the
  * elements -- per group, or in one loop over the row when SIMD runs and g is a multiple of 8. */
@@ -808,44 +1021,17 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
             else
                 ga[t] = PICK(amax, simd)(w + t * g, g);
         }
-    for (int64_t t = 0; t < ng; t++) {
-        int64_t o = i * ng + t;
-        if (a->mode == MODE_SYM) {
-            sc[t] = bf16_round(ga[t] / a->qdiv);
-            if (sc[t] == 0.0f) sc[t] = 1.0f;
-            off[t] = 0.0f;
-        } else if (asym) {
-            float lo = ga[t] < 0.0f ? ga[t] : 0.0f, hi = gb[t] > 0.0f ? gb[t] : 0.0f;
-            float s0 = (hi - lo) / a->qdiv;
-            if (s0 == 0.0f) s0 = 1.0f;
-            off[t] = clampf(rintf(qmin - lo / s0), qmin, qmax) + 0.0f;
-            sc[t] = bf16_round(s0);
-            if (sc[t] == 0.0f) sc[t] = 1.0f;
-        } else if (a->mode == MODE_NVFP4) {
-            float s = clampf((ga[t] / 6.0f) * a->global_scale, -448.0f, 448.0f);
-            uint8_t code = e4m3_from_f32(s);
-            if (LUT[code] == 0.0f) code = 0x20; /* 0.125, the e4m3 eps */
-            a->scale8[o] = code;
-            sc[t] = LUT[code] / a->global_scale;
-        } else { /* MODE_MXFP4 */
-            uint32_t bits = f2u(ga[t]);
-            int64_t e = (int64_t)(((bits + (1u << 21)) >> 23) & 0xffu) - 2;
-            e = e < 0 ? 0 : (e > 254 ? 254 : e);
-            a->scale8[o] = (uint8_t)e;
-            sc[t] = u2f(e == 0 ? 0x00400000u : (uint32_t)e << 23);
-        }
-        if (!fp4) {
-            a->scale[o] = sc[t];
-            if (a->scale_bf16) a->scale_bf16[o] = (uint16_t)(f2u(sc[t]) >> 16); /* a bf16 value */
-            if (a->offset) a->offset[o] = off[t];
-        }
-    }
+    int64_t t0 = 0; /* groups whose parameters the SIMD loops computed */
+#ifdef CVT_X86
+    if (simd == 2) t0 = params_avx512(a, i, ga, gb, sc, off);
+#endif
+    params_scalar(a, i, t0, ga, gb, sc, off);
     double err = 0.0;
 #ifdef CVT_X86
     if (row512)
-        err = fp4 ? fp4_row_avx512(w, (uint8_t *)q, k, g, sc) : qint_row_avx512(w, q, k, g, sc, off, asym, qmin, qmax);
+        err = fp4 ? fp4_row_avx512(w, (uint8_t *)q, k, g, sc, gb) : qint_row_avx512(w, q, k, g, sc, off, asym, qmin, qmax);
     else if (row)
-        err = fp4 ? fp4_row_avx2(w, (uint8_t *)q, k, g, sc) : qint_row_avx2(w, q, k, g, sc, off, asym, qmin, qmax);
+        err = fp4 ? fp4_row_avx2(w, (uint8_t *)q, k, g, sc, gb) : qint_row_avx2(w, q, k, g, sc, off, asym, qmin, qmax);
     else
 #endif
         for (int64_t t = 0; t < ng; t++) {
