@@ -197,10 +197,6 @@ static inline int fp4_kind(float mult, float r) {
     return ar >= 0x1p-126f && ar <= 0x1p126f ? FP4_NEAR : FP4_DIV;
 }
 
-/* the thresholds around E2M1 index i: e2m1_code gives i to E2M1_LO[i] <(=) |x| <(=) E2M1_HI[i] */
-static const float E2M1_LO[8] = {-1.0f, 0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-static const float E2M1_HI[8] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, INFINITY};
-
 static double sumsq_scalar_sq(const float *w, int64_t len, int f64) {
     double s = 0.0;
     for (int64_t j = 0; j < len; j++) s += SQ(w[j], f64);
@@ -386,83 +382,66 @@ AVX static double qint_row_avx2(const float *w, int8_t *q, int64_t k, int64_t g,
     return hsum4d(acc);
 }
 
-typedef struct {
-    __m256 six, msix, absm, table, lo, hi, eps, t1, t2, t3, t4, t5, t6, t7;
-} fp4k;
-
-AVX static inline fp4k fp4_consts(void) {
-    fp4k c = {_mm256_set1_ps(6.0f), _mm256_set1_ps(-6.0f), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)),
-              _mm256_loadu_ps(E2M1), _mm256_loadu_ps(E2M1_LO), _mm256_loadu_ps(E2M1_HI), _mm256_set1_ps(0x1p-17f),
-              _mm256_set1_ps(0.25f), _mm256_set1_ps(0.75f), _mm256_set1_ps(1.25f), _mm256_set1_ps(1.75f),
-              _mm256_set1_ps(2.5f), _mm256_set1_ps(3.5f), _mm256_set1_ps(5.0f)};
-    return c;
+/* E2M1 index of a = min(|x|, 6) as rint of y = 2a / a / a/2 plus 0 / 2 / 4 (NaN -> 0): see
+ * e2m1_idx16. *y, *r: y and rint(y), for fp4_safe8. */
+AVX static inline __m256i e2m1_idx8(__m256 a, __m256 *y, __m256 *r) {
+    __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(2.0f), _CMP_LT_OQ), big = _mm256_cmp_ps(a, _mm256_set1_ps(4.0f), _CMP_GE_OQ);
+    __m256 f = _mm256_blendv_ps(_mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(2.0f), small), _mm256_set1_ps(0.5f), big);
+    __m256 off = _mm256_blendv_ps(_mm256_blendv_ps(_mm256_castsi256_ps(_mm256_set1_epi32(2)), _mm256_setzero_ps(), small),
+                                  _mm256_castsi256_ps(_mm256_set1_epi32(4)), big);
+    *y = _mm256_mul_ps(a, f);
+    *r = _mm256_round_ps(*y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i idx = _mm256_add_epi32(_mm256_cvttps_epi32(*r), _mm256_castps_si256(off));
+    return _mm256_and_si256(idx, _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_ORD_Q)));
 }
 
-/* clamp(x, -6, 6) as x < lo ? lo : (x > hi ? hi : x) (keeps -0.0 and NaN), and its E2M1 index
- * (e2m1_code's compares: NaN -> 0) */
-AVX static inline __m256 fp4_clamp8(__m256 x, const fp4k *k) {
-    x = _mm256_blendv_ps(x, k->six, _mm256_cmp_ps(x, k->six, _CMP_GT_OQ));
-    return _mm256_blendv_ps(x, k->msix, _mm256_cmp_ps(x, k->msix, _CMP_LT_OQ));
+/* every lane of y more than 2**-17 y from a half-integer (see fp4_safe16) */
+AVX static inline int fp4_safe8(__m256 y, __m256 r) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 gap = _mm256_sub_ps(_mm256_set1_ps(0.5f), _mm256_and_ps(_mm256_sub_ps(y, r), absm));
+    return _mm256_movemask_ps(_mm256_cmp_ps(gap, _mm256_mul_ps(y, _mm256_set1_ps(0x1p-17f)), _CMP_GT_OQ)) == 0xff;
 }
 
-AVX static inline __m256i e2m1_idx8(__m256 a, const fp4k *k) {
-    __m256i idx = _mm256_setzero_si256();
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t1, _CMP_GT_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t2, _CMP_GE_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t3, _CMP_GT_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t4, _CMP_GE_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t5, _CMP_GT_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t6, _CMP_GE_OQ)));
-    return _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t7, _CMP_GT_OQ)));
-}
-
-/* 8 lanes of E2M1 codes of clamp(w / mult, -6, 6) (kind: fp4_kind's, vr = 1 / mult); returns the 4-double
- * sum of float32 (w - fp4 * mult)^2 */
-AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, __m256 vr, int kind, const fp4k *k) {
-    __m256 v = _mm256_loadu_ps(w);
-    __m256 x = fp4_clamp8(kind ? _mm256_mul_ps(v, vr) : _mm256_div_ps(v, vm), k);
-    __m256 a = _mm256_and_ps(x, k->absm);
-    __m256i idx = e2m1_idx8(a, k);
-    if (kind == FP4_NEAR) { /* every lane more than 2**-17 |x| from both thresholds around it? */
-        __m256 tol = _mm256_mul_ps(a, k->eps);
-        __m256 below = _mm256_sub_ps(a, _mm256_permutevar8x32_ps(k->lo, idx));
-        __m256 above = _mm256_sub_ps(_mm256_permutevar8x32_ps(k->hi, idx), a);
-        __m256 safe = _mm256_and_ps(_mm256_cmp_ps(below, tol, _CMP_GT_OQ), _mm256_cmp_ps(above, tol, _CMP_GT_OQ));
-        if (_mm256_movemask_ps(safe) != 0xff) {
-            x = fp4_clamp8(_mm256_div_ps(v, vm), k);
-            a = _mm256_and_ps(x, k->absm);
-            idx = e2m1_idx8(a, k);
-        }
+/* 8 lanes of E2M1 codes of clamp(w / mult, -6, 6), multiplying by vr = 1 / mult as fp4_kind's
+ * kind allows (dividing a vector near a threshold); returns the 4-double sum of float32
+ * (w - fp4 * mult)^2 */
+AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, __m256 vr, int kind) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), six = _mm256_set1_ps(6.0f);
+    __m256 v = _mm256_loadu_ps(w), y, r;
+    __m256 x = kind ? _mm256_mul_ps(v, vr) : _mm256_div_ps(v, vm);
+    /* min(6, |x|): the clamp's code (a NaN stays a NaN: min returns its second operand) */
+    __m256i idx = e2m1_idx8(_mm256_min_ps(six, _mm256_and_ps(x, absm)), &y, &r);
+    if (kind == FP4_NEAR && !fp4_safe8(y, r)) {
+        x = _mm256_div_ps(v, vm);
+        idx = e2m1_idx8(_mm256_min_ps(six, _mm256_and_ps(x, absm)), &y, &r);
     }
     __m256i sgn = _mm256_srli_epi32(_mm256_castps_si256(x), 31);
     __m256i code = _mm256_or_si256(idx, _mm256_slli_epi32(sgn, 3));
     __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
     _mm_storel_epi64((__m128i *)c, _mm_packus_epi16(c16, c16));
-    __m256 mag = _mm256_permutevar8x32_ps(k->table, idx);
+    __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1), idx);
     __m256 val = _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32(sgn, 31)));
     return sq4(_mm256_sub_ps(v, _mm256_mul_ps(val, vm)));
 }
 
 AVX static double fp4_avx2(const float *w, uint8_t *c, int64_t len, float mult) {
-    const fp4k k = fp4_consts();
     float r = 1.0f / mult;
     int kind = fp4_kind(mult, r);
     const __m256 vm = _mm256_set1_ps(mult), vr = _mm256_set1_ps(r);
     __m256d acc = _mm256_setzero_pd();
     int64_t j = 0;
-    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, kind, &k));
+    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, kind));
     return hsum4d(acc) + fp4_scalar(w + j, c + j, len - j, mult);
 }
 
-/* a whole row, g a multiple of 8: group t uses mult[t] */
+/* a whole row, g a multiple of 8: group t uses mult[t], rcp[t] = 1 / mult[t] */
 AVX static double fp4_row_avx2(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult,
                                const float *rcp) {
-    const fp4k kk = fp4_consts();
     __m256d acc = _mm256_setzero_pd();
     for (int64_t t = 0, j = 0; j < k; t++) {
         int kind = fp4_kind(mult[t], rcp[t]);
         const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(rcp[t]);
-        for (int64_t end = j + g; j < end; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, kind, &kk));
+        for (int64_t end = j + g; j < end; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, kind));
     }
     return hsum4d(acc);
 }
@@ -488,6 +467,107 @@ AVX static void gstats_avx2(const float *w, int64_t k, int64_t g, int minmax, fl
             ga[t] = hmax8(m);
         }
     }
+}
+
+/* ---- group parameters, 8 groups at a time (params_scalar's float32 operations in its order, as
+ * params_avx512); returns how many groups it did (a multiple of 8) */
+
+AVX static inline __m256i bf16_bits8(__m256 v) { /* bf16_rne; the NaN test is signed-safe: both sides < 2**31 */
+    __m256i b = _mm256_castps_si256(v);
+    __m256i rne = _mm256_srli_epi32(
+        _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                             _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)))), 16);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(rne, _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40)), nan);
+}
+
+AVX static inline __m256 clamp8(__m256 x, __m256 lo, __m256 hi) { /* clampf */
+    x = _mm256_blendv_ps(x, hi, _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+    return _mm256_blendv_ps(x, lo, _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+}
+
+AVX static inline __m256i e4m3_8(__m256 f) { /* e4m3_from_f32 (b < 2**31 once the sign is off: signed compares) */
+    __m256i b = _mm256_castps_si256(f), sign = _mm256_and_si256(b, _mm256_set1_epi32((int)0x80000000u));
+    b = _mm256_xor_si256(b, sign);
+    __m256i over = _mm256_cmpgt_epi32(b, _mm256_set1_epi32((1087 << 20) - 1));
+    __m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), b);
+    __m256i magic = _mm256_set1_epi32(141 << 23);
+    __m256i rs = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(b), _mm256_castsi256_ps(magic))), magic);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 20), _mm256_set1_epi32(1));
+    __m256i rn = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7ffffu))), odd);
+    __m256i r = _mm256_blendv_epi8(_mm256_blendv_epi8(_mm256_srli_epi32(rn, 20), rs, sub), _mm256_set1_epi32(0x7f), over);
+    return _mm256_and_si256(_mm256_or_si256(r, _mm256_srli_epi32(sign, 24)), _mm256_set1_epi32(0xff));
+}
+
+AVX static inline void store8_u8(uint8_t *p, __m256i v) { /* 8 lanes of 0..255 */
+    __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packus_epi16(h, h));
+}
+
+AVX static int64_t params_avx2(const cvt_qargs *a, int64_t i, const float *ga, float *gb, float *sc, float *off) {
+    int64_t ng = a->k / a->group, t = 0;
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), qdiv = _mm256_set1_ps(a->qdiv);
+    const __m256 qmin = _mm256_set1_ps((float)a->qmin), qmax = _mm256_set1_ps((float)a->qmax);
+    const __m256 gs = _mm256_set1_ps(a->global_scale);
+    for (; t + 8 <= ng; t += 8) {
+        int64_t o = i * ng + t;
+        __m256 s, va = _mm256_loadu_ps(ga + t);
+        if (a->mode == MODE_NVFP4) {
+            s = clamp8(_mm256_mul_ps(_mm256_div_ps(va, _mm256_set1_ps(6.0f)), gs), _mm256_set1_ps(-448.0f),
+                       _mm256_set1_ps(448.0f));
+            __m256i code = e4m3_8(s);
+            __m256 v = _mm256_i32gather_ps(LUT, code, 4);
+            __m256 z = _mm256_cmp_ps(v, zero, _CMP_EQ_OQ); /* 0.125, the e4m3 eps */
+            code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x20), _mm256_castps_si256(z));
+            v = _mm256_blendv_ps(v, _mm256_set1_ps(0.125f), z);
+            store8_u8(a->scale8 + o, code);
+            s = _mm256_div_ps(v, gs);
+            _mm256_storeu_ps(sc + t, s);
+            _mm256_storeu_ps(gb + t, _mm256_div_ps(one, s));
+            continue;
+        }
+        if (a->mode == MODE_MXFP4) {
+            __m256i b = _mm256_castps_si256(va);
+            __m256i e = _mm256_sub_epi32(
+                _mm256_and_si256(_mm256_srli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(1 << 21)), 23),
+                                 _mm256_set1_epi32(0xff)), _mm256_set1_epi32(2));
+            e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(254));
+            store8_u8(a->scale8 + o, e);
+            __m256i e0 = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
+            s = _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(0x00400000), e0));
+            _mm256_storeu_ps(sc + t, s);
+            _mm256_storeu_ps(gb + t, _mm256_div_ps(one, s));
+            continue;
+        }
+        __m256 vo = zero;
+        if (a->mode == MODE_SYM) {
+            s = _mm256_div_ps(va, qdiv);
+        } else { /* MODE_ASYM: lo = ga < 0 ? ga : 0, hi = gb > 0 ? gb : 0 */
+            __m256 lo = _mm256_blendv_ps(zero, va, _mm256_cmp_ps(va, zero, _CMP_LT_OQ));
+            __m256 vb = _mm256_loadu_ps(gb + t);
+            __m256 hi = _mm256_blendv_ps(zero, vb, _mm256_cmp_ps(vb, zero, _CMP_GT_OQ));
+            __m256 s0 = _mm256_div_ps(_mm256_sub_ps(hi, lo), qdiv);
+            s0 = _mm256_blendv_ps(s0, one, _mm256_cmp_ps(s0, zero, _CMP_EQ_OQ));
+            __m256 r = _mm256_round_ps(_mm256_sub_ps(qmin, _mm256_div_ps(lo, s0)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            vo = _mm256_add_ps(clamp8(r, qmin, qmax), zero);
+            s = s0;
+        }
+        __m256i bits = bf16_bits8(s);
+        s = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+        __m256 z = _mm256_cmp_ps(s, zero, _CMP_EQ_OQ);
+        s = _mm256_blendv_ps(s, one, z);
+        bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x3f80), _mm256_castps_si256(z));
+        _mm256_storeu_ps(sc + t, s);
+        _mm256_storeu_ps(off + t, vo);
+        _mm256_storeu_ps(a->scale + o, s);
+        if (a->scale_bf16)
+            _mm_storeu_si128((__m128i *)(a->scale_bf16 + o),
+                             _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+        if (a->offset) _mm256_storeu_ps(a->offset + o, vo);
+    }
+    return t;
 }
 
 AVX static double sumsq_avx2(const float *w, int64_t len) {
@@ -1024,6 +1104,7 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
     int64_t t0 = 0; /* groups whose parameters the SIMD loops computed */
 #ifdef CVT_X86
     if (simd == 2) t0 = params_avx512(a, i, ga, gb, sc, off);
+    else if (simd) t0 = params_avx2(a, i, ga, gb, sc, off);
 #endif
     params_scalar(a, i, t0, ga, gb, sc, off);
     double err = 0.0;
