@@ -884,7 +884,7 @@ AVX512 static int64_t params_avx512(const cvt_qargs *a, int64_t i, const float *
  * vdivq_f32 / vmulq_f32 / vsubq_f32 round once each as IEEE single operations (Linux leaves FPCR's
  * flush-to-zero off; -ffp-contract=off keeps them unfused), vrndnq_f32 is rintf's nearest-even, and
  * max / min are exact: the same codes and scales; only the SQNR sums' double additions come in
- * another order. The FP4 code lookup stays scalar. */
+ * another order. */
 
 /* 8 bf16 results of e4m3 codes times sc, as float32 (the AVX2 fp8x8's bit move and rounding) */
 static inline void fp8x8_neon(const uint8_t *p, float32x4_t sc256, uint16x8_t *nan, float32x4_t *lo,
@@ -1009,7 +1009,54 @@ static double sumsq_neon(const float *w, int64_t len) {
     return vaddvq_f64(acc) + sumsq_scalar(w + j, len - j);
 }
 
-#define fp4_neon fp4_scalar
+/* E2M1 index of a = min(|x|, 6) as rint of y = 2a / a / a/2 plus 0 / 2 / 4, NaN -> 0 (see
+ * e2m1_idx16); *y, *r for fp4_safe4 */
+static inline uint32x4_t e2m1_idx4(float32x4_t a, float32x4_t *y, float32x4_t *r) {
+    uint32x4_t small = vcltq_f32(a, vdupq_n_f32(2.0f)), big = vcgeq_f32(a, vdupq_n_f32(4.0f));
+    float32x4_t f = vbslq_f32(small, vdupq_n_f32(2.0f), vbslq_f32(big, vdupq_n_f32(0.5f), vdupq_n_f32(1.0f)));
+    uint32x4_t off = vbslq_u32(small, vdupq_n_u32(0), vbslq_u32(big, vdupq_n_u32(4), vdupq_n_u32(2)));
+    *y = vmulq_f32(a, f);
+    *r = vrndnq_f32(*y);
+    return vandq_u32(vaddq_u32(vcvtq_u32_f32(*r), off), vceqq_f32(a, a));
+}
+
+/* every lane of y more than 2**-17 y from a half-integer (see fp4_safe16) */
+static inline int fp4_safe4(float32x4_t y, float32x4_t r) {
+    float32x4_t gap = vsubq_f32(vdupq_n_f32(0.5f), vabsq_f32(vsubq_f32(y, r)));
+    return vminvq_u32(vcgtq_f32(gap, vmulq_f32(y, vdupq_n_f32(0x1p-17f)))) != 0;
+}
+
+/* E2M1 codes of clamp(w / mult, -6, 6), 4 lanes at a time, multiplying by 1 / mult as fp4_kind
+ * allows (see fp48); returns sum of float32 (w - fp4 * mult)^2 */
+static double fp4_neon(const float *w, uint8_t *c, int64_t len, float mult) {
+    float rc = 1.0f / mult;
+    int kind = fp4_kind(mult, rc);
+    const float32x4_t vm = vdupq_n_f32(mult), vr = vdupq_n_f32(rc), six = vdupq_n_f32(6.0f);
+    const uint8x16x2_t table = {{vld1q_u8((const uint8_t *)E2M1), vld1q_u8((const uint8_t *)E2M1 + 16)}};
+    const uint8x16_t bytes = vreinterpretq_u8_u32(vdupq_n_u32(0x03020100u));
+    float64x2_t acc = vdupq_n_f64(0.0);
+    int64_t j = 0;
+    for (; j + 4 <= len; j += 4) {
+        float32x4_t v = vld1q_f32(w + j), y, r;
+        float32x4_t x = kind ? vmulq_f32(v, vr) : vdivq_f32(v, vm);
+        uint32x4_t idx = e2m1_idx4(vminq_f32(six, vabsq_f32(x)), &y, &r); /* vminq keeps a NaN */
+        if (kind == FP4_NEAR && !fp4_safe4(y, r)) {
+            x = vdivq_f32(v, vm);
+            idx = e2m1_idx4(vminq_f32(six, vabsq_f32(x)), &y, &r);
+        }
+        uint32x4_t sgn = vshrq_n_u32(vreinterpretq_u32_f32(x), 31);
+        uint16x4_t c16 = vmovn_u32(vorrq_u32(idx, vshlq_n_u32(sgn, 3)));
+        uint32_t packed = vget_lane_u32(vreinterpret_u32_u8(vmovn_u16(vcombine_u16(c16, c16))), 0);
+        memcpy(c + j, &packed, 4);
+        /* E2M1[idx]: bytes 4 idx .. 4 idx + 3 of the table */
+        uint8x16_t at = vaddq_u8(vreinterpretq_u8_u32(vmulq_n_u32(idx, 0x04040404u)), bytes);
+        uint32x4_t mag = vreinterpretq_u32_u8(vqtbl2q_u8(table, at));
+        float32x4_t val = vreinterpretq_f32_u32(veorq_u32(mag, vshlq_n_u32(sgn, 31)));
+        acc = sq4_neon(acc, vsubq_f32(v, vmulq_f32(val, vm)));
+    }
+    return vaddvq_f64(acc) + fp4_scalar(w + j, c + j, len - j, mult);
+}
+
 #define PICK(name, simd) ((simd) ? name##_neon : name##_scalar)
 #else
 #define PICK(name, simd) name##_scalar

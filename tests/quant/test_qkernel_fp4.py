@@ -60,11 +60,12 @@ def fast_path_codes_differ(w: torch.Tensor, mult: torch.Tensor, group: int) -> i
     return int((P.encode_e2m1(torch.from_numpy(exact)) != P.encode_e2m1(torch.from_numpy(fast))).sum())
 
 
-@pytest.mark.parametrize("gs", [2.0**10, 3 * 2.0**9, 5 * 2.0**12, 1234.5678, 0.37, 7 * 2.0**-20, 1e-30, 3e38])
-def test_nvfp4_quotients_at_and_beside_every_threshold(gs):
-    """Group scales of every e4m3 mantissa (s = amax / 6 * gs over 2**-3..2**8), 19 groups a row
-    (16 for the SIMD parameter loop, 3 left); with a power-of-two gs times small integers, the
-    multipliers have few bits, so T * mult is a bf16 value and w / mult is exactly T."""
+def nvfp4_case(gs: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 weight [8, 19 * 16] and the reference's nvfp4 multipliers [8, 19] for global scale
+    `gs`: group scales of every e4m3 mantissa (s = amax / 6 * gs over 2**-3..2**8), 19 groups a
+    row (16 for the SIMD parameter loop, 3 left), the other elements near_thresholds; with a
+    power-of-two gs (times 3), the multipliers have few bits, so T * mult is a bf16 value and
+    w / mult is exactly T."""
     n, ng, group = 8, 19, 16
     g = torch.Generator().manual_seed(int(gs * 1000) % 9973)
     s = torch.exp2(torch.rand(n, ng, generator=g) * 11 - 3)
@@ -78,33 +79,41 @@ def test_nvfp4_quotients_at_and_beside_every_threshold(gs):
     w[0, 1, 5], w[1, 2, 3] = -0.0, 2.0**-133  # -0.0, the smallest bf16 subnormal
     w = w.reshape(n, -1).to(torch.bfloat16)
     assert torch.isfinite(w.float()).all()
+    return w, P.nvfp4_block_scales(w.float(), gst).float() / gst
+
+
+@pytest.mark.parametrize("gs", [2.0**10, 3 * 2.0**9, 5 * 2.0**12, 1234.5678, 0.37, 7 * 2.0**-20, 1e-30, 3e38])
+def test_nvfp4_quotients_at_and_beside_every_threshold(gs):
+    w, mult = nvfp4_case(gs)
     src = QK.WeightSource(w)
     sch, lo = get_scheme("fp4"), LAYOUTS.get("ct-nvfp4")
-    want = reference(src, sch, lo, global_scale=gst)
+    want = reference(src, sch, lo, global_scale=torch.tensor([gs], dtype=torch.float32))
     for level in LEVELS:
         assert_same(QK.quantize_to_layout(src, sch, lo, name="m.weight", global_scale=gs, simd=level, threads=2),
                     want)
     if gs in (2.0**10, 3 * 2.0**9):
-        mult = P.nvfp4_block_scales(w.float(), gst).float() / gst  # (the group amaxes are unchanged)
-        assert fast_path_codes_differ(w, mult, group) > 0  # the fallback division is what gets these right
+        assert fast_path_codes_differ(w, mult, 16) > 0  # the fallback division is what gets these right
+
+
+def mxfp4_case() -> torch.Tensor:
+    """A bf16 weight [6, 19 * 32]: E8M0 scales 0 (the multiplier 2**-127, itself subnormal), 1, 2,
+    127, 252 and 253 (the largest a finite weight gets; 1 / mult = 2**-126) among others, 16 + 3
+    groups a row, quotients at and beside every threshold, bf16 subnormal inputs, -0.0 and
+    all-zero groups."""
+    n, group = 6, 32
+    es = torch.tensor([0, 1, 2, 127, 252, 253, 0, 1, 60, 200, 3, 250, 126, 128, 0, 253, 90, 30, 5])
+    mult = P.e8m0_to_f32(es.to(torch.uint8)).repeat(n, 1)
+    w = near_thresholds(mult, group, seed=5)
+    w[:, :, 0] = torch.where(es == 253, torch.tensor(1.75 * 2.0**127), 6 * mult[0])  # scale e: mxfp4_scale_codes
+    w[0, 2] = 0.0                 # an all-zero group (scale 0)
+    w[1, 3, 1:] = -0.0
+    w[2, 0, 1:8] = torch.tensor([2.0**-133, -(2.0**-133), 2.0**-130, 3 * 2.0**-132, -(2.0**-127), 2.0**-128, 0.0])
+    return w.reshape(n, -1).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("layout", ["ct-mxfp4", "ascend-mxfp4"])
 def test_mxfp4_extreme_scales(layout):
-    """E8M0 scales 0 (the multiplier 2**-127, itself subnormal), 1, 2, 127, 252 and 253 (the
-    largest a finite weight gets; 1 / mult = 2**-126), quotients at and beside every threshold,
-    bf16 subnormal inputs, -0.0 and all-zero groups."""
-    n, group = 6, 32
-    es = torch.tensor([0, 1, 2, 127, 252, 253, 0, 1, 60, 200, 3, 250, 126, 128, 0, 253, 90, 30, 5])  # 16 + 3 groups
-    mult = P.e8m0_to_f32(es.to(torch.uint8)).repeat(n, 1)
-    w = near_thresholds(mult, group, seed=5)
-    amax = torch.where(es == 253, torch.tensor(1.75 * 2.0**127), 6 * mult[0])  # scale e: see mxfp4_scale_codes
-    w[:, :, 0] = amax
-    w[0, 2] = 0.0                 # an all-zero group (scale 0)
-    w[1, 3, 1:] = -0.0
-    w[2, 0, 1:8] = torch.tensor([2.0**-133, -(2.0**-133), 2.0**-130, 3 * 2.0**-132, -(2.0**-127), 2.0**-128, 0.0])
-    w = w.reshape(n, -1).to(torch.bfloat16)
-    src = QK.WeightSource(w)
+    src = QK.WeightSource(mxfp4_case())
     sch, lo = get_scheme("fp4", fp4_format="mxfp4"), LAYOUTS.get(layout)
     want = reference(src, sch, lo)
     codes = want[0][next(x for x in want[0] if "scale" in x)].view(torch.uint8)
