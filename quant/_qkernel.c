@@ -570,6 +570,37 @@ AVX static int64_t params_avx2(const cvt_qargs *a, int64_t i, const float *ga, f
     return t;
 }
 
+/* ---- packing, 32 output bytes at a time (pack_row / pack_row_pair's bytes) ----------------------- */
+
+/* out[j] = (q[2j] + bias) & 15 | ((q[2j+1] + bias) & 15) << 4 for j < pairs; returns the pairs done
+ * (the caller packs the rest): within each 16-bit lane x = odd << 8 | even (nibbles),
+ * x | x >> 4 holds the byte in its low half */
+AVX static int64_t pack_nib_avx2(const int8_t *q, uint8_t *out, int64_t pairs, int8_t bias) {
+    const __m256i b = _mm256_set1_epi8(bias), m = _mm256_set1_epi8(0x0f), lo = _mm256_set1_epi16(0xff);
+    int64_t j = 0;
+    for (; j + 32 <= pairs; j += 32) {
+        __m256i x0 = _mm256_and_si256(_mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(q + 2 * j)), b), m);
+        __m256i x1 = _mm256_and_si256(_mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(q + 2 * j + 32)), b), m);
+        x0 = _mm256_and_si256(_mm256_or_si256(x0, _mm256_srli_epi16(x0, 4)), lo);
+        x1 = _mm256_and_si256(_mm256_or_si256(x1, _mm256_srli_epi16(x1, 4)), lo);
+        /* packus interleaves the 128-bit halves: put them back in order */
+        _mm256_storeu_si256((__m256i *)(out + j), _mm256_permute4x64_epi64(_mm256_packus_epi16(x0, x1), 0xd8));
+    }
+    return j;
+}
+
+/* out[j] = q0[j] & 15 | (q1[j] & 15) << 4 for j < len; returns the elements done */
+AVX static int64_t pack_rows_avx2(const int8_t *q0, const int8_t *q1, uint8_t *out, int64_t len) {
+    const __m256i m = _mm256_set1_epi8(0x0f);
+    int64_t j = 0;
+    for (; j + 32 <= len; j += 32) {
+        __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(q0 + j)), m);
+        __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(q1 + j)), m);
+        _mm256_storeu_si256((__m256i *)(out + j), _mm256_or_si256(a, _mm256_slli_epi16(b, 4))); /* b < 16: no carry */
+    }
+    return j;
+}
+
 AVX static double sumsq_avx2(const float *w, int64_t len) {
     __m256d acc = _mm256_setzero_pd();
     int64_t j = 0;
@@ -1057,6 +1088,26 @@ static double fp4_neon(const float *w, uint8_t *c, int64_t len, float mult) {
     return vaddvq_f64(acc) + fp4_scalar(w + j, c + j, len - j, mult);
 }
 
+/* pack_nib_avx2 / pack_rows_avx2's bytes, 16 at a time: vld2q splits even and odd elements,
+ * vsli puts the odd nibble above the even one */
+static int64_t pack_nib_neon(const int8_t *q, uint8_t *out, int64_t pairs, int8_t bias) {
+    const uint8x16_t b = vdupq_n_u8((uint8_t)bias), m = vdupq_n_u8(0x0f);
+    int64_t j = 0;
+    for (; j + 16 <= pairs; j += 16) {
+        uint8x16x2_t p = vld2q_u8((const uint8_t *)q + 2 * j);
+        vst1q_u8(out + j, vsliq_n_u8(vandq_u8(vaddq_u8(p.val[0], b), m), vaddq_u8(p.val[1], b), 4));
+    }
+    return j;
+}
+
+static int64_t pack_rows_neon(const int8_t *q0, const int8_t *q1, uint8_t *out, int64_t len) {
+    const uint8x16_t m = vdupq_n_u8(0x0f);
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16)
+        vst1q_u8(out + j, vsliq_n_u8(vandq_u8(vld1q_u8((const uint8_t *)q0 + j), m), vld1q_u8((const uint8_t *)q1 + j), 4));
+    return j;
+}
+
 #define PICK(name, simd) ((simd) ? name##_neon : name##_scalar)
 #else
 #define PICK(name, simd) name##_scalar
@@ -1181,36 +1232,61 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
     jb->sig += f64 ? sumsq_scalar_sq(w, k, 1) : PICK(sumsq, simd)(w, k);
 }
 
-static void pack_row(const cvt_qargs *a, int64_t i, const int8_t *q) {
+/* the packers' SIMD part (0 where there is none): the pairs / elements it did */
+static int64_t pack_nib_simd(int simd, const int8_t *q, uint8_t *out, int64_t pairs, int8_t bias) {
+#ifdef CVT_X86
+    if (simd) return pack_nib_avx2(q, out, pairs, bias);
+#elif defined(__aarch64__)
+    if (simd) return pack_nib_neon(q, out, pairs, bias);
+#endif
+    (void)simd, (void)q, (void)out, (void)pairs, (void)bias;
+    return 0;
+}
+
+static int64_t pack_rows_simd(int simd, const int8_t *q0, const int8_t *q1, uint8_t *out, int64_t len) {
+#ifdef CVT_X86
+    if (simd) return pack_rows_avx2(q0, q1, out, len);
+#elif defined(__aarch64__)
+    if (simd) return pack_rows_neon(q0, q1, out, len);
+#endif
+    (void)simd, (void)q0, (void)q1, (void)out, (void)len;
+    return 0;
+}
+
+/* compressed-tensors int32 words are little-endian (x86-64, aarch64): element i of 8 at bits 4i
+ * is byte i / 2's nibble i % 2, so the SIMD byte packer writes their full pairs */
+static void pack_row(const cvt_qargs *a, int64_t i, const int8_t *q, int simd) {
     int64_t k = a->k;
     if (a->pack == PACK_I8) {
         memcpy((int8_t *)a->q + i * k, q, (size_t)k);
     } else if (a->pack == PACK_CT32) {
         int64_t words = (k + 7) / 8;
         uint32_t *out = (uint32_t *)a->q + i * words;
-        int64_t full = k / 8;
-        for (int64_t w = 0; w < full; w++) {
+        int64_t full = pack_nib_simd(simd, q, (uint8_t *)out, k / 2, 8) / 4; /* whole words done */
+        for (int64_t w = full; w < k / 8; w++) {
             const int8_t *p = q + 8 * w;
             uint32_t v = 0;
             for (int b = 0; b < 8; b++) v |= (uint32_t)((p[b] + 8) & 0xf) << (4 * b);
             out[w] = v;
         }
-        if (full < words) {
+        if (k / 8 < words) {
+            int64_t last = k / 8;
             uint32_t v = 0;
-            for (int64_t b = 0; 8 * full + b < k; b++) v |= (uint32_t)((q[8 * full + b] + 8) & 0xf) << (4 * b);
-            out[full] = v;
+            for (int64_t b = 0; 8 * last + b < k; b++) v |= (uint32_t)((q[8 * last + b] + 8) & 0xf) << (4 * b);
+            out[last] = v;
         }
     } else if (a->pack == PACK_NIB_K || a->pack == PACK_FP4) {
         uint8_t *out = (uint8_t *)a->q + i * (k / 2);
-        for (int64_t j = 0; j < k / 2; j++)
+        for (int64_t j = pack_nib_simd(simd, q, out, k / 2, 0); j < k / 2; j++)
             out[j] = (uint8_t)(((uint8_t)q[2 * j] & 0xf) | (((uint8_t)q[2 * j + 1] & 0xf) << 4));
     }
 }
 
-static void pack_row_pair(const cvt_qargs *a, int64_t i, const int8_t *q0, const int8_t *q1) {
+static void pack_row_pair(const cvt_qargs *a, int64_t i, const int8_t *q0, const int8_t *q1, int simd) {
     int64_t k = a->k;
     uint8_t *out = (uint8_t *)a->q + (i / 2) * k;
-    for (int64_t j = 0; j < k; j++) out[j] = (uint8_t)(((uint8_t)q0[j] & 0xf) | (((uint8_t)q1[j] & 0xf) << 4));
+    for (int64_t j = pack_rows_simd(simd, q0, q1, out, k); j < k; j++)
+        out[j] = (uint8_t)(((uint8_t)q0[j] & 0xf) | (((uint8_t)q1[j] & 0xf) << 4));
 }
 
 /* max |w| of row i without decoding it (MODE_AMAX: nvfp4's global scale, a fused group's):
@@ -1281,7 +1357,7 @@ static void *run(void *arg) {
             jb->bad += decode(jb, i, jb->wbuf) + decode(jb, i + 1, jb->wbuf + k);
             quantize_row(jb, i, jb->wbuf, jb->qbuf);
             quantize_row(jb, i + 1, jb->wbuf + k, jb->qbuf + k);
-            pack_row_pair(a, i, jb->qbuf, jb->qbuf + k);
+            pack_row_pair(a, i, jb->qbuf, jb->qbuf + k, jb->simd);
         }
         return NULL;
     }
@@ -1289,7 +1365,7 @@ static void *run(void *arg) {
         jb->bad += decode(jb, i, jb->wbuf);
         int8_t *q = a->pack == PACK_I8 ? (int8_t *)a->q + i * k : jb->qbuf;
         quantize_row(jb, i, jb->wbuf, q);
-        if (a->pack != PACK_I8) pack_row(a, i, q);
+        if (a->pack != PACK_I8) pack_row(a, i, q, jb->simd);
     }
     return NULL;
 }

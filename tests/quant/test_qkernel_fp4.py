@@ -5,7 +5,8 @@ cvt.quant.tensor.primitives `encode_e2m1`) on quotients placed at and 1-2 bf16 u
 E2M1 threshold, after scaling by nvfp4 multipliers that are not powers of two (so that a quotient
 taken as w * (1 / mult) lands on the wrong side of a threshold unless the kernel divides those
 vectors: the test shows such inputs are present), and on mxfp4's extreme scales (E8M0 0, 1, 253).
-Group counts that leave groups to the scalar parameter loop after the 16-group SIMD one."""
+Group counts that leave groups to the scalar parameter loop after the 16-group SIMD one. And the
+SIMD packers (int4 / fp4 nibbles, compressed-tensors int32 words) with their scalar tails."""
 
 from __future__ import annotations
 
@@ -118,5 +119,27 @@ def test_mxfp4_extreme_scales(layout):
     want = reference(src, sch, lo)
     codes = want[0][next(x for x in want[0] if "scale" in x)].view(torch.uint8)
     assert {0, 1, 253} <= set(codes.reshape(-1).tolist())  # the extremes are the scales used
+    for level in LEVELS:
+        assert_same(QK.quantize_to_layout(src, sch, lo, name="m.weight", simd=level, threads=2), want)
+
+
+PACKED = [("ct-int4", "w4a16", {"group_size": 0}), ("ct-int4", "w4a16", {"group_size": 0, "symmetric": False}),
+          ("ascend-w4a16-int8-channel", "w4a16", {"group_size": 0}),
+          ("ascend-w4a16-int8-grouped", "w4a16", {"group_size": 2}), ("ct-mxfp4", "fp4", {"fp4_format": "mxfp4"})]
+
+
+@pytest.mark.parametrize("k", [32, 67, 130, 202, 352, 416])
+@pytest.mark.parametrize("layout,scheme,opts", PACKED, ids=[f"{c[0]}-{len(c[2])}" for c in PACKED])
+def test_packers_at_every_level_and_tail(layout, scheme, opts, k):
+    """The SIMD packers (quant/_qkernel.c pack_nib_*: 32 / 16 bytes a step; pack_rows_*) and their
+    scalar tails: compressed-tensors int32 words with k not a multiple of 8 (odd k: a half-filled
+    byte and zero nibbles), nibbles along k and in row pairs with k not a multiple of 64, against
+    the reference's packers (cvt.quant.tensor.primitives via `layout.encode`)."""
+    if (layout != "ct-int4" and k % 2) or (scheme == "fp4" and k % 32):
+        pytest.skip("k this layout does not take")
+    w = torch.randn(6, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    src = QK.WeightSource(w)
+    sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+    want = reference(src, sch, lo)
     for level in LEVELS:
         assert_same(QK.quantize_to_layout(src, sch, lo, name="m.weight", simd=level, threads=2), want)
