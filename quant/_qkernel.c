@@ -680,9 +680,55 @@ AVX512 static inline __m512d sq8(__m512 d) {
                          _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1))));
 }
 
+AVX512 static inline __m512 op16(__m512 a, __m512 b, int mn) { return mn ? _mm512_min_ps(a, b) : _mm512_max_ps(a, b); }
+
+/* lane t = the max (mn: min) of v[t]'s 16 lanes, for 16 vectors at once: four rounds of pairing
+ * halves, quarters, pairs and lanes (one op per two vectors each) instead of one horizontal
+ * reduction per vector; exact in any order, as max / min are */
+AVX512 static inline __m512 reduce16x16(__m512 *v, int mn) {
+    __m512 u[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) /* quarters (0 1 | 0 1) op (2 3 | 2 3): halves of v[2i], v[2i+1] */
+        u[i] = op16(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee), mn);
+    for (int i = 0; i < 4; i++) /* quarter j: 4 lanes of v[4i + j] */
+        x[i] = op16(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd), mn);
+    for (int i = 0; i < 2; i++) /* quarter j: 2 lanes of v[8i + j], 2 of v[8i + 4 + j] */
+        y[i] = op16(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xee), mn);
+    /* lane 4j + l: v[4l + j] */
+    __m512 z = op16(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xdd), mn);
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+/* per-group max |w| (minmax = 0) or min and max of a row, g a multiple of 16: small groups (16, 32:
+ * one reduction per 16 or 32 elements is the loop's cost) 16 at a time through reduce16x16, the
+ * rest one horizontal reduction each (larger groups keep more vectors than registers) */
 AVX512 static void gstats_avx512(const float *w, int64_t k, int64_t g, int minmax, float *ga, float *gb) {
     const __m512i absm = _mm512_set1_epi32(0x7fffffff);
-    for (int64_t t = 0, j = 0; j < k; t++) {
+    int64_t ng = k / g, t = 0;
+    for (; g <= 32 && t + 16 <= ng; t += 16) {
+        __m512 lo[16], hi[16];
+        for (int u = 0; u < 16; u++) {
+            const float *p = w + (t + u) * g;
+            if (minmax) {
+                lo[u] = hi[u] = _mm512_loadu_ps(p);
+                for (int64_t j = 16; j < g; j += 16) {
+                    __m512 v = _mm512_loadu_ps(p + j);
+                    lo[u] = _mm512_min_ps(lo[u], v);
+                    hi[u] = _mm512_max_ps(hi[u], v);
+                }
+            } else {
+                hi[u] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(p)), absm));
+                for (int64_t j = 16; j < g; j += 16)
+                    hi[u] = _mm512_max_ps(hi[u], _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(p + j)), absm)));
+            }
+        }
+        if (minmax) {
+            _mm512_storeu_ps(ga + t, reduce16x16(lo, 1));
+            _mm512_storeu_ps(gb + t, reduce16x16(hi, 0));
+        } else {
+            _mm512_storeu_ps(ga + t, reduce16x16(hi, 0));
+        }
+    }
+    for (int64_t j = t * g; j < k; t++) {
         int64_t end = j + g;
         if (minmax) {
             __m512 lo = _mm512_loadu_ps(w + j), hi = lo;
