@@ -230,7 +230,7 @@ AVX static inline __m256 fp8x8(const uint8_t *p, __m256 sc256, __m128i *nan) {
     __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(h), sc256));
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(r, 16), 16));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
 AVX static inline __m256i exp_all_ones(__m256 v) {
@@ -626,22 +626,31 @@ AVX512 static inline __m512 fp8x16(const uint8_t *p, __m512 sc256, __m256i *nan)
     __m512i b = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(h), sc256));
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(r, 16), 16));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-AVX512 static inline int exp_all_ones16(__m512 v) {
+AVX512 static inline __mmask16 exp_all_ones16(__m512 v) {
     const __m512i e = _mm512_set1_epi32(0x7f800000);
-    return __builtin_popcount((unsigned)_mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), e), e));
+    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), e), e);
+}
+
+/* the non-finite values of a decoded row: counted only when some vector had one (the weight is
+ * then refused), not per vector */
+static int64_t count_nonfinite(const float *out, int64_t k) {
+    int64_t cnt = 0;
+    for (int64_t j = 0; j < k; j++) cnt += not_finite(out[j]);
+    return cnt;
 }
 
 AVX512 static int64_t decode_avx512(const cvt_qargs *a, int64_t i, float *out) {
     int64_t k = a->k, j = 0, cnt = 0;
+    __mmask16 any = 0;
     if (a->src_kind == SRC_BF16) {
         const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
         for (; j + 16 <= k; j += 16) {
             __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * j)));
             __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-            cnt += exp_all_ones16(v);
+            any |= exp_all_ones16(v);
             _mm512_storeu_ps(out + j, v);
         }
         for (; j < k; j++) {
@@ -650,7 +659,7 @@ AVX512 static int64_t decode_avx512(const cvt_qargs *a, int64_t i, float *out) {
             out[j] = u2f((uint32_t)h << 16);
             cnt += not_finite(out[j]);
         }
-        return cnt;
+        return any ? count_nonfinite(out, k) : cnt;
     }
     const uint8_t *row = (const uint8_t *)a->src + i * k;
     const float *srow = a->fp8_scale + (i / a->bn) * a->s_cols;
@@ -661,7 +670,7 @@ AVX512 static int64_t decode_avx512(const cvt_qargs *a, int64_t i, float *out) {
         __m512 sc256 = _mm512_set1_ps(sc * 256.0f);
         for (j = c0; j + 16 <= end; j += 16) {
             __m512 v = fp8x16(row + j, sc256, &nan);
-            cnt += exp_all_ones16(v);
+            any |= exp_all_ones16(v);
             _mm512_storeu_ps(out + j, v);
         }
         for (; j < end; j++) {
@@ -670,7 +679,7 @@ AVX512 static int64_t decode_avx512(const cvt_qargs *a, int64_t i, float *out) {
         }
     }
     if (_mm256_movemask_epi8(nan)) return decode_scalar(a, i, out); /* a NaN code: the plain path */
-    return cnt;
+    return any ? count_nonfinite(out, k) : cnt;
 }
 
 /* float32 squares of d, widened: 8 doubles */
