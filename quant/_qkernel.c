@@ -372,13 +372,17 @@ AVX static double qint_avx2(const float *w, int8_t *q, int64_t len, float sc, fl
 
 /* a whole row of k = ng * g elements, g a multiple of 8: group t uses sc[t], off[t] */
 AVX static double qint_row_avx2(const float *w, int8_t *q, int64_t k, int64_t g, const float *sc, const float *off,
-                                int asym, float qmin, float qmax) {
+                                int asym, float qmin, float qmax, double *sig) {
     const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax);
-    __m256d acc = _mm256_setzero_pd();
+    __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
     for (int64_t t = 0, j = 0; j < k; t++) {
         const __m256 vs = _mm256_set1_ps(sc[t]), vo = _mm256_set1_ps(off[t]);
-        for (int64_t end = j + g; j < end; j += 8) acc = _mm256_add_pd(acc, qint8(w + j, q + j, vs, vo, asym, lo, hi));
+        for (int64_t end = j + g; j < end; j += 8) {
+            acc = _mm256_add_pd(acc, qint8(w + j, q + j, vs, vo, asym, lo, hi));
+            acc2 = _mm256_add_pd(acc2, sq4(_mm256_loadu_ps(w + j)));
+        }
     }
+    *sig = hsum4d(acc2);
     return hsum4d(acc);
 }
 
@@ -436,13 +440,17 @@ AVX static double fp4_avx2(const float *w, uint8_t *c, int64_t len, float mult) 
 
 /* a whole row, g a multiple of 8: group t uses mult[t], rcp[t] = 1 / mult[t] */
 AVX static double fp4_row_avx2(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult,
-                               const float *rcp) {
-    __m256d acc = _mm256_setzero_pd();
+                               const float *rcp, double *sig) {
+    __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
     for (int64_t t = 0, j = 0; j < k; t++) {
         int kind = fp4_kind(mult[t], rcp[t]);
         const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(rcp[t]);
-        for (int64_t end = j + g; j < end; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, kind));
+        for (int64_t end = j + g; j < end; j += 8) {
+            acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, kind));
+            acc2 = _mm256_add_pd(acc2, sq4(_mm256_loadu_ps(w + j)));
+        }
     }
+    *sig = hsum4d(acc2);
     return hsum4d(acc);
 }
 
@@ -771,10 +779,10 @@ AVX512 static double sumsq_avx512(const float *w, int64_t len) {
  * (a half-integer), where the two could round apart; elsewhere both give the same integer. A
  * group whose reciprocal is not a normal float (subnormal or huge scales) always divides. */
 AVX512 static double qint_row_avx512(const float *w, int8_t *q, int64_t k, int64_t g, const float *sc,
-                                     const float *off, int asym, float qmin, float qmax) {
+                                     const float *off, int asym, float qmin, float qmax, double *sig) {
     const __m512 lo = _mm512_set1_ps(qmin), hi = _mm512_set1_ps(qmax), half = _mm512_set1_ps(0.5f);
     const __m512i absm = _mm512_set1_epi32(0x7fffffff);
-    __m512d acc = _mm512_setzero_pd();
+    __m512d acc = _mm512_setzero_pd(), acc2 = _mm512_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
     for (int64_t t = 0, j = 0; j < k; t++) {
         const __m512 vs = _mm512_set1_ps(sc[t]), vo = _mm512_set1_ps(off[t]);
         float rs = 1.0f / sc[t];
@@ -801,9 +809,11 @@ AVX512 static double qint_row_avx512(const float *w, int8_t *q, int64_t k, int64
             __m512 r = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
             _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+            acc2 = _mm512_add_pd(acc2, sq8(v));
             acc = _mm512_add_pd(acc, sq8(_mm512_sub_ps(v, _mm512_mul_ps(_mm512_sub_ps(r, vo), vs))));
         }
     }
+    *sig = _mm512_reduce_add_pd(acc2);
     return _mm512_reduce_add_pd(acc);
 }
 
@@ -836,10 +846,10 @@ AVX512 static inline int fp4_safe16(__m512 y, __m512 r) {
 /* a whole row, g a multiple of 16: group t uses mult[t] (see fp48: multiply by 1 / mult where
  * fp4_kind allows, dividing the vectors near a threshold) */
 AVX512 static double fp4_row_avx512(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult,
-                                   const float *rcp) {
+                                   const float *rcp, double *sig) {
     const __m512i absm = _mm512_set1_epi32(0x7fffffff);
     const __m512 table = _mm512_castps256_ps512(_mm256_loadu_ps(E2M1)), six = _mm512_set1_ps(6.0f);
-    __m512d acc = _mm512_setzero_pd();
+    __m512d acc = _mm512_setzero_pd(), acc2 = _mm512_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
     for (int64_t t = 0, j = 0; j < k; t++) {
         int kind = fp4_kind(mult[t], rcp[t]);
         const __m512 vm = _mm512_set1_ps(mult[t]), vr = _mm512_set1_ps(rcp[t]);
@@ -859,9 +869,11 @@ AVX512 static double fp4_row_avx512(const float *w, uint8_t *c, int64_t k, int64
             _mm_storeu_si128((__m128i *)(c + j), _mm512_cvtepi32_epi8(code));
             __m512 mag = _mm512_permutexvar_ps(idx, table);
             __m512 val = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(mag), _mm512_slli_epi32(sgn, 31)));
+            acc2 = _mm512_add_pd(acc2, sq8(v));
             acc = _mm512_add_pd(acc, sq8(_mm512_sub_ps(v, _mm512_mul_ps(val, vm))));
         }
     }
+    *sig = _mm512_reduce_add_pd(acc2);
     return _mm512_reduce_add_pd(acc);
 }
 
@@ -1262,21 +1274,27 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
     params_scalar(a, i, t0, ga, gb, sc, off);
     double err = 0.0;
 #ifdef CVT_X86
-    if (row512)
-        err = fp4 ? fp4_row_avx512(w, (uint8_t *)q, k, g, sc, gb) : qint_row_avx512(w, q, k, g, sc, off, asym, qmin, qmax);
-    else if (row)
-        err = fp4 ? fp4_row_avx2(w, (uint8_t *)q, k, g, sc, gb) : qint_row_avx2(w, q, k, g, sc, off, asym, qmin, qmax);
-    else
+    if (row) { /* the whole-row loops add up sum w^2 too, in the same pass */
+        double sig = 0.0;
+        if (row512)
+            jb->err += fp4 ? fp4_row_avx512(w, (uint8_t *)q, k, g, sc, gb, &sig)
+                           : qint_row_avx512(w, q, k, g, sc, off, asym, qmin, qmax, &sig);
+        else
+            jb->err += fp4 ? fp4_row_avx2(w, (uint8_t *)q, k, g, sc, gb, &sig)
+                           : qint_row_avx2(w, q, k, g, sc, off, asym, qmin, qmax, &sig);
+        jb->sig += sig;
+        return;
+    }
 #endif
-        for (int64_t t = 0; t < ng; t++) {
-            const float *wg = w + t * g;
-            int8_t *qg = q + t * g;
-            if (fp4)
-                err += f64 ? fp4_scalar_sq(wg, (uint8_t *)qg, g, sc[t], 1) : PICK(fp4, simd)(wg, (uint8_t *)qg, g, sc[t]);
-            else
-                err += f64 ? qint_scalar_sq(wg, qg, g, sc[t], off[t], asym, qmin, qmax, 1)
-                           : PICK(qint, simd)(wg, qg, g, sc[t], off[t], asym, qmin, qmax);
-        }
+    for (int64_t t = 0; t < ng; t++) {
+        const float *wg = w + t * g;
+        int8_t *qg = q + t * g;
+        if (fp4)
+            err += f64 ? fp4_scalar_sq(wg, (uint8_t *)qg, g, sc[t], 1) : PICK(fp4, simd)(wg, (uint8_t *)qg, g, sc[t]);
+        else
+            err += f64 ? qint_scalar_sq(wg, qg, g, sc[t], off[t], asym, qmin, qmax, 1)
+                       : PICK(qint, simd)(wg, qg, g, sc[t], off[t], asym, qmin, qmax);
+    }
     jb->err += err;
 #ifdef CVT_X86
     if (simd == 2 && !f64) {
