@@ -222,11 +222,11 @@ static double sumsq_scalar(const float *w, int64_t len) { return sumsq_scalar_sq
  * sc < 2**100; one rounding of the product, then nearest-even to bfloat16). NaN codes are
  * flagged in *nan (the caller redoes the row in scalar). */
 AVX static inline __m256 fp8x8(const uint8_t *p, __m256 sc256, __m128i *nan) {
-    const __m128i m7f = _mm_set1_epi16(0x7f), m80 = _mm_set1_epi16(0x80);
-    __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    __m128i mag = _mm_and_si128(x, m7f);
-    *nan = _mm_or_si128(*nan, _mm_cmpeq_epi16(mag, m7f));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(x, m80), 8));
+    const __m128i magm = _mm_set1_epi16(0x3f80);
+    /* sign-extended code << 7: the sign lands on bit 15, its copy on bit 14 is cleared */
+    __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7),
+                              _mm_set1_epi16((short)0xbf80));
+    *nan = _mm_or_si128(*nan, _mm_cmpeq_epi16(_mm_and_si128(h, magm), magm)); /* magnitude 0x7f */
     __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(h), sc256));
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
@@ -626,11 +626,10 @@ AVX static double sumsq_avx2(const float *w, int64_t len) {
 #define AVX512 __attribute__((target("avx512f,avx2,f16c")))
 
 AVX512 static inline __m512 fp8x16(const uint8_t *p, __m512 sc256, __m256i *nan) {
-    const __m256i m7f = _mm256_set1_epi16(0x7f), m80 = _mm256_set1_epi16(0x80);
-    __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    __m256i mag = _mm256_and_si256(x, m7f);
-    *nan = _mm256_or_si256(*nan, _mm256_cmpeq_epi16(mag, m7f));
-    __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(x, m80), 8));
+    const __m256i magm = _mm256_set1_epi16(0x3f80);
+    __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
+                                 _mm256_set1_epi16((short)0xbf80)); /* as fp8x8 */
+    *nan = _mm256_or_si256(*nan, _mm256_cmpeq_epi16(_mm256_and_si256(h, magm), magm));
     __m512i b = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(h), sc256));
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
@@ -987,12 +986,12 @@ AVX512 static int64_t params_avx512(const cvt_qargs *a, int64_t i, const float *
 /* 8 bf16 results of e4m3 codes times sc, as float32 (the AVX2 fp8x8's bit move and rounding) */
 static inline void fp8x8_neon(const uint8_t *p, float32x4_t sc256, uint16x8_t *nan, float32x4_t *lo,
                               float32x4_t *hi) {
-    const uint16x8_t m7f = vdupq_n_u16(0x7f), m80 = vdupq_n_u16(0x80);
+    const uint16x8_t magm = vdupq_n_u16(0x3f80);
     const uint32x4_t one = vdupq_n_u32(1), half = vdupq_n_u32(0x7fff), top = vdupq_n_u32(0xffff0000u);
-    uint16x8_t x = vmovl_u8(vld1_u8(p));
-    uint16x8_t mag = vandq_u16(x, m7f);
-    *nan = vorrq_u16(*nan, vceqq_u16(mag, m7f));
-    uint16x8_t h = vorrq_u16(vshlq_n_u16(mag, 7), vshlq_n_u16(vandq_u16(x, m80), 8));
+    /* sign-extended code << 7, bit 14 (the sign's copy) cleared: as fp8x8 */
+    uint16x8_t h = vandq_u16(vreinterpretq_u16_s16(vshlq_n_s16(vmovl_s8(vld1_s8((const int8_t *)p)), 7)),
+                             vdupq_n_u16(0xbf80));
+    *nan = vorrq_u16(*nan, vceqq_u16(vandq_u16(h, magm), magm));
     uint32x4_t bl = vreinterpretq_u32_f32(vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h))), sc256));
     uint32x4_t bh = vreinterpretq_u32_f32(vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(h))), sc256));
     bl = vandq_u32(vaddq_u32(bl, vaddq_u32(vandq_u32(vshrq_n_u32(bl, 16), one), half)), top);
