@@ -21,7 +21,8 @@ from cvt.tests.convert.fp8_reference import dequant, same_bits_nan_aware
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "kernels" / "neon_harness.c"
-SOURCES = [ROOT / "convert" / "_fp8kernel.c", ROOT / "quant" / "_qkernel.c", ROOT / "convert" / "_cvt_kernel.h"]
+SOURCES = [ROOT / "convert" / "_fp8kernel.c", ROOT / "quant" / "_qkernel.c", ROOT / "convert" / "_cvt_kernel.h",
+           ROOT / "quant" / "_qkernel_neon.h"]
 CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
 FLAGS = {"FP8": ["-O3", "-fno-strict-aliasing"], "QUANT": ["-O3", "-fno-strict-aliasing", "-ffp-contract=off"]}
 
@@ -174,7 +175,7 @@ def test_quantize_neon_counts_non_finite_values(harness, tmp_path):
 
 @pytest.mark.parametrize("case", ["nvfp4-1024", "nvfp4-1536", "nvfp4-1234.5678", "nvfp4-3e38", "mxfp4"])
 def test_fp4_neon_at_and_beside_every_threshold(harness, tmp_path, case):
-    """fp4_neon's multiply-first codes (quant/_qkernel.c) on tests/quant/test_qkernel_fp4.py's
+    """fp4_neon's multiply-first codes (quant/_qkernel_neon.h) on tests/quant/test_qkernel_fp4.py's
     weights: quotients at and 1-2 ulps beside every E2M1 threshold after non-power-of-two nvfp4
     multipliers (some of which only the fallback division gets right), tiny multipliers, and
     mxfp4's extreme E8M0 scales: the reference's tensors at NEON and scalar."""
@@ -185,7 +186,8 @@ def test_fp4_neon_at_and_beside_every_threshold(harness, tmp_path, case):
     from cvt.tests.quant.test_qkernel_fp4 import mxfp4_case, nvfp4_case
 
     if case == "mxfp4":
-        src, sch, lo, gs = QK.WeightSource(mxfp4_case()), get_scheme("fp4", fp4_format="mxfp4"), LAYOUTS.get("ct-mxfp4"), None
+        src, gs = QK.WeightSource(mxfp4_case()), None
+        sch, lo = get_scheme("fp4", fp4_format="mxfp4"), LAYOUTS.get("ct-mxfp4")
         want = reference(src, sch, lo)
     else:
         gs = float(case.split("-")[1])

@@ -1,12 +1,13 @@
-"""The fused kernel's fp4 codes without a division (quant/_qkernel.c: fp4_kind, e2m1_idx16, fp48):
-every SIMD level against the reference (`scheme.quantize` + `layout.encode`,
-cvt.quant.tensor.schemes.fp4 `Fp4Scheme.quantize`, whose E2M1 rounding is
-cvt.quant.tensor.primitives `encode_e2m1`) on quotients placed at and 1-2 bf16 ulps beside every
-E2M1 threshold, after scaling by nvfp4 multipliers that are not powers of two (so that a quotient
-taken as w * (1 / mult) lands on the wrong side of a threshold unless the kernel divides those
-vectors: the test shows such inputs are present), and on mxfp4's extreme scales (E8M0 0, 1, 253).
-Group counts that leave groups to the scalar parameter loop after the 16-group SIMD one. And the
-SIMD packers (int4 / fp4 nibbles, compressed-tensors int32 words) with their scalar tails."""
+"""The fused kernel's fp4 codes without a division (quant/_qkernel.c fp4_kind; e2m1_idx16, fp48
+and e2m1_idx4 in its _qkernel_avx512.h, _avx2.h and _neon.h parts): every SIMD level against the
+reference (`scheme.quantize` + `layout.encode`, cvt.quant.tensor.schemes.fp4 `Fp4Scheme.quantize`,
+whose E2M1 rounding is cvt.quant.tensor.primitives `encode_e2m1`) on quotients placed at and 1-2
+bf16 ulps beside every E2M1 threshold, after scaling by nvfp4 multipliers that are not powers of
+two (so that a quotient taken as w * (1 / mult) lands on the wrong side of a threshold unless the
+kernel divides those vectors: the test shows such inputs are present), and on mxfp4's extreme
+scales (E8M0 0, 1, 253). Group counts that leave groups to the scalar parameter loop after the
+16-group SIMD one. And the SIMD packers (int4 / fp4 nibbles, compressed-tensors int32 words) with
+their scalar tails."""
 
 from __future__ import annotations
 
@@ -131,8 +132,8 @@ PACKED = [("ct-int4", "w4a16", {"group_size": 0}), ("ct-int4", "w4a16", {"group_
 @pytest.mark.parametrize("k", [32, 67, 130, 202, 352, 416])
 @pytest.mark.parametrize("layout,scheme,opts", PACKED, ids=[f"{c[0]}-{len(c[2])}" for c in PACKED])
 def test_packers_at_every_level_and_tail(layout, scheme, opts, k):
-    """The SIMD packers (quant/_qkernel.c pack_nib_*: 32 / 16 bytes a step; pack_rows_*) and their
-    scalar tails: compressed-tensors int32 words with k not a multiple of 8 (odd k: a half-filled
+    """The SIMD packers (quant/_qkernel_avx2.h / _neon.h pack_nib_*: 32 / 16 bytes a step;
+    pack_rows_*) and their scalar tails: compressed-tensors int32 words with k not a multiple of 8 (odd k: a half-filled
     byte and zero nibbles), nibbles along k and in row pairs with k not a multiple of 64, against
     the reference's packers (cvt.quant.tensor.primitives via `layout.encode`)."""
     if (layout != "ct-int4" and k % 2) or (scheme == "fp4" and k % 32):
