@@ -251,9 +251,43 @@ AVX static double fp4_row_avx2(const float *w, uint8_t *c, int64_t k, int64_t g,
 
 /* per-group max |w| (minmax = 0) or min and max (minmax = 1) of a row, g a multiple of 8: exact
  * whatever the order, so the same numbers as the scalar loops */
+AVX static inline __m256 op8(__m256 a, __m256 b, int mn) { return mn ? _mm256_min_ps(a, b) : _mm256_max_ps(a, b); }
+
+/* lane t = the max (mn: min) of v[t]'s 8 lanes, for 8 vectors at once (as reduce16x16): halves,
+ * pairs, lanes, then the lanes back in order */
+AVX static inline __m256 reduce8x8(const __m256 *v, int mn) {
+    __m256 u[4], x[2];
+    for (int i = 0; i < 4; i++) /* lanes 0-3: 4 of v[2i], 4-7: 4 of v[2i+1] */
+        u[i] = op8(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20), _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31), mn);
+    for (int i = 0; i < 2; i++) /* 2 lanes each of v[4i], v[4i+2] | v[4i+1], v[4i+3] */
+        x[i] = op8(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0xee), mn);
+    __m256 z = op8(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xdd), mn); /* v 0 2 4 6 1 3 5 7 */
+    return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 AVX static void gstats_avx2(const float *w, int64_t k, int64_t g, int minmax, float *ga, float *gb) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int64_t t = 0, j = 0; j < k; t++) {
+    int64_t ng = k / g, t0 = 0;
+    for (; g <= 32 && t0 + 8 <= ng; t0 += 8) { /* small groups: 8 at a time through reduce8x8 */
+        __m256 lo[8], hi[8];
+        for (int u = 0; u < 8; u++) {
+            const float *p = w + (t0 + u) * g;
+            if (minmax) {
+                lo[u] = hi[u] = _mm256_loadu_ps(p);
+                for (int64_t j = 8; j < g; j += 8) {
+                    __m256 v = _mm256_loadu_ps(p + j);
+                    lo[u] = _mm256_min_ps(lo[u], v);
+                    hi[u] = _mm256_max_ps(hi[u], v);
+                }
+            } else {
+                hi[u] = _mm256_and_ps(_mm256_loadu_ps(p), absm);
+                for (int64_t j = 8; j < g; j += 8) hi[u] = _mm256_max_ps(hi[u], _mm256_and_ps(_mm256_loadu_ps(p + j), absm));
+            }
+        }
+        if (minmax) _mm256_storeu_ps(ga + t0, reduce8x8(lo, 1));
+        _mm256_storeu_ps((minmax ? gb : ga) + t0, reduce8x8(hi, 0));
+    }
+    for (int64_t t = t0, j = t0 * g; j < k; t++) {
         int64_t end = j + g;
         if (minmax) {
             __m256 lo = _mm256_loadu_ps(w + j), hi = lo;
