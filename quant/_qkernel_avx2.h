@@ -182,38 +182,26 @@ AVX static double qint_row_avx2(const float *w, int8_t *q, int64_t k, int64_t g,
 }
 
 /* E2M1 index of a = min(|x|, 6) as rint of y = 2a / a / a/2 plus 0 / 2 / 4 (NaN -> 0): see
- * e2m1_idx16. *y, *r: y and rint(y), for fp4_safe8. */
-AVX static inline __m256i e2m1_idx8(__m256 a, __m256 *y, __m256 *r) {
+ * e2m1_idx16 */
+AVX static inline __m256i e2m1_idx8(__m256 a) {
     __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(2.0f), _CMP_LT_OQ), big = _mm256_cmp_ps(a, _mm256_set1_ps(4.0f), _CMP_GE_OQ);
     __m256 f = _mm256_blendv_ps(_mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(2.0f), small), _mm256_set1_ps(0.5f), big);
     __m256 off = _mm256_blendv_ps(_mm256_blendv_ps(_mm256_castsi256_ps(_mm256_set1_epi32(2)), _mm256_setzero_ps(), small),
                                   _mm256_castsi256_ps(_mm256_set1_epi32(4)), big);
-    *y = _mm256_mul_ps(a, f);
-    *r = _mm256_round_ps(*y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256i idx = _mm256_add_epi32(_mm256_cvttps_epi32(*r), _mm256_castps_si256(off));
+    __m256 r = _mm256_round_ps(_mm256_mul_ps(a, f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i idx = _mm256_add_epi32(_mm256_cvttps_epi32(r), _mm256_castps_si256(off));
     return _mm256_and_si256(idx, _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_ORD_Q)));
 }
 
-/* every lane of y more than 2**-17 y from a half-integer (see fp4_safe16) */
-AVX static inline int fp4_safe8(__m256 y, __m256 r) {
-    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 gap = _mm256_sub_ps(_mm256_set1_ps(0.5f), _mm256_and_ps(_mm256_sub_ps(y, r), absm));
-    return _mm256_movemask_ps(_mm256_cmp_ps(gap, _mm256_mul_ps(y, _mm256_set1_ps(0x1p-17f)), _CMP_GT_OQ)) == 0xff;
-}
-
-/* 8 lanes of E2M1 codes of clamp(w / mult, -6, 6), multiplying by vr = 1 / mult as fp4_kind's
- * kind allows (dividing a vector near a threshold); returns the 4-double sum of float32
+/* 8 lanes of E2M1 codes of clamp(w / mult, -6, 6), as w * vr (vr = 1 / mult) where fp4_kind says
+ * that is exact (see fp4_row_avx512), else divided; returns the 4-double sum of float32
  * (w - fp4 * mult)^2 */
-AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, __m256 vr, int kind) {
+AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, __m256 vr, int exact) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), six = _mm256_set1_ps(6.0f);
-    __m256 v = _mm256_loadu_ps(w), y, r;
-    __m256 x = kind ? _mm256_mul_ps(v, vr) : _mm256_div_ps(v, vm);
+    __m256 v = _mm256_loadu_ps(w);
+    __m256 x = exact ? _mm256_mul_ps(v, vr) : _mm256_div_ps(v, vm);
     /* min(6, |x|): the clamp's code (a NaN stays a NaN: min returns its second operand) */
-    __m256i idx = e2m1_idx8(_mm256_min_ps(six, _mm256_and_ps(x, absm)), &y, &r);
-    if (kind == FP4_NEAR && !fp4_safe8(y, r)) {
-        x = _mm256_div_ps(v, vm);
-        idx = e2m1_idx8(_mm256_min_ps(six, _mm256_and_ps(x, absm)), &y, &r);
-    }
+    __m256i idx = e2m1_idx8(_mm256_min_ps(six, _mm256_and_ps(x, absm)));
     __m256i sgn = _mm256_srli_epi32(_mm256_castps_si256(x), 31);
     __m256i code = _mm256_or_si256(idx, _mm256_slli_epi32(sgn, 3));
     __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
@@ -225,11 +213,11 @@ AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, __m256 vr,
 
 AVX static double fp4_avx2(const float *w, uint8_t *c, int64_t len, float mult) {
     float r = 1.0f / mult;
-    int kind = fp4_kind(mult, r);
+    int exact = fp4_kind(mult, r) == FP4_EXACT;
     const __m256 vm = _mm256_set1_ps(mult), vr = _mm256_set1_ps(r);
     __m256d acc = _mm256_setzero_pd();
     int64_t j = 0;
-    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, kind));
+    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, exact));
     return hsum4d(acc) + fp4_scalar(w + j, c + j, len - j, mult);
 }
 
@@ -238,10 +226,10 @@ AVX static double fp4_row_avx2(const float *w, uint8_t *c, int64_t k, int64_t g,
                                const float *rcp, double *sig) {
     __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
     for (int64_t t = 0, j = 0; j < k; t++) {
-        int kind = fp4_kind(mult[t], rcp[t]);
+        int exact = fp4_kind(mult[t], rcp[t]) == FP4_EXACT;
         const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(rcp[t]);
         for (int64_t end = j + g; j < end; j += 8) {
-            acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, kind));
+            acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, exact));
             acc2 = _mm256_add_pd(acc2, sq4(_mm256_loadu_ps(w + j)));
         }
     }

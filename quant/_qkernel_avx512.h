@@ -208,49 +208,33 @@ AVX512 static double qint_row_avx512(const float *w, int8_t *q, int64_t k, int64
  * y = 2a (a < 2), a (2 <= a < 4) or a / 2 (a >= 4) (exact), idx = rint(y) + 0, 2 or 4: e2m1_code's
  * thresholds are y's half-integers, and round-half-even ties down exactly at its strict ones
  * (0.25 1.25 2.5 5: y = 0.5 2.5 2.5 2.5) and up at its >= ones (0.75 1.75 3.5: y = 1.5 3.5 3.5);
- * a NaN gets 0, as the compares give it. *y, *r: y and rint(y), for fp4_safe16. */
-AVX512 static inline __m512i e2m1_idx16(__m512 a, __m512 *y, __m512 *r) {
+ * a NaN gets 0, as the compares give it. */
+AVX512 static inline __m512i e2m1_idx16(__m512 a) {
     __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.0f), _CMP_LT_OQ);
     __mmask16 big = _mm512_cmp_ps_mask(a, _mm512_set1_ps(4.0f), _CMP_GE_OQ);
     __m512 f = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_set1_ps(1.0f), small, _mm512_set1_ps(2.0f)), big,
                                   _mm512_set1_ps(0.5f));
     __m512i off = _mm512_mask_mov_epi32(_mm512_mask_mov_epi32(_mm512_set1_epi32(2), small, _mm512_setzero_si512()),
                                         big, _mm512_set1_epi32(4));
-    *y = _mm512_mul_ps(a, f);
-    *r = _mm512_roundscale_ps(*y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_maskz_add_epi32(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), _mm512_cvttps_epi32(*r), off);
+    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(a, f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_maskz_add_epi32(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), _mm512_cvttps_epi32(r), off);
 }
 
-/* every lane of y more than 2**-17 y from a half-integer (a threshold; false for NaN): a quotient
- * within 2**-22 relative of this one (FP4_NEAR) has the same E2M1 index */
-AVX512 static inline int fp4_safe16(__m512 y, __m512 r) {
-    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
-    __m512 h = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(y, r)), absm));
-    __m512 gap = _mm512_sub_ps(_mm512_set1_ps(0.5f), h);
-    return _mm512_cmp_ps_mask(gap, _mm512_mul_ps(y, _mm512_set1_ps(0x1p-17f)), _CMP_GT_OQ) == 0xffff;
-}
-
-/* a whole row, g a multiple of 16: group t uses mult[t] (see fp48: multiply by 1 / mult where
- * fp4_kind allows, dividing the vectors near a threshold) */
+/* a whole row, g a multiple of 16: group t uses mult[t]; w * (1 / mult) where that is w / mult
+ * exactly (FP4_EXACT: mxfp4), else the division (see FP4_NEAR) */
 AVX512 static double fp4_row_avx512(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult,
                                    const float *rcp, double *sig) {
     const __m512i absm = _mm512_set1_epi32(0x7fffffff);
     const __m512 table = _mm512_castps256_ps512(_mm256_loadu_ps(E2M1)), six = _mm512_set1_ps(6.0f);
     __m512d acc = _mm512_setzero_pd(), acc2 = _mm512_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
     for (int64_t t = 0, j = 0; j < k; t++) {
-        int kind = fp4_kind(mult[t], rcp[t]);
+        int exact = fp4_kind(mult[t], rcp[t]) == FP4_EXACT;
         const __m512 vm = _mm512_set1_ps(mult[t]), vr = _mm512_set1_ps(rcp[t]);
         for (int64_t end = j + g; j < end; j += 16) {
-            __m512 v = _mm512_loadu_ps(w + j), y, r;
-            __m512 x = kind ? _mm512_mul_ps(v, vr) : _mm512_div_ps(v, vm);
+            __m512 v = _mm512_loadu_ps(w + j);
+            __m512 x = exact ? _mm512_mul_ps(v, vr) : _mm512_div_ps(v, vm);
             /* min(6, |x|): the clamp's code (a NaN stays a NaN: min returns its second operand) */
-            __m512 a = _mm512_min_ps(six, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm)));
-            __m512i idx = e2m1_idx16(a, &y, &r);
-            if (kind == FP4_NEAR && !fp4_safe16(y, r)) {
-                x = _mm512_div_ps(v, vm);
-                a = _mm512_min_ps(six, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm)));
-                idx = e2m1_idx16(a, &y, &r);
-            }
+            __m512i idx = e2m1_idx16(_mm512_min_ps(six, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm))));
             __m512i sgn = _mm512_srli_epi32(_mm512_castps_si512(x), 31);
             __m512i code = _mm512_or_si512(idx, _mm512_slli_epi32(sgn, 3));
             _mm_storeu_si128((__m128i *)(c + j), _mm512_cvtepi32_epi8(code));
