@@ -32,10 +32,10 @@
  * values are counted, not quantized: the caller refuses the weight (its outputs are garbage).
  * On x86-64 with AVX2 + F16C (checked at run time) the inner loops are vectorized with the same
  * operations, 8 lanes, or 16 with AVX-512F (`simd` 2, where the CPU has it), and on aarch64 with
- * NEON (`simd` 1: decode, group statistics, int and fp4 codes, sums, packing): bit-identical codes
- * and scales (the tests compare every level with the scalar path; NEON under qemu,
- * tests/kernels/neon_harness.c). Those pieces live in _qkernel_avx2.h, _qkernel_avx512.h and
- * _qkernel_neon.h, parts of this file included below. The module init below only exists so that
+ * NEON (`simd` 1: decode, group statistics and parameters, int and fp4 codes, sums, packing):
+ * bit-identical codes and scales (the tests compare every level with the scalar path; NEON under
+ * qemu, tests/kernels/neon_harness.c). Those pieces live in _qkernel_avx2.h, _qkernel_avx512.h
+ * and _qkernel_neon.h, parts of this file included below. The module init below only exists so that
  * setuptools can build this file as an importable extension; it is called through ctypes.
  */
 #ifndef CVT_NO_PYTHON /* tests/kernels/neon_harness.c builds the kernel alone, for aarch64 under qemu */
@@ -319,6 +319,8 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
 #ifdef CVT_X86
     if (simd == 2) t0 = params_avx512(a, i, ga, gb, sc, off);
     else if (simd) t0 = params_avx2(a, i, ga, gb, sc, off);
+#elif defined(__aarch64__)
+    if (simd) t0 = params_neon(a, i, ga, gb, sc, off);
 #endif
     params_scalar(a, i, t0, ga, gb, sc, off);
     double err = 0.0;

@@ -203,4 +203,98 @@ static int64_t pack_rows_neon(const int8_t *q0, const int8_t *q1, uint8_t *out, 
     return j;
 }
 
+/* ---- group parameters, 4 groups at a time (params_scalar's float32 operations in its order, as
+ * params_avx512); returns how many groups it did (a multiple of 4) */
+
+static inline uint32x4_t bf16_bits4(float32x4_t v) { /* bf16_rne */
+    uint32x4_t b = vreinterpretq_u32_f32(v);
+    uint32x4_t rne = vshrq_n_u32(vaddq_u32(b, vaddq_u32(vdupq_n_u32(0x7fff), vandq_u32(vshrq_n_u32(b, 16), vdupq_n_u32(1)))), 16);
+    uint32x4_t nan = vcgtq_u32(vandq_u32(b, vdupq_n_u32(0x7fffffffu)), vdupq_n_u32(0x7f800000u));
+    return vbslq_u32(nan, vorrq_u32(vshrq_n_u32(b, 16), vdupq_n_u32(0x40)), rne);
+}
+
+static inline float32x4_t clamp4(float32x4_t x, float32x4_t lo, float32x4_t hi) { /* clampf */
+    x = vbslq_f32(vcgtq_f32(x, hi), hi, x);
+    return vbslq_f32(vcltq_f32(x, lo), lo, x);
+}
+
+static inline uint32x4_t e4m3_4(float32x4_t f) { /* e4m3_from_f32, its three cases as masks */
+    uint32x4_t b = vreinterpretq_u32_f32(f), sign = vandq_u32(b, vdupq_n_u32(0x80000000u));
+    b = veorq_u32(b, sign);
+    uint32x4_t over = vcgeq_u32(b, vdupq_n_u32(1087u << 20)), sub = vcltq_u32(b, vdupq_n_u32(121u << 23));
+    uint32x4_t magic = vdupq_n_u32(141u << 23);
+    uint32x4_t rs = vsubq_u32(vreinterpretq_u32_f32(vaddq_f32(vreinterpretq_f32_u32(b), vreinterpretq_f32_u32(magic))), magic);
+    uint32x4_t odd = vandq_u32(vshrq_n_u32(b, 20), vdupq_n_u32(1));
+    uint32x4_t rn = vshrq_n_u32(vaddq_u32(vaddq_u32(b, vdupq_n_u32(((uint32_t)(7 - 127) << 23) + 0x7ffffu)), odd), 20);
+    uint32x4_t r = vbslq_u32(over, vdupq_n_u32(0x7f), vbslq_u32(sub, rs, rn));
+    return vandq_u32(vorrq_u32(r, vshrq_n_u32(sign, 24)), vdupq_n_u32(0xff));
+}
+
+static inline void store4_u8(uint8_t *p, uint32x4_t v) { /* 4 lanes of 0..255 */
+    uint16x4_t h = vmovn_u32(v);
+    uint32_t packed = vget_lane_u32(vreinterpret_u32_u8(vmovn_u16(vcombine_u16(h, h))), 0);
+    memcpy(p, &packed, 4);
+}
+
+static int64_t params_neon(const cvt_qargs *a, int64_t i, const float *ga, float *gb, float *sc, float *off) {
+    int64_t ng = a->k / a->group, t = 0;
+    const float32x4_t zero = vdupq_n_f32(0.0f), one = vdupq_n_f32(1.0f), qdiv = vdupq_n_f32(a->qdiv);
+    const float32x4_t qmin = vdupq_n_f32((float)a->qmin), qmax = vdupq_n_f32((float)a->qmax);
+    const float32x4_t gs = vdupq_n_f32(a->global_scale);
+    for (; t + 4 <= ng; t += 4) {
+        int64_t o = i * ng + t;
+        float32x4_t s, va = vld1q_f32(ga + t);
+        if (a->mode == MODE_NVFP4) {
+            s = clamp4(vmulq_f32(vdivq_f32(va, vdupq_n_f32(6.0f)), gs), vdupq_n_f32(-448.0f), vdupq_n_f32(448.0f));
+            uint32x4_t code = e4m3_4(s);
+            float lut[4] = {LUT[vgetq_lane_u32(code, 0)], LUT[vgetq_lane_u32(code, 1)], LUT[vgetq_lane_u32(code, 2)],
+                            LUT[vgetq_lane_u32(code, 3)]};
+            float32x4_t v = vld1q_f32(lut);
+            uint32x4_t z = vceqq_f32(v, zero); /* 0.125, the e4m3 eps */
+            code = vbslq_u32(z, vdupq_n_u32(0x20), code);
+            v = vbslq_f32(z, vdupq_n_f32(0.125f), v);
+            store4_u8(a->scale8 + o, code);
+            s = vdivq_f32(v, gs);
+            vst1q_f32(sc + t, s);
+            vst1q_f32(gb + t, vdivq_f32(one, s));
+            continue;
+        }
+        if (a->mode == MODE_MXFP4) {
+            int32x4_t e = vsubq_s32(vreinterpretq_s32_u32(vandq_u32(
+                                        vshrq_n_u32(vaddq_u32(vreinterpretq_u32_f32(va), vdupq_n_u32(1u << 21)), 23),
+                                        vdupq_n_u32(0xff))), vdupq_n_s32(2));
+            e = vminq_s32(vmaxq_s32(e, vdupq_n_s32(0)), vdupq_n_s32(254));
+            uint32x4_t eu = vreinterpretq_u32_s32(e);
+            store4_u8(a->scale8 + o, eu);
+            s = vreinterpretq_f32_u32(vbslq_u32(vceqq_u32(eu, vdupq_n_u32(0)), vdupq_n_u32(0x00400000u), vshlq_n_u32(eu, 23)));
+            vst1q_f32(sc + t, s);
+            vst1q_f32(gb + t, vdivq_f32(one, s));
+            continue;
+        }
+        float32x4_t vo = zero;
+        if (a->mode == MODE_SYM) {
+            s = vdivq_f32(va, qdiv);
+        } else { /* MODE_ASYM: lo = ga < 0 ? ga : 0, hi = gb > 0 ? gb : 0 */
+            float32x4_t vb = vld1q_f32(gb + t);
+            float32x4_t lo = vbslq_f32(vcltq_f32(va, zero), va, zero), hi = vbslq_f32(vcgtq_f32(vb, zero), vb, zero);
+            float32x4_t s0 = vdivq_f32(vsubq_f32(hi, lo), qdiv);
+            s0 = vbslq_f32(vceqq_f32(s0, zero), one, s0);
+            float32x4_t r = vrndnq_f32(vsubq_f32(qmin, vdivq_f32(lo, s0)));
+            vo = vaddq_f32(clamp4(r, qmin, qmax), zero);
+            s = s0;
+        }
+        uint32x4_t bits = bf16_bits4(s);
+        s = vreinterpretq_f32_u32(vshlq_n_u32(bits, 16));
+        uint32x4_t z = vceqq_f32(s, zero);
+        s = vbslq_f32(z, one, s);
+        bits = vbslq_u32(z, vdupq_n_u32(0x3f80), bits);
+        vst1q_f32(sc + t, s);
+        vst1q_f32(off + t, vo);
+        vst1q_f32(a->scale + o, s);
+        if (a->scale_bf16) vst1_u16(a->scale_bf16 + o, vmovn_u32(bits));
+        if (a->offset) vst1q_f32(a->offset + o, vo);
+    }
+    return t;
+}
+
 #endif
