@@ -32,8 +32,10 @@
  * values are counted, not quantized: the caller refuses the weight (its outputs are garbage).
  * On x86-64 with AVX2 + F16C (checked at run time) the inner loops are vectorized with the same
  * operations, 8 lanes, or 16 with AVX-512F (`simd` 2, where the CPU has it), and on aarch64 with
- * NEON (`simd` 1: decode, group statistics, int codes, sums): bit-identical codes and scales (the
- * tests compare every level with the scalar path; NEON under qemu, tests/kernels/neon_harness.c). The module init below only exists so that
+ * NEON (`simd` 1: decode, group statistics and parameters, int and fp4 codes, sums, packing):
+ * bit-identical codes and scales (the tests compare every level with the scalar path; NEON under
+ * qemu, tests/kernels/neon_harness.c). Those pieces live in _qkernel_avx2.h, _qkernel_avx512.h
+ * and _qkernel_neon.h, parts of this file included below. The module init below only exists so that
  * setuptools can build this file as an importable extension; it is called through ctypes.
  */
 #ifndef CVT_NO_PYTHON /* tests/kernels/neon_harness.c builds the kernel alone, for aarch64 under qemu */
@@ -177,6 +179,30 @@ static double fp4_scalar_sq(const float *w, uint8_t *c, int64_t len, float mult,
     return err;
 }
 
+/* ---- fp4 codes without a division ----------------------------------------------------------------
+ * The SIMD fp4 loops only need e2m1_code(w / mult), and a vector division may be their largest cost.
+ * FP4_EXACT: mult is a power of two whose reciprocal is a float (every mxfp4 multiplier 2**(e-127),
+ *   e = 0..254: 1/mult = 2**(127-e) in [2**-127, 2**127]): w * (1/mult) and w / mult are the one
+ *   correctly rounded value of the same real number (subnormal, overflowing and NaN results too).
+ *   Every SIMD level multiplies these.
+ * FP4_NEAR: 1/mult is a normal float: w * (1/mult) is within 3 * 2**-24 relative of w / mult (or
+ *   both are below 2**-125, far under the first threshold), so the code is the same unless |x|
+ *   lies within that of a threshold; NEON checks each vector against a generous 2**-17 |x| and
+ *   divides the vectors where some lane is that near (or NaN). The x86 loops divide instead: on
+ *   the AMD EPYC (Zen 4) measured, vdivps beat the multiply and check (AVX-512 nvfp4 1.20 vs
+ *   1.09 GB/s, AVX2 0.90 vs 0.82); aarch64 cores divide 4 lanes several times slower than they
+ *   multiply (not measured here: no aarch64 machine).
+ * FP4_DIV: otherwise (zero, subnormal, huge or non-finite mult): divide. */
+enum { FP4_DIV = 0, FP4_NEAR = 1, FP4_EXACT = 2 };
+
+/* r: 1.0f / mult, as the parameter loops compute it */
+static inline int fp4_kind(float mult, float r) {
+    uint32_t m = f2u(mult) & 0x7fffffffu, e = m >> 23;
+    float ar = fabsf(r);
+    if (((m & 0x7fffffu) == 0 && e >= 1 && e <= 254) || m == 0x00400000u) return FP4_EXACT;
+    return ar >= 0x1p-126f && ar <= 0x1p126f ? FP4_NEAR : FP4_DIV;
+}
+
 static double sumsq_scalar_sq(const float *w, int64_t len, int f64) {
     double s = 0.0;
     for (int64_t j = 0; j < len; j++) s += SQ(w[j], f64);
@@ -193,574 +219,11 @@ static double fp4_scalar(const float *w, uint8_t *c, int64_t len, float mult) {
 static double sumsq_scalar(const float *w, int64_t len) { return sumsq_scalar_sq(w, len, 0); }
 
 #ifdef CVT_X86
-/* ---- AVX2 row pieces: the same float32 operations, 8 lanes at a time ---------------------------- */
-
-#define AVX __attribute__((target("avx2,f16c")))
-
-/* 8 bf16 results of e4m3 codes times sc, as float32 (see convert/_fp8kernel.c's span_simd:
- * e4m3 bits moved into float16 bits are w * 2**-8 exactly; sc256 = sc * 256 is exact when
- * sc < 2**100; one rounding of the product, then nearest-even to bfloat16). NaN codes are
- * flagged in *nan (the caller redoes the row in scalar). */
-AVX static inline __m256 fp8x8(const uint8_t *p, __m256 sc256, __m128i *nan) {
-    const __m128i m7f = _mm_set1_epi16(0x7f), m80 = _mm_set1_epi16(0x80);
-    __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    __m128i mag = _mm_and_si128(x, m7f);
-    *nan = _mm_or_si128(*nan, _mm_cmpeq_epi16(mag, m7f));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(x, m80), 8));
-    __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(h), sc256));
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(r, 16), 16));
-}
-
-AVX static inline __m256i exp_all_ones(__m256 v) {
-    const __m256i e = _mm256_set1_epi32(0x7f800000);
-    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), e), e);
-}
-
-AVX static int64_t decode_avx2(const cvt_qargs *a, int64_t i, float *out) {
-    int64_t k = a->k, j = 0;
-    __m256i bad = _mm256_setzero_si256();
-    if (a->src_kind == SRC_BF16) {
-        const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
-        for (; j + 8 <= k; j += 8) {
-            __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * j)));
-            __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-            bad = _mm256_sub_epi32(bad, exp_all_ones(v));
-            _mm256_storeu_ps(out + j, v);
-        }
-        int64_t cnt = 0;
-        for (; j < k; j++) {
-            uint16_t h;
-            memcpy(&h, row + 2 * j, 2);
-            out[j] = u2f((uint32_t)h << 16);
-            cnt += not_finite(out[j]);
-        }
-        int32_t lanes[8];
-        _mm256_storeu_si256((__m256i *)lanes, bad);
-        for (int t = 0; t < 8; t++) cnt += lanes[t];
-        return cnt;
-    }
-    const uint8_t *row = (const uint8_t *)a->src + i * k;
-    const float *srow = a->fp8_scale + (i / a->bn) * a->s_cols;
-    __m128i nan = _mm_setzero_si128();
-    for (int64_t c0 = 0, b = 0; c0 < k; c0 += a->bk, b++) {
-        int64_t end = c0 + a->bk < k ? c0 + a->bk : k;
-        float sc = srow[b];
-        __m256 sc256 = _mm256_set1_ps(sc * 256.0f);
-        for (j = c0; j + 8 <= end; j += 8) {
-            __m256 v = fp8x8(row + j, sc256, &nan);
-            bad = _mm256_sub_epi32(bad, exp_all_ones(v));
-            _mm256_storeu_ps(out + j, v);
-        }
-        for (; j < end; j++) {
-            out[j] = bf16_round(LUT[row[j]] * sc);
-            bad = _mm256_sub_epi32(bad, _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, not_finite(out[j])));
-        }
-    }
-    if (_mm_movemask_epi8(nan)) return decode_scalar(a, i, out); /* a NaN code: the plain path */
-    int32_t lanes[8];
-    _mm256_storeu_si256((__m256i *)lanes, bad);
-    int64_t cnt = 0;
-    for (int t = 0; t < 8; t++) cnt += lanes[t];
-    return cnt;
-}
-
-AVX static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
-AVX static inline float hmin8(__m256 v) {
-    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_min_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
-AVX static inline double hsum4d(__m256d v) {
-    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
-    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
-}
-
-/* max |w| is exact whatever the order: the vector and scalar maxima are the same number */
-AVX static float amax_avx2(const float *w, int64_t len) {
-    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 m = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= len; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(w + j), absm));
-    float r = hmax8(m);
-    for (; j < len; j++) {
-        float v = fabsf(w[j]);
-        r = v > r ? v : r;
-    }
-    return r;
-}
-
-AVX static void minmax_avx2(const float *w, int64_t len, float *mn, float *mx) {
-    if (len < 8) {
-        minmax_scalar(w, len, mn, mx);
-        return;
-    }
-    __m256 lo = _mm256_loadu_ps(w), hi = lo;
-    int64_t j = 8;
-    for (; j + 8 <= len; j += 8) {
-        __m256 v = _mm256_loadu_ps(w + j);
-        lo = _mm256_min_ps(lo, v);
-        hi = _mm256_max_ps(hi, v);
-    }
-    float l = hmin8(lo), h = hmax8(hi);
-    for (; j < len; j++) {
-        l = w[j] < l ? w[j] : l;
-        h = w[j] > h ? w[j] : h;
-    }
-    *mn = l;
-    *mx = h;
-}
-
-/* float32 squares of d, widened and added pairwise: 4 doubles */
-AVX static inline __m256d sq4(__m256 d) {
-    __m256 s = _mm256_mul_ps(d, d);
-    return _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(s)), _mm256_cvtps_pd(_mm256_extractf128_ps(s, 1)));
-}
-
-/* 8 lanes of q = clamp(rint(w / sc [+ off]), qmin, qmax) stored as int8; returns the 4-double sum of
- * float32 (w - (q - off) * sc)^2 */
-AVX static inline __m256d qint8(const float *w, int8_t *q, __m256 vs, __m256 vo, int asym, __m256 lo, __m256 hi) {
-    __m256 v = _mm256_loadu_ps(w);
-    __m256 x = _mm256_div_ps(v, vs);
-    if (asym) x = _mm256_add_ps(x, vo);
-    __m256 r = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
-    __m256i r32 = _mm256_cvtps_epi32(r);
-    __m128i r16 = _mm_packs_epi32(_mm256_castsi256_si128(r32), _mm256_extracti128_si256(r32, 1));
-    _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(r16, r16));
-    return sq4(_mm256_sub_ps(v, _mm256_mul_ps(_mm256_sub_ps(r, vo), vs)));
-}
-
-AVX static double qint_avx2(const float *w, int8_t *q, int64_t len, float sc, float off, int asym, float qmin,
-                            float qmax) {
-    const __m256 vs = _mm256_set1_ps(sc), vo = _mm256_set1_ps(off), lo = _mm256_set1_ps(qmin),
-                 hi = _mm256_set1_ps(qmax);
-    __m256d acc = _mm256_setzero_pd();
-    int64_t j = 0;
-    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, qint8(w + j, q + j, vs, vo, asym, lo, hi));
-    return hsum4d(acc) + qint_scalar(w + j, q + j, len - j, sc, off, asym, qmin, qmax);
-}
-
-/* a whole row of k = ng * g elements, g a multiple of 8: group t uses sc[t], off[t] */
-AVX static double qint_row_avx2(const float *w, int8_t *q, int64_t k, int64_t g, const float *sc, const float *off,
-                                int asym, float qmin, float qmax) {
-    const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax);
-    __m256d acc = _mm256_setzero_pd();
-    for (int64_t t = 0, j = 0; j < k; t++) {
-        const __m256 vs = _mm256_set1_ps(sc[t]), vo = _mm256_set1_ps(off[t]);
-        for (int64_t end = j + g; j < end; j += 8) acc = _mm256_add_pd(acc, qint8(w + j, q + j, vs, vo, asym, lo, hi));
-    }
-    return hsum4d(acc);
-}
-
-typedef struct {
-    __m256 six, msix, absm, table, t1, t2, t3, t4, t5, t6, t7;
-} fp4k;
-
-AVX static inline fp4k fp4_consts(void) {
-    fp4k c = {_mm256_set1_ps(6.0f), _mm256_set1_ps(-6.0f), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)),
-              _mm256_loadu_ps(E2M1), _mm256_set1_ps(0.25f), _mm256_set1_ps(0.75f), _mm256_set1_ps(1.25f),
-              _mm256_set1_ps(1.75f), _mm256_set1_ps(2.5f), _mm256_set1_ps(3.5f), _mm256_set1_ps(5.0f)};
-    return c;
-}
-
-/* 8 lanes of E2M1 codes of clamp(w / mult, -6, 6); returns the 4-double sum of float32 (w - fp4 * mult)^2 */
-AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, const fp4k *k) {
-    __m256 v = _mm256_loadu_ps(w);
-    __m256 x = _mm256_div_ps(v, vm);
-    /* clamp as x < lo ? lo : (x > hi ? hi : x): keeps -0.0 */
-    x = _mm256_blendv_ps(x, k->six, _mm256_cmp_ps(x, k->six, _CMP_GT_OQ));
-    x = _mm256_blendv_ps(x, k->msix, _mm256_cmp_ps(x, k->msix, _CMP_LT_OQ));
-    __m256 a = _mm256_and_ps(x, k->absm);
-    __m256i idx = _mm256_setzero_si256();
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t1, _CMP_GT_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t2, _CMP_GE_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t3, _CMP_GT_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t4, _CMP_GE_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t5, _CMP_GT_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t6, _CMP_GE_OQ)));
-    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(a, k->t7, _CMP_GT_OQ)));
-    __m256i sgn = _mm256_srli_epi32(_mm256_castps_si256(x), 31);
-    __m256i code = _mm256_or_si256(idx, _mm256_slli_epi32(sgn, 3));
-    __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-    _mm_storel_epi64((__m128i *)c, _mm_packus_epi16(c16, c16));
-    __m256 mag = _mm256_permutevar8x32_ps(k->table, idx);
-    __m256 val = _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32(sgn, 31)));
-    return sq4(_mm256_sub_ps(v, _mm256_mul_ps(val, vm)));
-}
-
-AVX static double fp4_avx2(const float *w, uint8_t *c, int64_t len, float mult) {
-    const fp4k k = fp4_consts();
-    const __m256 vm = _mm256_set1_ps(mult);
-    __m256d acc = _mm256_setzero_pd();
-    int64_t j = 0;
-    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, &k));
-    return hsum4d(acc) + fp4_scalar(w + j, c + j, len - j, mult);
-}
-
-/* a whole row, g a multiple of 8: group t uses mult[t] */
-AVX static double fp4_row_avx2(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult) {
-    const fp4k kk = fp4_consts();
-    __m256d acc = _mm256_setzero_pd();
-    for (int64_t t = 0, j = 0; j < k; t++) {
-        const __m256 vm = _mm256_set1_ps(mult[t]);
-        for (int64_t end = j + g; j < end; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, &kk));
-    }
-    return hsum4d(acc);
-}
-
-/* per-group max |w| (minmax = 0) or min and max (minmax = 1) of a row, g a multiple of 8: exact
- * whatever the order, so the same numbers as the scalar loops */
-AVX static void gstats_avx2(const float *w, int64_t k, int64_t g, int minmax, float *ga, float *gb) {
-    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int64_t t = 0, j = 0; j < k; t++) {
-        int64_t end = j + g;
-        if (minmax) {
-            __m256 lo = _mm256_loadu_ps(w + j), hi = lo;
-            for (j += 8; j < end; j += 8) {
-                __m256 v = _mm256_loadu_ps(w + j);
-                lo = _mm256_min_ps(lo, v);
-                hi = _mm256_max_ps(hi, v);
-            }
-            ga[t] = hmin8(lo);
-            gb[t] = hmax8(hi);
-        } else {
-            __m256 m = _mm256_setzero_ps();
-            for (; j < end; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(w + j), absm));
-            ga[t] = hmax8(m);
-        }
-    }
-}
-
-AVX static double sumsq_avx2(const float *w, int64_t len) {
-    __m256d acc = _mm256_setzero_pd();
-    int64_t j = 0;
-    for (; j + 8 <= len; j += 8) {
-        __m256 v = _mm256_loadu_ps(w + j);
-        acc = _mm256_add_pd(acc, sq4(v));
-    }
-    return hsum4d(acc) + sumsq_scalar(w + j, len - j);
-}
-
-/* ---- AVX-512 row pieces: the AVX2 pieces' float32 operations, 16 lanes at a time ------------------
- * (the same IEEE operations per element, so the same codes and scales; only the SQNR sums' double
- * additions come in another order). Used when the CPU has AVX-512F and the caller allows level 2. */
-
-#define AVX512 __attribute__((target("avx512f,avx2,f16c")))
-
-AVX512 static inline __m512 fp8x16(const uint8_t *p, __m512 sc256, __m256i *nan) {
-    const __m256i m7f = _mm256_set1_epi16(0x7f), m80 = _mm256_set1_epi16(0x80);
-    __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    __m256i mag = _mm256_and_si256(x, m7f);
-    *nan = _mm256_or_si256(*nan, _mm256_cmpeq_epi16(mag, m7f));
-    __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(x, m80), 8));
-    __m512i b = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(h), sc256));
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(r, 16), 16));
-}
-
-AVX512 static inline int exp_all_ones16(__m512 v) {
-    const __m512i e = _mm512_set1_epi32(0x7f800000);
-    return __builtin_popcount((unsigned)_mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), e), e));
-}
-
-AVX512 static int64_t decode_avx512(const cvt_qargs *a, int64_t i, float *out) {
-    int64_t k = a->k, j = 0, cnt = 0;
-    if (a->src_kind == SRC_BF16) {
-        const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
-        for (; j + 16 <= k; j += 16) {
-            __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * j)));
-            __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-            cnt += exp_all_ones16(v);
-            _mm512_storeu_ps(out + j, v);
-        }
-        for (; j < k; j++) {
-            uint16_t h;
-            memcpy(&h, row + 2 * j, 2);
-            out[j] = u2f((uint32_t)h << 16);
-            cnt += not_finite(out[j]);
-        }
-        return cnt;
-    }
-    const uint8_t *row = (const uint8_t *)a->src + i * k;
-    const float *srow = a->fp8_scale + (i / a->bn) * a->s_cols;
-    __m256i nan = _mm256_setzero_si256();
-    for (int64_t c0 = 0, b = 0; c0 < k; c0 += a->bk, b++) {
-        int64_t end = c0 + a->bk < k ? c0 + a->bk : k;
-        float sc = srow[b];
-        __m512 sc256 = _mm512_set1_ps(sc * 256.0f);
-        for (j = c0; j + 16 <= end; j += 16) {
-            __m512 v = fp8x16(row + j, sc256, &nan);
-            cnt += exp_all_ones16(v);
-            _mm512_storeu_ps(out + j, v);
-        }
-        for (; j < end; j++) {
-            out[j] = bf16_round(LUT[row[j]] * sc);
-            cnt += not_finite(out[j]);
-        }
-    }
-    if (_mm256_movemask_epi8(nan)) return decode_scalar(a, i, out); /* a NaN code: the plain path */
-    return cnt;
-}
-
-/* float32 squares of d, widened: 8 doubles */
-AVX512 static inline __m512d sq8(__m512 d) {
-    __m512 s = _mm512_mul_ps(d, d);
-    return _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(s)),
-                         _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1))));
-}
-
-AVX512 static void gstats_avx512(const float *w, int64_t k, int64_t g, int minmax, float *ga, float *gb) {
-    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
-    for (int64_t t = 0, j = 0; j < k; t++) {
-        int64_t end = j + g;
-        if (minmax) {
-            __m512 lo = _mm512_loadu_ps(w + j), hi = lo;
-            for (j += 16; j < end; j += 16) {
-                __m512 v = _mm512_loadu_ps(w + j);
-                lo = _mm512_min_ps(lo, v);
-                hi = _mm512_max_ps(hi, v);
-            }
-            ga[t] = _mm512_reduce_min_ps(lo);
-            gb[t] = _mm512_reduce_max_ps(hi);
-        } else {
-            __m512 m = _mm512_setzero_ps();
-            for (; j < end; j += 16)
-                m = _mm512_max_ps(m, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(w + j)), absm)));
-            ga[t] = _mm512_reduce_max_ps(m);
-        }
-    }
-}
-
-AVX512 static double sumsq_avx512(const float *w, int64_t len) {
-    __m512d acc = _mm512_setzero_pd();
-    int64_t j = 0;
-    for (; j + 16 <= len; j += 16) acc = _mm512_add_pd(acc, sq8(_mm512_loadu_ps(w + j)));
-    return _mm512_reduce_add_pd(acc) + sumsq_scalar(w + j, len - j);
-}
-
-/* a whole row of k = ng * g elements, g a multiple of 16 (see qint8).
- * Division is the loop's cost, and only rint(w / sc [+ off]) is kept: each 16 lanes are first
- * computed as w * (1 / sc), within 2**-22 relative of the exact quotient, and divided properly
- * only when some lane lies within a generous 2**-17 (|x| + |off| + 1) of a rounding boundary
- * (a half-integer), where the two could round apart; elsewhere both give the same integer. A
- * group whose reciprocal is not a normal float (subnormal or huge scales) always divides. */
-AVX512 static double qint_row_avx512(const float *w, int8_t *q, int64_t k, int64_t g, const float *sc,
-                                     const float *off, int asym, float qmin, float qmax) {
-    const __m512 lo = _mm512_set1_ps(qmin), hi = _mm512_set1_ps(qmax), half = _mm512_set1_ps(0.5f);
-    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
-    __m512d acc = _mm512_setzero_pd();
-    for (int64_t t = 0, j = 0; j < k; t++) {
-        const __m512 vs = _mm512_set1_ps(sc[t]), vo = _mm512_set1_ps(off[t]);
-        float rs = 1.0f / sc[t];
-        int fast = rs >= 0x1p-126f && rs <= 0x1p126f; /* sc > 0; false for NaN */
-        const __m512 vr = _mm512_set1_ps(rs), slack = _mm512_set1_ps(fabsf(off[t]) + 1.0f),
-                     eps = _mm512_set1_ps(0x1p-17f);
-        for (int64_t end = j + g; j < end; j += 16) {
-            __m512 v = _mm512_loadu_ps(w + j), x;
-            if (fast) {
-                x = _mm512_mul_ps(v, vr);
-                if (asym) x = _mm512_add_ps(x, vo);
-                __m512 edge = _mm512_add_ps(_mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), half);
-                __m512 dist = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(x, edge)), absm));
-                __m512 ax = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm));
-                __m512 tol = _mm512_mul_ps(_mm512_add_ps(ax, slack), eps);
-                if (_mm512_cmp_ps_mask(dist, tol, _CMP_GT_OQ) != 0xffff) { /* near a boundary, or NaN */
-                    x = _mm512_div_ps(v, vs);
-                    if (asym) x = _mm512_add_ps(x, vo);
-                }
-            } else {
-                x = _mm512_div_ps(v, vs);
-                if (asym) x = _mm512_add_ps(x, vo);
-            }
-            __m512 r = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
-            _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
-            acc = _mm512_add_pd(acc, sq8(_mm512_sub_ps(v, _mm512_mul_ps(_mm512_sub_ps(r, vo), vs))));
-        }
-    }
-    return _mm512_reduce_add_pd(acc);
-}
-
-/* a whole row, g a multiple of 16: group t uses mult[t] (see fp48) */
-AVX512 static double fp4_row_avx512(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult) {
-    const __m512 six = _mm512_set1_ps(6.0f), msix = _mm512_set1_ps(-6.0f);
-    const __m512i absm = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1);
-    const __m512 table = _mm512_castps256_ps512(_mm256_loadu_ps(E2M1));
-    const __m512 t1 = _mm512_set1_ps(0.25f), t2 = _mm512_set1_ps(0.75f), t3 = _mm512_set1_ps(1.25f),
-                 t4 = _mm512_set1_ps(1.75f), t5 = _mm512_set1_ps(2.5f), t6 = _mm512_set1_ps(3.5f),
-                 t7 = _mm512_set1_ps(5.0f);
-    __m512d acc = _mm512_setzero_pd();
-    for (int64_t t = 0, j = 0; j < k; t++) {
-        const __m512 vm = _mm512_set1_ps(mult[t]);
-        for (int64_t end = j + g; j < end; j += 16) {
-            __m512 v = _mm512_loadu_ps(w + j);
-            __m512 x = _mm512_div_ps(v, vm);
-            /* clamp as x < lo ? lo : (x > hi ? hi : x): keeps -0.0 */
-            x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, six, _CMP_GT_OQ), x, six);
-            x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, msix, _CMP_LT_OQ), x, msix);
-            __m512 a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), absm));
-            __m512i idx = _mm512_setzero_si512();
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t1, _CMP_GT_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t2, _CMP_GE_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t3, _CMP_GT_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t4, _CMP_GE_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t5, _CMP_GT_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t6, _CMP_GE_OQ), idx, one);
-            idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, t7, _CMP_GT_OQ), idx, one);
-            __m512i sgn = _mm512_srli_epi32(_mm512_castps_si512(x), 31);
-            __m512i code = _mm512_or_si512(idx, _mm512_slli_epi32(sgn, 3));
-            _mm_storeu_si128((__m128i *)(c + j), _mm512_cvtepi32_epi8(code));
-            __m512 mag = _mm512_permutexvar_ps(idx, table);
-            __m512 val = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(mag), _mm512_slli_epi32(sgn, 31)));
-            acc = _mm512_add_pd(acc, sq8(_mm512_sub_ps(v, _mm512_mul_ps(val, vm))));
-        }
-    }
-    return _mm512_reduce_add_pd(acc);
-}
-
+#include "_qkernel_avx2.h"   /* AVX2 row pieces */
+#include "_qkernel_avx512.h" /* AVX-512 row pieces */
 #define PICK(name, simd) ((simd) ? name##_avx2 : name##_scalar)
 #elif defined(__aarch64__)
-/* ---- NEON row pieces (aarch64): the scalar pieces' float32 operations, 4 or 8 lanes at a time ----
- * vdivq_f32 / vmulq_f32 / vsubq_f32 round once each as IEEE single operations (Linux leaves FPCR's
- * flush-to-zero off; -ffp-contract=off keeps them unfused), vrndnq_f32 is rintf's nearest-even, and
- * max / min are exact: the same codes and scales; only the SQNR sums' double additions come in
- * another order. The FP4 code lookup stays scalar. */
-
-/* 8 bf16 results of e4m3 codes times sc, as float32 (the AVX2 fp8x8's bit move and rounding) */
-static inline void fp8x8_neon(const uint8_t *p, float32x4_t sc256, uint16x8_t *nan, float32x4_t *lo,
-                              float32x4_t *hi) {
-    const uint16x8_t m7f = vdupq_n_u16(0x7f), m80 = vdupq_n_u16(0x80);
-    const uint32x4_t one = vdupq_n_u32(1), half = vdupq_n_u32(0x7fff), top = vdupq_n_u32(0xffff0000u);
-    uint16x8_t x = vmovl_u8(vld1_u8(p));
-    uint16x8_t mag = vandq_u16(x, m7f);
-    *nan = vorrq_u16(*nan, vceqq_u16(mag, m7f));
-    uint16x8_t h = vorrq_u16(vshlq_n_u16(mag, 7), vshlq_n_u16(vandq_u16(x, m80), 8));
-    uint32x4_t bl = vreinterpretq_u32_f32(vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h))), sc256));
-    uint32x4_t bh = vreinterpretq_u32_f32(vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(h))), sc256));
-    bl = vandq_u32(vaddq_u32(bl, vaddq_u32(vandq_u32(vshrq_n_u32(bl, 16), one), half)), top);
-    bh = vandq_u32(vaddq_u32(bh, vaddq_u32(vandq_u32(vshrq_n_u32(bh, 16), one), half)), top);
-    *lo = vreinterpretq_f32_u32(bl);
-    *hi = vreinterpretq_f32_u32(bh);
-}
-
-/* lanes of v whose exponent is all ones (Inf / NaN), as 0 / -1 */
-static inline int32x4_t exp_all_ones_neon(float32x4_t v) {
-    const uint32x4_t e = vdupq_n_u32(0x7f800000u);
-    return vreinterpretq_s32_u32(vceqq_u32(vandq_u32(vreinterpretq_u32_f32(v), e), e));
-}
-
-static int64_t decode_neon(const cvt_qargs *a, int64_t i, float *out) {
-    int64_t k = a->k, j = 0, cnt = 0;
-    int32x4_t bad = vdupq_n_s32(0);
-    if (a->src_kind == SRC_BF16) {
-        const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
-        for (; j + 4 <= k; j += 4) {
-            uint16_t h4[4];
-            memcpy(h4, row + 2 * j, 8);
-            float32x4_t v = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(h4), 16));
-            bad = vsubq_s32(bad, exp_all_ones_neon(v));
-            vst1q_f32(out + j, v);
-        }
-        for (; j < k; j++) {
-            uint16_t h;
-            memcpy(&h, row + 2 * j, 2);
-            out[j] = u2f((uint32_t)h << 16);
-            cnt += not_finite(out[j]);
-        }
-        return cnt + vaddvq_s32(bad);
-    }
-    const uint8_t *row = (const uint8_t *)a->src + i * k;
-    const float *srow = a->fp8_scale + (i / a->bn) * a->s_cols;
-    uint16x8_t nan = vdupq_n_u16(0);
-    for (int64_t c0 = 0, b = 0; c0 < k; c0 += a->bk, b++) {
-        int64_t end = c0 + a->bk < k ? c0 + a->bk : k;
-        float sc = srow[b];
-        float32x4_t sc256 = vdupq_n_f32(sc * 256.0f), lo, hi;
-        for (j = c0; j + 8 <= end; j += 8) {
-            fp8x8_neon(row + j, sc256, &nan, &lo, &hi);
-            bad = vsubq_s32(bad, vaddq_s32(exp_all_ones_neon(lo), exp_all_ones_neon(hi)));
-            vst1q_f32(out + j, lo);
-            vst1q_f32(out + j + 4, hi);
-        }
-        for (; j < end; j++) {
-            out[j] = bf16_round(LUT[row[j]] * sc);
-            cnt += not_finite(out[j]);
-        }
-    }
-    if (vmaxvq_u16(nan)) return decode_scalar(a, i, out); /* a NaN code: the plain path */
-    return cnt + vaddvq_s32(bad);
-}
-
-static float amax_neon(const float *w, int64_t len) {
-    float32x4_t m4 = vdupq_n_f32(0.0f);
-    int64_t j = 0;
-    for (; j + 4 <= len; j += 4) m4 = vmaxq_f32(m4, vabsq_f32(vld1q_f32(w + j)));
-    float m = vmaxvq_f32(m4), r = amax_scalar(w + j, len - j);
-    return r > m ? r : m;
-}
-
-static void minmax_neon(const float *w, int64_t len, float *mn, float *mx) {
-    if (len < 4) {
-        minmax_scalar(w, len, mn, mx);
-        return;
-    }
-    float32x4_t lo4 = vld1q_f32(w), hi4 = lo4;
-    int64_t j = 4;
-    for (; j + 4 <= len; j += 4) {
-        float32x4_t v = vld1q_f32(w + j);
-        lo4 = vminq_f32(lo4, v);
-        hi4 = vmaxq_f32(hi4, v);
-    }
-    float lo = vminvq_f32(lo4), hi = vmaxvq_f32(hi4);
-    for (; j < len; j++) {
-        lo = w[j] < lo ? w[j] : lo;
-        hi = w[j] > hi ? w[j] : hi;
-    }
-    *mn = lo; /* +-0 may come out as either sign: the callers clamp through 0 (min(lo, 0), max(hi, 0)) */
-    *mx = hi;
-}
-
-static inline float64x2_t sq4_neon(float64x2_t acc, float32x4_t d) {
-    float32x4_t s = vmulq_f32(d, d); /* float32 squares, as the scalar path's */
-    return vaddq_f64(vaddq_f64(acc, vcvt_f64_f32(vget_low_f32(s))), vcvt_high_f64_f32(s));
-}
-
-static double qint_neon(const float *w, int8_t *q, int64_t len, float sc, float off, int asym, float qmin,
-                        float qmax) {
-    const float32x4_t vsc = vdupq_n_f32(sc), voff = vdupq_n_f32(off), lo = vdupq_n_f32(qmin), hi = vdupq_n_f32(qmax);
-    float64x2_t acc = vdupq_n_f64(0.0);
-    int64_t j = 0;
-    for (; j + 4 <= len; j += 4) {
-        float32x4_t v = vld1q_f32(w + j), x = vdivq_f32(v, vsc);
-        if (asym) x = vaddq_f32(x, voff);
-        float32x4_t r = vminq_f32(vmaxq_f32(vrndnq_f32(x), lo), hi);
-        int16x4_t q16 = vmovn_s32(vcvtq_s32_f32(r));
-        int32_t packed = vget_lane_s32(vreinterpret_s32_s8(vmovn_s16(vcombine_s16(q16, q16))), 0);
-        memcpy(q + j, &packed, 4);
-        acc = sq4_neon(acc, vsubq_f32(v, vmulq_f32(vsubq_f32(r, voff), vsc)));
-    }
-    return vaddvq_f64(acc) + qint_scalar(w + j, q + j, len - j, sc, off, asym, qmin, qmax);
-}
-
-static double sumsq_neon(const float *w, int64_t len) {
-    float64x2_t acc = vdupq_n_f64(0.0);
-    int64_t j = 0;
-    for (; j + 4 <= len; j += 4) acc = sq4_neon(acc, vld1q_f32(w + j));
-    return vaddvq_f64(acc) + sumsq_scalar(w + j, len - j);
-}
-
-#define fp4_neon fp4_scalar
+#include "_qkernel_neon.h" /* NEON row pieces */
 #define PICK(name, simd) ((simd) ? name##_neon : name##_scalar)
 #else
 #define PICK(name, simd) name##_scalar
@@ -780,6 +243,50 @@ typedef struct {
     float amax;
     int failed;
 } job_t;
+
+/* group t0.. of row i's parameters from their statistics ga (max |w|, or min) and gb (max; asym):
+ * int scales sc and offsets off, or fp4 multipliers sc and their reciprocals (in gb); the scale
+ * outputs written. The scalar reference of params_avx512. */
+static void params_scalar(const cvt_qargs *a, int64_t i, int64_t t0, const float *ga, float *gb, float *sc,
+                          float *off) {
+    int64_t ng = a->k / a->group;
+    int asym = a->mode == MODE_ASYM, fp4 = a->mode == MODE_NVFP4 || a->mode == MODE_MXFP4;
+    float qmin = (float)a->qmin, qmax = (float)a->qmax;
+    for (int64_t t = t0; t < ng; t++) {
+        int64_t o = i * ng + t;
+        if (a->mode == MODE_SYM) {
+            sc[t] = bf16_round(ga[t] / a->qdiv);
+            if (sc[t] == 0.0f) sc[t] = 1.0f;
+            off[t] = 0.0f;
+        } else if (asym) {
+            float lo = ga[t] < 0.0f ? ga[t] : 0.0f, hi = gb[t] > 0.0f ? gb[t] : 0.0f;
+            float s0 = (hi - lo) / a->qdiv;
+            if (s0 == 0.0f) s0 = 1.0f;
+            off[t] = clampf(rintf(qmin - lo / s0), qmin, qmax) + 0.0f;
+            sc[t] = bf16_round(s0);
+            if (sc[t] == 0.0f) sc[t] = 1.0f;
+        } else if (a->mode == MODE_NVFP4) {
+            float s = clampf((ga[t] / 6.0f) * a->global_scale, -448.0f, 448.0f);
+            uint8_t code = e4m3_from_f32(s);
+            if (LUT[code] == 0.0f) code = 0x20; /* 0.125, the e4m3 eps */
+            a->scale8[o] = code;
+            sc[t] = LUT[code] / a->global_scale;
+            gb[t] = 1.0f / sc[t]; /* for the SIMD loops (fp4_kind) */
+        } else { /* MODE_MXFP4 */
+            uint32_t bits = f2u(ga[t]);
+            int64_t e = (int64_t)(((bits + (1u << 21)) >> 23) & 0xffu) - 2;
+            e = e < 0 ? 0 : (e > 254 ? 254 : e);
+            a->scale8[o] = (uint8_t)e;
+            sc[t] = u2f(e == 0 ? 0x00400000u : (uint32_t)e << 23);
+            gb[t] = 1.0f / sc[t];
+        }
+        if (!fp4) {
+            a->scale[o] = sc[t];
+            if (a->scale_bf16) a->scale_bf16[o] = (uint16_t)(f2u(sc[t]) >> 16); /* a bf16 value */
+            if (a->offset) a->offset[o] = off[t];
+        }
+    }
+}
 
 /* quantize row i (decoded in w) into codes q (int8 values, or fp4 codes), scales to row i's slots.
  * Two phases: each group's statistics and scale (scalar formulas, outputs written), then the
@@ -808,55 +315,37 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
             else
                 ga[t] = PICK(amax, simd)(w + t * g, g);
         }
-    for (int64_t t = 0; t < ng; t++) {
-        int64_t o = i * ng + t;
-        if (a->mode == MODE_SYM) {
-            sc[t] = bf16_round(ga[t] / a->qdiv);
-            if (sc[t] == 0.0f) sc[t] = 1.0f;
-            off[t] = 0.0f;
-        } else if (asym) {
-            float lo = ga[t] < 0.0f ? ga[t] : 0.0f, hi = gb[t] > 0.0f ? gb[t] : 0.0f;
-            float s0 = (hi - lo) / a->qdiv;
-            if (s0 == 0.0f) s0 = 1.0f;
-            off[t] = clampf(rintf(qmin - lo / s0), qmin, qmax) + 0.0f;
-            sc[t] = bf16_round(s0);
-            if (sc[t] == 0.0f) sc[t] = 1.0f;
-        } else if (a->mode == MODE_NVFP4) {
-            float s = clampf((ga[t] / 6.0f) * a->global_scale, -448.0f, 448.0f);
-            uint8_t code = e4m3_from_f32(s);
-            if (LUT[code] == 0.0f) code = 0x20; /* 0.125, the e4m3 eps */
-            a->scale8[o] = code;
-            sc[t] = LUT[code] / a->global_scale;
-        } else { /* MODE_MXFP4 */
-            uint32_t bits = f2u(ga[t]);
-            int64_t e = (int64_t)(((bits + (1u << 21)) >> 23) & 0xffu) - 2;
-            e = e < 0 ? 0 : (e > 254 ? 254 : e);
-            a->scale8[o] = (uint8_t)e;
-            sc[t] = u2f(e == 0 ? 0x00400000u : (uint32_t)e << 23);
-        }
-        if (!fp4) {
-            a->scale[o] = sc[t];
-            if (a->scale_bf16) a->scale_bf16[o] = (uint16_t)(f2u(sc[t]) >> 16); /* a bf16 value */
-            if (a->offset) a->offset[o] = off[t];
-        }
-    }
+    int64_t t0 = 0; /* groups whose parameters the SIMD loops computed */
+#ifdef CVT_X86
+    if (simd == 2) t0 = params_avx512(a, i, ga, gb, sc, off);
+    else if (simd) t0 = params_avx2(a, i, ga, gb, sc, off);
+#elif defined(__aarch64__)
+    if (simd) t0 = params_neon(a, i, ga, gb, sc, off);
+#endif
+    params_scalar(a, i, t0, ga, gb, sc, off);
     double err = 0.0;
 #ifdef CVT_X86
-    if (row512)
-        err = fp4 ? fp4_row_avx512(w, (uint8_t *)q, k, g, sc) : qint_row_avx512(w, q, k, g, sc, off, asym, qmin, qmax);
-    else if (row)
-        err = fp4 ? fp4_row_avx2(w, (uint8_t *)q, k, g, sc) : qint_row_avx2(w, q, k, g, sc, off, asym, qmin, qmax);
-    else
+    if (row) { /* the whole-row loops add up sum w^2 too, in the same pass */
+        double sig = 0.0;
+        if (row512)
+            jb->err += fp4 ? fp4_row_avx512(w, (uint8_t *)q, k, g, sc, gb, &sig)
+                           : qint_row_avx512(w, q, k, g, sc, off, asym, qmin, qmax, &sig);
+        else
+            jb->err += fp4 ? fp4_row_avx2(w, (uint8_t *)q, k, g, sc, gb, &sig)
+                           : qint_row_avx2(w, q, k, g, sc, off, asym, qmin, qmax, &sig);
+        jb->sig += sig;
+        return;
+    }
 #endif
-        for (int64_t t = 0; t < ng; t++) {
-            const float *wg = w + t * g;
-            int8_t *qg = q + t * g;
-            if (fp4)
-                err += f64 ? fp4_scalar_sq(wg, (uint8_t *)qg, g, sc[t], 1) : PICK(fp4, simd)(wg, (uint8_t *)qg, g, sc[t]);
-            else
-                err += f64 ? qint_scalar_sq(wg, qg, g, sc[t], off[t], asym, qmin, qmax, 1)
-                           : PICK(qint, simd)(wg, qg, g, sc[t], off[t], asym, qmin, qmax);
-        }
+    for (int64_t t = 0; t < ng; t++) {
+        const float *wg = w + t * g;
+        int8_t *qg = q + t * g;
+        if (fp4)
+            err += f64 ? fp4_scalar_sq(wg, (uint8_t *)qg, g, sc[t], 1) : PICK(fp4, simd)(wg, (uint8_t *)qg, g, sc[t]);
+        else
+            err += f64 ? qint_scalar_sq(wg, qg, g, sc[t], off[t], asym, qmin, qmax, 1)
+                       : PICK(qint, simd)(wg, qg, g, sc[t], off[t], asym, qmin, qmax);
+    }
     jb->err += err;
 #ifdef CVT_X86
     if (simd == 2 && !f64) {
@@ -867,36 +356,61 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
     jb->sig += f64 ? sumsq_scalar_sq(w, k, 1) : PICK(sumsq, simd)(w, k);
 }
 
-static void pack_row(const cvt_qargs *a, int64_t i, const int8_t *q) {
+/* the packers' SIMD part (0 where there is none): the pairs / elements it did */
+static int64_t pack_nib_simd(int simd, const int8_t *q, uint8_t *out, int64_t pairs, int8_t bias) {
+#ifdef CVT_X86
+    if (simd) return pack_nib_avx2(q, out, pairs, bias);
+#elif defined(__aarch64__)
+    if (simd) return pack_nib_neon(q, out, pairs, bias);
+#endif
+    (void)simd, (void)q, (void)out, (void)pairs, (void)bias;
+    return 0;
+}
+
+static int64_t pack_rows_simd(int simd, const int8_t *q0, const int8_t *q1, uint8_t *out, int64_t len) {
+#ifdef CVT_X86
+    if (simd) return pack_rows_avx2(q0, q1, out, len);
+#elif defined(__aarch64__)
+    if (simd) return pack_rows_neon(q0, q1, out, len);
+#endif
+    (void)simd, (void)q0, (void)q1, (void)out, (void)len;
+    return 0;
+}
+
+/* compressed-tensors int32 words are little-endian (x86-64, aarch64): element i of 8 at bits 4i
+ * is byte i / 2's nibble i % 2, so the SIMD byte packer writes their full pairs */
+static void pack_row(const cvt_qargs *a, int64_t i, const int8_t *q, int simd) {
     int64_t k = a->k;
     if (a->pack == PACK_I8) {
         memcpy((int8_t *)a->q + i * k, q, (size_t)k);
     } else if (a->pack == PACK_CT32) {
         int64_t words = (k + 7) / 8;
         uint32_t *out = (uint32_t *)a->q + i * words;
-        int64_t full = k / 8;
-        for (int64_t w = 0; w < full; w++) {
+        int64_t full = pack_nib_simd(simd, q, (uint8_t *)out, k / 2, 8) / 4; /* whole words done */
+        for (int64_t w = full; w < k / 8; w++) {
             const int8_t *p = q + 8 * w;
             uint32_t v = 0;
             for (int b = 0; b < 8; b++) v |= (uint32_t)((p[b] + 8) & 0xf) << (4 * b);
             out[w] = v;
         }
-        if (full < words) {
+        if (k / 8 < words) {
+            int64_t last = k / 8;
             uint32_t v = 0;
-            for (int64_t b = 0; 8 * full + b < k; b++) v |= (uint32_t)((q[8 * full + b] + 8) & 0xf) << (4 * b);
-            out[full] = v;
+            for (int64_t b = 0; 8 * last + b < k; b++) v |= (uint32_t)((q[8 * last + b] + 8) & 0xf) << (4 * b);
+            out[last] = v;
         }
     } else if (a->pack == PACK_NIB_K || a->pack == PACK_FP4) {
         uint8_t *out = (uint8_t *)a->q + i * (k / 2);
-        for (int64_t j = 0; j < k / 2; j++)
+        for (int64_t j = pack_nib_simd(simd, q, out, k / 2, 0); j < k / 2; j++)
             out[j] = (uint8_t)(((uint8_t)q[2 * j] & 0xf) | (((uint8_t)q[2 * j + 1] & 0xf) << 4));
     }
 }
 
-static void pack_row_pair(const cvt_qargs *a, int64_t i, const int8_t *q0, const int8_t *q1) {
+static void pack_row_pair(const cvt_qargs *a, int64_t i, const int8_t *q0, const int8_t *q1, int simd) {
     int64_t k = a->k;
     uint8_t *out = (uint8_t *)a->q + (i / 2) * k;
-    for (int64_t j = 0; j < k; j++) out[j] = (uint8_t)(((uint8_t)q0[j] & 0xf) | (((uint8_t)q1[j] & 0xf) << 4));
+    for (int64_t j = pack_rows_simd(simd, q0, q1, out, k); j < k; j++)
+        out[j] = (uint8_t)(((uint8_t)q0[j] & 0xf) | (((uint8_t)q1[j] & 0xf) << 4));
 }
 
 /* max |w| of row i without decoding it (MODE_AMAX: nvfp4's global scale, a fused group's):
@@ -967,7 +481,7 @@ static void *run(void *arg) {
             jb->bad += decode(jb, i, jb->wbuf) + decode(jb, i + 1, jb->wbuf + k);
             quantize_row(jb, i, jb->wbuf, jb->qbuf);
             quantize_row(jb, i + 1, jb->wbuf + k, jb->qbuf + k);
-            pack_row_pair(a, i, jb->qbuf, jb->qbuf + k);
+            pack_row_pair(a, i, jb->qbuf, jb->qbuf + k, jb->simd);
         }
         return NULL;
     }
@@ -975,7 +489,7 @@ static void *run(void *arg) {
         jb->bad += decode(jb, i, jb->wbuf);
         int8_t *q = a->pack == PACK_I8 ? (int8_t *)a->q + i * k : jb->qbuf;
         quantize_row(jb, i, jb->wbuf, q);
-        if (a->pack != PACK_I8) pack_row(a, i, q);
+        if (a->pack != PACK_I8) pack_row(a, i, q, jb->simd);
     }
     return NULL;
 }

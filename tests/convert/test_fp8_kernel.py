@@ -229,7 +229,8 @@ def test_numpy_entry_refuses_a_misshaped_scale():
 def test_the_c_kernels_share_one_header_that_ships_with_them():
     """convert/_fp8kernel.c and quant/_qkernel.c include one header (the e4m3 table, bf16 rounding,
     the thread fan-out): both extensions list it in `depends` and the package data holds it, so an
-    sdist can build either kernel."""
+    sdist can build either kernel; likewise every other file a kernel includes (quant/_qkernel.c's
+    AVX2, AVX-512 and NEON parts)."""
     import re
     from pathlib import Path
 
@@ -244,9 +245,11 @@ def test_the_c_kernels_share_one_header_that_ships_with_them():
     header = "convert/_cvt_kernel.h"
     assert (root / header).is_file()
     assert "*.h" in cfg["package-data"]["cvt.convert"]
-    for ext in cfg["ext-modules"]:
+    for ext in cfg["ext-modules"]:  # the shared header first; the quantize kernel's SIMD parts beside it
         src = root / ext["sources"][0]
         included = re.findall(r'^#include "([^"]+)"', src.read_text(), flags=re.M)
-        assert [str((src.parent / i).resolve().relative_to(root)) for i in included] == [header], ext["name"]
-        assert ext["depends"] == [header], ext["name"]
+        included = [str((src.parent / i).resolve().relative_to(root)) for i in included]
+        assert included[0] == header and ext["depends"] == included, ext["name"]
+        for h in included:  # package data of the package whose folder holds it
+            assert "*.h" in cfg["package-data"][f"cvt.{Path(h).parts[0]}"], h
     assert {e["name"] for e in cfg["ext-modules"]} == {"cvt.convert._fp8kernel", "cvt.quant._qkernel"}

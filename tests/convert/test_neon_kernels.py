@@ -21,7 +21,8 @@ from cvt.tests.convert.fp8_reference import dequant, same_bits_nan_aware
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "kernels" / "neon_harness.c"
-SOURCES = [ROOT / "convert" / "_fp8kernel.c", ROOT / "quant" / "_qkernel.c", ROOT / "convert" / "_cvt_kernel.h"]
+SOURCES = [ROOT / "convert" / "_fp8kernel.c", ROOT / "quant" / "_qkernel.c", ROOT / "convert" / "_cvt_kernel.h",
+           ROOT / "quant" / "_qkernel_neon.h"]
 CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
 FLAGS = {"FP8": ["-O3", "-fno-strict-aliasing"], "QUANT": ["-O3", "-fno-strict-aliasing", "-ffp-contract=off"]}
 
@@ -170,3 +171,32 @@ def test_quantize_neon_counts_non_finite_values(harness, tmp_path):
     src = QK.WeightSource.fp8(w.view(torch.float8_e4m3fn), src.scale, src.block)
     for level in (0, 1):
         assert _quantize(harness, tmp_path, src, get_scheme("w8a8"), LAYOUTS.get("ct-int8"), level, None)[0] == 1
+
+
+@pytest.mark.parametrize("case", ["nvfp4-1024", "nvfp4-1536", "nvfp4-1234.5678", "nvfp4-3e38", "mxfp4"])
+def test_fp4_neon_at_and_beside_every_threshold(harness, tmp_path, case):
+    """fp4_neon's multiply-first codes (quant/_qkernel_neon.h) on tests/quant/test_qkernel_fp4.py's
+    weights: quotients at and 1-2 ulps beside every E2M1 threshold after non-power-of-two nvfp4
+    multipliers (some of which only the fallback division gets right), tiny multipliers, and
+    mxfp4's extreme E8M0 scales: the reference's tensors at NEON and scalar."""
+    from cvt.quant import qkernel as QK
+    from cvt.quant.tensor.layouts import LAYOUTS
+    from cvt.quant.tensor.schemes import get_scheme
+    from cvt.tests.quant.test_qkernel import assert_same, reference, same_bytes
+    from cvt.tests.quant.test_qkernel_fp4 import mxfp4_case, nvfp4_case
+
+    if case == "mxfp4":
+        src, gs = QK.WeightSource(mxfp4_case()), None
+        sch, lo = get_scheme("fp4", fp4_format="mxfp4"), LAYOUTS.get("ct-mxfp4")
+        want = reference(src, sch, lo)
+    else:
+        gs = float(case.split("-")[1])
+        src, sch, lo = QK.WeightSource(nvfp4_case(gs)[0]), get_scheme("fp4"), LAYOUTS.get("ct-nvfp4")
+        want = reference(src, sch, lo, global_scale=torch.tensor([gs], dtype=torch.float32))
+    for level in (0, 1):
+        bad, got = _quantize(harness, tmp_path, src, sch, lo, level, gs)
+        assert bad == 0
+        if case == "mxfp4":  # float32 squares of 2**127 overflow: the harness has no float64 retry
+            assert list(got.tensors) == list(want[0]) and all(same_bytes(got.tensors[x], want[0][x]) for x in want[0])
+        else:
+            assert_same(got, want)

@@ -108,8 +108,8 @@ def test_sqnr_sums_agree_across_levels():
                          ids=["w8a8", "w4a16-asym"])
 def test_quotients_on_and_beside_every_rounding_boundary(level, layout, scheme, opts):
     """BF16 values at (j + 0.5) x the row's scale and the bf16 neighbours either side, for every j
-    of the range, in rows of several scales: the AVX-512 loop's multiply-first quotient must give
-    the reference's rint(w / scale) on each (it divides where a lane is near a boundary)."""
+    of the range, in rows of several scales: every level's quotient must give the reference's
+    rint(w / scale) on each (a multiply-first shortcut, as the AVX-512 loop once had, would not)."""
     rows = []
     for r, amax in enumerate([127.0, 1.0, 3.0e-3, 7.7e4, 0.37, 1e-20, 5.5, 2.0**-120]):
         sc = float(torch.tensor(amax / 127.0).to(torch.bfloat16).float())

@@ -1,0 +1,439 @@
+/*
+ * The AVX2 (+ F16C) row pieces of quant/_qkernel.c: included by it alone (on x86-64), after its
+ * scalar pieces, types and fp4 helpers, which these use; not a header of its own. Each function
+ * does the scalar piece's float32 operations on 8 lanes (so the same codes and scales; only the
+ * SQNR sums' double additions come in another order) and carries its target attribute, so the
+ * file builds without -mavx2; cvt_quantize checks the CPU at run time. _qkernel_avx512.h follows.
+ */
+#ifndef CVT_QKERNEL_AVX2_H
+#define CVT_QKERNEL_AVX2_H
+
+/* ---- AVX2 row pieces: the same float32 operations, 8 lanes at a time ---------------------------- */
+
+#define AVX __attribute__((target("avx2,f16c")))
+
+/* 8 bf16 results of e4m3 codes times sc, as float32 (see convert/_fp8kernel.c's span_simd:
+ * e4m3 bits moved into float16 bits are w * 2**-8 exactly; sc256 = sc * 256 is exact when
+ * sc < 2**100; one rounding of the product, then nearest-even to bfloat16). NaN codes are
+ * flagged in *nan (the caller redoes the row in scalar). */
+AVX static inline __m256 fp8x8(const uint8_t *p, __m256 sc256, __m128i *nan) {
+    const __m128i magm = _mm_set1_epi16(0x3f80);
+    /* sign-extended code << 7: the sign lands on bit 15, its copy on bit 14 is cleared */
+    __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7),
+                              _mm_set1_epi16((short)0xbf80));
+    *nan = _mm_or_si128(*nan, _mm_cmpeq_epi16(_mm_and_si128(h, magm), magm)); /* magnitude 0x7f */
+    __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(h), sc256));
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+AVX static inline __m256i exp_all_ones(__m256 v) {
+    const __m256i e = _mm256_set1_epi32(0x7f800000);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), e), e);
+}
+
+AVX static int64_t decode_avx2(const cvt_qargs *a, int64_t i, float *out) {
+    int64_t k = a->k, j = 0;
+    __m256i bad = _mm256_setzero_si256();
+    if (a->src_kind == SRC_BF16) {
+        const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
+        for (; j + 8 <= k; j += 8) {
+            __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * j)));
+            __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+            bad = _mm256_sub_epi32(bad, exp_all_ones(v));
+            _mm256_storeu_ps(out + j, v);
+        }
+        int64_t cnt = 0;
+        for (; j < k; j++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * j, 2);
+            out[j] = u2f((uint32_t)h << 16);
+            cnt += not_finite(out[j]);
+        }
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, bad);
+        for (int t = 0; t < 8; t++) cnt += lanes[t];
+        return cnt;
+    }
+    const uint8_t *row = (const uint8_t *)a->src + i * k;
+    const float *srow = a->fp8_scale + (i / a->bn) * a->s_cols;
+    __m128i nan = _mm_setzero_si128();
+    for (int64_t c0 = 0, b = 0; c0 < k; c0 += a->bk, b++) {
+        int64_t end = c0 + a->bk < k ? c0 + a->bk : k;
+        float sc = srow[b];
+        __m256 sc256 = _mm256_set1_ps(sc * 256.0f);
+        for (j = c0; j + 8 <= end; j += 8) {
+            __m256 v = fp8x8(row + j, sc256, &nan);
+            bad = _mm256_sub_epi32(bad, exp_all_ones(v));
+            _mm256_storeu_ps(out + j, v);
+        }
+        for (; j < end; j++) {
+            out[j] = bf16_round(LUT[row[j]] * sc);
+            bad = _mm256_sub_epi32(bad, _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, not_finite(out[j])));
+        }
+    }
+    if (_mm_movemask_epi8(nan)) return decode_scalar(a, i, out); /* a NaN code: the plain path */
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, bad);
+    int64_t cnt = 0;
+    for (int t = 0; t < 8; t++) cnt += lanes[t];
+    return cnt;
+}
+
+AVX static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+AVX static inline float hmin8(__m256 v) {
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_min_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+AVX static inline double hsum4d(__m256d v) {
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+/* max |w| is exact whatever the order: the vector and scalar maxima are the same number */
+AVX static float amax_avx2(const float *w, int64_t len) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(w + j), absm));
+    float r = hmax8(m);
+    for (; j < len; j++) {
+        float v = fabsf(w[j]);
+        r = v > r ? v : r;
+    }
+    return r;
+}
+
+AVX static void minmax_avx2(const float *w, int64_t len, float *mn, float *mx) {
+    if (len < 8) {
+        minmax_scalar(w, len, mn, mx);
+        return;
+    }
+    __m256 lo = _mm256_loadu_ps(w), hi = lo;
+    int64_t j = 8;
+    for (; j + 8 <= len; j += 8) {
+        __m256 v = _mm256_loadu_ps(w + j);
+        lo = _mm256_min_ps(lo, v);
+        hi = _mm256_max_ps(hi, v);
+    }
+    float l = hmin8(lo), h = hmax8(hi);
+    for (; j < len; j++) {
+        l = w[j] < l ? w[j] : l;
+        h = w[j] > h ? w[j] : h;
+    }
+    *mn = l;
+    *mx = h;
+}
+
+/* float32 squares of d, widened and added pairwise: 4 doubles */
+AVX static inline __m256d sq4(__m256 d) {
+    __m256 s = _mm256_mul_ps(d, d);
+    return _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(s)), _mm256_cvtps_pd(_mm256_extractf128_ps(s, 1)));
+}
+
+/* 8 lanes of q = clamp(rint(w / sc [+ off]), qmin, qmax) stored as int8; returns the 4-double sum of
+ * float32 (w - (q - off) * sc)^2 */
+AVX static inline __m256d qint8(const float *w, int8_t *q, __m256 vs, __m256 vo, int asym, __m256 lo, __m256 hi) {
+    __m256 v = _mm256_loadu_ps(w);
+    __m256 x = _mm256_div_ps(v, vs);
+    if (asym) x = _mm256_add_ps(x, vo);
+    __m256 r = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+    __m256i r32 = _mm256_cvtps_epi32(r);
+    __m128i r16 = _mm_packs_epi32(_mm256_castsi256_si128(r32), _mm256_extracti128_si256(r32, 1));
+    _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(r16, r16));
+    return sq4(_mm256_sub_ps(v, _mm256_mul_ps(_mm256_sub_ps(r, vo), vs)));
+}
+
+AVX static double qint_avx2(const float *w, int8_t *q, int64_t len, float sc, float off, int asym, float qmin,
+                            float qmax) {
+    const __m256 vs = _mm256_set1_ps(sc), vo = _mm256_set1_ps(off), lo = _mm256_set1_ps(qmin),
+                 hi = _mm256_set1_ps(qmax);
+    __m256d acc = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, qint8(w + j, q + j, vs, vo, asym, lo, hi));
+    return hsum4d(acc) + qint_scalar(w + j, q + j, len - j, sc, off, asym, qmin, qmax);
+}
+
+/* a whole row of k = ng * g elements, g a multiple of 8: group t uses sc[t], off[t] */
+AVX static double qint_row_avx2(const float *w, int8_t *q, int64_t k, int64_t g, const float *sc, const float *off,
+                                int asym, float qmin, float qmax, double *sig) {
+    const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax);
+    __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
+    for (int64_t t = 0, j = 0; j < k; t++) {
+        const __m256 vs = _mm256_set1_ps(sc[t]), vo = _mm256_set1_ps(off[t]);
+        for (int64_t end = j + g; j < end; j += 8) {
+            acc = _mm256_add_pd(acc, qint8(w + j, q + j, vs, vo, asym, lo, hi));
+            acc2 = _mm256_add_pd(acc2, sq4(_mm256_loadu_ps(w + j)));
+        }
+    }
+    *sig = hsum4d(acc2);
+    return hsum4d(acc);
+}
+
+/* E2M1 index of a = min(|x|, 6) as rint of y = 2a / a / a/2 plus 0 / 2 / 4 (NaN -> 0): see
+ * e2m1_idx16 */
+AVX static inline __m256i e2m1_idx8(__m256 a) {
+    __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(2.0f), _CMP_LT_OQ), big = _mm256_cmp_ps(a, _mm256_set1_ps(4.0f), _CMP_GE_OQ);
+    __m256 f = _mm256_blendv_ps(_mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(2.0f), small), _mm256_set1_ps(0.5f), big);
+    __m256 off = _mm256_blendv_ps(_mm256_blendv_ps(_mm256_castsi256_ps(_mm256_set1_epi32(2)), _mm256_setzero_ps(), small),
+                                  _mm256_castsi256_ps(_mm256_set1_epi32(4)), big);
+    __m256 r = _mm256_round_ps(_mm256_mul_ps(a, f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i idx = _mm256_add_epi32(_mm256_cvttps_epi32(r), _mm256_castps_si256(off));
+    return _mm256_and_si256(idx, _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_ORD_Q)));
+}
+
+/* 8 lanes of E2M1 codes of clamp(w / mult, -6, 6), as w * vr (vr = 1 / mult) where fp4_kind says
+ * that is exact (see fp4_row_avx512), else divided; returns the 4-double sum of float32
+ * (w - fp4 * mult)^2 */
+AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, __m256 vr, int exact) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), six = _mm256_set1_ps(6.0f);
+    __m256 v = _mm256_loadu_ps(w);
+    __m256 x = exact ? _mm256_mul_ps(v, vr) : _mm256_div_ps(v, vm);
+    /* min(6, |x|): the clamp's code (a NaN stays a NaN: min returns its second operand) */
+    __m256i idx = e2m1_idx8(_mm256_min_ps(six, _mm256_and_ps(x, absm)));
+    __m256i sgn = _mm256_srli_epi32(_mm256_castps_si256(x), 31);
+    __m256i code = _mm256_or_si256(idx, _mm256_slli_epi32(sgn, 3));
+    __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64((__m128i *)c, _mm_packus_epi16(c16, c16));
+    __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1), idx);
+    __m256 val = _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32(sgn, 31)));
+    return sq4(_mm256_sub_ps(v, _mm256_mul_ps(val, vm)));
+}
+
+AVX static double fp4_avx2(const float *w, uint8_t *c, int64_t len, float mult) {
+    float r = 1.0f / mult;
+    int exact = fp4_kind(mult, r) == FP4_EXACT;
+    const __m256 vm = _mm256_set1_ps(mult), vr = _mm256_set1_ps(r);
+    __m256d acc = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, exact));
+    return hsum4d(acc) + fp4_scalar(w + j, c + j, len - j, mult);
+}
+
+/* a whole row, g a multiple of 8: group t uses mult[t], rcp[t] = 1 / mult[t] */
+AVX static double fp4_row_avx2(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult,
+                               const float *rcp, double *sig) {
+    __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
+    for (int64_t t = 0, j = 0; j < k; t++) {
+        int exact = fp4_kind(mult[t], rcp[t]) == FP4_EXACT;
+        const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(rcp[t]);
+        for (int64_t end = j + g; j < end; j += 8) {
+            acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, exact));
+            acc2 = _mm256_add_pd(acc2, sq4(_mm256_loadu_ps(w + j)));
+        }
+    }
+    *sig = hsum4d(acc2);
+    return hsum4d(acc);
+}
+
+/* per-group max |w| (minmax = 0) or min and max (minmax = 1) of a row, g a multiple of 8: exact
+ * whatever the order, so the same numbers as the scalar loops */
+AVX static inline __m256 op8(__m256 a, __m256 b, int mn) { return mn ? _mm256_min_ps(a, b) : _mm256_max_ps(a, b); }
+
+/* lane t = the max (mn: min) of v[t]'s 8 lanes, for 8 vectors at once (as reduce16x16): halves,
+ * pairs, lanes, then the lanes back in order */
+AVX static inline __m256 reduce8x8(const __m256 *v, int mn) {
+    __m256 u[4], x[2];
+    for (int i = 0; i < 4; i++) /* lanes 0-3: 4 of v[2i], 4-7: 4 of v[2i+1] */
+        u[i] = op8(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20), _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31), mn);
+    for (int i = 0; i < 2; i++) /* 2 lanes each of v[4i], v[4i+2] | v[4i+1], v[4i+3] */
+        x[i] = op8(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0xee), mn);
+    __m256 z = op8(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xdd), mn); /* v 0 2 4 6 1 3 5 7 */
+    return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+AVX static void gstats_avx2(const float *w, int64_t k, int64_t g, int minmax, float *ga, float *gb) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    int64_t ng = k / g, t0 = 0;
+    for (; g <= 32 && t0 + 8 <= ng; t0 += 8) { /* small groups: 8 at a time through reduce8x8 */
+        __m256 lo[8], hi[8];
+        for (int u = 0; u < 8; u++) {
+            const float *p = w + (t0 + u) * g;
+            if (minmax) {
+                lo[u] = hi[u] = _mm256_loadu_ps(p);
+                for (int64_t j = 8; j < g; j += 8) {
+                    __m256 v = _mm256_loadu_ps(p + j);
+                    lo[u] = _mm256_min_ps(lo[u], v);
+                    hi[u] = _mm256_max_ps(hi[u], v);
+                }
+            } else {
+                hi[u] = _mm256_and_ps(_mm256_loadu_ps(p), absm);
+                for (int64_t j = 8; j < g; j += 8) hi[u] = _mm256_max_ps(hi[u], _mm256_and_ps(_mm256_loadu_ps(p + j), absm));
+            }
+        }
+        if (minmax) _mm256_storeu_ps(ga + t0, reduce8x8(lo, 1));
+        _mm256_storeu_ps((minmax ? gb : ga) + t0, reduce8x8(hi, 0));
+    }
+    for (int64_t t = t0, j = t0 * g; j < k; t++) {
+        int64_t end = j + g;
+        if (minmax) {
+            __m256 lo = _mm256_loadu_ps(w + j), hi = lo;
+            for (j += 8; j < end; j += 8) {
+                __m256 v = _mm256_loadu_ps(w + j);
+                lo = _mm256_min_ps(lo, v);
+                hi = _mm256_max_ps(hi, v);
+            }
+            ga[t] = hmin8(lo);
+            gb[t] = hmax8(hi);
+        } else {
+            __m256 m = _mm256_setzero_ps();
+            for (; j < end; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(w + j), absm));
+            ga[t] = hmax8(m);
+        }
+    }
+}
+
+/* ---- group parameters, 8 groups at a time (params_scalar's float32 operations in its order, as
+ * params_avx512); returns how many groups it did (a multiple of 8) */
+
+AVX static inline __m256i bf16_bits8(__m256 v) { /* bf16_rne; the NaN test is signed-safe: both sides < 2**31 */
+    __m256i b = _mm256_castps_si256(v);
+    __m256i rne = _mm256_srli_epi32(
+        _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                             _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)))), 16);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(rne, _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40)), nan);
+}
+
+AVX static inline __m256 clamp8(__m256 x, __m256 lo, __m256 hi) { /* clampf */
+    x = _mm256_blendv_ps(x, hi, _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+    return _mm256_blendv_ps(x, lo, _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+}
+
+AVX static inline __m256i e4m3_8(__m256 f) { /* e4m3_from_f32 (b < 2**31 once the sign is off: signed compares) */
+    __m256i b = _mm256_castps_si256(f), sign = _mm256_and_si256(b, _mm256_set1_epi32((int)0x80000000u));
+    b = _mm256_xor_si256(b, sign);
+    __m256i over = _mm256_cmpgt_epi32(b, _mm256_set1_epi32((1087 << 20) - 1));
+    __m256i sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), b);
+    __m256i magic = _mm256_set1_epi32(141 << 23);
+    __m256i rs = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(b), _mm256_castsi256_ps(magic))), magic);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 20), _mm256_set1_epi32(1));
+    __m256i rn = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7ffffu))), odd);
+    __m256i r = _mm256_blendv_epi8(_mm256_blendv_epi8(_mm256_srli_epi32(rn, 20), rs, sub), _mm256_set1_epi32(0x7f), over);
+    return _mm256_and_si256(_mm256_or_si256(r, _mm256_srli_epi32(sign, 24)), _mm256_set1_epi32(0xff));
+}
+
+AVX static inline void store8_u8(uint8_t *p, __m256i v) { /* 8 lanes of 0..255 */
+    __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64((__m128i *)p, _mm_packus_epi16(h, h));
+}
+
+AVX static int64_t params_avx2(const cvt_qargs *a, int64_t i, const float *ga, float *gb, float *sc, float *off) {
+    int64_t ng = a->k / a->group, t = 0;
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), qdiv = _mm256_set1_ps(a->qdiv);
+    const __m256 qmin = _mm256_set1_ps((float)a->qmin), qmax = _mm256_set1_ps((float)a->qmax);
+    const __m256 gs = _mm256_set1_ps(a->global_scale);
+    for (; t + 8 <= ng; t += 8) {
+        int64_t o = i * ng + t;
+        __m256 s, va = _mm256_loadu_ps(ga + t);
+        if (a->mode == MODE_NVFP4) {
+            s = clamp8(_mm256_mul_ps(_mm256_div_ps(va, _mm256_set1_ps(6.0f)), gs), _mm256_set1_ps(-448.0f),
+                       _mm256_set1_ps(448.0f));
+            __m256i code = e4m3_8(s);
+            __m256 v = _mm256_i32gather_ps(LUT, code, 4);
+            __m256 z = _mm256_cmp_ps(v, zero, _CMP_EQ_OQ); /* 0.125, the e4m3 eps */
+            code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x20), _mm256_castps_si256(z));
+            v = _mm256_blendv_ps(v, _mm256_set1_ps(0.125f), z);
+            store8_u8(a->scale8 + o, code);
+            s = _mm256_div_ps(v, gs);
+            _mm256_storeu_ps(sc + t, s);
+            _mm256_storeu_ps(gb + t, _mm256_div_ps(one, s));
+            continue;
+        }
+        if (a->mode == MODE_MXFP4) {
+            __m256i b = _mm256_castps_si256(va);
+            __m256i e = _mm256_sub_epi32(
+                _mm256_and_si256(_mm256_srli_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(1 << 21)), 23),
+                                 _mm256_set1_epi32(0xff)), _mm256_set1_epi32(2));
+            e = _mm256_min_epi32(_mm256_max_epi32(e, _mm256_setzero_si256()), _mm256_set1_epi32(254));
+            store8_u8(a->scale8 + o, e);
+            __m256i e0 = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
+            s = _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_slli_epi32(e, 23), _mm256_set1_epi32(0x00400000), e0));
+            _mm256_storeu_ps(sc + t, s);
+            _mm256_storeu_ps(gb + t, _mm256_div_ps(one, s));
+            continue;
+        }
+        __m256 vo = zero;
+        if (a->mode == MODE_SYM) {
+            s = _mm256_div_ps(va, qdiv);
+        } else { /* MODE_ASYM: lo = ga < 0 ? ga : 0, hi = gb > 0 ? gb : 0 */
+            __m256 lo = _mm256_blendv_ps(zero, va, _mm256_cmp_ps(va, zero, _CMP_LT_OQ));
+            __m256 vb = _mm256_loadu_ps(gb + t);
+            __m256 hi = _mm256_blendv_ps(zero, vb, _mm256_cmp_ps(vb, zero, _CMP_GT_OQ));
+            __m256 s0 = _mm256_div_ps(_mm256_sub_ps(hi, lo), qdiv);
+            s0 = _mm256_blendv_ps(s0, one, _mm256_cmp_ps(s0, zero, _CMP_EQ_OQ));
+            __m256 r = _mm256_round_ps(_mm256_sub_ps(qmin, _mm256_div_ps(lo, s0)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            vo = _mm256_add_ps(clamp8(r, qmin, qmax), zero);
+            s = s0;
+        }
+        __m256i bits = bf16_bits8(s);
+        s = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+        __m256 z = _mm256_cmp_ps(s, zero, _CMP_EQ_OQ);
+        s = _mm256_blendv_ps(s, one, z);
+        bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x3f80), _mm256_castps_si256(z));
+        _mm256_storeu_ps(sc + t, s);
+        _mm256_storeu_ps(off + t, vo);
+        _mm256_storeu_ps(a->scale + o, s);
+        if (a->scale_bf16)
+            _mm_storeu_si128((__m128i *)(a->scale_bf16 + o),
+                             _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+        if (a->offset) _mm256_storeu_ps(a->offset + o, vo);
+    }
+    return t;
+}
+
+/* ---- packing, 32 output bytes at a time (pack_row / pack_row_pair's bytes) ----------------------- */
+
+/* out[j] = (q[2j] + bias) & 15 | ((q[2j+1] + bias) & 15) << 4 for j < pairs; returns the pairs done
+ * (the caller packs the rest): within each 16-bit lane x = odd << 8 | even (nibbles),
+ * x | x >> 4 holds the byte in its low half */
+AVX static int64_t pack_nib_avx2(const int8_t *q, uint8_t *out, int64_t pairs, int8_t bias) {
+    const __m256i b = _mm256_set1_epi8(bias), m = _mm256_set1_epi8(0x0f), lo = _mm256_set1_epi16(0xff);
+    int64_t j = 0;
+    for (; j + 32 <= pairs; j += 32) {
+        __m256i x0 = _mm256_and_si256(_mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(q + 2 * j)), b), m);
+        __m256i x1 = _mm256_and_si256(_mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(q + 2 * j + 32)), b), m);
+        x0 = _mm256_and_si256(_mm256_or_si256(x0, _mm256_srli_epi16(x0, 4)), lo);
+        x1 = _mm256_and_si256(_mm256_or_si256(x1, _mm256_srli_epi16(x1, 4)), lo);
+        /* packus interleaves the 128-bit halves: put them back in order */
+        _mm256_storeu_si256((__m256i *)(out + j), _mm256_permute4x64_epi64(_mm256_packus_epi16(x0, x1), 0xd8));
+    }
+    return j;
+}
+
+/* out[j] = q0[j] & 15 | (q1[j] & 15) << 4 for j < len; returns the elements done */
+AVX static int64_t pack_rows_avx2(const int8_t *q0, const int8_t *q1, uint8_t *out, int64_t len) {
+    const __m256i m = _mm256_set1_epi8(0x0f);
+    int64_t j = 0;
+    for (; j + 32 <= len; j += 32) {
+        __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(q0 + j)), m);
+        __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(q1 + j)), m);
+        _mm256_storeu_si256((__m256i *)(out + j), _mm256_or_si256(a, _mm256_slli_epi16(b, 4))); /* b < 16: no carry */
+    }
+    return j;
+}
+
+AVX static double sumsq_avx2(const float *w, int64_t len) {
+    __m256d acc = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        __m256 v = _mm256_loadu_ps(w + j);
+        acc = _mm256_add_pd(acc, sq4(v));
+    }
+    return hsum4d(acc) + sumsq_scalar(w + j, len - j);
+}
+
+#endif
