@@ -50,9 +50,10 @@ _WRAP = ("import os, resource, subprocess, sys, time; t = time.perf_counter(); r
          "print(rc, dt, u.ru_maxrss, u.ru_utime + u.ru_stime)")
 
 
-def run_cvt_cpu(cmd: list[str]) -> tuple[float, int, float]:
-    """(wall seconds, peak RSS bytes, user + sys CPU seconds) of this one child."""
-    out = subprocess.run([sys.executable, "-c", _WRAP, *cmd], capture_output=True, text=True, check=True)
+def run_cvt_cpu(cmd: list[str], cwd: str | Path | None = None) -> tuple[float, int, float]:
+    """(wall seconds, peak RSS bytes, user + sys CPU seconds) of this one child, run in `cwd`
+    (``python -m`` puts its working directory first on sys.path, before PYTHONPATH)."""
+    out = subprocess.run([sys.executable, "-c", _WRAP, *cmd], capture_output=True, text=True, check=True, cwd=cwd)
     rc, dt, maxrss, cpu = out.stdout.split()[-4:]
     if int(rc) != 0:
         raise SystemExit(f"cvt failed (exit {rc}): {shlex.join(cmd)}")

@@ -74,7 +74,7 @@ def run_stage(stage: str, src: Path, dst: Path, tree: Path | None) -> tuple[floa
     if tree is not None:  # that checkout first, whatever else the path holds (its dependencies)
         os.environ["PYTHONPATH"] = os.pathsep.join([str(tree), *([old] if old else [])])
     try:
-        t, rss, cpu = run_cvt_cpu(cmd)
+        t, rss, cpu = run_cvt_cpu(cmd, cwd=dst.parent)  # not the repo: `-m cvt` would import this tree's cvt
     finally:
         if tree is not None:
             if old is None:
@@ -96,14 +96,18 @@ def digest(d: Path) -> list[tuple[str, str]]:
 
 
 def kernels(tree: Path | None) -> str:
-    """Which quantize / FP8 kernels that tree's cvt runs ("c" when its C kernels are built)."""
+    """Which quantize / FP8 kernels that tree's cvt runs ("c" when its C kernels are built), and
+    from where (so that a wrong tree on the path shows)."""
     code = ("from cvt.quant import qkernel; from cvt.convert import fp8; "
-            "print(qkernel.kernel_name(), fp8.kernel_name())")
+            "import os; print(qkernel.kernel_name(), fp8.kernel_name(), os.path.realpath(qkernel.__file__))")
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(tree), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    return " / ".join(out.stdout.split()) if out.returncode == 0 else "?"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/")
+    if out.returncode != 0:
+        return "?"
+    q, f, where = out.stdout.split()
+    return f"{q} / {f}, from {where}"
 
 
 def measure(stage: str, rels: dict[str, Path], root: Path, trees: dict[str, Path | None], repeat: int,

@@ -419,8 +419,11 @@ static void pack_row_pair(const cvt_qargs *a, int64_t i, const int8_t *q0, const
  * gives the block's max |w| exactly, as decoding every element would. Returns how many blocks
  * hold a non-finite value (a NaN code, or a product that is not finite: the caller only needs
  * whether any does). */
-static int64_t amax_row(const cvt_qargs *a, int64_t i, float *out) {
+static int64_t amax_row(const cvt_qargs *a, int64_t i, float *out, int simd) {
     int64_t k = a->k, bad = 0;
+#ifndef CVT_X86
+    (void)simd; /* the byte max is auto-vectorized there */
+#endif
     float m = 0.0f;
     if (a->src_kind == SRC_BF16) {
         const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
@@ -439,7 +442,15 @@ static int64_t amax_row(const cvt_qargs *a, int64_t i, float *out) {
         for (int64_t b0 = 0; b0 < k; b0 += a->bk) {
             int64_t b1 = b0 + a->bk < k ? b0 + a->bk : k;
             uint8_t mc = 0;
-            for (int64_t j = b0; j < b1; j++) {
+            int64_t j = b0;
+#ifdef CVT_X86
+            if (simd) {
+                int64_t done;
+                mc = max_code_avx2(row + b0, b1 - b0, &done);
+                j += done;
+            }
+#endif
+            for (; j < b1; j++) {
                 uint8_t c = row[j] & 0x7f;
                 mc = c > mc ? c : mc;
             }
@@ -470,7 +481,7 @@ static void *run(void *arg) {
         float m = 0.0f;
         for (int64_t i = jb->row0; i < jb->row1; i++) {
             float r;
-            jb->bad += amax_row(a, i, &r);
+            jb->bad += amax_row(a, i, &r, jb->simd);
             m = r > m ? r : m;
         }
         jb->amax = m;

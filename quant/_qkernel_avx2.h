@@ -426,6 +426,32 @@ AVX static int64_t pack_rows_avx2(const int8_t *q0, const int8_t *q1, uint8_t *o
     return j;
 }
 
+/* max of p[j] & 0x7f over the first *done bytes (e4m3 magnitudes order like their codes; the
+ * caller takes the tail). The global-scale pass (amax_row) streams a whole weight from memory
+ * before it is quantized: four accumulators keep several loads in flight. */
+AVX static uint8_t max_code_avx2(const uint8_t *p, int64_t len, int64_t *done) {
+    const __m256i m = _mm256_set1_epi8(0x7f);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t j = 0;
+#define LD(o) _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + j + (o))), m)
+    for (; j + 128 <= len; j += 128) {
+        a0 = _mm256_max_epu8(a0, LD(0));
+        a1 = _mm256_max_epu8(a1, LD(32));
+        a2 = _mm256_max_epu8(a2, LD(64));
+        a3 = _mm256_max_epu8(a3, LD(96));
+    }
+    for (; j + 32 <= len; j += 32) a0 = _mm256_max_epu8(a0, LD(0));
+#undef LD
+    *done = j;
+    __m256i x = _mm256_max_epu8(_mm256_max_epu8(a0, a1), _mm256_max_epu8(a2, a3));
+    __m128i y = _mm_max_epu8(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    y = _mm_max_epu8(y, _mm_srli_si128(y, 8));
+    y = _mm_max_epu8(y, _mm_srli_si128(y, 4));
+    y = _mm_max_epu8(y, _mm_srli_si128(y, 2));
+    y = _mm_max_epu8(y, _mm_srli_si128(y, 1));
+    return (uint8_t)_mm_cvtsi128_si32(y);
+}
+
 AVX static double sumsq_avx2(const float *w, int64_t len) {
     __m256d acc = _mm256_setzero_pd();
     int64_t j = 0;
