@@ -112,7 +112,8 @@ def kernels(tree: Path | None) -> str:
 
 def measure(stage: str, rels: dict[str, Path], root: Path, trees: dict[str, Path | None], repeat: int,
             bar) -> dict:
-    """Best-of-`repeat` seconds / CPU per release for each tree and the floor, interleaved."""
+    """Best-of-`repeat` seconds / CPU per release for each tree and the floor, interleaved (the
+    trees' order reversed every other repeat, so neither always runs first); peak RSS on B."""
     best: dict[tuple[str, str], list[float]] = {}
     rss: dict[str, int] = {}
     same: dict[str, bool] = {}
@@ -121,14 +122,15 @@ def measure(stage: str, rels: dict[str, Path], root: Path, trees: dict[str, Path
             src_files = sorted(src.glob("*.safetensors"))
             sizes = None
             outs: dict[str, Path] = {}
-            for label, tree in trees.items():
+            for label, tree in (list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
                 dst = root / f"out-{label}"
                 t, cpu, peak, sizes_here = run_stage(stage, src, dst, tree)
                 sizes = sizes if sizes is not None else sizes_here
                 for key, v in (("s", t), ("cpu", cpu)):
                     cur = best.setdefault((label, rel + key), [v])
                     cur[0] = min(cur[0], v)
-                rss[label] = max(rss.get(label, 0), peak)
+                if rel == "B":
+                    rss[label] = max(rss.get(label, 0), peak)
                 outs[label] = dst
                 bar.update(1)
             if r == 0 and rel == "B" and len(outs) > 1:
@@ -186,7 +188,8 @@ def main() -> None:
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\ncvt marginal cost per byte  ({os.cpu_count()} CPUs; this tree {describe(HERE.parent)}, kernels "
+    print(f"\ncvt marginal cost per byte  ({os.cpu_count()} CPUs; this bench's checkout {describe(HERE.parent)}; "
+          f"the cvt run (\"this\"): kernels "
           f"(quantize / fp8) {kernels(None)}" + (f"; base {a.base} at {describe(a.base)}, kernels {kernels(trees['base'])}"
                                                if a.base else "") + ")")
     print(f"releases: A {a.layers[0]} MoE layers, {inb['A'] / GB:.2f} GB; B {a.layers[1]} MoE layers, "
@@ -202,8 +205,10 @@ def main() -> None:
             m = b[(label, "Bs")] - b[(label, "As")]
             cpu = (b[(label, "Bcpu")] - b[(label, "Acpu")]) / d_in
             same = "" if label == "this" else ("yes" if r["same"].get(label) else "NO")
+            # B no slower than A (or a floor that did not grow) is noise: more --layers or --repeat
+            ratio, speed = (f"{floor / m:11.2f}x", f"{d_in / m:9.2f}") if m > 0 and floor > 0 else (f"{'noise':>12}", f"{'-':>9}")
             print(f"{stage:14}{label:6}{b[(label, 'As')]:9.2f}{b[(label, 'Bs')]:9.2f}{m:11.2f}{floor:16.2f}"
-                  f"{floor / m:11.2f}x{d_in / m:9.2f}{cpu:12.2f}{r['rss'][label] / GB:7.2f} GB{same:>11}")
+                  f"{ratio}{speed}{cpu:12.2f}{r['rss'][label] / GB:7.2f} GB{same:>11}")
     print("(marginal = B - A, the fixed costs cancelled; vs O_DIRECT = the floor's marginal s / cvt's; "
           "CPU-s/GB in = marginal user + sys seconds per marginal GB of input; same bytes: every output "
           ".safetensors of B identical to this tree's)")

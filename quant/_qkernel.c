@@ -159,7 +159,7 @@ static double qint_scalar_sq(const float *w, int8_t *q, int64_t len, float sc, f
         float x = w[j] / sc;
         if (asym) x = x + off;
         float r = clampf(rintf(x), qmin, qmax);
-        q[j] = (int8_t)r;
+        q[j] = r == r ? (int8_t)r : 0; /* NaN (a weight then refused): converting it is undefined */
         float d = w[j] - (r - off) * sc;
         err += SQ(d, f64);
     }

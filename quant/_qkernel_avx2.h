@@ -70,7 +70,7 @@ AVX static int64_t decode_avx2(const cvt_qargs *a, int64_t i, float *out) {
         }
         for (; j < end; j++) {
             out[j] = bf16_round(LUT[row[j]] * sc);
-            bad = _mm256_sub_epi32(bad, _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, not_finite(out[j])));
+            bad = _mm256_add_epi32(bad, _mm256_set_epi32(0, 0, 0, 0, 0, 0, 0, not_finite(out[j]))); /* +1, not a mask */
         }
     }
     if (_mm_movemask_epi8(nan)) return decode_scalar(a, i, out); /* a NaN code: the plain path */

@@ -6,12 +6,16 @@ options  what every verb shares: exit codes, --quiet / --debug, number formattin
 """
 
 import os
+import platform
 
 # numpy's bundled OpenBLAS starts its threads when numpy is imported and spins them for ~0.1 s
 # (0.13 CPU-seconds of every run on 2 cores, measured); cvt calls no numpy BLAS, so they may
-# sleep at once (the variable's minimum: 2**4 cycles of spinning). A BLAS that torch uses only
-# wakes its threads a little later after a call; an explicit setting is kept.
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+# sleep at once (the variable's minimum: 2**4 cycles of spinning). Only on x86-64, where torch's
+# BLAS is MKL and the variable reaches numpy's alone: torch's aarch64 wheels use OpenBLAS, whose
+# threads between calibration's matmuls it would put to sleep (not measured). An explicit
+# setting is kept.
+if platform.machine().lower() in ("x86_64", "amd64"):
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from cvt.cli.main import cli, main  # noqa: E402
 

@@ -383,8 +383,8 @@ def test_absmax_matches_torch(kernel):
 
 
 @pytest.mark.parametrize("case", ["bf16", "fp8", "fp8-negative-scales", "fp8-bf16-scales", "fp8-nan-code",
-                                  "fp8-nan-code-early", "fp8-max-in-tail", "fp8-overflow", "bf16-inf", "bf16-nan",
-                                  "zeros"])
+                                  "fp8-nan-code-early", "fp8-max-in-tail", "fp8-nan-code-in-tail", "fp8-overflow",
+                                  "bf16-inf", "bf16-nan", "zeros"])
 def test_absmax_without_decoding_every_element(kernel, case):
     """The C kernel takes max |w| from each block's largest magnitude code (e4m3 and bf16
     magnitudes order like their bits; bf16(x * s) is monotonic in x): the same float as the
@@ -403,7 +403,7 @@ def test_absmax_without_decoding_every_element(kernel, case):
         src = QK.WeightSource(w)
     else:
         # k 350: blocks of 128, 128 and 94 (the SIMD byte max's 128- and 32-byte steps and a scalar tail)
-        k = 350 if case == "fp8-max-in-tail" else 352
+        k = 350 if case in ("fp8-max-in-tail", "fp8-nan-code-in-tail") else 352
         src = fp8_weight((136, k), seed=12, scale_dtype="BF16" if case == "fp8-bf16-scales" else "F32")
         codes, scale = src.w.view(torch.uint8).clone(), src.scale.clone()
         if case == "fp8-negative-scales":
@@ -417,6 +417,8 @@ def test_absmax_without_decoding_every_element(kernel, case):
             codes[:, :256] &= 0x3F
             codes[64, 349] = 0xF5  # ... and the weight's max |w| (a negative code) in the last block's scalar tail
             scale[:] = 1.0
+        elif case == "fp8-nan-code-in-tail":
+            codes[10, 348] = 0xFF  # in the 94-wide last block's bytes past its 32-byte steps
         elif case == "fp8-overflow":
             codes[7, 300] = 0x7E  # 448
             scale[0, 2] = 3e38  # 448 x 3e38 is Inf in float32
@@ -426,7 +428,8 @@ def test_absmax_without_decoding_every_element(kernel, case):
     dec = src.rows_float(0, src.shape[0])
     want = None if not bool(torch.isfinite(dec).all()) else float(dec.abs().amax())
     assert QK.absmax(src, simd=SIMD.get(kernel, True)) == want
-    assert (want is None) == (case in ("fp8-nan-code", "fp8-nan-code-early", "fp8-overflow", "bf16-inf", "bf16-nan"))
+    assert (want is None) == (case in ("fp8-nan-code", "fp8-nan-code-early", "fp8-nan-code-in-tail", "fp8-overflow",
+                                       "bf16-inf", "bf16-nan"))
     if case == "fp8-max-in-tail":
         assert want == abs(float(dec[64, 349]))
 

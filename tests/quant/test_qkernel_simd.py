@@ -78,6 +78,24 @@ def test_nan_code_refused_at_every_level(level, code):
         sch.quantize(src.rows_float(0, src.shape[0]), name="m.weight")
 
 
+@pytest.mark.parametrize("level", list(LEVELS))
+@pytest.mark.parametrize("where", [[(1, 10)], [(0, 2), (1, 10)], [(0, 2), (1, 10), (3, 11)]],
+                         ids=["tail", "vector-and-tail", "vector-and-two-tails"])
+def test_nan_codes_in_block_tails_are_counted_at_every_level(level, where):
+    """k = 12: each row is 8 SIMD lanes and a 4-element scalar tail. Every NaN code counts once,
+    wherever it sits (the AVX2 tail once subtracted its +1, so a NaN in one row's lanes and one in
+    another row's tail cancelled and the weight was quantized)."""
+    codes = torch.full((4, 12), 0x38, dtype=torch.uint8)  # 1.0
+    for r, c in where:
+        codes[r, c] = 0x7F
+    src = QK.WeightSource.fp8(codes.view(torch.float8_e4m3fn), torch.ones(1, 1), (128, 128))
+    msg = rf"weight 'm\.weight' \(float32 \[4, 12\]\) holds {len(where)} non-finite value\(s\) \(NaN/Inf\)"
+    for layout, scheme, opts in (("ct-int8", "w8a8", {}), ("ct-int4", "w4a16", {"group_size": 4})):
+        with pytest.raises(TensorError, match=msg):
+            QK.quantize_to_layout(src, get_scheme(scheme, **opts), LAYOUTS.get(layout), name="m.weight",
+                                  simd=LEVELS[level], threads=1)
+
+
 def test_the_levels_are_what_they_say(monkeypatch):
     """`simd` and CVT_KERNEL_SIMD choose the loops: AVX-512 is used where the CPU has it."""
     import os

@@ -121,18 +121,25 @@ def test_quantized_weights_run_on_cuda_as_on_the_cpu(fp8_v3, tmp_path, scheme, f
     assert (gpu - cpu).abs().max().item() <= 0.1 * cpu.abs().max().item()
 
 
-def test_cvt_verify_on_cuda(fp8_v3, tmp_path):
-    """`cvt verify --device cuda` of a w8a8 output against the FP8 release: exit 0 and the CPU
-    run's figures (dynamic int8 activations may round a few values apart where float sums differ:
-    a token's top-1 at most, KL within 5%)."""
+def test_cvt_verify_on_cuda(fp8_v3, tmp_path, monkeypatch):
+    """`cvt verify --device cuda` of a w8a8 output against the FP8 release: both models are loaded
+    on the GPU (the CLI run in this process, its loads watched), exit 0 and the CPU run's figures
+    (dynamic int8 activations may round a few values apart where float sums differ: a token's
+    top-1 at most, KL within 5%)."""
+    import cvt.runtime.verify as V
     from cvt.quant.stage import quantize
 
+    loaded_on = []
+    real = V.load_model
+    monkeypatch.setattr(V, "load_model", lambda *a, **k: (lambda m: loaded_on.append(m.device.type) or m)(real(*a, **k)))
     quantize(fp8_v3, tmp_path / "q", scheme="w8a8", fmt="ascend", quiet=True)
     got = {}
     for device in ("cpu", "cuda"):
+        loaded_on.clear()
         r = run_cvt("verify", tmp_path / "q", "--reference", fp8_v3, "--report", tmp_path / device,
                     "--device", device, "--seq-len", "32", "--max-sequences", "2", "--quiet")
         assert r.rc == 0, r.err
+        assert loaded_on == [device, device]
         got[device] = json.loads((tmp_path / device / "report.json").read_text())["logits"]
     cpu, gpu = got["cpu"], got["cuda"]
     assert gpu["tokens"] == cpu["tokens"]
