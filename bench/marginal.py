@@ -20,9 +20,11 @@ layers (--layers A B). Every stage runs on both, and the differences are reporte
                   --repeat each: the cost that carries to a machine with more cores and disks;
   peak RSS      = cvt's on B.
 
---base DIR runs the same commands with another checkout's cvt (PYTHONPATH=DIR, its C kernels
-built in place: `python setup.py build_ext --inplace` there), interleaved with this tree's runs
-in the same minutes, and says whether its output safetensors are byte-identical to this tree's.
+--base DIR runs the same commands with another checkout's cvt (PYTHONPATH=DIR), interleaved with
+this tree's runs in the same minutes, and says whether its output safetensors are byte-identical
+to this tree's. Make one with its C kernels built in place, e.g. for commit c1e4111:
+  git worktree add --detach ../cvt-base c1e4111
+  (cd ../cvt-base && "$OLDPWD/.venv/bin/python" -c 'from setuptools import setup; setup()' build_ext --inplace)
 Every release is written and synced before the clock starts, page-cache warm for every run.
 A report, not a test: exit 0 unless something crashes.
 """
