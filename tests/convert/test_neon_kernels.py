@@ -116,7 +116,7 @@ def _quantize(harness, tmp_path, src, scheme, layout, level: int, gs: float | No
     said = _run(harness["QUANT"], n, k, int(fp8_src), bn, bk, cfg["mode"], cfg["group"], cfg["qmin"], cfg["qmax"],
                 pack, repr(float(cfg["qdiv"])), repr(float(gs or 0.0)), level, tmp_path / "w", tmp_path / "s",
                 tmp_path / "o").split()
-    assert said[0] == "nonfinite" and said[2:] == ["level", str(level)]
+    assert said[0] == "nonfinite" and said[2:4] == ["level", str(level)]
     out = {s: np.frombuffer(bytearray((tmp_path / f"o.{s}").read_bytes()), dtype=d)
            for s, d in [("q", np.uint8), ("scale", np.float32), ("offset", np.float32), ("scale8", np.uint8),
                         ("scale_bf16", np.uint16), ("sums", np.float64)]}
@@ -200,3 +200,85 @@ def test_fp4_neon_at_and_beside_every_threshold(harness, tmp_path, case):
             assert list(got.tensors) == list(want[0]) and all(same_bytes(got.tensors[x], want[0][x]) for x in want[0])
         else:
             assert_same(got, want)
+
+
+TAIL_CASES = [("ct-int8", "w8a8", {}), ("ct-int4", "w4a16", {"group_size": 6, "symmetric": False}),
+              ("ct-int4", "w4a16", {"group_size": 2, "symmetric": False}), ("ct-int4", "w4a16", {"group_size": 30})]
+
+
+@pytest.mark.parametrize("layout,scheme,opts", TAIL_CASES,
+                         ids=[f"{c[0]}-{c[2].get('group_size', '')}{'' if c[2].get('symmetric', True) else 'asym'}"
+                              for c in TAIL_CASES])
+def test_quantize_neon_tails_match_the_reference(harness, tmp_path, layout, scheme, opts):
+    """The NEON loops' scalar tails: k = 210 (not a multiple of 4), FP8 blocks 16 x 50 (every block
+    span leaves 2 elements past the 4-lane steps), BF16 rows of 210, asymmetric groups of 6 (a tail
+    of 2) and of 2 (shorter than one vector): the reference's tensors at NEON and scalar."""
+    from cvt.quant import qkernel as QK
+    from cvt.quant.tensor.layouts import LAYOUTS
+    from cvt.quant.tensor.schemes import get_scheme
+    from cvt.tests.quant.test_qkernel import assert_same, bf16_weight, reference
+
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (40, 210), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C
+    fp8 = QK.WeightSource.fp8(codes.view(torch.float8_e4m3fn), torch.rand(3, 5, generator=g) * 0.02 + 1e-4, (16, 50))
+    sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+    for src in (fp8, bf16_weight((16, 210))):
+        want = reference(src, sch, lo)
+        for level in (0, 1):
+            bad, got = _quantize(harness, tmp_path, src, sch, lo, level, None)
+            assert bad == 0
+            assert_same(got, want)
+
+
+@pytest.mark.parametrize("where", [[(3, 48)], [(0, 5), (3, 48)], [(1, 49), (7, 209)]],
+                         ids=["tail", "lanes-and-tail", "two-tails"])
+def test_quantize_neon_counts_nan_codes_in_block_tails(harness, tmp_path, where):
+    """NaN codes in the 2-element tails of 50-wide FP8 blocks (and in the 4-lane part): each counted
+    once at both levels (tests/quant/test_qkernel_simd.py has the x86 levels)."""
+    from cvt.quant import qkernel as QK
+    from cvt.quant.tensor.layouts import LAYOUTS
+    from cvt.quant.tensor.schemes import get_scheme
+
+    codes = torch.full((8, 210), 0x38, dtype=torch.uint8)
+    for r, c in where:
+        codes[r, c] = 0xFF
+    src = QK.WeightSource.fp8(codes.view(torch.float8_e4m3fn), torch.ones(1, 5), (16, 50))
+    for level in (0, 1):
+        bad, _ = _quantize(harness, tmp_path, src, get_scheme("w8a8"), LAYOUTS.get("ct-int8"), level, None)
+        assert bad == len(where), level
+
+
+@pytest.mark.parametrize("case", ["fp8", "fp8-nan", "fp8-max-in-tail", "bf16"])
+def test_global_scale_pass_neon_matches_the_decoded_max(harness, tmp_path, case):
+    """MODE 0 (nvfp4's global-scale pass, each block's largest code without decoding) at NEON and
+    scalar: the decoded weight's max |w| exactly, or a non-finite count for a NaN code."""
+    from cvt.quant import qkernel as QK
+
+    g = torch.Generator().manual_seed(9)
+    if case == "bf16":
+        src = QK.WeightSource((torch.randn(12, 210, generator=g) * 5).to(torch.bfloat16))
+    else:
+        codes = torch.randint(0, 256, (40, 210), generator=g, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x3C
+        if case == "fp8-nan":
+            codes[17, 99] = 0x7F
+        if case == "fp8-max-in-tail":
+            codes &= 0x3F
+            codes[20, 149] = 0xF6  # the largest magnitude, negative, in a block's 2-element tail
+        scale = torch.ones(3, 5) if case == "fp8-max-in-tail" else torch.rand(3, 5, generator=g) * 0.02 + 1e-4
+        src = QK.WeightSource.fp8(codes.view(torch.float8_e4m3fn), scale, (16, 50))
+    n, k = src.shape
+    w = src.w.view(torch.uint8) if src.is_fp8 else src.w.view(torch.int16)
+    (tmp_path / "w").write_bytes(w.contiguous().numpy().tobytes())
+    (tmp_path / "s").write_bytes(src.scale.numpy().tobytes() if src.is_fp8 else b"")
+    bn, bk = src.block if src.is_fp8 else (1, 1)
+    dec = src.rows_float(0, n)
+    for level in (0, 1):
+        said = _run(harness["QUANT"], n, k, int(src.is_fp8), bn, bk, QK.MODE_AMAX, k, 0, 0, 0, "1.0", "0.0", level,
+                    tmp_path / "w", tmp_path / "s", tmp_path / "o").split()
+        assert said[2:4] == ["level", str(level)] and said[4] == "amax"
+        if case == "fp8-nan":
+            assert int(said[1]) > 0
+        else:
+            assert int(said[1]) == 0 and float.fromhex(said[5]) == float(dec.abs().amax())

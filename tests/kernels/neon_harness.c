@@ -9,7 +9,8 @@
  *   harness-quant N K SRC BN BK MODE GROUP QMIN QMAX PACK QDIV GS SIMD W S OUT
  *       W: BF16 bits (SRC 0) or e4m3 codes (SRC 1); S: the FP8 block scale (any file for BF16);
  *       writes OUT.q, OUT.scale, OUT.offset, OUT.scale8, OUT.scale_bf16 (the cvt_qargs buffers)
- *       and OUT.sums (2 doubles); prints the non-finite count
+ *       and OUT.sums (2 doubles); prints the non-finite count, the level and (MODE 0, the
+ *       global-scale pass) max |w| as a C99 hex float
  * Files are raw little-endian arrays. Exit 2 on bad arguments or I/O errors.
  */
 #define CVT_NO_PYTHON 1
@@ -69,9 +70,10 @@ int main(int argc, char **argv) {
                                                                             : (size_t)(n * k / 2);
     double sums[2] = {0, 0};
     int64_t bad = 0;
+    float amax = 0.0f;
     a.q = calloc(qbytes + 1, 1), a.scale = calloc((size_t)(n * ng) + 1, 4), a.offset = calloc((size_t)(n * ng) + 1, 4);
     a.scale8 = calloc((size_t)(n * ng) + 1, 1), a.sums = sums, a.nonfinite = &bad;
-    a.scale_bf16 = calloc((size_t)(n * ng) + 1, 2);
+    a.scale_bf16 = calloc((size_t)(n * ng) + 1, 2), a.amax = &amax;
     int rc = cvt_quantize(&a);
     if (rc) { fprintf(stderr, "cvt_quantize: rc %d\n", rc); return 2; }
     spill(argv[16], ".q", a.q, qbytes);
@@ -80,7 +82,7 @@ int main(int argc, char **argv) {
     spill(argv[16], ".scale8", a.scale8, (size_t)(n * ng));
     spill(argv[16], ".scale_bf16", a.scale_bf16, 2 * (size_t)(n * ng));
     spill(argv[16], ".sums", sums, sizeof sums);
-    printf("nonfinite %lld level %d\n", (long long)bad, cvt_simd_level(a.simd));
+    printf("nonfinite %lld level %d amax %a\n", (long long)bad, cvt_simd_level(a.simd), (double)amax);
 #endif
     return 0;
 }
