@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from cvt.convert.arch import Block, Role, TensorInfo, arch_for, config_problems
+from cvt.convert.arch import Block, Parallel, Role, TensorInfo, arch_for, config_problems
 from cvt.convert.arch.glm_moe_dsa import FULL, indexer_types
 from cvt.convert.config import fp8_block
 from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
@@ -79,8 +79,12 @@ class Kind:
 
 
 def axis_of(info: TensorInfo, shared: str = "moe_tp") -> str | None:
-    """The layout degree that splits this tensor's module (None: the module is replicated)."""
+    """The layout degree that splits this tensor's module (None: the module is replicated). A
+    carried copy of the embedding / head (DeepSeek-V4's MTP draft's: a vocab / column rule) splits
+    as they do; other carried tensors (Kimi-K2.5's vision tower) are replicated."""
     role = info.role
+    if role is Role.CARRIED:
+        return {Parallel.VOCAB: "embed_tp", Parallel.COLUMN: "lmhead_tp"}.get(info.rule.parallel)
     return {Role.EMBEDDING: "embed_tp", Role.HEAD: "lmhead_tp", Role.EXPERT: "moe_tp",
             Role.SHARED_EXPERT: "moe_tp" if shared == "moe_tp" else None,
             Role.LINEAR: "tp" if info.block is Block.ATTN else "dense_tp"}.get(role)

@@ -32,7 +32,7 @@ windows) else 1, Hi / Di = index_n_heads / index_head_dim, I = moe_intermediate_
     mtp.M.e_proj / h_proj                [d, d]           FP8            replicated  yes
     mtp.M.enorm / hnorm / norm .weight   [d]              bf16           replicated  always
     mtp.M.hc_head_fn / _base / _scale    [hc, hc*d] / [hc] / [1]  f32    replicated  always
-    mtp.M.emb.tok_emb / head .weight (3) [vocab, d]       bf16           replicated  always (carried)
+    mtp.M.emb.tok_emb / head .weight (3) [vocab, d]       bf16           vocab (dim 0) always (carried)
 
 and at the top: ``embed.weight`` [vocab, d] (vocab-parallel), ``head.weight`` [vocab, d]
 (column), ``norm.weight``, ``hc_head_fn`` / ``hc_head_base`` / ``hc_head_scale``. Layers below
@@ -52,7 +52,9 @@ weights_proj, embed, head: dim 0; wo_b: dim 1; every other name whole on each ra
 (3) copies of ``embed`` / ``head`` for the MTP draft: in V4-Flash-Base, not in V4-Flash (so not in
     `param_shapes`); vLLM's and vllm-ascend's DeepSeekV4MTP.load_weights read only ``mtp.0.*``.
     ``Role.CARRIED``: copied byte for byte by every stage, never run (cvt's MTPBlock uses embed /
-    head, as DeepSeek's inference/model.py ties them), replicated by ``cvt shard``.
+    head, as DeepSeek's inference/model.py ties them); ``cvt shard`` splits them by vocab with
+    embed_tp / lmhead_tp, as vllm-ascend's draft holds them (VocabParallelEmbedding, ParallelLMHead
+    in vllm_ascend/models/deepseek_v4/mtp.py).
 """
 
 from __future__ import annotations
@@ -259,7 +261,9 @@ TABLE = ArchTable(
         Rule(f"{M}.norm", Role.NORM, REP, Block.MTP, float_default=True, mtp_only=True),
         Rule(M, Role.NORM, REP, Block.MTP, float_default=True, mtp_only=True, params=HC_HEAD),
         # the MTP layer's own copies of embed / head (3): carried, cvt's MTPBlock runs embed / head
-        Rule(f"{M}.emb.tok_emb", Role.CARRIED, REP, Block.CARRIED, float_default=True, mtp_only=True),
-        Rule(f"{M}.head", Role.CARRIED, REP, Block.CARRIED, float_default=True, mtp_only=True),
+        # carried, but split by vocab as embed / head are (vllm-ascend's DeepSeekV4MTP holds them in
+        # a VocabParallelEmbedding and a ParallelLMHead): `cvt.convert.plan.axis_of`
+        Rule(f"{M}.emb.tok_emb", Role.CARRIED, V, Block.CARRIED, float_default=True, mtp_only=True),
+        Rule(f"{M}.head", Role.CARRIED, C, Block.CARRIED, float_default=True, mtp_only=True),
     ),
 )

@@ -99,3 +99,21 @@ def test_compressed_tensors_is_refused_before_dst_exists(releases, tmp_path, arg
     lines = r.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cvt: error: deepseek_v4: --format compressed-tensors is refused")
     assert "w1 / w2 / w3" in lines[0] and "--format ascend" in lines[0]
+
+
+def test_shard_splits_the_copies_by_vocab_as_embed_and_head(releases, tmp_path):
+    """`cvt shard` splits the draft's copies as embed / head are split (embed_tp / lmhead_tp, dim 0:
+    vllm-ascend's DeepSeekV4MTP holds them in a VocabParallelEmbedding and a ParallelLMHead,
+    vllm_ascend/models/deepseek_v4/mtp.py), and the rank files put the release back together byte
+    for byte (tests/convert/test_shard.py's reassembly)."""
+    from cvt.convert.layout import make_layout
+    from cvt.convert.shard import shard
+    from cvt.tests.convert.test_shard import assert_reproduces
+
+    _, base = releases
+    layout = make_layout(world_size=4, tp=1, ep=4, embed_tp=4, lmhead_tp=2)
+    m = assert_reproduces(base, shard(base, tmp_path / "out", layout, quiet=True).dst)
+    t = m["shard"]["tensors"]
+    for copy, name in COPIES.items():
+        assert (t[copy]["axis"], t[copy]["dim"], t[copy]["degree"]) == (t[name]["axis"], 0, t[name]["degree"]), copy
+    assert (t["mtp.0.emb.tok_emb.weight"]["degree"], t["mtp.0.head.weight"]["degree"]) == (4, 2)
