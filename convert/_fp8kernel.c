@@ -33,7 +33,9 @@ static void span_scalar(const uint8_t *w, uint16_t *out, int64_t len, float sc) 
 
 #ifdef CVT_X86
 /*
- * 8 elements at a time. e4m3 bits moved into float16 bits, ((c & 0x7f) << 7) | ((c & 0x80) << 8),
+ * 8 elements at a time. e4m3 bits moved into float16 bits, ((c & 0x7f) << 7) | ((c & 0x80) << 8)
+ * -- made in two operations: the code sign-extended to 16 bits and shifted left by 7 puts the sign
+ * in bit 15 and the magnitude in bits 7-13, and clearing bit 14 (0xbf80) drops the sign's copy --
  * are exactly w * 2**-8 (subnormals included: both formats' subnormal steps line up), F16C
  * widens them to float32 exactly, and multiplying by s * 2**8 (an exact power-of-two rescale,
  * since s < 2**100) rounds the same real product w * s once, as the scalar path does. NaN codes
@@ -41,15 +43,13 @@ static void span_scalar(const uint8_t *w, uint16_t *out, int64_t len, float sc) 
  */
 __attribute__((target("avx2,f16c"))) static void span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
     const __m256 vs = _mm256_set1_ps(sc * 256.0f);
-    const __m128i m7f = _mm_set1_epi16(0x7f), m80 = _mm_set1_epi16(0x80);
+    const __m128i bits = _mm_set1_epi16((short)0xbf80), magm = _mm_set1_epi16(0x3f80);
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
     __m128i nan = _mm_setzero_si128();
     int64_t c = 0;
     for (; c + 8 <= len; c += 8) {
-        __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(w + c)));
-        __m128i mag = _mm_and_si128(x, m7f);
-        nan = _mm_or_si128(nan, _mm_cmpeq_epi16(mag, m7f));
-        __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(x, m80), 8));
+        __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + c))), 7), bits);
+        nan = _mm_or_si128(nan, _mm_cmpeq_epi16(_mm_and_si128(h, magm), magm)); /* magnitude 0x7f */
         __m256i b = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtph_ps(h), vs));
         __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
         __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, half)), 16);
@@ -66,15 +66,14 @@ __attribute__((target("avx2,f16c"))) static void span_simd(const uint8_t *w, uin
 __attribute__((target("avx512f,avx2,f16c"))) static void span_avx512(const uint8_t *w, uint16_t *out, int64_t len,
                                                                      float sc) {
     const __m512 vs = _mm512_set1_ps(sc * 256.0f);
-    const __m256i m7f = _mm256_set1_epi16(0x7f), m80 = _mm256_set1_epi16(0x80);
+    const __m256i bits = _mm256_set1_epi16((short)0xbf80), magm = _mm256_set1_epi16(0x3f80);
     const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
     __m256i nan = _mm256_setzero_si256();
     int64_t c = 0;
-    for (; c + 16 <= len; c += 16) {
-        __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + c)));
-        __m256i mag = _mm256_and_si256(x, m7f);
-        nan = _mm256_or_si256(nan, _mm256_cmpeq_epi16(mag, m7f));
-        __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(x, m80), 8));
+    for (; c + 16 <= len; c += 16) { /* span_simd's two-operation bit move */
+        __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + c))), 7),
+                                     bits);
+        nan = _mm256_or_si256(nan, _mm256_cmpeq_epi16(_mm256_and_si256(h, magm), magm));
         __m512i b = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtph_ps(h), vs));
         __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), one);
         __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, half)), 16);
@@ -91,15 +90,13 @@ __attribute__((target("avx512f,avx2,f16c"))) static void span_avx512(const uint8
  */
 static void span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
     const float32x4_t vs = vdupq_n_f32(sc * 256.0f);
-    const uint16x8_t m7f = vdupq_n_u16(0x7f), m80 = vdupq_n_u16(0x80);
+    const uint16x8_t bits = vdupq_n_u16(0xbf80), magm = vdupq_n_u16(0x3f80);
     const uint32x4_t one = vdupq_n_u32(1), half = vdupq_n_u32(0x7fff);
     uint16x8_t nan = vdupq_n_u16(0);
     int64_t c = 0;
-    for (; c + 8 <= len; c += 8) {
-        uint16x8_t x = vmovl_u8(vld1_u8(w + c));
-        uint16x8_t mag = vandq_u16(x, m7f);
-        nan = vorrq_u16(nan, vceqq_u16(mag, m7f));
-        uint16x8_t h = vorrq_u16(vshlq_n_u16(mag, 7), vshlq_n_u16(vandq_u16(x, m80), 8));
+    for (; c + 8 <= len; c += 8) { /* the x86 path's two-operation bit move */
+        uint16x8_t h = vandq_u16(vreinterpretq_u16_s16(vshlq_n_s16(vmovl_s8(vld1_s8((const int8_t *)(w + c))), 7)), bits);
+        nan = vorrq_u16(nan, vceqq_u16(vandq_u16(h, magm), magm));
         float32x4_t lo = vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h))), vs);
         float32x4_t hi = vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(h))), vs);
         uint32x4_t bl = vreinterpretq_u32_f32(lo), bh = vreinterpretq_u32_f32(hi);
