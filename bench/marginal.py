@@ -108,7 +108,7 @@ def kernels(tree: Path | None) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/")
     if out.returncode != 0:
         return "?"
-    q, f, where = out.stdout.split()
+    q, f, where = out.stdout.strip().split(maxsplit=2)
     return f"{q} / {f}, from {where}"
 
 
@@ -127,7 +127,8 @@ def measure(stage: str, rels: dict[str, Path], root: Path, trees: dict[str, Path
             for label, tree in (list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
                 dst = root / f"out-{label}"
                 t, cpu, peak, sizes_here = run_stage(stage, src, dst, tree)
-                sizes = sizes if sizes is not None else sizes_here
+                if label == "this":  # the floor writes this tree's output sizes
+                    sizes = sizes_here
                 for key, v in (("s", t), ("cpu", cpu)):
                     cur = best.setdefault((label, rel + key), [v])
                     cur[0] = min(cur[0], v)
