@@ -140,7 +140,7 @@ class FileSet:
         self.done_meta: dict[str, dict] = {}
         self.pending: list[tuple[str, list]] = []
         for rel, items in files:
-            size = len(encode_header(self.specs[rel], self.header_meta)) + sum(t.spec.nbytes for t in items)
+            size = len(self.header(rel)) + sum(t.spec.nbytes for t in items)
             keys = {k for t in items if (k := getattr(t, "meta_key", None))}
             done = out.finished(rel, keys)
             if done is not None and done[0].size == size:
@@ -155,6 +155,18 @@ class FileSet:
         self._lock = threading.Lock()
         self._closer = ThreadPoolExecutor(max_workers=closers, thread_name_prefix="cvt-file-close") if closers else None
         self.meta: dict[str, dict] = dict(self.done_meta)
+
+    def header(self, rel: str) -> bytes:
+        """File `rel`'s safetensors header (its tensors' bytes start right after it)."""
+        return encode_header(self.specs[rel], self.header_meta)
+
+    def offsets(self, rel: str) -> dict[str, int]:
+        """Each tensor's byte offset in file `rel`, by name (where O_DIRECT will have it)."""
+        out, at = {}, len(self.header(rel))
+        for spec in self.specs[rel]:
+            out[spec.name] = at
+            at += spec.nbytes
+        return out
 
     def charge(self, nbytes: int, holders: int = 1, on_last: Callable[[], None] | None = None) -> Countdown:
         """Wait for room in the budget, then hold one buffer's `nbytes` until its `holders` files (a
@@ -188,7 +200,7 @@ class FileSet:
                 af = None
                 try:
                     af = AtomicFile(self.out.path(rel), direct=True)  # weight files: O_DIRECT (`DirectFile`)
-                    af.write(encode_header(self.specs[rel], self.header_meta))
+                    af.write(self.header(rel))
                 except BaseException:  # (a full disk, no file handles left): the bytes are not held
                     charge.done()
                     if af is not None:

@@ -60,7 +60,7 @@ from cvt.convert.plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, check_manifest_files, open_checkpoint, read_manifest
 from cvt.convert.validate import check_weights
 from cvt.dtypes import DTYPES
-from cvt.convert.safetensors_io import TensorSpec, encode_header, load_json
+from cvt.convert.safetensors_io import TensorSpec, load_json
 from cvt.convert.buffers import OUTPUTS, Countdown
 from cvt.convert.fileset import FileSet
 from cvt.convert.writer import (
@@ -310,25 +310,13 @@ def _slice(ckpt: Checkpoint, name: str, sp: Split, index: int, phase: int = 0):
     return memoryview(part).cast("B")
 
 
-def _offsets(fs: FileSet) -> dict[str, dict[str, int]]:
-    """Each pending file's tensors' byte offsets in that file (after its header), by name."""
-    out: dict[str, dict[str, int]] = {}
-    for rel, _ in fs.pending:
-        at = len(encode_header(fs.specs[rel], fs.header_meta))
-        out[rel] = {}
-        for spec in fs.specs[rel]:
-            out[rel][spec.name] = at
-            at += spec.nbytes
-    return out
-
-
 def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], order: list[str],
                  files: list[tuple[str, list[_Holding]]], progress) -> tuple[list[FileInfo], int, int]:
     """Write every unfinished rank file through the writer's `FileSet`, visiting each needed
     source tensor once: each distinct slice is made once, charged once against the write
     budget and handed to every rank file holding it."""
     fs = FileSet(out, files, progress=progress)
-    offsets = _offsets(fs)
+    offsets = {rel: fs.offsets(rel) for rel, _ in fs.pending}
     consumers: dict[str, list[tuple[str, _Holding]]] = {name: [] for name in order}
     for rel, hs in fs.pending:
         for h in hs:

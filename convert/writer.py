@@ -40,7 +40,7 @@ from cvt.version import __version__
 from cvt.convert.arch import carried_names
 from cvt.convert.outdir import OutputDir
 from cvt.convert.reader import Checkpoint
-from cvt.convert.safetensors_io import TensorSpec, encode_header
+from cvt.convert.safetensors_io import TensorSpec
 from cvt.errors import TensorError
 from cvt.convert.buffers import OUTPUTS, place
 from cvt.convert.fileset import FileSet, _Cancelled
@@ -168,7 +168,7 @@ def write_shards(
     stop = threading.Event()
 
     def write_one(rel: str, tensors: list[OutTensor]) -> None:
-        offset = len(encode_header(fs.specs[rel], fs.header_meta))  # of the next tensor's bytes in the file
+        offset = len(fs.header(rel))  # of the next tensor's bytes in the file
         for t in tensors:
             if stop.is_set():
                 raise _Cancelled
