@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import row_progress, scratch_dir  # bench/common.py
+from common import load_fp8_bench, row_progress, scratch_dir  # bench/common.py
 
 GB = 1e9
 
@@ -67,15 +67,6 @@ def weights_digest(d: Path) -> list[str]:
     import hashlib
 
     return [hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.glob("*.safetensors"))]
-
-
-def load_fp8_bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_fp8_to_bf16", Path(__file__).resolve().parent / "fp8_to_bf16.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main() -> None:

@@ -23,6 +23,17 @@ ALIGN = 4096  # O_DIRECT wants buffer address, offset and length aligned to the 
 CHUNK = 16 << 20
 
 
+def load_fp8_bench():
+    """bench/fp8_to_bf16.py as a module (its synthetic release writer, buffered floor and
+    `run_cvt`): the benches run as scripts, so their sibling is loaded from its path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_fp8_to_bf16", Path(__file__).resolve().parent / "fp8_to_bf16.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def scratch_dir(value: str) -> str:
     """argparse type of --dir: an existing, writable directory (argparse prints the one-line
     error and exits 2, before anything is built)."""

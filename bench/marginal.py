@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -41,7 +40,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import direct_floor, row_progress, run_cvt_cpu, scratch_dir  # bench/common.py
+from common import direct_floor, load_fp8_bench, row_progress, run_cvt_cpu, scratch_dir  # bench/common.py
 
 GB = 1e9
 HERE = Path(__file__).resolve().parent
@@ -53,13 +52,6 @@ STAGES = {
     "fp8-to-bf16": ["fp8-to-bf16"],
     "shard": ["shard", "--world-size", "4", "--tp", "4", "--ep", "4"],
 }
-
-
-def load_fp8_bench():
-    spec = importlib.util.spec_from_file_location("bench_fp8_to_bf16", HERE / "fp8_to_bf16.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def describe(tree: Path) -> str:

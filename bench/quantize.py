@@ -47,7 +47,6 @@ A report, not a test: exit 0 unless something crashes.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -57,7 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import direct_floor, row_progress, run_cvt_cpu, scratch_dir  # bench/common.py
+from common import direct_floor, load_fp8_bench, row_progress, run_cvt_cpu, scratch_dir  # bench/common.py
 
 GB = 1e9
 HERE = Path(__file__).resolve().parent
@@ -82,13 +81,6 @@ def calib_child(out: str, argv: list[str]) -> None:
     cal = json.loads((Path(argv[2]) / "cvt_manifest.json").read_text())["quant"]["calibration"]
     Path(out).write_text(json.dumps({"calibrate_s": sum(cal["seconds_per_layer"]), "wall_s": wall,
                                      "seconds_per_layer": cal["seconds_per_layer"]}))
-
-
-def load_fp8_bench():
-    spec = importlib.util.spec_from_file_location("bench_fp8_to_bf16", HERE / "fp8_to_bf16.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def plan(fb, size: float) -> dict:

@@ -27,7 +27,6 @@ whatever the world size. Exit 0 unless something crashes.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -36,16 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import direct_floor, run_cvt_cpu  # bench/common.py
+from common import direct_floor, load_fp8_bench, run_cvt_cpu  # bench/common.py
 
 HERE = Path(__file__).resolve().parent
-
-
-def load_fp8_bench():
-    spec = importlib.util.spec_from_file_location("bench_fp8_to_bf16", HERE / "fp8_to_bf16.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def parse_layout(text: str) -> tuple[int, dict[str, int]]:
