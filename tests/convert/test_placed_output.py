@@ -98,6 +98,14 @@ def test_place_sets_this_threads_phase_only(small_pool):
     B.place(0)
 
 
+def _placed_everywhere(monkeypatch, pooled_min: int = 16 << 10) -> None:
+    """The tiny releases' tensors qualify for straight writes and placed outputs: every size is
+    written straight and placed, the larger ones from pool blocks, the others sliced from malloc."""
+    monkeypatch.setattr(D, "DIRECT_MIN", 0)
+    monkeypatch.setattr(B, "PLACED_MIN", 0)
+    monkeypatch.setattr(B, "POOLED_MIN", pooled_min)
+
+
 def _needs_direct(tmp_path):
     if not D.direct_io_enabled(tmp_path):
         pytest.skip("no O_DIRECT on this filesystem")
@@ -146,9 +154,7 @@ def test_placed_and_unplaced_writes_of_every_size_keep_the_bytes(tmp_path, monke
     import random
 
     _needs_direct(tmp_path)
-    monkeypatch.setattr(D, "DIRECT_MIN", 0)
-    monkeypatch.setattr(B, "PLACED_MIN", 0)
-    monkeypatch.setattr(B, "POOLED_MIN", 64 << 10)
+    _placed_everywhere(monkeypatch, 64 << 10)
     pool = B.OutputPool()
     rng = random.Random(1)
     sizes = [0, 1, 415, 2091, 4095, 4096, 4097, 8192 + 5, 70_000, (2 << 20) - 3, (2 << 20) + 4096]
@@ -202,9 +208,7 @@ def test_quantize_writes_kernel_outputs_straight_and_the_reference_bytes(fp8_rel
     QK._c_kernel.cache_clear()
     if QK._c_kernel() is None:
         pytest.skip("C quantize kernel not built")
-    monkeypatch.setattr(D, "DIRECT_MIN", 0)
-    monkeypatch.setattr(B, "PLACED_MIN", 0)
-    monkeypatch.setattr(B, "POOLED_MIN", 16 << 10)  # the larger tensors from pool blocks, the others sliced
+    _placed_everywhere(monkeypatch)
     try:
         monkeypatch.setenv("CVT_QUANT_KERNEL", "reference")
         QK._c_kernel.cache_clear()
@@ -240,9 +244,7 @@ def test_fp8_to_bf16_writes_kernel_outputs_straight_and_the_torch_bytes(fp8_rele
     F._c_kernel.cache_clear()
     if F._c_kernel() is None:
         pytest.skip("C FP8 kernel not built")
-    monkeypatch.setattr(D, "DIRECT_MIN", 0)
-    monkeypatch.setattr(B, "PLACED_MIN", 0)
-    monkeypatch.setattr(B, "POOLED_MIN", 16 << 10)  # the larger tensors from pool blocks, the others sliced
+    _placed_everywhere(monkeypatch)
     try:
         monkeypatch.setenv("CVT_FP8_KERNEL", "torch")
         F._c_kernel.cache_clear()
@@ -298,9 +300,7 @@ def test_shard_writes_split_slices_straight_and_reassembles(tmp_path, monkeypatc
     cfg = tiny_deepseek_config()
     cfg.pop("quantization_config")
     src = write_bf16_checkpoint(tmp_path / "src", cfg)
-    monkeypatch.setattr(D, "DIRECT_MIN", 0)
-    monkeypatch.setattr(B, "PLACED_MIN", 0)
-    monkeypatch.setattr(B, "POOLED_MIN", 16 << 10)
+    _placed_everywhere(monkeypatch)
     placed = []  # (where the first holder file has the slice, where its buffer starts) within a page
     real = SH._slice
 

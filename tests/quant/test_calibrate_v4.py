@@ -212,16 +212,9 @@ def test_v4_smoothquant_w8a8_runs_and_folds_the_norms(release, outputs, tmp_path
         r = run_cvt("quantize", release, dst, "--scheme", "w8a8", "--format", "ascend", "--calib-tokens", "256",
                     "--method", method, "--quiet")
         assert r.rc == 0, r.err
-    from safetensors import safe_open
+    from cvt.tests.convert.test_shard import read_all
 
-    def tensors(folder):
-        out = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            with safe_open(f, framework="pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
-        return out
-
-    a, b = tensors(rtn), tensors(sq)
+    a, b = read_all(rtn), read_all(sq)
     changed = sorted(n for n in a if n.endswith("norm.weight") and not torch.equal(a[n], b[n]))
     assert changed == sorted(f"layers.{i}.{n}.weight" for i in range(4) for n in ("attn_norm", "attn.q_norm", "ffn_norm"))
     assert torch.equal(a["layers.0.attn.kv_norm.weight"], b["layers.0.attn.kv_norm.weight"])  # nothing to fold into

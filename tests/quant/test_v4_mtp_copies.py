@@ -19,21 +19,13 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config, v4_release_tensors
 from cvt.convert.synthetic import write_release
 from cvt.tests.conftest import run_cvt
+from cvt.tests.convert.test_shard import read_all
 
 COPIES = {"mtp.0.emb.tok_emb.weight": "embed.weight", "mtp.0.head.weight": "head.weight"}
-
-
-def _load(folder) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +44,7 @@ def test_the_ascend_output_has_the_drafts_copies(releases, tmp_path):
     dst = tmp_path / "w8a8"
     r = run_cvt("quantize", flash, dst, "--scheme", "w8a8", "--format", "ascend", "--quiet")
     assert r.rc == 0, r.err
-    out, desc = _load(dst), json.loads((dst / "quant_model_description.json").read_text())
+    out, desc = read_all(dst), json.loads((dst / "quant_model_description.json").read_text())
     for copy, name in COPIES.items():
         assert out[copy].dtype == torch.bfloat16 and torch.equal(out[copy], out[name]), copy
         assert desc[copy] == "FLOAT"
@@ -69,18 +61,18 @@ def test_the_ascend_output_has_the_drafts_copies(releases, tmp_path):
 
 def test_a_release_with_the_copies_is_read_and_carried(releases, tmp_path):
     _, base = releases
-    src = _load(base)
+    src = read_all(base)
     r = run_cvt("inspect", base)
     assert r.rc == 0 and "problems        none" in r.out, r.out + r.err
     dst = tmp_path / "w4a8"
     r = run_cvt("quantize", base, dst, "--scheme", "w4a8", "--format", "ascend", "--quiet")
     assert r.rc == 0, r.err
-    out = _load(dst)
+    out = read_all(dst)
     for copy in COPIES:
         assert torch.equal(out[copy], src[copy]), copy  # the release's own, byte for byte, not replaced
     bf16 = tmp_path / "bf16"
     assert run_cvt("fp8-to-bf16", base, bf16, "--quiet").rc == 0
-    assert all(torch.equal(_load(bf16)[c], src[c]) for c in COPIES)
+    assert all(torch.equal(read_all(bf16)[c], src[c]) for c in COPIES)
 
 
 @pytest.mark.parametrize("args", [("--scheme", "w8a8"), ("--scheme", "fp4", "--fp4-format", "mxfp4")])
