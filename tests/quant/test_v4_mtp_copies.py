@@ -109,3 +109,28 @@ def test_shard_splits_the_copies_by_vocab_as_embed_and_head(releases, tmp_path):
     for copy, name in COPIES.items():
         assert (t[copy]["axis"], t[copy]["dim"], t[copy]["degree"]) == (t[name]["axis"], 0, t[name]["degree"]), copy
     assert (t["mtp.0.emb.tok_emb.weight"]["degree"], t["mtp.0.head.weight"]["degree"]) == (4, 2)
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("CVT_VLLM_ASCEND_SRC"),
+                    reason="set CVT_VLLM_ASCEND_SRC to a local vllm-ascend source tree to read its V4 draft")
+def test_vllm_ascend_draft_holds_the_copies_vocab_parallel():
+    """The split `cvt shard` gives the copies is vllm-ascend's own: its DeepSeekV4MTP builds the
+    draft's ``embed_tokens`` as a VocabParallelEmbedding and its ``head`` as a ParallelLMHead
+    (vllm_ascend/models/deepseek_v4/mtp.py on main, models/deepseek_v4_mtp.py in v0.23), read
+    from the tree's source."""
+    import ast
+    import os
+    from pathlib import Path
+
+    models = Path(os.environ["CVT_VLLM_ASCEND_SRC"]) / "vllm_ascend" / "models"
+    path = next((p for p in (models / "deepseek_v4" / "mtp.py", models / "deepseek_v4_mtp.py") if p.is_file()), None)
+    if path is None:
+        pytest.skip(f"{models}: no DeepSeek-V4 MTP model in this vllm-ascend")
+    built: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name):
+            for target in node.targets:
+                if isinstance(target, ast.Attribute):
+                    built.setdefault(target.attr, set()).add(node.value.func.id)
+    assert built.get("embed_tokens") == {"VocabParallelEmbedding"}, path
+    assert built.get("head") == {"ParallelLMHead"}, path
