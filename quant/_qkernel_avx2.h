@@ -135,15 +135,37 @@ AVX static void minmax_avx2(const float *w, int64_t len, float *mn, float *mx) {
     *mx = h;
 }
 
-/* float32 squares of d, widened and added pairwise: 4 doubles */
-AVX static inline __m256d sq4(__m256 d) {
-    __m256 s = _mm256_mul_ps(d, d);
+/* 8 floats widened and added pairwise: 4 doubles */
+AVX static inline __m256d wide4(__m256 s) {
     return _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(s)), _mm256_cvtps_pd(_mm256_extractf128_ps(s, 1)));
 }
 
-/* 8 lanes of q = clamp(rint(w / sc [+ off]), qmin, qmax) stored as int8; returns the 4-double sum of
- * float32 (w - (q - off) * sc)^2 */
-AVX static inline __m256d qint8(const float *w, int8_t *q, __m256 vs, __m256 vo, int asym, __m256 lo, __m256 hi) {
+/* float32 squares of d, widened: 4 doubles */
+AVX static inline __m256d sq4(__m256 d) { return wide4(_mm256_mul_ps(d, d)); }
+
+/* the row loops' SQNR sums (see SQ_SPAN): float32 squares of w (s) and of w - w_hat (e) added in
+ * float32 lanes, widened into the double sums at each span's end */
+typedef struct { __m256 s, e; __m256d sd, ed; } sums8_t;
+
+AVX static inline void sums8_add(sums8_t *a, __m256 v, __m256 d, int64_t next) {
+    a->s = _mm256_add_ps(a->s, _mm256_mul_ps(v, v));
+    a->e = _mm256_add_ps(a->e, _mm256_mul_ps(d, d));
+    if (next % SQ_SPAN == 0) {
+        a->sd = _mm256_add_pd(a->sd, wide4(a->s));
+        a->ed = _mm256_add_pd(a->ed, wide4(a->e));
+        a->s = a->e = _mm256_setzero_ps();
+    }
+}
+
+/* sum w^2 to *sig, returns sum (w - w_hat)^2 */
+AVX static inline double sums8_end(sums8_t *a, double *sig) {
+    *sig = hsum4d(_mm256_add_pd(a->sd, wide4(a->s)));
+    return hsum4d(_mm256_add_pd(a->ed, wide4(a->e)));
+}
+
+/* 8 lanes of q = clamp(rint(w / sc [+ off]), qmin, qmax) stored as int8; returns the float32
+ * w - (q - off) * sc */
+AVX static inline __m256 qint8(const float *w, int8_t *q, __m256 vs, __m256 vo, int asym, __m256 lo, __m256 hi) {
     __m256 v = _mm256_loadu_ps(w);
     __m256 x = _mm256_div_ps(v, vs);
     if (asym) x = _mm256_add_ps(x, vo);
@@ -152,7 +174,7 @@ AVX static inline __m256d qint8(const float *w, int8_t *q, __m256 vs, __m256 vo,
     __m256i r32 = _mm256_cvtps_epi32(r);
     __m128i r16 = _mm_packs_epi32(_mm256_castsi256_si128(r32), _mm256_extracti128_si256(r32, 1));
     _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(r16, r16));
-    return sq4(_mm256_sub_ps(v, _mm256_mul_ps(_mm256_sub_ps(r, vo), vs)));
+    return _mm256_sub_ps(v, _mm256_mul_ps(_mm256_sub_ps(r, vo), vs));
 }
 
 AVX static double qint_avx2(const float *w, int8_t *q, int64_t len, float sc, float off, int asym, float qmin,
@@ -161,7 +183,7 @@ AVX static double qint_avx2(const float *w, int8_t *q, int64_t len, float sc, fl
                  hi = _mm256_set1_ps(qmax);
     __m256d acc = _mm256_setzero_pd();
     int64_t j = 0;
-    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, qint8(w + j, q + j, vs, vo, asym, lo, hi));
+    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, sq4(qint8(w + j, q + j, vs, vo, asym, lo, hi)));
     return hsum4d(acc) + qint_scalar(w + j, q + j, len - j, sc, off, asym, qmin, qmax);
 }
 
@@ -169,16 +191,13 @@ AVX static double qint_avx2(const float *w, int8_t *q, int64_t len, float sc, fl
 AVX static double qint_row_avx2(const float *w, int8_t *q, int64_t k, int64_t g, const float *sc, const float *off,
                                 int asym, float qmin, float qmax, double *sig) {
     const __m256 lo = _mm256_set1_ps(qmin), hi = _mm256_set1_ps(qmax);
-    __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
+    sums8_t acc = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_pd(), _mm256_setzero_pd()};
     for (int64_t t = 0, j = 0; j < k; t++) {
         const __m256 vs = _mm256_set1_ps(sc[t]), vo = _mm256_set1_ps(off[t]);
-        for (int64_t end = j + g; j < end; j += 8) {
-            acc = _mm256_add_pd(acc, qint8(w + j, q + j, vs, vo, asym, lo, hi));
-            acc2 = _mm256_add_pd(acc2, sq4(_mm256_loadu_ps(w + j)));
-        }
+        for (int64_t end = j + g; j < end; j += 8)
+            sums8_add(&acc, _mm256_loadu_ps(w + j), qint8(w + j, q + j, vs, vo, asym, lo, hi), j + 8);
     }
-    *sig = hsum4d(acc2);
-    return hsum4d(acc);
+    return sums8_end(&acc, sig);
 }
 
 /* E2M1 index of a = min(|x|, 6) as rint of y = 2a / a / a/2 plus 0 / 2 / 4 (NaN -> 0): see
@@ -194,9 +213,8 @@ AVX static inline __m256i e2m1_idx8(__m256 a) {
 }
 
 /* 8 lanes of E2M1 codes of clamp(w / mult, -6, 6), as w * vr (vr = 1 / mult) where fp4_kind says
- * that is exact (see fp4_row_avx512), else divided; returns the 4-double sum of float32
- * (w - fp4 * mult)^2 */
-AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, __m256 vr, int exact) {
+ * that is exact (see fp4_row_avx512), else divided; returns the float32 w - fp4 * mult */
+AVX static inline __m256 fp48(const float *w, uint8_t *c, __m256 vm, __m256 vr, int exact) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), six = _mm256_set1_ps(6.0f);
     __m256 v = _mm256_loadu_ps(w);
     __m256 x = exact ? _mm256_mul_ps(v, vr) : _mm256_div_ps(v, vm);
@@ -208,7 +226,7 @@ AVX static inline __m256d fp48(const float *w, uint8_t *c, __m256 vm, __m256 vr,
     _mm_storel_epi64((__m128i *)c, _mm_packus_epi16(c16, c16));
     __m256 mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1), idx);
     __m256 val = _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32(sgn, 31)));
-    return sq4(_mm256_sub_ps(v, _mm256_mul_ps(val, vm)));
+    return _mm256_sub_ps(v, _mm256_mul_ps(val, vm));
 }
 
 AVX static double fp4_avx2(const float *w, uint8_t *c, int64_t len, float mult) {
@@ -217,24 +235,21 @@ AVX static double fp4_avx2(const float *w, uint8_t *c, int64_t len, float mult) 
     const __m256 vm = _mm256_set1_ps(mult), vr = _mm256_set1_ps(r);
     __m256d acc = _mm256_setzero_pd();
     int64_t j = 0;
-    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, exact));
+    for (; j + 8 <= len; j += 8) acc = _mm256_add_pd(acc, sq4(fp48(w + j, c + j, vm, vr, exact)));
     return hsum4d(acc) + fp4_scalar(w + j, c + j, len - j, mult);
 }
 
 /* a whole row, g a multiple of 8: group t uses mult[t], rcp[t] = 1 / mult[t] */
 AVX static double fp4_row_avx2(const float *w, uint8_t *c, int64_t k, int64_t g, const float *mult,
                                const float *rcp, double *sig) {
-    __m256d acc = _mm256_setzero_pd(), acc2 = _mm256_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
+    sums8_t acc = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_pd(), _mm256_setzero_pd()};
     for (int64_t t = 0, j = 0; j < k; t++) {
         int exact = fp4_kind(mult[t], rcp[t]) == FP4_EXACT;
         const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(rcp[t]);
-        for (int64_t end = j + g; j < end; j += 8) {
-            acc = _mm256_add_pd(acc, fp48(w + j, c + j, vm, vr, exact));
-            acc2 = _mm256_add_pd(acc2, sq4(_mm256_loadu_ps(w + j)));
-        }
+        for (int64_t end = j + g; j < end; j += 8)
+            sums8_add(&acc, _mm256_loadu_ps(w + j), fp48(w + j, c + j, vm, vr, exact), j + 8);
     }
-    *sig = hsum4d(acc2);
-    return hsum4d(acc);
+    return sums8_end(&acc, sig);
 }
 
 /* per-group max |w| (minmax = 0) or min and max (minmax = 1) of a row, g a multiple of 8: exact

@@ -77,11 +77,33 @@ AVX512 static int64_t decode_avx512(const cvt_qargs *a, int64_t i, float *out) {
     return any ? count_nonfinite(out, k) : cnt;
 }
 
-/* float32 squares of d, widened: 8 doubles */
-AVX512 static inline __m512d sq8(__m512 d) {
-    __m512 s = _mm512_mul_ps(d, d);
+/* 16 floats widened and added pairwise: 8 doubles */
+AVX512 static inline __m512d wide8(__m512 s) {
     return _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(s)),
                          _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1))));
+}
+
+/* float32 squares of d, widened: 8 doubles */
+AVX512 static inline __m512d sq8(__m512 d) { return wide8(_mm512_mul_ps(d, d)); }
+
+/* the row loops' SQNR sums (see SQ_SPAN): float32 squares of w (s) and of w - w_hat (e) added in
+ * float32 lanes, widened into the double sums at each span's end */
+typedef struct { __m512 s, e; __m512d sd, ed; } sums16_t;
+
+AVX512 static inline void sums16_add(sums16_t *a, __m512 v, __m512 d, int64_t next) {
+    a->s = _mm512_add_ps(a->s, _mm512_mul_ps(v, v));
+    a->e = _mm512_add_ps(a->e, _mm512_mul_ps(d, d));
+    if (next % SQ_SPAN == 0) {
+        a->sd = _mm512_add_pd(a->sd, wide8(a->s));
+        a->ed = _mm512_add_pd(a->ed, wide8(a->e));
+        a->s = a->e = _mm512_setzero_ps();
+    }
+}
+
+/* sum w^2 to *sig, returns sum (w - w_hat)^2 */
+AVX512 static inline double sums16_end(sums16_t *a, double *sig) {
+    *sig = _mm512_reduce_add_pd(_mm512_add_pd(a->sd, wide8(a->s)));
+    return _mm512_reduce_add_pd(_mm512_add_pd(a->ed, wide8(a->e)));
 }
 
 AVX512 static inline __m512 op16(__m512 a, __m512 b, int mn) { return mn ? _mm512_min_ps(a, b) : _mm512_max_ps(a, b); }
@@ -166,7 +188,7 @@ AVX512 static double sumsq_avx512(const float *w, int64_t len) {
 AVX512 static double qint_row_avx512(const float *w, int8_t *q, int64_t k, int64_t g, const float *sc,
                                      const float *off, int asym, float qmin, float qmax, double *sig) {
     const __m512 lo = _mm512_set1_ps(qmin), hi = _mm512_set1_ps(qmax);
-    __m512d acc = _mm512_setzero_pd(), acc2 = _mm512_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
+    sums16_t acc = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_pd(), _mm512_setzero_pd()};
     for (int64_t t = 0, j = 0; j < k; t++) {
         const __m512 vs = _mm512_set1_ps(sc[t]), vo = _mm512_set1_ps(off[t]);
         for (int64_t end = j + g; j < end; j += 16) {
@@ -175,12 +197,10 @@ AVX512 static double qint_row_avx512(const float *w, int8_t *q, int64_t k, int64
             __m512 r = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
             _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
-            acc2 = _mm512_add_pd(acc2, sq8(v));
-            acc = _mm512_add_pd(acc, sq8(_mm512_sub_ps(v, _mm512_mul_ps(_mm512_sub_ps(r, vo), vs))));
+            sums16_add(&acc, v, _mm512_sub_ps(v, _mm512_mul_ps(_mm512_sub_ps(r, vo), vs)), j + 16);
         }
     }
-    *sig = _mm512_reduce_add_pd(acc2);
-    return _mm512_reduce_add_pd(acc);
+    return sums16_end(&acc, sig);
 }
 
 /* E2M1 index of a = min(|x|, 6) (NaN kept) without compares against each threshold: with
@@ -205,7 +225,7 @@ AVX512 static double fp4_row_avx512(const float *w, uint8_t *c, int64_t k, int64
                                    const float *rcp, double *sig) {
     const __m512i absm = _mm512_set1_epi32(0x7fffffff);
     const __m512 table = _mm512_castps256_ps512(_mm256_loadu_ps(E2M1)), six = _mm512_set1_ps(6.0f);
-    __m512d acc = _mm512_setzero_pd(), acc2 = _mm512_setzero_pd(); /* acc2: sum w^2 (sumsq's) */
+    sums16_t acc = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_pd(), _mm512_setzero_pd()};
     for (int64_t t = 0, j = 0; j < k; t++) {
         int exact = fp4_kind(mult[t], rcp[t]) == FP4_EXACT;
         const __m512 vm = _mm512_set1_ps(mult[t]), vr = _mm512_set1_ps(rcp[t]);
@@ -219,12 +239,10 @@ AVX512 static double fp4_row_avx512(const float *w, uint8_t *c, int64_t k, int64
             _mm_storeu_si128((__m128i *)(c + j), _mm512_cvtepi32_epi8(code));
             __m512 mag = _mm512_permutexvar_ps(idx, table);
             __m512 val = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(mag), _mm512_slli_epi32(sgn, 31)));
-            acc2 = _mm512_add_pd(acc2, sq8(v));
-            acc = _mm512_add_pd(acc, sq8(_mm512_sub_ps(v, _mm512_mul_ps(val, vm))));
+            sums16_add(&acc, v, _mm512_sub_ps(v, _mm512_mul_ps(val, vm)), j + 16);
         }
     }
-    *sig = _mm512_reduce_add_pd(acc2);
-    return _mm512_reduce_add_pd(acc);
+    return sums16_end(&acc, sig);
 }
 
 /* ---- group parameters, 16 groups at a time (params_scalar's float32 operations in its order, so

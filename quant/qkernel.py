@@ -41,9 +41,10 @@ Anything else (static W8A8, other source dtypes, an asymmetric int32 layout that
 points) is not fused: `supports` says so and the caller takes the reference path, which also
 raises the reference's errors. NaN/Inf in the source is refused with the reference's message
 (`cvt.quant.tensor.primitives.nonfinite_error`). The SQNR's sums (sum w^2, sum (w - w_hat)^2) are
-float32 squares like the reference's, but added in another order (the kernel: float64 per
-thread; the reference: float32 dot products of 1M-element chunks, added in float64), so the
-dB figure agrees to a tolerance (the tests allow 0.01 dB), not bit for bit.
+float32 squares like the reference's, but added in another order (the kernel: float32 over
+256-element spans of a row in its SIMD row loops, then float64 per thread; the reference:
+float32 dot products of 1M-element chunks, added in float64), so the dB figure agrees to a
+tolerance (the tests allow 0.01 dB), not bit for bit.
 """
 
 from __future__ import annotations

@@ -226,6 +226,23 @@ def test_extreme_values(kernel, layout, scheme, opts):
     assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
 
 
+@pytest.mark.parametrize("layout,scheme,opts", [("ct-int8", "w8a8", {}), ("ct-int4", "w4a16", {"group_size": 32}),
+                                                ("ct-nvfp4", "fp4", {})], ids=["w8a8", "w4a16", "nvfp4"])
+def test_float32_sums_that_overflow(kernel, layout, scheme, opts):
+    """Squares that are finite in float32 (|w| ~1.5e19, w^2 ~2e38) but whose float32 sums are not:
+    the SIMD row loops add squares in float32 over 256-element spans, so a span's sum overflows
+    and the weight's sums are redone in float64, as the reference's float32 dot product
+    overflows and is redone. The SQNR stays finite and agrees with the reference."""
+    w = torch.linspace(1.2e19, 1.8e19, 8 * 512).reshape(8, 512)
+    w[1::2] *= -1.0
+    w[:, 1::3] *= 0.75
+    src = QK.WeightSource(w.to(torch.bfloat16))
+    sch, lo = get_scheme(scheme, **opts), LAYOUTS.get(layout)
+    got, want = run(kernel, src, sch, lo), reference(src, sch, lo)
+    assert math.isfinite(want[1]) and math.isfinite(got.sqnr_db)
+    assert_same(got, want)
+
+
 def test_fp8_scales_beyond_the_simd_rescale(kernel):
     """Block scales >= 2**100 (finite results up to ~6e35): the C kernel's exact power-of-two
     FP8 rescale would overflow, so it runs its scalar loops; float32 squares overflow too."""

@@ -113,11 +113,13 @@ def test_the_levels_are_what_they_say(monkeypatch):
 
 
 def test_sqnr_sums_agree_across_levels():
-    """Only the SQNR's double additions change order between levels: within 1e-9 dB."""
+    """Only the SQNR's sums change between levels: their order, and the SIMD row loops' float32
+    spans (SQ_SPAN in _qkernel.c: at most ~1e-6 relative on each sum, ~1e-5 dB; 5e-8 dB here):
+    within 1e-4 dB."""
     src = edge_fp8(k=1024)
     sch, lo = get_scheme("fp4"), LAYOUTS.get("ct-nvfp4")
     got = [QK.quantize_to_layout(src, sch, lo, simd=v, threads=1).sqnr_db for v in LEVELS.values()]
-    assert all(math.isfinite(x) and abs(x - got[0]) < 1e-9 for x in got), got
+    assert all(math.isfinite(x) and abs(x - got[0]) < 1e-4 for x in got), got
 
 
 @pytest.mark.parametrize("level", list(LEVELS))
