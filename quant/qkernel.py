@@ -313,7 +313,11 @@ def _call(fn, src: WeightSource, mode: int, threads: int | None, simd: bool | in
 
 def absmax(src: WeightSource, threads: int | None = None, simd: bool | int = True) -> float | None:
     """max |w| over the float32 source (FP8: after its BF16 dequantization); None when the
-    weight holds NaN/Inf (the caller then takes the reference path, which refuses it)."""
+    weight holds NaN/Inf (the caller then takes the reference path, which refuses it). The C
+    kernel reads an FP8 weight's blocks in decreasing order of the most they can hold
+    (bf16(448 |scale|)) and stops where no unread block can hold more, so a NaN code in a block
+    not read gives the finite max instead: the quantize pass, which reads every element, then
+    refuses the weight with the reference's error."""
     lib = _c_kernel()
     if lib is None:
         m = 0.0

@@ -405,7 +405,9 @@ def test_absmax_matches_torch(kernel):
 def test_absmax_without_decoding_every_element(kernel, case):
     """The C kernel takes max |w| from each block's largest magnitude code (e4m3 and bf16
     magnitudes order like their bits; bf16(x * s) is monotonic in x): the same float as the
-    decoded weight's ``abs().amax()``, and None wherever the decoded weight holds NaN/Inf."""
+    decoded weight's ``abs().amax()``. Where the decoded weight holds NaN/Inf: None, or (an FP8
+    NaN code in a block whose scale cannot hold the max, so not read) the max of the finite
+    values; the quantize pass then refuses the weight as the reference does."""
     g = torch.Generator().manual_seed(11)
     if case.startswith("bf16") or case == "zeros":
         w = (torch.randn(72, 200, generator=g) * 3).to(torch.bfloat16)
@@ -440,15 +442,59 @@ def test_absmax_without_decoding_every_element(kernel, case):
             codes[7, 300] = 0x7E  # 448
             scale[0, 2] = 3e38  # 448 x 3e38 is Inf in float32
         src = QK.WeightSource(codes.view(torch.float8_e4m3fn), scale, (128, 128))
-    if kernel == "c-numpy":
-        src = as_raw(src)
     dec = src.rows_float(0, src.shape[0])
     want = None if not bool(torch.isfinite(dec).all()) else float(dec.abs().amax())
-    assert QK.absmax(src, simd=SIMD.get(kernel, True)) == want
+    got = QK.absmax(as_raw(src) if kernel == "c-numpy" else src, simd=SIMD.get(kernel, True))
+    if want is None and got is not None:
+        assert src.is_fp8 and case != "fp8-overflow"
+        assert got == float(dec[torch.isfinite(dec)].abs().amax())
+        sch, lo = (get_scheme("fp4"), "ct-nvfp4") if src.shape[1] % 16 == 0 else (get_scheme("w8a8"), "ct-int8")
+        with pytest.raises(TensorError, match=r"holds 1 non-finite value\(s\)"):
+            run(kernel, src, sch, LAYOUTS.get(lo))
+    else:
+        assert got == want
     assert (want is None) == (case in ("fp8-nan-code", "fp8-nan-code-early", "fp8-nan-code-in-tail", "fp8-overflow",
                                        "bf16-inf", "bf16-nan"))
     if case == "fp8-max-in-tail":
         assert want == abs(float(dec[64, 349]))
+
+
+@pytest.mark.parametrize("tracks", [True, False], ids=["scales-track-codes", "scales-do-not"])
+def test_absmax_reads_only_the_blocks_that_can_hold_the_max(kernel, tracks):
+    """FP8 block scales chosen as each block's amax / 448 (DeepSeek's): the C kernel reads the
+    blocks in decreasing order of their bound bf16(448 |s|) and stops where no unread block can
+    hold more -- here after block (0, 0), so a NaN code in any other block is not seen (the
+    quantize pass refuses it). When the scales do not track the codes it reads on (all of it,
+    past 16 blocks), and finds the NaN code. The max is exact either way."""
+    g = torch.Generator().manual_seed(21)
+    codes = (torch.randint(0, 0x7E, (5 * 128, 5 * 128), generator=g, dtype=torch.uint8) & 0x6F)
+    for r in range(5):
+        for c in range(5):  # every block's largest magnitude code: 448 (0x7E), as amax / 448 scales make it
+            codes[r * 128 + (r + c) % 128, c * 128 + 3] = 0x7E | (0x80 if (r + c) % 2 else 0)
+    scale = torch.rand(5, 5, generator=g) * 0.5 + 0.25
+    scale[0, 0] = 1.0  # the largest bound: its block holds the max
+    if not tracks:  # small codes, the max in the block of the smallest scale: no bound prunes the rest
+        scale = torch.rand(5, 5, generator=g) * 0.1 + 0.9
+        scale[4, 4] = 0.8
+        codes[:, :] &= 0x3F
+        codes[4 * 128 + 5, 4 * 128 + 5] = 0x7E
+    codes[300, 400] = 0xFF  # a NaN code in block (2, 3)
+    src = QK.WeightSource(codes.view(torch.float8_e4m3fn), scale, (128, 128))
+    dec = src.rows_float(0, src.shape[0])
+    finite = float(dec[torch.isfinite(dec)].abs().amax())
+    got = QK.absmax(src if kernel != "c-numpy" else as_raw(src), simd=SIMD.get(kernel, True))
+    if kernel == "torch":  # the fallback decodes every row
+        assert got is None
+    elif tracks:
+        assert got == finite == 448.0
+    else:
+        assert got is None
+    with pytest.raises(TensorError, match=r"holds 1 non-finite value\(s\)"):
+        run(kernel, src, get_scheme("fp4"), LAYOUTS.get("ct-nvfp4"))
+    codes[300, 400] = 0x01  # without the NaN code: the decoded weight's max
+    src = QK.WeightSource(codes.view(torch.float8_e4m3fn), scale, (128, 128))
+    got = QK.absmax(src if kernel != "c-numpy" else as_raw(src), simd=SIMD.get(kernel, True))
+    assert got == finite == float(src.rows_float(0, src.shape[0]).abs().amax())
 
 
 def test_torch_fallback_works_in_row_blocks(monkeypatch):
