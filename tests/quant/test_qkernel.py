@@ -569,8 +569,10 @@ def test_stage_writes_the_reference_bytes(fp8_release_session, tmp_path, monkeyp
             assert got.sqnr_db == info.sqnr_db
 
 
-def test_stage_refuses_non_finite_weight_like_the_reference(fp8_release, tmp_path, monkeypatch):
-    """A NaN code in an FP8 weight: the same one-line error on both paths, nothing written."""
+@pytest.mark.parametrize("scheme", ["w8a8", "fp4"])
+def test_stage_refuses_non_finite_weight_like_the_reference(fp8_release, tmp_path, monkeypatch, scheme):
+    """A NaN code in an FP8 weight: the same one-line error on both paths, nothing written (fp4:
+    nvfp4, whose global-scale pass need not read the NaN code's block; the quantize pass refuses)."""
     import json
 
     from cvt.quant.stage import quantize
@@ -580,15 +582,24 @@ def test_stage_refuses_non_finite_weight_like_the_reference(fp8_release, tmp_pat
     path = fp8_release / index["weight_map"][name]
     data = bytearray(path.read_bytes())
     hlen = int.from_bytes(data[:8], "little")
-    start = json.loads(data[8: 8 + hlen])[name]["data_offsets"][0]
-    data[8 + hlen + start + 5] = 0x7F
+    header = json.loads(data[8: 8 + hlen])
+    start, (n, k) = header[name]["data_offsets"][0], header[name]["shape"]
+    scale = torch.frombuffer(bytearray(data[8 + hlen + header[name + "_scale_inv"]["data_offsets"][0]:
+                                             8 + hlen + header[name + "_scale_inv"]["data_offsets"][1]]),
+                             dtype=torch.float32).reshape(header[name + "_scale_inv"]["shape"])
+    r, c = divmod(int(scale.abs().argmin()), scale.shape[1])  # the block least able to hold the max
+    data[8 + hlen + start + r * 128 * k + c * 128 + 5] = 0x7F
     path.write_bytes(bytes(data))
+    if scheme == "fp4":  # the global-scale pass does not read that block: the quantize pass refuses
+        codes = torch.frombuffer(bytearray(data[8 + hlen + start: 8 + hlen + start + n * k]), dtype=torch.uint8)
+        src = QK.WeightSource(codes.view(torch.float8_e4m3fn).reshape(n, k), scale, (128, 128))
+        assert QK.absmax(src) is not None
     errors = []
     for mode in ("reference", ""):
         monkeypatch.setenv("CVT_QUANT_KERNEL", mode)
         QK._c_kernel.cache_clear()
         with pytest.raises(TensorError) as exc:
-            quantize(fp8_release, tmp_path / f"out{mode}", scheme="w8a8", quiet=True)
+            quantize(fp8_release, tmp_path / f"out{mode}", scheme=scheme, quiet=True)
         errors.append(str(exc.value))
         assert not (tmp_path / f"out{mode}" / "cvt_manifest.json").exists()
     QK._c_kernel.cache_clear()
