@@ -442,8 +442,8 @@ AVX static int64_t pack_rows_avx2(const int8_t *q0, const int8_t *q1, uint8_t *o
 }
 
 /* max of p[j] & 0x7f over the first *done bytes (e4m3 magnitudes order like their codes; the
- * caller takes the tail). The global-scale pass (amax_row) streams a whole weight from memory
- * before it is quantized: four accumulators keep several loads in flight. */
+ * caller takes the tail). The global-scale pass (amax_row, where amax_fp8_pruned cannot stop
+ * early) streams a whole weight from memory: four accumulators keep several loads in flight. */
 AVX static uint8_t max_code_avx2(const uint8_t *p, int64_t len, int64_t *done) {
     const __m256i m = _mm256_set1_epi8(0x7f);
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;

@@ -22,7 +22,7 @@ from cvt.tests.convert.fp8_reference import dequant, same_bits_nan_aware
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "kernels" / "neon_harness.c"
 SOURCES = [ROOT / "convert" / "_fp8kernel.c", ROOT / "quant" / "_qkernel.c", ROOT / "convert" / "_cvt_kernel.h",
-           ROOT / "quant" / "_qkernel_neon.h"]
+           ROOT / "quant" / "_qkernel_neon.h", ROOT / "quant" / "_qkernel_amax.h"]
 CC, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
 FLAGS = {"FP8": ["-O3", "-fno-strict-aliasing"], "QUANT": ["-O3", "-fno-strict-aliasing", "-ffp-contract=off"]}
 
