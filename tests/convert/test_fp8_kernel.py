@@ -230,7 +230,7 @@ def test_the_c_kernels_share_one_header_that_ships_with_them():
     """convert/_fp8kernel.c and quant/_qkernel.c include one header (the e4m3 table, bf16 rounding,
     the thread fan-out): both extensions list it in `depends` and the package data holds it, so an
     sdist can build either kernel; likewise every other file a kernel includes (quant/_qkernel.c's
-    AVX2, AVX-512 and NEON parts)."""
+    AVX2, AVX-512 and NEON parts, its global-scale pass)."""
     import re
     from pathlib import Path
 
