@@ -222,8 +222,9 @@ static double sumsq_scalar(const float *w, int64_t len) { return sumsq_scalar_sq
 
 /* The SIMD row loops add their SQNR squares in float32 lanes over spans of SQ_SPAN elements of a
  * row (a multiple of 16), then widen each span's sums into double: double adds per element
- * (convert, add) cost ~30% of the fp4 row loop, and float32 over 256 elements keeps the sums
- * within ~1e-6 relative (the reference's float32 dot products add 1M elements at a time). A
+ * (convert, add) cost ~30% of the fp4 row loop, and float32 over 256 elements (16 or 32 adds a
+ * lane) keeps the sums within ~2e-6 relative (the reference's float32 dot products add 1M
+ * elements at a time). A
  * float32 sum that overflows gives inf, and the caller redoes the weight with f64_squares, as
  * for one square that overflows. */
 #define SQ_SPAN 256
