@@ -22,6 +22,13 @@ static uint8_t max_code(const uint8_t *p, int64_t len, int simd) {
     return mc;
 }
 
+/* an FP8 span's max |w| from its largest magnitude code mc and block scale s (bf16(x * s) is
+ * monotonic in x); 0 when it is not finite (a NaN code, or a product that overflows) */
+static inline int code_amax(uint8_t mc, float s, float *v) {
+    *v = fabsf(bf16_round(LUT[mc] * s));
+    return mc != 0x7f && !not_finite(*v);
+}
+
 /* max |w| of row i without decoding it (MODE_AMAX: nvfp4's global scale, a fused group's):
  * e4m3fn and bf16 magnitudes order like their bit patterns (sign bit cleared), and
  * bf16(x * s) is monotonic in x for a fixed scale s, so each FP8 block's largest magnitude code
@@ -47,9 +54,8 @@ static int64_t amax_row(const cvt_qargs *a, int64_t i, float *out, int simd) {
         const float *srow = a->fp8_scale + (i / a->bn) * a->s_cols;
         for (int64_t b0 = 0; b0 < k; b0 += a->bk) {
             int64_t b1 = b0 + a->bk < k ? b0 + a->bk : k;
-            uint8_t mc = max_code(row + b0, b1 - b0, simd);
-            float v = fabsf(bf16_round(LUT[mc] * srow[b0 / a->bk]));
-            if (mc == 0x7f || not_finite(v)) { bad++; continue; }
+            float v;
+            if (!code_amax(max_code(row + b0, b1 - b0, simd), srow[b0 / a->bk], &v)) { bad++; continue; }
             m = v > m ? v : m;
         }
     }
@@ -90,9 +96,8 @@ static int amax_fp8_pruned(const cvt_qargs *a, int simd, float *amax, int64_t *b
         }
     qsort(blk, (size_t)(rb * cb), sizeof(amax_block_t), by_bound_desc);
     float m = 0.0f;
-    int found = 0;
-    for (int64_t t = 0; t < rb * cb; t++) {
-        if (blk[t].ub <= m) { found = 1; break; }
+    int64_t t = 0;
+    for (; t < rb * cb && blk[t].ub > m; t++) {
         if (t == AMAX_BLOCKS) break;
         int64_t r = blk[t].b / cb, c = blk[t].b % cb;
         int64_t r1 = (r + 1) * a->bn < n ? (r + 1) * a->bn : n, c0 = c * a->bk, c1 = c0 + a->bk < k ? c0 + a->bk : k;
@@ -101,11 +106,12 @@ static int amax_fp8_pruned(const cvt_qargs *a, int simd, float *amax, int64_t *b
             uint8_t x = max_code((const uint8_t *)a->src + i * k + c0, c1 - c0, simd);
             mc = x > mc ? x : mc;
         }
-        float v = fabsf(bf16_round(LUT[mc] * a->fp8_scale[r * a->s_cols + c]));
-        if (mc == 0x7f || not_finite(v)) { *bad = 1; found = 1; break; }
+        float v;
+        if (!code_amax(mc, a->fp8_scale[r * a->s_cols + c], &v)) { *bad = 1; break; }
         m = v > m ? v : m;
-        if (t + 1 == rb * cb) found = 1;
     }
+    /* found: every block read or bounded by m, or a NaN code met; not: AMAX_BLOCKS read */
+    int found = *bad || t == rb * cb || blk[t].ub <= m;
     free(blk);
     if (found) *amax = m;
     return found;

@@ -39,9 +39,9 @@ static int64_t count_nonfinite(const float *out, int64_t k) {
 
 AVX512 static int64_t decode_avx512(const cvt_qargs *a, int64_t i, float *out) {
     int64_t k = a->k, j = 0, cnt = 0;
-    __mmask16 any = 0;
     if (a->src_kind == SRC_BF16) {
         const uint8_t *row = (const uint8_t *)a->src + 2 * i * k;
+        __mmask16 any = 0;
         for (; j + 16 <= k; j += 16) {
             __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * j)));
             __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
