@@ -173,8 +173,8 @@ def kernel_rows(n: int = 7168, k: int = 2048, n_rep: int = 3) -> list[tuple]:
     import torch
 
     from cvt.quant import qkernel as QK
-    from cvt.quant.tensor.layouts import LAYOUTS
-    from cvt.quant.tensor.schemes import get_scheme
+    from cvt.qtensor.layouts import LAYOUTS
+    from cvt.qtensor.schemes import get_scheme
     from cvt.runtime.metrics import sqnr_db
 
     g = torch.Generator().manual_seed(1)

@@ -148,12 +148,12 @@ def _holds_fp8(config: Mapping[str, Any], scheme: str | None) -> tuple[int, int]
 def _unit(kind: Kind, dim: int, block, sch, k: int) -> tuple[int, str]:
     """The granularity a shard along `dim` must keep whole: an FP8 block, and for a quantized
     module what every on-disk layout of its kernel format packs along that axis (groups, int4
-    pairs and int32 runs, fp4 pairs; `cvt.quant.tensor.layouts`), whichever format the shards are in."""
+    pairs and int32 runs, fp4 pairs; `cvt.qtensor.layouts`), whichever format the shards are in."""
     unit, names = 1, []
     if block and kind.fp8:
         unit, names = block[dim], [f"FP8 {block[dim]}-block"]
     if sch is not None and kind.quantized:
-        from cvt.quant.tensor.layouts import LAYOUTS, kernel_fmt_of
+        from cvt.qtensor.layouts import LAYOUTS, kernel_fmt_of
 
         axis = "n" if dim == 0 else "k"
         g = getattr(sch, "group_size", 0) or 0
@@ -417,8 +417,8 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         scheme, group_size, fmt, target, fp4_format)
     if disk is not None:
         if getattr(sch, "kv_cache", None) == "int8":  # what cvt quantize refuses, the plan refuses
-            from cvt.quant.tensor import indexer_c8
-            from cvt.quant.tensor.kv_layout import kv_target_problem
+            from cvt.qtensor import indexer_c8
+            from cvt.qtensor.kv_layout import kv_target_problem
 
             why = (indexer_c8.problem(cfg) if indexer_c8.applies(cfg, disk.fmt)
                    else kv_target_problem(cfg, disk.fmt, disk.target))
@@ -467,13 +467,13 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     int8_kv = getattr(sch, "kv_cache", None) == "int8"
-    from cvt.quant.tensor import indexer_c8
+    from cvt.qtensor import indexer_c8
 
     index_c8 = int8_kv and indexer_c8.applies(cfg, disk.fmt)  # V3.2 on Ascend: the indexer's C8, not the MLA's
     if index_c8:  # q_rot / k_rot float32 [Di, Di] per decoder layer, replicated
         per_rank["kv_scales"] = model["kv_scales"] = sum(t.numel() * 4 for t in indexer_c8.rotation_tensors(cfg).values())
     elif int8_kv:  # the KV-cache scale tensors of cvt.runtime.kv_cache, replicated
-        from cvt.quant.tensor.kv_layout import kv_tensor_specs_for_config
+        from cvt.qtensor.kv_layout import kv_tensor_specs_for_config
 
         per_rank["kv_scales"] = model["kv_scales"] = sum(math.prod(sp.shape) * sp.dtype.itemsize
                                                          for sp in kv_tensor_specs_for_config(cfg))

@@ -1,6 +1,6 @@
 """What the weights of a plan cost on disk: the scheme a plan counts (`plan_scheme`) and each
 quantized linear's shard as `cvt quantize` writes it for a format and target (`DiskBytes`, read
-from the layout table through `cvt.quant.tensor.disk_layouts`, the one owner quantize and shard
+from the layout table through `cvt.qtensor.disk_layouts`, the one owner quantize and shard
 read)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ STORED = ("bf16", "fp8")  # weights planned as stored: float, or an FP8 release'
 
 def plan_schemes() -> tuple[str, ...]:
     """What a plan can count: the stored forms, then every registered quantization scheme."""
-    from cvt.quant.tensor.schemes import scheme_names
+    from cvt.qtensor.schemes import scheme_names
 
     return (*STORED, *scheme_names())
 def plan_scheme(scheme: str | None, group_size: int | None, fmt: str | None = None, fp4_format: str | None = None):
@@ -24,8 +24,8 @@ def plan_scheme(scheme: str | None, group_size: int | None, fmt: str | None = No
         return None
     if scheme not in plan_schemes():
         raise CvtError(f"unknown scheme {scheme!r} for the plan (known: {', '.join(plan_schemes())})")
-    from cvt.quant.tensor.formats import default_group
-    from cvt.quant.tensor.schemes import SCHEMES, get_scheme
+    from cvt.qtensor.formats import default_group
+    from cvt.qtensor.schemes import SCHEMES, get_scheme
 
     if group_size is None and fmt is not None:
         group_size = default_group(fmt, scheme)  # what cvt quantize writes for that format
@@ -41,7 +41,7 @@ def plan_scheme(scheme: str | None, group_size: int | None, fmt: str | None = No
 
 class DiskBytes:
     """Bytes of a quantized linear's shard as `cvt quantize` writes it for `fmt` / `target`
-    (the layout table, `cvt.quant.tensor.disk_layouts`: the one owner quantize and shard read), or
+    (the layout table, `cvt.qtensor.disk_layouts`: the one owner quantize and shard read), or
     None where that target keeps the module float (a layout loaded for MoE experts only)."""
 
     @classmethod
@@ -50,9 +50,9 @@ class DiskBytes:
         """(scheme, DiskBytes) of a quantized scheme name: `fmt` None is compressed-tensors when it
         has the scheme (cvt quantize's default), else ascend; then w4a16's group as quantize
         defaults it for that format."""
-        from cvt.quant.tensor import layouts as L
+        from cvt.qtensor import layouts as L
 
-        from cvt.quant.tensor.formats import DEFAULT_FORMAT, format_names
+        from cvt.qtensor.formats import DEFAULT_FORMAT, format_names
 
         if fmt is None:  # the default format when it has the scheme, else the first that does
             kf = L.kernel_fmt_of(plan_scheme(scheme, group_size, None, fp4_format))
@@ -62,9 +62,9 @@ class DiskBytes:
         return sch, cls(sch, fmt, target)
 
     def __init__(self, scheme, fmt: str, target: str | None):
-        from cvt.quant.tensor import layouts as L
-        from cvt.quant.tensor.disk_layouts import DiskLayouts
-        from cvt.quant.tensor.formats import get_format
+        from cvt.qtensor import layouts as L
+        from cvt.qtensor.disk_layouts import DiskLayouts
+        from cvt.qtensor.formats import get_format
 
         kf = L.kernel_fmt_of(scheme)
         self.fmt, self.target, self.scheme = fmt, L.check_target(fmt, target), scheme
@@ -75,10 +75,10 @@ class DiskBytes:
         self._channel = None
 
     def group_fit(self, module: str, shape: tuple, expert: bool) -> str | None:
-        """As cvt quantize decides for a whole linear [n, k] (`cvt.quant.tensor.formats.group_fallback`):
+        """As cvt quantize decides for a whole linear [n, k] (`cvt.qtensor.formats.group_fallback`):
         None when the group size divides k (or the module stays float), else why it is written
         per channel; FormatError where the format refuses it."""
-        from cvt.quant.tensor.formats import group_fallback
+        from cvt.qtensor.formats import group_fallback
 
         if self.float_reason is not None and not expert:
             return None
@@ -92,7 +92,7 @@ class DiskBytes:
         scheme = self.scheme
         if per_channel:  # a group_fit fallback: the scheme per channel, as quantize writes it
             if self._channel is None:
-                from cvt.quant.tensor.schemes import get_scheme
+                from cvt.qtensor.schemes import get_scheme
 
                 self._channel = get_scheme(scheme.name, group_size=0, symmetric=scheme.symmetric)
             scheme = self._channel
@@ -106,6 +106,6 @@ class DiskBytes:
 
 def format_group(disk: DiskBytes | None, scheme: str) -> bool:
     """Whether the scheme's group size came from the format's default (`Format.default_groups`)."""
-    from cvt.quant.tensor.formats import default_group
+    from cvt.qtensor.formats import default_group
 
     return disk is not None and default_group(disk.fmt, scheme) is not None

@@ -106,7 +106,7 @@ class Split:
 
 def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layout=None) -> Split:
     """The split of tensor `name` (stored shape `shape`) under `layout` (module docstring).
-    `quant_layout`: the `cvt.quant.tensor.layouts.Layout` its module is stored in (from the manifest),
+    `quant_layout`: the `cvt.qtensor.layouts.Layout` its module is stored in (from the manifest),
     whose data says which on-disk dim follows the module's split axis (None: the arch table's
     rule for float / FP8 tensors)."""
     info = arch.classify(name)
@@ -131,12 +131,12 @@ def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layo
 
 
 def quant_layouts(ckpt: Checkpoint) -> dict[str, object]:
-    """module -> its on-disk `cvt.quant.tensor.layouts.Layout`, from a cvt quantize output's manifest
+    """module -> its on-disk `cvt.qtensor.layouts.Layout`, from a cvt quantize output's manifest
     (empty for float / FP8 checkpoints and outputs that predate the record)."""
     m = ckpt.manifest
     if m is None or m.quant is None:
         return {}
-    from cvt.quant.tensor.layouts import LAYOUTS
+    from cvt.qtensor.layouts import LAYOUTS
 
     return {mod: LAYOUTS.get(info.layout) for mod, info in m.quant.tensors.items() if info.layout}
 

@@ -20,7 +20,7 @@ from typing import Any
 from cvt.convert.arch import arch_for
 from cvt.dtypes import dtype_code
 from cvt.convert.safetensors_io import TensorSpec, encode_header
-from cvt.quant.tensor.layouts import COMPRESSED_TENSORS
+from cvt.qtensor.layouts import COMPRESSED_TENSORS
 
 FP8_MAX = 448.0
 

@@ -84,7 +84,7 @@ class QuantizeOptions(_WriteOptions):
     scheme: str
     fmt: Optional[str] = Field(None, alias="format")  # None: compressed-tensors
     target: Optional[str] = None
-    target_version: Optional[str] = None              # None: 0.23 for vllm-ascend (cvt.quant.tensor.stack_versions)
+    target_version: Optional[str] = None              # None: 0.23 for vllm-ascend (cvt.qtensor.stack_versions)
     kv_dtype: Optional[str] = None                    # None: the format's own (ascend int8, compressed-tensors fp8)
     method: Optional[str] = None                      # None: rtn
     group_size: Optional[int] = Field(None, ge=0)
@@ -104,7 +104,7 @@ class QuantizeOptions(_WriteOptions):
     @field_validator("scheme")
     @classmethod
     def _known_scheme(cls, v: str) -> str:
-        from cvt.quant.tensor.schemes import SCHEMES
+        from cvt.qtensor.schemes import SCHEMES
 
         SCHEMES.get(v)  # an unknown name raises, listing the known ones
         return v
@@ -112,7 +112,7 @@ class QuantizeOptions(_WriteOptions):
     @field_validator("fmt")
     @classmethod
     def _known_format(cls, v: str | None) -> str | None:
-        from cvt.quant.tensor.formats import FORMATS
+        from cvt.qtensor.formats import FORMATS
 
         if v is not None:
             FORMATS.get(v)

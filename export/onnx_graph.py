@@ -61,7 +61,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.errors import CvtError
 
 MS_DOMAIN = "com.microsoft"
@@ -392,7 +392,7 @@ def _w4a16_qdq(g: Graph, mod, x: str, hint: str) -> str:
 
 def _per_token_quant(g: Graph, x: str) -> tuple[str, str]:
     """Symmetric per-row int8 of x [..., k]: (q float (integers in -128..127), scale [..., 1]);
-    q = round(x * (127 / amax)), as the runtime (`cvt.quant.tensor.primitives.per_token_quant`)
+    q = round(x * (127 / amax)), as the runtime (`cvt.qtensor.primitives.per_token_quant`)
     and the serving kernels compute it (0 for an all-zero row)."""
     amax = g.reduce("ReduceMax", g.op("Abs", [x]), [-1])
     s = g.op("Div", [amax, g.fconst(127.0)])
@@ -428,7 +428,7 @@ def _w8a8_dynamic(g: Graph, mod, x: str, hint: str, op: str) -> str:
 
 
 def _w8a8_static(g: Graph, mod, x: str, hint: str, op: str) -> str:
-    from cvt.quant.tensor.primitives import deq_scale_f32
+    from cvt.qtensor.primitives import deq_scale_f32
 
     wq = mod.weight
     s_in = float(mod.input_scale.float().reshape(()))

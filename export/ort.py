@@ -53,7 +53,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.errors import CvtError
 
 MANIFEST = "export_manifest.json"

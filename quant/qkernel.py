@@ -1,5 +1,5 @@
 """Fused RTN quantization: one linear weight, as stored (BF16, or FP8 e4m3 with its block
-scale_inv), straight to its on-disk layout (`cvt.quant.tensor.layouts`) and SQNR, in one pass.
+scale_inv), straight to its on-disk layout (`cvt.qtensor.layouts`) and SQNR, in one pass.
 
 The reference is the unfused path: ``w = float32(source)`` (FP8 dequantized to BF16 first,
 `cvt.convert.fp8.dequant_fp8_block`), ``q = scheme.quantize(w)``, ``layout.encode(q)``, and
@@ -40,7 +40,7 @@ plus ``cvt_pack_zero_points``.
 Anything else (static W8A8, other source dtypes, an asymmetric int32 layout that refuses zero
 points) is not fused: `supports` says so and the caller takes the reference path, which also
 raises the reference's errors. NaN/Inf in the source is refused with the reference's message
-(`cvt.quant.tensor.primitives.nonfinite_error`). The SQNR's sums (sum w^2, sum (w - w_hat)^2) are
+(`cvt.qtensor.primitives.nonfinite_error`). The SQNR's sums (sum w^2, sum (w - w_hat)^2) are
 float32 squares like the reference's, but added in another order (the kernel: float32 over
 256-element spans of a row in its SIMD row loops, then float64 per thread; the reference:
 float32 dot products of 1M-element chunks, added in float64), so the dB figure agrees to a
@@ -56,12 +56,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.extras import c_kernel, simd_level
 from cvt.lazy import torch
 
-from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.layouts import fuses
+from cvt.qtensor import primitives as P
+from cvt.qtensor.layouts import fuses
 from cvt.runtime.metrics import sqnr_from_sums
 
 SRC_BF16, SRC_FP8 = 0, 1
@@ -551,7 +551,7 @@ def _bits(t):
     return t.numpy()
 
 
-# ---- the layout's tensors from the raw outputs (as `cvt.quant.tensor.layouts`' encoders write them) ------
+# ---- the layout's tensors from the raw outputs (as `cvt.qtensor.layouts`' encoders write them) ------
 
 def _assemble(layout, scheme, shape, raw, gs) -> dict[str, Any]:
     """numpy arrays (bits as `_NP_BITS`) of the layout's tensors, in its encoder's order."""

@@ -75,8 +75,8 @@ from torch import nn
 
 from cvt.convert.arch import text_config
 from cvt.errors import CvtError
-from cvt.quant.tensor.indexer_c8 import ROT_RE as INDEXER_ROT_RE
-from cvt.quant.tensor.kv_layout import (
+from cvt.qtensor.indexer_c8 import ROT_RE as INDEXER_ROT_RE
+from cvt.qtensor.kv_layout import (
     CT_NAME_RE, NAME_RE, KV_CONVENTION, QMAX, QMIN, SCALE_DIVISOR, SCALE_MIN, KVTensorSpec,
     kv_tensor_specs, kv_tensor_specs_for_config)
 
@@ -162,7 +162,7 @@ def is_mla(model_or_config: Any) -> bool:
 
 def kv_cache_tensor_specs(model_or_config: Any) -> list[KVTensorSpec]:
     """Every KV-cache tensor of a model (runtime model, config.json dict or Args), in layer
-    order: per layer, per role (MLA q, k, v; GQA k, v), scale then offset (`cvt.quant.tensor.kv_layout`)."""
+    order: per layer, per role (MLA q, k, v; GQA k, v), scale then offset (`cvt.qtensor.kv_layout`)."""
     if isinstance(model_or_config, Mapping):
         return kv_tensor_specs_for_config(text_config(model_or_config))
     args = _args(model_or_config)
@@ -222,7 +222,7 @@ def attach_kv_cache_scales(model: nn.Module, tensors: Mapping[str, torch.Tensor]
     compressed-tensors set (``self_attn.k_scale`` / ``v_scale`` per layer; `codec` "fp8": vLLM's
     FP8 cache, per-tensor scales; "int8": shape [1] or [kv_heads, 1, 1], broadcast exactly to
     cvt's int8 channels). Anything else is a CvtError naming it. DeepSeek-V3.2's indexer C8
-    rotations (``self_attn.indexer.q_rot`` / ``k_rot``, `cvt.quant.tensor.indexer_c8`) among them go
+    rotations (``self_attn.indexer.q_rot`` / ``k_rot``, `cvt.qtensor.indexer_c8`) among them go
     to the model's `attach_indexer_rotations`."""
     rots = {n: t for n, t in tensors.items() if INDEXER_ROT_RE.match(n)}
     if rots:

@@ -245,7 +245,7 @@ def _by_module(ckpt: Checkpoint) -> dict[str, dict[str, str]]:
 
 class _QuantReader:
     """Reads quantized linears of an Ascend (quant_model_description.json) or
-    compressed-tensors (config quantization_config) checkpoint through cvt.quant.tensor.formats."""
+    compressed-tensors (config quantization_config) checkpoint through cvt.qtensor.formats."""
 
     def __init__(self, fmt, meta, tags: dict | None):
         self.fmt, self.meta, self.tags = fmt, meta, tags
@@ -260,7 +260,7 @@ class _QuantReader:
 def _quant_reader(ckpt: Checkpoint) -> _QuantReader | None:
     from cvt.convert.config import quantization_config
     from cvt.convert.safetensors_io import load_json
-    from cvt.quant.tensor.formats import format_names, get_format
+    from cvt.qtensor.formats import format_names, get_format
 
     qc = quantization_config(ckpt.config)
     for form in map(get_format, format_names()):  # ascend first: its description file wins

@@ -47,7 +47,7 @@ from typing import Callable
 import pytest
 
 from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint, write_safetensors
-from cvt.quant.tensor.schemes import scheme_names
+from cvt.qtensor.schemes import scheme_names
 from cvt.tests.conftest import run_cvt
 
 # ---------------------------------------------------------------------------------- harness

@@ -109,9 +109,9 @@ def test_cli_choices_follow_the_registries():
     assert r.stdout.strip().splitlines()[-1] == "[]"
     from cvt.cli.options import FORMATS, METHODS, PLAN_SCHEMES, SCHEMES, TARGETS
     from cvt.quant.recipe import METHODS as registered_methods
-    from cvt.quant.tensor.formats import format_names
-    from cvt.quant.tensor.layouts import ASCEND_TARGETS
-    from cvt.quant.tensor.schemes import scheme_names
+    from cvt.qtensor.formats import format_names
+    from cvt.qtensor.layouts import ASCEND_TARGETS
+    from cvt.qtensor.schemes import scheme_names
 
     assert list(SCHEMES.choices) == scheme_names() and list(FORMATS.choices) == format_names()
     assert METHODS.choices == registered_methods and TARGETS.choices == ASCEND_TARGETS

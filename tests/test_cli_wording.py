@@ -95,8 +95,8 @@ def test_method_help_says_what_quantize_accepts():
     schemes whose kernel format the stage accepts (`method_kernels`)."""
     from cvt.cli.main import quantize_cmd
     from cvt.cli.options import METHODS as METHOD_CHOICE, SCHEMES as SCHEME_CHOICE
-    from cvt.quant.tensor.layouts import kernel_formats
-    from cvt.quant.tensor.schemes import get_scheme
+    from cvt.qtensor.layouts import kernel_formats
+    from cvt.qtensor.schemes import get_scheme
     from cvt.quant.stage.plan import method_kernels
 
     text = " ".join(next(p for p in quantize_cmd.params if p.name == "method").help.split())

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 # what pyproject.toml packages (package-dir) plus the files setuptools reads
-SOURCES = ("cvt", "convert", "quant", "export", "runtime", "schemas", "tests", "pyproject.toml", "README.md")
+SOURCES = ("cvt", "convert", "qtensor", "quant", "export", "runtime", "schemas", "tests", "pyproject.toml", "README.md")
 EXPORT_EXTRA = "pip install 'cvt[export]'"
 
 

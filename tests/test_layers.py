@@ -30,13 +30,13 @@ LAYERS = [  # top to bottom; ":" siblings may import each other, nothing points 
     "cvt.quant.methods : cvt.quant.recipe : cvt.quant.qkernel",
     "cvt.runtime",
     "cvt.convert",
-    "cvt.quant.tensor",
+    "cvt.qtensor",
     "cvt.schemas",
     "cvt.units : cvt.registry : cvt.lazy : cvt.dtypes : cvt.version : cvt.extras : cvt.progress : cvt.scratch : cvt.corpus : cvt.world",
     "cvt.errors",
 ]
 INDEPENDENT = [
-    {"cvt.quant.tensor.formats.ascend", "cvt.quant.tensor.formats.compressed_tensors"},
+    {"cvt.qtensor.formats.ascend", "cvt.qtensor.formats.compressed_tensors"},
     {"cvt.quant.methods.rtn", "cvt.quant.methods.smoothquant", "cvt.quant.methods.gptq", "cvt.quant.methods.awq"},
     {"cvt.runtime.kernels.int8", "cvt.runtime.kernels.int4", "cvt.runtime.kernels.w4a8", "cvt.runtime.kernels.fp4",
      "cvt.runtime.kernels.fp8_block", "cvt.runtime.kernels.mx"},
@@ -65,7 +65,7 @@ def test_the_independence_contracts_are_all_there():
 
 def test_every_subpackage_folder_is_linked_where_import_linter_looks():
     """cvt/convert -> ../convert, ...: an installed cvt's layout, so the graph holds every module."""
-    for name in ("convert", "quant", "export", "runtime", "schemas"):
+    for name in ("convert", "qtensor", "quant", "export", "runtime", "schemas"):
         link = ROOT / "cvt" / name
         assert link.is_symlink() and os.readlink(link) == f"../{name}", link
 

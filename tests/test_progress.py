@@ -41,7 +41,7 @@ def test_no_eta_until_the_rate_is_known_and_start_up_is_not_progress():
 
 def test_one_progress_helper():
     """Every bar is cvt.progress's: no module of the package builds a tqdm bar of its own."""
-    own = [p.relative_to(REPO) for d in ("convert", "quant", "export", "runtime", "schemas", "cvt", "bench")
+    own = [p.relative_to(REPO) for d in ("convert", "qtensor", "quant", "export", "runtime", "schemas", "cvt", "bench")
            for p in (REPO / d).rglob("*.py") if p.name != "progress.py" and re.search(r"\btqdm\(", p.read_text())]
     assert own == []
 

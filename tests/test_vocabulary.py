@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARY = ("cvt", "convert", "quant", "export", "runtime", "schemas")
+LIBRARY = ("cvt", "convert", "qtensor", "quant", "export", "runtime", "schemas")
 
 ALLOWED: dict[str, tuple[set[str], str]] = {
     "convert/config.py": ({"compressed-tensors"}, "a source config's quant_method value, the c-t library's word"),
@@ -20,9 +20,9 @@ ALLOWED: dict[str, tuple[set[str], str]] = {
     "convert/layout.py": ({"mindie"}, "the MindIE expert-placement JSON flavour, not the serving target"),
     "cvt/demo.py": ({"w8a8", "w4a16", "ascend", "compressed-tensors"},
                     "the demo's own pipeline: which schemes and formats it shows, as a user would type them"),
-    "quant/tensor/formats/ascend.py": ({"w8a8", "w4a16"}, "MindIE's config.json `quantize` values (atb_llm's words)"),
-    "quant/tensor/kernel_formats.py": ({"w4a16", "nvfp4", "mxfp4", "mxfp8", "w4a4_mxfp4", "w4a8_mxfp"},
-                                       "kernel formats that share a word with a scheme or fp4 format"),
+    "qtensor/formats/ascend.py": ({"w8a8", "w4a16"}, "MindIE's config.json `quantize` values (atb_llm's words)"),
+    "qtensor/kernel_formats.py": ({"w4a16", "nvfp4", "mxfp4", "mxfp8", "w4a4_mxfp4", "w4a8_mxfp"},
+                                  "kernel formats that share a word with a scheme or fp4 format"),
     "schemas/manifest.py": ({"ascend", "compressed-tensors"},
                             "the manifest schema's enum (schemas sit below the registries; held equal below)"),
 }
@@ -31,17 +31,17 @@ ALLOWED: dict[str, tuple[set[str], str]] = {
 def _owners() -> dict[str, str]:
     """name -> the module (path relative to the repo) that defines it."""
     from cvt.quant.recipe import METHODS
-    from cvt.quant.tensor.formats import format_names
-    from cvt.quant.tensor.layouts import ASCEND_TARGETS
-    from cvt.quant.tensor.schemes import SCHEMES
-    from cvt.quant.tensor.schemes.fp4 import GROUPS
+    from cvt.qtensor.formats import format_names
+    from cvt.qtensor.layouts import ASCEND_TARGETS
+    from cvt.qtensor.schemes import SCHEMES
+    from cvt.qtensor.schemes.fp4 import GROUPS
 
     owners = {}
     for name in SCHEMES.names():
         owners[name] = str(Path(SCHEMES.get(name).__module__.replace("cvt.", "", 1).replace(".", "/") + ".py"))
-    owners.update({n: "quant/tensor/layouts.py" for n in (*format_names(), *ASCEND_TARGETS)})
+    owners.update({n: "qtensor/layouts.py" for n in (*format_names(), *ASCEND_TARGETS)})
     owners.update({n: "quant/recipe.py" for n in METHODS})
-    owners.update({n: "quant/tensor/kernel_formats.py" for n in GROUPS})
+    owners.update({n: "qtensor/kernel_formats.py" for n in GROUPS})
     return owners
 
 
@@ -79,7 +79,7 @@ def test_the_allow_list_is_needed_and_explained():
 
 
 def test_the_manifest_enum_is_the_format_registry():
-    from cvt.quant.tensor.formats import format_names
+    from cvt.qtensor.formats import format_names
     from cvt.schemas.manifest import QuantInfo
 
     assert sorted(typing.get_args(QuantInfo.model_fields["format"].annotation)) == format_names()

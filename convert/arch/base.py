@@ -87,14 +87,14 @@ OTHER_PARAMS = frozenset(
         "input_global_scale",
         "deq_scale",
         "quant_bias",
-        "scale_bias",  # Ascend W4A8_DYNAMIC: 8 * sum_k(w * scale), [n, 1] or [n, 16] (cvt.quant.tensor.layouts)
+        "scale_bias",  # Ascend W4A8_DYNAMIC: 8 * sum_k(w * scale), [n, 1] or [n, 16] (cvt.qtensor.layouts)
         "kv_cache_scale",  # C8 (Ascend GQA naming, per cached channel)
         "kv_cache_offset",
         "scale",  # FAKQuant (Ascend MLA): self_attn.fa_{q,k,v}.scale / .offset
         "offset",
         "k_scale",  # C8 (compressed-tensors naming)
         "v_scale",
-        "q_rot",  # DeepSeek-V3.2 indexer C8: self_attn.indexer.{q,k}_rot (cvt.quant.tensor.indexer_c8)
+        "q_rot",  # DeepSeek-V3.2 indexer C8: self_attn.indexer.{q,k}_rot (cvt.qtensor.indexer_c8)
         "k_rot",
     }
 )

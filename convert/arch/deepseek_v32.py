@@ -52,7 +52,7 @@ INDEXER_RULES = (
     Rule(f"{IX}.wk", Role.LINEAR, REP, Block.ATTN, quantizable=True, float_default=True),
     Rule(f"{IX}.weights_proj", Role.LINEAR, REP, Block.ATTN, float_default=True),
     Rule(f"{IX}.k_norm", Role.NORM, REP, Block.ATTN, float_default=True),
-    # the indexer C8's q_rot / k_rot of a w8a8c8 Ascend output (cvt.quant.tensor.indexer_c8)
+    # the indexer C8's q_rot / k_rot of a w8a8c8 Ascend output (cvt.qtensor.indexer_c8)
     Rule(IX, Role.KV_CACHE, REP, Block.ATTN, float_default=True),
 )
 

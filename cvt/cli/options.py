@@ -66,13 +66,13 @@ class NamesChoice(click.Choice):
 
 
 def scheme_names() -> list[str]:
-    from cvt.quant.tensor.schemes import scheme_names as names
+    from cvt.qtensor.schemes import scheme_names as names
 
     return names()
 
 
 def format_names() -> list[str]:
-    from cvt.quant.tensor.formats import format_names as names
+    from cvt.qtensor.formats import format_names as names
 
     return names()
 
@@ -84,13 +84,13 @@ def method_names() -> tuple[str, ...]:
 
 
 def ascend_targets() -> tuple[str, ...]:
-    from cvt.quant.tensor.layouts import ASCEND_TARGETS
+    from cvt.qtensor.layouts import ASCEND_TARGETS
 
     return ASCEND_TARGETS
 
 
 def fp4_formats() -> list[str]:
-    from cvt.quant.tensor.schemes.fp4 import GROUPS
+    from cvt.qtensor.schemes.fp4 import GROUPS
 
     return list(GROUPS)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cvt.quant.tensor.schemes.base import Scheme
+from cvt.qtensor.schemes.base import Scheme
 
 
 @dataclass

@@ -66,7 +66,7 @@ from cvt.quant.methods.gptq import gptq_quantize
 from cvt.quant.methods.layout import Layout, _PerSequence  # noqa: F401  (Layout re-exported)
 from cvt.quant.methods.sites import _children, _Group, _Site, _site_key, _smooth_groups
 from cvt.quant.methods.smoothquant import scale_columns, scale_rows, smooth_scales
-from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
+from cvt.qtensor.schemes.base import QuantizedTensor, Scheme
 from cvt.runtime.kernels import Linear
 
 log = logging.getLogger(__name__)

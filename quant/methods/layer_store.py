@@ -16,7 +16,7 @@ from cvt.convert.durable import write_safetensors_atomic
 from cvt.convert.outdir import clear_dir
 from cvt.errors import CvtError
 from cvt.quant.recipe import RTN
-from cvt.quant.tensor.schemes.base import QuantizedTensor
+from cvt.qtensor.schemes.base import QuantizedTensor
 
 
 class LayerStore:

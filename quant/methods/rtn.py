@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
+from cvt.qtensor.schemes.base import QuantizedTensor, Scheme
 
 
 def rtn_quantize(w: torch.Tensor, scheme: Scheme) -> QuantizedTensor:

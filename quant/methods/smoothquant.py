@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 
 MIN_SCALE = 1e-5
 # the kernel formats with quantized activations: a weight-only scheme (w4a16, fp4) has no

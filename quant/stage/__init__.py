@@ -43,14 +43,14 @@ from cvt.dtypes import dtype_code
 from cvt.convert.safetensors_io import TensorSpec
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
 from cvt.errors import FormatError, OptionError
-from cvt.quant.tensor.formats import DEFAULT_FORMAT, get_format
-from cvt.quant.tensor.disk_layouts import DiskLayouts
-from cvt.quant.tensor.layouts import ASCEND, check_target, kernel_fmt_of
-from cvt.quant.tensor.stack_versions import check_line, line_problem
+from cvt.qtensor.formats import DEFAULT_FORMAT, get_format
+from cvt.qtensor.disk_layouts import DiskLayouts
+from cvt.qtensor.layouts import ASCEND, check_target, kernel_fmt_of
+from cvt.qtensor.stack_versions import check_line, line_problem
 from cvt.quant import qkernel
 from cvt.quant.recipe import RTN, Policy, Recipe
-from cvt.quant.tensor.schemes import scheme_from_options
-from cvt.quant.tensor.schemes.base import QuantizedTensor
+from cvt.qtensor.schemes import scheme_from_options
+from cvt.qtensor.schemes.base import QuantizedTensor
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
 from cvt.units import article
 from cvt.quant.stage.plan import CT_PARTS, FP8_SCALE, Plan, check_kv_target, make_plan, names_where, weight_shape
@@ -68,11 +68,11 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
              expert_memory: int | None = None, target_version: str | None = None,
              kv_dtype: str | None = None) -> WriteResult:
     """Quantize SRC into DST (see the module docstring) for the serving `target` (ascend:
-    vllm-ascend, the default, or mindie; `cvt.quant.tensor.layouts`). Returns the writer's result,
+    vllm-ascend, the default, or mindie; `cvt.qtensor.layouts`). Returns the writer's result,
     with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
     reads at once, as float32 (None: `cvt.quant.methods.stream.MAX_EXPERT_BYTES`). `target_version`:
-    the vllm-ascend release line (`cvt.quant.tensor.stack_versions`); `kv_dtype`: the quantized KV
-    cache's storage, int8 or fp8 (`cvt.quant.tensor.kv_layout.kv_storage`)."""
+    the vllm-ascend release line (`cvt.qtensor.stack_versions`); `kv_dtype`: the quantized KV
+    cache's storage, int8 or fp8 (`cvt.qtensor.kv_layout.kv_storage`)."""
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
     form = get_format(fmt)
     target = check_target(fmt, target)
@@ -117,7 +117,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
                               "sparse LI C8), not FAKQuant's latent cache; the fp8 cache applies to MLA models "
                               "without an indexer")
         if kv_dtype is not None:  # kv_layout imports torch, which RTN otherwise never does
-            from cvt.quant.tensor.kv_layout import kv_storage
+            from cvt.qtensor.kv_layout import kv_storage
 
             kv_codec = kv_storage(form.name, form.kv_codec, target, kv_dtype, "kv_lora_rank" in text_config(ckpt.config),
                                   any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
@@ -166,9 +166,9 @@ def _note(note: str | None, result: WriteResult) -> WriteResult:
 
 def _kv_static(config: dict, plan: Plan, fmt: str) -> bool:
     """Whether the run calibrates static KV-cache scales: an int8 KV cache, except DeepSeek-V3.2's
-    in the Ascend format, whose C8 is the indexer's dynamic one (`cvt.quant.tensor.indexer_c8`)."""
+    in the Ascend format, whose C8 is the indexer's dynamic one (`cvt.qtensor.indexer_c8`)."""
     from cvt.convert.arch import text_config
-    from cvt.quant.tensor import indexer_c8
+    from cvt.qtensor import indexer_c8
 
     c8 = any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values())
     return c8 and not indexer_c8.applies(text_config(config), fmt)
@@ -177,7 +177,7 @@ def _kv_static(config: dict, plan: Plan, fmt: str) -> bool:
 def _takes_fp4_format(scheme: str, recipe: Recipe | None) -> bool:
     """Whether the run quantizes anything with a scheme that has an fp4 format (the option's own
     scheme, or one a recipe rule names)."""
-    from cvt.quant.tensor.schemes import SCHEMES
+    from cvt.qtensor.schemes import SCHEMES
 
     names = {scheme, *(r.scheme for r in (recipe.rules if recipe else ()))}
     return any(n in SCHEMES and "fp4_format" in getattr(SCHEMES.get(n), "options", ()) for n in names)
@@ -360,7 +360,7 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
     meta_kw: dict[str, Any] = {}
     if c8 and not _kv_static(ckpt.config, plan, req.fmt):  # DeepSeek-V3.2 on Ascend: the indexer C8
         from cvt.convert.arch import text_config
-        from cvt.quant.tensor import indexer_c8
+        from cvt.qtensor import indexer_c8
 
         lm = text_config(ckpt.config)
         rots = indexer_c8.rotation_tensors(lm)
@@ -370,11 +370,11 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
             tags[n] = "FLOAT"
         c8, meta_kw = False, {"extra_keys": indexer_c8.description_keys(lm)}  # no MLA (FAKQuant) scales
     elif c8:
-        from cvt.quant.tensor.kv_layout import kv_tag
+        from cvt.qtensor.kv_layout import kv_tag
 
         kv_meta = form.kv_manifest(cal.kv_scales)  # Ascend int8 names, or compressed-tensors fp8 k_scale / v_scale
         if req.kv_dtype is not None and req.kv_dtype != form.kv_codec:  # Ascend 950's fp8 FAKQuant cache
-            from cvt.quant.tensor.kv_layout import FP8_FAKQUANT
+            from cvt.qtensor.kv_layout import FP8_FAKQUANT
 
             kv_meta["convention"] = {**kv_meta["convention"], **FP8_FAKQUANT}
         for n, t in cal.kv_scales.items():

@@ -6,7 +6,7 @@ int8 ``[n, k/2]``: E2M1 codes ``sign << 3 | index`` into {0, .5, 1, 1.5, 2, 3, 4
 2i in the low nibble (DeepSeek's V4 ``inference/convert.py`` ``FP4_TABLE``), and ``X.scale``
 float8_e8m0fnu ``[n, k/32]``: one power of two ``2**(byte - 127)`` per 32 inputs. The MX
 schemes' weights are that grid byte for byte -- uint8 codes ``sign << 3 | index``, element 2j
-in the low nibble, uint8 E8M0 scales with bias 127 (`cvt.quant.tensor.layouts_mx`, pinned to
+in the low nibble, uint8 E8M0 scales with bias 127 (`cvt.qtensor.layouts_mx`, pinned to
 vllm-ascend main's ``w4a8_mxfp4.py``), as are ``fp4``'s mxfp4 ones (compressed-tensors
 ``pack_fp4_to_uint8``, E8M0 uint8 scales). So for `CARRY_KERNELS` the codes and scale bytes
 are copied as they are (method "source" in the manifest, SQNR Infinity); every other scheme
@@ -22,9 +22,9 @@ from typing import Mapping
 from cvt.lazy import torch
 
 from cvt.convert.fp4 import EXPERT_DTYPE_FP4, GROUP
-from cvt.quant.tensor import kernel_formats as KF
-from cvt.quant.tensor.layouts import kernel_fmt_of
-from cvt.quant.tensor.schemes.base import QuantizedTensor
+from cvt.qtensor import kernel_formats as KF
+from cvt.qtensor.layouts import kernel_fmt_of
+from cvt.qtensor.schemes.base import QuantizedTensor
 
 # kernel formats whose weight is E2M1 codes with one E8M0 scale per 32 inputs: the release's grid
 CARRY_KERNELS = (KF.W4A8_MXFP, KF.W4A4_MXFP4, KF.MXFP4)
@@ -61,7 +61,7 @@ def carried(packed: torch.Tensor, scale: torch.Tensor, scheme) -> QuantizedTenso
     """The release's packed codes ``[n, k/2]`` (int8 / uint8) and scale ``[n, k/32]`` as `scheme`'s
     quantized tensor ``[n, k]``, bytes unchanged; None when the scheme's grid is another or the
     scale is not E8M0-representable."""
-    from cvt.quant.tensor import primitives as P
+    from cvt.qtensor import primitives as P
 
     if not carries(scheme):
         return None
@@ -80,8 +80,8 @@ def requantized_note(schemes: Mapping[str, str]) -> str | None:
     experts whose scheme does not carry them over), or None when there are none."""
     if not schemes:
         return None
-    from cvt.quant.tensor.schemes.fp4 import FP4
-    from cvt.quant.tensor.schemes.mx import W4A4MXFP4, W4A8MXFP
+    from cvt.qtensor.schemes.fp4 import FP4
+    from cvt.qtensor.schemes.mx import W4A4MXFP4, W4A8MXFP
 
     names = sorted(set(schemes.values()))
     return (f"cvt: {len(schemes)} FP4 routed expert(s) of the release requantized to {', '.join(names)} from their "

@@ -12,11 +12,11 @@ from cvt.convert.arch import Role, text_config
 from cvt.convert.fp4 import FP4_DTYPES
 from cvt.convert.reader import Checkpoint
 from cvt.errors import CvtError, FormatError, TensorError
-from cvt.quant.tensor.formats import default_group, group_fallback
+from cvt.qtensor.formats import default_group, group_fallback
 from cvt.quant.recipe import GPTQ, SMOOTHQUANT, Policy
 from cvt.quant.stage.fp4_source import fp4_experts
-from cvt.quant.tensor.schemes import scheme_from_options
-from cvt.quant.tensor.schemes.base import Scheme
+from cvt.qtensor.schemes import scheme_from_options
+from cvt.qtensor.schemes.base import Scheme
 
 log = logging.getLogger("cvt")
 
@@ -52,10 +52,10 @@ def scheme_for(name: str, fmt_name: str, group_size: int | None, asym: bool, fp4
 
 def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_size: int | None, asym: bool,
               fp4_format: str, target: str | None = None, line: str | None = None) -> Plan:
-    """`line`: the vllm-ascend release line (`cvt.quant.tensor.stack_versions`); a routed expert or a
+    """`line`: the vllm-ascend release line (`cvt.qtensor.stack_versions`); a routed expert or a
     recipe-chosen module that line no longer loads is refused with the reason."""
-    from cvt.quant.tensor import layouts
-    from cvt.quant.tensor.stack_versions import line_problem, shape_problem
+    from cvt.qtensor import layouts
+    from cvt.qtensor.stack_versions import line_problem, shape_problem
 
     arch = policy.arch
     target = layouts.check_target(fmt.name, target)
@@ -153,8 +153,8 @@ def weight_shape(ckpt: Checkpoint, params: dict[str, str]) -> tuple[int, int]:
 
 def names_where(pred, kind: str) -> str:
     """The registered formats or schemes for which `pred(class)` holds, for messages."""
-    from cvt.quant.tensor.formats import FORMATS
-    from cvt.quant.tensor.schemes import SCHEMES
+    from cvt.qtensor.formats import FORMATS
+    from cvt.qtensor.schemes import SCHEMES
 
     reg = FORMATS if kind == "format" else SCHEMES
     return " or ".join(n for n in reg.names() if pred(reg.get(n)))
@@ -164,9 +164,9 @@ def check_kv_target(config, plan: Plan, fmt: str, target: str) -> None:
     """An int8 KV cache the target would load wrong is refused, saying why."""
     if not any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()):
         return
-    from cvt.quant.tensor.kv_layout import kv_target_problem
+    from cvt.qtensor.kv_layout import kv_target_problem
 
-    from cvt.quant.tensor import indexer_c8, layouts
+    from cvt.qtensor import indexer_c8, layouts
 
     lm = text_config(config)
     if (fmt == layouts.ASCEND and "index_topk" in lm and not indexer_c8.applies(lm, fmt)

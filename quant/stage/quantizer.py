@@ -9,7 +9,7 @@ import dataclasses
 import math
 import threading
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.convert.config import SourceFormat, fp8_config
@@ -19,12 +19,12 @@ from cvt.convert.fp8_to_bf16 import dequantize_stored
 from cvt.convert.reader import Checkpoint
 from cvt.errors import TensorError
 from cvt.quant import qkernel
-from cvt.quant.tensor.formats.compressed_tensors import CompressedTensors
-from cvt.quant.tensor.disk_layouts import shell_q
-from cvt.quant.tensor.layouts import kernel_fmt_of
+from cvt.qtensor.formats.compressed_tensors import CompressedTensors
+from cvt.qtensor.disk_layouts import shell_q
+from cvt.qtensor.layouts import kernel_fmt_of
 from cvt.quant.recipe import RTN
-from cvt.quant.tensor.schemes import get_scheme
-from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
+from cvt.qtensor.schemes import get_scheme
+from cvt.qtensor.schemes.base import QuantizedTensor, Scheme
 from cvt.schemas.manifest import QuantTensorInfo
 
 from cvt.quant.stage import fp4_source
@@ -251,7 +251,7 @@ class Quantizer:
         return self._fused_parts(module, params, scheme, method, layout, res)
 
     def _quantize(self, module: str) -> dict[str, torch.Tensor]:
-        from cvt.quant.tensor.schemes.w8a8 import static_parts
+        from cvt.qtensor.schemes.w8a8 import static_parts
 
         params = self.plan.modules[module]
         scheme = self.plan.schemes[module]

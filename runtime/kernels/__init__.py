@@ -15,7 +15,7 @@ formats. Each format class:
 Registry: `register(cls)` fails on a duplicate name; `get(name)` lists the known names
 when the name is unknown; `for_parts(names)` picks the format whose parts match exactly.
 
-Formats (canonical in-memory parts; `cvt.quant.tensor.layouts` reads every packed on-disk form into them):
+Formats (canonical in-memory parts; `cvt.qtensor.layouts` reads every packed on-disk form into them):
 
   dense         weight
   fp8_block     weight f8e4m3 [n,k], weight_scale_inv [ceil(n/128), ceil(k/128)]     (fp8_block.py)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from cvt.errors import TensorError
-from cvt.quant.tensor.primitives import per_token_quant
+from cvt.qtensor.primitives import per_token_quant
 from cvt.runtime.kernels import npu
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)

@@ -12,7 +12,7 @@ Canonical in-memory parts keep the 4-bit codes unpacked: ``weight_fp4`` uint8 ``
 
 On disk (``*-pack-quantized``) the codes are packed two per byte, ``weight_packed`` uint8
 ``[n, k/2]``, element 2j in the low nibble, 2j+1 in the high one (compressed-tensors
-``pack_fp4_to_uint8`` / ``unpack_fp4_from_uint8``); `cvt.quant.tensor.layouts` unpacks.
+``pack_fp4_to_uint8`` / ``unpack_fp4_from_uint8``); `cvt.qtensor.layouts` unpacks.
 Forward dequantizes in float32 with torch expressions (any device; there is no Ascend fused
 FP4 op for these formats), casts to x.dtype and multiplies.
 """
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.convert.fp8 import scale_to_f32
 from cvt.errors import TensorError
-# The E2M1 table and fp4 pack helpers live in cvt.quant.tensor.primitives; re-exported here.
-from cvt.quant.tensor.primitives import E2M1_VALUES, decode_e2m1, pack_fp4, unpack_fp4  # noqa: F401
+# The E2M1 table and fp4 pack helpers live in cvt.qtensor.primitives; re-exported here.
+from cvt.qtensor.primitives import E2M1_VALUES, decode_e2m1, pack_fp4, unpack_fp4  # noqa: F401
 from cvt.runtime.kernels._common import FusedOrReference, check, check_2d, check_finite, desc, new_module, take
 from cvt.runtime.kernels.linear import Linear, register
 
@@ -42,7 +42,7 @@ class _Fp4Linear(FusedOrReference, Linear):
                               f"of the group size {cls.group}")
         if bool((codes > 15).any()):
             raise TensorError(f"{cls.fmt} part 'weight_fp4' ({desc(codes)}) holds values above 15: pass unpacked "
-                              "4-bit codes (cvt.quant.tensor.layouts reads packed ones)")
+                              "4-bit codes (cvt.qtensor.layouts reads packed ones)")
         return n, k
 
     def group_scales(self) -> torch.Tensor:  # float32 [n, k / group]

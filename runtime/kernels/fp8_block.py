@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.convert.fp8 import dequant_fp8_block, expected_scale_shape, scale_to_f32
 from cvt.runtime.kernels._common import FusedOrReference, check, check_2d, check_finite, new_module, take
 from cvt.runtime.kernels.linear import Linear, register

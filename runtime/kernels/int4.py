@@ -12,7 +12,7 @@ Dequant is the documented form ``w = (q - offset) * scale`` per group (FORMATS.m
 float32; forward casts it to x.dtype and multiplies. The Ascend op computes ``(w + offset) *
 scale`` instead, so `npu.py` passes ``-offset``.
 
-On-disk layouts (read into these parts by `cvt.quant.tensor.layouts`; the loader goes through it):
+On-disk layouts (read into these parts by `cvt.qtensor.layouts`; the loader goes through it):
 
 * Ascend (msModelSlim W4A16): two's-complement int4, two per int8, even element in the low
   nibble. Per-group weights pack pairs of OUTPUT channels (``[n/2, k]``, row 2j low, 2j+1
@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.errors import TensorError
-# The pack helpers (bit layouts, worked examples) live in cvt.quant.tensor.primitives; re-exported here.
-from cvt.quant.tensor.primitives import (  # noqa: F401
+# The pack helpers (bit layouts, worked examples) live in cvt.qtensor.primitives; re-exported here.
+from cvt.qtensor.primitives import (  # noqa: F401
     ascend_pack_dim, pack_int4_ascend, pack_int4_ct, unpack_int4_ascend, unpack_int4_ct)
 from cvt.runtime.kernels._common import FusedOrReference, FLOATS, check, check_2d, check_finite, desc, new_module, take
 from cvt.runtime.kernels.linear import Linear, register
@@ -54,7 +54,7 @@ class W4A16Linear(FusedOrReference, Linear):
         n, k = check_2d(cls.fmt, "weight_int4", q, (torch.int8,))
         if bool(((q < -8) | (q > 7)).any()):
             raise TensorError(f"{cls.fmt} part 'weight_int4' ({desc(q)}) holds values outside the int4 range -8..7 "
-                              "(pass unpacked values; cvt.quant.tensor.layouts reads packed ones)")
+                              "(pass unpacked values; cvt.qtensor.layouts reads packed ones)")
         check(cls.fmt, "weight_scale", sc, FLOATS)
         if sc.dim() != 2 or sc.shape[0] != n or sc.shape[1] == 0 or k % sc.shape[1]:
             raise TensorError(f"{cls.fmt} part 'weight_scale' is {desc(sc)}: expected [{n}, k/G] with G dividing "

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.errors import TensorError
-from cvt.quant.tensor.primitives import deq_scale_f32, static_quant
+from cvt.qtensor.primitives import deq_scale_f32, static_quant
 from cvt.runtime.kernels._common import (FLOATS, FusedOrReference, check, check_2d, check_finite, check_per_channel,
                                          desc, int8_matmul, new_module, per_token_int8_linear, take)
 from cvt.runtime.kernels.linear import Linear, register

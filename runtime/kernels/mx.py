@@ -1,7 +1,7 @@
 """`mxfp8`, `w4a4_mxfp4`, `w4a8_mxfp`: the Ascend 950 microscaling linears (W8A8_MXFP8,
 W4A4_MXFP4, W4A8_MXFP), weights and activations in blocks of 32 along k with E8M0 scales.
 
-Canonical in-memory parts (`cvt.quant.tensor.schemes.mx`; `cvt.quant.tensor.layouts_mx` reads
+Canonical in-memory parts (`cvt.qtensor.schemes.mx`; `cvt.qtensor.layouts_mx` reads
 the packed on-disk forms into them):
 
 * ``mxfp8``: ``weight_fp8`` float8_e4m3fn ``[n, k]``, ``weight_scale`` uint8 E8M0 ``[n, k/32]``;
@@ -14,7 +14,7 @@ dequantize). vllm-ascend quantizes the activations per token block with ``npu_dy
 both E8M0 scale sets; the reference here is msModelSlim's MX fake-quant linear
 (``ir/w8a8_mx_dynamic.py`` W8A8MXDynamicPerBlockFakeQuantLinear.forward and its w4a4 / w4a8
 siblings): ``x`` quantize-dequantized per block of 32 by the same rules as the weights
-(`cvt.quant.tensor.mx`), then ``y = x^ @ w^T (+ bias)`` in float32, returned in x's dtype. The
+(`cvt.qtensor.mx`), then ``y = x^ @ w^T (+ bias)`` in float32, returned in x's dtype. The
 products of MX values are exact in float32; the sum order is torch's. No fused Ascend path.
 """
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 
 from cvt.errors import TensorError
-from cvt.quant.tensor import kernel_formats as KF
-from cvt.quant.tensor import mx as MX
-from cvt.quant.tensor.primitives import decode_e2m1
+from cvt.qtensor import kernel_formats as KF
+from cvt.qtensor import mx as MX
+from cvt.qtensor.primitives import decode_e2m1
 from cvt.runtime.kernels._common import FusedOrReference, check, check_2d, desc, new_module, take
 from cvt.runtime.kernels.linear import Linear, register
 
@@ -45,7 +45,7 @@ class _MxLinear(FusedOrReference, Linear):
                               f"of the block {MX.BLOCK}")
         if cls.code_dtype == torch.uint8 and bool((codes > 15).any()):
             raise TensorError(f"{cls.fmt} part {cls.code_part!r} ({desc(codes)}) holds values above 15: pass "
-                              "unpacked 4-bit codes (cvt.quant.tensor.layouts reads packed ones)")
+                              "unpacked 4-bit codes (cvt.qtensor.layouts reads packed ones)")
         if cls.code_dtype != torch.uint8 and not bool(torch.isfinite(codes.float()).all()):
             raise TensorError(f"{cls.fmt} part {cls.code_part!r} ({desc(codes)}) holds NaN")
         s = check(cls.fmt, "weight_scale", p["weight_scale"], (torch.uint8, torch.float8_e8m0fnu),

@@ -20,7 +20,7 @@ Call patterns cross-checked in vllm-ascend (w8a8.py, w8a8_dynamic.py, w4a16.py).
   ``quant/dynamic_quant/op_kernel/dynamic_quant.h``) computes the factor ``127 / rowMax(|x|)``
   in float32 and MULTIPLIES: ``y = round_half_even(x * (127 / rowmax))``, scale = rowmax / 127
   (to within the last bit: ``1 / (127 / rowmax)`` or ``rowmax * (1 / 127)`` depending on the
-  tiling). cvt's reference (`cvt.quant.tensor.primitives.per_token_quant`) computes these codes too (so does vLLM's
+  tiling). cvt's reference (`cvt.qtensor.primitives.per_token_quant`) computes these codes too (so does vLLM's
   CUDA kernel). The docstring's ``round(x / scale)`` can differ by one int8 step where ``x *
   127 / rowmax`` is exactly a half-integer (a tie: ``x = +-rowmax / 2``, or other half-integer
   multiples of ``rowmax / 127`` when rowmax's significand has the factor 127); the two
@@ -86,8 +86,8 @@ import os
 
 import torch
 
-from cvt.quant.tensor import kernel_formats as KF
-from cvt.quant.tensor.primitives import deq_scale_f32, static_quant
+from cvt.qtensor import kernel_formats as KF
+from cvt.qtensor.primitives import deq_scale_f32, static_quant
 
 ENV_FORCE = "CVT_FORCE_NPU_KERNELS"
 FUSED_DTYPES = (torch.float16, torch.bfloat16)

@@ -1,6 +1,6 @@
 """`w4a8_dynamic`: int4 weights per output channel, dynamic per-token int8 activations (Ascend W4A8_DYNAMIC).
 
-Canonical in-memory parts (what `from_parts` takes; `cvt.quant.tensor.layouts` reads the packed
+Canonical in-memory parts (what `from_parts` takes; `cvt.qtensor.layouts` reads the packed
 ``weight`` [n/2, k] + ``weight_scale`` + ``weight_offset`` + ``scale_bias`` into them):
 
 * ``weight_int4`` int8 ``[n, k]``, one int4 value per element, -8..7 (unpacked);
@@ -12,7 +12,7 @@ them), and two parts keep `for_parts` from mistaking it for a per-channel ``w4a1
 What vllm-ascend 0.23 computes with these tensors (``methods/w4a8.py``
 AscendW4A8DynamicFusedMoEMethod, per-channel path; ``ops/fused_moe/moe_mlp.py``
 quant_apply_mlp): the tokens are quantized by ``npu_dynamic_quant`` (per-token symmetric int8,
-as `cvt.quant.tensor.primitives.per_token_quant`), then ``npu_grouped_matmul`` runs int8 x int4 with ``scale`` = the
+as `cvt.qtensor.primitives.per_token_quant`), then ``npu_grouped_matmul`` runs int8 x int4 with ``scale`` = the
 float32 bits of ``weight_scale``, ``per_token_scale`` = the tokens' scales and ``bias`` = the
 summed ``scale_bias``. That bias is not an output bias: the op splits each int8 activation into
 two int4 halves (CANN ops-transformer ``grouped_matmul_antiquant_a8w4_msd.h``: ``high * 16 +
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.errors import TensorError
 from cvt.runtime.kernels._common import (FusedOrReference, check_2d, check_finite, check_per_channel, desc, new_module,
                                          per_token_int8_linear, take)
@@ -53,7 +53,7 @@ class W4A8DynamicLinear(FusedOrReference, Linear):
         n, k = check_2d(cls.fmt, "weight_int4", q, (torch.int8,))
         if bool(((q < -8) | (q > 7)).any()):
             raise TensorError(f"{cls.fmt} part 'weight_int4' ({desc(q)}) holds values outside the int4 range -8..7 "
-                              "(pass unpacked values; cvt.quant.tensor.layouts reads packed ones)")
+                              "(pass unpacked values; cvt.qtensor.layouts reads packed ones)")
         check_per_channel(cls.fmt, "weight_scale", sc, n)
         check_finite(cls.fmt, "weight_scale", sc)
         mod = new_module(cls, n, k, bias)

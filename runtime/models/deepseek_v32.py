@@ -30,7 +30,7 @@ When T <= index_topk every causal key is kept and the layer is exactly DeepSeek-
 The indexer's key cache (`DSACache.index_k`) holds keys in the compute dtype (the official
 and vLLM caches are FP8 with per-128 scales): cached decode equals the full forward.
 
-Indexer C8 (vllm-ascend's "sparse LI C8", `cvt.quant.tensor.indexer_c8`): once a model has its
+Indexer C8 (vllm-ascend's "sparse LI C8", `cvt.qtensor.indexer_c8`): once a model has its
 q_rot / k_rot [Di, Di] attached (`Model.attach_indexer_rotations`, done by the loader for a
 w8a8c8 Ascend output), each decoder layer's indexer rotates q and key after RoPE (x @ rot, back
 in the compute dtype), quantizes every row dynamically to int8 (scale amax / 127, kept float16),
@@ -51,7 +51,7 @@ from torch import nn
 
 from cvt.convert.arch.deepseek_v32 import INDEX_DEFAULTS
 from cvt.errors import CvtError
-from cvt.quant.tensor import indexer_c8
+from cvt.qtensor import indexer_c8
 from cvt.runtime.kernels import Linear
 from cvt.runtime.models import deepseek_v3 as v3
 from cvt.runtime.models.base import ConfigError, check_room

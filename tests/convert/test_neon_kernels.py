@@ -102,7 +102,7 @@ def _quantize(harness, tmp_path, src, scheme, layout, level: int, gs: float | No
     """The harness's raw outputs at `level`, assembled into the layout's tensors as
     `cvt.quant.qkernel` assembles the x86 kernel's (zero points by the reference packer)."""
     from cvt.quant import qkernel as QK
-    from cvt.quant.tensor import primitives as P
+    from cvt.qtensor import primitives as P
     from cvt.runtime.metrics import sqnr_from_sums
 
     n, k = src.shape
@@ -141,9 +141,9 @@ def test_quantize_neon_matches_scalar_and_the_reference(harness, tmp_path, layou
     """FP8 edge cases (all-zero blocks, -0.0 rows, +-448, the smallest subnormal, subnormal and zero
     block scales; test_qkernel_simd.edge_fp8) and a BF16 weight, at NEON and scalar: the
     reference's tensors, the SQNR within the x86 tests' tolerance."""
-    from cvt.quant.tensor import primitives as P
-    from cvt.quant.tensor.layouts import LAYOUTS
-    from cvt.quant.tensor.schemes import get_scheme
+    from cvt.qtensor import primitives as P
+    from cvt.qtensor.layouts import LAYOUTS
+    from cvt.qtensor.schemes import get_scheme
     from cvt.tests.quant.test_qkernel import assert_same, bf16_weight, reference
     from cvt.tests.quant.test_qkernel_simd import edge_fp8
 
@@ -160,8 +160,8 @@ def test_quantize_neon_matches_scalar_and_the_reference(harness, tmp_path, layou
 
 def test_quantize_neon_counts_non_finite_values(harness, tmp_path):
     """A NaN code amid a NEON-sized run: counted (the caller refuses the weight), at both levels."""
-    from cvt.quant.tensor.layouts import LAYOUTS
-    from cvt.quant.tensor.schemes import get_scheme
+    from cvt.qtensor.layouts import LAYOUTS
+    from cvt.qtensor.schemes import get_scheme
     from cvt.quant import qkernel as QK
     from cvt.tests.quant.test_qkernel_simd import edge_fp8
 
@@ -180,8 +180,8 @@ def test_fp4_neon_at_and_beside_every_threshold(harness, tmp_path, case):
     multipliers (some of which only the fallback division gets right), tiny multipliers, and
     mxfp4's extreme E8M0 scales: the reference's tensors at NEON and scalar."""
     from cvt.quant import qkernel as QK
-    from cvt.quant.tensor.layouts import LAYOUTS
-    from cvt.quant.tensor.schemes import get_scheme
+    from cvt.qtensor.layouts import LAYOUTS
+    from cvt.qtensor.schemes import get_scheme
     from cvt.tests.quant.test_qkernel import assert_same, reference, same_bytes
     from cvt.tests.quant.test_qkernel_fp4 import mxfp4_case, nvfp4_case
 
@@ -214,8 +214,8 @@ def test_quantize_neon_tails_match_the_reference(harness, tmp_path, layout, sche
     span leaves 2 elements past the 4-lane steps), BF16 rows of 210, asymmetric groups of 6 (a tail
     of 2) and of 2 (shorter than one vector): the reference's tensors at NEON and scalar."""
     from cvt.quant import qkernel as QK
-    from cvt.quant.tensor.layouts import LAYOUTS
-    from cvt.quant.tensor.schemes import get_scheme
+    from cvt.qtensor.layouts import LAYOUTS
+    from cvt.qtensor.schemes import get_scheme
     from cvt.tests.quant.test_qkernel import assert_same, bf16_weight, reference
 
     g = torch.Generator().manual_seed(5)
@@ -237,8 +237,8 @@ def test_quantize_neon_counts_nan_codes_in_block_tails(harness, tmp_path, where)
     """NaN codes in the 2-element tails of 50-wide FP8 blocks (and in the 4-lane part): each counted
     once at both levels (tests/quant/test_qkernel_simd.py has the x86 levels)."""
     from cvt.quant import qkernel as QK
-    from cvt.quant.tensor.layouts import LAYOUTS
-    from cvt.quant.tensor.schemes import get_scheme
+    from cvt.qtensor.layouts import LAYOUTS
+    from cvt.qtensor.schemes import get_scheme
 
     codes = torch.full((8, 210), 0x38, dtype=torch.uint8)
     for r, c in where:

@@ -433,7 +433,7 @@ def test_plan_refuses_what_quantize_refuses(kw, msg):
 
 
 def test_plan_refuses_an_int8_kv_cache_the_target_would_load_wrong():
-    """The same rule as cvt quantize (`cvt.quant.tensor.kv_layout.kv_target_problem`): vllm-ascend drops
+    """The same rule as cvt quantize (`cvt.qtensor.kv_layout.kv_target_problem`): vllm-ascend drops
     Qwen3-MoE's C8 scales."""
     cfg = tiny_qwen3_config(moe=True)
     lay = make_layout(world_size=2, tp=2, ep=2)

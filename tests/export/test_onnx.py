@@ -154,7 +154,7 @@ def _w8a8_linear(fmt: str, k: int = 64, n: int = 24, offset: float = 3.0):
     exact) and an odd input offset (where round(x / s + off) and round(x / s) + off differ)."""
     import torch
 
-    from cvt.quant.tensor.primitives import quant_bias_from
+    from cvt.qtensor.primitives import quant_bias_from
     from cvt.runtime.kernels.int8 import W8A8DynamicLinear, W8A8StaticLinear
 
     g = torch.Generator().manual_seed(0)

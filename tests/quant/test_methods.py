@@ -25,10 +25,10 @@ from cvt.errors import CvtError
 from cvt.quant.methods import (HessianAccumulator, awq_clip, awq_search, calib_tokens, calibrate, gptq_quantize,
                                run_methods, scale_columns, scale_rows, smooth_scales)
 from cvt.quant.methods.awq import AwqScale
-from cvt.quant.tensor.schemes import get_scheme
-from cvt.quant.tensor.schemes.base import QuantizedTensor
+from cvt.qtensor.schemes import get_scheme
+from cvt.qtensor.schemes.base import QuantizedTensor
 from cvt.runtime import kernels
-from cvt.quant.tensor.primitives import per_token_quant
+from cvt.qtensor.primitives import per_token_quant
 from cvt.runtime.metrics import logit_stats
 from cvt.runtime.models import build_model
 

@@ -30,11 +30,11 @@ from safetensors import safe_open
 
 import cvt.runtime.kernels as K
 from cvt.errors import CvtError
-from cvt.quant.tensor import kernel_formats as KF
-from cvt.quant.tensor import layouts as L
-from cvt.quant.tensor import mx as MX
-from cvt.quant.tensor.formats import get_format
-from cvt.quant.tensor.schemes import MXFP8, W4A4MXFP4, W4A8MXFP, get_scheme
+from cvt.qtensor import kernel_formats as KF
+from cvt.qtensor import layouts as L
+from cvt.qtensor import mx as MX
+from cvt.qtensor.formats import get_format
+from cvt.qtensor.schemes import MXFP8, W4A4MXFP4, W4A8MXFP, get_scheme
 
 SCHEMES = (MXFP8, W4A4MXFP4, W4A8MXFP)
 TAG = {MXFP8.name: "W8A8_MXFP8", W4A4MXFP4.name: "W4A4_MXFP4", W4A8MXFP.name: "W4A8_MXFP"}

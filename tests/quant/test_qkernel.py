@@ -17,8 +17,8 @@ import torch
 
 from cvt.errors import TensorError
 from cvt.quant import qkernel as QK
-from cvt.quant.tensor.layouts import LAYOUTS
-from cvt.quant.tensor.schemes import get_scheme
+from cvt.qtensor.layouts import LAYOUTS
+from cvt.qtensor.schemes import get_scheme
 from cvt.runtime.metrics import sqnr_db
 
 SQNR_TOL_DB = 0.01
@@ -611,9 +611,9 @@ def test_stage_layout_probe_scaled_from_a_few_rows(monkeypatch, fmt, target):
     """The writer plans each module's tensors from a probe of 16 rows scaled by the layout's dims:
     the same specs as a probe of the module's full size (which costs a full quantization)."""
     from cvt.errors import CvtError
-    from cvt.quant.tensor.disk_layouts import DiskLayouts
-    from cvt.quant.tensor.formats import get_format
-    from cvt.quant.tensor.layouts import check_target
+    from cvt.qtensor.disk_layouts import DiskLayouts
+    from cvt.qtensor.formats import get_format
+    from cvt.qtensor.layouts import check_target
 
     form, target = get_format(fmt), check_target(fmt, target)
     schemes = [get_scheme("w8a8"), get_scheme("w8a8c8"), get_scheme("fp4"), get_scheme("fp4", fp4_format="mxfp4")]
@@ -641,12 +641,12 @@ def test_stage_layout_probe_scaled_from_a_few_rows(monkeypatch, fmt, target):
 @pytest.mark.parametrize("fmt,target", [("compressed-tensors", None), ("ascend", "vllm-ascend"), ("ascend", "mindie")])
 def test_stage_plans_fused_layouts_from_the_table(monkeypatch, fmt, target):
     """The fused RTN layouts are planned from the layout table alone (no probe, no torch:
-    `cvt.quant.tensor.disk_layouts.data_planned`): the same names, order, shapes, dtypes and tags as a
+    `cvt.qtensor.disk_layouts.data_planned`): the same names, order, shapes, dtypes and tags as a
     probe of the module's full size through the format's own encoder."""
     from cvt.errors import CvtError
-    from cvt.quant.tensor.disk_layouts import DiskLayouts
-    from cvt.quant.tensor.formats import get_format
-    from cvt.quant.tensor.layouts import check_target
+    from cvt.qtensor.disk_layouts import DiskLayouts
+    from cvt.qtensor.formats import get_format
+    from cvt.qtensor.layouts import check_target
 
     form, target = get_format(fmt), check_target(fmt, target)
     schemes = [get_scheme("w8a8"), get_scheme("w8a8c8"), get_scheme("fp4"), get_scheme("fp4", fp4_format="mxfp4")]

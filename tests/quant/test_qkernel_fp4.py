@@ -1,7 +1,7 @@
 """The fused kernel's fp4 codes without a division (quant/_qkernel.c fp4_kind; e2m1_idx16, fp48
 and e2m1_idx4 in its _qkernel_avx512.h, _avx2.h and _neon.h parts): every SIMD level against the
-reference (`scheme.quantize` + `layout.encode`, cvt.quant.tensor.schemes.fp4 `Fp4Scheme.quantize`,
-whose E2M1 rounding is cvt.quant.tensor.primitives `encode_e2m1`) on quotients placed at and 1-2
+reference (`scheme.quantize` + `layout.encode`, cvt.qtensor.schemes.fp4 `Fp4Scheme.quantize`,
+whose E2M1 rounding is cvt.qtensor.primitives `encode_e2m1`) on quotients placed at and 1-2
 bf16 ulps beside every E2M1 threshold, after scaling by nvfp4 multipliers that are not powers of
 two (so that a quotient taken as w * (1 / mult) lands on the wrong side of a threshold unless the
 kernel divides those vectors: the test shows such inputs are present), and on mxfp4's extreme
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from cvt.quant import qkernel as QK
-from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.layouts import LAYOUTS
-from cvt.quant.tensor.schemes import get_scheme
+from cvt.qtensor import primitives as P
+from cvt.qtensor.layouts import LAYOUTS
+from cvt.qtensor.schemes import get_scheme
 from cvt.tests.quant.test_qkernel import assert_same, reference
 
 THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # encode_e2m1's
@@ -135,7 +135,7 @@ def test_packers_at_every_level_and_tail(layout, scheme, opts, k):
     """The SIMD packers (quant/_qkernel_avx2.h / _neon.h pack_nib_*: 32 / 16 bytes a step;
     pack_rows_*) and their scalar tails: compressed-tensors int32 words with k not a multiple of 8 (odd k: a half-filled
     byte and zero nibbles), nibbles along k and in row pairs with k not a multiple of 64, against
-    the reference's packers (cvt.quant.tensor.primitives via `layout.encode`)."""
+    the reference's packers (cvt.qtensor.primitives via `layout.encode`)."""
     if (layout != "ct-int4" and k % 2) or (scheme == "fp4" and k % 32):
         pytest.skip("k this layout does not take")
     w = torch.randn(6, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)

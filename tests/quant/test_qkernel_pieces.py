@@ -11,8 +11,8 @@ import torch
 
 from cvt.errors import TensorError
 from cvt.quant import qkernel as QK
-from cvt.quant.tensor.layouts import LAYOUTS
-from cvt.quant.tensor.schemes import get_scheme
+from cvt.qtensor.layouts import LAYOUTS
+from cvt.qtensor.schemes import get_scheme
 from cvt.tests.quant.test_qkernel import as_raw, assert_same, bf16_weight, fp8_weight, reference
 from cvt.tests.quant.test_qkernel_simd import CASES as SIMD_CASES
 from cvt.tests.quant.test_qkernel_simd import c_kernel  # noqa: F401 (the autouse fixture: skip without the C kernel)

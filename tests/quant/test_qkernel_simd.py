@@ -1,6 +1,6 @@
 """The fused C quantize kernel at every SIMD level (scalar, AVX2, AVX-512 where the CPU has it) on
 hand-built FP8 edge cases, against the unfused reference (`scheme.quantize` + `layout.encode`,
-cvt.quant.tensor's schemes and layouts): NaN codes refused with the reference's message, all-zero
+cvt.qtensor's schemes and layouts): NaN codes refused with the reference's message, all-zero
 groups and blocks, subnormal float32 block scales, -0.0, and group sizes that fill 16 lanes, 8
 lanes or neither. (tests/quant/test_qkernel.py sweeps shapes, group sizes and layouts.)"""
 
@@ -14,8 +14,8 @@ import torch
 from cvt.extras import simd_level
 from cvt.errors import CvtError, TensorError
 from cvt.quant import qkernel as QK
-from cvt.quant.tensor.layouts import LAYOUTS
-from cvt.quant.tensor.schemes import get_scheme
+from cvt.qtensor.layouts import LAYOUTS
+from cvt.qtensor.schemes import get_scheme
 from cvt.tests.quant.test_qkernel import assert_same, reference
 
 NAN_MSG = r"weight 'm\.weight' \(float32 \[256, 512\]\) holds 1 non-finite value\(s\) \(NaN/Inf\)"

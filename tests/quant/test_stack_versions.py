@@ -29,7 +29,7 @@ from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.errors import CvtError
 from cvt.quant.recipe import Recipe
 from cvt.quant.stage import quantize
-from cvt.quant.tensor.stack_versions import DEFAULT_LINE, LINES
+from cvt.qtensor.stack_versions import DEFAULT_LINE, LINES
 from cvt.runtime import kv_cache as K
 from cvt.runtime.loader import load_model
 

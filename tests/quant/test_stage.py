@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
-from cvt.quant.tensor.formats import get_format
-from cvt.quant.tensor.schemes import get_scheme
+from cvt.qtensor.formats import get_format
+from cvt.qtensor.schemes import get_scheme
 from cvt.quant.stage import quantize
 from cvt.runtime.kernels import Linear
 from cvt.runtime.loader import load_model

@@ -137,7 +137,7 @@ def test_w8a8_requantizes_the_experts_as_from_the_bf16_output_saying_so(release,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_power_of_two_float_scales_carry_others_do_not(dtype):
     from cvt.quant.stage.fp4_source import carried, e8m0_bytes
-    from cvt.quant.tensor.schemes import W4A8MXFP, W8A8, get_scheme
+    from cvt.qtensor.schemes import W4A8MXFP, W8A8, get_scheme
 
     s = torch.tensor([[2.0 ** -127, 0.125, 1.0, 2.0 ** 127]], dtype=dtype)
     assert e8m0_bytes(s).tolist() == [[0, 124, 127, 254]]

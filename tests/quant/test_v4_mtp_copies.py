@@ -82,7 +82,7 @@ def test_compressed_tensors_is_refused_before_dst_exists(releases, tmp_path, arg
     target or targets matching gate_proj / up_proj / down_proj, and DeepseekV4ForCausalLM
     (vllm/models/deepseek_v4/nvidia/model.py) fuses attn.wq_a + attn.wkv with no packed_modules_mapping:
     V4's w1 / w2 / w3 release names are neither. One line, nothing written."""
-    from cvt.quant.tensor.layouts import COMPRESSED_TENSORS
+    from cvt.qtensor.layouts import COMPRESSED_TENSORS
 
     flash, _ = releases
     dst = tmp_path / "ct"

@@ -314,7 +314,7 @@ def test_kimi_k25_loads_under_vllms_language_model_prefix(sources, va_src, tmp_p
     """Kimi-K2.5: vLLM models/kimi_k25.py builds DeepseekV2Model(prefix="language_model") with no
     packed_modules_mapping, so vllm-ascend's AscendModelSlimConfig.get_quant_method looks up
     ``language_model.layers.{i}.…`` and the fused names (modelslim_config.py get_linear_quant_type);
-    cvt's description carries them (cvt.quant.tensor.kimi_k25_keys). Without them every text module
+    cvt's description carries them (cvt.qtensor.kimi_k25_keys). Without them every text module
     is a KeyError; the vision tower must stay float."""
     out = build(sources, "k25", {"scheme": scheme, **({"group_size": 32} if scheme == "w4a16" else {})})
     r = inspect_output(out, va_src)

@@ -1,6 +1,6 @@
 """DeepSeek-V3.2's indexer C8 in cvt's runtime and through quantize -> load -> run -> verify.
 
-Semantics pinned to vllm-ascend main (see tests/quant/test_indexer_c8.py for the file + function
+Semantics pinned to vllm-ascend main (see tests/qtensor/test_indexer_c8.py for the file + function
 citations): rotate q and key by the same Hadamard after RoPE, quantize each row to int8 with a
 dynamic scale (amax / 127, kept float16), cache int8 keys + scales, score
 relu(scale_q * scale_k * q_int8 . k_int8) per head (npu_lightning_indexer_quant's formula).
@@ -23,8 +23,8 @@ from cvt.convert.fp8_to_bf16 import fp8_to_bf16  # noqa: E402
 from cvt.convert.synthetic import random_weights, tiny_deepseek_v32_config, write_fp8_release  # noqa: E402
 from cvt.errors import CvtError  # noqa: E402
 from cvt.quant.stage import quantize  # noqa: E402
-from cvt.quant.tensor import indexer_c8  # noqa: E402
-from cvt.quant.tensor.layouts import ASCEND  # noqa: E402
+from cvt.qtensor import indexer_c8  # noqa: E402
+from cvt.qtensor.layouts import ASCEND  # noqa: E402
 from cvt.runtime.loader import load_model  # noqa: E402
 from cvt.runtime.models.deepseek_v32 import Args, Indexer, Model  # noqa: E402
 from cvt.tests.conftest import run_cvt  # noqa: E402

@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cvt.quant.tensor import primitives
+from cvt.qtensor import primitives
 from cvt.errors import CvtError, TensorError
-from cvt.quant.tensor.formats import get_format
-from cvt.quant.tensor.schemes import get_scheme
+from cvt.qtensor.formats import get_format
+from cvt.qtensor.schemes import get_scheme
 from cvt.runtime import kernels as K
 from cvt.runtime.kernels import int8
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from cvt.quant.tensor import primitives
+from cvt.qtensor import primitives
 from cvt.errors import CvtError, TensorError
 from cvt.runtime import kernels as K
 from cvt.runtime.kernels import fp4, int4, int8
 from cvt.runtime.kernels._common import int8_matmul
-from cvt.quant.tensor.layouts import LAYOUTS
+from cvt.qtensor.layouts import LAYOUTS
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.errors import CvtError
 from cvt.runtime import kv_cache as K
-from cvt.quant.tensor import kv_layout
+from cvt.qtensor import kv_layout
 from cvt.runtime.generate import generate
 from cvt.runtime.loader import load_model
 from cvt.runtime.models.deepseek_v3 import Int8MLACache, MLACache
@@ -546,7 +546,7 @@ def test_compressed_tensors_kv_scheme_is_one_vllm_loads():
     is the combination vLLM accepts (vLLM model_executor/layers/quantization/compressed_tensors/
     compressed_tensors.py: CompressedTensorsConfig._validate_kv_cache_scheme / kv cache method:
     only ``type: float``, 8 bits, ``strategy: tensor`` are loaded; ``type: int`` fails for GQA)."""
-    from cvt.quant.tensor.formats.compressed_tensors import kv_cache_fp8
+    from cvt.qtensor.formats.compressed_tensors import kv_cache_fp8
 
     scheme = kv_cache_fp8()
     assert (scheme["type"], scheme["num_bits"], scheme["strategy"], scheme["dynamic"]) == ("float", 8, "tensor", False)

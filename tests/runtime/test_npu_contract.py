@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cvt.quant.tensor import primitives
+from cvt.qtensor import primitives
 from cvt.runtime import kernels as K
 from cvt.runtime.kernels import int4, int8, npu
 

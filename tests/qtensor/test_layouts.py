@@ -1,12 +1,12 @@
 """The README's table of quantized layouts ("Quantized layouts") is the registry's: every entry
-of `cvt.quant.tensor.layouts.LAYOUTS` is there, and nothing else."""
+of `cvt.qtensor.layouts.LAYOUTS` is there, and nothing else."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from cvt.quant.tensor.layouts import LAYOUTS
+from cvt.qtensor.layouts import LAYOUTS
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cvt.quant.tensor.layouts import VLLM_ASCEND
+from cvt.qtensor.layouts import VLLM_ASCEND
 
 QMIN, QMAX = -128, 127
 SCALE_DIVISOR = 127.0

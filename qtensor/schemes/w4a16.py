@@ -22,12 +22,12 @@ then holds exactly these numbers. Default group size: 128 (compressed-tensors' W
 
 from __future__ import annotations
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.errors import CvtError
-from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.schemes.base import QuantizedTensor, SchemeBase, register
+from cvt.qtensor import primitives as P
+from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, register
 
 QMIN, QMAX = -8, 7
 

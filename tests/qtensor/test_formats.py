@@ -10,9 +10,9 @@ import torch
 
 import cvt.runtime.kernels as K
 from cvt.errors import FormatError
-from cvt.quant.tensor.formats import format_names, get_format
-from cvt.quant.tensor.formats.compressed_tensors import kv_cache_int8
-from cvt.quant.tensor.schemes import QuantizedTensor, get_scheme, static_parts
+from cvt.qtensor.formats import format_names, get_format
+from cvt.qtensor.formats.compressed_tensors import kv_cache_int8
+from cvt.qtensor.schemes import QuantizedTensor, get_scheme, static_parts
 
 N, KF = 24, 256
 I8, I32, U8, F32, BF16, E4M3, I64 = torch.int8, torch.int32, torch.uint8, torch.float32, torch.bfloat16, \

@@ -29,9 +29,9 @@ import torch
 
 import cvt.runtime.kernels as K
 from cvt.errors import CvtError, FormatError
-from cvt.quant.tensor import layouts as L
-from cvt.quant.tensor.formats import get_format
-from cvt.quant.tensor.schemes import get_scheme
+from cvt.qtensor import layouts as L
+from cvt.qtensor.formats import get_format
+from cvt.qtensor.schemes import get_scheme
 
 N, KF = 64, 256
 GATE, DOWN = "model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.mlp.experts.0.down_proj"

@@ -20,7 +20,7 @@ Parts for ``w [n, k]`` (k a multiple of 32)::
     fp4 ones:    weight_fp4  uint8 [n, k]           E2M1 codes sign << 3 | index (unpacked)
     all:         weight_scale uint8 [n, k/32]       E8M0: w = element * 2**(e - 127)
 
-The quantizer is msModelSlim's round-to-nearest (method "minmax"; `cvt.quant.tensor.mx` has the
+The quantizer is msModelSlim's round-to-nearest (method "minmax"; `cvt.qtensor.mx` has the
 rules). Its E2M1 rounding (half away from zero, block exponent from ``amax * 8/7``) is not
 compressed-tensors' (`fp4`'s mxfp4: ties to even, ``round_to_power_2``), so the two MXFP4 forms
 are different numbers for the same weight. Symmetric only; no group-size option (fixed 32).
@@ -31,10 +31,10 @@ from __future__ import annotations
 from cvt.lazy import torch
 
 from cvt.errors import CvtError
-from cvt.quant.tensor import kernel_formats as KF
-from cvt.quant.tensor import mx as MX
-from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.schemes.base import QuantizedTensor, SchemeBase, register
+from cvt.qtensor import kernel_formats as KF
+from cvt.qtensor import mx as MX
+from cvt.qtensor import primitives as P
+from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, register
 
 
 class _MX(SchemeBase):

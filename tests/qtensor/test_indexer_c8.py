@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2's indexer C8 layout and math (`cvt.quant.tensor.indexer_c8`) pinned to vllm-ascend main.
+"""DeepSeek-V3.2's indexer C8 layout and math (`cvt.qtensor.indexer_c8`) pinned to vllm-ascend main.
 
 Consumer code (vllm-project/vllm-ascend @ 182b75e, 2026-08-22):
 * ``vllm_ascend/quantization/methods/kv_c8.py`` AscendSFAQuantAttentionMethod.create_weights:
@@ -26,7 +26,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cvt.quant.tensor import indexer_c8  # noqa: E402
+from cvt.qtensor import indexer_c8  # noqa: E402
 
 CFG = {"model_type": "deepseek_v32", "num_hidden_layers": 2, "index_head_dim": 128}
 

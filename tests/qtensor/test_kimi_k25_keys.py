@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 
-from cvt.quant.tensor.formats.ascend import Ascend
-from cvt.quant.tensor.kimi_k25_keys import vllm_prefix_keys
-from cvt.quant.tensor.layouts import VLLM_ASCEND
+from cvt.qtensor.formats.ascend import Ascend
+from cvt.qtensor.kimi_k25_keys import vllm_prefix_keys
+from cvt.qtensor.layouts import VLLM_ASCEND
 
 L = "language_model.model.layers.{}."
 TAGS = {

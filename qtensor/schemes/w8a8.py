@@ -21,12 +21,12 @@ kernel does not take it but the Ascend files carry it).
 
 from __future__ import annotations
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.errors import CvtError, TensorError
-from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.schemes.base import QuantizedTensor, SchemeBase, register
+from cvt.qtensor import primitives as P
+from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, register
 
 
 def _refuse_options(scheme: str, group_size, symmetric, fp4_format) -> None:
@@ -77,7 +77,7 @@ class W8A8(SchemeBase):
         if q.kernel_fmt == KF.W8A8_STATIC:
             ws = q.extra.get("weight_scale")
             if ws is None:  # what the static kernel's dense_weight uses
-                from cvt.quant.tensor.primitives import deq_scale_f32
+                from cvt.qtensor.primitives import deq_scale_f32
                 ws = (deq_scale_f32(q.parts["deq_scale"]) / q.parts["input_scale"].to(torch.float32))[:, None]
             return q.parts["weight"].to(torch.float32) * ws.to(torch.float32)
         return P.dequantize_int(q.parts["weight"], q.parts["weight_scale"])
@@ -91,11 +91,11 @@ def static_parts(qt: QuantizedTensor, input_scale, input_offset, bias: torch.Ten
     (vllm-ascend holds them in the model dtype and int8), so every consumer computes with the
     same numbers. ``deq_scale = float32(input_scale * weight_scale)`` ``[n]`` (for fp16 models its float32 bits
     as int64, `fp16_model=True`); ``quant_bias = round(bias / deq_scale - sum_k(w_q) *
-    input_offset)`` int32 ``[n]`` (`cvt.quant.tensor.primitives.quant_bias_from`). The bias is
+    input_offset)`` int32 ``[n]`` (`cvt.qtensor.primitives.quant_bias_from`). The bias is
     folded into quant_bias: build the runtime module with ``bias=None`` and do not also write
     a float bias for it.
     """
-    from cvt.quant.tensor.primitives import deq_scale_int64, quant_bias_from
+    from cvt.qtensor.primitives import deq_scale_int64, quant_bias_from
 
     if qt.kernel_fmt != KF.W8A8_DYNAMIC:
         raise CvtError(f"static_parts needs a w8a8_dynamic tensor, got kernel_fmt {qt.kernel_fmt!r}")

@@ -1,4 +1,4 @@
-"""The output-format protocol and registry (`cvt.quant.tensor.formats` documents both); the
+"""The output-format protocol and registry (`cvt.qtensor.formats` documents both); the
 format modules register here."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from cvt.lazy import torch
 
 from cvt.registry import Registry
 from cvt.errors import FormatError
-from cvt.quant.tensor.schemes.base import QuantizedTensor
+from cvt.qtensor.schemes.base import QuantizedTensor
 
 
 @runtime_checkable

@@ -1,7 +1,7 @@
 """Ascend msModelSlim "AscendV1" (FORMATS.md 2.2): ``quant_model_weights-*.safetensors`` +
 ``quant_model_description.json`` (every tensor name -> type tag, plus global keys).
 
-The tensors of each quantized linear are its layout's (`cvt.quant.tensor.layouts`: ascend-w8a8-dynamic,
+The tensors of each quantized linear are its layout's (`cvt.qtensor.layouts`: ascend-w8a8-dynamic,
 ascend-w8a8-static, ascend-w4a16-int8-*, ascend-w4a16-int32, ascend-mxfp4, ascend-w4a8-dynamic[-row]), chosen per serving
 target (``--target vllm-ascend|mindie``, default vllm-ascend) and module (some layouts are
 loaded for MoE experts only). A float bias is tagged FLOAT; offsets are the documented form
@@ -30,11 +30,11 @@ import json
 from cvt.lazy import torch
 
 from cvt.errors import FormatError, ShapeError
-from cvt.quant.tensor import layouts as L
-from cvt.quant.tensor.formats.base import lm_section, register, scheme_name
-from cvt.quant.tensor.indexer_c8 import GLOBAL_KEY as INDEXER_KEY
-from cvt.quant.tensor.schemes import FP4, W4A16, W8A8, W8A8C8
-from cvt.quant.tensor.schemes.base import QuantizedTensor
+from cvt.qtensor import layouts as L
+from cvt.qtensor.formats.base import lm_section, register, scheme_name
+from cvt.qtensor.indexer_c8 import GLOBAL_KEY as INDEXER_KEY
+from cvt.qtensor.schemes import FP4, W4A16, W8A8, W8A8C8
+from cvt.qtensor.schemes.base import QuantizedTensor
 
 FLOAT = "FLOAT"
 VERSION = "1.0.0"
@@ -140,7 +140,7 @@ class Ascend:
         """quant_model_description.json: `tags` (every tensor in the weights, FLOAT for float ones)
         plus the global keys (module docstring). `kv_cache`: None, "C8" (GQA) or "FAKQuant" (MLA).
         `extra_keys`: further keys that name no tensor (DeepSeek-V3.2's indexer C8:
-        `cvt.quant.tensor.indexer_c8.description_keys`)."""
+        `cvt.qtensor.indexer_c8.description_keys`)."""
         clash = sorted((set(GLOBAL_KEYS) | set(extra_keys or ())) & set(tags))
         if clash:
             raise FormatError(f"ascend description: tensor names {clash} collide with the description's global keys")
@@ -166,7 +166,7 @@ class Ascend:
         return desc, desc
 
     def kv_manifest(self, kv_tensors) -> dict:
-        from cvt.quant.tensor.kv_layout import KV_CONVENTION
+        from cvt.qtensor.kv_layout import KV_CONVENTION
 
         return {"convention": KV_CONVENTION, "tensors": sorted(kv_tensors)}
 
@@ -180,7 +180,7 @@ class Ascend:
         if len(groups) > 1:  # the stacks read one global group_size (vllm-ascend, MindIE)
             raise FormatError(f"the ascend description has one global group_size, but the recipe uses "
                               f"{sorted(groups)}: give every grouped module the same group size")
-        from cvt.quant.tensor.kimi_k25_keys import vllm_prefix_keys
+        from cvt.qtensor.kimi_k25_keys import vllm_prefix_keys
 
         extra_keys = {**(extra_keys or {}), **vllm_prefix_keys(config, tags)}  # Kimi-K2.5: vLLM's module names
         desc = self.description(tags, kv_cache=("FAKQuant" if mla else "C8") if kv_cache else None,

@@ -9,19 +9,19 @@ Parts (kernels ``nvfp4`` / ``mxfp4``, `cvt.runtime.kernels.fp4`) for ``w [n, k]`
     mxfp4: weight_scale  uint8 E8M0 [n, k/32]
            w = fp4 * 2**(e - 127)
 
-The scale rules and the E2M1 rounding are compressed-tensors' (see `cvt.quant.tensor.primitives`):
+The scale rules and the E2M1 rounding are compressed-tensors' (see `cvt.qtensor.primitives`):
 its nvfp4 / mxfp4 quantizers and ours produce the same codes and scales for float32 weights.
 Symmetric only (compressed-tensors refuses asymmetric fp4).
 """
 
 from __future__ import annotations
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.errors import CvtError
-from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.schemes.base import QuantizedTensor, SchemeBase, register
+from cvt.qtensor import primitives as P
+from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, register
 
 GROUPS = {KF.NVFP4: 16, KF.MXFP4: 32}  # the fp4 formats, defined here: each is its own kernel format
 

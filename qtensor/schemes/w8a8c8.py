@@ -9,8 +9,8 @@ the formats read the flag to add ``"kv_cache_type": "C8"`` (Ascend description) 
 
 from __future__ import annotations
 
-from cvt.quant.tensor.schemes.base import register
-from cvt.quant.tensor.schemes.w8a8 import W8A8
+from cvt.qtensor.schemes.base import register
+from cvt.qtensor.schemes.w8a8 import W8A8
 
 
 @register

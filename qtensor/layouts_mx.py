@@ -1,4 +1,4 @@
-"""The Ascend 950 MX layout entries of `cvt.quant.tensor.layouts` (registered on its import):
+"""The Ascend 950 MX layout entries of `cvt.qtensor.layouts` (registered on its import):
 W8A8_MXFP8 and W4A4_MXFP4 (linears and MoE experts), W4A8_MXFP (MoE experts).
 
 On disk, pinned to vllm-ascend main (``quantization/methods/w8a8_mxfp8.py``
@@ -25,12 +25,12 @@ from __future__ import annotations
 from cvt.lazy import torch
 
 from cvt.errors import FormatError
-from cvt.quant.tensor import kernel_formats as KF
-from cvt.quant.tensor import mx as MX
-from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.layouts import ASCEND, VLLM_ASCEND, DiskTensor, Layout, N, K, _expect, _take, register
-from cvt.quant.tensor.schemes.base import QuantizedTensor
-from cvt.quant.tensor.schemes.mx import MXFP8, W4A4MXFP4, W4A8MXFP
+from cvt.qtensor import kernel_formats as KF
+from cvt.qtensor import mx as MX
+from cvt.qtensor import primitives as P
+from cvt.qtensor.layouts import ASCEND, VLLM_ASCEND, DiskTensor, Layout, N, K, _expect, _take, register
+from cvt.qtensor.schemes.base import QuantizedTensor
+from cvt.qtensor.schemes.mx import MXFP8, W4A4MXFP4, W4A8MXFP
 
 SCALE = DiskTensor("weight_scale", "U8", (N, ("k", MX.BLOCK)))
 EXPERT_K = 2 * MX.BLOCK  # the MoE methods view each scale row as pairs

@@ -38,7 +38,7 @@ import re
 from typing import Any, Mapping
 
 from cvt.lazy import torch  # module level must not touch torch.<attr> (cvt.lazy)
-from cvt.quant.tensor.layouts import ASCEND
+from cvt.qtensor.layouts import ASCEND
 
 MODEL_TYPE = "deepseek_v32"
 QUANT_TYPE = "INT8_DYNAMIC"                  # vllm-ascend's scheme key and layer-filter value

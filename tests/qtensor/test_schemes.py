@@ -11,8 +11,8 @@ import torch
 
 import cvt.runtime.kernels as K
 from cvt.errors import CvtError, TensorError
-from cvt.quant.tensor.schemes import get_scheme, scheme_names, static_parts
-from cvt.quant.tensor.schemes.base import Scheme, SchemeBase
+from cvt.qtensor.schemes import get_scheme, scheme_names, static_parts
+from cvt.qtensor.schemes.base import Scheme, SchemeBase
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 

@@ -14,15 +14,15 @@ w4a8_mxfp   E2M1 weights, block 32, E8M0 scales; MXFP8 activations (Ascend 950 W
 ``get_scheme(name, **options)`` builds one; ``scheme_names()`` lists them.
 """
 
-from cvt.quant.tensor.schemes.base import (SCHEMES, QuantizedTensor, Scheme, get_scheme, register, scheme_from_options,
+from cvt.qtensor.schemes.base import (SCHEMES, QuantizedTensor, Scheme, get_scheme, register, scheme_from_options,
                                           scheme_names)
-from cvt.quant.tensor.schemes import w8a8, w8a8c8, w4a16, w4a8, fp4, mx  # noqa: E402,F401  isort: skip  (registers)
-from cvt.quant.tensor.schemes.fp4 import FP4  # noqa: E402
-from cvt.quant.tensor.schemes.mx import MXFP8, W4A4MXFP4, W4A8MXFP  # noqa: E402
-from cvt.quant.tensor.schemes.w4a8 import W4A8  # noqa: E402
-from cvt.quant.tensor.schemes.w4a16 import W4A16  # noqa: E402
-from cvt.quant.tensor.schemes.w8a8 import W8A8, static_parts  # noqa: E402
-from cvt.quant.tensor.schemes.w8a8c8 import W8A8C8  # noqa: E402
+from cvt.qtensor.schemes import w8a8, w8a8c8, w4a16, w4a8, fp4, mx  # noqa: E402,F401  isort: skip  (registers)
+from cvt.qtensor.schemes.fp4 import FP4  # noqa: E402
+from cvt.qtensor.schemes.mx import MXFP8, W4A4MXFP4, W4A8MXFP  # noqa: E402
+from cvt.qtensor.schemes.w4a8 import W4A8  # noqa: E402
+from cvt.qtensor.schemes.w4a16 import W4A16  # noqa: E402
+from cvt.qtensor.schemes.w8a8 import W8A8, static_parts  # noqa: E402
+from cvt.qtensor.schemes.w8a8c8 import W8A8C8  # noqa: E402
 
 __all__ = ["FP4", "MXFP8", "W4A4MXFP4", "W4A8MXFP", "SCHEMES", "W4A8", "W4A16", "W8A8", "W8A8C8", "QuantizedTensor", "Scheme", "get_scheme", "register", "scheme_from_options", "scheme_names",
            "static_parts"]

@@ -2,7 +2,7 @@
 MXFP4 (E2M1) blocks of 32 along k with one E8M0 shared exponent each.
 
 Pure tensor functions (float32 math, no scheme or format knowledge); the MX schemes
-(`cvt.quant.tensor.schemes.mx`) and the runtime's MX kernels (`cvt.runtime.kernels.mx`, which
+(`cvt.qtensor.schemes.mx`) and the runtime's MX kernels (`cvt.runtime.kernels.mx`, which
 quantize activations the same way) use them. Every rule is msModelSlim's (commit 1e4a534,
 ``msmodelslim/ir/api/impl/mx_quantization.py``, element parameters from ``ir/qal/qbase.py``
 ``_get_format_params``, weights through ``core/quantizer/impl/minmax.py`` MXWeightPerBlockMinmax),

@@ -1,7 +1,7 @@
 """On-disk formats for quantized weights: one protocol, a registry, one module per format.
 
-A format only renames and lays out a `QuantizedTensor`'s canonical parts (`cvt.quant.tensor.schemes`)
-through the layouts of `cvt.quant.tensor.layouts` (one entry per on-disk form, chosen per serving
+A format only renames and lays out a `QuantizedTensor`'s canonical parts (`cvt.qtensor.schemes`)
+through the layouts of `cvt.qtensor.layouts` (one entry per on-disk form, chosen per serving
 target and module); it holds no quantization logic, and ``read(module, disk_tensors(module, q),
 meta) == q`` exactly (same parts, dtypes, shapes, scheme, group size, symmetry, extra).
 
@@ -31,9 +31,9 @@ Attributes: ``name``, ``weights_prefix``, ``kv_codec`` (how a quantized KV cache
 ({scheme: group size} when none is given).
 """
 
-from cvt.quant.tensor.formats.base import (FORMATS, Format, default_group, format_names, get_format, group_fallback,
+from cvt.qtensor.formats.base import (FORMATS, Format, default_group, format_names, get_format, group_fallback,
                                            lm_section, register, scheme_name)
-from cvt.quant.tensor.formats import ascend, compressed_tensors  # noqa: F401  (register)
+from cvt.qtensor.formats import ascend, compressed_tensors  # noqa: F401  (register)
 
 DEFAULT_FORMAT = compressed_tensors.CompressedTensors.name  # what `cvt quantize` writes without --format
 

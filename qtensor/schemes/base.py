@@ -31,7 +31,7 @@ from typing import Protocol, runtime_checkable
 from cvt.lazy import torch
 
 from cvt.errors import OptionError
-from cvt.quant.tensor import primitives as P
+from cvt.qtensor import primitives as P
 from cvt.registry import Registry
 
 

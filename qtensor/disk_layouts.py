@@ -2,7 +2,7 @@
 needs every file's tensor names, shapes and dtypes up front (it shards, reserves and resumes by
 them), so the quantize stage asks `DiskLayouts` for each module's {name: (shape, dtype)} and
 Ascend tags, computed on a small zero probe through the format's own encoder and scaled by the
-layout's dims (`cvt.quant.tensor.layouts.DiskTensor`)."""
+layout's dims (`cvt.qtensor.layouts.DiskTensor`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from cvt.lazy import torch
 
 from cvt.dtypes import dtype_code
 from cvt.errors import CvtError
-from cvt.quant.tensor.layouts import fuses, kernel_fmt_of
-from cvt.quant.tensor.schemes.base import QuantizedTensor, Scheme
+from cvt.qtensor.layouts import fuses, kernel_fmt_of
+from cvt.qtensor.schemes.base import QuantizedTensor, Scheme
 
 
 def probe_q(scheme: Scheme, shape: tuple[int, int], static: bool) -> QuantizedTensor:
@@ -44,7 +44,7 @@ def shell_q(scheme: Scheme, shape: tuple[int, int], static: bool = False) -> Qua
 def data_planned(layout, scheme, shape: tuple[int, int], static: bool, bias: bool) -> bool:
     """Whether a module's on-disk tensors are exactly its layout entry's non-optional ones, in
     table order, so `DiskLayouts` plans them from the table, without a probe and without torch:
-    what the fused RTN kernels write (`cvt.quant.tensor.layouts.fuses`; where an encoder would refuse,
+    what the fused RTN kernels write (`cvt.qtensor.layouts.fuses`; where an encoder would refuse,
     they do not fuse, and the probe raises that refusal before anything is written), with no
     bias, static inputs or optional tensors in play (ct-int4's zero points are written only when
     asymmetric). ``tests/quant/test_qkernel.py::test_stage_plans_fused_layouts_from_the_table``
@@ -59,7 +59,7 @@ class DiskLayouts:
     RTN layouts (`data_planned`), read from the layout table instead (no torch needed).
 
     The probe has `PROBE_ROWS` rows (k and the group size as the module's; the same layout),
-    and the layout's dims (`cvt.quant.tensor.layouts.DiskTensor`) scale its shapes to n rows: a probe
+    and the layout's dims (`cvt.qtensor.layouts.DiskTensor`) scale its shapes to n rows: a probe
     of the module's full size costs what quantizing it does (the int4 packers' int64
     temporaries: ~1 GB for a 7168 x 16384 weight). Row counts that are not a multiple of it
     keep the full-size probe."""
@@ -75,7 +75,7 @@ class DiskLayouts:
         """``({disk name: (shape, dtype code)}, {disk name: tag})`` of one quantized module;
         `bias_dtype` a torch dtype (None without a bias)."""
         # a layout may depend on the module's own name (W4A8_DYNAMIC's scale_bias shape,
-        # `cvt.quant.tensor.layouts.scale_bias_role`): probe under it, once per distinct last component
+        # `cvt.qtensor.layouts.scale_bias_role`): probe under it, once per distinct last component
         probe = f"{self.PROBE}.{module.rsplit('.', 1)[-1]}"
         key = (id(scheme), tuple(shape), static, bias_shape, bias_dtype, expert, probe)
         if key not in self._cache:

@@ -18,8 +18,8 @@ tagged release contains that commit. The quantize stage refuses such a module wi
 from __future__ import annotations
 
 from cvt.errors import OptionError
-from cvt.quant.tensor import kernel_formats as KF
-from cvt.quant.tensor.layouts import ASCEND, VLLM_ASCEND
+from cvt.qtensor import kernel_formats as KF
+from cvt.qtensor.layouts import ASCEND, VLLM_ASCEND
 
 LINES = ("0.23", "0.24", "0.25", "main")
 DEFAULT_LINE = "0.23"

@@ -13,11 +13,11 @@ fp4 nvfp4       nvfp4-pack-quantized   X.weight_packed uint8 [n,k/2] (element 2j
 fp4 mxfp4       mxfp4-pack-quantized   X.weight_packed uint8 [n,k/2]; X.weight_scale uint8 E8M0 [n,k/32]
 ==============  =====================  ===================================================================
 
-The tensors are the layouts' (`cvt.quant.tensor.layouts`: ct-int8, ct-int4, ct-nvfp4, ct-mxfp4); this
+The tensors are the layouts' (`cvt.qtensor.layouts`: ct-int8, ct-int4, ct-nvfp4, ct-mxfp4); this
 module adds config.json's ``quantization_config``.
 
 The compressed-tensors package's own decompressors reproduce cvt's dequantized weights
-(tests/quant/test_formats.py). Static W8A8 activations are Ascend-only in cvt and refused here.
+(tests/qtensor/test_formats.py). Static W8A8 activations are Ascend-only in cvt and refused here.
 `read` infers the scheme from the tensors; ``meta`` (the quantization_config dict) is
 optional and supplies the int8 KV-cache flag (w8a8 -> w8a8c8).
 """
@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import re
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.errors import FormatError
-from cvt.quant.tensor import layouts as L
-from cvt.quant.tensor.formats.base import lm_section, register, scheme_name
-from cvt.quant.tensor.schemes import FP4, W4A16, W8A8, W8A8C8
-from cvt.quant.tensor.schemes.base import QuantizedTensor
+from cvt.qtensor import layouts as L
+from cvt.qtensor.formats.base import lm_section, register, scheme_name
+from cvt.qtensor.schemes import FP4, W4A16, W8A8, W8A8C8
+from cvt.qtensor.schemes.base import QuantizedTensor
 
 _F = L.COMPRESSED_TENSORS
 SUPPORTED = (W8A8.name, W8A8C8.name, W4A16.name, FP4.name)

@@ -1,6 +1,6 @@
 """Quantized weight layouts as data: one entry per on-disk form of a kernel format.
 
-A scheme (`cvt.quant.tensor.schemes`) produces a `QuantizedTensor` of canonical parts for a runtime
+A scheme (`cvt.qtensor.schemes`) produces a `QuantizedTensor` of canonical parts for a runtime
 kernel format (``kernel_fmt``: w8a8_dynamic, w8a8_static, w4a16, w4a8_dynamic, nvfp4, mxfp4). A
 `Layout` says how those parts sit on disk for one output format and the serving stacks that load it:
 the tensors (suffix, dtype, and per dim which logical axis it follows and in what unit), the
@@ -9,7 +9,7 @@ canonical parts and disk. The formats, the quantize stage, `cvt plan`, `cvt shar
 loader all read these entries; adding a layout is one entry here.
 
 The entries, their tensors and the consumers' code each follows are tabled in the README
-("Quantized layouts"); `tests/quant/test_layouts.py` holds that table to the registry.
+("Quantized layouts"); `tests/qtensor/test_layouts.py` holds that table to the registry.
 
 Dims: per on-disk dim, ``("n", u)`` / ``("k", u)`` -- that dim runs along the weight's output /
 input features, one on-disk element per ``u`` logical elements (``u`` may be ``"G"``, the
@@ -29,13 +29,13 @@ from typing import Callable
 from cvt.lazy import torch
 
 from cvt.errors import FormatError, ShapeError
-from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor import kernel_formats as KF
-from cvt.quant.tensor.schemes import FP4, W4A8, W4A16, W8A8
-from cvt.quant.tensor.schemes.base import SCHEMES, QuantizedTensor
+from cvt.qtensor import primitives as P
+from cvt.qtensor import kernel_formats as KF
+from cvt.qtensor.schemes import FP4, W4A8, W4A16, W8A8
+from cvt.qtensor.schemes.base import SCHEMES, QuantizedTensor
 from cvt.registry import Registry
 
-# The output formats (implemented by `cvt.quant.tensor.formats`) and their serving targets are
+# The output formats (implemented by `cvt.qtensor.formats`) and their serving targets are
 # named here, once: the layout entries below are keyed by them. A format's first target is its default.
 ASCEND, COMPRESSED_TENSORS = "ascend", "compressed-tensors"
 VLLM_ASCEND, MINDIE = "vllm-ascend", "mindie"
@@ -194,7 +194,7 @@ def _enc_w8a8_static(q):
     ws = q.extra.get("weight_scale")
     if ws is None:
         raise FormatError("static W8A8 needs its weight scale to write weight_scale (vllm-ascend's MLA fused "
-                          "paths read it): quantize through cvt.quant.tensor.schemes.static_parts")
+                          "paths read it): quantize through cvt.qtensor.schemes.static_parts")
     ws = ws.float().reshape(n, 1)
     return {"weight": p["weight"], "input_scale": p["input_scale"].float().reshape(1),
             "input_offset": p["input_offset"].float().reshape(1), "deq_scale": p["deq_scale"],
@@ -572,7 +572,7 @@ def read_layout(module: str, kernel_candidates, disk: dict[str, torch.Tensor]) -
     return max(fits, key=lambda lo: len(lo.tensors))
 
 
-from cvt.quant.tensor import layouts_mx  # noqa: E402,F401  (registers the Ascend 950 MX entries)
+from cvt.qtensor import layouts_mx  # noqa: E402,F401  (registers the Ascend 950 MX entries)
 
 __all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
            "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason",

@@ -1,4 +1,4 @@
-"""cvt.quant.tensor.primitives: rounding rules, scales, and bit layouts (worked examples + round trips)."""
+"""cvt.qtensor.primitives: rounding rules, scales, and bit layouts (worked examples + round trips)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cvt.errors import CvtError, TensorError
-from cvt.quant.tensor import primitives as P
+from cvt.qtensor import primitives as P
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 

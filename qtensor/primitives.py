@@ -1,7 +1,7 @@
 """Quantization primitives: scales, int rounding, E2M1 / E8M0 / nvfp4 scales, and bit packing.
 
 Everything here is a pure function of tensors (float32 math, no scheme or format knowledge);
-schemes (`cvt.quant.tensor.schemes`) compose them, formats (`cvt.quant.tensor.formats`) and the runtime
+schemes (`cvt.qtensor.schemes`) compose them, formats (`cvt.qtensor.formats`) and the runtime
 kernels (`cvt.runtime.kernels.int4` / `fp4`) use the pack helpers. This module imports only
 torch and `cvt.errors` so the runtime can import it without a cycle.
 

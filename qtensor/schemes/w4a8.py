@@ -21,7 +21,7 @@ quantizes the routed experts per channel, symmetric:
   in bfloat16 (``model/deepseek_v3/model_adapter.py`` builds under ``default_dtype(torch.bfloat16)``),
   so the scale is a bfloat16 number and so is the quotient ``w / scale`` before it is
   rounded -- cvt does the same: for a bf16 weight, bit for bit what msModelSlim writes (its code
-  written out in ``tests/quant/test_scheme_w4a8.py``; msModelSlim itself, run on a bf16 weight
+  written out in ``tests/qtensor/test_scheme_w4a8.py``; msModelSlim itself, run on a bf16 weight
   outside the suite, gave the same scales, values and packed bytes). The lab recipes pick method
   "ssz" (``core/quantizer/impl/ssz.py``: a per-channel least-squares refinement of this scale,
   data-free), which cvt does not implement: cvt's w4a8 is msModelSlim's "minmax".
@@ -33,12 +33,12 @@ the int8 codes, from a compiled kernel) which this scheme does not produce.
 
 from __future__ import annotations
 
-from cvt.quant.tensor import kernel_formats as KF
+from cvt.qtensor import kernel_formats as KF
 from cvt.lazy import torch
 
 from cvt.errors import CvtError
-from cvt.quant.tensor import primitives as P
-from cvt.quant.tensor.schemes.base import QuantizedTensor, SchemeBase, register
+from cvt.qtensor import primitives as P
+from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, register
 
 QMIN, QMAX = -8, 7
 QDIV = 7.0            # msModelSlim's symmetric INT4 max_bound, 2**(4-1) - 1
