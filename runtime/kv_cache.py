@@ -150,7 +150,7 @@ def _args(model_or_config: Any):
     if isinstance(model_or_config, nn.Module):
         return model_or_config.args
     if isinstance(model_or_config, Mapping):
-        from cvt.runtime.models import family
+        from cvt.runtime.models.families import family
         mod, cfg = family(model_or_config)
         return mod.Args.from_config(cfg)
     return model_or_config                                  # an Args object

@@ -39,7 +39,7 @@ def _owners() -> dict[str, str]:
     owners = {}
     for name in SCHEMES.names():
         owners[name] = str(Path(SCHEMES.get(name).__module__.replace("cvt.", "", 1).replace(".", "/") + ".py"))
-    owners.update({n: "qtensor/layouts.py" for n in (*format_names(), *ASCEND_TARGETS)})
+    owners.update({n: "qtensor/layouts/base.py" for n in (*format_names(), *ASCEND_TARGETS)})
     owners.update({n: "quant/recipe.py" for n in METHODS})
     owners.update({n: "qtensor/kernel_formats.py" for n in GROUPS})
     return owners

@@ -6,7 +6,7 @@ int8 ``[n, k/2]``: E2M1 codes ``sign << 3 | index`` into {0, .5, 1, 1.5, 2, 3, 4
 2i in the low nibble (DeepSeek's V4 ``inference/convert.py`` ``FP4_TABLE``), and ``X.scale``
 float8_e8m0fnu ``[n, k/32]``: one power of two ``2**(byte - 127)`` per 32 inputs. The MX
 schemes' weights are that grid byte for byte -- uint8 codes ``sign << 3 | index``, element 2j
-in the low nibble, uint8 E8M0 scales with bias 127 (`cvt.qtensor.layouts_mx`, pinned to
+in the low nibble, uint8 E8M0 scales with bias 127 (`cvt.qtensor.layouts.entries_mx`, pinned to
 vllm-ascend main's ``w4a8_mxfp4.py``), as are ``fp4``'s mxfp4 ones (compressed-tensors
 ``pack_fp4_to_uint8``, E8M0 uint8 scales). So for `CARRY_KERNELS` the codes and scale bytes
 are copied as they are (method "source" in the manifest, SQNR Infinity); every other scheme

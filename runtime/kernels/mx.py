@@ -1,7 +1,7 @@
 """`mxfp8`, `w4a4_mxfp4`, `w4a8_mxfp`: the Ascend 950 microscaling linears (W8A8_MXFP8,
 W4A4_MXFP4, W4A8_MXFP), weights and activations in blocks of 32 along k with E8M0 scales.
 
-Canonical in-memory parts (`cvt.qtensor.schemes.mx`; `cvt.qtensor.layouts_mx` reads
+Canonical in-memory parts (`cvt.qtensor.schemes.mx`; `cvt.qtensor.layouts.entries_mx` reads
 the packed on-disk forms into them):
 
 * ``mxfp8``: ``weight_fp8`` float8_e4m3fn ``[n, k]``, ``weight_scale`` uint8 E8M0 ``[n, k/32]``;

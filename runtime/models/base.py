@@ -30,6 +30,7 @@ from torch import nn
 from cvt.convert.arch import config_problems
 from cvt.errors import CvtError
 from cvt.runtime import kv_cache
+from cvt.runtime.models.families import ConfigError  # the family modules import it from here
 
 # config.json keys that never change the forward math of any runtime model
 HARMLESS_KEYS = frozenset({
@@ -70,10 +71,6 @@ class ParallelNames:
     # linears (from a layer) whose output rows the sharder splits over tp while the model needs
     # them all: the rank computes its rows, an all-gather completes them
     gathered: tuple[str, ...] = ()
-
-
-class ConfigError(CvtError):
-    """config.json asks for something the runtime does not implement."""
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""The Ascend 950 MX layout entries of `cvt.qtensor.layouts` (registered on its import):
+"""The Ascend 950 MX layout entries of `cvt.qtensor.layouts` (registered on import, after `entries`):
 W8A8_MXFP8 and W4A4_MXFP4 (linears and MoE experts), W4A8_MXFP (MoE experts).
 
 On disk, pinned to vllm-ascend main (``quantization/methods/w8a8_mxfp8.py``
@@ -28,7 +28,7 @@ from cvt.errors import FormatError
 from cvt.qtensor import kernel_formats as KF
 from cvt.qtensor import mx as MX
 from cvt.qtensor import primitives as P
-from cvt.qtensor.layouts import ASCEND, VLLM_ASCEND, DiskTensor, Layout, N, K, _expect, _take, register
+from cvt.qtensor.layouts.base import ASCEND, VLLM_ASCEND, DiskTensor, Layout, N, K, _expect, _take, register
 from cvt.qtensor.schemes.base import QuantizedTensor
 from cvt.qtensor.schemes.mx import MXFP8, W4A4MXFP4, W4A8MXFP
 

@@ -1,176 +1,22 @@
-"""Quantized weight layouts as data: one entry per on-disk form of a kernel format.
-
-A scheme (`cvt.qtensor.schemes`) produces a `QuantizedTensor` of canonical parts for a runtime
-kernel format (``kernel_fmt``: w8a8_dynamic, w8a8_static, w4a16, w4a8_dynamic, nvfp4, mxfp4). A
-`Layout` says how those parts sit on disk for one output format and the serving stacks that load it:
-the tensors (suffix, dtype, and per dim which logical axis it follows and in what unit), the
-Ascend type tag, which modules the stack accepts it for, and the encode / decode between
-canonical parts and disk. The formats, the quantize stage, `cvt plan`, `cvt shard` and the
-loader all read these entries; adding a layout is one entry here.
-
-The entries, their tensors and the consumers' code each follows are tabled in the README
-("Quantized layouts"); `tests/qtensor/test_layouts.py` holds that table to the registry.
-
-Dims: per on-disk dim, ``("n", u)`` / ``("k", u)`` -- that dim runs along the weight's output /
-input features, one on-disk element per ``u`` logical elements (``u`` may be ``"G"``, the
-group size, per channel k; or ``"K/16"``, a sixteenth of k: W4A8's row ``scale_bias``) -- or
-a fixed size (an int). `cvt shard` splits a tensor along the dim that follows the module's TP
-axis (a tensor without one is whole on every holder); `cvt plan` counts bytes and the units a
-split must keep whole from the same data. A layout whose ``parallel`` is "column" / "row" holds
-only the modules of that role (`scale_bias_role`, from the module name); `select` picks by it.
+"""The layout entries of the W8A8, W4A16, FP4 and W4A8_DYNAMIC kernel formats (Ascend and
+compressed-tensors), registered on import; the Ascend 950 MX entries are `entries_mx`. Adding a
+layout is one entry here (`cvt.qtensor.layouts` documents the table).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable
 
 from cvt.lazy import torch
 
 from cvt.errors import FormatError, ShapeError
 from cvt.qtensor import primitives as P
 from cvt.qtensor import kernel_formats as KF
+from cvt.qtensor.layouts.base import (ASCEND, ASCEND_TARGETS, COMPRESSED_TENSORS, CT_TARGET, FLOATS, K16, MINDIE,
+                                      SCALE_BIAS_RUNS, VLLM_ASCEND, DiskTensor, G, K, Layout, N, _expect, _take,
+                                      register)
 from cvt.qtensor.schemes import FP4, W4A8, W4A16, W8A8
-from cvt.qtensor.schemes.base import SCHEMES, QuantizedTensor
-from cvt.registry import Registry
-
-# The output formats (implemented by `cvt.qtensor.formats`) and their serving targets are
-# named here, once: the layout entries below are keyed by them. A format's first target is its default.
-ASCEND, COMPRESSED_TENSORS = "ascend", "compressed-tensors"
-VLLM_ASCEND, MINDIE = "vllm-ascend", "mindie"
-ASCEND_TARGETS = (VLLM_ASCEND, MINDIE)
-DEFAULT_TARGET = VLLM_ASCEND
-CT_TARGET = "vllm"  # compressed-tensors: vLLM and transformers
-FORMAT_TARGETS = {ASCEND: ASCEND_TARGETS, COMPRESSED_TENSORS: (CT_TARGET,)}
-CONFIG_KEY_TARGETS = (MINDIE,)  # read their quantization keys from config.json (MindIE's atb_llm)
-
-
-@dataclass(frozen=True)
-class DiskTensor:
-    suffix: str
-    dtype: str                # safetensors dtype code as written
-    dims: tuple               # per dim: ("n" | "k", unit) or a fixed int; unit an int or "G"
-    optional: bool = False    # written only for some tensors (asymmetric zero points, ...)
-
-    def shape(self, n: int, k: int, g: int) -> tuple[int, ...]:
-        out = []
-        for d in self.dims:
-            if isinstance(d, int):
-                out.append(d)
-                continue
-            axis, unit = d
-            u = _unit(unit, g, k)
-            out.append(-(-(n if axis == "n" else k) // u))
-        return tuple(out)
-
-    def multiple(self, axis: str, g: int, k: int) -> tuple[int, str] | None:
-        """(the multiple the logical `axis` size must be, the rule in words) for this tensor to be
-        written, or None: a unit packs that many elements; ``K/16`` sums k in 16 runs, so k must be
-        a multiple of 16 (not of k/16, the split unit `along` gives)."""
-        for d in self.dims:
-            if not isinstance(d, int) and d[0] == axis:
-                if d[1] == K16:
-                    return 16, f"sums {'out' if axis == 'n' else 'in'}_features in 16 runs"
-                u = _unit(d[1], g, k)
-                return u, f"packs {u} along {'out' if axis == 'n' else 'in'}_features"
-        return None
-
-    def along(self, axis: str, g: int, k: int) -> tuple[int, int] | None:
-        """(on-disk dim, logical unit) of the dim that follows `axis` ("n" / "k"), or None."""
-        for i, d in enumerate(self.dims):
-            if not isinstance(d, int) and d[0] == axis:
-                return i, _unit(d[1], g, k)
-        return None
-
-
-K16 = "K/16"  # a dim unit: one on-disk element per k/16 logical ones, i.e. 16 elements along k
-
-
-def _unit(unit, g: int, k: int) -> int:
-    if unit == "G":
-        return g or k
-    if unit == K16:
-        return max(k // 16, 1)
-    return unit
-
-
-@dataclass(frozen=True)
-class Layout:
-    name: str
-    kernel_fmt: str
-    format: str
-    targets: tuple[str, ...]
-    tag: str | None
-    tensors: tuple[DiskTensor, ...]
-    encode: Callable[[QuantizedTensor], dict[str, torch.Tensor]] = field(repr=False)
-    decode: Callable[[str, dict[str, torch.Tensor]], QuantizedTensor] = field(repr=False)
-    experts_only: bool = False      # the stack loads this layout for routed experts only
-    grouping: str = "any"           # "any" | "grouped" | "channel": which group sizes this entry holds
-    groups: tuple[int, ...] = ()    # the group sizes the stack accepts (empty: any)
-    parallel: str = "any"           # "any" | "column" | "row": the modules it holds (`scale_bias_role`)
-    pack: str | None = None         # how the fused RTN kernel (`cvt.quant.qkernel`) packs it; None: not fused
-    expert_k: int = 0               # routed experts' in_features must be a multiple of this (0: any; MX: 64)
-
-    def holds(self, group_size: int, k: int) -> bool:
-        # a group of k is one group, not per channel: the stacks read one global group_size, and a
-        # linear whose k equals it must be in the grouped layout (vllm-ascend methods/w4a16.py:
-        # weight_scale [n, k // group_size] with group_size from the description)
-        per_channel = group_size == 0
-        if self.groups and not per_channel and group_size not in self.groups:
-            return False
-        return self.grouping == "any" or (self.grouping == "channel") == per_channel
-
-    def shapes(self, n: int, k: int, group_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
-        """{suffix: (shape, dtype code)} of a linear [n, k] (optional tensors left out)."""
-        g = 0 if group_size in (0, k) else group_size
-        return {t.suffix: (t.shape(n, k, g), t.dtype) for t in self.tensors if not t.optional}
-
-    def split_units(self, axis: str, group_size: int, k: int, *, expert: bool = False) -> int:
-        """The logical unit a TP split along `axis` must keep whole (lcm over the tensors; a routed
-        expert's in_features also `expert_k`, which every rank's part must be a multiple of)."""
-        g = 0 if group_size in (0, k) else group_size
-        unit = self.expert_k if expert and axis == "k" and self.expert_k else 1
-        for t in self.tensors:
-            a = t.along(axis, g, k)
-            if a is not None:
-                unit = math.lcm(unit, a[1])
-        return unit
-
-    def tensor(self, suffix: str) -> DiskTensor | None:
-        return next((t for t in self.tensors if t.suffix == suffix), None)
-
-    def tags(self, module: str, suffixes) -> dict[str, str]:
-        return {f"{module}.{s}": self.tag for s in suffixes}
-
-
-LAYOUTS: Registry[Layout] = Registry("quantized layout", FormatError)
-
-
-def register(layout: Layout) -> Layout:
-    return LAYOUTS.add(layout.name, layout)
-
-
-def _expect(name: str, t: torch.Tensor, dtypes, shape=None) -> torch.Tensor:
-    """`t` after checking its dtype (one of `dtypes`: torch dtypes or their names) and shape."""
-    names = [str(d).replace("torch.", "") for d in dtypes]
-    have = str(t.dtype).replace("torch.", "")
-    if have not in names or (shape is not None and tuple(t.shape) != tuple(shape)):
-        want = " or ".join(names)
-        raise FormatError(f"tensor {name!r} is {have} {list(t.shape)}: expected "
-                          f"{want}" + (f" {list(shape)}" if shape is not None else ""))
-    return t
-
-
-def _take(module: str, disk: dict, suffixes) -> dict[str, torch.Tensor]:
-    missing = [f"{module}.{s}" for s in suffixes if s not in disk]
-    if missing:
-        raise FormatError(f"module {module!r} lacks tensor(s) {missing}")
-    return {s: disk[s] for s in suffixes}
-
-
-FLOATS = ("float32", "bfloat16", "float16")  # names: torch is imported on first use (`cvt.lazy`)
-N, K, G = ("n", 1), ("k", 1), ("k", "G")
+from cvt.qtensor.schemes.base import QuantizedTensor
 
 
 # ---- W8A8 ------------------------------------------------------------------------------------------
@@ -384,30 +230,6 @@ register(Layout("ascend-mxfp4", KF.MXFP4, ASCEND, (VLLM_ASCEND,), "W4A16_MXFP4",
                 _enc_fp4("weight"), _dec_fp4("weight"), experts_only=True, pack="e2m1"))
 
 
-# ---- W4A8_DYNAMIC ------------------------------------------------------------------------------------
-# msModelSlim 26.1 save/utils/pack.py process_scale: which modules' scale_bias is summed whole along k
-# ([n, 1]) and which in 16 runs of k/16 ([n, 16], so that each of up to 16 TP ranks splitting k gets
-# the sum over its own slice). vllm-ascend agrees: w13 (gate / up) [E, 2I, 1], w2 (down) [E, H, 16 //
-# tp] (methods/w4a8.py get_dynamic_quant_param_modelslim); linears: RowParallelLinear -> 16.
-SCALE_BIAS_COLUMN = ("up_proj", "gate_proj", "q_proj", "k_proj", "v_proj", "w1", "w3")
-SCALE_BIAS_ROW = ("down_proj", "o_proj", "w2")
-SCALE_BIAS_RUNS = 16
-
-
-def scale_bias_role(module: str) -> str:
-    """"column" ([n, 1] scale_bias) or "row" ([n, 16]) for a W4A8_DYNAMIC module, by msModelSlim's
-    name rule (`SCALE_BIAS_COLUMN` first, then `SCALE_BIAS_ROW`, on the module's own name); FormatError
-    for a name in neither list (msModelSlim would write the unsummed [n, k] product there)."""
-    own = module.rsplit(".", 1)[-1]
-    if any(s in own for s in SCALE_BIAS_COLUMN):
-        return "column"
-    if any(s in own for s in SCALE_BIAS_ROW):
-        return "row"
-    raise FormatError(f"{module}: W4A8_DYNAMIC's scale_bias is [n, 1] for {', '.join(SCALE_BIAS_COLUMN)} and "
-                      f"[n, {SCALE_BIAS_RUNS}] for {', '.join(SCALE_BIAS_ROW)} (msModelSlim's process_scale, by the "
-                      f"module name); {own!r} is neither, so its scale_bias shape is unknown")
-
-
 def _w4a8_encoder(runs: int):
     def enc(q):
         p, (n, k) = q.parts, q.shape
@@ -468,112 +290,3 @@ register(Layout("ascend-w4a8-dynamic", KF.W4A8_DYNAMIC, ASCEND, (VLLM_ASCEND,), 
 register(Layout("ascend-w4a8-dynamic-row", KF.W4A8_DYNAMIC, ASCEND, (VLLM_ASCEND,), "W4A8_DYNAMIC",
                 _w4a8_tensors((N, ("k", K16))), _w4a8_encoder(SCALE_BIAS_RUNS), _dec_w4a8, experts_only=True,
                 grouping="channel", parallel="row"))
-
-
-# ---- selection -------------------------------------------------------------------------------------
-def kernel_fmt_of(scheme, static: bool = False) -> str:
-    """The kernel format a scheme (instance, or a registered name) quantizes to (static: W8A8
-    static activations); each scheme says (`Scheme.kernel_fmt`)."""
-    return _instance(scheme).kernel_fmt(static)
-
-
-def _instance(scheme):
-    return SCHEMES.get(scheme)() if isinstance(scheme, str) else scheme
-
-
-def fuses(layout: Layout, scheme, shape: tuple[int, int]) -> bool:
-    """Whether the fused RTN kernels (`cvt.quant.qkernel`) write `layout` for a ``[n, k]`` weight
-    of `scheme`, whatever its source dtype: the cases where the reference's encoder raises (and
-    the stage then reports that) are not fused."""
-    n, k = shape
-    if layout.pack is None or n == 0 or k == 0 or layout.kernel_fmt != kernel_fmt_of(scheme):
-        return False
-    if not scheme.symmetric and not any(t.suffix in ("weight_offset", "weight_zero_point") for t in layout.tensors):
-        return False  # no tensor holds zero points (vllm-ascend's int32 W4A16): the reference raises
-    return not ((layout.pack == "nib_rows" and n % 2) or (layout.pack in ("nib_k", "e2m1") and k % 2))
-
-
-def kernel_formats(scheme) -> set[str]:
-    """Every kernel format a scheme can produce: a registered name's all, an instance's own
-    (`Scheme.kernel_formats`: fp4 is one of nvfp4 / mxfp4 once built)."""
-    return set(SCHEMES.get(scheme).kernel_formats) if isinstance(scheme, str) else set(scheme.produces())
-
-
-def targets_for(fmt: str) -> tuple[str, ...]:
-    if fmt not in FORMAT_TARGETS:
-        raise FormatError(f"unknown output format {fmt!r} (known: {', '.join(sorted(FORMAT_TARGETS))})")
-    return FORMAT_TARGETS[fmt]
-
-
-def check_target(fmt: str, target: str | None) -> str:
-    """The serving target of an output (default: vllm-ascend for ascend, vllm for c-t)."""
-    valid = targets_for(fmt)
-    if target is None:
-        return valid[0]
-    if target not in valid:
-        raise FormatError(f"--target {target!r} does not apply to the {fmt} format (valid: {', '.join(valid)})")
-    return target
-
-
-def candidates(fmt: str, kernel_fmt: str, target: str) -> list[Layout]:
-    return [lo for lo in LAYOUTS.values() if lo.format == fmt and lo.kernel_fmt == kernel_fmt and target in lo.targets]
-
-
-def select(fmt: str, kernel_fmt: str, target: str, *, expert: bool, group_size: int, k: int,
-           module: str = "") -> Layout:
-    """The layout `target` loads for a linear of `kernel_fmt` (routed expert or not); FormatError
-    saying why there is none (with what the stack does accept)."""
-    where = f"{module}: " if module else ""
-    found = candidates(fmt, kernel_fmt, target)
-    if not found:
-        other = sorted({t for lo in LAYOUTS.values() if lo.format == fmt and lo.kernel_fmt == kernel_fmt
-                        for t in lo.targets})
-        raise FormatError(f"{where}{fmt} for {target} has no layout for kernel format {kernel_fmt!r}"
-                          + (f" (--target {' / '.join(other)} has one)" if other else ""))
-    fit = [lo for lo in found if lo.holds(group_size, k)]
-    if not fit:
-        sizes = sorted({g for lo in found for g in lo.groups})
-        raise FormatError(f"{where}{target} loads {kernel_fmt} only with "
-                          + " or ".join(sorted({lo.grouping for lo in found})) + " scales"
-                          + (f" (group sizes {', '.join(map(str, sizes))})" if sizes else "") + ", not "
-                          + ("per channel" if group_size == 0 else f"group size {group_size}")
-                          + (" (vllm-ascend divides by the description's group_size: 0 fails); use --group-size "
-                             "32, 64 or 128" if target == VLLM_ASCEND else ""))
-    lo = fit[0]
-    if lo.experts_only and not expert:
-        raise FormatError(f"{where}{target} loads {lo.tag or kernel_fmt} ({lo.name}) for MoE experts only (no "
-                          "linear method loads it); keep this module float or give it another scheme in a recipe")
-    if any(x.parallel != "any" for x in fit):  # e.g. W4A8_DYNAMIC: scale_bias by the module's role
-        role = scale_bias_role(module)
-        lo = next((x for x in fit if x.parallel in ("any", role)), None)
-        if lo is None:
-            raise FormatError(f"{where}{target} has no {kernel_fmt} layout for {role}-parallel modules")
-    return lo
-
-
-def experts_only_reason(fmt: str, kernel_fmt: str, target: str) -> str | None:
-    """Why a non-expert linear stays float by default under this target (None: it need not):
-    every layout the target has for `kernel_fmt` is loaded for MoE experts only."""
-    found = candidates(fmt, kernel_fmt, target)
-    if found and all(lo.experts_only for lo in found):
-        return (f"{target} loads {found[0].tag} ({kernel_fmt}) for MoE experts only (no linear method loads "
-                "it): kept float; a recipe can give it another scheme")
-    return None
-
-
-def read_layout(module: str, kernel_candidates, disk: dict[str, torch.Tensor]) -> Layout:
-    """Among `kernel_candidates` (layouts of one tag), the one whose required tensors `disk`
-    (suffix -> tensor) holds, preferring the most specific; int8 W4A16 by its scale shape."""
-    fits = [lo for lo in kernel_candidates if all(t.suffix in disk for t in lo.tensors if not t.optional)]
-    if not fits:
-        need = sorted({t.suffix for lo in kernel_candidates for t in lo.tensors if not t.optional} - set(disk))
-        raise FormatError(f"{module}: none of the layouts {[lo.name for lo in kernel_candidates]} matches its "
-                          f"tensors {sorted(disk)} (missing {', '.join(need)})")
-    return max(fits, key=lambda lo: len(lo.tensors))
-
-
-from cvt.qtensor import layouts_mx  # noqa: E402,F401  (registers the Ascend 950 MX entries)
-
-__all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
-           "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason",
-           "scale_bias_role", "K16"]

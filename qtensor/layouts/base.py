@@ -1,0 +1,178 @@
+"""The layout table's data types and registry: `DiskTensor` (one on-disk tensor and its dims),
+`Layout` (one on-disk form of a kernel format), `LAYOUTS` / `register`, the output formats and
+serving targets the entries are keyed by, and the helpers the entries' encoders and decoders
+share. Imports no entry: `cvt.qtensor.layouts` (the package) registers them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from cvt.lazy import torch
+
+from cvt.errors import FormatError
+from cvt.qtensor.schemes.base import QuantizedTensor
+from cvt.registry import Registry
+
+# The output formats (implemented by `cvt.qtensor.formats`) and their serving targets are
+# named here, once: the layout entries below are keyed by them. A format's first target is its default.
+ASCEND, COMPRESSED_TENSORS = "ascend", "compressed-tensors"
+VLLM_ASCEND, MINDIE = "vllm-ascend", "mindie"
+ASCEND_TARGETS = (VLLM_ASCEND, MINDIE)
+DEFAULT_TARGET = VLLM_ASCEND
+CT_TARGET = "vllm"  # compressed-tensors: vLLM and transformers
+FORMAT_TARGETS = {ASCEND: ASCEND_TARGETS, COMPRESSED_TENSORS: (CT_TARGET,)}
+CONFIG_KEY_TARGETS = (MINDIE,)  # read their quantization keys from config.json (MindIE's atb_llm)
+
+
+@dataclass(frozen=True)
+class DiskTensor:
+    suffix: str
+    dtype: str                # safetensors dtype code as written
+    dims: tuple               # per dim: ("n" | "k", unit) or a fixed int; unit an int or "G"
+    optional: bool = False    # written only for some tensors (asymmetric zero points, ...)
+
+    def shape(self, n: int, k: int, g: int) -> tuple[int, ...]:
+        out = []
+        for d in self.dims:
+            if isinstance(d, int):
+                out.append(d)
+                continue
+            axis, unit = d
+            u = _unit(unit, g, k)
+            out.append(-(-(n if axis == "n" else k) // u))
+        return tuple(out)
+
+    def multiple(self, axis: str, g: int, k: int) -> tuple[int, str] | None:
+        """(the multiple the logical `axis` size must be, the rule in words) for this tensor to be
+        written, or None: a unit packs that many elements; ``K/16`` sums k in 16 runs, so k must be
+        a multiple of 16 (not of k/16, the split unit `along` gives)."""
+        for d in self.dims:
+            if not isinstance(d, int) and d[0] == axis:
+                if d[1] == K16:
+                    return 16, f"sums {'out' if axis == 'n' else 'in'}_features in 16 runs"
+                u = _unit(d[1], g, k)
+                return u, f"packs {u} along {'out' if axis == 'n' else 'in'}_features"
+        return None
+
+    def along(self, axis: str, g: int, k: int) -> tuple[int, int] | None:
+        """(on-disk dim, logical unit) of the dim that follows `axis` ("n" / "k"), or None."""
+        for i, d in enumerate(self.dims):
+            if not isinstance(d, int) and d[0] == axis:
+                return i, _unit(d[1], g, k)
+        return None
+
+
+K16 = "K/16"  # a dim unit: one on-disk element per k/16 logical ones, i.e. 16 elements along k
+
+
+def _unit(unit, g: int, k: int) -> int:
+    if unit == "G":
+        return g or k
+    if unit == K16:
+        return max(k // 16, 1)
+    return unit
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    kernel_fmt: str
+    format: str
+    targets: tuple[str, ...]
+    tag: str | None
+    tensors: tuple[DiskTensor, ...]
+    encode: Callable[[QuantizedTensor], dict[str, torch.Tensor]] = field(repr=False)
+    decode: Callable[[str, dict[str, torch.Tensor]], QuantizedTensor] = field(repr=False)
+    experts_only: bool = False      # the stack loads this layout for routed experts only
+    grouping: str = "any"           # "any" | "grouped" | "channel": which group sizes this entry holds
+    groups: tuple[int, ...] = ()    # the group sizes the stack accepts (empty: any)
+    parallel: str = "any"           # "any" | "column" | "row": the modules it holds (`scale_bias_role`)
+    pack: str | None = None         # how the fused RTN kernel (`cvt.quant.qkernel`) packs it; None: not fused
+    expert_k: int = 0               # routed experts' in_features must be a multiple of this (0: any; MX: 64)
+
+    def holds(self, group_size: int, k: int) -> bool:
+        # a group of k is one group, not per channel: the stacks read one global group_size, and a
+        # linear whose k equals it must be in the grouped layout (vllm-ascend methods/w4a16.py:
+        # weight_scale [n, k // group_size] with group_size from the description)
+        per_channel = group_size == 0
+        if self.groups and not per_channel and group_size not in self.groups:
+            return False
+        return self.grouping == "any" or (self.grouping == "channel") == per_channel
+
+    def shapes(self, n: int, k: int, group_size: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{suffix: (shape, dtype code)} of a linear [n, k] (optional tensors left out)."""
+        g = 0 if group_size in (0, k) else group_size
+        return {t.suffix: (t.shape(n, k, g), t.dtype) for t in self.tensors if not t.optional}
+
+    def split_units(self, axis: str, group_size: int, k: int, *, expert: bool = False) -> int:
+        """The logical unit a TP split along `axis` must keep whole (lcm over the tensors; a routed
+        expert's in_features also `expert_k`, which every rank's part must be a multiple of)."""
+        g = 0 if group_size in (0, k) else group_size
+        unit = self.expert_k if expert and axis == "k" and self.expert_k else 1
+        for t in self.tensors:
+            a = t.along(axis, g, k)
+            if a is not None:
+                unit = math.lcm(unit, a[1])
+        return unit
+
+    def tensor(self, suffix: str) -> DiskTensor | None:
+        return next((t for t in self.tensors if t.suffix == suffix), None)
+
+    def tags(self, module: str, suffixes) -> dict[str, str]:
+        return {f"{module}.{s}": self.tag for s in suffixes}
+
+
+LAYOUTS: Registry[Layout] = Registry("quantized layout", FormatError)
+
+
+def register(layout: Layout) -> Layout:
+    return LAYOUTS.add(layout.name, layout)
+
+
+def _expect(name: str, t: torch.Tensor, dtypes, shape=None) -> torch.Tensor:
+    """`t` after checking its dtype (one of `dtypes`: torch dtypes or their names) and shape."""
+    names = [str(d).replace("torch.", "") for d in dtypes]
+    have = str(t.dtype).replace("torch.", "")
+    if have not in names or (shape is not None and tuple(t.shape) != tuple(shape)):
+        want = " or ".join(names)
+        raise FormatError(f"tensor {name!r} is {have} {list(t.shape)}: expected "
+                          f"{want}" + (f" {list(shape)}" if shape is not None else ""))
+    return t
+
+
+def _take(module: str, disk: dict, suffixes) -> dict[str, torch.Tensor]:
+    missing = [f"{module}.{s}" for s in suffixes if s not in disk]
+    if missing:
+        raise FormatError(f"module {module!r} lacks tensor(s) {missing}")
+    return {s: disk[s] for s in suffixes}
+
+
+FLOATS = ("float32", "bfloat16", "float16")  # names: torch is imported on first use (`cvt.lazy`)
+N, K, G = ("n", 1), ("k", 1), ("k", "G")
+
+
+# ---- W4A8_DYNAMIC's scale_bias, by the module's role (`Layout.parallel`; `select` reads it) -----------
+# msModelSlim 26.1 save/utils/pack.py process_scale: which modules' scale_bias is summed whole along k
+# ([n, 1]) and which in 16 runs of k/16 ([n, 16], so that each of up to 16 TP ranks splitting k gets
+# the sum over its own slice). vllm-ascend agrees: w13 (gate / up) [E, 2I, 1], w2 (down) [E, H, 16 //
+# tp] (methods/w4a8.py get_dynamic_quant_param_modelslim); linears: RowParallelLinear -> 16.
+SCALE_BIAS_COLUMN = ("up_proj", "gate_proj", "q_proj", "k_proj", "v_proj", "w1", "w3")
+SCALE_BIAS_ROW = ("down_proj", "o_proj", "w2")
+SCALE_BIAS_RUNS = 16
+
+
+def scale_bias_role(module: str) -> str:
+    """"column" ([n, 1] scale_bias) or "row" ([n, 16]) for a W4A8_DYNAMIC module, by msModelSlim's
+    name rule (`SCALE_BIAS_COLUMN` first, then `SCALE_BIAS_ROW`, on the module's own name); FormatError
+    for a name in neither list (msModelSlim would write the unsummed [n, k] product there)."""
+    own = module.rsplit(".", 1)[-1]
+    if any(s in own for s in SCALE_BIAS_COLUMN):
+        return "column"
+    if any(s in own for s in SCALE_BIAS_ROW):
+        return "row"
+    raise FormatError(f"{module}: W4A8_DYNAMIC's scale_bias is [n, 1] for {', '.join(SCALE_BIAS_COLUMN)} and "
+                      f"[n, {SCALE_BIAS_RUNS}] for {', '.join(SCALE_BIAS_ROW)} (msModelSlim's process_scale, by the "
+                      f"module name); {own!r} is neither, so its scale_bias shape is unknown")
