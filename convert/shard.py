@@ -15,7 +15,7 @@ Output (DST)::
 Tensor names never change (routed experts keep their global ids). A tensor is split along
 the arch table's TP dim (`TensorInfo.split_dim`, extended below to per-output-channel 1-D
 parts of column-parallel linears such as Ascend ``deq_scale`` / ``quant_bias``) by the degree
-of its part of the model (`cvt.convert.plan.axis_of`: tp, dense_tp, moe_tp, embed_tp,
+of its part of the model (`cvt.convert.memory_plan.axis_of`: tp, dense_tp, moe_tp, embed_tp,
 lmhead_tp); the holder with coordinate ``i`` on that axis gets the ``i``-th of ``degree``
 equal runs. Parts of a split linear that are broadcast along the split dim (per-channel scales
 ``[n, 1]`` of a row-parallel linear, per-tensor ``[1]`` scales, compressed-tensors
@@ -25,7 +25,7 @@ holds the expert (placement, redundant copies included). So for every tensor the
 holders' runs in coordinate order gives the source bytes exactly.
 
 FP8 block scales, packed int4 (two per byte / eight per int32) and group scales split
-consistently with their weight because `cvt.convert.plan.validate` refuses any degree that
+consistently with their weight because `cvt.convert.memory_plan.validate` refuses any degree that
 does not keep 128-blocks, groups and packing units whole, and a per-tensor check refuses any
 stored tensor whose split dim does not divide.
 
@@ -54,9 +54,9 @@ from pathlib import Path
 from cvt.version import __version__
 from cvt.convert.arch import Parallel, Role, arch_for
 from cvt.convert.config import fp8_block, quantization_config, source_format, with_explicit_defaults
-from cvt.convert.layout import (PLACEMENT_FILES, Layout, Placement, contiguous_placement, coords, moe_layers,
+from cvt.convert.placement import (PLACEMENT_FILES, Layout, Placement, contiguous_placement, coords, moe_layers,
                                 placement_json)
-from cvt.convert.plan import axis_of, check
+from cvt.convert.memory_plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, check_manifest_files, open_checkpoint, read_manifest
 from cvt.convert.validate import check_weights
 from cvt.dtypes import DTYPES
@@ -164,7 +164,7 @@ def expert_holders(layout: Layout, config) -> dict[int, dict[int, list[int]]]:
 
 
 def weights_scheme(config, quant: dict | None, where: str = "SRC") -> tuple[str | None, int | None]:
-    """(scheme, group size) stored weights follow, for `cvt.convert.plan.check` / `memory_plan`:
+    """(scheme, group size) stored weights follow, for `cvt.convert.memory_plan.check` / `memory_plan`:
     a cvt quantize output's (`quant`: its manifest's quant section); None for an FP8 release
     (plan reads its blocks from config.json); bf16 for a float checkpoint. CvtError for other
     quantized checkpoints."""

@@ -173,9 +173,9 @@ class LayoutOptions(_Options):
     shared_experts: Literal["moe_tp", "replicated"] = "moe_tp"
 
     def build(self, config: dict):
-        """The `cvt.convert.layout.Layout` for this model's config: degrees, then the placement
+        """The `cvt.convert.placement.Layout` for this model's config: degrees, then the placement
         (an EPLB / MindIE file, or `redundant` copies of the first experts)."""
-        from cvt.convert.layout import layout_for
+        from cvt.convert.placement import layout_for
 
         return layout_for(config, self.world_size, self.tp, self.ep, self.moe_tp, self.dense_tp, self.embed_tp,
                           self.lmhead_tp, placement=self.placement, redundant=self.redundant,
@@ -201,12 +201,12 @@ class PlanOptions(_Options):
 
 
 def plan(options: PlanOptions | None = None, /, **kw):
-    """The memory plan (`cvt.convert.plan.Plan`: `.render()`, `.violations`, `.over_budget`).
+    """The memory plan (`cvt.convert.memory_plan.Plan`: `.render()`, `.violations`, `.over_budget`).
 
     >>> p = plan(model="/models/DeepSeek-V3", layout=LayoutOptions(ep=64), hbm="64GB")  # doctest: +SKIP
     """
     o = _build(PlanOptions, options, kw)
-    from cvt.convert.plan import memory_plan, read_config
+    from cvt.convert.memory_plan import memory_plan, read_config
     from cvt.convert.shard import source_weights
 
     config = read_config(o.model)

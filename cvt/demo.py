@@ -112,7 +112,7 @@ def step_shard(root: Path, out: dict[str, Path], say) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from cvt.convert.layout import make_layout
+    from cvt.convert.placement import make_layout
     from cvt.convert.shard import shard
     from cvt.errors import CvtError
     from cvt.quant.stage import quantize

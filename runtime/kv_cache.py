@@ -76,7 +76,7 @@ from torch import nn
 from cvt.convert.arch import text_config
 from cvt.errors import CvtError
 from cvt.qtensor.indexer_c8 import ROT_RE as INDEXER_ROT_RE
-from cvt.qtensor.kv_layout import (
+from cvt.qtensor.kv_tensors import (
     CT_NAME_RE, NAME_RE, KV_CONVENTION, QMAX, QMIN, SCALE_DIVISOR, SCALE_MIN, KVTensorSpec,
     kv_tensor_specs, kv_tensor_specs_for_config)
 
@@ -162,7 +162,7 @@ def is_mla(model_or_config: Any) -> bool:
 
 def kv_cache_tensor_specs(model_or_config: Any) -> list[KVTensorSpec]:
     """Every KV-cache tensor of a model (runtime model, config.json dict or Args), in layer
-    order: per layer, per role (MLA q, k, v; GQA k, v), scale then offset (`cvt.qtensor.kv_layout`)."""
+    order: per layer, per role (MLA q, k, v; GQA k, v), scale then offset (`cvt.qtensor.kv_tensors`)."""
     if isinstance(model_or_config, Mapping):
         return kv_tensor_specs_for_config(text_config(model_or_config))
     args = _args(model_or_config)

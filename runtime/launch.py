@@ -8,7 +8,7 @@ weight is read (`preflight`):
 * checks its own files -- its rank directory's weight files, index and Ascend description,
   and config.json -- exist with the manifest's size and checksum (``--no-verify-files`` checks
   sizes only);
-* checks that the layout still validates against config.json (`cvt.convert.plan.check`) and
+* checks that the layout still validates against config.json (`cvt.convert.memory_plan.check`) and
   that its manifest coordinates follow the layout's rank rule;
 * encodes the prompts (the tokenizer of `cvt run`) and checks the ids against the vocabulary.
 
@@ -65,8 +65,8 @@ def _layout_words(layout) -> str:
 
 def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, prompts=(), input_ids=()) -> Preflight:
     """Every check a rank makes before reading a weight (module docstring); CvtError on the first problem."""
-    from cvt.convert.layout import coords
-    from cvt.convert.plan import check
+    from cvt.convert.placement import coords
+    from cvt.convert.memory_plan import check
     from cvt.convert.reader import file_problems
     from cvt.convert.safetensors_io import load_json
     from cvt.convert.shard import read_shard_manifest, weights_scheme

@@ -1,6 +1,6 @@
 """Multi-rank runtime: one rank of a `cvt shard` output, run with torch.distributed.
 
-A `ParallelContext` holds the rank's place in the layout (`cvt.convert.layout`: ``coords``,
+A `ParallelContext` holds the rank's place in the layout (`cvt.convert.placement`: ``coords``,
 ``group``) and one process group per group of every axis of size > 1 (``dist.new_group``
 for every group of every axis, all ranks calling in the same order; an axis spanning the
 world uses the world group). Backend: gloo on CPU, nccl on CUDA, hccl with torch_npu.
@@ -66,10 +66,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cvt.convert.layout import Layout, RankCoords, coords, group
+from cvt.convert.placement import Layout, RankCoords, coords, group
 from cvt.errors import CvtError, ManifestError
 from cvt.runtime.models.base import ParallelNames
-from cvt.schemas.layout import AXES
+from cvt.schemas.parallel_layout import AXES
 from cvt.schemas.manifest import Manifest, RankShard
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cvt.schemas.layout import Layout
+from cvt.schemas.parallel_layout import Layout
 from cvt.schemas.manifest import Manifest
 from cvt.schemas.report import Report
 

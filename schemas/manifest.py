@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from cvt.schemas.layout import Layout
+from cvt.schemas.parallel_layout import Layout
 
 MANIFEST_VERSION = 1
 

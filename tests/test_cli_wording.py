@@ -97,7 +97,7 @@ def test_method_help_says_what_quantize_accepts():
     from cvt.cli.options import METHODS as METHOD_CHOICE, SCHEMES as SCHEME_CHOICE
     from cvt.qtensor.layouts import kernel_formats
     from cvt.qtensor.schemes import get_scheme
-    from cvt.quant.stage.plan import method_kernels
+    from cvt.quant.stage.assignment import method_kernels
 
     text = " ".join(next(p for p in quantize_cmd.params if p.name == "method").help.split())
     METHODS, SCHEMES = METHOD_CHOICE.choices, SCHEME_CHOICE.choices

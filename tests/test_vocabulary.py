@@ -17,7 +17,7 @@ LIBRARY = ("cvt", "convert", "qtensor", "quant", "export", "runtime", "schemas")
 ALLOWED: dict[str, tuple[set[str], str]] = {
     "convert/config.py": ({"compressed-tensors"}, "a source config's quant_method value, the c-t library's word"),
     "convert/fp4.py": ({"fp4"}, "DeepSeek-V4's config.json expert_dtype value (the release's word)"),
-    "convert/layout.py": ({"mindie"}, "the MindIE expert-placement JSON flavour, not the serving target"),
+    "convert/placement.py": ({"mindie"}, "the MindIE expert-placement JSON flavour, not the serving target"),
     "cvt/demo.py": ({"w8a8", "w4a16", "ascend", "compressed-tensors"},
                     "the demo's own pipeline: which schemes and formats it shows, as a user would type them"),
     "qtensor/formats/ascend.py": ({"w8a8", "w4a16"}, "MindIE's config.json `quantize` values (atb_llm's words)"),

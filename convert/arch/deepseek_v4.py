@@ -262,7 +262,7 @@ TABLE = ArchTable(
         Rule(M, Role.NORM, REP, Block.MTP, float_default=True, mtp_only=True, params=HC_HEAD),
         # the MTP layer's own copies of embed / head (3): carried, cvt's MTPBlock runs embed / head
         # carried, but split by vocab as embed / head are (vllm-ascend's DeepSeekV4MTP holds them in
-        # a VocabParallelEmbedding and a ParallelLMHead): `cvt.convert.plan.axis_of`
+        # a VocabParallelEmbedding and a ParallelLMHead): `cvt.convert.memory_plan.axis_of`
         Rule(f"{M}.emb.tok_emb", Role.CARRIED, V, Block.CARRIED, float_default=True, mtp_only=True),
         Rule(f"{M}.head", Role.CARRIED, C, Block.CARRIED, float_default=True, mtp_only=True),
     ),

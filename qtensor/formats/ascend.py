@@ -166,7 +166,7 @@ class Ascend:
         return desc, desc
 
     def kv_manifest(self, kv_tensors) -> dict:
-        from cvt.qtensor.kv_layout import KV_CONVENTION
+        from cvt.qtensor.kv_tensors import KV_CONVENTION
 
         return {"convention": KV_CONVENTION, "tensors": sorted(kv_tensors)}
 

@@ -6,7 +6,7 @@ sequences ``[b, s]``.
 
 Driver: `calibrate(model, tokens, scheme_for, method)` runs a runtime model (any family that
 follows `cvt.runtime.models.base`'s contract: ``model.model.layers[i]``, or where the model
-says (`cvt.quant.methods.layout`: DeepSeek-V4's ``layers[i]``); linears are
+says (`cvt.quant.methods.decoder_layers`: DeepSeek-V4's ``layers[i]``); linears are
 `cvt.runtime.kernels.Linear`) one decoder layer at a time, so that memory is about one decoder
 layer plus the calibration activations:
 
@@ -63,7 +63,7 @@ from cvt.quant.methods.awq import awq_clip, awq_search
 from cvt.quant.methods.data import calib_tokens  # noqa: F401  (re-exported)
 from cvt.quant.recipe import AWQ, DATA_METHODS, GPTQ, METHODS, RTN, SMOOTHQUANT  # noqa: F401  (METHODS re-exported)
 from cvt.quant.methods.gptq import gptq_quantize
-from cvt.quant.methods.layout import Layout, _PerSequence  # noqa: F401  (Layout re-exported)
+from cvt.quant.methods.decoder_layers import Layout, _PerSequence  # noqa: F401  (Layout re-exported)
 from cvt.quant.methods.sites import _children, _Group, _Site, _site_key, _smooth_groups
 from cvt.quant.methods.smoothquant import scale_columns, scale_rows, smooth_scales
 from cvt.qtensor.schemes.base import QuantizedTensor, Scheme

@@ -5,7 +5,7 @@ SmoothQuant, RTN in place, the true-sequential stages) over a runtime model buil
 device, so that a 0.7-2 TB checkpoint calibrates on a host with less RAM than the model:
 
 1. The calibration tokens are embedded by reading only their rows of ``embed_tokens`` (the
-   model's embedding, `cvt.quant.methods.layout`: DeepSeek-V4's ``embed``) from the checkpoint (mmap), and
+   model's embedding, `cvt.quant.methods.decoder_layers`: DeepSeek-V4's ``embed``) from the checkpoint (mmap), and
    the model's own forward gives the arguments of decoder layer 0 (rope, mask; V4: the token
    ids, positions, ropes) through the driver's capture hook; no other weight is loaded.
 2. For each decoder layer i: its tensors are read from the source and assigned in the compute

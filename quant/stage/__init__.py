@@ -44,7 +44,7 @@ from cvt.convert.safetensors_io import TensorSpec
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
 from cvt.errors import FormatError, OptionError
 from cvt.qtensor.formats import DEFAULT_FORMAT, get_format
-from cvt.qtensor.disk_layouts import DiskLayouts
+from cvt.qtensor.disk_specs import DiskLayouts
 from cvt.qtensor.layouts import ASCEND, check_target, kernel_fmt_of
 from cvt.qtensor.stack_versions import check_line, line_problem
 from cvt.quant import qkernel
@@ -53,7 +53,7 @@ from cvt.qtensor.schemes import scheme_from_options
 from cvt.qtensor.schemes.base import QuantizedTensor
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
 from cvt.units import article
-from cvt.quant.stage.plan import CT_PARTS, FP8_SCALE, Plan, check_kv_target, make_plan, names_where, weight_shape
+from cvt.quant.stage.assignment import CT_PARTS, FP8_SCALE, Plan, check_kv_target, make_plan, names_where, weight_shape
 from cvt.quant.stage import deepseek_v4, fp4_source
 from cvt.quant.stage.quantizer import Quantizer, Source
 
@@ -72,7 +72,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
     reads at once, as float32 (None: `cvt.quant.methods.stream.MAX_EXPERT_BYTES`). `target_version`:
     the vllm-ascend release line (`cvt.qtensor.stack_versions`); `kv_dtype`: the quantized KV
-    cache's storage, int8 or fp8 (`cvt.qtensor.kv_layout.kv_storage`)."""
+    cache's storage, int8 or fp8 (`cvt.qtensor.kv_tensors.kv_storage`)."""
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
     form = get_format(fmt)
     target = check_target(fmt, target)
@@ -116,8 +116,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             raise OptionError(f"--kv-dtype {kv_dtype}: this output's C8 is the lightning indexer's int8 cache (vllm-ascend's "
                               "sparse LI C8), not FAKQuant's latent cache; the fp8 cache applies to MLA models "
                               "without an indexer")
-        if kv_dtype is not None:  # kv_layout imports torch, which RTN otherwise never does
-            from cvt.qtensor.kv_layout import kv_storage
+        if kv_dtype is not None:  # kv_tensors imports torch, which RTN otherwise never does
+            from cvt.qtensor.kv_tensors import kv_storage
 
             kv_codec = kv_storage(form.name, form.kv_codec, target, kv_dtype, "kv_lora_rank" in text_config(ckpt.config),
                                   any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()))
@@ -370,11 +370,11 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
             tags[n] = "FLOAT"
         c8, meta_kw = False, {"extra_keys": indexer_c8.description_keys(lm)}  # no MLA (FAKQuant) scales
     elif c8:
-        from cvt.qtensor.kv_layout import kv_tag
+        from cvt.qtensor.kv_tensors import kv_tag
 
         kv_meta = form.kv_manifest(cal.kv_scales)  # Ascend int8 names, or compressed-tensors fp8 k_scale / v_scale
         if req.kv_dtype is not None and req.kv_dtype != form.kv_codec:  # Ascend 950's fp8 FAKQuant cache
-            from cvt.qtensor.kv_layout import FP8_FAKQUANT
+            from cvt.qtensor.kv_tensors import FP8_FAKQUANT
 
             kv_meta["convention"] = {**kv_meta["convention"], **FP8_FAKQUANT}
         for n, t in cal.kv_scales.items():

@@ -20,7 +20,7 @@ from cvt.convert.reader import Checkpoint
 from cvt.errors import TensorError
 from cvt.quant import qkernel
 from cvt.qtensor.formats.compressed_tensors import CompressedTensors
-from cvt.qtensor.disk_layouts import shell_q
+from cvt.qtensor.disk_specs import shell_q
 from cvt.qtensor.layouts import kernel_fmt_of
 from cvt.quant.recipe import RTN
 from cvt.qtensor.schemes import get_scheme
@@ -28,7 +28,7 @@ from cvt.qtensor.schemes.base import QuantizedTensor, Scheme
 from cvt.schemas.manifest import QuantTensorInfo
 
 from cvt.quant.stage import fp4_source
-from cvt.quant.stage.plan import CT_PARTS, FP8_SCALE, Plan
+from cvt.quant.stage.assignment import CT_PARTS, FP8_SCALE, Plan
 
 
 def sqnr_value(v: float | None, module: str = "", scheme: str = "") -> float | str | None:

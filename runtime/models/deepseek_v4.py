@@ -497,7 +497,7 @@ class Model(nn.Module):
         embed="embed", head="head", layers="layers", attn_out="attn.wo_b", mlp="ffn", down="w2",
         local_sizes=(("num_attention_heads", "tp"), ("o_groups", "tp"), ("moe_intermediate_size", "moe_tp")),
         gathered=("attn.indexer.wq_b", "attn.indexer.weights_proj"))
-    # the calibration driver (`cvt.quant.methods.layout.Layout`, paths from `parallel`) calls block i
+    # the calibration driver (`cvt.quant.methods.decoder_layers.Layout`, paths from `parallel`) calls block i
     # as ``block(streams [b, s, hc, d], tokens [b, s], pos [s], ropes, None)``: the token ids (hash
     # routing; argument 0 after the streams) go with each mini-batch of sequences
     calib_per_sequence: ClassVar[tuple[int, ...]] = (0,)

@@ -17,7 +17,7 @@ from cvt.convert.arch import Block, Parallel, Role, arch_for
 from cvt.convert.arch import deepseek_v3, deepseek_v32
 from cvt.convert.config import with_explicit_defaults
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-from cvt.convert.layout import make_layout
+from cvt.convert.placement import make_layout
 from cvt.convert.shard import shard
 from cvt.convert.synthetic import release_tensors, tiny_deepseek_v32_config, write_bf16_checkpoint, write_release
 from cvt.errors import ArchError
@@ -209,8 +209,8 @@ def test_run_an_fp8_release(release):
 def test_plan_counts_the_indexer_key_cache():
     """Per token and layer the V3.2 cache holds the MLA latent + rope key and the indexer's own
     key (index_head_dim, bf16): (kv_lora_rank + qk_rope_head_dim + index_head_dim) * 2 bytes."""
-    from cvt.convert.layout import make_layout
-    from cvt.convert.plan import memory_plan
+    from cvt.convert.placement import make_layout
+    from cvt.convert.memory_plan import memory_plan
 
     cfg = {k: v for k, v in CFG.items() if k != "quantization_config"}
     p = memory_plan(cfg, make_layout(world_size=1), kv_tokens=10)

@@ -245,8 +245,8 @@ def test_plan_from_the_flash_config(tmp_path):
 
 
 def test_plan_counts_each_layer_types_kv_cache():
-    from cvt.convert.layout import make_layout
-    from cvt.convert.plan import memory_plan
+    from cvt.convert.placement import make_layout
+    from cvt.convert.memory_plan import memory_plan
 
     plan = memory_plan(FLASH, make_layout(world_size=16, ep=16), kv_tokens=1_000_000)
     per_rank = 62500  # 1M tokens over dp 16
@@ -265,7 +265,7 @@ def v4_bf16(v4_release, tmp_path_factory):
 
 
 def test_shard_v4_reassembles_byte_for_byte_with_the_official_split_dims(v4_bf16, tmp_path):
-    from cvt.convert.layout import make_layout
+    from cvt.convert.placement import make_layout
     from cvt.convert.shard import shard
     from cvt.tests.convert.test_shard import assert_reproduces
 

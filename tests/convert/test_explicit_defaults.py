@@ -14,7 +14,7 @@ import json
 import pytest
 
 from cvt.convert.arch.deepseek_v3 import DEFAULTS
-from cvt.convert.layout import make_layout
+from cvt.convert.placement import make_layout
 from cvt.convert.shard import shard
 from cvt.quant.stage import quantize
 from cvt.runtime.models.deepseek_v3 import Args

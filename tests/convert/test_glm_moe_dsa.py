@@ -20,7 +20,7 @@ from cvt.convert.arch import Parallel, Role, arch_for, config_problems
 from cvt.convert.arch import deepseek_v32, glm_moe_dsa
 from cvt.convert.config import with_explicit_defaults
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-from cvt.convert.layout import make_layout
+from cvt.convert.placement import make_layout
 from cvt.convert.synthetic import release_tensors, tiny_glm_moe_dsa_config, write_release
 from cvt.tests.conftest import run_cvt
 from cvt.tests.convert.test_fp8_to_bf16 import read_all, reference_output
@@ -136,7 +136,7 @@ def test_inspect_run_and_plan(release):
 
 
 def test_plan_counts_the_indexer_key_of_full_layers_only():
-    from cvt.convert.plan import memory_plan
+    from cvt.convert.memory_plan import memory_plan
 
     cfg = {k: v for k, v in CFG.items() if k != "quantization_config"}
     p = memory_plan(cfg, make_layout(world_size=1), kv_tokens=10)

@@ -55,7 +55,7 @@ def test_problems_are_listed_and_exit_code_3(tmp_path, tiny_config):
 
 def test_sharded_output_is_described_from_its_manifest(fp8_release_session, tmp_path):
     """inspect on a `cvt shard` output: layout, ranks and bytes per rank (it said "no .safetensors files")."""
-    from cvt.convert.layout import make_layout
+    from cvt.convert.placement import make_layout
     from cvt.convert.shard import shard
 
     out = shard(fp8_release_session, tmp_path / "sh", make_layout(ep=2), quiet=True).dst

@@ -292,7 +292,7 @@ def test_shard_writes_split_slices_straight_and_reassembles(tmp_path, monkeypatc
     back together byte for byte (tests/convert/test_shard.py's reassembly, independent of the
     writer) and nothing stays pooled after the stage."""
     from cvt.convert import shard as SH
-    from cvt.convert.layout import make_layout
+    from cvt.convert.placement import make_layout
     from cvt.convert.synthetic import tiny_deepseek_config, write_bf16_checkpoint
     from cvt.tests.convert.test_shard import assert_reproduces
 

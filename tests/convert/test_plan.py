@@ -12,14 +12,14 @@ import pytest
 from pydantic import ValidationError
 
 from cvt.convert.arch import arch_for
-from cvt.convert.layout import (contiguous_placement, coords, eplb_maps, group, log2phy, make_layout, moe_layers,
+from cvt.convert.placement import (contiguous_placement, coords, eplb_maps, group, log2phy, make_layout, moe_layers,
                                 placement_from_mindie, placement_from_phy2log, placement_to_mindie,
                                 placement_to_phy2log, read_placement, write_placement)
-from cvt.convert.plan import check, memory_plan, parse_bytes, validate
+from cvt.convert.memory_plan import check, memory_plan, parse_bytes, validate
 from cvt.convert.synthetic import tiny_deepseek_config, tiny_qwen3_config
 from cvt.errors import CvtError
 from cvt.schemas import load_schema
-from cvt.schemas.layout import Layout, Placement
+from cvt.schemas.parallel_layout import Layout, Placement
 
 CONFIGS = Path(__file__).resolve().parent.parent / "data" / "configs"
 DSV3 = json.loads((CONFIGS / "deepseek-v3.json").read_text())
@@ -433,7 +433,7 @@ def test_plan_refuses_what_quantize_refuses(kw, msg):
 
 
 def test_plan_refuses_an_int8_kv_cache_the_target_would_load_wrong():
-    """The same rule as cvt quantize (`cvt.qtensor.kv_layout.kv_target_problem`): vllm-ascend drops
+    """The same rule as cvt quantize (`cvt.qtensor.kv_tensors.kv_target_problem`): vllm-ascend drops
     Qwen3-MoE's C8 scales."""
     cfg = tiny_qwen3_config(moe=True)
     lay = make_layout(world_size=2, tp=2, ep=2)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cvt.convert.layout import make_layout
-from cvt.convert.plan import memory_plan
+from cvt.convert.placement import make_layout
+from cvt.convert.memory_plan import memory_plan
 from cvt.tests.conftest import run_cvt
 from cvt.tests.runtime.test_glm_moe_dsa import GLM5_CONFIG
 

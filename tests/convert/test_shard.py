@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from cvt.cli import cli
-from cvt.convert.layout import contiguous_placement, make_layout, write_placement
+from cvt.convert.placement import contiguous_placement, make_layout, write_placement
 from cvt.convert.safetensors_io import MappedFile
 from cvt.convert.shard import shard
 from cvt.convert.synthetic import tiny_deepseek_config, tiny_qwen3_config, write_bf16_checkpoint, write_fp8_release
@@ -178,7 +178,7 @@ def test_quantized_shards_reassemble_byte_for_byte(bf16_src, tmp_path, fmt, sche
 
 
 def test_redundant_experts_from_a_placement_file(bf16_src, tmp_path):
-    from cvt.convert.layout import read_placement
+    from cvt.convert.placement import read_placement
     from cvt.convert.safetensors_io import load_json
 
     config = load_json(bf16_src / "config.json")

@@ -172,7 +172,7 @@ def test_w4a8_export_keeps_the_int8_activation_step(qwen, tmp_path, capsys):
 def test_sharded_source_is_refused_naming_what_to_export(qwen, tmp_path, capsys):
     """A `cvt shard` output: one line saying it needs the unsharded checkpoint, and which one
     (it said "no .safetensors files"); nothing is written."""
-    from cvt.convert.layout import make_layout
+    from cvt.convert.placement import make_layout
     from cvt.convert.shard import shard
 
     bf16, _ = qwen

@@ -426,7 +426,7 @@ def test_w4a8_shards_like_vllm_ascend_loads_it(sources, tmp_path):
     scale_bias [n, 16] into [n, 8] per rank -- vllm-ascend's w2_scale_bias [E, H, 16 // tp]."""
     from safetensors.torch import load_file
 
-    from cvt.convert.layout import make_layout
+    from cvt.convert.placement import make_layout
     from cvt.convert.shard import shard
 
     d = run(sources, "ds-w4a8", "ds", scheme="w4a8")

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cvt.convert.layout import make_layout
-from cvt.convert.plan import memory_plan
+from cvt.convert.placement import make_layout
+from cvt.convert.memory_plan import memory_plan
 from cvt.convert.safetensors_io import DTYPES
 from cvt.convert.synthetic import tiny_deepseek_config, write_bf16_checkpoint, write_fp8_release
 from cvt.errors import CvtError

@@ -346,7 +346,7 @@ def test_shard_reassembles_byte_exact(outputs, tmp_path):
     and scale columns together); every piece concatenates back to the unsharded bytes."""
     from safetensors.torch import load_file
 
-    from cvt.convert.layout import make_layout
+    from cvt.convert.placement import make_layout
     from cvt.convert.shard import shard
 
     d = outputs[W4A4MXFP4.name]
@@ -368,7 +368,7 @@ def test_shard_keeps_each_ranks_expert_in_features_a_multiple_of_64(outputs, tmp
     """moe_tp 4 would give each rank 32 of down_proj's 128 in_features: vllm-ascend's MX MoE
     method views each expert's scale row in pairs (Layout.expert_k, 64), so that layout is refused
     before any rank file is written, naming the unit and the valid moe_tp; moe_tp 2 (64) is not."""
-    from cvt.convert.layout import make_layout
+    from cvt.convert.placement import make_layout
     from cvt.convert.shard import shard
 
     d = outputs[W4A8MXFP.name]

@@ -611,7 +611,7 @@ def test_stage_layout_probe_scaled_from_a_few_rows(monkeypatch, fmt, target):
     """The writer plans each module's tensors from a probe of 16 rows scaled by the layout's dims:
     the same specs as a probe of the module's full size (which costs a full quantization)."""
     from cvt.errors import CvtError
-    from cvt.qtensor.disk_layouts import DiskLayouts
+    from cvt.qtensor.disk_specs import DiskLayouts
     from cvt.qtensor.formats import get_format
     from cvt.qtensor.layouts import check_target
 
@@ -641,10 +641,10 @@ def test_stage_layout_probe_scaled_from_a_few_rows(monkeypatch, fmt, target):
 @pytest.mark.parametrize("fmt,target", [("compressed-tensors", None), ("ascend", "vllm-ascend"), ("ascend", "mindie")])
 def test_stage_plans_fused_layouts_from_the_table(monkeypatch, fmt, target):
     """The fused RTN layouts are planned from the layout table alone (no probe, no torch:
-    `cvt.qtensor.disk_layouts.data_planned`): the same names, order, shapes, dtypes and tags as a
+    `cvt.qtensor.disk_specs.data_planned`): the same names, order, shapes, dtypes and tags as a
     probe of the module's full size through the format's own encoder."""
     from cvt.errors import CvtError
-    from cvt.qtensor.disk_layouts import DiskLayouts
+    from cvt.qtensor.disk_specs import DiskLayouts
     from cvt.qtensor.formats import get_format
     from cvt.qtensor.layouts import check_target
 

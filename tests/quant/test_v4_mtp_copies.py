@@ -98,7 +98,7 @@ def test_shard_splits_the_copies_by_vocab_as_embed_and_head(releases, tmp_path):
     vllm-ascend's DeepSeekV4MTP holds them in a VocabParallelEmbedding and a ParallelLMHead,
     vllm_ascend/models/deepseek_v4/mtp.py), and the rank files put the release back together byte
     for byte (tests/convert/test_shard.py's reassembly)."""
-    from cvt.convert.layout import make_layout
+    from cvt.convert.placement import make_layout
     from cvt.convert.shard import shard
     from cvt.tests.convert.test_shard import assert_reproduces
 

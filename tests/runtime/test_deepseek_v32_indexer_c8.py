@@ -227,10 +227,10 @@ def test_vllm_ascend_main_declares_what_the_output_holds(outputs):
 
 
 def test_plan_counts_the_indexer_c8_and_shard_replicates_it(outputs, tmp_path):
-    """`cvt plan` (convert.plan.memory_plan) sizes what the V3.2 Ascend C8 output holds and caches; `cvt shard`
+    """`cvt plan` (convert.memory_plan.memory_plan) sizes what the V3.2 Ascend C8 output holds and caches; `cvt shard`
     puts every rotation whole on every rank, byte for byte."""
-    from cvt.convert.layout import make_layout
-    from cvt.convert.plan import memory_plan
+    from cvt.convert.placement import make_layout
+    from cvt.convert.memory_plan import memory_plan
     from cvt.convert.shard import shard
 
     cfg = json.loads((outputs["c8"] / "config.json").read_text())
@@ -257,7 +257,7 @@ def test_rank_loader_keeps_the_rotations_whole(outputs):
     """A TP rank narrows head-covering KV-cache scales to its heads (runtime.parallel._local_kv) but the
     indexer is replicated: each rank attaches the whole [Di, Di] rotations (a 2-rank `cvt run` of the
     sharded output failed on a [16, 32] half before)."""
-    from cvt.convert.layout import make_layout
+    from cvt.convert.placement import make_layout
     from cvt.runtime.parallel import ParallelContext, _local_kv, coords
 
     lay = make_layout(world_size=2, tp=2)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cvt.convert.layout import make_layout
+from cvt.convert.placement import make_layout
 from cvt.convert.shard import shard
 from cvt.tests.runtime.test_distributed import _check_dumps, _reference, _spawn
 

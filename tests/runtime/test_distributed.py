@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cvt.convert.layout import contiguous_placement, make_layout, read_placement, write_placement
+from cvt.convert.placement import contiguous_placement, make_layout, read_placement, write_placement
 from cvt.convert.shard import shard
 from cvt.convert.synthetic import tiny_deepseek_config, tiny_qwen3_config, write_bf16_checkpoint
 from cvt.errors import CvtError, ManifestError

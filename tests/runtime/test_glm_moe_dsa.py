@@ -184,7 +184,7 @@ def test_meta_names_and_shapes_match_table():
 def test_two_ranks_match_one_process(tmp_path):
     """TP 2 x EP 2 shard of a GLM-5 with a shared indexer layer: the 2-rank world gives the
     single-process tokens and logits (tests/runtime/test_distributed.py's harness)."""
-    from cvt.convert.layout import make_layout
+    from cvt.convert.placement import make_layout
     from cvt.convert.shard import shard
     from cvt.convert.synthetic import write_bf16_checkpoint
     from cvt.tests.runtime.test_distributed import _check_dumps, _reference, _spawn

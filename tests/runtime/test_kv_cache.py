@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.errors import CvtError
 from cvt.runtime import kv_cache as K
-from cvt.qtensor import kv_layout
+from cvt.qtensor import kv_tensors
 from cvt.runtime.generate import generate
 from cvt.runtime.loader import load_model
 from cvt.runtime.models.deepseek_v3 import Int8MLACache, MLACache
@@ -250,7 +250,7 @@ def test_convention_names_and_shapes_match_the_models(trained_fixture, tmp_path)
     import json
     cfg = json.loads((trained_fixture / "config.json").read_text())
     assert K.kv_cache_tensor_names(cfg) == K.kv_cache_tensor_names(dsv3)
-    assert K.is_mla(cfg) and kv_layout.KV_CONVENTION["version"] == 2
+    assert K.is_mla(cfg) and kv_tensors.KV_CONVENTION["version"] == 2
 
     qcfg = tiny_qwen3_config(moe=False)
     qwen = load_model(write_bf16_checkpoint(tmp_path / "q", qcfg), dtype=torch.float32).model
@@ -523,7 +523,7 @@ def test_ascend_fp8_fakquant_cache(dsv3):
     test = byte_tokens(HELD_OUT_TEXT)[None]
     ref = model(test)
     scales = K.calibrate_kv_scales(model, test)
-    fp8 = {n: (t * K.SCALE_DIVISOR / K.FP8_MAX).clamp_min(kv_layout.SCALE_MIN) if n.endswith("scale") else t
+    fp8 = {n: (t * K.SCALE_DIVISOR / K.FP8_MAX).clamp_min(kv_tensors.SCALE_MIN) if n.endswith("scale") else t
            for n, t in scales.items()}
     K.attach_kv_cache_scales(model, fp8, codec="fp8")
     try:

@@ -1,7 +1,7 @@
 """The int8 KV cache's on-disk layout: which tensors, names, shapes and dtypes (one owner).
 
 The math, runtime behaviour and calibration are `cvt.runtime.kv_cache`'s (its docstring
-describes the convention in full); quant owns the layout, so that the quantize stage, the
+describes the convention in full); cvt.qtensor owns the layout, so that the quantize stage, the
 formats, `cvt plan` and the runtime read one definition:
 
 * MLA (DeepSeek-V3 family): FAKQuant, ``self_attn.fa_{q,k,v}.{scale,offset}``; scales float32

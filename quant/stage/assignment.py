@@ -164,7 +164,7 @@ def check_kv_target(config, plan: Plan, fmt: str, target: str) -> None:
     """An int8 KV cache the target would load wrong is refused, saying why."""
     if not any(getattr(s, "kv_cache", None) == "int8" for s in plan.schemes.values()):
         return
-    from cvt.qtensor.kv_layout import kv_target_problem
+    from cvt.qtensor.kv_tensors import kv_target_problem
 
     from cvt.qtensor import indexer_c8, layouts
 

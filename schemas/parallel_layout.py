@@ -12,7 +12,7 @@ Expert placement is per MoE layer: ``ranks[ep_rank]`` lists the global expert id
 that EP rank, in slot order; a logical expert on several ranks is a redundant expert.
 ``default`` applies to every MoE layer not listed in ``layers``.
 
-`cvt.convert.layout` builds, checks, reads and writes these; this module only declares them.
+`cvt.convert.placement` builds, checks, reads and writes these; this module only declares them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the weights of a plan cost on disk: the scheme a plan counts (`plan_scheme`) and each
 quantized linear's shard as `cvt quantize` writes it for a format and target (`DiskBytes`, read
-from the layout table through `cvt.qtensor.disk_layouts`, the one owner quantize and shard
+from the layout table through `cvt.qtensor.disk_specs`, the one owner quantize and shard
 read)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def plan_scheme(scheme: str | None, group_size: int | None, fmt: str | None = No
 
 class DiskBytes:
     """Bytes of a quantized linear's shard as `cvt quantize` writes it for `fmt` / `target`
-    (the layout table, `cvt.qtensor.disk_layouts`: the one owner quantize and shard read), or
+    (the layout table, `cvt.qtensor.disk_specs`: the one owner quantize and shard read), or
     None where that target keeps the module float (a layout loaded for MoE experts only)."""
 
     @classmethod
@@ -63,7 +63,7 @@ class DiskBytes:
 
     def __init__(self, scheme, fmt: str, target: str | None):
         from cvt.qtensor import layouts as L
-        from cvt.qtensor.disk_layouts import DiskLayouts
+        from cvt.qtensor.disk_specs import DiskLayouts
         from cvt.qtensor.formats import get_format
 
         kf = L.kernel_fmt_of(scheme)

@@ -1,6 +1,6 @@
 """Parallel layouts: degrees and defaults, the rank -> group rule, expert placement and its files.
 
-A `Layout` (typed in `cvt.schemas.layout`) factorizes one world of W ranks twice: attention
+A `Layout` (typed in `cvt.schemas.parallel_layout`) factorizes one world of W ranks twice: attention
 ``tp x dp = W`` and MoE ``moe_tp x ep = W``, plus dense-MLP, embedding and lm_head TP
 degrees that divide W. `make_layout` fills the defaults:
 
@@ -43,7 +43,7 @@ from typing import Any, Mapping
 
 from cvt.convert.arch import ArchSpec, Role, arch_for
 from cvt.errors import CvtError, validation_summary
-from cvt.schemas.layout import AXES, AxisRule, LayerPlacement, Layout, Placement
+from cvt.schemas.parallel_layout import AXES, AxisRule, LayerPlacement, Layout, Placement
 
 __all__ = ["Layout", "Placement", "RankCoords", "make_layout", "coords", "group", "divisors",
            "contiguous_placement", "log2phy", "moe_layers", "placement_problems",

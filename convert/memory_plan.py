@@ -52,8 +52,8 @@ from typing import Any, Iterator, Mapping
 from cvt.convert.arch import Block, Parallel, Role, TensorInfo, arch_for, config_problems
 from cvt.convert.arch.glm_moe_dsa import FULL, indexer_types
 from cvt.convert.config import fp8_block
-from cvt.convert.layout import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
-from cvt.convert.plan_bytes import DiskBytes, format_group, plan_scheme, plan_schemes
+from cvt.convert.placement import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
+from cvt.convert.disk_bytes import DiskBytes, format_group, plan_scheme, plan_schemes
 from cvt.convert.safetensors_io import load_json
 from cvt.units import parse_size
 from cvt.errors import CvtError, FormatError, ShapeError
@@ -418,7 +418,7 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     if disk is not None:
         if getattr(sch, "kv_cache", None) == "int8":  # what cvt quantize refuses, the plan refuses
             from cvt.qtensor import indexer_c8
-            from cvt.qtensor.kv_layout import kv_target_problem
+            from cvt.qtensor.kv_tensors import kv_target_problem
 
             why = (indexer_c8.problem(cfg) if indexer_c8.applies(cfg, disk.fmt)
                    else kv_target_problem(cfg, disk.fmt, disk.target))
@@ -473,7 +473,7 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     if index_c8:  # q_rot / k_rot float32 [Di, Di] per decoder layer, replicated
         per_rank["kv_scales"] = model["kv_scales"] = sum(t.numel() * 4 for t in indexer_c8.rotation_tensors(cfg).values())
     elif int8_kv:  # the KV-cache scale tensors of cvt.runtime.kv_cache, replicated
-        from cvt.qtensor.kv_layout import kv_tensor_specs_for_config
+        from cvt.qtensor.kv_tensors import kv_tensor_specs_for_config
 
         per_rank["kv_scales"] = model["kv_scales"] = sum(math.prod(sp.shape) * sp.dtype.itemsize
                                                          for sp in kv_tensor_specs_for_config(cfg))
