@@ -8,7 +8,7 @@ Why: the calibrated methods must run on checkpoints larger than RAM (DeepSeek-R1
 with the layer count, and its cost is seconds per decoder layer (times 61 for R1).
 
 Fixture (setup, not timed): two DeepSeek-V3-shaped FP8 releases written by
-`cvt.convert.synthetic.write_fp8_release` with the same shapes (hidden --hidden, MLA with
+`cvt.testing.checkpoints.write_fp8_release` with the same shapes (hidden --hidden, MLA with
 q_lora 1536 / kv_lora 512 / 128-dim heads scaled to the hidden size, --experts routed experts
 of moe_intermediate hidden/4, one shared; the first layer dense), one with --layers decoder
 layers and one with twice as many.
@@ -43,7 +43,7 @@ GB = 1e9
 
 
 def config(layers: int, hidden: int, experts: int) -> dict:
-    from cvt.convert.synthetic import tiny_deepseek_config
+    from cvt.testing.checkpoints import tiny_deepseek_config
 
     heads = max(4, hidden // 128)
     return tiny_deepseek_config(
@@ -87,7 +87,7 @@ def main() -> None:
 
     import torch
 
-    from cvt.convert.synthetic import write_fp8_release
+    from cvt.testing.checkpoints import write_fp8_release
 
     root = Path(tempfile.mkdtemp(prefix="cvt-bench-calibrate-", dir=args.dir))
     rows = []
@@ -138,7 +138,7 @@ def ranks(args) -> None:
     """`--world-size N`: one process against N ranks on the same release (module doc)."""
     import torch
 
-    from cvt.convert.synthetic import write_fp8_release
+    from cvt.testing.checkpoints import write_fp8_release
     from cvt.runtime.verify import verify
 
     root = Path(tempfile.mkdtemp(prefix="cvt-bench-calibrate-", dir=args.dir))

@@ -9,7 +9,7 @@ decode >= 1.5x the torch runtime's BF16 decode on CPU.
 Models (setup, not timed), DeepSeek-V3 architecture (MLA + MoE):
   demo   the demo model, trained (`cvt.demo_model.write_demo_release`: hidden 256, 3 layers,
          4 experts top-2, vocab 300; trained on the first use, then cached)
-  large  random weights (`cvt.convert.synthetic.write_fp8_release`) with hidden 1024, 4 layers (1 dense), 8 experts top-2 of width 512,
+  large  random weights (`cvt.testing.checkpoints.write_fp8_release`) with hidden 1024, 4 layers (1 dense), 8 experts top-2 of width 512,
          8 heads, q_lora 384, kv_lora 256, vocab 8192 (~120 M parameters)
 each as BF16 (`fp8_to_bf16`) and W4A16 (`quantize` RTN, group 128, compressed-tensors), then
 exported with `export_onnx`: fp32 weights (from BF16), W4A16 as MatMulNBits accuracy_level 0
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-from cvt.convert.synthetic import tiny_deepseek_config, write_fp8_release
+from cvt.testing.checkpoints import tiny_deepseek_config, write_fp8_release
 from cvt.demo_model import write_demo_release
 from cvt.export.onnx_export import export_onnx
 from cvt.export.ort import OrtCausalLM

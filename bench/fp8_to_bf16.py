@@ -53,7 +53,7 @@ from safetensors.torch import load_file, save_file
 from cvt.convert.arch import arch_for
 from cvt.convert.fp8 import _dequant_torch, dequant_fp8_block, kernel_name
 from cvt.convert.safetensors_io import TensorSpec, encode_header
-from cvt.convert.synthetic import tiny_deepseek_config, write_side_files
+from cvt.testing.checkpoints import tiny_deepseek_config, write_side_files
 
 from common import direct_floor, floor_cells, io_floor, row_progress, run_cvt_cpu, scratch_dir  # bench/common.py
 

@@ -274,7 +274,7 @@ def main() -> None:
 
     import torch
 
-    from cvt.convert.synthetic import write_fp8_release
+    from cvt.testing.checkpoints import write_fp8_release
     from cvt.quant.qkernel import kernel_name
 
     kn, kk = (int(x) for x in args.kernel_shape.lower().split("x"))

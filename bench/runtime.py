@@ -7,7 +7,7 @@ Why: `cvt run` / `cvt verify` execute every format cvt writes with its own CPU k
 than BF16 makes checking a conversion expensive; and `verify` should cost little more than the
 two forward passes it cannot avoid (reference and candidate on the same tokens).
 
-Models (setup, not timed): the demo model (`cvt.convert.synthetic.write_fp8_release`: a tiny
+Models (setup, not timed): the demo model (`cvt.testing.checkpoints.write_fp8_release`: a tiny
 DeepSeek-V3, 3 layers incl. MoE, hidden 256, random weights) in five formats:
   bf16    `fp8_to_bf16` output            fp8     the FP8 block release, dequantized on load
   w8a8    quantize RTN, compressed-tensors  w4a16 quantize RTN, group 128
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-from cvt.convert.synthetic import write_fp8_release
+from cvt.testing.checkpoints import write_fp8_release
 from cvt.quant.stage import quantize
 from cvt.runtime.generate import generate
 from cvt.runtime.loader import load_model

@@ -87,7 +87,7 @@ def main() -> None:
     a = ap.parse_args()
     fb = load_fp8_bench()
     print(fb.compile_bytecode())
-    from cvt.convert.synthetic import tiny_deepseek_config
+    from cvt.testing.checkpoints import tiny_deepseek_config
 
     cfg = tiny_deepseek_config(
         hidden_size=fb.H, intermediate_size=18432, moe_intermediate_size=a.moe_inter, num_attention_heads=128,

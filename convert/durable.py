@@ -13,6 +13,7 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
+from cvt import hooks
 from cvt.convert.checksum import hasher
 from cvt.errors import OutputError
 
@@ -367,8 +368,8 @@ class AtomicFile:
     `commit()` fsyncs, renames and returns (size, hex digest).
 
     Until commit nothing named `name` exists, so a killed or failed run never leaves a file
-    that looks complete. Every byte goes through `write`, which also feeds the test-only
-    kill switch (see `cvt.convert.faults`).
+    that looks complete. Every byte goes through `write`, and from there through `cvt.hooks.write`
+    (a plain write, unless the CLI installed the kill-and-resume tests' `cvt.testing.faults`).
 
     `direct` (the writer's weight files, when `direct_io_enabled`): written through
     `DirectFile` (O_DIRECT), so no byte is copied into the page cache. Otherwise buffered, and
@@ -380,11 +381,8 @@ class AtomicFile:
     """
 
     def __init__(self, path: Path, direct: bool = False):
-        from cvt.convert import faults
-
         self.path = path
         self.tmp = path.with_name(f".{path.name}.tmp")
-        self._faults = faults
         self.sha = hasher()
         self.size = 0
         self._synced = 0  # bytes handed to start_writeback
@@ -406,11 +404,11 @@ class AtomicFile:
         mv = memoryview(data).cast("B")
         try:
             if isinstance(self._f, DirectFile):  # hashes each chunk as it stages it
-                self._faults.write(self._f, mv)
+                hooks.write(self._f, mv)
             else:
                 for i in range(0, len(mv), DIRECT_STAGE):
                     chunk = mv[i:i + DIRECT_STAGE]
-                    self._faults.write(self._f, chunk)
+                    hooks.write(self._f, chunk)
                     self.sha.update(chunk)
         except OSError as exc:
             self.abort()

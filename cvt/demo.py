@@ -1,6 +1,6 @@
 """`cvt demo`: every stage that exists, on a tiny DeepSeek-V3-style FP8 checkpoint.
 
-The checkpoint is `cvt.demo_model`'s: the tiny DeepSeek-V3 of `cvt.convert.synthetic` (one
+The checkpoint is `cvt.demo_model`'s: the tiny DeepSeek-V3 of `cvt.testing.checkpoints` (one
 dense layer, two MoE layers, an MTP layer, dims that are not multiples of 128, scales split
 across shards) trained on Python's standard library source (once, about a minute of one core,
 then cached), so its text looks like Python and the quantization losses mean something. The
@@ -190,7 +190,7 @@ def step_v32(root: Path, out: dict[str, Path], say) -> None:
     """A tiny DeepSeek-V3.2 FP8 release (indexer included) -> BF16 -> W8A8 Ascend (indexer kept
     float), verified against the BF16 model on sequences longer than its index_topk."""
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-    from cvt.convert.synthetic import tiny_deepseek_v32_config, write_fp8_release
+    from cvt.testing.checkpoints import tiny_deepseek_v32_config, write_fp8_release
     from cvt.quant.stage import quantize
     from cvt.runtime.verify import verify
 
@@ -214,7 +214,7 @@ def step_v4(root: Path, out: dict[str, Path], say) -> None:
     hash and scored MoE, an MTP layer) -> BF16 -> W8A8 Ascend (wo_a / wo_b / compressors / indexer
     kept float), verified against the BF16 model on sequences past its window and compression rate."""
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-    from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config, write_v4_release
+    from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config, write_v4_release
     from cvt.quant.stage import quantize
     from cvt.runtime.verify import verify
 
@@ -237,7 +237,7 @@ def step_glm_kimi(root: Path, out: dict[str, Path], say) -> None:
     and a tiny Kimi-K2.5 INT4 release -> Ascend W4A16 g32 (the release's codes and scales carried,
     vision tower copied byte for byte). No verify: the runtimes are V3.2's / V3's, verified above."""
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-    from cvt.convert.synthetic import (kimi_int4_tensors, tiny_glm_moe_dsa_config, tiny_kimi_k25_config,
+    from cvt.testing.checkpoints import (kimi_int4_tensors, tiny_glm_moe_dsa_config, tiny_kimi_k25_config,
                                        write_fp8_release, write_release)
     from cvt.quant.stage import quantize
 

@@ -2,7 +2,7 @@
 
 `cvt demo`, the README's examples, the benches and the quality tests need a model whose output
 means something: generated text that looks like its training text, and quantization losses that
-rank the schemes. Random weights give neither. So the model of `cvt.convert.synthetic
+rank the schemes. Random weights give neither. So the model of `cvt.testing.checkpoints
 .tiny_deepseek_config` (one dense and two MoE layers, awkward FP8 blocks, an MTP layer) is
 trained here on the "training" slice of Python's standard library source (`cvt.corpus`) with a
 byte-level tokenizer (id = byte, then <bos> <eos> <pad>), using the runtime's own model
@@ -15,7 +15,7 @@ the float32 weights are cached under ``$XDG_CACHE_HOME/cvt`` (default ``~/.cache
 named by a hash of the recipe, the training text, the torch version and the CPU architecture,
 written to a temporary folder and renamed into place (two processes training at once both
 finish; one folder wins). The MTP layer is not trained (the runtime does not run it); it keeps the
-random initialisation, as do the weights of `cvt.convert.synthetic.random_weights` for the same
+random initialisation, as do the weights of `cvt.testing.checkpoints.random_weights` for the same
 seed, which are the starting point: the untrained model is the old random demo model.
 
 `write_demo_release(dst)` writes the trained weights as a DeepSeek-style FP8 release (block
@@ -69,7 +69,7 @@ def cache_root() -> Path:
 
 
 def demo_config() -> dict[str, Any]:
-    from cvt.convert.synthetic import tiny_deepseek_config
+    from cvt.testing.checkpoints import tiny_deepseek_config
 
     return tiny_deepseek_config(**RECIPE["config"])
 
@@ -134,7 +134,7 @@ def train(config: dict[str, Any], text: str, recipe: dict[str, Any], quiet: bool
     import torch
     import torch.nn.functional as F
 
-    from cvt.convert.synthetic import random_weights
+    from cvt.testing.checkpoints import random_weights
     from cvt.runtime.models import deepseek_v3
 
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
@@ -205,9 +205,9 @@ def _training_bytes(text: str, seq_len: int):
 
 
 def write_demo_release(dst: Path, cache: Path | None = None, quiet: bool = True, n_shards: int = 3) -> Path:
-    """The trained demo model as a DeepSeek-style FP8 release in `dst` (see `cvt.convert.synthetic
+    """The trained demo model as a DeepSeek-style FP8 release in `dst` (see `cvt.testing.checkpoints
     .write_release`: block-scaled e4m3 linears, BF16 norms/embeddings, F32 router bias, shards)."""
-    from cvt.convert.synthetic import release_tensors, write_release
+    from cvt.testing.checkpoints import release_tensors, write_release
 
     config, weights, key = trained_weights(cache, quiet)
     return write_release(dst, config, release_tensors(config, weights=weights), n_shards,
@@ -216,7 +216,7 @@ def write_demo_release(dst: Path, cache: Path | None = None, quiet: bool = True,
 
 def write_demo_bf16(dst: Path, cache: Path | None = None, quiet: bool = True, n_shards: int = 2) -> Path:
     """The trained demo model as a BF16 checkpoint (router bias F32) in `dst`."""
-    from cvt.convert.synthetic import write_bf16_checkpoint
+    from cvt.testing.checkpoints import write_bf16_checkpoint
 
     config, weights, key = trained_weights(cache, quiet)
     config = {k: v for k, v in config.items() if k != "quantization_config"}  # the release's FP8 config

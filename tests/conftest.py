@@ -1,6 +1,6 @@
 """Shared fixtures: tiny synthetic checkpoints in tmp dirs, and running the real CLI.
 
-Shapes are awkward on purpose (see cvt.convert.synthetic): FP8 weights with partial edge
+Shapes are awkward on purpose (see cvt.testing.checkpoints): FP8 weights with partial edge
 blocks (88x256 kv_a_proj like V3's 576x7168, 192-row q_b_proj, 72-column kv_b_proj), one
 scale stored in a different shard from its weight, an MTP layer.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cvt.convert.synthetic import tiny_deepseek_config, write_fp8_release
+from cvt.testing.checkpoints import tiny_deepseek_config, write_fp8_release
 
 
 @dataclass

@@ -23,7 +23,7 @@ def _readme_example() -> str:
 
 
 def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
-    from cvt.convert.synthetic import write_fp8_release
+    from cvt.testing.checkpoints import write_fp8_release
 
     write_fp8_release(tmp_path / "cvt-demo" / "source-fp8")
     monkeypatch.chdir(tmp_path)

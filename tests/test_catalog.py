@@ -46,7 +46,7 @@ from typing import Callable
 
 import pytest
 
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint, write_safetensors
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint, write_safetensors
 from cvt.qtensor.schemes import scheme_names
 from cvt.tests.conftest import run_cvt
 
@@ -535,7 +535,7 @@ def _manifest_size(ctx, src):
 def _rewrite_qwen(**overrides):
     """SRC replaced by a Qwen3-MoE with other sizes (weights and config agreeing)."""
     def prep(ctx, src):
-        from cvt.convert.synthetic import tiny_qwen3_config
+        from cvt.testing.checkpoints import tiny_qwen3_config
 
         shutil.rmtree(src)
         write_bf16_checkpoint(src, tiny_qwen3_config(moe=True, **overrides))

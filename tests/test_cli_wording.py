@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from cvt.convert.synthetic import tiny_deepseek_config, write_bf16_checkpoint, write_fp8_release
+from cvt.testing.checkpoints import tiny_deepseek_config, write_bf16_checkpoint, write_fp8_release
 from cvt.tests.conftest import run_cvt
 
 

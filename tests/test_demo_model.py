@@ -13,7 +13,7 @@ import torch
 
 from cvt import corpus, demo_model
 from cvt.convert.inspect import inspect_checkpoint
-from cvt.convert.synthetic import random_weights
+from cvt.testing.checkpoints import random_weights
 from cvt.runtime.generate import generate
 from cvt.runtime.loader import load_model
 from cvt.runtime.models.deepseek_v3 import Args, Model

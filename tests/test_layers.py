@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [  # top to bottom; ":" siblings may import each other, nothing points up
     "cvt.cli",
     "cvt.demo : cvt.demo_model",
+    "cvt.testing",
     "cvt.api",
     "cvt.export",
     "cvt.quant.stage",
@@ -32,7 +33,7 @@ LAYERS = [  # top to bottom; ":" siblings may import each other, nothing points 
     "cvt.convert",
     "cvt.qtensor",
     "cvt.schemas",
-    "cvt.units : cvt.registry : cvt.lazy : cvt.dtypes : cvt.version : cvt.extras : cvt.progress : cvt.scratch : cvt.corpus : cvt.world",
+    "cvt.units : cvt.registry : cvt.lazy : cvt.dtypes : cvt.version : cvt.extras : cvt.progress : cvt.scratch : cvt.corpus : cvt.world : cvt.hooks",
     "cvt.errors",
 ]
 INDEPENDENT = [

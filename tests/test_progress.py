@@ -13,7 +13,7 @@ import pytest
 from tqdm import tqdm
 
 from cvt.convert.reader import open_checkpoint
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.progress import ETA_AFTER, make_progress
 from cvt.tests.conftest import run_cvt
 

@@ -56,7 +56,7 @@ def test_readme_documents_each_verbs_options(verb):
 def test_readme_inspect_sample_is_the_real_output(tmp_path):
     """The sample under `cvt inspect PATH` is the command's output on what `cvt demo` writes first
     (its FP8 source, `write_fp8_release`), the path shown as .../cvt-demo/source-fp8."""
-    from cvt.convert.synthetic import write_fp8_release
+    from cvt.testing.checkpoints import write_fp8_release
 
     block = re.search(r"```\n\$ cvt inspect (cvt-demo/source-fp8)[^\n]*\n(.*?)```", README.read_text(), re.S)
     assert block, "README.md: no `$ cvt inspect cvt-demo/source-fp8` sample"

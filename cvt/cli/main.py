@@ -439,6 +439,10 @@ def main(argv=None) -> None:
 
     from cvt import world
 
+    if any(k.startswith("CVT_TEST_") for k in os.environ):  # the kill-and-resume tests' faults (cvt.hooks)
+        from cvt.testing import faults
+
+        faults.install()
     options.ARGV[:] = list(sys.argv[1:] if argv is None else argv)
     ranked = os.environ.get("WORLD_SIZE", "1") != "1"  # a rank of torchrun
     who = f"rank {os.environ.get('RANK', '?')}: " if ranked else ""

@@ -196,7 +196,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     linears the output carries from SRC as they are (not in ``plan.schemes``; no fold changes them).
     The layer input stored between layers is whatever the model's layers take (`calib.Layout`):
     hidden states [b, s, h], DeepSeek-V4's hc streams [b, s, hc, h], float32."""
-    from cvt.convert import faults
+    from cvt import hooks
     from cvt.quant.methods import calib as C
     from cvt.runtime import kv_cache
     from cvt.runtime.loader import assign_tensors, fp8_block
@@ -280,7 +280,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
             bar.update(1)
             bar.set_postfix_str(f"{lres.seconds_per_layer[0]:.1f} s/layer, peak RSS {peak_rss_bytes() / 2**30:.2f} GiB")
             log.info("calibrated layer %d/%d in %.1f s", i + 1, n_layers, lres.seconds_per_layer[0])
-            faults.after_layer(i)
+            hooks.after_layer(i)  # the kill-and-resume tests stop a run here
             if on_layer is not None:
                 on_layer(i)
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cvt.convert.arch import TABLES, ArchTable, Block, Parallel, Role, arch_for, register
-from cvt.convert.synthetic import tiny_deepseek_config
+from cvt.testing.checkpoints import tiny_deepseek_config
 from cvt.errors import ArchError
 
 DSV3 = tiny_deepseek_config()  # 3 layers (layer 0 dense), 4 experts, 1 MTP layer (index 3)

@@ -272,7 +272,7 @@ def test_pickle_only_checkpoint_is_refused(fp8_release, tmp_path, dst, payload):
 def test_plain_bf16_source_is_refused(tmp_path, dst):
     import torch
 
-    from cvt.convert.synthetic import random_weights, tiny_deepseek_config, write_release
+    from cvt.testing.checkpoints import random_weights, tiny_deepseek_config, write_release
 
     cfg = tiny_deepseek_config()
     del cfg["quantization_config"]

@@ -19,7 +19,7 @@ from cvt.convert.config import with_explicit_defaults
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
 from cvt.convert.placement import make_layout
 from cvt.convert.shard import shard
-from cvt.convert.synthetic import release_tensors, tiny_deepseek_v32_config, write_bf16_checkpoint, write_release
+from cvt.testing.checkpoints import release_tensors, tiny_deepseek_v32_config, write_bf16_checkpoint, write_release
 from cvt.errors import ArchError
 from cvt.tests.conftest import run_cvt
 from cvt.tests.convert.test_fp8_to_bf16 import read_all, reference_output

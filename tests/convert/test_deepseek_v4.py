@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from cvt.convert.arch import arch_for, config_problems
 from cvt.convert.fp4 import dequant_fp4_experts
-from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config, v4_release_tensors, write_v4_release
+from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config, v4_release_tensors, write_v4_release
 from cvt.tests.conftest import run_cvt
 
 # DeepSeek's V4 inference/convert.py FP4_TABLE (code 8 is +0.0)
@@ -211,7 +211,7 @@ def test_fp8_to_bf16_v4_misshapen_fp4_scale_is_refused(tmp_path):
     cfg = tiny_deepseek_v4_config()
     tensors = v4_release_tensors(cfg)
     tensors["layers.2.ffn.experts.1.w3.scale"] = tensors["layers.2.ffn.experts.1.w3.scale"][:, :4].contiguous()
-    from cvt.convert.synthetic import write_release
+    from cvt.testing.checkpoints import write_release
 
     src = write_release(tmp_path / "src", cfg, tensors, move_scale=False)
     r = run_cvt("fp8-to-bf16", src, tmp_path / "out")

@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-from cvt.convert.synthetic import tiny_deepseek_config, write_fp8_release
+from cvt.testing.checkpoints import tiny_deepseek_config, write_fp8_release
 from cvt.schemas import load_schema
 from cvt.tests.conftest import run_cvt
 from cvt.tests.convert.fp8_reference import decode_scale, dequant

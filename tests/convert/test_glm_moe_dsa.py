@@ -21,7 +21,7 @@ from cvt.convert.arch import deepseek_v32, glm_moe_dsa
 from cvt.convert.config import with_explicit_defaults
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
 from cvt.convert.placement import make_layout
-from cvt.convert.synthetic import release_tensors, tiny_glm_moe_dsa_config, write_release
+from cvt.testing.checkpoints import release_tensors, tiny_glm_moe_dsa_config, write_release
 from cvt.tests.conftest import run_cvt
 from cvt.tests.convert.test_fp8_to_bf16 import read_all, reference_output
 
@@ -150,7 +150,7 @@ def test_shard_fp8_ep_and_bf16_tp(release, tmp_path):
     indexers (vLLM / vllm-ascend build them replicated) and splits q_b_proj; concatenating the shards
     gives the input back (`assert_reproduces`)."""
     from cvt.convert.shard import shard
-    from cvt.convert.synthetic import write_bf16_checkpoint
+    from cvt.testing.checkpoints import write_bf16_checkpoint
     from cvt.tests.convert.test_shard import assert_reproduces
 
     r = run_cvt("shard", release, tmp_path / "ep", "--ep", "2", "--quiet")

@@ -9,7 +9,7 @@ import torch
 
 from cvt.convert.identity import SAMPLES, WHOLE, file_identity, source_identity
 from cvt.convert.reader import open_checkpoint
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint, write_safetensors
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint, write_safetensors
 
 
 def _big(path, values: torch.Tensor):

@@ -39,7 +39,7 @@ def test_trained_fixture_bf16_single_file(trained_fixture):
 
 
 def test_problems_are_listed_and_exit_code_3(tmp_path, tiny_config):
-    from cvt.convert.synthetic import release_tensors, write_release
+    from cvt.testing.checkpoints import release_tensors, write_release
 
     tensors = release_tensors(tiny_config)
     for n in [n for n in tensors if ".layers.2.mlp.experts.1." in n] + ["model.layers.0.mlp.up_proj.weight_scale_inv"]:

@@ -293,7 +293,7 @@ def test_shard_writes_split_slices_straight_and_reassembles(tmp_path, monkeypatc
     writer) and nothing stays pooled after the stage."""
     from cvt.convert import shard as SH
     from cvt.convert.placement import make_layout
-    from cvt.convert.synthetic import tiny_deepseek_config, write_bf16_checkpoint
+    from cvt.testing.checkpoints import tiny_deepseek_config, write_bf16_checkpoint
     from cvt.tests.convert.test_shard import assert_reproduces
 
     _needs_direct(tmp_path)

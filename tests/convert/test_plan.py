@@ -16,7 +16,7 @@ from cvt.convert.placement import (contiguous_placement, coords, eplb_maps, grou
                                 placement_from_mindie, placement_from_phy2log, placement_to_mindie,
                                 placement_to_phy2log, read_placement, write_placement)
 from cvt.convert.memory_plan import check, memory_plan, parse_bytes, validate
-from cvt.convert.synthetic import tiny_deepseek_config, tiny_qwen3_config
+from cvt.testing.checkpoints import tiny_deepseek_config, tiny_qwen3_config
 from cvt.errors import CvtError
 from cvt.schemas import load_schema
 from cvt.schemas.parallel_layout import Layout, Placement
@@ -366,7 +366,7 @@ PLAN_CASES = [  # (scheme, format, target, quantize options)
 
 @pytest.fixture(scope="module")
 def tiny_release(tmp_path_factory):
-    from cvt.convert.synthetic import write_fp8_release
+    from cvt.testing.checkpoints import write_fp8_release
 
     return write_fp8_release(tmp_path_factory.mktemp("plan") / "src")
 

@@ -145,7 +145,7 @@ def test_two_real_runs_at_once(fp8_release_session, tmp_path, golden):
 def test_resume_refuses_another_source_with_the_same_config_and_index(tmp_path):
     """A fine-tune ships the same config.json and index as its base: a killed run of one and a
     re-run with the other must not mix their shards."""
-    from cvt.convert.synthetic import write_fp8_release
+    from cvt.testing.checkpoints import write_fp8_release
 
     a = write_fp8_release(tmp_path / "a", seed=1)
     b = write_fp8_release(tmp_path / "b", seed=2)
@@ -165,7 +165,7 @@ def test_resume_refuses_a_source_replaced_in_place_with_the_same_mtimes(tmp_path
     (`cvt.convert.identity`), so the killed run's shards are not mixed into the new one's."""
     import shutil
 
-    from cvt.convert.synthetic import write_fp8_release
+    from cvt.testing.checkpoints import write_fp8_release
 
     src = write_fp8_release(tmp_path / "src", seed=1)
     other = write_fp8_release(tmp_path / "other", seed=2)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cvt.convert.synthetic import tiny_deepseek_config, write_fp8_release
+from cvt.testing.checkpoints import tiny_deepseek_config, write_fp8_release
 
 
 def peak_rss_mb(*args) -> float:

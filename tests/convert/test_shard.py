@@ -20,7 +20,7 @@ from cvt.cli import cli
 from cvt.convert.placement import contiguous_placement, make_layout, write_placement
 from cvt.convert.safetensors_io import MappedFile
 from cvt.convert.shard import shard
-from cvt.convert.synthetic import tiny_deepseek_config, tiny_qwen3_config, write_bf16_checkpoint, write_fp8_release
+from cvt.testing.checkpoints import tiny_deepseek_config, tiny_qwen3_config, write_bf16_checkpoint, write_fp8_release
 from cvt.errors import CvtError
 from cvt.quant.stage import quantize
 from cvt.tests.conftest import run_cvt

@@ -16,7 +16,7 @@ import pytest
 from cvt.convert import fp8
 from cvt.quant import qkernel
 from cvt.tests.convert.test_shard import _bf16_config
-from cvt.convert.synthetic import write_bf16_checkpoint
+from cvt.testing.checkpoints import write_bf16_checkpoint
 
 PROBE = """
 import json, sys

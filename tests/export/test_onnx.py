@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 import pytest
 
-from cvt.convert.synthetic import tiny_deepseek_config, tiny_qwen3_config, write_bf16_checkpoint
+from cvt.testing.checkpoints import tiny_deepseek_config, tiny_qwen3_config, write_bf16_checkpoint
 from cvt.export.onnx_export import export_onnx
 from cvt.export.ort import FLIP_SHARE, TOLERANCES, OrtCausalLM, tolerance
 from cvt.quant.stage import quantize

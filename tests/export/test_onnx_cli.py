@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from cvt.cli import main
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.export import onnx_models
 from cvt.quant.stage import quantize
 

@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 
 from cvt.convert.arch import Role, arch_for
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.errors import CvtError
 from cvt.quant.stage import quantize
 from cvt.runtime.loader import load_model

@@ -95,7 +95,7 @@ def test_spilled_activations_give_the_same_output(fp8_release_session, tmp_path,
 
 
 def _qwen3_moe_release(root):
-    from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+    from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
 
     cfg = tiny_qwen3_config(moe=True, hidden_size=128, intermediate_size=256, head_dim=32, moe_intermediate_size=64)
     return write_bf16_checkpoint(root / "qwen3-moe", cfg)
@@ -186,7 +186,7 @@ def test_touched_source_resumes_byte_identically(tmp_path):
     uninterrupted run's bytes (manifest plan id included)."""
     import os
 
-    from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+    from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
 
     src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_config(moe=True))
     args = ("quantize", src, None, "--scheme", "w4a16", "--method", "gptq", "--group-size", "16",

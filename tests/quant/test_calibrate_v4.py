@@ -1,5 +1,5 @@
 """DeepSeek-V4 through the streaming calibration driver (issue 26, item 4): GPTQ / AWQ /
-SmoothQuant on a tiny V4 release built from the real naming (`cvt.convert.synthetic_v4`).
+SmoothQuant on a tiny V4 release built from the real naming (`cvt.testing.checkpoints_v4`).
 
 * the driver runs V4's hyper-connected blocks on their own state: the hc streams
   ``[b, s, hc, d]`` between blocks, the token ids (hash routing) sliced with each mini-batch --
@@ -20,7 +20,7 @@ import signal
 import pytest
 import torch
 
-from cvt.convert.synthetic_v4 import write_v4_release
+from cvt.testing.checkpoints_v4 import write_v4_release
 from cvt.tests.conftest import run_cvt
 from cvt.tests.quant.test_calibrate_stream import snapshot
 
@@ -291,7 +291,7 @@ def test_the_resume_identity_includes_the_carried_experts():
 
 def test_smoothing_groups_name_the_experts_a_block_holds():
     """A block built with some routed experts (a rank's: global ids) folds into those, by id."""
-    from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config
+    from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config
     from cvt.runtime.models.deepseek_v4 import Args, Block
 
     args = Args.from_config(tiny_deepseek_v4_config())

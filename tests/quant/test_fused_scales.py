@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from cvt.convert.arch import arch_for
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.qtensor.primitives import decode_e2m1, groups, ungroup, unpack_fp4
 from cvt.quant.stage import quantize
 from cvt.runtime.loader import load_model

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from cvt.convert.placement import make_layout
 from cvt.convert.memory_plan import memory_plan
 from cvt.convert.safetensors_io import DTYPES
-from cvt.convert.synthetic import tiny_deepseek_config, write_bf16_checkpoint, write_fp8_release
+from cvt.testing.checkpoints import tiny_deepseek_config, write_bf16_checkpoint, write_fp8_release
 from cvt.errors import CvtError
 from cvt.quant.stage import quantize
 from cvt.runtime.loader import load_model

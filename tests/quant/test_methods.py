@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import cvt.quant.methods.calib as calib_mod
-from cvt.convert.synthetic import random_weights, tiny_deepseek_config, tiny_qwen3_config
+from cvt.testing.checkpoints import random_weights, tiny_deepseek_config, tiny_qwen3_config
 from cvt.errors import CvtError
 from cvt.quant.methods import (HessianAccumulator, awq_clip, awq_search, calib_tokens, calibrate, gptq_quantize,
                                run_methods, scale_columns, scale_rows, smooth_scales)

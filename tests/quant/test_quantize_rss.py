@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from cvt.convert.synthetic import tiny_deepseek_config, write_fp8_release
+from cvt.testing.checkpoints import tiny_deepseek_config, write_fp8_release
 from cvt.quant import qkernel
 from cvt.tests.convert.test_rss import peak_rss_mb
 

@@ -7,7 +7,7 @@ description before it writes any rank file."""
 
 from __future__ import annotations
 
-from cvt.convert.synthetic import tiny_deepseek_v32_config, tiny_glm_moe_dsa_config, write_fp8_release
+from cvt.testing.checkpoints import tiny_deepseek_v32_config, tiny_glm_moe_dsa_config, write_fp8_release
 from tests.conftest import run_cvt
 
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.errors import CvtError
 from cvt.quant.recipe import Recipe
 from cvt.quant.stage import quantize
@@ -83,7 +83,7 @@ def test_w4a4_mxfp4_linear_with_odd_k_over_32_is_float_on_0_23_and_0_24(tmp_path
     """q_b_proj with 96 in_features (3 scale columns) cannot be loaded by 0.23 / 0.24's W4A4_MXFP4
     linear method: kept float there with the reason (a recipe asking for it is refused); 0.25 and
     main pad the scales and get it quantized."""
-    from cvt.convert.synthetic import tiny_deepseek_config, write_fp8_release
+    from cvt.testing.checkpoints import tiny_deepseek_config, write_fp8_release
 
     src = write_fp8_release(tmp_path / "fp8", tiny_deepseek_config(q_lora_rank=96))
     qb = "model.layers.0.self_attn.q_b_proj"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.qtensor.formats import get_format
 from cvt.qtensor.schemes import get_scheme
 from cvt.quant.stage import quantize
@@ -385,7 +385,7 @@ def test_empty_calibration_file(fp8_release_session, tmp_path):
 
 
 def test_nan_weight_refused_before_writing(tmp_path, tiny_config):
-    from cvt.convert.synthetic import random_weights, write_release
+    from cvt.testing.checkpoints import random_weights, write_release
 
     cfg = {k: v for k, v in tiny_config.items() if k != "quantization_config"}
     weights = {n: (t if n.endswith("bias") else t.to(torch.bfloat16)) for n, t in random_weights(cfg).items()}

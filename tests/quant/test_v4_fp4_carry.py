@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from cvt.convert.synthetic_v4 import write_v4_release
+from cvt.testing.checkpoints_v4 import write_v4_release
 from cvt.tests.conftest import run_cvt
 
 # DeepSeek's V4 inference/convert.py FP4_TABLE (code 8 is +0.0)
@@ -155,8 +155,8 @@ def test_power_of_two_float_scales_carry_others_do_not(dtype):
     ("nan", "non-finite"),                      # E8M0 code 255 is NaN
 ], ids=["scale-shape", "nan-scale"])
 def test_a_bad_fp4_expert_scale_is_one_line_before_anything_is_written(tmp_path, bad, words):
-    from cvt.convert.synthetic import write_release
-    from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config, v4_release_tensors
+    from cvt.testing.checkpoints import write_release
+    from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config, v4_release_tensors
 
     cfg = tiny_deepseek_v4_config()
     tensors = v4_release_tensors(cfg)

@@ -20,8 +20,8 @@ import json
 import pytest
 import torch
 
-from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config, v4_release_tensors
-from cvt.convert.synthetic import write_release
+from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config, v4_release_tensors
+from cvt.testing.checkpoints import write_release
 from cvt.tests.conftest import run_cvt
 from cvt.tests.convert.test_shard import read_all
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from cvt.convert.synthetic import (kimi_int4_tensors, release_tensors, tiny_glm_moe_dsa_config,
+from cvt.testing.checkpoints import (kimi_int4_tensors, release_tensors, tiny_glm_moe_dsa_config,
                                    tiny_kimi_k25_config, tiny_qwen3_config, write_bf16_checkpoint,
                                    write_release)
-from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config, write_v4_release
+from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config, write_v4_release
 from cvt.quant.stage import quantize
 from cvt.tests.quant.vllm_ascend_referee import check_output, inspect_output
 from cvt.tests.quant.vllm_ascend_referee_v4 import check_v4_output, inspect_v4_output, process_after_loading

@@ -26,7 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cvt.convert.arch.deepseek_v3 import param_shapes  # noqa: E402
-from cvt.convert.synthetic import random_weights, tiny_deepseek_config  # noqa: E402
+from cvt.testing.checkpoints import random_weights, tiny_deepseek_config  # noqa: E402
 from cvt.runtime.models import build_model, family  # noqa: E402
 from cvt.runtime.models.base import ConfigError  # noqa: E402
 from cvt.runtime.models.deepseek_v3 import Args, Gate, Model, rope_tables  # noqa: E402

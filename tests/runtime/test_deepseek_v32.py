@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cvt.convert.arch.deepseek_v32 import param_shapes  # noqa: E402
-from cvt.convert.synthetic import random_weights, tiny_deepseek_v32_config  # noqa: E402
+from cvt.testing.checkpoints import random_weights, tiny_deepseek_v32_config  # noqa: E402
 from cvt.runtime import kv_cache  # noqa: E402
 from cvt.runtime.models import build_model, family  # noqa: E402
 from cvt.runtime.models import deepseek_v3 as v3  # noqa: E402

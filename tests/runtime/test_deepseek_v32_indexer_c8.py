@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16  # noqa: E402
-from cvt.convert.synthetic import random_weights, tiny_deepseek_v32_config, write_fp8_release  # noqa: E402
+from cvt.testing.checkpoints import random_weights, tiny_deepseek_v32_config, write_fp8_release  # noqa: E402
 from cvt.errors import CvtError  # noqa: E402
 from cvt.quant.stage import quantize  # noqa: E402
 from cvt.qtensor import indexer_c8  # noqa: E402

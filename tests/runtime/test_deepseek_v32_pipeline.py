@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16  # noqa: E402
 from cvt.convert.placement import make_layout  # noqa: E402
 from cvt.convert.shard import shard  # noqa: E402
-from cvt.convert.synthetic import tiny_deepseek_v32_config, write_bf16_checkpoint, write_fp8_release  # noqa: E402
+from cvt.testing.checkpoints import tiny_deepseek_v32_config, write_bf16_checkpoint, write_fp8_release  # noqa: E402
 from cvt.quant.stage import quantize  # noqa: E402
 from cvt.runtime.loader import load_model  # noqa: E402
 from cvt.runtime.kernels import Linear  # noqa: E402

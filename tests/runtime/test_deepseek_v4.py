@@ -19,8 +19,8 @@ import re
 import pytest
 import torch
 
-from cvt.convert.synthetic import random_weights
-from cvt.convert.synthetic_v4 import tiny_deepseek_v4_config
+from cvt.testing.checkpoints import random_weights
+from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config
 from cvt.runtime.models import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -161,7 +161,7 @@ def test_loads_and_runs_the_bf16_output_of_a_v4_release(tmp_path):
     from safetensors.torch import load_file
 
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-    from cvt.convert.synthetic_v4 import write_v4_release
+    from cvt.testing.checkpoints_v4 import write_v4_release
     from cvt.runtime.loader import load_model
     from cvt.tests.conftest import run_cvt
 

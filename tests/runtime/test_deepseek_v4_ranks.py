@@ -25,7 +25,7 @@ ARGV = [a for p in PROMPTS for a in ("--prompt", p)] + ["--max-new-tokens", "4",
 @pytest.fixture(scope="module")
 def v4_bf16(tmp_path_factory) -> Path:
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-    from cvt.convert.synthetic_v4 import write_v4_release
+    from cvt.testing.checkpoints_v4 import write_v4_release
 
     root = tmp_path_factory.mktemp("v4-ranks")
     return fp8_to_bf16(write_v4_release(root / "release"), root / "bf16", quiet=True).dst

@@ -21,7 +21,7 @@ import torch
 
 from cvt.convert.placement import contiguous_placement, make_layout, read_placement, write_placement
 from cvt.convert.shard import shard
-from cvt.convert.synthetic import tiny_deepseek_config, tiny_qwen3_config, write_bf16_checkpoint
+from cvt.testing.checkpoints import tiny_deepseek_config, tiny_qwen3_config, write_bf16_checkpoint
 from cvt.errors import CvtError, ManifestError
 from cvt.runtime import launch
 from cvt.tests.conftest import run_cvt

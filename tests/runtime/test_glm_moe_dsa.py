@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cvt.convert.arch.glm_moe_dsa import param_shapes  # noqa: E402
-from cvt.convert.synthetic import random_weights, tiny_glm_moe_dsa_config  # noqa: E402
+from cvt.testing.checkpoints import random_weights, tiny_glm_moe_dsa_config  # noqa: E402
 from cvt.runtime.models import build_model, family  # noqa: E402
 from cvt.runtime.models import deepseek_v32 as v32  # noqa: E402
 from cvt.runtime.models.base import ConfigError  # noqa: E402
@@ -186,7 +186,7 @@ def test_two_ranks_match_one_process(tmp_path):
     single-process tokens and logits (tests/runtime/test_distributed.py's harness)."""
     from cvt.convert.placement import make_layout
     from cvt.convert.shard import shard
-    from cvt.convert.synthetic import write_bf16_checkpoint
+    from cvt.testing.checkpoints import write_bf16_checkpoint
     from cvt.tests.runtime.test_distributed import _check_dumps, _reference, _spawn
 
     cfg = tiny_glm_moe_dsa_config(index_topk=3, index_n_heads=16, indexer_types=["full", "shared", "full"])

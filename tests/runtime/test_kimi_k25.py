@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cvt.convert.synthetic import kimi_int4_tensors, tiny_kimi_k25_config, write_release  # noqa: E402
+from cvt.testing.checkpoints import kimi_int4_tensors, tiny_kimi_k25_config, write_release  # noqa: E402
 from cvt.runtime.loader import load_model  # noqa: E402
 from cvt.runtime.models import build_model  # noqa: E402
 from cvt.tests.conftest import run_cvt  # noqa: E402

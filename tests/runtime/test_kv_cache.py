@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.errors import CvtError
 from cvt.runtime import kv_cache as K
 from cvt.qtensor import kv_tensors

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.errors import CvtError, ManifestError, TensorError
 from cvt.runtime.loader import load_model
 from cvt.tests.conftest import run_cvt
@@ -49,7 +49,7 @@ def test_fp8_release_dequantized_on_load_equals_the_converted_output(fp8_release
 
 
 def test_checkpoint_without_mtp_runs_without_it(tmp_path, tiny_config):
-    from cvt.convert.synthetic import tiny_deepseek_config
+    from cvt.testing.checkpoints import tiny_deepseek_config
 
     cfg = tiny_deepseek_config()
     cfg.pop("quantization_config")
@@ -93,7 +93,7 @@ def test_manifest_file_modified_same_size_needs_verify_files(cvt_output):
 
 
 def test_unknown_tensor_and_shape_mismatch(qwen_dir, tmp_path):
-    from cvt.convert.synthetic import write_safetensors
+    from cvt.testing.checkpoints import write_safetensors
 
     bad = tmp_path / "bad"
     shutil.copytree(qwen_dir, bad)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cvt.convert.synthetic import tiny_deepseek_config, tiny_deepseek_v32_config, tiny_qwen3_config
+from cvt.testing.checkpoints import tiny_deepseek_config, tiny_deepseek_v32_config, tiny_qwen3_config
 from cvt.errors import CvtError
 from cvt.runtime.models import base, deepseek_v3, deepseek_v32, qwen3
 

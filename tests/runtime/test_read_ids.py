@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from cvt.convert.synthetic import byte_tokenizer, tiny_qwen3_config
+from cvt.testing.checkpoints import byte_tokenizer, tiny_qwen3_config
 from cvt.errors import CvtError
 from cvt.quant.methods import calib_tokens
 from cvt.runtime.tokenizer import MAX_TEXT_CHARS, load_tokenizer, read_ids

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint, write_safetensors
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint, write_safetensors
 from cvt.tests.conftest import run_cvt
 
 

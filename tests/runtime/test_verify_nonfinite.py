@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cvt.convert.synthetic import tiny_qwen3_config, write_bf16_checkpoint
+from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
 from cvt.errors import CvtError
 from cvt.runtime.verify import verify
 from cvt.schemas import load_schema

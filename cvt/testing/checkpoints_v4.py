@@ -18,7 +18,7 @@ from typing import Any
 
 from cvt.convert.arch import Role, arch_for
 from cvt.convert.fp4 import EXPERT_DTYPE_FP4, FP4_MAX, FP4_TABLE, GROUP
-from cvt.convert.synthetic import quantize_fp8_block, write_release
+from cvt.testing.checkpoints import quantize_fp8_block, write_release
 
 
 def tiny_deepseek_v4_config(**overrides: Any) -> dict[str, Any]:
@@ -67,7 +67,7 @@ def v4_release_tensors(config: dict[str, Any], seed: int = 0) -> dict:
     """name -> tensor in the release's dtypes (module docstring)."""
     import torch
 
-    from cvt.convert.synthetic import random_weights
+    from cvt.testing.checkpoints import random_weights
 
     arch = arch_for(config)
     block = tuple(config["quantization_config"]["weight_block_size"])

@@ -4,12 +4,16 @@ after a calibrated decoder layer.
 `CVT_TEST_KILL_AT_BYTE=N` makes the N-th byte written through `AtomicFile` (counting every
 output file: shards, index, config, manifest) the point where the process SIGKILLs itself,
 exactly as `kill -9` would, so the kill-and-resume tests can stop a run mid-tensor,
-mid-file, between files or before the manifest, deterministically. Unset, this costs one
-integer comparison per write. `CVT_TEST_KILL_AFTER_LAYER=i` SIGKILLs a calibrated quantize
-right after layer i's state is saved (`cvt.quant.methods.stream`); `CVT_TEST_STOP_AFTER_LAYER=i`
-SIGSTOPs it there instead (mid-calibration, everything held; the test resumes it with SIGCONT).
+mid-file, between files or before the manifest, deterministically. `CVT_TEST_KILL_AFTER_LAYER=i`
+SIGKILLs a calibrated quantize right after layer i's state is saved (`cvt.quant.methods.stream`);
+`CVT_TEST_STOP_AFTER_LAYER=i` SIGSTOPs it there instead (mid-calibration, everything held; the
+test resumes it with SIGCONT).
 In a torchrun world, `CVT_TEST_KILL_RANK=r` limits both kills to rank r (the other ranks run on
 until torchrun stops them).
+
+The library calls the seams of `cvt.hooks` (a plain write, a no-op); `install()` puts this
+module's `write` and `after_layer` there. The CLI entry point (`cvt.cli.main`, which every rank
+of a torchrun world it launches runs too) calls it when a ``CVT_TEST_*`` variable is set.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+
+from cvt import hooks
 
 _rank = os.environ.get("CVT_TEST_KILL_RANK", "")
 _here = not _rank or _rank == os.environ.get("RANK", "0")
@@ -50,3 +56,9 @@ def after_layer(i: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if _stop_layer and int(_stop_layer) == i:
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def install() -> None:
+    """Route the library's seams (`cvt.hooks`) through this module's kill switches."""
+    hooks.write = write
+    hooks.after_layer = after_layer
