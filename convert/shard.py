@@ -55,7 +55,7 @@ from cvt.version import __version__
 from cvt.convert.arch import Parallel, Role, arch_for
 from cvt.convert.config import fp8_block, quantization_config, source_format, with_explicit_defaults
 from cvt.convert.placement import (PLACEMENT_FILES, Layout, Placement, contiguous_placement, coords, moe_layers,
-                                placement_json)
+                                   placement_json)
 from cvt.convert.memory_plan import axis_of, check
 from cvt.convert.reader import MANIFEST_NAME, Checkpoint, check_manifest_files, open_checkpoint, read_manifest
 from cvt.convert.validate import check_weights

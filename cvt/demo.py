@@ -238,7 +238,7 @@ def step_glm_kimi(root: Path, out: dict[str, Path], say) -> None:
     vision tower copied byte for byte). No verify: the runtimes are V3.2's / V3's, verified above."""
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16
     from cvt.testing.checkpoints import (kimi_int4_tensors, tiny_glm_moe_dsa_config, tiny_kimi_k25_config,
-                                       write_fp8_release, write_release)
+                                         write_fp8_release, write_release)
     from cvt.quant.stage import quantize
 
     glm = tiny_glm_moe_dsa_config(indexer_types=["full", "shared", "full"], index_topk_pattern="FSF")

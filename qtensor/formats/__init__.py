@@ -32,7 +32,7 @@ Attributes: ``name``, ``weights_prefix``, ``kv_codec`` (how a quantized KV cache
 """
 
 from cvt.qtensor.formats.base import (FORMATS, Format, default_group, format_names, get_format, group_fallback,
-                                           lm_section, register, scheme_name)
+                                      lm_section, register, scheme_name)
 from cvt.qtensor.formats import ascend, compressed_tensors  # noqa: F401  (register)
 
 DEFAULT_FORMAT = compressed_tensors.CompressedTensors.name  # what `cvt quantize` writes without --format

@@ -15,7 +15,7 @@ w4a8_mxfp   E2M1 weights, block 32, E8M0 scales; MXFP8 activations (Ascend 950 W
 """
 
 from cvt.qtensor.schemes.base import (SCHEMES, QuantizedTensor, Scheme, get_scheme, register, scheme_from_options,
-                                          scheme_names)
+                                      scheme_names)
 from cvt.qtensor.schemes import w8a8, w8a8c8, w4a16, w4a8, fp4, mx  # noqa: E402,F401  isort: skip  (registers)
 from cvt.qtensor.schemes.fp4 import FP4  # noqa: E402
 from cvt.qtensor.schemes.mx import MXFP8, W4A4MXFP4, W4A8MXFP  # noqa: E402

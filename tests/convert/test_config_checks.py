@@ -9,7 +9,7 @@ import pytest
 
 from cvt.convert.arch import config_problems
 from cvt.testing.checkpoints import (tiny_deepseek_config, tiny_deepseek_v32_config, tiny_qwen3_config,
-                                   write_fp8_release)
+                                     write_fp8_release)
 from cvt.runtime.models import family
 from cvt.runtime.models.base import ConfigError
 from cvt.tests.conftest import run_cvt

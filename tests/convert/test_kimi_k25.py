@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 from cvt.convert.arch import Parallel, Role, arch_for, carried_names  # noqa: E402
 from cvt.testing.checkpoints import (kimi_int4_tensors, release_tensors, tiny_deepseek_config,  # noqa: E402
-                                   tiny_kimi_k25_config, write_release)
+                                     tiny_kimi_k25_config, write_release)
 from cvt.quant.stage import quantize  # noqa: E402
 from cvt.tests.conftest import run_cvt  # noqa: E402
 from cvt.tests.convert.test_shard import read_all  # noqa: E402

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from cvt.convert.arch import arch_for
 from cvt.convert.placement import (contiguous_placement, coords, eplb_maps, group, log2phy, make_layout, moe_layers,
-                                placement_from_mindie, placement_from_phy2log, placement_to_mindie,
-                                placement_to_phy2log, read_placement, write_placement)
+                                   placement_from_mindie, placement_from_phy2log, placement_to_mindie,
+                                   placement_to_phy2log, read_placement, write_placement)
 from cvt.convert.memory_plan import check, memory_plan, parse_bytes, validate
 from cvt.testing.checkpoints import tiny_deepseek_config, tiny_qwen3_config
 from cvt.errors import CvtError

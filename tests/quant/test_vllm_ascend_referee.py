@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from cvt.testing.checkpoints import (kimi_int4_tensors, release_tensors, tiny_glm_moe_dsa_config,
-                                   tiny_kimi_k25_config, tiny_qwen3_config, write_bf16_checkpoint,
-                                   write_release)
+                                     tiny_kimi_k25_config, tiny_qwen3_config, write_bf16_checkpoint,
+                                     write_release)
 from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config, write_v4_release
 from cvt.quant.stage import quantize
 from cvt.tests.quant.vllm_ascend_referee import check_output, inspect_output

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cvt.testing.checkpoints import (tiny_deepseek_config, tiny_deepseek_v32_config, tiny_glm_moe_dsa_config,
-                                   tiny_qwen3_config, write_bf16_checkpoint, write_fp8_release)
+                                     tiny_qwen3_config, write_bf16_checkpoint, write_fp8_release)
 from cvt.testing.checkpoints_v4 import write_v4_release
 from cvt.runtime.loader import load_model
 from cvt.tests.conftest import run_cvt
