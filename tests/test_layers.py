@@ -2,7 +2,8 @@
 
 import-linter is the referee: it builds the import graph of the whole package, imports inside
 functions included, and checks each contract. This test fails when the code breaks a contract
-and when a contract (or a layer of one) is removed from the configuration.
+and when a contract (or a layer of one) is removed from the configuration, and (through grimp,
+import-linter's own graph library) when any modules import each other in a cycle.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ INDEPENDENT = [
 ]
 
 
+LIBRARY = ["cvt.convert", "cvt.qtensor", "cvt.quant", "cvt.runtime", "cvt.export", "cvt.schemas", "cvt.api"]
+
+
 def _contracts() -> list[dict]:
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     assert cfg["root_package"] == "cvt"
@@ -62,6 +66,84 @@ def test_the_independence_contracts_are_all_there():
     got = [set(c["modules"]) for c in _contracts() if c["type"] == "independence"]
     assert sorted(map(sorted, got)) == sorted(map(sorted, INDEPENDENT))
     assert not any(c.get("ignore_imports") for c in _contracts())
+
+
+def test_the_library_may_not_import_the_test_support():
+    forbidden = [c for c in _contracts() if c["type"] == "forbidden"]
+    assert len(forbidden) == 1
+    assert sorted(forbidden[0]["source_modules"]) == sorted(LIBRARY)
+    assert forbidden[0]["forbidden_modules"] == ["cvt.testing"]
+
+
+def test_every_top_level_module_is_in_a_layer():
+    """A new module of cvt (or a new top-level folder) gets a place in the layer order."""
+    grimp = pytest.importorskip("grimp")
+    layered = {m.strip() for layer in LAYERS for m in layer.split(":")}
+    graph = grimp.build_graph("cvt", cache_dir=None)
+    loose = sorted(m for m in graph.find_children("cvt") if m != "cvt.__main__" and m not in layered
+                   and not any(x.startswith(m + ".") for x in layered))
+    assert not loose, f"not in the layers contract: {loose}"
+
+
+def cycles(graph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, without
+    recursion): each is a set of modules that import each other, directly or through the others."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.find_modules_directly_imported_by(w)))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return sorted(found)
+
+
+def test_cycles_finds_every_cycle_and_nothing_else():
+    grimp = pytest.importorskip("grimp")
+    g = grimp.ImportGraph()
+    for a, b in [("p.a", "p.b"), ("p.b", "p.c"), ("p.c", "p.a"), ("p.d", "p.a"), ("p.e", "p.f"), ("p.f", "p.e"),
+                 ("p.g", "p.d")]:
+        g.add_import(importer=a, imported=b)
+    assert cycles(g) == [["p.a", "p.b", "p.c"], ["p.e", "p.f"]]
+
+
+def test_no_module_level_import_cycles():
+    """Modules (a package's __init__ counts as one) never import each other in a cycle, imports
+    inside functions included: the graph import-linter checks, built by grimp from the installed
+    layout (cvt/ with its links to the subpackage folders)."""
+    grimp = pytest.importorskip("grimp")
+    found = cycles(grimp.build_graph("cvt", cache_dir=None))
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_every_subpackage_folder_is_linked_where_import_linter_looks():
