@@ -129,7 +129,7 @@ def step_shard(root: Path, out: dict[str, Path], say) -> None:
     say(f"4 rank directories, {len(r.manifest.files)} files, {r.bytes_out} bytes (source {r.bytes_in})")
     prompts = [[72, 101, 108, 108, 111], [87, 111, 114, 108, 100, 33, 32]]
     dump = root / "sharded-logits.safetensors"
-    say(f"cvt run {out['shards']} --world-size 4 --dtype fp32   (torchrun, gloo, 4 CPU processes)")
+    say(f"cvt run {out['shards']} --procs 4 --dtype fp32   (torchrun, gloo, 4 CPU processes)")
     argv = launch_args(input_ids=[",".join(map(str, p)) for p in prompts], max_new_tokens=6, device="cpu",
                        dtype="fp32", quiet=True, dump_logits=dump)
     rc = torchrun(out["shards"], 4, argv)

@@ -25,6 +25,9 @@ from cvt.version import __version__
 
 log = logging.getLogger("cvt")
 
+# what --procs says on the verbs whose ranks only deal out output files
+STREAMING_RANKS = "the ranks exchange only file lists, over gloo (CPU); the bytes are those of one process."
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="cvt")
 def cli() -> None:
@@ -50,7 +53,7 @@ def cli() -> None:
               help="Keep output files an interrupted run of the same conversion finished (size and checksum checked).")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
-@ranks()
+@ranks("its output files", STREAMING_RANKS, old_spelling=True)
 def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwrite, quiet):
     """Dequantize an FP8 block-scaled release (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8) to BF16.
 
@@ -134,7 +137,11 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
-@ranks(what="the calibration samples, the layers' linears and experts (by cost) and the output files")
+@ranks("the calibration samples, the layers' linears and experts (by cost) and the output files",
+       "they talk over gloo on CPU, nccl / hccl for --device cuda / npu. Without calibration the bytes are those "
+       "of one process; calibrated (gptq, awq, smoothquant, --static-attention, w8a8c8's KV ranges) they depend "
+       "on N, not on timing: the same N writes the same bytes, one process other bytes (sums in another order, "
+       "which GPTQ's rounding amplifies).", old_spelling=True)
 def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method, group_size, asym, fp4_format, calib,
                  calib_tokens, device,
                  expert_memory, static_attention, ignore, recipe, revision, workers, max_shard_size, resume, overwrite,
@@ -246,7 +253,7 @@ def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens,
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep rank files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
-@ranks("--procs", "the rank files (--world-size is the layout's)")
+@ranks("the rank files (--world-size is the layout's)", STREAMING_RANKS)
 def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens, revision,
               resume, overwrite, quiet, **degrees):
     """Write SRC as per-rank directories DST/rank-XXXXX/ for an EP/TP layout (one world of
@@ -255,7 +262,7 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target
     FP8 releases and cvt quantize outputs; every tensor is read once, whatever W. The layout is
     validated before anything is written (heads, experts, vocab, FP8 blocks and quantization
     groups must divide). `torchrun --nproc-per-node W -m cvt.runtime.launch DST` (or
-    `cvt run DST --world-size W`) runs the result."""
+    `cvt run DST --procs W`) runs the result."""
     layout = api.LayoutOptions(**degrees)
     if dry_run:  # scheme, format, target and fp4 format default to SRC's own (`api.plan`)
         _print_plan(api.PlanOptions(model=src, layout=layout, scheme=scheme, group_size=group_size, fmt=fmt,
@@ -305,14 +312,16 @@ def inspect_cmd(path, revision, as_json, quiet):
 @click.option("--dtype", type=click.Choice(get_args(api.DType)), default="bf16", show_default=True)
 @click.option("--verify-files", is_flag=True, help="Check every file's checksum against the manifest before loading.")
 @click.option("--revision", help="Hub revision when MODEL is a repo id.")
-@click.option("--world-size", type=click.IntRange(1), default=None,
-              help="Run a cvt shard output on W ranks: launches torchrun (python -m cvt.runtime.launch), which "
-                   "always checks each rank's files' checksums.")
+@click.option(options.PROCS, "procs", type=click.IntRange(1), default=None, metavar="N",
+              help="Processes to launch: run a cvt shard output as its N ranks (N = the layout's world size) under "
+                   "torchrun on this node (python -m cvt.runtime.launch; gloo on CPU, nccl / hccl for --device "
+                   "cuda / npu), which always checks each rank's files' checksums.")
+@options.old_procs_option
 @click.option("--backend", type=click.Choice(get_args(api.Backend)), default="torch", show_default=True,
               help="onnxruntime: MODEL is a `cvt export onnx` output, run on the CPU (--dtype is the export's).")
 @common
 def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed, device, dtype, verify_files, revision,
-            world_size, backend, quiet):
+            procs, old_procs, backend, quiet):
     """Generate text with the bundled runtime from any cvt output or HF BF16/FP8 directory.
 
     Prints each continuation and the prefill / decode speed in tokens/s.
@@ -320,6 +329,7 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
     from cvt.errors import CvtError
     from cvt.runtime.launch import launch_args, sharded_world, torchrun
 
+    world_size = options.deprecated_procs("run", old_procs, procs)
     if backend == "torch" and (world_size is not None and world_size > 1 or sharded_world(model) is not None):
         if revision:
             raise CvtError("--revision applies to hub repo ids; a sharded checkpoint is a local directory")
@@ -328,7 +338,7 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
                            debug=click.get_current_context().obj.get("debug", False))
         sys.exit(torchrun(model, world_size, argv))
     if backend == "onnxruntime" and world_size not in (None, 1):
-        raise CvtError("--backend onnxruntime runs on one CPU process (--device auto or cpu, no --world-size)")
+        raise CvtError("--backend onnxruntime runs on one CPU process (--device auto or cpu, no --procs)")
     res = api.run(api.RunOptions(model=model, prompts=prompts, input_ids=input_ids, max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_p=top_p, seed=seed, device=device, dtype=dtype,
                                  verify_files=verify_files, revision=revision, backend=backend, quiet=quiet))
