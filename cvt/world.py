@@ -91,6 +91,9 @@ def expect(procs: int | None) -> World:
     the user started must say what WORLD_SIZE says."""
     w = current()
     if procs is not None and procs != w.size:
+        if w.size == 1:  # the Python API, outside torchrun: it runs in this process, it launches none
+            raise CvtError(f"procs {procs}: this process is not one of {procs} torchrun ranks (start it under "
+                           f"torchrun --nproc-per-node {procs}, or run `cvt VERB ... --procs {procs}`)")
         raise CvtError(f"--procs {procs}, but torchrun started {w.size} ranks (WORLD_SIZE)")
     return w
 

@@ -16,7 +16,8 @@ from typing import get_args
 import click
 
 from cvt.cli.export import export as export_group
-from cvt.cli import options
+from cvt.cli import describe, options
+from cvt.cli.describe import LazyHelp
 from cvt.cli.options import (EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_THRESHOLD, FORMATS,
                              FP4_FORMATS, METHODS, PLAN_SCHEMES, SCHEMES, SIZE, TARGETS, FiniteFloat, common,
                              human, ranks)
@@ -28,15 +29,12 @@ log = logging.getLogger("cvt")
 # what --procs says on the verbs whose ranks only deal out output files
 STREAMING_RANKS = "the ranks exchange only file lists, over gloo (CPU); the bytes are those of one process."
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=describe.LazyHelpGroup, text=describe.group_help,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="cvt")
 def cli() -> None:
-    """cvt: convert released LLM checkpoints (DeepSeek-V3/R1/V3.1/V3.2, Kimi-K2, Qwen3, Qwen3-MoE)
-    for Ascend NPUs and any torch machine.
-
-    SRC may be a local directory or a Hugging Face hub repo id (owner/name; HF_HUB_OFFLINE=1
-    uses only the local cache). Every output directory carries cvt_manifest.json.
-    """
+    """cvt: convert released LLM checkpoints for Ascend NPUs and any torch machine (the families:
+    `describe.group_help`, from the architecture tables)."""
 
 
 @cli.command("fp8-to-bf16")
@@ -82,19 +80,9 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @cli.command("quantize")
 @click.argument("src")
 @click.argument("dst", type=click.Path())
-@click.option("--scheme", type=SCHEMES, required=True,
-              help="w8a8: int8 weights per channel, int8 dynamic per-token activations; w8a8c8: plus a quantized KV "
-                   "cache with calibrated scales (Ascend: int8 C8 / FAKQuant; compressed-tensors: FP8, the kind "
-                   "vLLM loads); w4a16: int4 weights in groups, bf16 activations; w4a8: int4 weights per channel, int8 "
-                   "dynamic per-token activations (Ascend W4A8_DYNAMIC, MoE experts); fp4: E2M1 weights with group "
-                   "scales.")
-@click.option("--format", "fmt", type=FORMATS, default=None,
-              help="Default compressed-tensors. ascend: msModelSlim AscendV1 (quant_model_description.json); compressed-tensors: vLLM/transformers.")
-@click.option("--target", type=TARGETS, default=None,
-              help="ascend: the serving stack the layouts are for (default vllm-ascend). vllm-ascend loads W4A16 "
-                   "(int32 packed) and MXFP4 only for MoE experts (other linears stay float), MLA C8 as FAKQuant; "
-                   "mindie takes the int8 two-per-byte W4A16 for every linear, and gets its quantize keys in "
-                   "config.json.")
+@click.option("--scheme", type=SCHEMES, required=True, cls=LazyHelp, text=describe.schemes)
+@click.option("--format", "fmt", type=FORMATS, default=None, cls=LazyHelp, text=describe.formats)
+@click.option("--target", type=TARGETS, default=None, cls=LazyHelp, text=describe.targets)
 @click.option("--target-version", default=None, metavar="LINE",
               help="vllm-ascend: the release line the output is for, 0.23 (default), 0.24, 0.25 or main; recorded "
                    "in the manifest. A module that line no longer loads is refused, saying why (main: no W4A8 "
@@ -103,10 +91,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
               help="w8a8c8: the quantized KV cache's storage. ascend: int8 (default; C8 / FAKQuant) or fp8 "
                    "(FAKQuant's e4m3 cache on Ascend 950, MLA models, vllm-ascend; scales amax / 448); "
                    "compressed-tensors: fp8 only.")
-@click.option("--method", type=METHODS, default=None,
-              help="Default rtn. rtn: any scheme, no data. gptq: fp4, mxfp8, w4a16, w4a4_mxfp4, w4a8_mxfp, w8a8, w8a8c8. awq: any scheme. smoothquant: w4a8, "
-                   "w8a8, w8a8c8 (it smooths activations for their int8 quantization). gptq, awq and smoothquant "
-                   "calibrate on --calib text; a recipe can give modules other methods.")
+@click.option("--method", type=METHODS, default=None, cls=LazyHelp, text=describe.methods)
 @click.option("--group-size", type=click.IntRange(0), default=None,
               help="w4a16 group size along k (0: per channel). Default 128 for compressed-tensors, 64 for ascend.")
 @click.option("--asym", is_flag=True, help="w4a16 with offsets (zero points) instead of symmetric.")

@@ -44,6 +44,12 @@ DEFAULT_TARGET = VLLM_ASCEND
 CT_TARGET = "vllm"  # compressed-tensors: vLLM and transformers
 FORMAT_TARGETS = {ASCEND: ASCEND_TARGETS, COMPRESSED_TENSORS: (CT_TARGET,)}
 CONFIG_KEY_TARGETS = (MINDIE,)  # read their quantization keys from config.json (MindIE's atb_llm)
+# what `--target` says of each ascend target (the entries below are what each loads)
+TARGET_SUMMARIES = {
+    VLLM_ASCEND: "loads W4A16 (int32 packed) and MXFP4 only for MoE experts (other linears stay float), MLA C8 as "
+                 "FAKQuant",
+    MINDIE: "takes the int8 two-per-byte W4A16 for every linear, and gets its quantize keys in config.json",
+}
 
 
 @dataclass(frozen=True)
@@ -574,6 +580,6 @@ def read_layout(module: str, kernel_candidates, disk: dict[str, torch.Tensor]) -
 
 from cvt.quant.tensor import layouts_mx  # noqa: E402,F401  (registers the Ascend 950 MX entries)
 
-__all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
+__all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "TARGET_SUMMARIES", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
            "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason",
            "scale_bias_role", "K16"]
