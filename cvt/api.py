@@ -193,7 +193,8 @@ class PlanOptions(_Options):
     `scheme` None: the source's own weights (a cvt quantize output's scheme, format and target;
     an FP8 release; else bf16)."""
 
-    model: str
+    model: str  # a checkpoint directory, its config.json, or a hub repo id
+    revision: Optional[str] = None  # hub revision when `model` is a repo id
     layout: LayoutOptions = LayoutOptions()
     scheme: Optional[str] = None
     group_size: Optional[int] = Field(None, ge=0)
@@ -215,10 +216,10 @@ def plan(options: PlanOptions | None = None, /, **kw):
     from cvt.convert.plan import memory_plan, read_config
     from cvt.convert.shard import source_weights
 
-    config = read_config(o.model)
+    where, config = read_config(o.model, o.revision)
     scheme, group, fmt, target, fp4 = o.scheme, o.group_size, o.fmt, o.target, o.fp4_format
     if scheme is None:  # the source's own weights; options given explicitly win over what it records
-        scheme, own_group, own = source_weights(o.model, config)
+        scheme, own_group, own = source_weights(where, config)
         group = own_group if group is None else group
         if own:
             recorded = (own.get("format"), own.get("target"), own.get("fp4_format"))

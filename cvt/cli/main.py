@@ -182,7 +182,14 @@ def _layout_options(fn):
 
 
 def _print_plan(options) -> None:
-    plan = api.plan(options)
+    from cvt.convert.layout import LayoutError
+    from cvt.convert.plan import layout_violations
+
+    try:
+        plan = api.plan(options)
+    except LayoutError as exc:  # degrees that make no layout: the plan's problems, with nothing to plan
+        click.echo(f"no memory plan: the degrees make no layout\n\n{layout_violations(exc.problems)}")
+        sys.exit(EXIT_PROBLEMS)
     click.echo(plan.render())
     if plan.violations or plan.over_budget:
         sys.exit(EXIT_PROBLEMS)
@@ -205,15 +212,18 @@ def _print_plan(options) -> None:
               help="fp4: nvfp4 (default) or mxfp4 (Ascend).")
 @click.option("--hbm", type=SIZE, default=None, help="Device memory per rank, e.g. 64GB or 64GiB: ranks above it are flagged.")
 @click.option("--kv-tokens", type=click.IntRange(0), default=0, show_default=True, help="Tokens of KV cache in flight (whole world).")
+@click.option("--revision", help="Hub revision when MODEL is a repo id.")
 @common
-def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens, quiet, **degrees):
+def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens, revision, quiet, **degrees):
     """Per-rank memory plan of an EP/TP layout from config.json alone (MODEL: a checkpoint
-    directory or a config.json): weights by role plus KV cache, min/max/mean, the heaviest rank,
-    ranks over --hbm, and every divisibility problem of the layout. Exit code 3 when the layout
-    is invalid or a rank does not fit. `cvt shard SRC --dry-run` prints the same plan, with the
-    same options (defaulting to SRC's own scheme, format and target)."""
-    _print_plan(api.PlanOptions(model=model, layout=api.LayoutOptions(**degrees), scheme=scheme, group_size=group_size,
-                                fmt=fmt, target=target, fp4_format=fp4_format, hbm=hbm, kv_tokens=kv_tokens))
+    directory, a config.json, or a hub repo id, of which only config.json is fetched): weights by
+    role plus KV cache, min/max/mean, the heaviest rank, ranks over --hbm, and every divisibility
+    problem of the layout. Exit code 3 when the layout is invalid or a rank does not fit. `cvt
+    shard SRC --dry-run` prints the same plan, with the same options (defaulting to SRC's own
+    scheme, format and target)."""
+    _print_plan(api.PlanOptions(model=model, revision=revision, layout=api.LayoutOptions(**degrees), scheme=scheme,
+                                group_size=group_size, fmt=fmt, target=target, fp4_format=fp4_format, hbm=hbm,
+                                kv_tokens=kv_tokens))
 
 
 @cli.command("shard")
@@ -250,8 +260,8 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target
     `cvt run DST --procs W`) runs the result."""
     layout = api.LayoutOptions(**degrees)
     if dry_run:  # scheme, format, target and fp4 format default to SRC's own (`api.plan`)
-        _print_plan(api.PlanOptions(model=src, layout=layout, scheme=scheme, group_size=group_size, fmt=fmt,
-                                    target=target, fp4_format=fp4_format, hbm=hbm, kv_tokens=kv_tokens))
+        _print_plan(api.PlanOptions(model=src, revision=revision, layout=layout, scheme=scheme, group_size=group_size,
+                                    fmt=fmt, target=target, fp4_format=fp4_format, hbm=hbm, kv_tokens=kv_tokens))
         return
     if dst is None:
         raise click.UsageError("DST is required (or pass --dry-run)")

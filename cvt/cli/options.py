@@ -10,7 +10,7 @@ import math
 import click
 
 from cvt.errors import CvtError
-from cvt.units import parse_size
+from cvt.units import binary_size, parse_size
 
 EXIT_ERROR = 1
 EXIT_PROBLEMS = 3
@@ -38,11 +38,8 @@ def common(fn):
 
 
 def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
+    """Bytes in a summary line: '3.2 MiB'."""
+    return binary_size(n, digits=1)
 
 
 class NamesChoice(click.Choice):
