@@ -1,16 +1,15 @@
 """`cvt demo`: every stage that exists, on a tiny DeepSeek-V3-style FP8 checkpoint.
 
-The checkpoint is `cvt.demo_model`'s: the tiny DeepSeek-V3 of `cvt.convert.synthetic` (one
-dense layer, two MoE layers, an MTP layer, dims that are not multiples of 128, scales split
-across shards) trained on Python's standard library source (once, by the first run; then
-cached: `cvt.demo_model`), so its text looks like Python and the quantization losses mean
-something. The stages run in pipeline order: fp8-to-bf16, run, verify, quantize, shard + a 4-rank torchrun on
+The checkpoint is `cvt.demo_model`'s: the tiny DeepSeek-V3 of `cvt.convert.synthetic` (one dense
+layer, two MoE layers, an MTP layer, dims that are not multiples of 128, scales split across
+shards) trained on Python's standard library source (once, by the first run; then cached:
+`cvt.demo_model`), so its text looks like Python and the quantization losses mean something. The
+stages run in pipeline order: fp8-to-bf16, run, verify, quantize, shard + a 4-rank torchrun on
 CPU checked against one process, ONNX export checked with onnxruntime, the atc pre-check and
-command; then a tiny DeepSeek-V3.2 (lightning indexer, top-k sparse attention; random weights:
-a smoke test of the architecture) and a tiny DeepSeek-V4 through fp8-to-bf16, quantize and verify;
+command; then a tiny DeepSeek-V3.2 (lightning indexer, top-k sparse attention; random weights: a
+smoke test of the architecture) and a tiny DeepSeek-V4 through fp8-to-bf16, quantize and verify;
 last a tiny GLM-5 (fp8-to-bf16, W8A8 Ascend) and Kimi-K2.5 (INT4 experts to Ascend W4A16, codes
-carried) with no verify (they are the V3.2 / V3 runtimes; kept to well under a second or two).
-"""
+carried) with no verify (they are the V3.2 / V3 runtimes; kept to well under a second or two)."""
 
 from __future__ import annotations
 
