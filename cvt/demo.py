@@ -9,7 +9,8 @@ CPU checked against one process, ONNX export checked with onnxruntime, the atc p
 command; then a tiny DeepSeek-V3.2 (lightning indexer, top-k sparse attention; random weights: a
 smoke test of the architecture) and a tiny DeepSeek-V4 through fp8-to-bf16, quantize and verify;
 last a tiny GLM-5 (fp8-to-bf16, W8A8 Ascend) and Kimi-K2.5 (INT4 experts to Ascend W4A16, codes
-carried) with no verify (they are the V3.2 / V3 runtimes; kept to well under a second or two)."""
+carried) with no verify (they are the V3.2 / V3 runtimes; kept to well under a second or two).
+"""
 
 from __future__ import annotations
 
