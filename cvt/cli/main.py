@@ -20,7 +20,7 @@ from cvt.cli import describe, options
 from cvt.cli.describe import LazyHelp
 from cvt.cli.options import (EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_THRESHOLD, FORMATS,
                              FP4_FORMATS, METHODS, PLAN_SCHEMES, SCHEMES, SIZE, TARGETS, FiniteFloat, common,
-                             human, ranks)
+                             human, on_processes, ranks)
 from cvt import api
 from cvt.version import __version__
 
@@ -72,7 +72,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
             f"{plural(x['scales_dropped'], 'scale')}\n"
             f"wrote {plural(r.written_files, 'weight file')} ({r.skipped_files} already done) to {r.dst}\n"
             f"read {human(r.bytes_in)}, wrote {human(r.bytes_out)} in {r.seconds:.1f} s ({human(r.throughput)}/s)"
-        )
+            f"{on_processes(r)}")
 
 
 
@@ -150,13 +150,14 @@ def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method
         methods = ", ".join(f"{n} {k}" for k, n in x["by_method"].items()) if len(x["by_method"]) > 1 else q.method
         click.echo(f"quantized {plural(x['quantized'], 'linear')} ({kinds}; {methods}; {q.format}), kept "
                    f"{x['float_modules']} float, {plural(x['fallbacks'], 'fallback')}; worst SQNR {x['min_sqnr_db']}\n"
+                   + "".join(f"  {line}\n" for line in x["fallback_lines"])
                    + (f"calibrated {c['layers']} layers on {c['tokens']} tokens ({c['device']}): "
                       f"{sum(c['seconds_per_layer']) / max(1, len(c['seconds_per_layer'])):.2f} s/layer, "
                       f"peak RSS {human(c['peak_rss_bytes'])}"
                       + (f", {c['resumed_layers']} layers resumed" if c['resumed_layers'] else "") + "\n"
                       if (c := r.manifest.quant.calibration) else "") +
                    f"wrote {plural(r.written_files, 'weight file')} ({r.skipped_files} already done) to {r.dst}: "
-                   f"{human(r.bytes_out)} in {r.seconds:.1f} s")
+                   f"{human(r.bytes_out)} in {r.seconds:.1f} s{on_processes(r)}")
 
 
 def _layout_options(fn):
@@ -278,7 +279,7 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target
                    f"dense_tp {L.dense_tp}, embed_tp {L.embed_tp}, lmhead_tp {L.lmhead_tp})\n"
                    f"wrote {plural(r.written_files, 'rank file')} ({r.skipped_files} already done) to {r.dst}: read "
                    f"{human(r.bytes_in)}, wrote {human(r.bytes_out)} in {r.seconds:.1f} s "
-                   f"({human(r.throughput)}/s)")
+                   f"({human(r.throughput)}/s){on_processes(r)}")
 
 
 @cli.command("inspect")

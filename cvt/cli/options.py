@@ -37,6 +37,12 @@ def common(fn):
     return wrapper
 
 
+def on_processes(result) -> str:
+    """What a summary says after its timing when several ranks wrote the output together: ' on 2 processes'."""
+    n = getattr(result, "processes", 1)
+    return f" on {n} processes" if n > 1 else ""
+
+
 def human(n: float) -> str:
     """Bytes in a summary line: '3.2 MiB'."""
     return binary_size(n, digits=1)
