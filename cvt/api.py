@@ -79,7 +79,6 @@ def fp8_to_bf16(options: Fp8ToBf16Options | None = None, /, **kw):
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16 as stage
 
     world.expect(o.procs)
-
     return stage(o.src, o.dst, revision=o.revision, workers=o.workers, max_shard_size=o.max_shard_size,
                  resume=o.resume, overwrite=o.overwrite, quiet=o.quiet)
 
@@ -242,9 +241,9 @@ def shard(options: ShardOptions | None = None, /, **kw):
     o = _build(ShardOptions, options, kw)
     from cvt import world
     from cvt.convert.reader import open_checkpoint
+    from cvt.convert.shard import shard as stage
 
     world.expect(o.procs)
-    from cvt.convert.shard import shard as stage
 
     with open_checkpoint(o.src, o.revision) as ckpt:
         layout = o.layout.build(ckpt.config)

@@ -11,8 +11,8 @@ from typing import Callable
 import click
 
 
-class LazyHelp(click.Option):
-    """A click option whose help is `text()`, written when first read (rendering `--help`)."""
+class _LazyText:
+    """A click option or command whose help is `text()`, written when first read (`--help`)."""
 
     def __init__(self, *args, text: Callable[[], str], **kwargs):
         self._text, self._written = text, None
@@ -25,26 +25,16 @@ class LazyHelp(click.Option):
         return self._written
 
     @help.setter
-    def help(self, value) -> None:  # click.Option.__init__ sets it (to None): the text is `text()`'s
+    def help(self, value) -> None:  # click's __init__ sets it (a docstring, or None): the text is `text()`'s
         pass
 
 
-class LazyHelpGroup(click.Group):
-    """The `cvt` group, whose help is `text()`, written when first read (`cvt --help`)."""
+class LazyHelp(_LazyText, click.Option):
+    """An option whose help lists a registry (`cls=LazyHelp, text=describe.schemes`)."""
 
-    def __init__(self, *args, text: Callable[[], str], **kwargs):
-        self._text, self._written = text, None
-        super().__init__(*args, **kwargs)
 
-    @property
-    def help(self) -> str:
-        if self._written is None:
-            self._written = self._text()
-        return self._written
-
-    @help.setter
-    def help(self, value) -> None:  # click sets the docstring: the text is `text()`'s
-        pass
+class LazyHelpGroup(_LazyText, click.Group):
+    """The `cvt` group: its help names the architectures (`group_help`)."""
 
 
 def group_help() -> str:

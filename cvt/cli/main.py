@@ -29,12 +29,12 @@ log = logging.getLogger("cvt")
 # what --procs says on the verbs whose ranks only deal out output files
 STREAMING_RANKS = "the ranks exchange only file lists, over gloo (CPU); the bytes are those of one process."
 
+
 @click.group(cls=describe.LazyHelpGroup, text=describe.group_help,
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="cvt")
 def cli() -> None:
-    """cvt: convert released LLM checkpoints for Ascend NPUs and any torch machine (the families:
-    `describe.group_help`, from the architecture tables)."""
+    """The `cvt` group; its help is `describe.group_help` (the models: the architecture tables')."""
 
 
 @cli.command("fp8-to-bf16")
