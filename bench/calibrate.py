@@ -1,7 +1,7 @@
 """Benchmark calibrated `cvt quantize`: peak memory against the number of decoder layers.
 
 Usage: .venv/bin/python bench/calibrate.py [--layers 2] [--hidden 2048] [--experts 16]
-       [--method gptq] [--calib-tokens 512] [--dir DIR] [--keep] [--world-size N]
+       [--method gptq] [--calib-tokens 512] [--dir DIR] [--keep] [--procs N]
 
 Why: the calibrated methods must run on checkpoints larger than RAM (DeepSeek-R1: 61 layers,
 641 GB), so the streaming driver holds one decoder layer at a time: its peak RSS must not grow
@@ -17,9 +17,9 @@ Measured, in this one run: `python -m cvt quantize SRC DST --scheme w4a16 --grou
 --method M --calib-tokens N --quiet` in a child process per release: wall time, its peak RSS
 (a small wrapper process's RUSAGE_CHILDREN), and the per-layer seconds the manifest records (quant.calibration). Printed: both
 rows, the RSS ratio (target: within 20% when the layers double) and the mean s/layer.
-With ``--world-size N``: one release (--layers), quantized by one process (torch's default
+With ``--procs N``: one release (--layers), quantized by one process (torch's default
 threads, and again with OMP_NUM_THREADS=1: the share each rank gets of the CPUs) and by ``cvt
-quantize --world-size N`` (N ranks of torchrun, gloo); printed: wall time of each and the ratios, each
+quantize --procs N`` (N ranks of torchrun, gloo); printed: wall time of each and the ratios, each
 rank's peak RSS (the manifest's quant.calibration), and the mean KL of each output's logits to
 the source's (`cvt verify`, 4 sequences of 64 tokens).
 A report, not a test: exit 0 unless something crashes.
@@ -80,9 +80,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the temp dirs")
     ap.add_argument("--expert-memory", help="also run the larger release with cvt quantize --expert-memory SIZE "
                     "(each MoE layer's experts read a chunk at a time) and compare time, RSS and output bytes")
-    ap.add_argument("--world-size", type=int, help="compare one process with N ranks on one release (module doc)")
+    ap.add_argument("--procs", type=int, help="compare one process with N ranks on one release (module doc)")
     args = ap.parse_args()
-    if args.world_size:
+    if args.procs:
         return ranks(args)
 
     import torch
@@ -135,7 +135,7 @@ def main() -> None:
 
 
 def ranks(args) -> None:
-    """`--world-size N`: one process against N ranks on the same release (module doc)."""
+    """`--procs N`: one process against N ranks on the same release (module doc)."""
     import torch
 
     from cvt.testing.checkpoints import write_fp8_release
@@ -148,14 +148,14 @@ def ranks(args) -> None:
         # one process as a user runs it (torch's threads on every CPU), one process on one thread
         # (what each rank gets when N ranks share the CPUs: the scaling of the split itself), N ranks
         for label, n, threads in (("1 process", 1, None), ("1 process, 1 thread", 1, "1"),
-                                  (f"{args.world_size} ranks", args.world_size, None)):
+                                  (f"{args.procs} ranks", args.procs, None)):
             dst = root / f"out-{len(rows)}"
             saved = os.environ.get("OMP_NUM_THREADS")
             if threads:
                 os.environ["OMP_NUM_THREADS"] = threads
             try:
                 wall, rss, spl, argv = run(src, dst, args.method, args.calib_tokens,
-                                           ("--world-size", str(n)) if n > 1 else ())
+                                           ("--procs", str(n)) if n > 1 else ())
             finally:
                 if saved is None:
                     os.environ.pop("OMP_NUM_THREADS", None)
@@ -167,7 +167,7 @@ def ranks(args) -> None:
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\ncvt calibrated quantize: one process vs {args.world_size} ranks  (torch {torch.__version__}; "
+    print(f"\ncvt calibrated quantize: one process vs {args.procs} ranks  (torch {torch.__version__}; "
           f"{os.cpu_count()} CPUs)")
     print(f"command:  {shlex.join([sys.executable, *sys.argv])}")
     print(f"release:  DeepSeek-V3-shaped FP8, {args.layers} layers, hidden {args.hidden}, {args.experts} routed experts; "
@@ -176,7 +176,7 @@ def ranks(args) -> None:
     for label, wall, rss, spl, kl, _ in rows:
         print(f"{label:<22}{wall:8.1f}{sum(spl) / len(spl):9.2f}   {' '.join(f'{r / GB:.2f}' for r in rss) + ' GB':<24}"
               f"{kl:13.5f}")
-    print(f"\nwall time {args.world_size} ranks / 1 process: {rows[2][1] / rows[0][1]:.2f}x (target: 0.65x or less); "
+    print(f"\nwall time {args.procs} ranks / 1 process: {rows[2][1] / rows[0][1]:.2f}x (target: 0.65x or less); "
           f"/ 1 process on 1 thread: {rows[2][1] / rows[1][1]:.2f}x")
 
 

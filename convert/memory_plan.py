@@ -55,7 +55,7 @@ from cvt.convert.config import fp8_block
 from cvt.convert.placement import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
 from cvt.convert.disk_bytes import DiskBytes, format_group, plan_scheme, plan_schemes
 from cvt.convert.safetensors_io import load_json
-from cvt.units import parse_size
+from cvt.units import binary_size, parse_size
 from cvt.errors import CvtError, FormatError, ShapeError
 
 CATEGORIES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embedding", "head", "norm",
@@ -271,8 +271,9 @@ def _tensor_bytes(kind: Kind, shape: tuple, dim: int | None, deg: int, sch, bloc
 parse_bytes = parse_size  # one size syntax for every option (cvt.units)
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
+def size(n: float) -> str:
+    """A cell of the plan: its own binary unit, so that a tiny model's bytes read as bytes, not 0.00 GiB."""
+    return binary_size(n)
 
 
 @dataclass
@@ -346,32 +347,38 @@ class Plan:
                  f"layout: world {L.world_size} = tp {L.tp} x dp {L.dp} = moe_tp {L.moe_tp} x ep {L.ep}; "
                  f"dense_tp {L.dense_tp}, embed_tp {L.embed_tp}, lmhead_tp {L.lmhead_tp}, "
                  f"shared experts {L.shared_experts}",
-                 f"model (every tensor and expert once): {gib(sum(self.model_bytes.values()))} GiB", "",
-                 f"{'per rank, GiB':<16}{'min':>10}{'max':>10}{'mean':>10}"]
+                 f"model (every tensor and expert once): {size(sum(self.model_bytes.values()))}", "",
+                 f"{'per rank':<16}{'min':>12}{'max':>12}{'mean':>12}"]
         rows = [(c, [r.weights.get(c, 0) for r in self.ranks]) for c in CATEGORIES]
         rows = [(c, v) for c, v in rows if max(v)] + [("weights", [r.weight_bytes for r in self.ranks]),
                                                      ("kv_cache", [r.kv_cache for r in self.ranks]),
                                                      ("total", self.totals)]
         for name, v in rows:
-            lines.append(f"{name:<16}{gib(min(v)):>10}{gib(max(v)):>10}{gib(sum(v) / len(v)):>10}")
+            lines.append(f"{name:<16}{size(min(v)):>12}{size(max(v)):>12}{size(sum(v) / len(v)):>12}")
         h = self.heaviest
         heavy = [r.rank for r in self.ranks if r.total == h.total]
-        lines += ["", f"heaviest rank: {h.rank} (ep_rank {h.ep_rank}): {gib(h.total)} GiB"
+        lines += ["", f"heaviest rank: {h.rank} (ep_rank {h.ep_rank}): {size(h.total)}"
                   + (f"; {len(heavy)} ranks at that size: {_ranges(heavy)}" if len(heavy) > 1 else "")]
         if self.hbm_bytes is not None:
             over = self.over_budget
-            lines.append(f"HBM budget {gib(self.hbm_bytes)} GiB: " + (
+            lines.append(f"HBM budget {size(self.hbm_bytes)}: " + (
                 f"{len(over)} of {len(self.ranks)} ranks exceed it: {_ranges(over)}" if over else
-                f"every rank fits (least headroom {gib(self.hbm_bytes - self.max)} GiB)"))
+                f"every rank fits (least headroom {size(self.hbm_bytes - self.max)})"))
         lines += ["", "assumptions:"] + [f"  - {a}" for a in self.assumptions]
         layout_bad = [v for v in self.violations if v.axis != "group"]
         group_bad = [v for v in self.violations if v.axis == "group"]
         if layout_bad:
-            lines += ["", "layout violations (cvt shard refuses this layout):"] + [f"  - {v}" for v in layout_bad]
+            lines += ["", layout_violations(layout_bad)]
         if group_bad:
             lines += ["", "quantization violations (cvt quantize refuses this group size):"] + [
                 f"  - {v}" for v in group_bad]
         return "\n".join(lines)
+
+
+def layout_violations(problems) -> str:
+    """The plan's list of what makes `cvt shard` refuse a layout (also printed alone for degrees
+    that make no layout at all: `cvt.convert.placement.LayoutError`)."""
+    return "\n".join(["layout violations (cvt shard refuses this layout):"] + [f"  - {p}" for p in problems])
 
 
 def _scheme_assumption(scheme: str, sch, disk: DiskBytes | None) -> str:
@@ -387,13 +394,21 @@ def _scheme_assumption(scheme: str, sch, disk: DiskBytes | None) -> str:
                if disk.float_reason else "") + "; the rest bf16")
 
 
-def read_config(model: str | Path) -> dict:
-    """config.json of MODEL: a checkpoint directory or the config.json file itself."""
-    path = Path(model)
-    cfg_path = path / "config.json" if path.is_dir() else path
-    if not cfg_path.is_file():
-        raise CvtError(f"{model}: no config.json (give a checkpoint directory or a config.json file)")
-    return load_json(cfg_path)
+def read_config(model: str | Path, revision: str | None = None) -> tuple[Path, dict]:
+    """(where MODEL is, its config.json): MODEL is a checkpoint directory, the config.json file
+    itself, or a hub repo id, of which only config.json and a cvt manifest are fetched (`resolve`:
+    HF_HUB_OFFLINE=1 reads the local cache alone; `revision`: a branch, tag or commit)."""
+    from cvt.convert.source import CONFIG_PATTERNS, resolve
+
+    path = Path(model).expanduser()
+    if path.is_file():
+        if revision:
+            raise CvtError(f"{model}: --revision applies to hub repo ids, not local files")
+        return path, load_json(path)
+    where = resolve(model, revision, patterns=CONFIG_PATTERNS).path
+    if not (where / "config.json").is_file():
+        raise CvtError(f"{model}: no config.json (give a checkpoint directory, a config.json file or a hub repo id)")
+    return where, load_json(where / "config.json")
 
 
 def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16", group_size: int | None = None,

@@ -45,7 +45,7 @@ from cvt.convert.arch import ArchSpec, Role, arch_for
 from cvt.errors import CvtError, validation_summary
 from cvt.schemas.parallel_layout import AXES, AxisRule, LayerPlacement, Layout, Placement
 
-__all__ = ["Layout", "Placement", "RankCoords", "make_layout", "coords", "group", "divisors",
+__all__ = ["Layout", "LayoutError", "Placement", "RankCoords", "make_layout", "coords", "group", "divisors",
            "contiguous_placement", "log2phy", "moe_layers", "placement_problems",
            "placement_from_mindie", "placement_to_mindie", "placement_from_phy2log",
            "placement_to_phy2log", "eplb_maps", "read_placement", "placement_json", "write_placement"]
@@ -62,12 +62,28 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def _degree(name: str, value: Any, world: int) -> int:
+class LayoutError(CvtError):
+    """Degrees that make no layout: each broken rule one line of `problems` (a degree that does not
+    divide the world size, moe_tp x ep != W). `cvt plan` and `shard --dry-run` list them as the
+    layout's violations (exit 3); a verb that would write refuses the layout (exit 1)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = list(problems)
+
+
+def _positive(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise CvtError(f"{name} must be a positive integer, got {value!r}")
-    if world % value:
-        raise CvtError(f"{name} {value} does not divide the world size {world} "
-                       f"(valid {name}: {', '.join(map(str, divisors(world)))})")
+    return value
+
+
+def _degree(name: str, value: Any, world: int, problems: list[str]) -> int | None:
+    """`value` when it divides `world`; else None, with the problem said in `problems`."""
+    if world % _positive(name, value):
+        problems.append(f"{name} {value} does not divide the world size {world} "
+                        f"(valid {name}: {', '.join(map(str, divisors(world)))})")
+        return None
     return value
 
 
@@ -82,25 +98,28 @@ def make_layout(world_size: int | None = None, tp: int | None = None, ep: int | 
                 moe_tp: int | None = None, dense_tp: int | None = None, embed_tp: int | None = None,
                 lmhead_tp: int | None = None, shared_experts: str = "moe_tp",
                 placement: Placement | None = None) -> Layout:
-    """A layout from the CLI's degrees (None = default, see the module table); CvtError
-    naming the degree and its valid values when the factorization is impossible."""
-    m = 1 if moe_tp is None else moe_tp
+    """A layout from the CLI's degrees (None = default, see the module table); `LayoutError`
+    naming every degree that breaks the factorization, with its valid values (CvtError for a
+    degree that is no positive integer, or a world too large)."""
+    m = 1 if moe_tp is None else _positive("moe_tp", moe_tp)
     if world_size is None:
-        world_size = ep * m if ep is not None else (tp or 1)
+        world_size = _positive("ep", ep) * m if ep is not None else (tp or 1)
     if isinstance(world_size, int) and world_size > MAX_WORLD:
         raise CvtError(f"a world of {world_size} ranks (--world-size, or ep x moe-tp) is more than cvt plans for "
                        f"({MAX_WORLD}); check the degrees")
-    w = _degree("world size", world_size, world_size)
-    m = _degree("moe_tp", m, w)
-    t = _degree("tp", 1 if tp is None else tp, w)
-    e = _degree("ep", w // m if ep is None else ep, w)
-    if e * m != w:
-        raise CvtError(f"moe_tp {m} x ep {e} = {m * e} must equal the world size {w} "
-                       f"(with moe_tp {m}, ep must be {w // m})")
-    deg = {"tp": t, "dp": w // t, "moe_tp": m, "ep": e,
-           "dense_tp": _degree("dense_tp", t if dense_tp is None else dense_tp, w),
-           "embed_tp": _degree("embed_tp", t if embed_tp is None else embed_tp, w),
-           "lmhead_tp": _degree("lmhead_tp", t if lmhead_tp is None else lmhead_tp, w)}
+    w, problems = _positive("world size", world_size), []
+    m = _degree("moe_tp", m, w, problems)
+    t = _degree("tp", 1 if tp is None else tp, w, problems)
+    e = _degree("ep", ep if ep is not None else (w // m if m else None), w, problems) if ep is not None or m else None
+    if m and e and e * m != w:
+        problems.append(f"moe_tp {m} x ep {e} = {m * e} must equal the world size {w} "
+                        f"(with moe_tp {m}, ep must be {w // m})")
+    # the TP degrees that default to tp: checked when given (tp's own problem is said once)
+    rest = {n: _degree(n, t if v is None else v, w, problems) if v is not None or t else None
+            for n, v in (("dense_tp", dense_tp), ("embed_tp", embed_tp), ("lmhead_tp", lmhead_tp))}
+    if problems:
+        raise LayoutError(problems)
+    deg = {"tp": t, "dp": w // t, "moe_tp": m, "ep": e, **rest}
     if shared_experts not in ("moe_tp", "replicated"):
         raise CvtError(f"shared_experts must be 'moe_tp' or 'replicated', got {shared_experts!r}")
     if placement is not None and placement.ep != e:

@@ -402,7 +402,7 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
             world.barrier()
         return WriteResult(dst=Path(dst), files=infos, written_files=written, skipped_files=skipped,
                            bytes_in=sum(r.nbytes for r in ckpt.tensors.values()), bytes_out=total_out,
-                           seconds=time.perf_counter() - t0, manifest=manifest)
+                           seconds=time.perf_counter() - t0, manifest=manifest, processes=w.size)
     finally:
         ckpt.close()
 

@@ -25,6 +25,9 @@ HUB_PATTERNS = [
     "README*",
     "LICENSE*",
 ]
+# what a verb that reads config.json alone (`cvt plan`) takes from the hub: the config, and a cvt
+# output's manifest (its own scheme, format and target)
+CONFIG_PATTERNS = ["config.json", "cvt_manifest.json"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
@@ -53,7 +56,8 @@ class Source:
         return self.path
 
 
-def resolve(src: str | Path, revision: str | None = None) -> Source:
+def resolve(src: str | Path, revision: str | None = None, patterns: list[str] = HUB_PATTERNS) -> Source:
+    """SRC as a local directory, or a hub repo id's snapshot with the files `patterns` match."""
     path = Path(src).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -64,10 +68,10 @@ def resolve(src: str | Path, revision: str | None = None) -> Source:
     text = str(src)
     if not _REPO_ID.match(text) or text.startswith((".", "/", "~")):
         raise CheckpointError(f"{src}: no such directory (and not a hub repo id of the form owner/name)")
-    return _download(text, revision)
+    return _download(text, revision, patterns)
 
 
-def _download(repo_id: str, revision: str | None) -> Source:
+def _download(repo_id: str, revision: str | None, patterns: list[str]) -> Source:
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import (
@@ -79,7 +83,7 @@ def _download(repo_id: str, revision: str | None) -> Source:
     except ImportError as exc:  # pragma: no cover - a declared dependency
         raise CheckpointError(f"{repo_id}: huggingface-hub is needed for hub ids ({exc})") from exc
     try:
-        folder = Path(snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
+        folder = Path(snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=patterns))
     except LocalEntryNotFoundError as exc:
         raise CheckpointError(
             f"{repo_id}@{revision or 'main'}: not a local directory, and not available from the hub cache "

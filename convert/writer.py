@@ -95,6 +95,7 @@ class WriteResult:
     manifest: Manifest | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, dict] = field(default_factory=dict)
+    processes: int = 1  # the ranks that wrote DST together (torchrun's world; `cvt.world`)
 
     @property
     def throughput(self) -> float:
@@ -417,4 +418,5 @@ def write_checkpoint(
         seconds=time.perf_counter() - t0,
         manifest=manifest,
         meta=meta,
+        processes=w.size,
     )

@@ -56,6 +56,9 @@ class _WriteOptions(_Options):
     resume: bool = True
     overwrite: bool = False
     quiet: bool = True  # no progress bar
+    # processes: the call runs in this one, a rank of the torchrun world it was started in; given,
+    # that world must have `procs` ranks (`cvt VERB --procs N` is what launches N of them)
+    procs: Optional[int] = Field(None, ge=1)
 
     _sizes = field_validator("max_shard_size", mode="before")(_size)
 
@@ -72,8 +75,10 @@ def fp8_to_bf16(options: Fp8ToBf16Options | None = None, /, **kw):
     >>> fp8_to_bf16(src="/models/DeepSeek-R1", dst="/data/r1-bf16", workers=2)  # doctest: +SKIP
     """
     o = _build(Fp8ToBf16Options, options, kw)
+    from cvt import world
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16 as stage
 
+    world.expect(o.procs)
     return stage(o.src, o.dst, revision=o.revision, workers=o.workers, max_shard_size=o.max_shard_size,
                  resume=o.resume, overwrite=o.overwrite, quiet=o.quiet)
 
@@ -139,7 +144,7 @@ def quantize(options: QuantizeOptions | None = None, /, **kw):
 
     from cvt.quant.stage import quantize as stage
 
-    device, w = o.device, world.current()
+    device, w = o.device, world.expect(o.procs)
     if device != "cpu" and w.size > 1:  # a rank of torchrun computes on its node's device LOCAL_RANK
         from cvt.runtime.parallel import rank_device
 
@@ -187,7 +192,8 @@ class PlanOptions(_Options):
     `scheme` None: the source's own weights (a cvt quantize output's scheme, format and target;
     an FP8 release; else bf16)."""
 
-    model: str
+    model: str  # a checkpoint directory, its config.json, or a hub repo id
+    revision: Optional[str] = None  # hub revision when `model` is a repo id
     layout: LayoutOptions = LayoutOptions()
     scheme: Optional[str] = None
     group_size: Optional[int] = Field(None, ge=0)
@@ -209,10 +215,10 @@ def plan(options: PlanOptions | None = None, /, **kw):
     from cvt.convert.memory_plan import memory_plan, read_config
     from cvt.convert.shard import source_weights
 
-    config = read_config(o.model)
+    where, config = read_config(o.model, o.revision)
     scheme, group, fmt, target, fp4 = o.scheme, o.group_size, o.fmt, o.target, o.fp4_format
     if scheme is None:  # the source's own weights; options given explicitly win over what it records
-        scheme, own_group, own = source_weights(o.model, config)
+        scheme, own_group, own = source_weights(where, config)
         group = own_group if group is None else group
         if own:
             recorded = (own.get("format"), own.get("target"), own.get("fp4_format"))
@@ -233,8 +239,11 @@ def shard(options: ShardOptions | None = None, /, **kw):
     >>> shard(src="/data/r1-w8a8", dst="/data/r1-ep16", layout=LayoutOptions(ep=16))  # doctest: +SKIP
     """
     o = _build(ShardOptions, options, kw)
+    from cvt import world
     from cvt.convert.reader import open_checkpoint
     from cvt.convert.shard import shard as stage
+
+    world.expect(o.procs)
 
     with open_checkpoint(o.src, o.revision) as ckpt:
         layout = o.layout.build(ckpt.config)
@@ -282,7 +291,7 @@ def verify(options: VerifyOptions | None = None, /, **kw):
 
 class RunOptions(_Options):
     """`cvt run MODEL --prompt ...` in this process (a sharded output runs under torchrun: `cvt run
-    --world-size`)."""
+    --procs`)."""
 
     model: str
     prompts: tuple[str, ...] = ()
@@ -332,7 +341,7 @@ def run(options: RunOptions | None = None, /, **kw) -> RunResult:
         from cvt.export.ort import load_for_generation
 
         if o.device not in ("auto", "cpu"):
-            raise CvtError("--backend onnxruntime runs on one CPU process (--device auto or cpu, no --world-size)")
+            raise CvtError("--backend onnxruntime runs on one CPU process (--device auto or cpu, no --procs)")
         lm, tok = load_for_generation(o.model)
         dev, dtype = "cpu", f"onnxruntime, {lm.manifest['dtype']} weights"
     else:

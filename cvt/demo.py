@@ -1,13 +1,13 @@
 """`cvt demo`: every stage that exists, on a tiny DeepSeek-V3-style FP8 checkpoint.
 
 The checkpoint is `cvt.demo_model`'s: the tiny DeepSeek-V3 of `cvt.testing.checkpoints` (one
-dense layer, two MoE layers, an MTP layer, dims that are not multiples of 128, scales split
-across shards) trained on Python's standard library source (once, about a minute of one core,
-then cached), so its text looks like Python and the quantization losses mean something. The
+dense layer, two MoE layers, an MTP layer, dims that are not multiples of 128, scales split across
+shards) trained on Python's standard library source (once, by the first run; then cached:
+`cvt.demo_model`), so its text looks like Python and the quantization losses mean something. The
 stages run in pipeline order: fp8-to-bf16, run, verify, quantize, shard + a 4-rank torchrun on
 CPU checked against one process, ONNX export checked with onnxruntime, the atc pre-check and
-command; then a tiny DeepSeek-V3.2 (lightning indexer, top-k sparse attention; random weights:
-a smoke test of the architecture) and a tiny DeepSeek-V4 through fp8-to-bf16, quantize and verify;
+command; then a tiny DeepSeek-V3.2 (lightning indexer, top-k sparse attention; random weights: a
+smoke test of the architecture) and a tiny DeepSeek-V4 through fp8-to-bf16, quantize and verify;
 last a tiny GLM-5 (fp8-to-bf16, W8A8 Ascend) and Kimi-K2.5 (INT4 experts to Ascend W4A16, codes
 carried) with no verify (they are the V3.2 / V3 runtimes; kept to well under a second or two).
 """
@@ -25,7 +25,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     from cvt import corpus
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16
     from cvt.convert.inspect import inspect_checkpoint
-    from cvt.demo_model import cache_root, write_demo_release
+    from cvt.demo_model import model_note, write_demo_release
 
     root = Path(directory)
     if root.exists() and any(root.iterdir()) and not (root / ".cvt-demo").exists():
@@ -38,7 +38,7 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
 
     say = (lambda s: None) if quiet else echo
     say(f"[1/11] writing a tiny DeepSeek-V3-style FP8 release, trained on Python's standard library source, "
-        f"to {out['fp8']}\n(the first run trains it, about a minute of one core; cached in {cache_root()})")
+        f"to {out['fp8']}\n{model_note()}")
     write_demo_release(out["fp8"], quiet=quiet)
     # held-out Python source (never trained on): what verify compares the models on
     out["heldout"] = root / "heldout.py.txt"
@@ -129,7 +129,7 @@ def step_shard(root: Path, out: dict[str, Path], say) -> None:
     say(f"4 rank directories, {len(r.manifest.files)} files, {r.bytes_out} bytes (source {r.bytes_in})")
     prompts = [[72, 101, 108, 108, 111], [87, 111, 114, 108, 100, 33, 32]]
     dump = root / "sharded-logits.safetensors"
-    say(f"cvt run {out['shards']} --world-size 4 --dtype fp32   (torchrun, gloo, 4 CPU processes)")
+    say(f"cvt run {out['shards']} --procs 4 --dtype fp32   (torchrun, gloo, 4 CPU processes)")
     argv = launch_args(input_ids=[",".join(map(str, p)) for p in prompts], max_new_tokens=6, device="cpu",
                        dtype="fp32", quiet=True, dump_logits=dump)
     rc = torchrun(out["shards"], 4, argv)

@@ -9,8 +9,8 @@ byte-level tokenizer (id = byte, then <bos> <eos> <pad>), using the runtime's ow
 (`cvt.runtime.models.deepseek_v3`), so what is trained is exactly what cvt runs.
 
 Training is deterministic on one machine: fixed seeds, a fixed thread count, deterministic
-algorithms, a fixed recipe (`RECIPE`). It takes about a minute of one core (~60-75 CPU seconds on
-an x86 server core; 200 steps of 16 x 128 bytes) and happens once:
+algorithms, a fixed recipe (`RECIPE`: 200 steps of 16 x 128 bytes on one thread; ~60-75 CPU
+seconds on an x86 server core, about 2 minutes measured on a busy 2-core machine) and happens once:
 the float32 weights are cached under ``$XDG_CACHE_HOME/cvt`` (default ``~/.cache/cvt``) in a folder
 named by a hash of the recipe, the training text, the torch version and the CPU architecture,
 written to a temporary folder and renamed into place (two processes training at once both
@@ -86,6 +86,27 @@ def recipe_key(text: str, recipe: dict[str, Any] | None = None) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def model_file(cache: Path | None = None, key: str | None = None) -> Path:
+    """Where the trained weights are cached: `cache` (default `cache_root()`) / demo-dsv3-KEY /
+    model.safetensors, KEY the recipe key of this machine (`recipe_key`)."""
+    if key is None:
+        from cvt import corpus
+
+        key = recipe_key(corpus.text("training"))
+    return (Path(cache) if cache is not None else cache_root()) / f"demo-dsv3-{key}" / "model.safetensors"
+
+
+def model_note(cache: Path | None = None) -> str:
+    """What `cvt demo` says of its model before writing it: that it reuses the weights an earlier
+    run cached, or what training them takes now (the work, not a time: machines differ)."""
+    path = model_file(cache)
+    if path.is_file():
+        return f"(reusing the model an earlier run trained, cached in {path.parent})"
+    r = RECIPE
+    return (f"(this first run trains it: {r['steps']} steps of {r['batch']} x {r['seq_len']} bytes on one CPU "
+            f"thread, with a progress bar; cached in {path.parent.parent} for the runs after)")
+
+
 def trained_weights(cache: Path | None = None, quiet: bool = True) -> tuple[dict[str, Any], dict, str]:
     """(config, name -> float32 tensor, recipe key): from the cache, or trained now and cached.
 
@@ -97,9 +118,8 @@ def trained_weights(cache: Path | None = None, quiet: bool = True) -> tuple[dict
 
     text = corpus.text("training")
     key = recipe_key(text)
-    root = Path(cache) if cache is not None else cache_root()
-    folder = root / f"demo-dsv3-{key}"
-    path = folder / "model.safetensors"
+    path = model_file(cache, key)
+    folder, root = path.parent, path.parent.parent
     config = demo_config()
     if path.is_file():
         try:

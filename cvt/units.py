@@ -1,6 +1,7 @@
 """Numbers and words as people type and read them: sizes ('5GB' (10^9), '64GiB' / '64G' (2^30),
-'1.5TB', '500MB', or bytes: `parse_size`, whole bytes from 1 to 2**63 - 1), counts and names as
-messages say them (`plural`, `article`). The CLI's option types over them are in
+'1.5TB', '500MB', or bytes: `parse_size`, whole bytes from 1 to 2**63 - 1), sizes as messages
+write them (`binary_size`: '11.49 GiB', '1.4 MiB'), counts and names as messages say them
+(`plural`, `article`). The CLI's option types over them are in
 `cvt.cli.options` (SIZE, FiniteFloat)."""
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ def parse_size(text: str | int) -> int:
     if n > MAX_SIZE:
         raise CvtError(f"size {text!r} is more than {MAX_SIZE} bytes")
     return n
+
+
+BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def binary_size(n: float, digits: int = 2) -> str:
+    """``"11.49 GiB"``, ``"1.43 MiB"``, ``"512 B"``: `n` bytes in the largest binary unit it holds
+    at least one of (TiB at most), with `digits` decimals (whole bytes below 1 KiB), so that a
+    size above 0 never reads as 0."""
+    value = float(n)
+    for unit in BINARY_UNITS:
+        if abs(value) < 1024 or unit == BINARY_UNITS[-1]:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.{digits}f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 def plural(n: int, noun: str, nouns: str | None = None) -> str:

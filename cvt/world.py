@@ -9,7 +9,7 @@ not in whatever order a reduction algorithm picks). The process group is initial
 `start` (gloo on CPU; nccl / hccl for CUDA / NPU devices, with a gloo group beside it for the
 Python objects and CPU tensors the stages exchange).
 
-`launch` is what ``cvt quantize | fp8-to-bf16 | shard --world-size N`` does: run ``python -m
+`launch` is what ``cvt quantize | fp8-to-bf16 | shard --procs N`` does: run ``python -m
 torch.distributed.run --standalone --nproc-per-node N`` with the same command on this node.
 Across nodes a user runs torchrun itself; DST must then be a folder every node sees
 (`check_shared`). A rank that dies takes the job down: torchrun's agent stops the others, and
@@ -27,7 +27,7 @@ from typing import Any, NoReturn, Sequence
 
 from cvt.errors import CvtError, OutputError
 
-# set by `cvt ... --world-size N` for the ranks it starts: the size the user asked for (a
+# set by `cvt ... --procs N` for the ranks it starts: the size the user asked for (a
 # torchrun that started a different number of ranks is refused rather than silently used)
 WORLD_ENV = "CVT_WORLD_SIZE"
 
@@ -78,12 +78,24 @@ def from_env(env=os.environ) -> World:
         raise CvtError(f"RANK {rank} / WORLD_SIZE {size} / LOCAL_RANK {local} describe no rank of a world")
     asked = env.get(WORLD_ENV)
     if asked and asked != str(size):
-        raise CvtError(f"--world-size {asked} was asked for, but torchrun started {size} ranks")
+        raise CvtError(f"--procs {asked} was asked for, but torchrun started {size} ranks")
     return World(rank, size, local) if size > 1 else _ONE
 
 
 def current() -> World:
     return from_env()
+
+
+def expect(procs: int | None) -> World:
+    """This world, when it has `procs` ranks (None: any): a verb's `--procs N` under a torchrun
+    the user started must say what WORLD_SIZE says."""
+    w = current()
+    if procs is not None and procs != w.size:
+        if w.size == 1:  # the Python API, outside torchrun: it runs in this process, it launches none
+            raise CvtError(f"procs {procs}: this process is not one of {procs} torchrun ranks (start it under "
+                           f"torchrun --nproc-per-node {procs}, or run `cvt VERB ... --procs {procs}`)")
+        raise CvtError(f"--procs {procs}, but torchrun started {w.size} ranks (WORLD_SIZE)")
+    return w
 
 
 def backend_for(device_type: str) -> str:

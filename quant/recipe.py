@@ -26,10 +26,39 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cvt.convert.arch import ArchSpec
 from cvt.errors import CvtError, validation_summary
+from cvt.qtensor import kernel_formats as KF
+from cvt.registry import Registry
+
+
+@dataclass(frozen=True)
+class Method:
+    """A quantization method as options, recipes and the help know it, without torch (its
+    algorithm: `cvt.quant.methods`): its name, one-line summary, and the kernel formats it
+    quantizes (None: every one; `cvt.quant.stage.assignment.method_kernels`)."""
+
+    name: str
+    summary: str
+    data: bool  # calibrates on --calib text
+    kernels: tuple[str, ...] | None = None
+
 
 RTN, SMOOTHQUANT, GPTQ, AWQ = "rtn", "smoothquant", "gptq", "awq"  # the methods' names, defined here
-METHODS = (RTN, SMOOTHQUANT, GPTQ, AWQ)
-DATA_METHODS = frozenset(METHODS) - {RTN}     # the ones that calibrate on data
+METHOD_TABLE: Registry[Method] = Registry("method", summarized=True)
+for _m in (
+    Method(RTN, "round to nearest with the scheme's own scales", data=False),
+    # smoothing migrates activation outliers into the weights: only for quantized activations (a
+    # weight-only scheme would get harder weights and nothing back)
+    Method(SMOOTHQUANT, "per-channel factors folded from the RMSNorm into its consumers, then RTN: flatter "
+                        "activations for their int8 quantization", data=True,
+           kernels=(KF.W8A8_DYNAMIC, KF.W8A8_STATIC, KF.W4A8_DYNAMIC)),
+    # GPTQ's error feedback is written for int4 / int8 per channel / fp4 / MX weights
+    Method(GPTQ, "column-wise quantization with inverse-Hessian error feedback", data=True,
+           kernels=(KF.W4A16, KF.W8A8_DYNAMIC, KF.NVFP4, KF.MXFP4, KF.MXFP8, KF.W4A4_MXFP4, KF.W4A8_MXFP)),
+    Method(AWQ, "activation-aware scales folded into the producer and a clipping search, then RTN", data=True),
+):
+    METHOD_TABLE.add(_m.name, _m)
+METHODS = tuple(METHOD_TABLE)                 # registration order: rtn first, the default
+DATA_METHODS = frozenset(m.name for m in METHOD_TABLE.values() if m.data)  # the ones that calibrate on data
 
 
 class RecipeRule(BaseModel):

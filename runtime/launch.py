@@ -1,6 +1,6 @@
 """One rank of a sharded checkpoint: ``torchrun --nproc-per-node W -m cvt.runtime.launch DST ...``.
 
-``cvt run DST --world-size W`` starts exactly this through torchrun. Each rank, before any
+``cvt run DST --procs W`` starts exactly this through torchrun. Each rank, before any
 weight is read (`preflight`):
 
 * reads DST/cvt_manifest.json (`cvt.convert.shard.read_shard_manifest`) and refuses a launch
@@ -78,7 +78,7 @@ def preflight(root, rank: int, world_size: int, *, verify_files: bool = True, pr
     if world_size != layout.world_size:
         raise CvtError(f"{root} is sharded for a world of {layout.world_size} ranks ({_layout_words(layout)}), but "
                        f"{world_size} were launched (WORLD_SIZE={world_size}): launch with --nproc-per-node "
-                       f"{layout.world_size} (cvt run --world-size {layout.world_size})")
+                       f"{layout.world_size} (cvt run --procs {layout.world_size})")
     entry = next((e for e in manifest.shard.ranks if e.rank == rank), None)
     if entry is None:
         raise ManifestError(f"{root}: the manifest has no entry for rank {rank}")
@@ -327,7 +327,7 @@ def _run(args, pre: Preflight, rank: int, device) -> int:
     return 0
 
 
-# ------------------------------------------------------------------------------ cvt run --world-size
+# ------------------------------------------------------------------------------ cvt run --procs
 def sharded_world(model) -> int | None:
     """The world size of a `cvt shard` output directory (None: MODEL is something else)."""
     from cvt.convert.reader import read_manifest
@@ -356,12 +356,12 @@ def torchrun(model, world_size: int | None, argv: list[str]) -> int:
     world = sharded_world(model)
     if world is None:
         raise CvtError(f"{model}: not a cvt shard output (no cvt_manifest.json with a 'shard' section); "
-                       "--world-size runs sharded checkpoints (cvt shard SRC DST --world-size W)")
+                       "--procs runs sharded checkpoints (cvt shard SRC DST --world-size W)")
     if world_size is None:
-        raise CvtError(f"{model} is sharded for {world} ranks: run it with `cvt run {model} --world-size {world}` "
+        raise CvtError(f"{model} is sharded for {world} ranks: run it with `cvt run {model} --procs {world}` "
                        f"(or torchrun --nproc-per-node {world} -m cvt.runtime.launch {model})")
     if world_size != world:
-        raise CvtError(f"{model} is sharded for a world of {world} ranks, not {world_size}: use --world-size {world}")
+        raise CvtError(f"{model} is sharded for a world of {world} ranks, not {world_size}: use --procs {world}")
     from cvt.world import launch
 
     return launch("cvt.runtime.launch", [str(model), *argv], world_size, debug="--debug" in argv)

@@ -127,7 +127,7 @@ def _refuse_sharded(path) -> None:
     manifest = read_manifest(Path(path))
     if manifest is not None and manifest.shard is not None:
         w = manifest.shard.layout.world_size
-        raise ManifestError(f"{path} is sharded for {w} ranks (cvt shard): run it with `cvt run --world-size {w}` "
+        raise ManifestError(f"{path} is sharded for {w} ranks (cvt shard): run it with `cvt run --procs {w}` "
                             f"or `torchrun --nproc-per-node {w} -m cvt.runtime.launch {path}`")
 
 

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cvt.runtime.plots import cosine_plot_svg, esc, fmt, fmt_col, kl_histogram_svg
-from cvt.schemas.report import LayerRow, LogitStats, NonFinite, Report, ThresholdCheck, Thresholds, WeightSqnrRow
+from cvt.schemas.report import (LayerRow, LogitStats, ModelRef, NonFinite, Report, ThresholdCheck, Thresholds,
+                                WeightSqnrRow)
+from cvt.units import plural
 
 
 # (attribute, column name) of a LayerRow, in Ascend's order.
@@ -186,6 +188,15 @@ def _fmt_logit(field: str, v) -> str:
     return fmt(v, 6)
 
 
+def quantization_line(m: ModelRef) -> str | None:
+    """ "methods: gptq (45 linears), rtn-fallback (19 linears); 19 fallbacks" for a quantized side
+    (its fallbacks by reason: `m.fallbacks`); None for one its manifest records no quantization of."""
+    if not m.methods:
+        return None
+    methods = ", ".join(f"{k} ({plural(n, 'linear')})" for k, n in m.methods.items())
+    return f"methods: {methods}; {plural(m.fallback_count, 'fallback')}"
+
+
 def _worst_weights(weights: Sequence[WeightSqnrRow], k: int) -> list[WeightSqnrRow]:
     """The k lowest-SQNR rows (NaN first: a NaN is the worst)."""
     return sorted(weights, key=lambda w: (not math.isnan(w.sqnr_db), w.sqnr_db))[:k]
@@ -231,11 +242,13 @@ def render_markdown(report: Report, top_k_weights: int = 20) -> str:
     r = report
     verdict = VERDICTS[r.status][0]
     out = [f"# cvt verify report: {verdict}", ""]
+    for label, m in (("Candidate", r.candidate), ("Reference", r.reference)):
+        out.append(f"- {label}: `{_md(m.path)}` (format: {_md(m.format or 'none')}"
+                   + (f"; stages: {_md(' -> '.join(m.stages))}" if m.stages else "") + ")")
+        q = quantization_line(m)
+        if q:
+            out += [f"  - Quantization {_md(q)}"] + [f"    - {_md(line)}" for line in m.fallbacks]
     out += [
-        f"- Candidate: `{_md(r.candidate.path)}` (format: {_md(r.candidate.format or 'none')}"
-        + (f"; stages: {_md(' -> '.join(r.candidate.stages))}" if r.candidate.stages else "") + ")",
-        f"- Reference: `{_md(r.reference.path)}` (format: {_md(r.reference.format or 'none')}"
-        + (f"; stages: {_md(' -> '.join(r.reference.stages))}" if r.reference.stages else "") + ")",
         f"- Data: {_md(r.data.source)}" + (f" `{_md(r.data.path)}`" if r.data.path else "")
         + f", {r.data.sequences} sequences, {r.data.tokens} tokens",
         f"- Tool: {r.tool.name} {_md(r.tool.version)}, report version {r.report_version}",
@@ -352,7 +365,11 @@ def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
 
     def side(label: str, m) -> str:
         extra = f"format {m.format or 'none'}" + (f"; stages: {' -> '.join(m.stages)}" if m.stages else "")
-        return f"<li>{esc(label)}: <code>{esc(m.path)}</code> ({esc(extra)})</li>"
+        q = quantization_line(m)
+        quant = "" if q is None else (f"<ul><li>Quantization {esc(q)}" + (
+            "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in m.fallbacks) + "</ul>" if m.fallbacks else "")
+            + "</li></ul>")
+        return f"<li>{esc(label)}: <code>{esc(m.path)}</code> ({esc(extra)}){quant}</li>"
 
     data = f"{r.data.source}" + (f" {r.data.path}" if r.data.path else "") + \
         f", {r.data.sequences} sequences, {r.data.tokens} tokens"

@@ -93,6 +93,9 @@ class Summary(_Strict):
     counts: dict[str, int] = Field(default_factory=dict)
 
 
+RTN_FALLBACK = "rtn-fallback"  # a tensor's `method` when the method asked for fell back to RTN (`Fallback`)
+
+
 class QuantTensorInfo(_Strict):
     """One quantized linear: how it was quantized and how close it stayed to its source."""
 

@@ -17,7 +17,8 @@ turns an invalid one into a one-line `CvtError` naming the CLI option.
 
 report_version 2 added `first_nonfinite_layer`, `nonfinite_layers`, `nonfinite_weights` and a
 NaN `same_top1`; report_version 3 added `status`, which tells a run without any threshold
-("no_gates": nothing was checked) from one that passed its gates. Older reports still read
+("no_gates": nothing was checked) from one that passed its gates; report_version 4 added each
+side's quantization `methods` and `fallbacks` (from its manifest). Older reports still read
 (their status is derived from `checks` and `passed`).
 """
 
@@ -31,7 +32,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from cvt.errors import CvtError
 from cvt.schemas.manifest import ToolInfo
 
-REPORT_VERSION = 3
+REPORT_VERSION = 4
 
 Status = Literal["passed", "failed", "no_gates"]
 """A report's verdict: every applied threshold held, one failed, or no threshold was given."""
@@ -84,6 +85,12 @@ class ModelRef(_Strict):
     path: str = Field(description="the directory (or hub id) that was loaded")
     format: str | None = Field(None, description="the manifest's format, e.g. w8a8-int8 (null: no manifest)")
     stages: list[str] = Field(default_factory=list, description="the manifest's stage names, in order")
+    methods: dict[str, int] = Field(default_factory=dict, description="quantized linears per method applied "
+                                                                      "(rtn-fallback: the method asked fell back to "
+                                                                      "RTN); empty: not quantized")
+    fallback_count: int = Field(0, ge=0, description="the manifest's quant.fallbacks entries")
+    fallbacks: list[str] = Field(default_factory=list, description="the fallbacks grouped by reason, one line each "
+                                                                   "(how many, what happened, where, why)")
 
 
 class DataInfo(_Strict):
@@ -215,7 +222,7 @@ class ThresholdCheck(_Strict):
 
 
 class Report(_Strict):
-    report_version: Literal[1, 2, 3] = REPORT_VERSION
+    report_version: Literal[1, 2, 3, 4] = REPORT_VERSION
     tool: ToolInfo
     candidate: ModelRef
     reference: ModelRef

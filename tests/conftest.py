@@ -110,7 +110,8 @@ def trained_fixture() -> Path:
 @pytest.fixture(scope="session")
 def demo_weights():
     """(config, name -> float32 tensor, recipe key) of the demo's trained model (`cvt.demo_model`):
-    trained once per machine (under a minute on 2 cores) into the user's cache, read from it after."""
+    trained once per machine (200 steps on one thread: ~2 minutes on a busy 2-core machine) into the
+    user's cache, read from it after."""
     from cvt.demo_model import trained_weights
 
     return trained_weights()

@@ -801,8 +801,8 @@ CASES = [
     Case("quantize-bad-yaml-recipe", _quantize("qwen", _bad_recipe, "--recipe", "RECIPE"), "recipe.yaml: not valid YAML"),
     Case("run-manifest-invalid", _verb(["run"], "bf16", _manifest_invalid, "--input-ids", "1,2", dst_name=None),
          "files.0.blake3"),
-    Case("run-world-size-manifest-invalid", _verb(["run"], "bf16", _manifest_invalid, "--input-ids", "1,2",
-                                                 "--world-size", "2", dst_name=None), "tensor_count"),
+    Case("run-procs-manifest-invalid", _verb(["run"], "bf16", _manifest_invalid, "--input-ids", "1,2",
+                                            "--procs", "2", dst_name=None), "tensor_count"),
     # --- NaN / Inf
     Case("quantize-nan-weight", _quantize("qwen", _nan_weight), "non-finite"),
     Case("run-nan-weight", _verb(["run"], "qwen", _nan_weight, "--input-ids", "1,2", "--dtype", "fp32",

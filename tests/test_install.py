@@ -132,7 +132,7 @@ def test_every_verb_from_a_wheel_outside_the_clone(installed, tmp_path):
     cvt("shard", "bf16", "shards", "--world-size", 2, "--ep", 2, "--quiet")
     run = ("--prompt", "Hi", "--max-new-tokens", 2, "--device", "cpu", "--dtype", "fp32", "--quiet")
     cvt("run", "w8a8", *run)
-    cvt("run", "shards", "--world-size", 2, *run)
+    cvt("run", "shards", "--procs", 2, *run)
     cvt("verify", "w8a8", "--reference", "bf16", "--report", "report", "--seq-len", 32, "--max-sequences", 2, "--quiet")
 
     # the verbs of the export extra: one line naming it, exit 1

@@ -8,7 +8,7 @@ export all read these tables; nothing else in cvt knows a tensor name.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 from cvt.convert.arch import deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa, kimi_k25, qwen3
 from cvt.convert.arch.base import ArchSpec, ArchTable, Block, Parallel, Role, Rule, TensorInfo
@@ -16,11 +16,20 @@ from cvt.errors import ArchError
 from cvt.registry import Registry
 
 __all__ = ["ArchSpec", "ArchTable", "Block", "Parallel", "Role", "Rule", "TensorInfo", "arch_for", "carried_names",
-           "config_problems", "register", "TABLES"]
+           "config_problems", "families", "register", "TABLES"]
 
 TABLES: Registry[ArchTable] = Registry("model_type", ArchError)
-# wrapper model_type -> (text table, whole config.json) -> the table of its checkpoints' names
-WRAPPERS = {"kimi_k25": kimi_k25.wrap}
+
+
+class Wrapper(NamedTuple):
+    """A wrapper model_type: its display name, and (text table, whole config.json) -> the table
+    of its checkpoints' names."""
+
+    display: str
+    wrap: Callable[[ArchTable, Mapping[str, Any]], ArchTable]
+
+
+WRAPPERS = {"kimi_k25": Wrapper(kimi_k25.DISPLAY, kimi_k25.wrap)}
 
 
 def register(table: ArchTable) -> None:
@@ -50,8 +59,15 @@ def arch_for(config: Mapping[str, Any]) -> ArchSpec:
     if mt not in TABLES:
         raise ArchError(f"config.json model_type {mt!r} is not supported (supported: {', '.join(TABLES.names())})")
     table = TABLES[mt]
-    wrap = WRAPPERS.get(config.get("model_type")) if cfg is not config else None
-    return ArchSpec(table if wrap is None else wrap(table, config), cfg, mt)
+    wrapper = WRAPPERS.get(config.get("model_type")) if cfg is not config else None
+    return ArchSpec(table if wrapper is None else wrapper.wrap(table, config), cfg, mt)
+
+
+def families() -> list[str]:
+    """Every supported family as people name it: each table's display name, in registration
+    order, then the wrappers'."""
+    tables = list({id(t): t for t in TABLES.values()}.values())  # a table under several model_types: once
+    return [t.display for t in tables] + [w.display for w in WRAPPERS.values()]
 
 
 def carried_names(config: Mapping[str, Any], names) -> list[str]:

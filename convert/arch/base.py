@@ -151,6 +151,8 @@ class ArchTable:
     name: str
     model_types: tuple[str, ...]
     rules: tuple[Rule, ...]
+    # the families' names as people say them, e.g. "DeepSeek-V3 / R1 / V3.1": `cvt --help` lists them
+    display: str
     # canonical count -> config key (absent keys mean 0)
     config_keys: Mapping[str, str] = field(default_factory=dict)
     # config -> {weight name: shape}, for planning from config.json alone (no weights)

@@ -81,6 +81,7 @@ DEFAULTS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_pro
 
 TABLE = ArchTable(
     name="deepseek_v3",
+    display="DeepSeek-V3 / R1 / V3.1 and Kimi-K2",
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
     config_checks=checks.deepseek,

@@ -82,6 +82,7 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
 
 TABLE = ArchTable(
     name="deepseek_v32",
+    display="DeepSeek-V3.2",
     model_types=("deepseek_v32",),
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,

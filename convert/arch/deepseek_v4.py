@@ -225,6 +225,7 @@ def _layer_rules(L: str) -> tuple[Rule, ...]:
 M = "mtp.{M}"
 TABLE = ArchTable(
     name="deepseek_v4",
+    display="DeepSeek-V4",
     model_types=("deepseek_v4",),
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,

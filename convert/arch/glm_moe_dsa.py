@@ -86,6 +86,7 @@ def config_problems(cfg: Mapping[str, Any]) -> list[str]:
 
 TABLE = ArchTable(
     name="glm_moe_dsa",
+    display="GLM-5",
     model_types=("glm_moe_dsa",),
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,

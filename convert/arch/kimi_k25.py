@@ -36,6 +36,7 @@ from typing import Any, Mapping
 
 from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
 
+DISPLAY = "Kimi-K2.5 / K2.6 (vision tower carried)"
 TEXT_PREFIX = "language_model."
 VT, BLK = "vision_tower", "vision_tower.encoder.blocks.{B}"
 CARRIED_MODULES = (f"{VT}.patch_embed.proj", f"{VT}.patch_embed.pos_emb", f"{BLK}.norm0", f"{BLK}.norm1",
@@ -106,6 +107,7 @@ def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
 
     return ArchTable(
         name="kimi_k25",
+        display=DISPLAY,
         model_types=("kimi_k25",),
         rules=tuple(map(prefixed, text.rules)) + text.rules + CARRIED_RULES,
         config_keys=text.config_keys,

@@ -82,12 +82,13 @@ _FUSED = ((f"{L}.self_attn.q_proj", f"{L}.self_attn.k_proj", f"{L}.self_attn.v_p
           (f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj"))
 
 DENSE = ArchTable(
-    name="qwen3", model_types=("qwen3", "qwen2", "llama"), rules=_COMMON, config_keys=_KEYS, param_shapes=param_shapes,
+    name="qwen3", display="Qwen3 / Qwen2 / Llama", model_types=("qwen3", "qwen2", "llama"), rules=_COMMON, config_keys=_KEYS, param_shapes=param_shapes,
     fused_groups=_FUSED, config_checks=checks.qwen3,
 )
 
 MOE = ArchTable(
     name="qwen3_moe",
+    display="Qwen3-MoE",
     param_shapes=param_shapes,
     model_types=("qwen3_moe",),
     config_checks=checks.qwen3,

@@ -16,24 +16,25 @@ from typing import get_args
 import click
 
 from cvt.cli.export import export as export_group
-from cvt.cli import options
+from cvt.cli import describe, options
+from cvt.cli.describe import LazyHelp
 from cvt.cli.options import (EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_THRESHOLD, FORMATS,
                              FP4_FORMATS, METHODS, PLAN_SCHEMES, SCHEMES, SIZE, TARGETS, FiniteFloat, common,
-                             human, ranks)
+                             human, on_processes, ranks)
 from cvt import api
 from cvt.version import __version__
 
 log = logging.getLogger("cvt")
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+# what --procs says on the verbs whose ranks only deal out output files
+STREAMING_RANKS = "the ranks exchange only file lists, over gloo (CPU); the bytes are those of one process."
+
+
+@click.group(cls=describe.LazyHelpGroup, text=describe.group_help,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="cvt")
 def cli() -> None:
-    """cvt: convert released LLM checkpoints (DeepSeek-V3/R1/V3.1/V3.2, Kimi-K2, Qwen3, Qwen3-MoE)
-    for Ascend NPUs and any torch machine.
-
-    SRC may be a local directory or a Hugging Face hub repo id (owner/name; HF_HUB_OFFLINE=1
-    uses only the local cache). Every output directory carries cvt_manifest.json.
-    """
+    """The `cvt` group; its help is `describe.group_help` (the models: the architecture tables')."""
 
 
 @cli.command("fp8-to-bf16")
@@ -50,7 +51,7 @@ def cli() -> None:
               help="Keep output files an interrupted run of the same conversion finished (size and checksum checked).")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
-@ranks()
+@ranks("its output files", STREAMING_RANKS, old_spelling=True)
 def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwrite, quiet):
     """Dequantize an FP8 block-scaled release (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8) to BF16.
 
@@ -71,7 +72,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
             f"{plural(x['scales_dropped'], 'scale')}\n"
             f"wrote {plural(r.written_files, 'weight file')} ({r.skipped_files} already done) to {r.dst}\n"
             f"read {human(r.bytes_in)}, wrote {human(r.bytes_out)} in {r.seconds:.1f} s ({human(r.throughput)}/s)"
-        )
+            f"{on_processes(r)}")
 
 
 
@@ -79,19 +80,9 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @cli.command("quantize")
 @click.argument("src")
 @click.argument("dst", type=click.Path())
-@click.option("--scheme", type=SCHEMES, required=True,
-              help="w8a8: int8 weights per channel, int8 dynamic per-token activations; w8a8c8: plus a quantized KV "
-                   "cache with calibrated scales (Ascend: int8 C8 / FAKQuant; compressed-tensors: FP8, the kind "
-                   "vLLM loads); w4a16: int4 weights in groups, bf16 activations; w4a8: int4 weights per channel, int8 "
-                   "dynamic per-token activations (Ascend W4A8_DYNAMIC, MoE experts); fp4: E2M1 weights with group "
-                   "scales.")
-@click.option("--format", "fmt", type=FORMATS, default=None,
-              help="Default compressed-tensors. ascend: msModelSlim AscendV1 (quant_model_description.json); compressed-tensors: vLLM/transformers.")
-@click.option("--target", type=TARGETS, default=None,
-              help="ascend: the serving stack the layouts are for (default vllm-ascend). vllm-ascend loads W4A16 "
-                   "(int32 packed) and MXFP4 only for MoE experts (other linears stay float), MLA C8 as FAKQuant; "
-                   "mindie takes the int8 two-per-byte W4A16 for every linear, and gets its quantize keys in "
-                   "config.json.")
+@click.option("--scheme", type=SCHEMES, required=True, cls=LazyHelp, text=describe.schemes)
+@click.option("--format", "fmt", type=FORMATS, default=None, cls=LazyHelp, text=describe.formats)
+@click.option("--target", type=TARGETS, default=None, cls=LazyHelp, text=describe.targets)
 @click.option("--target-version", default=None, metavar="LINE",
               help="vllm-ascend: the release line the output is for, 0.23 (default), 0.24, 0.25 or main; recorded "
                    "in the manifest. A module that line no longer loads is refused, saying why (main: no W4A8 "
@@ -100,10 +91,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
               help="w8a8c8: the quantized KV cache's storage. ascend: int8 (default; C8 / FAKQuant) or fp8 "
                    "(FAKQuant's e4m3 cache on Ascend 950, MLA models, vllm-ascend; scales amax / 448); "
                    "compressed-tensors: fp8 only.")
-@click.option("--method", type=METHODS, default=None,
-              help="Default rtn. rtn: any scheme, no data. gptq: fp4, mxfp8, w4a16, w4a4_mxfp4, w4a8_mxfp, w8a8, w8a8c8. awq: any scheme. smoothquant: w4a8, "
-                   "w8a8, w8a8c8 (it smooths activations for their int8 quantization). gptq, awq and smoothquant "
-                   "calibrate on --calib text; a recipe can give modules other methods.")
+@click.option("--method", type=METHODS, default=None, cls=LazyHelp, text=describe.methods)
 @click.option("--group-size", type=click.IntRange(0), default=None,
               help="w4a16 group size along k (0: per channel). Default 128 for compressed-tensors, 64 for ascend.")
 @click.option("--asym", is_flag=True, help="w4a16 with offsets (zero points) instead of symmetric.")
@@ -134,7 +122,11 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
-@ranks(what="the calibration samples, the layers' linears and experts (by cost) and the output files")
+@ranks("the calibration samples, the layers' linears and experts (by cost) and the output files",
+       "they talk over gloo on CPU, nccl / hccl for --device cuda / npu. Without calibration the bytes are those "
+       "of one process; calibrated (gptq, awq, smoothquant, --static-attention, w8a8c8's KV ranges) they depend "
+       "on N, not on timing: the same N writes the same bytes, one process other bytes (sums in another order, "
+       "which GPTQ's rounding amplifies).", old_spelling=True)
 def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method, group_size, asym, fp4_format, calib,
                  calib_tokens, device,
                  expert_memory, static_attention, ignore, recipe, revision, workers, max_shard_size, resume, overwrite,
@@ -158,13 +150,14 @@ def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method
         methods = ", ".join(f"{n} {k}" for k, n in x["by_method"].items()) if len(x["by_method"]) > 1 else q.method
         click.echo(f"quantized {plural(x['quantized'], 'linear')} ({kinds}; {methods}; {q.format}), kept "
                    f"{x['float_modules']} float, {plural(x['fallbacks'], 'fallback')}; worst SQNR {x['min_sqnr_db']}\n"
+                   + "".join(f"  {line}\n" for line in x["fallback_lines"])
                    + (f"calibrated {c['layers']} layers on {c['tokens']} tokens ({c['device']}): "
                       f"{sum(c['seconds_per_layer']) / max(1, len(c['seconds_per_layer'])):.2f} s/layer, "
                       f"peak RSS {human(c['peak_rss_bytes'])}"
                       + (f", {c['resumed_layers']} layers resumed" if c['resumed_layers'] else "") + "\n"
                       if (c := r.manifest.quant.calibration) else "") +
                    f"wrote {plural(r.written_files, 'weight file')} ({r.skipped_files} already done) to {r.dst}: "
-                   f"{human(r.bytes_out)} in {r.seconds:.1f} s")
+                   f"{human(r.bytes_out)} in {r.seconds:.1f} s{on_processes(r)}")
 
 
 def _layout_options(fn):
@@ -190,7 +183,14 @@ def _layout_options(fn):
 
 
 def _print_plan(options) -> None:
-    plan = api.plan(options)
+    from cvt.convert.placement import LayoutError
+    from cvt.convert.memory_plan import layout_violations
+
+    try:
+        plan = api.plan(options)
+    except LayoutError as exc:  # degrees that make no layout: the plan's problems, with nothing to plan
+        click.echo(f"no memory plan: the degrees make no layout\n\n{layout_violations(exc.problems)}")
+        sys.exit(EXIT_PROBLEMS)
     click.echo(plan.render())
     if plan.violations or plan.over_budget:
         sys.exit(EXIT_PROBLEMS)
@@ -213,15 +213,18 @@ def _print_plan(options) -> None:
               help="fp4: nvfp4 (default) or mxfp4 (Ascend).")
 @click.option("--hbm", type=SIZE, default=None, help="Device memory per rank, e.g. 64GB or 64GiB: ranks above it are flagged.")
 @click.option("--kv-tokens", type=click.IntRange(0), default=0, show_default=True, help="Tokens of KV cache in flight (whole world).")
+@click.option("--revision", help="Hub revision when MODEL is a repo id.")
 @common
-def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens, quiet, **degrees):
+def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens, revision, quiet, **degrees):
     """Per-rank memory plan of an EP/TP layout from config.json alone (MODEL: a checkpoint
-    directory or a config.json): weights by role plus KV cache, min/max/mean, the heaviest rank,
-    ranks over --hbm, and every divisibility problem of the layout. Exit code 3 when the layout
-    is invalid or a rank does not fit. `cvt shard SRC --dry-run` prints the same plan, with the
-    same options (defaulting to SRC's own scheme, format and target)."""
-    _print_plan(api.PlanOptions(model=model, layout=api.LayoutOptions(**degrees), scheme=scheme, group_size=group_size,
-                                fmt=fmt, target=target, fp4_format=fp4_format, hbm=hbm, kv_tokens=kv_tokens))
+    directory, a config.json, or a hub repo id, of which only config.json is fetched): weights by
+    role plus KV cache, min/max/mean, the heaviest rank, ranks over --hbm, and every divisibility
+    problem of the layout. Exit code 3 when the layout is invalid or a rank does not fit. `cvt
+    shard SRC --dry-run` prints the same plan, with the same options (defaulting to SRC's own
+    scheme, format and target)."""
+    _print_plan(api.PlanOptions(model=model, revision=revision, layout=api.LayoutOptions(**degrees), scheme=scheme,
+                                group_size=group_size, fmt=fmt, target=target, fp4_format=fp4_format, hbm=hbm,
+                                kv_tokens=kv_tokens))
 
 
 @cli.command("shard")
@@ -246,7 +249,7 @@ def plan_cmd(model, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens,
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Keep rank files an interrupted run finished.")
 @click.option("--overwrite", is_flag=True, help="Allow a DST that holds other files or another run's output.")
 @common
-@ranks("--procs", "the rank files (--world-size is the layout's)")
+@ranks("the rank files (--world-size is the layout's)", STREAMING_RANKS)
 def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target, fp4_format, hbm, kv_tokens, revision,
               resume, overwrite, quiet, **degrees):
     """Write SRC as per-rank directories DST/rank-XXXXX/ for an EP/TP layout (one world of
@@ -255,11 +258,11 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target
     FP8 releases and cvt quantize outputs; every tensor is read once, whatever W. The layout is
     validated before anything is written (heads, experts, vocab, FP8 blocks and quantization
     groups must divide). `torchrun --nproc-per-node W -m cvt.runtime.launch DST` (or
-    `cvt run DST --world-size W`) runs the result."""
+    `cvt run DST --procs W`) runs the result."""
     layout = api.LayoutOptions(**degrees)
     if dry_run:  # scheme, format, target and fp4 format default to SRC's own (`api.plan`)
-        _print_plan(api.PlanOptions(model=src, layout=layout, scheme=scheme, group_size=group_size, fmt=fmt,
-                                    target=target, fp4_format=fp4_format, hbm=hbm, kv_tokens=kv_tokens))
+        _print_plan(api.PlanOptions(model=src, revision=revision, layout=layout, scheme=scheme, group_size=group_size,
+                                    fmt=fmt, target=target, fp4_format=fp4_format, hbm=hbm, kv_tokens=kv_tokens))
         return
     if dst is None:
         raise click.UsageError("DST is required (or pass --dry-run)")
@@ -276,7 +279,7 @@ def shard_cmd(src, dst, max_shard_size, dry_run, scheme, group_size, fmt, target
                    f"dense_tp {L.dense_tp}, embed_tp {L.embed_tp}, lmhead_tp {L.lmhead_tp})\n"
                    f"wrote {plural(r.written_files, 'rank file')} ({r.skipped_files} already done) to {r.dst}: read "
                    f"{human(r.bytes_in)}, wrote {human(r.bytes_out)} in {r.seconds:.1f} s "
-                   f"({human(r.throughput)}/s)")
+                   f"({human(r.throughput)}/s){on_processes(r)}")
 
 
 @cli.command("inspect")
@@ -305,14 +308,16 @@ def inspect_cmd(path, revision, as_json, quiet):
 @click.option("--dtype", type=click.Choice(get_args(api.DType)), default="bf16", show_default=True)
 @click.option("--verify-files", is_flag=True, help="Check every file's checksum against the manifest before loading.")
 @click.option("--revision", help="Hub revision when MODEL is a repo id.")
-@click.option("--world-size", type=click.IntRange(1), default=None,
-              help="Run a cvt shard output on W ranks: launches torchrun (python -m cvt.runtime.launch), which "
-                   "always checks each rank's files' checksums.")
+@click.option(options.PROCS, "procs", type=click.IntRange(1), default=None, metavar="N",
+              help="Processes to launch: run a cvt shard output as its N ranks (N = the layout's world size) under "
+                   "torchrun on this node (python -m cvt.runtime.launch; gloo on CPU, nccl / hccl for --device "
+                   "cuda / npu), which always checks each rank's files' checksums.")
+@options.old_procs_option
 @click.option("--backend", type=click.Choice(get_args(api.Backend)), default="torch", show_default=True,
               help="onnxruntime: MODEL is a `cvt export onnx` output, run on the CPU (--dtype is the export's).")
 @common
 def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed, device, dtype, verify_files, revision,
-            world_size, backend, quiet):
+            procs, old_procs, backend, quiet):
     """Generate text with the bundled runtime from any cvt output or HF BF16/FP8 directory.
 
     Prints each continuation and the prefill / decode speed in tokens/s.
@@ -320,6 +325,7 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
     from cvt.errors import CvtError
     from cvt.runtime.launch import launch_args, sharded_world, torchrun
 
+    world_size = options.deprecated_procs("run", old_procs, procs)
     if backend == "torch" and (world_size is not None and world_size > 1 or sharded_world(model) is not None):
         if revision:
             raise CvtError("--revision applies to hub repo ids; a sharded checkpoint is a local directory")
@@ -328,7 +334,7 @@ def run_cmd(model, prompts, input_ids, max_new_tokens, temperature, top_p, seed,
                            debug=click.get_current_context().obj.get("debug", False))
         sys.exit(torchrun(model, world_size, argv))
     if backend == "onnxruntime" and world_size not in (None, 1):
-        raise CvtError("--backend onnxruntime runs on one CPU process (--device auto or cpu, no --world-size)")
+        raise CvtError("--backend onnxruntime runs on one CPU process (--device auto or cpu, no --procs)")
     res = api.run(api.RunOptions(model=model, prompts=prompts, input_ids=input_ids, max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_p=top_p, seed=seed, device=device, dtype=dtype,
                                  verify_files=verify_files, revision=revision, backend=backend, quiet=quiet))

@@ -10,7 +10,7 @@ import math
 import click
 
 from cvt.errors import CvtError
-from cvt.units import parse_size
+from cvt.units import binary_size, parse_size
 
 EXIT_ERROR = 1
 EXIT_PROBLEMS = 3
@@ -37,12 +37,15 @@ def common(fn):
     return wrapper
 
 
+def on_processes(result) -> str:
+    """What a summary says after its timing when several ranks wrote the output together: ' on 2 processes'."""
+    n = getattr(result, "processes", 1)
+    return f" on {n} processes" if n > 1 else ""
+
+
 def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
+    """Bytes in a summary line: '3.2 MiB'."""
+    return binary_size(n, digits=1)
 
 
 class NamesChoice(click.Choice):
@@ -139,45 +142,75 @@ class FiniteFloat(click.FloatRange):
 # the command line `main` was given: what `ranks` re-runs on each rank
 ARGV: list[str] = []
 
+PROCS = "--procs"        # processes to launch: one word in every verb that launches them
+OLD_PROCS = "--world-size"  # its old spelling in quantize / fp8-to-bf16 / run (deprecated for one release)
 
-def ranks(flag: str = "--world-size", what: str = "its output files"):
-    """`flag N` on a streaming or calibrating verb: run the same command as N ranks of torchrun
-    on this node (`cvt.world.launch`), which split `what`; under a torchrun the user started
-    (several nodes) the flag may be left out, and must match WORLD_SIZE if given. Ranks other
-    than 0 print no summary."""
+
+def deprecated_procs(verb: str, old: int | None, procs: int | None) -> int | None:
+    """The process count of a verb whose `--world-size` once meant processes: `--procs`, or the
+    old spelling with one warning line on stderr (said once: by the launching process, or by rank
+    0 under the user's own torchrun)."""
+    import os
+
+    if old is None:
+        return procs
+    if procs is not None and procs != old:
+        raise click.UsageError(f"{PROCS} {procs} and {OLD_PROCS} {old} disagree (give {PROCS} alone)")
+    if os.environ.get("RANK", "0") == "0":
+        click.echo(f"cvt: warning: {OLD_PROCS} is deprecated for {verb}; use {PROCS}", err=True)
+    return old
+
+
+def old_procs_option(fn):
+    """The hidden deprecated `--world-size` of a verb that now says `--procs` (`deprecated_procs`)."""
+    return click.option(OLD_PROCS, "old_procs", type=click.IntRange(1), default=None, hidden=True,
+                        help=f"Deprecated spelling of {PROCS} (removed in the next release).")(fn)
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`argv` less each of `flags` and its value (``--flag N`` or ``--flag=N``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in flags)):
+            out.append(a)
+    return out
+
+
+def ranks(what: str, note: str, old_spelling: bool = False):
+    """`--procs N` on a streaming or calibrating verb: run the same command as N ranks of torchrun
+    on this node (`cvt.world.launch`), which split `what` (`note`: how they talk, and what the
+    bytes are); under a torchrun the user started (several nodes) the flag may be left out, and
+    must match WORLD_SIZE if given. Ranks other than 0 print no summary. `old_spelling`: the verb
+    also takes the deprecated `--world-size N` for it (`deprecated_procs`)."""
 
     def deco(fn):
-        @click.option(flag, "ranks", type=click.IntRange(1), default=None,
-                      help=f"Run as N processes (torchrun on this node, gloo / nccl / hccl by --device) that split "
-                           f"{what}; same bytes as one process. Under your own torchrun (several nodes: DST on a "
-                           f"shared filesystem) leave it out.")
+        @click.option(PROCS, "procs", type=click.IntRange(1), default=None, metavar="N",
+                      help=f"Processes to launch: run as N ranks of torchrun on this node that split {what}; "
+                           f"{note} Under your own torchrun (several nodes: DST on a shared filesystem) leave it out.")
         @functools.wraps(fn)
-        def wrapper(*args, ranks: int | None, quiet: bool, **kwargs):
+        def wrapper(*args, procs: int | None, quiet: bool, old_procs: int | None = None, **kwargs):
             import os
             import sys
 
             from cvt import world
 
+            ctx = click.get_current_context()
+            procs = deprecated_procs(ctx.info_name, old_procs, procs)
             if os.environ.get("WORLD_SIZE", "1") != "1":  # a rank of torchrun (ours or the user's)
                 if os.environ.get(world.WORLD_ENV):  # started by `ranks` below: never outlive its torchrun
                     world.die_with_parent()()
-                w = world.current()
-                if ranks is not None and ranks != w.size:
-                    raise CvtError(f"{flag} {ranks}, but torchrun started {w.size} ranks (WORLD_SIZE)")
+                w = world.expect(procs)
                 return fn(*args, quiet=quiet or not w.main, **kwargs)
-            if ranks is None or ranks == 1:
+            if procs is None or procs == 1:
                 return fn(*args, quiet=quiet, **kwargs)
-            argv, skip = [], False
-            for a in ARGV:
-                if skip:
-                    skip = False
-                elif a == flag:
-                    skip = True
-                elif not a.startswith(flag + "="):
-                    argv.append(a)
-            debug = click.get_current_context().obj.get("debug", False)
-            sys.exit(world.launch("cvt", argv, ranks, debug=debug, env_extra={world.WORLD_ENV: str(ranks)}))
+            argv = _without(ARGV, (PROCS, OLD_PROCS) if old_spelling else (PROCS,))
+            debug = ctx.obj.get("debug", False)
+            sys.exit(world.launch("cvt", argv, procs, debug=debug, env_extra={world.WORLD_ENV: str(procs)}))
 
-        return wrapper
+        return old_procs_option(wrapper) if old_spelling else wrapper
 
     return deco

@@ -61,6 +61,7 @@ def model_quant_type(tags) -> str:
 @register
 class Ascend:
     name = L.ASCEND
+    summary = "msModelSlim AscendV1, what vllm-ascend and MindIE load (quant_model_description.json)"
     weights_prefix = "quant_model_weights"
     description_file = "quant_model_description.json"
     kv_codec = "int8"          # a quantized KV cache is int8 (C8 / FAKQuant), what the Ascend stacks load

@@ -37,7 +37,7 @@ class Format(Protocol):
                        kv_cache: bool, mla: bool, target: str) -> list[tuple[str, bytes]]: ...
 
 
-FORMATS: Registry[type] = Registry("output format", FormatError)
+FORMATS: Registry[type] = Registry("output format", FormatError, summarized=True)  # each: name, summary
 register = FORMATS.register
 
 

@@ -88,6 +88,7 @@ def match_name(name: str, target: str) -> bool:
 @register
 class CompressedTensors:
     name = L.COMPRESSED_TENSORS
+    summary = "what vLLM and transformers load (quantization_config in config.json)"
     weights_prefix = "model"
     kv_codec = "fp8"           # a quantized KV cache is FP8 (e4m3, per tensor): the only kind vLLM loads
     static_attention = False

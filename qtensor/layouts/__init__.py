@@ -31,7 +31,7 @@ only the modules of that role (`scale_bias_role`, from the module name); `select
 
 from __future__ import annotations
 
-from cvt.qtensor.layouts.base import (ASCEND, ASCEND_TARGETS, COMPRESSED_TENSORS, CONFIG_KEY_TARGETS, CT_TARGET,
+from cvt.qtensor.layouts.base import (ASCEND, ASCEND_TARGETS, COMPRESSED_TENSORS, CONFIG_KEY_TARGETS, CT_TARGET, TARGET_SUMMARIES,
                                       DEFAULT_TARGET, FLOATS, FORMAT_TARGETS, K16, LAYOUTS, MINDIE,
                                       SCALE_BIAS_COLUMN, SCALE_BIAS_ROW, SCALE_BIAS_RUNS, VLLM_ASCEND, DiskTensor,
                                       G, K, Layout, N, register, scale_bias_role)
@@ -39,6 +39,6 @@ from cvt.qtensor.layouts import entries, entries_mx  # noqa: F401  (register the
 from cvt.qtensor.layouts.selection import (candidates, check_target, experts_only_reason, fuses, kernel_fmt_of,
                                            kernel_formats, read_layout, select, targets_for)
 
-__all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
+__all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "TARGET_SUMMARIES", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
            "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason",
            "scale_bias_role", "K16"]

@@ -25,6 +25,12 @@ DEFAULT_TARGET = VLLM_ASCEND
 CT_TARGET = "vllm"  # compressed-tensors: vLLM and transformers
 FORMAT_TARGETS = {ASCEND: ASCEND_TARGETS, COMPRESSED_TENSORS: (CT_TARGET,)}
 CONFIG_KEY_TARGETS = (MINDIE,)  # read their quantization keys from config.json (MindIE's atb_llm)
+# what `--target` says of each ascend target (the entries are what each loads)
+TARGET_SUMMARIES = {
+    VLLM_ASCEND: "loads W4A16 (int32 packed) and MXFP4 only for MoE experts (other linears stay float), MLA C8 as "
+                 "FAKQuant",
+    MINDIE: "takes the int8 two-per-byte W4A16 for every linear, and gets its quantize keys in config.json",
+}
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class SchemeBase:
         return self.dequantize(self.quantize(w))
 
 
-SCHEMES: Registry[type] = Registry("scheme")
+SCHEMES: Registry[type] = Registry("scheme", summarized=True)  # each class: name, summary (one line)
 register = SCHEMES.register
 
 

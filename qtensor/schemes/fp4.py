@@ -29,6 +29,7 @@ GROUPS = {KF.NVFP4: 16, KF.MXFP4: 32}  # the fp4 formats, defined here: each is 
 @register
 class FP4(SchemeBase):
     name = "fp4"
+    summary = "E2M1 weights with group scales: nvfp4 (group 16, E4M3 scales + a global scale) or mxfp4 (group 32, E8M0 scales)"
     kv_cache = None
     static_activations = False
     options = ("fp4_format",)

@@ -93,6 +93,7 @@ class _MX(SchemeBase):
 @register
 class MXFP8(_MX):
     name = "mxfp8"
+    summary = "E4M3 weights in blocks of 32 with E8M0 scales, MXFP8 activations (Ascend 950 W8A8_MXFP8)"
     kernel_formats = (KF.MXFP8,)
     elem = act = MX.FP8
     code_part = "weight_fp8"
@@ -101,6 +102,7 @@ class MXFP8(_MX):
 @register
 class W4A4MXFP4(_MX):
     name = "w4a4_mxfp4"
+    summary = "E2M1 weights in blocks of 32 with E8M0 scales, MXFP4 activations (Ascend 950 W4A4_MXFP4)"
     kernel_formats = (KF.W4A4_MXFP4,)
     elem = act = MX.FP4
     code_part = "weight_fp4"
@@ -109,6 +111,7 @@ class W4A4MXFP4(_MX):
 @register
 class W4A8MXFP(_MX):
     name = "w4a8_mxfp"
+    summary = "E2M1 weights in blocks of 32 with E8M0 scales, MXFP8 activations (Ascend 950 W4A8_MXFP)"
     kernel_formats = (KF.W4A8_MXFP,)
     elem, act = MX.FP4, MX.FP8
     code_part = "weight_fp4"

@@ -35,6 +35,7 @@ QMIN, QMAX = -8, 7
 @register
 class W4A16(SchemeBase):
     name = "w4a16"
+    summary = "int4 weights in groups along k (--group-size; 0: per channel), bf16 activations"
     kv_cache = None
     static_activations = False
     options = ("group_size", "symmetric")  # what `cvt quantize` passes on (--group-size, --asym)

@@ -50,6 +50,7 @@ class W4A8(SchemeBase):
     """Per-channel symmetric int4 weights; dynamic per-token int8 activations."""
 
     name = "w4a8"
+    summary = "int4 weights per channel, int8 dynamic per-token activations (Ascend W4A8_DYNAMIC, MoE experts)"
     kv_cache = None
     static_activations = False
     options = ("group_size",)  # --group-size (0 only: the scheme says why another is refused)

@@ -44,6 +44,8 @@ class W8A8(SchemeBase):
     """Per-channel symmetric int8 weights; dynamic per-token int8 activations (or static, see above)."""
 
     name = "w8a8"
+    summary = ("int8 weights per channel, int8 dynamic per-token activations (ascend --static-attention: "
+               "static per-tensor on attention)")
     kv_cache: str | None = None
     options: tuple[str, ...] = ()
     static_attention = True  # attention may take calibrated static activations (--static-attention)

@@ -16,4 +16,6 @@ from cvt.qtensor.schemes.w8a8 import W8A8
 @register
 class W8A8C8(W8A8):
     name = "w8a8c8"
+    summary = ("w8a8 plus a quantized KV cache with calibrated scales (ascend: int8 C8 / FAKQuant; "
+               "compressed-tensors: FP8, the kind vLLM loads)")
     kv_cache = "int8"

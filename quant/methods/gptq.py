@@ -60,6 +60,7 @@ from cvt.qtensor import kernel_formats as KF
 from cvt.qtensor import mx as MX
 from cvt.qtensor.primitives import encode_e2m1
 from cvt.errors import CvtError
+from cvt.quant.recipe import GPTQ, METHOD_TABLE
 from cvt.qtensor.schemes.base import QuantizedTensor, Scheme
 
 E2M1 = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0), dtype=torch.float32)
@@ -69,7 +70,7 @@ INT_RANGES = {KF.W4A16: ("weight_int4", -8, 7), KF.W8A8_DYNAMIC: ("weight", -128
 # the Ascend 950 MX formats: (element kind, code part); the grid is msModelSlim's (`cvt.qtensor.mx`)
 MX_ELEM = {KF.MXFP8: (MX.FP8, "weight_fp8"), KF.W4A4_MXFP4: (MX.FP4, "weight_fp4"), KF.W4A8_MXFP: (MX.FP4, "weight_fp4")}
 FP4_GROUP = {KF.NVFP4: 16, KF.MXFP4: 32, **{f: MX.BLOCK for f in MX_ELEM}}
-SUPPORTED = (KF.W4A16, KF.W8A8_DYNAMIC, KF.NVFP4, KF.MXFP4, *MX_ELEM)
+SUPPORTED = METHOD_TABLE[GPTQ].kernels  # the kernel formats below handle: int4, int8 per channel, fp4, MX
 METRICS = ("mse", "hdiag")
 # clipping ratios tried by the scale search: 1.0 (absmax) down to 0.8 in steps of 0.01, as
 # llm-compressor's MSE observer (maxshrink 0.2) and AutoAWQ's clip search cover

@@ -293,7 +293,7 @@ def _world(path: Path, theirs: int, ours: int) -> CvtError:
 
     return OutputError(f"{path}: calibration state computed by {theirs} rank{'s' if theirs != 1 else ''}, this run "
                        f"has {ours} (ranks combine statistics in an order fixed by their number): re-run with "
-                       f"--world-size {theirs} to resume, or with --no-resume to calibrate afresh")
+                       f"--procs {theirs} to resume, or with --no-resume to calibrate afresh")
 
 
 def _foreign(path: Path, theirs: dict, ours: dict) -> CvtError:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cvt.qtensor import kernel_formats as KF
+from cvt.quant.recipe import METHOD_TABLE, SMOOTHQUANT
 
 MIN_SCALE = 1e-5
 # the kernel formats with quantized activations: a weight-only scheme (w4a16, fp4) has no
 # activation outliers to migrate, and smoothing would only make its weights harder to quantize
-SUPPORTED = (KF.W8A8_DYNAMIC, KF.W8A8_STATIC, KF.W4A8_DYNAMIC)
+SUPPORTED = METHOD_TABLE[SMOOTHQUANT].kernels
 
 
 def smooth_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float = 0.5) -> torch.Tensor:

@@ -37,6 +37,7 @@ from cvt.convert.arch import arch_for, text_config
 from cvt.convert.config import SourceFormat, bf16_config, source_format
 from cvt.convert.fp8 import kernel_name as fp8_kernel_name
 from cvt.convert.fp8_to_bf16 import check_scales_finite, dequantized_pieces, pair_fp8_weights
+from cvt.convert.quant_summary import fallback_lines
 from cvt.convert.validate import check_weights
 from cvt.convert.reader import Checkpoint, check_manifest_files, open_checkpoint
 from cvt.dtypes import dtype_code
@@ -422,7 +423,8 @@ def _write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, c
     sqnrs = [v.sqnr_db for v in quant.tensors.values() if isinstance(v.sqnr_db, float)]
     result.extra.update(quantized=len(plan.schemes), float_modules=len(plan.float_reasons),
                         by_scheme=_counts(s.name for s in plan.schemes.values()), by_method=_counts(plan.methods.values()),
-                        fallbacks=len(quant.fallbacks), min_sqnr_db=f"{min(sqnrs):.1f} dB" if sqnrs else "exact")
+                        fallbacks=len(quant.fallbacks), min_sqnr_db=f"{min(sqnrs):.1f} dB" if sqnrs else "exact",
+                        fallback_lines=fallback_lines(quant, ckpt.config))  # by reason, saying where
     return result
 
 

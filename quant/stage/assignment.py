@@ -13,7 +13,7 @@ from cvt.convert.fp4 import FP4_DTYPES
 from cvt.convert.reader import Checkpoint
 from cvt.errors import CvtError, FormatError, TensorError
 from cvt.qtensor.formats import default_group, group_fallback
-from cvt.quant.recipe import GPTQ, SMOOTHQUANT, Policy
+from cvt.quant.recipe import METHOD_TABLE, SMOOTHQUANT, Policy
 from cvt.quant.stage.fp4_source import fp4_experts
 from cvt.qtensor.schemes import scheme_from_options
 from cvt.qtensor.schemes.base import Scheme
@@ -125,18 +125,11 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
 
 
 def method_kernels(method: str) -> tuple[str, ...] | None:
-    """The kernel formats `method` quantizes (None: every one): gptq's error feedback is written
-    for int4 / int8 per channel / fp4 weights, smoothquant needs quantized activations; rtn and
-    awq (a weight-error search, then RTN) take any scheme."""
-    if method == GPTQ:
-        from cvt.quant.methods.gptq import SUPPORTED  # the methods import torch eagerly: only when asked
-
-        return SUPPORTED
-    if method == SMOOTHQUANT:
-        from cvt.quant.methods.smoothquant import SUPPORTED
-
-        return SUPPORTED
-    return None
+    """The kernel formats `method` quantizes (None: every one; the method table,
+    `cvt.quant.recipe.METHOD_TABLE`): gptq's error feedback is written for int4 / int8 per channel
+    / fp4 / MX weights, smoothquant needs quantized activations; rtn and awq (a weight-error
+    search, then RTN) take any scheme."""
+    return METHOD_TABLE[method].kernels
 
 
 def weight_shape(ckpt: Checkpoint, params: dict[str, str]) -> tuple[int, int]:

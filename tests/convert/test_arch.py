@@ -77,7 +77,7 @@ def test_text_config_wrapper():
 
 def test_duplicate_registration_fails_loudly():
     with pytest.raises(ArchError, match="already registered"):
-        register(ArchTable(name="again", model_types=("deepseek_v3",), rules=()))
+        register(ArchTable(name="again", model_types=("deepseek_v3",), rules=(), display="Again"))
     assert TABLES["deepseek_v3"].name == "deepseek_v3"
 
 

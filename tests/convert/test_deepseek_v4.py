@@ -241,7 +241,8 @@ def test_plan_from_the_flash_config(tmp_path):
     assert "memory plan: deepseek_v4" in r.out
     # 256 experts over ep 16 = 16 per rank, 44 MoE layers (MTP included), w1 / w2 / w3 of 2048 x 4096, bf16
     per_rank = 16 * 44 * 3 * 2048 * 4096 * 2 / 2**30
-    assert re.search(rf"^experts +{per_rank:.2f} +{per_rank:.2f} +{per_rank:.2f}$", r.out, re.M), r.out
+    cell = f"{per_rank:.2f} GiB"
+    assert re.search(rf"^experts +{cell} +{cell} +{cell}$", r.out, re.M), r.out
 
 
 def test_plan_counts_each_layer_types_kv_cache():

@@ -162,7 +162,7 @@ def test_compressed_tensors_output_and_shard_replicate_the_vision_tower(release,
     assert all(t[n]["dim"] is None and t[n]["expert"] is None for n in m["carried"])
     for rank in m["shard"]["ranks"]:
         assert assert_carried_identical(tmp_path / "sh" / rank["dir"], src) == 35
-    r = run_cvt("run", tmp_path / "sh", "--world-size", "2", "--input-ids", "5,6,7", "--max-new-tokens", "2",
+    r = run_cvt("run", tmp_path / "sh", "--procs", "2", "--input-ids", "5,6,7", "--max-new-tokens", "2",
                 "--device", "cpu", "--quiet")
     assert r.rc == 0, r.err
     assert "running the text model only" in r.err

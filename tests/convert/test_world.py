@@ -1,5 +1,5 @@
-"""The streaming stages on a torchrun world (issue 25): `cvt fp8-to-bf16 | quantize --world-size N`
-and `cvt shard --procs N` launch torchrun (gloo, CPU ranks) and write the bytes one process
+"""The streaming stages on a torchrun world (issue 25): `cvt fp8-to-bf16 | quantize | shard --procs N`
+launch torchrun (gloo, CPU ranks) and write the bytes one process
 writes; a killed rank ends the job, and a re-run of any world size resumes."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_streaming_stages_write_one_process_bytes(fp8_release, tmp_path):
     processes: every file of DST, manifest included, equals the one-process output's."""
     small = ("--max-shard-size", "200KB")
     assert run_cvt("fp8-to-bf16", fp8_release, tmp_path / "bf16-1", *small, "-q").rc == 0
-    r = run_cvt("fp8-to-bf16", fp8_release, tmp_path / "bf16-2", *small, "--world-size", "2", subprocess_=True)
+    r = run_cvt("fp8-to-bf16", fp8_release, tmp_path / "bf16-2", *small, "--procs", "2", subprocess_=True)
     assert r.rc == 0, r.err
     assert r.out.count("dequantized") == 1  # one summary: rank 0's
     assert len(list((tmp_path / "bf16-1").glob("model-*.safetensors"))) > 4
@@ -48,7 +48,7 @@ def test_streaming_stages_write_one_process_bytes(fp8_release, tmp_path):
     bf16 = tmp_path / "bf16-1"
     q = ("--scheme", "w4a16", "--format", "ascend", "-q")
     assert run_cvt("quantize", bf16, tmp_path / "q-1", *q).rc == 0
-    r = run_cvt("quantize", bf16, tmp_path / "q-3", *q, "--world-size", "3", subprocess_=True)
+    r = run_cvt("quantize", bf16, tmp_path / "q-3", *q, "--procs", "3", subprocess_=True)
     assert r.rc == 0, r.err
     assert len(list((tmp_path / "q-1").glob("*.safetensors"))) < 3  # idle ranks are fine
     same_tree(tmp_path / "q-1", tmp_path / "q-3")
@@ -65,7 +65,7 @@ def test_killed_rank_ends_the_job_and_any_world_size_resumes(fp8_release, tmp_pa
     re-run keeps the files the ranks finished (journaled per rank) and writes the same bytes."""
     small = ("--max-shard-size", "200KB")
     dst = tmp_path / "two"
-    killed = run_cvt("fp8-to-bf16", fp8_release, dst, *small, "--world-size", "2", subprocess_=True,
+    killed = run_cvt("fp8-to-bf16", fp8_release, dst, *small, "--procs", "2", subprocess_=True,
                      env={"CVT_TEST_KILL_RANK": "1", "CVT_TEST_KILL_AT_BYTE": "1500000"})
     assert killed.rc != 0
     assert left_running(str(dst)) == []
@@ -80,11 +80,11 @@ def test_killed_rank_ends_the_job_and_any_world_size_resumes(fp8_release, tmp_pa
     same_tree(tmp_path / "one", dst)
 
 
-def test_world_size_flag_must_match_torchrun(fp8_release, tmp_path):
-    r = run_cvt("fp8-to-bf16", fp8_release, tmp_path / "x", "--world-size", "2", subprocess_=True,
+def test_procs_flag_must_match_torchrun(fp8_release, tmp_path):
+    r = run_cvt("fp8-to-bf16", fp8_release, tmp_path / "x", "--procs", "2", subprocess_=True,
                 env={"WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0"})
     assert r.rc == 1 and r.err.count("\n") == 1
-    assert "--world-size 2" in r.err and "3 ranks" in r.err
+    assert "--procs 2" in r.err and "3 ranks" in r.err
     assert not (tmp_path / "x").exists()
 
 

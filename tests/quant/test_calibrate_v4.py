@@ -189,10 +189,10 @@ def test_v4_awq_killed_after_layer_1_resumes_byte_identically(release, outputs, 
 
 @pytest.mark.slow
 def test_v4_gptq_on_two_ranks(release, outputs, w4, tmp_path):
-    """`--world-size 2` (gloo, CPU ranks; one calibration sequence each): the ranks combine the
+    """`--procs 2` (gloo, CPU ranks; one calibration sequence each): the ranks combine the
     statistics of V4's sites and the output loads, better than RTN (measured KL 0.078, RTN 0.147)."""
     dst = tmp_path / "w2"
-    r = run_cvt("quantize", release, dst, *w4[:-3], "--calib-tokens", "512", "--world-size", "2", "--method", "gptq",
+    r = run_cvt("quantize", release, dst, *w4[:-3], "--calib-tokens", "512", "--procs", "2", "--method", "gptq",
                 "-q", subprocess_=True)
     assert r.rc == 0, r.err
     cal = json.loads((dst / "cvt_manifest.json").read_text())["quant"]["calibration"]

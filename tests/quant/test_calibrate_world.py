@@ -1,4 +1,4 @@
-"""Calibrated quantize on a torchrun world (issue 25): `cvt quantize --method gptq|awq --world-size N`
+"""Calibrated quantize on a torchrun world (issue 25): `cvt quantize --method gptq|awq --procs N`
 (gloo, CPU ranks) splits the calibration sequences, combines the statistics in rank order and
 quantizes each linear on one owner rank: the output depends on the world size only (two runs
 agree byte for byte), is as good as one process's, and a killed rank's job resumes after the
@@ -25,7 +25,7 @@ def test_gptq_on_three_ranks_resumes_after_a_killed_rank(fp8_release, tmp_path):
     right one; the same command resumes without recomputing them and writes what an
     uninterrupted 3-rank run writes."""
     argv = ("quantize", fp8_release, None, "--scheme", "w4a16", "--method", "gptq", "--calib-tokens", "256",
-            "--expert-memory", "4KB", "--world-size", "3", "-q")
+            "--expert-memory", "4KB", "--procs", "3", "-q")
     dst = tmp_path / "killed"
     a = [str(dst) if x is None else x for x in argv]
     killed = run_cvt(*a, subprocess_=True, env={"CVT_TEST_KILL_AFTER_LAYER": "1", "CVT_TEST_KILL_RANK": "2"})
@@ -36,9 +36,9 @@ def test_gptq_on_three_ranks_resumes_after_a_killed_rank(fp8_release, tmp_path):
     assert {"x-2.r0.bin", "x-2.r1.bin", "x-2.r2.bin"} <= set(state["files"])  # each rank's share of layer 2's input
     assert state["files"]["x-2.r0.bin"]["size"] == 0
 
-    other = run_cvt(*a[:-3], "--world-size", "2", "-q", subprocess_=True)
+    other = run_cvt(*a[:-3], "--procs", "2", "-q", subprocess_=True)
     assert other.rc == 1 and other.err.count("\n") == 1, other.err
-    assert "computed by 3 ranks" in other.err and "--world-size 3" in other.err
+    assert "computed by 3 ranks" in other.err and "--procs 3" in other.err
 
     resumed = run_cvt(*a, subprocess_=True)
     assert resumed.rc == 0, resumed.err
@@ -59,7 +59,7 @@ def test_smoothquant_c8_static_on_more_ranks_than_sequences_is_deterministic(fp8
     for name in ("a", "b"):
         dst = tmp_path / name
         r = run_cvt("quantize", fp8_release, dst, "--scheme", "w8a8c8", "--format", "ascend", "--method",
-                    "smoothquant", "--static-attention", "--calib-tokens", "512", "--world-size", "3", "-q",
+                    "smoothquant", "--static-attention", "--calib-tokens", "512", "--procs", "3", "-q",
                     subprocess_=True)
         assert r.rc == 0, r.err
         outs.append(weights(dst))
@@ -77,7 +77,7 @@ def test_two_ranks_match_one_process_quality(trained_fixture, tmp_path):
     for method in ("gptq", "awq"):
         dst = tmp_path / method
         r = run_cvt("quantize", trained_fixture, dst, "--scheme", "w4a16", "--method", method, "--calib-tokens",
-                    "2048", "--world-size", "2", "-q", subprocess_=True)
+                    "2048", "--procs", "2", "-q", subprocess_=True)
         assert r.rc == 0, r.err
         kl, _ = kl_and_ppl(dst, trained_fixture, tmp_path)
         one, _ = readme_row(f"w4a16 g128, {method}")

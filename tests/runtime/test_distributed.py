@@ -6,7 +6,7 @@ file name); the test compares each rank's dump with `load_model` + `generate` in
 process, both in float32 (a source with quantized activations: on the rank's own tokens,
 see `QUANTIZED_ACTIVATIONS`). Start-up refusals (topology, missing / altered rank file, layout
 against config.json) are checked on `preflight` and `main` directly, one altered-file case
-runs inside a world (no rank may hang), and `cvt run --world-size 2` goes through torchrun (also
+runs inside a world (no rank may hang), and `cvt run --procs 2` goes through torchrun (also
 from a directory holding a folder named `cvt`).
 """
 
@@ -231,7 +231,7 @@ def test_cvt_run_world_size_launches_torchrun(sources, sharded, tmp_path):
     tok = load_tokenizer(sources["qw"], _config(sources["qw"]))
     tmpdir = tmp_path / "tmpdir"
     tmpdir.mkdir()
-    r = run_cvt("run", sharded["qw-tp2-ep2"], "--world-size", 2, "--prompt", PROMPTS[0], "--max-new-tokens",
+    r = run_cvt("run", sharded["qw-tp2-ep2"], "--procs", 2, "--prompt", PROMPTS[0], "--max-new-tokens",
                 NEW_TOKENS, "--dtype", "fp32", "--device", "cpu", "--quiet", env={"TMPDIR": str(tmpdir)})  # ranks print to fd 1
     assert r.rc == 0, r.err
     assert r.out == tok.decode(tokens[0]) + "\n"
@@ -259,7 +259,7 @@ def test_cvt_run_world_size_from_a_folder_holding_cvt(sources, sharded, tmp_path
     cli = Path(sys.executable).with_name("cvt")
     cmd = [str(cli)] if cli.exists() else [sys.executable, "-c", "import sys; del sys.path[0]; "
                                            "from cvt.cli import main; main(sys.argv[1:])"]
-    r = subprocess.run([*cmd, "run", str(sharded["qw-tp2-ep2"]), "--world-size", "2", "--prompt", PROMPTS[0],
+    r = subprocess.run([*cmd, "run", str(sharded["qw-tp2-ep2"]), "--procs", "2", "--prompt", PROMPTS[0],
                         "--max-new-tokens", str(NEW_TOKENS), "--dtype", "fp32", "--device", "cpu", "--quiet"],
                        cwd=here, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -1,5 +1,5 @@
 """`cvt run` ends the way a user expects: Ctrl-C is exit 130, NaN logits are an error (never
-argmax-of-NaN tokens and exit 0), and killing a `--world-size` run ends torchrun and its ranks."""
+argmax-of-NaN tokens and exit 0), and killing a `--procs` run ends torchrun and its ranks."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_killing_the_world_size_parent_ends_its_ranks(qwen, tmp_path):
     pattern = rf"cvt\.runtime\.launch.* {dst}"  # torchrun's agent and the ranks: python -c <runs the launcher> DST
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("CVT_DEBUG", None)
-    parent = subprocess.Popen([sys.executable, "-m", "cvt", "run", str(dst), "--world-size", "2", "--input-ids",
+    parent = subprocess.Popen([sys.executable, "-m", "cvt", "run", str(dst), "--procs", "2", "--input-ids",
                                "1,2,3", "--max-new-tokens", "2000", "--dtype", "fp32", "--device", "cpu"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:

@@ -1,0 +1,98 @@
+"""The help text that lists what the registries hold: schemes, methods, output formats, ascend
+targets (each entry's one-line `summary`) and the supported architectures (each table's
+display name). Built when click first reads an option's help (`LazyHelp`), so `cvt --help` and
+the verbs that take no such option import no registry; the docs render the same text.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import click
+
+
+class _LazyText:
+    """A click option or command whose help is `text()`, written when first read (`--help`)."""
+
+    def __init__(self, *args, text: Callable[[], str], **kwargs):
+        self._text, self._written = text, None
+        super().__init__(*args, **kwargs)
+
+    @property
+    def help(self) -> str:
+        if self._written is None:
+            self._written = self._text()
+        return self._written
+
+    @help.setter
+    def help(self, value) -> None:  # click's __init__ sets it (a docstring, or None): the text is `text()`'s
+        pass
+
+
+class LazyHelp(_LazyText, click.Option):
+    """An option whose help lists a registry (`cls=LazyHelp, text=describe.schemes`)."""
+
+
+class LazyHelpGroup(_LazyText, click.Group):
+    """The `cvt` group: its help names the architectures (`group_help`)."""
+
+
+def group_help() -> str:
+    return ("cvt: convert released LLM checkpoints for Ascend NPUs and any torch machine.\n\n"
+            f"Models: {architectures()}.\n\nSRC may be a local directory or a Hugging Face hub repo id (owner/name; HF_HUB_OFFLINE=1 uses only "
+            "the local cache). Every output directory carries cvt_manifest.json.")
+
+
+def _entries(summaries: dict[str, str]) -> str:
+    return "; ".join(f"{name}: {summary}" for name, summary in summaries.items())
+
+
+def schemes() -> str:
+    from cvt.qtensor.schemes import SCHEMES
+
+    return f"{_entries(SCHEMES.summaries())}."
+
+
+def formats() -> str:
+    from cvt.qtensor.formats import DEFAULT_FORMAT, FORMATS
+
+    return f"Default {DEFAULT_FORMAT}. {_entries(FORMATS.summaries())}."
+
+
+def targets() -> str:
+    from cvt.qtensor.layouts import ASCEND_TARGETS, DEFAULT_TARGET, TARGET_SUMMARIES
+
+    return (f"ascend: the serving stack the layouts are for (default {DEFAULT_TARGET}). "
+            f"{_entries({t: TARGET_SUMMARIES[t] for t in ASCEND_TARGETS})}.")
+
+
+def method_schemes(method: str) -> list[str] | None:
+    """The schemes `method` quantizes: those producing a kernel format it takes (None: any)."""
+    from cvt.quant.recipe import METHOD_TABLE
+    from cvt.qtensor.layouts import kernel_formats
+    from cvt.qtensor.schemes import get_scheme, scheme_names
+
+    kernels = METHOD_TABLE[method].kernels
+    if kernels is None:
+        return None
+    return [s for s in scheme_names() if kernel_formats(get_scheme(s)) & set(kernels)]
+
+
+def methods() -> str:
+    from cvt.quant.recipe import METHOD_TABLE, METHODS
+
+    parts = []
+    for m in METHOD_TABLE.values():
+        ok = method_schemes(m.name)
+        parts.append(f"{m.name}: {'any scheme' if ok is None else ', '.join(ok)} - {m.summary}"
+                     + ("" if m.data else " (no data)"))
+    data = [m.name for m in METHOD_TABLE.values() if m.data]
+    return (f"Default {METHODS[0]}. " + ". ".join(parts) + f". {', '.join(data[:-1])} and {data[-1]} calibrate on "
+            "--calib text; a recipe can give modules other methods.")
+
+
+def architectures() -> str:
+    """The supported families, as the architecture tables name them (`ArchTable.display`)."""
+    from cvt.convert.arch import families
+
+    return "; ".join(families())
