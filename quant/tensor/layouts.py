@@ -8,7 +8,7 @@ Ascend type tag, which modules the stack accepts it for, and the encode / decode
 canonical parts and disk. The formats, the quantize stage, `cvt plan`, `cvt shard` and the
 loader all read these entries; adding a layout is one entry here.
 
-The entries, their tensors and the consumers' code each follows are tabled in the README
+The entries, their tensors and the consumers' code each follows are tabled in docs/formats.md
 ("Quantized layouts"); `tests/quant/test_layouts.py` holds that table to the registry.
 
 Dims: per on-disk dim, ``("n", u)`` / ``("k", u)`` -- that dim runs along the weight's output /
@@ -44,6 +44,8 @@ DEFAULT_TARGET = VLLM_ASCEND
 CT_TARGET = "vllm"  # compressed-tensors: vLLM and transformers
 FORMAT_TARGETS = {ASCEND: ASCEND_TARGETS, COMPRESSED_TENSORS: (CT_TARGET,)}
 CONFIG_KEY_TARGETS = (MINDIE,)  # read their quantization keys from config.json (MindIE's atb_llm)
+# target -> the serving stacks that load its outputs (the docs' support matrix, `cvt.support`)
+STACKS = {VLLM_ASCEND: "vllm-ascend", MINDIE: "MindIE", CT_TARGET: "vLLM, transformers"}
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class Layout:
     parallel: str = "any"           # "any" | "column" | "row": the modules it holds (`scale_bias_role`)
     pack: str | None = None         # how the fused RTN kernel (`cvt.quant.qkernel`) packs it; None: not fused
     expert_k: int = 0               # routed experts' in_features must be a multiple of this (0: any; MX: 64)
+    device: str = ""                # the only hardware whose kernels run it ("": every device of the target)
 
     def holds(self, group_size: int, k: int) -> bool:
         # a group of k is one group, not per channel: the stacks read one global group_size, and a
@@ -574,6 +577,6 @@ def read_layout(module: str, kernel_candidates, disk: dict[str, torch.Tensor]) -
 
 from cvt.quant.tensor import layouts_mx  # noqa: E402,F401  (registers the Ascend 950 MX entries)
 
-__all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
+__all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "STACKS", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
            "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason",
            "scale_bias_role", "K16"]
