@@ -163,15 +163,16 @@ def markdown() -> str:
     """The matrix as the Markdown table (and its legend) the README and docs carry between
     `BEGIN` and `END`."""
     cols, rows = columns(), matrix()
-    lines = ["| models | `model_type` | " + " | ".join(f"`{c.label}`" for c in cols) + " |",
-             "|---|---|" + "---|" * len(cols)]
+    lines = ["| models (`model_type`) | " + " | ".join(c.label for c in cols) + " |",
+             "|---|" + "---|" * len(cols)]
     devices = sorted({c.device for r in rows for cs in r.cells for c in cs if c.device})
     for r in rows:
         cells = [" ".join(c.render() for c in cs) or "-" for cs in r.cells]
-        lines.append(f"| {', '.join(r.models)} | {', '.join(r.model_types)} | " + " | ".join(cells) + " |")
+        types = ", ".join(f"`{t}`" for t in r.model_types)
+        lines.append(f"| {', '.join(r.models)} ({types}) | " + " | ".join(cells) + " |")
     lines += ["", "; ".join(_legend()) + f". `{EXPERTS_MARK}`: routed experts only, the other linears stay float; "
               + (f"`{DEVICE_MARK}`: {' / '.join(devices)} only; " if devices else "")
-              + "-: refused before anything is written. "
+              + "`-`: refused before anything is written. "
               + "; ".join(f"`{c.label}` is `--scheme {c.scheme} --fp4-format {c.fp4_format}`" for c in cols if c.fp4_format)
               + "."]
     return "\n".join(lines) + "\n"
