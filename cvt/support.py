@@ -52,7 +52,7 @@ class Cell:
 
 @dataclass(frozen=True)
 class Row:
-    models: tuple[str, ...]
+    family: str
     model_types: tuple[str, ...]
     cells: tuple[tuple[Cell, ...], ...]  # one per column, in `columns()` order
 
@@ -84,11 +84,16 @@ def families() -> list[tuple[Any, dict[str, Any]]]:
             seen.add(table.name)
             out.append((table, {"model_type": table.model_types[0], **table.explicit_defaults}))
     texts = {"kimi_k25": kimi_k25.TEXT_MODEL_TYPE}
-    for mt, wrap in WRAPPERS.items():
+    for mt, wrapper in WRAPPERS.items():
         text = TABLES[texts[mt]]
         cfg = {"model_type": mt, "text_config": {"model_type": texts[mt], **text.explicit_defaults}}
-        out.append((wrap(text, cfg), cfg))
+        out.append((getattr(wrapper, "wrap", wrapper)(text, cfg), cfg))
     return out
+
+
+def _name(table) -> str:
+    """The family as people name it (`ArchTable.display`; "" where a table has none)."""
+    return getattr(table, "display", "")
 
 
 def _has_experts(table) -> bool:
@@ -142,7 +147,7 @@ def matrix() -> list[Row]:
         for col in cols:
             found = (cell(table, config, col, fmt, target) for fmt in format_names() for target in targets_for(fmt))
             cells.append(tuple(c for c in found if c is not None))
-        rows.append(Row(table.models, table.model_types, tuple(cells)))
+        rows.append(Row(_name(table), table.model_types, tuple(cells)))
     return rows
 
 
@@ -163,13 +168,13 @@ def markdown() -> str:
     """The matrix as the Markdown table (and its legend) the README and docs carry between
     `BEGIN` and `END`."""
     cols, rows = columns(), matrix()
-    lines = ["| models (`model_type`) | " + " | ".join(c.label for c in cols) + " |",
+    lines = ["| model family (`model_type`) | " + " | ".join(c.label for c in cols) + " |",
              "|---|" + "---|" * len(cols)]
     devices = sorted({c.device for r in rows for cs in r.cells for c in cs if c.device})
     for r in rows:
         cells = [" ".join(c.render() for c in cs) or "-" for cs in r.cells]
         types = ", ".join(f"`{t}`" for t in r.model_types)
-        lines.append(f"| {', '.join(r.models)} ({types}) | " + " | ".join(cells) + " |")
+        lines.append(f"| {f'{r.family} ({types})' if r.family else types} | " + " | ".join(cells) + " |")
     lines += ["", "; ".join(_legend()) + f". `{EXPERTS_MARK}`: routed experts only, the other linears stay float; "
               + (f"`{DEVICE_MARK}`: {' / '.join(devices)} only; " if devices else "")
               + "`-`: refused before anything is written. "

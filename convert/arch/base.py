@@ -174,9 +174,6 @@ class ArchTable:
     # (config, tokens on a rank, bytes per element) -> (KV-cache bytes, what it counts), for
     # families whose cache is not one MLA latent or GQA k/v per token and layer (DeepSeek-V4)
     kv_cache: Callable[[Mapping[str, Any], int, int], tuple[int, str]] | None = None
-    # the released models this table reads, as their publishers name them (for the docs' support
-    # matrix, `cvt.support`)
-    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,6 @@ TABLE = ArchTable(
         (f"{L}.mlp.experts.{{E}}.gate_proj", f"{L}.mlp.experts.{{E}}.up_proj"),
     ),
     model_types=("deepseek_v3", "kimi_k2"),
-    models=("DeepSeek-V3", "DeepSeek-R1", "DeepSeek-V3.1", "Kimi-K2"),
     config_keys={
         "layers": "num_hidden_layers",
         "experts": "n_routed_experts",

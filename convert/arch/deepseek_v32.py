@@ -83,7 +83,6 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
 TABLE = ArchTable(
     name="deepseek_v32",
     model_types=("deepseek_v32",),
-    models=("DeepSeek-V3.2",),
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
     config_checks=checks.deepseek_v32,

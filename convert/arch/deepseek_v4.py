@@ -226,7 +226,6 @@ M = "mtp.{M}"
 TABLE = ArchTable(
     name="deepseek_v4",
     model_types=("deepseek_v4",),
-    models=("DeepSeek-V4",),
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
     config_checks=checks.deepseek_v4,

@@ -87,7 +87,6 @@ def config_problems(cfg: Mapping[str, Any]) -> list[str]:
 TABLE = ArchTable(
     name="glm_moe_dsa",
     model_types=("glm_moe_dsa",),
-    models=("GLM-5",),
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
     config_checks=config_problems,

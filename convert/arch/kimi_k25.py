@@ -37,9 +37,8 @@ from typing import Any, Mapping
 from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
 
 TEXT_PREFIX = "language_model."
-MODELS = ("Kimi-K2.5", "Kimi-K2.6")
-TEXT_MODEL_TYPE = "deepseek_v3"  # what its text_config holds (kimi_k2 in older files)
 VT, BLK = "vision_tower", "vision_tower.encoder.blocks.{B}"
+TEXT_MODEL_TYPE = "deepseek_v3"  # what text_config holds (kimi_k2 in older files): the family it wraps
 CARRIED_MODULES = (f"{VT}.patch_embed.proj", f"{VT}.patch_embed.pos_emb", f"{BLK}.norm0", f"{BLK}.norm1",
                    f"{BLK}.wqkv", f"{BLK}.wo", f"{BLK}.mlp.fc0", f"{BLK}.mlp.fc1", f"{VT}.encoder.final_layernorm",
                    "mm_projector.pre_norm", "mm_projector.proj.0", "mm_projector.proj.2")
@@ -109,7 +108,6 @@ def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
     return ArchTable(
         name="kimi_k25",
         model_types=("kimi_k25",),
-        models=MODELS,
         rules=tuple(map(prefixed, text.rules)) + text.rules + CARRIED_RULES,
         config_keys=text.config_keys,
         param_shapes=param_shapes,

@@ -82,7 +82,7 @@ _FUSED = ((f"{L}.self_attn.q_proj", f"{L}.self_attn.k_proj", f"{L}.self_attn.v_p
           (f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj"))
 
 DENSE = ArchTable(
-    name="qwen3", model_types=("qwen3", "qwen2", "llama"), models=("Qwen3", "Qwen2", "Llama"), rules=_COMMON, config_keys=_KEYS, param_shapes=param_shapes,
+    name="qwen3", model_types=("qwen3", "qwen2", "llama"), rules=_COMMON, config_keys=_KEYS, param_shapes=param_shapes,
     fused_groups=_FUSED, config_checks=checks.qwen3,
 )
 
@@ -90,7 +90,6 @@ MOE = ArchTable(
     name="qwen3_moe",
     param_shapes=param_shapes,
     model_types=("qwen3_moe",),
-    models=("Qwen3-MoE",),
     config_checks=checks.qwen3,
     config_keys={**_KEYS, "experts": "num_experts", "experts_per_token": "num_experts_per_tok"},  # see param_shapes
     fused_groups=_FUSED + ((f"{L}.mlp.experts.{{E}}.gate_proj", f"{L}.mlp.experts.{{E}}.up_proj"),),
