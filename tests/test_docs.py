@@ -34,9 +34,11 @@ def page(verb: tuple[str, ...]) -> Path:
     return DOCS / ("-".join(verb) + ".md")
 
 
-def option_names(cmd: click.Command) -> set[str]:
-    """Every spelling of every option a verb takes (``--resume`` and ``--no-resume`` both)."""
-    return {o for p in cmd.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)} - COMMON
+def option_names(cmd: click.Command, hidden: bool = False) -> set[str]:
+    """Every spelling of every option a verb takes (``--resume`` and ``--no-resume`` both); with
+    `hidden`, also those its --help leaves out (a deprecated alias)."""
+    return {o for p in cmd.params if isinstance(p, click.Option) and (hidden or not p.hidden)
+            for o in (*p.opts, *p.secondary_opts)} - COMMON
 
 
 def commands_in(text: str) -> list[str]:
@@ -64,7 +66,7 @@ def command_problems(line: str) -> list[str]:
         cmd = cmd.commands[name]
     if isinstance(cmd, click.Group):
         return [f"{line}: names a group, not a verb"]
-    known = option_names(cmd) | COMMON
+    known = option_names(cmd, hidden=True) | COMMON
     return [f"{line}: {cmd.name} has no option {w.split('=', 1)[0]}"
             for w in words if w.startswith("--") and w.split("=", 1)[0] not in known]
 
