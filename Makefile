@@ -1,12 +1,13 @@
 # The two set-up commands of the README: `make demo` and `make test`.
 # Both create .venv when missing and install cvt (editable) with its test extras.
+# `make docs` builds the documentation site (docs/, mkdocs.yml) into build/site, offline and strict.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,8 +27,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/cvt demo
 
+# strict: a broken link, an unknown anchor or a page missing from the nav is an error
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
+
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
+	$(MAKE) --no-print-directory docs
 	$(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)

@@ -4,7 +4,7 @@ Each file a cvt output records (`cvt_manifest.json` files, the resume journal, t
 state, an ONNX export's manifest) carries its digest under the algorithm's name: new files
 ``"blake3"``, manifests written before BLAKE3 ``"sha256"``, which still verify and resume.
 
-Why BLAKE3 (bench/checksum.py, README "Checksums"): the checksum makes resume and verification
+Why BLAKE3 (bench/checksum.py, docs/formats.md "Checksums"): the checksum makes resume and verification
 safe; nothing downstream needs ours (huggingface_hub computes its own sha256 at upload). On the
 2-core bench VM BLAKE3 (AVX-512) ran at ~4.3 GB/s a core from memory against sha256's ~1.5 GB/s
 (with SHA extensions; ~0.2-0.5 GB/s without). xxh3-128 is faster still, but it is not collision

@@ -84,7 +84,7 @@ def fp8_to_bf16(options: Fp8ToBf16Options | None = None, /, **kw):
 
 
 class QuantizeOptions(_WriteOptions):
-    """`cvt quantize SRC DST --scheme ...` (README: the schemes, formats, targets and methods)."""
+    """`cvt quantize SRC DST --scheme ...` (docs/quantize.md; the schemes, formats and targets: docs/formats.md)."""
 
     scheme: str
     fmt: Optional[str] = Field(None, alias="format")  # None: compressed-tensors

@@ -1,7 +1,7 @@
 """torch, imported on first use.
 
 `import torch` costs ~0.8 s of a process's start on a 2-core machine: as much as the IO floor
-of a small conversion (README, Performance). The streaming verbs' fast paths (fp8-to-bf16, shard,
+of a small conversion (docs/performance.md). The streaming verbs' fast paths (fp8-to-bf16, shard,
 RTN quantize with the C kernels) never touch a tensor library beyond numpy, but the modules they
 plan with (schemes, formats, layouts) also hold the torch reference code. Those modules bind
 ``torch`` to `torch` below instead of importing it: the real module is imported on the first

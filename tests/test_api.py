@@ -1,4 +1,4 @@
-"""The public API (`cvt.api`, re-exported by `cvt`): the README's example runs as written, the
+"""The public API (`cvt.api`, re-exported by `cvt`): the docs' example (docs/api.md) runs as written, the
 options objects refuse what the CLI refuses, and `import cvt` stays cheap."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import pytest
 import cvt
 from cvt.errors import CvtError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+API_PAGE = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
 
 def _readme_example() -> str:
-    text = README.read_text()
-    section = text[text.index("## Python API"):]
+    text = API_PAGE.read_text()
+    section = text[text.index("# Python API"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -27,7 +27,7 @@ def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
 
     write_fp8_release(tmp_path / "cvt-demo" / "source-fp8")
     monkeypatch.chdir(tmp_path)
-    exec(compile(_readme_example(), "README.md (Python API)", "exec"), {})
+    exec(compile(_readme_example(), "docs/api.md", "exec"), {})
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("w8a8 ") and int(out[0].split()[1]) > 0
     assert (tmp_path / "out/w8a8/quant_model_description.json").is_file()

@@ -26,7 +26,7 @@ LAYERS = [  # top to bottom; ":" siblings may import each other, nothing points 
     "cvt.cli",
     "cvt.demo : cvt.demo_model",
     "cvt.testing",
-    "cvt.api",
+    "cvt.api : cvt.support",
     "cvt.export",
     "cvt.quant.stage",
     "cvt.quant.methods : cvt.quant.recipe : cvt.quant.qkernel",
@@ -46,7 +46,7 @@ INDEPENDENT = [
 ]
 
 
-LIBRARY = ["cvt.convert", "cvt.qtensor", "cvt.quant", "cvt.runtime", "cvt.export", "cvt.schemas", "cvt.api"]
+LIBRARY = ["cvt.convert", "cvt.qtensor", "cvt.quant", "cvt.runtime", "cvt.export", "cvt.schemas", "cvt.api", "cvt.support"]
 
 
 def _contracts() -> list[dict]:

@@ -16,8 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the package's source folders (pyproject.toml's package-dir) and what documents / measures it
-CHECKED = ("README.md", "Makefile", "pyproject.toml", "bench", "cvt", "convert", "qtensor", "quant", "export",
-           "runtime", "schemas")
+CHECKED = ("README.md", "docs", "mkdocs.yml", "Makefile", "pyproject.toml", "bench", "cvt", "convert", "qtensor", "quant",
+           "export", "runtime", "schemas")
 TEXT = {".md", ".py", ".c", ".json", ".yaml", ".yml", ".toml", ".txt", ".sh", ""}
 # the home and work directories of the developers' machines, and the folder next to their clones
 DEVELOPER_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|home)/|\.\./shared\b")

@@ -39,6 +39,7 @@ from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
 DISPLAY = "Kimi-K2.5 / K2.6 (vision tower carried)"
 TEXT_PREFIX = "language_model."
 VT, BLK = "vision_tower", "vision_tower.encoder.blocks.{B}"
+TEXT_MODEL_TYPE = "deepseek_v3"  # what text_config holds (kimi_k2 in older files): the family it wraps
 CARRIED_MODULES = (f"{VT}.patch_embed.proj", f"{VT}.patch_embed.pos_emb", f"{BLK}.norm0", f"{BLK}.norm1",
                    f"{BLK}.wqkv", f"{BLK}.wo", f"{BLK}.mlp.fc0", f"{BLK}.mlp.fc1", f"{VT}.encoder.final_layernorm",
                    "mm_projector.pre_norm", "mm_projector.proj.0", "mm_projector.proj.2")

@@ -17,7 +17,7 @@ This package imports the entry modules in that order (the registry's order, whic
 prefers first) and re-exports the public names: ``from cvt.qtensor.layouts import LAYOUTS``.
 No submodule imports the package.
 
-The entries, their tensors and the consumers' code each follows are tabled in the README
+The entries, their tensors and the consumers' code each follows are tabled in docs/formats.md
 ("Quantized layouts"); `tests/qtensor/test_layouts.py` holds that table to the registry.
 
 Dims: per on-disk dim, ``("n", u)`` / ``("k", u)`` -- that dim runs along the weight's output /
@@ -32,13 +32,13 @@ only the modules of that role (`scale_bias_role`, from the module name); `select
 from __future__ import annotations
 
 from cvt.qtensor.layouts.base import (ASCEND, ASCEND_TARGETS, COMPRESSED_TENSORS, CONFIG_KEY_TARGETS, CT_TARGET, TARGET_SUMMARIES,
-                                      DEFAULT_TARGET, FLOATS, FORMAT_TARGETS, K16, LAYOUTS, MINDIE,
+                                      DEFAULT_TARGET, FLOATS, FORMAT_TARGETS, K16, LAYOUTS, MINDIE, STACKS,
                                       SCALE_BIAS_COLUMN, SCALE_BIAS_ROW, SCALE_BIAS_RUNS, VLLM_ASCEND, DiskTensor,
                                       G, K, Layout, N, register, scale_bias_role)
 from cvt.qtensor.layouts import entries, entries_mx  # noqa: F401  (register the entries, in this order)
 from cvt.qtensor.layouts.selection import (candidates, check_target, experts_only_reason, fuses, kernel_fmt_of,
                                            kernel_formats, read_layout, select, targets_for)
 
-__all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "TARGET_SUMMARIES", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
+__all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "TARGET_SUMMARIES", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "STACKS", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
            "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason",
            "scale_bias_role", "K16"]

@@ -25,6 +25,8 @@ DEFAULT_TARGET = VLLM_ASCEND
 CT_TARGET = "vllm"  # compressed-tensors: vLLM and transformers
 FORMAT_TARGETS = {ASCEND: ASCEND_TARGETS, COMPRESSED_TENSORS: (CT_TARGET,)}
 CONFIG_KEY_TARGETS = (MINDIE,)  # read their quantization keys from config.json (MindIE's atb_llm)
+# target -> the serving stacks that load its outputs (the docs' support matrix, `cvt.support`)
+STACKS = {VLLM_ASCEND: "vllm-ascend", MINDIE: "MindIE", CT_TARGET: "vLLM, transformers"}
 # what `--target` says of each ascend target (the entries are what each loads)
 TARGET_SUMMARIES = {
     VLLM_ASCEND: "loads W4A16 (int32 packed) and MXFP4 only for MoE experts (other linears stay float), MLA C8 as "
@@ -98,6 +100,7 @@ class Layout:
     parallel: str = "any"           # "any" | "column" | "row": the modules it holds (`scale_bias_role`)
     pack: str | None = None         # how the fused RTN kernel (`cvt.quant.qkernel`) packs it; None: not fused
     expert_k: int = 0               # routed experts' in_features must be a multiple of this (0: any; MX: 64)
+    device: str = ""                # the only hardware whose kernels run it ("": every device of the target)
 
     def holds(self, group_size: int, k: int) -> bool:
         # a group of k is one group, not per channel: the stacks read one global group_size, and a

@@ -34,6 +34,7 @@ from cvt.qtensor.schemes.mx import MXFP8, W4A4MXFP4, W4A8MXFP
 
 SCALE = DiskTensor("weight_scale", "U8", (N, ("k", MX.BLOCK)))
 EXPERT_K = 2 * MX.BLOCK  # the MoE methods view each scale row as pairs
+DEVICE = "Ascend 950"  # the MX methods' kernels (A5); A2 / A3 have none
 
 
 def _encoder(scheme):
@@ -66,7 +67,7 @@ def _decoder(scheme):
 def _layout(name: str, scheme, tag: str, weight: DiskTensor, experts_only: bool) -> Layout:
     return register(Layout(name, scheme.kernel_formats[0], ASCEND, (VLLM_ASCEND,), tag, (weight, SCALE),
                            _encoder(scheme), _decoder(scheme), experts_only=experts_only,
-                           expert_k=EXPERT_K))
+                           expert_k=EXPERT_K, device=DEVICE))
 
 
 FP4_WEIGHT = DiskTensor("weight", "U8", (N, ("k", 2)))

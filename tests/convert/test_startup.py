@@ -1,6 +1,6 @@
 """The streaming verbs that need no torch never import it: `import torch` is ~0.8 s of a
 process's start on a 2-core machine, as much as the IO floor of a whole small conversion
-(README, Performance). fp8-to-bf16 (with the C kernel built), shard and RTN quantize (with the C
+(docs/performance.md). fp8-to-bf16 (with the C kernel built), shard and RTN quantize (with the C
 kernels built) read, dequantize, quantize or slice through numpy and the mmap; a module-level
 `import torch` (or ``torch.<attr>`` on a `cvt.lazy` stand-in) anywhere on their path would fail
 this test. Run in a subprocess: this test process has torch loaded already."""

@@ -13,32 +13,32 @@ from cvt.quant.stage import quantize
 from cvt.runtime.verify import verify
 
 def kl_and_ppl(candidate: Path, reference: Path, tmp: Path) -> tuple[float, float]:
-    """`cvt verify CANDIDATE --reference REFERENCE --seq-len 128 --max-sequences 8` (README's table)."""
+    """`cvt verify CANDIDATE --reference REFERENCE --seq-len 128 --max-sequences 8` (docs/quantize.md's table)."""
     r = verify(candidate, reference, tmp / f"report-{candidate.name}", seq_len=128, max_sequences=8).report
     return r.logits.kl_mean, r.logits.ppl_ratio
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+QUANTIZE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "quantize.md"
 
 
 def readme_row(label: str) -> tuple[float, float]:
-    """(mean KL, PPL ratio) of the README's trained-fixture table row `label`."""
+    """(mean KL, PPL ratio) of the trained-fixture table row `label` on the quantize page."""
     import re
 
-    m = re.search(rf"^  \| {re.escape(label)} \| ([0-9.]+) \| ([0-9.]+) \|$", README.read_text(), flags=re.M)
-    assert m, f"README.md: no fixture table row {label!r}"
+    m = re.search(rf"^\| {re.escape(label)} \| ([0-9.]+) \| ([0-9.]+) \|$", QUANTIZE_PAGE.read_text(), flags=re.M)
+    assert m, f"docs/quantize.md: no fixture table row {label!r}"
     return float(m.group(1)), float(m.group(2))
 
 
 def assert_readme_row(label: str, got: tuple[float, float]) -> None:
-    """The README's numbers are this run's, to their printed digits (a few % for other CPUs'
+    """The quantize page's numbers are this run's, to their printed digits (a few % for other CPUs'
     summation order)."""
     kl, ppl = readme_row(label)
     assert abs(got[0] - kl) <= 0.05 * kl + 1e-4 and abs(got[1] - ppl) <= 2e-3, (label, got, (kl, ppl))
 
 
 def test_gptq_and_awq_beat_rtn_at_w4a16_g128(trained_fixture, tmp_path):
-    """`cvt quantize FIXTURE DST --scheme w4a16 --method M` as the README's table runs it: group
+    """`cvt quantize FIXTURE DST --scheme w4a16 --method M` as the quantize page's table (docs/quantize.md) runs it: group
     128 wherever it divides; q_b_proj (the 96-wide q LoRA rank) per channel."""
     kl = {}
     for method in ("rtn", "gptq", "awq"):

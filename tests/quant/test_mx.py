@@ -380,12 +380,12 @@ def test_shard_keeps_each_ranks_expert_in_features_a_multiple_of_64(outputs, tmp
     assert not any(dst.glob("rank-*/*.safetensors"))
 
 
-# ---- quality on the trained fixture (README's table) -----------------------------------------------
+# ---- quality on the trained fixture (docs/quantize.md's table) ----------------------------------------
 
 @pytest.mark.slow
 def test_mx_quality_rows_on_the_trained_fixture(trained_fixture, tmp_path):
-    """`cvt quantize FIXTURE S --scheme S --format ascend` + `cvt verify` as the README's table runs
-    them (RTN; the fp8 FAKQuant cache calibrated on 2048 tokens); the README's numbers are these.
+    """`cvt quantize FIXTURE S --scheme S --format ascend` + `cvt verify` as the quantize page's table runs
+    them (RTN; the fp8 FAKQuant cache calibrated on 2048 tokens); the page's numbers are these.
     W4A4 (activations in E2M1 too) loses the most, W4A8_MXFP (experts only) the least."""
     from cvt.quant.stage import quantize
     from cvt.tests.quant.test_methods_e2e import assert_readme_row, kl_and_ppl

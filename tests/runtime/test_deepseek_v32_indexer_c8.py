@@ -180,7 +180,7 @@ def test_c8_output_loads_runs_and_verifies(outputs, tmp_path):
     logits = {n: rep["logits"] for n, rep in reports.items()}
     print("KL vs BF16: w8a8c8 (indexer C8)", logits["c8"]["kl_mean"], "w8a8", logits["w8"]["kl_mean"])
     assert logits["c8"]["kl_mean"] != logits["w8"]["kl_mean"]                      # the C8 indexer ran
-    # the numbers README.md quotes (w8a8c8 0.0469, w8a8 0.0418), to float noise across CPUs
+    # the numbers docs/formats.md quotes (w8a8c8 0.0469, w8a8 0.0418), to float noise across CPUs
     assert abs(logits["c8"]["kl_mean"] - 0.0469) < 1e-3 and abs(logits["w8"]["kl_mean"] - 0.0418) < 1e-3
 
 
