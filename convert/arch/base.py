@@ -176,6 +176,12 @@ class ArchTable:
     # (config, tokens on a rank, bytes per element) -> (KV-cache bytes, what it counts), for
     # families whose cache is not one MLA latent or GQA k/v per token and layer (DeepSeek-V4)
     kv_cache: Callable[[Mapping[str, Any], int, int], tuple[int, str]] | None = None
+    # config -> how many decoder layers cache a lightning-indexer key beside the MLA latent, for
+    # families with a DSA indexer (DeepSeek-V3.2: every layer; GLM-5: its "full" indexer layers)
+    indexer_layers: Callable[[Mapping[str, Any]], int] | None = None
+    # copies an Ascend output holds where SRC lacks them: {copy: the tensor it copies}, ``{M}`` for
+    # each MTP layer (DeepSeek-V4: vllm-ascend's MTP draft reads only its own mtp.M.* embed / head)
+    ascend_copies: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -280,6 +286,17 @@ class ArchSpec:
                                     "positive integer (check the sizes it is computed from)")
             self._shapes = shapes
         return self._shapes
+
+    def missing_copies(self, names) -> dict[str, str]:
+        """``{copy: the tensor it copies}`` of the table's `ascend_copies` that `names` (SRC's
+        tensor names) lack while holding the original, per MTP layer in order; {} for most models."""
+        out = {}
+        for m in range(self.num_mtp_layers if self.table.ascend_copies else 0):
+            for pattern, name in self.table.ascend_copies.items():
+                copy = pattern.replace("{M}", str(m))
+                if copy not in names and name in names:
+                    out[copy] = name
+        return out
 
     @property
     def num_layers(self) -> int:

@@ -67,6 +67,11 @@ def indexer_shapes(cfg, layer: int) -> dict[str, tuple[int, ...]]:
             f"{p}.k_norm.weight": (dim,), f"{p}.k_norm.bias": (dim,), f"{p}.weights_proj.weight": (heads, h)}
 
 
+def indexer_layers(cfg) -> int:
+    """Decoder layers that cache an indexer key: every one (`ArchTable.indexer_layers`)."""
+    return cfg["num_hidden_layers"]
+
+
 def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """DeepSeek-V3's weights plus each layer's indexer, right after its o_proj (MTP layers too:
     the release's layer 61 has one)."""
@@ -87,6 +92,7 @@ TABLE = ArchTable(
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
     config_checks=checks.deepseek_v32,
+    indexer_layers=indexer_layers,
     fused_groups=deepseek_v3.TABLE.fused_groups + (
         # vLLM's Indexer.wk_weights_proj (float: quant_config=None)
         (f"{IX}.wk", f"{IX}.weights_proj"),

@@ -55,6 +55,12 @@ weights_proj, embed, head: dim 0; wo_b: dim 1; every other name whole on each ra
     head, as DeepSeek's inference/model.py ties them); ``cvt shard`` splits them by vocab with
     embed_tp / lmhead_tp, as vllm-ascend's draft holds them (VocabParallelEmbedding, ParallelLMHead
     in vllm_ascend/models/deepseek_v4/mtp.py).
+    An Ascend output of a release without them gets them (BF16, FLOAT, equal to ``embed`` / ``head``;
+    `ArchTable.ascend_copies`): vllm-ascend's ``DeepSeekV4MTP.load_weights`` (mtp.py @ 182b75e;
+    v0.23.0 models/deepseek_v4_mtp.py) takes the draft's embedding from ``mtp.0.emb.tok_emb.weight``
+    and its ParallelLMHead from ``mtp.0.head.weight``, and asks ``AscendModelSlimConfig.get_quant_method``
+    for prefix ``mtp.0.head`` (a KeyError when the description has no ``mtp.0.head.weight``); it maps
+    the top-level ``embed.weight`` / ``head.weight`` onto them only under the ``deepseek_v4_fp8`` config.
 """
 
 from __future__ import annotations
@@ -232,6 +238,7 @@ TABLE = ArchTable(
     config_checks=checks.deepseek_v4,
     scale_param="scale",
     kv_cache=kv_cache,
+    ascend_copies={"mtp.{M}.emb.tok_emb.weight": "embed.weight", "mtp.{M}.head.weight": "head.weight"},  # (3)
     fused_groups=tuple(  # each expert's w1 / w3 (vLLM's w13), the shared experts' gate_up
         grp for L in ("layers.{L}", M) for grp in (
             (f"{L}.ffn.experts.{{E}}.w1", f"{L}.ffn.experts.{{E}}.w3"),

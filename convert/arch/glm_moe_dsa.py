@@ -56,6 +56,11 @@ def indexer_types(cfg: Mapping[str, Any]) -> list[str]:
     return [FULL if max(i - offset + 1, 0) % freq == 0 else SHARED for i in range(n)]
 
 
+def full_indexer_layers(cfg: Mapping[str, Any]) -> int:
+    """Decoder layers that cache an indexer key: the "full" ones (`ArchTable.indexer_layers`)."""
+    return indexer_types(cfg).count(FULL)
+
+
 def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """DeepSeek-V3.2's weights without the indexer of "shared" layers (`indexer_types`)."""
     types = indexer_types(cfg)
@@ -91,6 +96,7 @@ TABLE = ArchTable(
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
     config_checks=config_problems,
+    indexer_layers=full_indexer_layers,
     fused_groups=deepseek_v32.TABLE.fused_groups,
     config_keys=deepseek_v32.TABLE.config_keys,
     rules=deepseek_v32.TABLE.rules,

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 outputs for the serving stacks (cvt.quant.stage.deepseek_v4).
+"""DeepSeek-V4 outputs for the serving stacks (`ArchTable.ascend_copies`, cvt.convert.arch.deepseek_v4).
 
 The MTP draft reads its own embed / head copies (``mtp.0.emb.tok_emb``, ``mtp.0.head``):
 vllm-ascend's DeepSeekV4MTP.load_weights (vllm_ascend/models/deepseek_v4/mtp.py @ 182b75e) reads

@@ -396,7 +396,7 @@ def test_vllm_ascend_loads_every_v4_output(sources, va_src, opts, linear, moe):
     assert s.filled_by == [f"layers.2.ffn.experts.3.w3.{w}"]
     assert r.slots[("model.layers.0.mlp.gate.tid2eid", None, None)].filled_by == ["layers.0.ffn.gate.tid2eid"]
     assert r.slots[("lm_head.weight", None, None)].filled_by == ["head.weight"]
-    # the draft's own embedding and head, which vllm-ascend reads only as mtp.0.* (cvt.quant.stage.deepseek_v4)
+    # the draft's own embedding and head, which vllm-ascend reads only as mtp.0.* (`ArchTable.ascend_copies`)
     assert r.mtp_slots[("model.embed_tokens.weight", None, None)].filled_by == ["mtp.0.emb.tok_emb.weight"]
     assert r.mtp_slots[("model.layers.0.shared_head.head.weight", None, None)].filled_by == ["mtp.0.head.weight"]
     assert r.mtp_slots[("model.layers.0.mtp_block.mlp.gate.e_score_correction_bias", None, None)].filled_by == [

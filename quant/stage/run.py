@@ -1,0 +1,175 @@
+"""The `cvt quantize` stage's entry (`quantize`): the request checked against the format, target and
+scheme registries, SRC opened and checked (its format, names, FP8 scales, weights), the plan made,
+calibration run when a method or the KV cache needs data, then the output written
+(`cvt.quant.stage.write`). Every refusal comes before DST is touched."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from cvt.convert.arch import arch_for, text_config
+from cvt.convert.config import SourceFormat, source_format
+from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
+from cvt.convert.validate import check_weights
+from cvt.convert.reader import Checkpoint, check_manifest_files, open_checkpoint
+from cvt.convert.writer import DEFAULT_MAX_SHARD, WriteResult
+from cvt.errors import FormatError, OptionError
+from cvt.qtensor.formats import DEFAULT_FORMAT, get_format
+from cvt.qtensor.layouts import check_target, kernel_fmt_of
+from cvt.qtensor.stack_versions import check_line, line_problem
+from cvt.quant.recipe import RTN, Policy, Recipe
+from cvt.qtensor.schemes import scheme_from_options
+from cvt.units import article
+from cvt.quant.stage.assignment import Plan, check_kv_target, make_plan, names_where
+from cvt.quant.stage import fp4_source
+from cvt.quant.stage.calibrate import Calibrated, calibrate
+from cvt.quant.stage.outputs import int8_kv, kv_static as _kv_static
+from cvt.quant.stage.quantizer import Source
+from cvt.quant.stage.write import Request, write
+
+log = logging.getLogger("cvt")
+
+
+def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | None = None,
+             group_size: int | None = None, asym: bool = False, fp4_format: str | None = None, calib: Path | None = None,
+             calib_tokens: int = 32768, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
+             static_attention: bool = False, revision: str | None = None, workers: int | None = None,
+             max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
+             quiet: bool = False, target: str | None = None, device: str = "cpu",
+             expert_memory: int | None = None, target_version: str | None = None,
+             kv_dtype: str | None = None) -> WriteResult:
+    """Quantize SRC into DST (see the package docstring) for the serving `target` (ascend:
+    vllm-ascend, the default, or mindie; `cvt.qtensor.layouts`). Returns the writer's result,
+    with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
+    reads at once, as float32 (None: `cvt.quant.methods.stream.MAX_EXPERT_BYTES`). `target_version`:
+    the vllm-ascend release line (`cvt.qtensor.stack_versions`); `kv_dtype`: the quantized KV
+    cache's storage, int8 or fp8 (`cvt.qtensor.kv_tensors.kv_storage`)."""
+    fmt, method = fmt or DEFAULT_FORMAT, method or RTN
+    form, target, line, sch = _check_request(scheme, fmt, target, target_version, group_size, fp4_format, recipe,
+                                             static_attention)
+    req = Request(scheme, fmt, target, method, group_size, asym, getattr(sch, "fp4_format", None),
+                  static_attention, workers, max_shard_size, resume, overwrite, quiet, line, kv_dtype)
+    ckpt = open_checkpoint(src, revision)
+    try:
+        src_fmt = _source_format(ckpt, src)
+        arch = arch_for(ckpt.config)
+        why = form.refused_models.get(ckpt.config.get("model_type"))
+        if why:  # the format's own knowledge of what its consumers load (`Format.refused_models`)
+            raise FormatError(f"{ckpt.config['model_type']}: --format {fmt} is refused: {why}")
+        policy = Policy(arch, scheme, method, group_size, ignore, recipe)
+        plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
+        check_kv_target(ckpt.config, plan, fmt, target)
+        kv_static = _kv_static(ckpt.config, plan, fmt)
+        kv_codec = _kv_codec(ckpt.config, plan, form, target, kv_dtype, kv_static)
+        source = Source(ckpt, src_fmt, arch.table.scale_param)
+        if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
+            check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block, source.scale_param, fp4_experts=source.fp4))
+        check_weights(ckpt, arch, "quantize", source.block or (128, 128))
+        note = _fp4_note(plan, source)
+        needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
+        _check_calib(calib, needs_model)
+        if not needs_model:
+            return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(), req))
+        from cvt.runtime.models import family
+
+        if (static_attention or kv_static) and not getattr(family(ckpt.config)[0].Model, "calibrates_kv", True):
+            # before DST is touched: DeepSeek-V4 has no int8 KV cache and no static attention inputs
+            raise OptionError(f"{arch.model_type}: {'--static-attention' if static_attention else 'an int8 KV cache'} "
+                              "is not calibrated for this model family (--method gptq / awq / smoothquant are)")
+        from cvt.convert.outdir import calibration_dir
+
+        with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume) as state:
+            # the KV cache in the form the format's stacks load (`Format.kv_codec`)
+            cal = calibrate(ckpt, plan, calib, calib_tokens, static_attention, kv_codec, state, device, quiet,
+                            expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec, source=source)
+            return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req))
+    finally:
+        ckpt.close()
+
+
+def _check_request(scheme: str, fmt: str, target: str | None, target_version: str | None,
+                   group_size: int | None, fp4_format: str | None, recipe: Recipe | None, static_attention: bool):
+    """(format, target, vllm-ascend line, scheme) of the request, every option checked against the
+    registries before SRC is opened."""
+    form = get_format(fmt)
+    target = check_target(fmt, target)
+    line = check_line(fmt, target, target_version)
+    sch = scheme_from_options(scheme, fp4_format=fp4_format)  # unknown names fail here
+    why = line_problem(line, kernel_fmt_of(sch), expert=True, group_size=group_size)
+    if why is not None:  # e.g. per-group W4A8 on main: the line's reason before the scheme's own
+        raise FormatError(why)
+    if fp4_format is not None and not _takes_fp4_format(scheme, recipe):
+        raise OptionError(f"--fp4-format applies to --scheme {names_where(lambda s: 'fp4_format' in s.options, 'scheme')} "
+                          f"(or a recipe rule with it), not {scheme}")
+    if static_attention and not (form.static_attention and getattr(sch, "static_attention", False)):
+        raise FormatError("--static-attention (static W8A8 attention with input_scale / deq_scale / quant_bias) "
+                          f"exists only in the {names_where(lambda f: f.static_attention, 'format')} format with --scheme "
+                          f"{names_where(lambda s: getattr(s, 'static_attention', False), 'scheme')}")
+    return form, target, line, sch
+
+
+def _source_format(ckpt: Checkpoint, src) -> SourceFormat:
+    """What SRC holds (a cvt output read as what it holds); FormatError for what quantize cannot read."""
+    src_fmt = source_format(ckpt.config, ckpt.has_manifest)
+    if src_fmt is SourceFormat.CVT:  # a cvt output is read as what it holds
+        check_manifest_files(ckpt)
+        m = ckpt.manifest
+        src_fmt = {"hf-bf16": SourceFormat.BF16}.get(m.format, source_format(ckpt.config))
+        if src_fmt is SourceFormat.BF16 and m.format != "hf-bf16":
+            src_fmt = SourceFormat.OTHER_QUANT
+    if src_fmt not in (SourceFormat.BF16, SourceFormat.FP8_BLOCK, SourceFormat.CT_INT4):
+        raise FormatError(f"{src}: cannot quantize {article(src_fmt.value)} checkpoint (quantize reads BF16, FP8 block "
+                          "and compressed-tensors pack-quantized INT4 checkpoints)")
+    return src_fmt
+
+
+def _kv_codec(config: dict, plan: Plan, form, target: str, kv_dtype: str | None, kv_static: bool) -> str:
+    """How the output stores a quantized KV cache: the format's own, or what --kv-dtype asks
+    (`cvt.qtensor.kv_tensors.kv_storage`), refused where the C8 is DeepSeek-V3.2's indexer's."""
+    kv_codec = form.kv_codec
+    c8 = int8_kv(plan)
+    if kv_dtype is not None and c8 and not kv_static and kv_dtype != "int8":  # V3.2's C8: the indexer's
+        raise OptionError(f"--kv-dtype {kv_dtype}: this output's C8 is the lightning indexer's int8 cache (vllm-ascend's "
+                          "sparse LI C8), not FAKQuant's latent cache; the fp8 cache applies to MLA models "
+                          "without an indexer")
+    if kv_dtype is not None:  # kv_tensors imports torch, which RTN otherwise never does
+        from cvt.qtensor.kv_tensors import kv_storage
+
+        kv_codec = kv_storage(form.name, form.kv_codec, target, kv_dtype, "kv_lora_rank" in text_config(config), c8)
+    return kv_codec
+
+
+def _fp4_note(plan: Plan, source: Source) -> str | None:
+    """DeepSeek-V4's FP4 experts on another grid than the scheme's: one line says so once the
+    output is written (a refused or failed run prints its error alone)."""
+    if not source.fp4:
+        return None
+    return fp4_source.requantized_note({m: s.name for m, s in plan.schemes.items()
+                                        if source.is_fp4(plan.modules[m]["weight"]) and not fp4_source.carries(s)})
+
+
+def _check_calib(calib: Path | None, needs_model: bool) -> None:
+    """--calib readable when the run calibrates (before DST is touched), refused when nothing does."""
+    if calib is not None and needs_model:  # before DST is touched
+        from cvt.quant.methods.data import check_calib
+
+        check_calib(calib)
+    if calib is not None and not needs_model:
+        raise OptionError(f"--calib {calib}: nothing in this run calibrates (RTN needs no data); give --method "
+                          "gptq / awq / smoothquant, --static-attention or an int8 KV cache, or drop --calib")
+
+
+def _note(note: str | None, result: WriteResult) -> WriteResult:
+    if note is not None:
+        log.warning(note)
+    return result
+
+
+def _takes_fp4_format(scheme: str, recipe: Recipe | None) -> bool:
+    """Whether the run quantizes anything with a scheme that has an fp4 format (the option's own
+    scheme, or one a recipe rule names)."""
+    from cvt.qtensor.schemes import SCHEMES
+
+    names = {scheme, *(r.scheme for r in (recipe.rules if recipe else ()))}
+    return any(n in SCHEMES and "fp4_format" in getattr(SCHEMES.get(n), "options", ()) for n in names)
