@@ -50,10 +50,10 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from cvt.convert.arch import Block, Parallel, Role, TensorInfo, arch_for, config_problems
-from cvt.convert.arch.glm_moe_dsa import FULL, indexer_types
 from cvt.convert.config import fp8_block
 from cvt.convert.placement import Layout, Placement, contiguous_placement, divisors, moe_layers, placement_problems
 from cvt.convert.disk_bytes import DiskBytes, format_group, plan_scheme, plan_schemes
+from cvt.convert.kv_bytes import kv_cache_bytes
 from cvt.convert.safetensors_io import load_json
 from cvt.units import binary_size, parse_size
 from cvt.errors import CvtError, FormatError, ShapeError
@@ -427,40 +427,74 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
     problems = config_problems(config)  # what the writers and the runtime refuse, the plan refuses
     if problems:
         raise CvtError(f"{problems[0]}; plan refused")
-    cfg = arch.config
-    sch, disk = (None, None) if scheme in ("bf16", "fp8") else DiskBytes.resolve(
-        scheme, group_size, fmt, target, fp4_format)
-    if disk is not None:
-        if getattr(sch, "kv_cache", None) == "int8":  # what cvt quantize refuses, the plan refuses
-            from cvt.qtensor import indexer_c8
-            from cvt.qtensor.kv_tensors import kv_target_problem
-
-            why = (indexer_c8.problem(cfg) if indexer_c8.applies(cfg, disk.fmt)
-                   else kv_target_problem(cfg, disk.fmt, disk.target))
-            if why is not None:
-                raise FormatError(why)
+    sch, disk = _weights_format(arch.config, scheme, group_size, fmt, target, fp4_format)
     block = (fp8_block(config, "config.json") or (128, 128)) if scheme == "fp8" else None
-    per_rank = dict.fromkeys(CATEGORIES, 0)
-    model = dict.fromkeys(CATEGORIES, 0)
-    experts: dict[int, dict[int, int]] = {}
-    memo: dict[tuple, int] = {}
-    fits: dict[tuple, list] = {}  # (pattern, shape) -> [group_fit's answer, first module, count]
-    unwritable: dict[str, Violation] = {}  # tensors the scheme's layout cannot hold, counted as bf16
     items = list(tensors(config, layout.shared_experts))
+    w = _weight_bytes(items, layout, sch, block, disk)
+    kv = kv_cache_bytes(arch, layout, sch, disk, kv_tokens)
+    if kv.scale_bytes is not None:  # an int8 cache's scale tensors, replicated
+        w.per_rank["kv_scales"] = w.model["kv_scales"] = kv.scale_bytes
+    layers = moe_layers(config)
+    ep_bytes, assumptions = _expert_bytes(arch, layers, layout, w.experts)
+    ranks = []
+    for rank in range(layout.world_size):
+        ep_rank = (rank // layout.moe_tp) % layout.ep
+        usage = {c: b for c, b in w.per_rank.items() if b}
+        if layers:
+            usage["experts"] = ep_bytes[ep_rank]
+        ranks.append(RankUsage(rank, ep_rank, usage, kv.per_rank))
+    assumptions += [
+        "bytes are weights + KV cache only (no activations, workspace, communication buffers or allocator slack)",
+        f"shared experts: {'split moe_tp ways' if layout.shared_experts == 'moe_tp' else 'whole on every rank'}; "
+        "norms, router, q_a/kv_a projections and eh_proj replicated",
+        _scheme_assumption(scheme, sch, disk), kv.assumption]
+    group_bad = _group_problems(w.fits, sch, assumptions)
+    return Plan(arch.model_type, scheme, layout, ranks, w.model, kv_tokens,
+                None if hbm_bytes is None else parse_bytes(hbm_bytes),
+                validate(layout, config, scheme, sch.group_size if format_group(disk, scheme) else group_size,
+                         items) + group_bad + list(w.unwritable.values()), assumptions)
+
+
+def _weights_format(cfg: Mapping[str, Any], scheme: str, group_size: int | None, fmt: str | None,
+                    target: str | None, fp4_format: str | None):
+    """(scheme object, `DiskBytes`) of a quantized plan scheme, (None, None) for bf16 / fp8; what
+    cvt quantize refuses of an int8 KV cache for this model and format, the plan refuses."""
+    if scheme in ("bf16", "fp8"):
+        return None, None
+    sch, disk = DiskBytes.resolve(scheme, group_size, fmt, target, fp4_format)
+    if getattr(sch, "kv_cache", None) == "int8":
+        from cvt.qtensor import indexer_c8
+        from cvt.qtensor.kv_tensors import kv_target_problem
+
+        why = (indexer_c8.problem(cfg) if indexer_c8.applies(cfg, disk.fmt)
+               else kv_target_problem(cfg, disk.fmt, disk.target))
+        if why is not None:
+            raise FormatError(why)
+    return sch, disk
+
+
+@dataclass
+class _Weights:
+    """What the weights take: per rank by category (routed experts apart, per layer and expert id),
+    every tensor once, the group rule's answers (`_group_fit`) and the tensors the scheme's layout
+    cannot hold (counted as bf16)."""
+
+    per_rank: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    model: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    experts: dict[int, dict[int, int]] = field(default_factory=dict)
+    fits: dict[tuple, list] = field(default_factory=dict)  # (pattern, shape) -> [answer, first module, count]
+    unwritable: dict[str, Violation] = field(default_factory=dict)
+
+
+def _weight_bytes(items: list, layout: Layout, sch, block, disk: DiskBytes | None) -> _Weights:
+    """Every tensor's bytes, whole and as the layout splits it (one computation per pattern, param,
+    shape and degree)."""
+    w = _Weights()
+    memo: dict[tuple, int] = {}
     for name, shape, kind, nums in items:
         deg = getattr(layout, kind.axis) if kind.axis else 1
         key = (kind.info.rule.pattern, kind.info.param, shape, deg)
-        fit = None
-        if disk is not None and kind.quantized and len(shape) == 2:  # quantize's group rule, whole linear
-            fkey = (kind.info.rule.pattern, shape)
-            if fkey not in fits:
-                try:
-                    answer = disk.group_fit(name.rsplit(".", 1)[0], shape, kind.info.role is Role.EXPERT)
-                except FormatError as exc:
-                    answer = exc
-                fits[fkey] = [answer, name.rsplit(".", 1)[0], 0]
-            fits[fkey][2] += 1
-            fit = fits[fkey][0]
+        fit = _group_fit(w.fits, disk, name, shape, kind)
         if key not in memo:
             module = name.rsplit(".", 1)[0]
             channel = isinstance(fit, str)
@@ -468,46 +502,51 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
                 memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, None, 1, sch, block, disk, module, channel)
                 memo[key] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, sch, block, disk, module, channel)
             except ShapeError as exc:  # quantize would refuse this tensor (or its shard): a problem of the plan
-                unwritable.setdefault(str(exc), Violation(name, kind.axis or "-", deg, shape[0], reason=str(exc)))
+                w.unwritable.setdefault(str(exc), Violation(name, kind.axis or "-", deg, shape[0], reason=str(exc)))
                 memo[key] = memo[key[:3] + (0,)] = _tensor_bytes(kind, shape, kind.info.split_dim, deg, None, block)
-        model[kind.category] += memo[key[:3] + (0,)]
+        w.model[kind.category] += memo[key[:3] + (0,)]
         if kind.info.role is Role.EXPERT:
-            layer = experts.setdefault(nums[0], {})
+            layer = w.experts.setdefault(nums[0], {})
             layer[nums[1]] = layer.get(nums[1], 0) + memo[key]
         else:
-            per_rank[kind.category] += memo[key]
-    mla = "kv_lora_rank" in cfg
-    n_layers = cfg["num_hidden_layers"]
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    int8_kv = getattr(sch, "kv_cache", None) == "int8"
-    from cvt.qtensor import indexer_c8
+            w.per_rank[kind.category] += memo[key]
+    return w
 
-    index_c8 = int8_kv and indexer_c8.applies(cfg, disk.fmt)  # V3.2 on Ascend: the indexer's C8, not the MLA's
-    if index_c8:  # q_rot / k_rot float32 [Di, Di] per decoder layer, replicated
-        per_rank["kv_scales"] = model["kv_scales"] = sum(t.numel() * 4 for t in indexer_c8.rotation_tensors(cfg).values())
-    elif int8_kv:  # the KV-cache scale tensors of cvt.runtime.kv_cache, replicated
-        from cvt.qtensor.kv_tensors import kv_tensor_specs_for_config
 
-        per_rank["kv_scales"] = model["kv_scales"] = sum(math.prod(sp.shape) * sp.dtype.itemsize
-                                                         for sp in kv_tensor_specs_for_config(cfg))
-    elem = 1 if int8_kv and not index_c8 else 2
-    # MLA: latent int8 under C8 (FAKQuant), rope key always bf16; GQA: k and v
-    # DeepSeek-V3.2: the lightning indexer caches its own key (index_head_dim, bf16 in cvt's runtime;
-    # int8 + a float16 scale under the indexer C8); GLM-5: only its "full" indexer layers
-    # (`cvt.convert.arch.glm_moe_dsa.indexer_types`)
-    index_dim = cfg.get("index_head_dim", 128) if arch.model_type in ("deepseek_v32", "glm_moe_dsa") else 0
-    index_layers = (indexer_types(cfg).count(FULL) if arch.model_type == "glm_moe_dsa" else n_layers)
-    index_bytes = index_dim + 2 if index_c8 else index_dim * 2
-    per_token = (n_layers * (cfg["kv_lora_rank"] * elem + cfg["qk_rope_head_dim"] * 2) + index_layers * index_bytes
-                 if mla else n_layers * 2 * -(-kv_heads // layout.tp) * head_dim * elem)
-    kv_rank = -(-kv_tokens // layout.dp) * per_token
-    kv_what = None
-    if arch.table.kv_cache is not None:  # the family counts its own cache (one sequence per rank)
-        kv_rank, kv_what = arch.table.kv_cache(cfg, -(-kv_tokens // layout.dp), 2)
+def _group_fit(fits: dict[tuple, list], disk: DiskBytes | None, name: str, shape: tuple, kind: Kind):
+    """quantize's group rule for a whole quantized linear (`DiskBytes.group_fit`), asked once per
+    pattern and shape and counted in `fits`: None (the groups fit), the reason of a per-channel
+    fallback, or the FormatError refusing it; None for any other tensor."""
+    if disk is None or not kind.quantized or len(shape) != 2:
+        return None
+    fkey = (kind.info.rule.pattern, shape)
+    if fkey not in fits:
+        module = name.rsplit(".", 1)[0]
+        try:
+            answer = disk.group_fit(module, shape, kind.info.role is Role.EXPERT)
+        except FormatError as exc:
+            answer = exc
+        fits[fkey] = [answer, module, 0]
+    fits[fkey][2] += 1
+    return fits[fkey][0]
 
-    E, layers = arch.num_experts, moe_layers(config)
+
+def _group_problems(fits: dict[tuple, list], sch, assumptions: list[str]) -> list[Violation]:
+    """The group rule's refusals as violations; its fallbacks added to `assumptions`."""
+    group_bad = []
+    for (answer, module, count) in fits.values():
+        more = f" (and {count - 1} more linears like it)" if count > 1 else ""
+        if isinstance(answer, FormatError):
+            group_bad.append(Violation(module, "group", sch.group_size, 0, reason=f"{answer}{more}"))
+        elif answer is not None:
+            assumptions.append(f"{module}: {answer}, as cvt quantize writes it{more}")
+    return group_bad
+
+
+def _expert_bytes(arch, layers: list[int], layout: Layout, experts: dict[int, dict[int, int]]):
+    """(bytes of routed experts per EP rank, assumptions): each MoE layer's experts as the placement
+    puts them (contiguous by default; a count ep does not divide: ceil per rank, fewer on the last)."""
+    E = arch.num_experts
     ep_bytes = [0] * layout.ep
     assumptions = []
     placement = layout.placement
@@ -526,34 +565,4 @@ def memory_plan(config: Mapping[str, Any], layout: Layout, scheme: str = "bf16",
         sizes = set(per_e.values())
         for r, ids in enumerate(placement.for_layer(layer)):
             ep_bytes[r] += len(ids) * next(iter(sizes)) if len(sizes) == 1 else sum(per_e.get(e, 0) for e in ids)
-    ranks = []
-    for rank in range(layout.world_size):
-        ep_rank = (rank // layout.moe_tp) % layout.ep
-        w = {c: b for c, b in per_rank.items() if b}
-        if layers:
-            w["experts"] = ep_bytes[ep_rank]
-        ranks.append(RankUsage(rank, ep_rank, w, kv_rank))
-    assumptions += [
-        "bytes are weights + KV cache only (no activations, workspace, communication buffers or allocator slack)",
-        f"shared experts: {'split moe_tp ways' if layout.shared_experts == 'moe_tp' else 'whole on every rank'}; "
-        "norms, router, q_a/kv_a projections and eh_proj replicated",
-        _scheme_assumption(scheme, sch, disk),
-        f"KV cache: {kv_tokens} tokens in flight over the world, split evenly over dp {layout.dp} "
-        f"({-(-kv_tokens // layout.dp)} per rank); " + (
-            f"{kv_what}, counted as one sequence per rank" if kv_what else
-            f"MLA latent {cfg['kv_lora_rank']} + rope {cfg['qk_rope_head_dim']}"
-            + (f" + indexer key {index_dim} ({'int8 + a float16 scale' if index_c8 else 'bf16'}"
-               + (f", {index_layers} full-indexer layers" if index_layers != n_layers else "") + ")" if index_dim else "")
-            + " per token and layer, whole on every TP rank" if mla else f"GQA k+v {kv_heads} KV heads / tp x {head_dim}")
-        + f"; {'int8' if int8_kv and not index_c8 else 'bf16'}; {n_layers} decoder layers (MTP layers not cached)"]
-    group_bad = []
-    for (answer, module, count) in fits.values():
-        more = f" (and {count - 1} more linears like it)" if count > 1 else ""
-        if isinstance(answer, FormatError):
-            group_bad.append(Violation(module, "group", sch.group_size, 0, reason=f"{answer}{more}"))
-        elif answer is not None:
-            assumptions.append(f"{module}: {answer}, as cvt quantize writes it{more}")
-    return Plan(arch.model_type, scheme, layout, ranks, model, kv_tokens,
-                None if hbm_bytes is None else parse_bytes(hbm_bytes),
-                validate(layout, config, scheme, sch.group_size if format_group(disk, scheme) else group_size,
-                         items) + group_bad + list(unwritable.values()), assumptions)
+    return ep_bytes, assumptions
