@@ -166,15 +166,56 @@ def write_shards(
     produced float torch tensor holding NaN / Inf is a TensorError naming it (a computed scale
     or folded weight that overflowed), before its bytes are written."""
     fs = FileSet(out, shards, progress=progress, metadata=metadata, closers=0, depth=2)
-    stop = threading.Event()
+    files = _ShardFiles(fs, check_finite)
+    try:
+        if fs.pending:
+            _in_parallel(files.write, fs.pending, workers, files.stop)
+        infos = fs.close()
+    except BaseException:
+        fs.abort()
+        raise
+    finally:
+        OUTPUTS.clear()  # the recycled output blocks: not kept past the stage
+    if meta is not None:
+        meta.update(fs.meta)
+    return infos, len(fs.pending), len(shards) - len(fs.pending)
 
-    def write_one(rel: str, tensors: list[OutTensor]) -> None:
+
+def _in_parallel(write: Callable[[str, list], None], pending: list, workers: int, stop: threading.Event) -> None:
+    """`write(rel, tensors)` for each pending file, `workers` at a time; the first failure sets
+    `stop` (the other files stop at their next tensor) and is raised."""
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cvt-write") as pool:
+        futures = [pool.submit(write, rel, ts) for rel, ts in pending]
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for fut in done:
+                if fut.exception() is not None:
+                    raise fut.exception()
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            stop.set()
+            for fut in futures:
+                fut.cancel()
+            raise
+
+
+class _ShardFiles:
+    """Writes one planned file's tensors in order into a `FileSet`: each produced whole, or in
+    pieces (`OutTensor.pieces`), placed at its offset and charged against the set's memory budget."""
+
+    def __init__(self, fs: FileSet, check_finite: str | None):
+        self.fs, self.check_finite = fs, check_finite
+        self.stop = threading.Event()
+
+    def write(self, rel: str, tensors: list[OutTensor]) -> None:
+        fs = self.fs
         offset = len(fs.header(rel))  # of the next tensor's bytes in the file
         for t in tensors:
-            if stop.is_set():
+            if self.stop.is_set():
                 raise _Cancelled
             if t.pieces:
-                offset = write_pieces(rel, t, offset)
+                offset = self._pieces(rel, t, offset)
                 continue
             charge = fs.charge(t.spec.nbytes, 1, t.release)
             try:
@@ -184,20 +225,23 @@ def write_shards(
             except BaseException:
                 charge.done()
                 raise
-            bad = _nonfinite(data) if check_finite else 0
+            bad = _nonfinite(data) if self.check_finite else 0
             if bad:
                 charge.done()
-                raise TensorError(f"{t.spec.name}: {bad} of its {data.numel()} values are NaN / Inf (in the source, or "
-                                  f"overflowed when computed from it); {check_finite} refused")
+                raise self._refused(t, bad, data)
             fs.put(rel, t.spec, data, charge, t.meta() if t.meta is not None else None)
             del data
 
-    def write_pieces(rel: str, t: OutTensor, offset: int) -> int:
+    def _refused(self, t: OutTensor, bad: int, data) -> TensorError:
+        return TensorError(f"{t.spec.name}: {bad} of its {data.numel()} values are NaN / Inf (in the source, or "
+                           f"overflowed when computed from it); {self.check_finite} refused")
+
+    def _pieces(self, rel: str, t: OutTensor, offset: int) -> int:
         """`t`'s pieces into file `rel` from `offset`, each placed and charged as it is made, then
         an empty last piece that closes the item. Returns the offset after it."""
         end, it = offset + t.spec.nbytes, iter(t.produce())
         try:
-            return _pieces_into(rel, t, it, offset, end)
+            return self._pieces_into(rel, t, it, offset, end)
         finally:
             # a producer left mid-way (another worker failed, the disk is full) may hold a lock
             # the next file's parts wait on (a fused module's) or source pages: let it unwind now
@@ -205,20 +249,20 @@ def write_shards(
             if close is not None:
                 close()
 
-    def _pieces_into(rel: str, t: OutTensor, it, offset: int, end: int) -> int:
+    def _pieces_into(self, rel: str, t: OutTensor, it, offset: int, end: int) -> int:
         import numpy as np
 
+        fs = self.fs
         while True:
-            if stop.is_set():
+            if self.stop.is_set():
                 raise _Cancelled
             place(offset)
             data = next(it, None)
             if data is None:
                 break
-            bad = _nonfinite(data) if check_finite else 0
+            bad = _nonfinite(data) if self.check_finite else 0
             if bad:
-                raise TensorError(f"{t.spec.name}: {bad} of its {data.numel()} values are NaN / Inf (in the source, or "
-                                  f"overflowed when computed from it); {check_finite} refused")
+                raise self._refused(t, bad, data)
             n = data.nbytes
             if offset + n > end:
                 raise RuntimeError(f"internal: {t.spec.name} produced more than its {t.spec.nbytes} planned bytes")
@@ -231,32 +275,6 @@ def write_shards(
         fs.put(rel, t.spec, np.empty(0, np.uint8), fs.charge(0, 1, t.release), t.meta() if t.meta else None,
                piece=True)
         return end
-
-    try:
-        if fs.pending:
-            with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cvt-write") as pool:
-                futures = [pool.submit(write_one, rel, ts) for rel, ts in fs.pending]
-                try:
-                    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                    for fut in done:
-                        if fut.exception() is not None:
-                            raise fut.exception()
-                    for fut in futures:
-                        fut.result()
-                except BaseException:
-                    stop.set()
-                    for fut in futures:
-                        fut.cancel()
-                    raise
-        infos = fs.close()
-    except BaseException:
-        fs.abort()
-        raise
-    finally:
-        OUTPUTS.clear()  # the recycled output blocks: not kept past the stage
-    if meta is not None:
-        meta.update(fs.meta)
-    return infos, len(fs.pending), len(shards) - len(fs.pending)
 
 
 def run_plan_id(ckpt: Checkpoint, src: SourceInfo, stage: StageInfo, **parts: Any) -> str:
