@@ -199,87 +199,43 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     from cvt import hooks
     from cvt.quant.methods import calib as C
     from cvt.runtime import kv_cache
-    from cvt.runtime.loader import assign_tensors, fp8_block
+    from cvt.runtime.loader import fp8_block
     from cvt.runtime.models import build_model
     from cvt.convert.config import source_format
     from cvt.progress import make_progress
 
     device = torch.device(device)
-    o = dict(min_tokens=32, batch_size=8, damp=0.01, act_order=True, scale_search="hdiag", block_size=128,
-             static_groups=None,
-             true_sequential=True, alpha=0.5, n_grid=20, duo_scaling=True, awq_clip_search=True, max_samples=512,
-             max_hessian_bytes=4 << 30, hessian_dtype=torch.float32, collect_stats=False,
-             max_expert_bytes=MAX_EXPERT_BYTES)
-    unknown = set(opts) - set(o)
-    if unknown:
-        raise CvtError(f"unknown calibration option(s) {sorted(unknown)}")
-    o.update(opts)
+    o = _options(opts)
     source = ckpt.content_identity
     store = LayerStore(state_dir, stream_plan_id(ckpt, plan, tokens, device, o, source, frozen), source)
     with torch.device("meta"):
         model = build_model(ckpt.config, dtype=torch.float32)
     n_layers = model.args.num_hidden_layers
     layout = C.Layout.of(model)
-    layers = layout.decoder_layers(model)
     if observe_kv and not getattr(model, "calibrates_kv", True):
         raise CvtError(f"{ckpt.config.get('model_type')}: KV-cache scales are not calibrated for this model family")
     block = fp8_block(ckpt, source_format(ckpt.config))
     tp = text_prefix(ckpt)                                 # Kimi-K2.5: the checkpoint's language_model.
-    embed = model.get_submodule(layout.embed)
-    emb = ckpt.read(f"{tp}{layout.embed}.weight")         # rows read through mmap, never the whole table
-    embed.forward = lambda t: emb[t.cpu()].to(device=device, dtype=torch.float32)
-    mine = tokens[ranks.share(tokens.shape[0])]            # this rank's sequences (all of them for one)
-    x, args, kwargs = C._layer_args(model, (mine if mine.shape[0] else tokens[:1]).to(device))
-    x = x[:mine.shape[0]]                                  # a rank with none still needs the layer arguments
-    del embed.forward
+    x, args, kwargs = _first_input(model, layout, ckpt, tokens, device, tp)
     shape = tuple(x.shape)
     spill = x.numel() * 4 > (SPILL_BYTES if spill_bytes is None else spill_bytes)
-    start = store.done()
-    if start > n_layers:
-        raise _unreadable(store.root / "state.json", f"{start} layers done, the model has {n_layers}")
-    res = StreamResult(store, resumed_layers=start)
-    for i in range(start):
-        meta = store.load_layer(i)
-        check_resumed(meta, plan, i, store.root / f"layer-{i}.json")
-        _merge(res, meta)
-        res.kv_amax.append(store.kv_amax(i))
+    res, start = _resume(store, plan, n_layers)
     if start:
         x = store.x(start, shape, spill).to(device)
         log.info("calibration resumes after %d finished layers", start)
     observer = kv_cache.KVObserver(model) if observe_kv else None
+    layers = _Layers(model, layout, ckpt, plan, o, store, device, block, tp, frozen, observer)
     bar = make_progress(n_layers, "calibrate", quiet, unit="layer", initial=start)
     try:
         for i in range(start, n_layers):
-            t0 = time.perf_counter()
-            layer = layers[i]
-            prefix = f"{tp}{layout.layers}.{i}."
-            streamed = _streams_experts(layer, prefix, plan, o, layout.moe)
-            experts_at = prefix + "mlp.experts."
-            assign_tensors(model, ckpt, device, block, skip=lambda name: not name.startswith(prefix)
-                           or (streamed and name.startswith(experts_at)))
-            _dense_linears(layer)
-            es = _expert_stream(model, ckpt, device, block, layer, i, plan, o, store) if streamed else None
-            if observer is not None:
-                layer.self_attn.kv_observer = observer._observer(i)
-            lres = C.CalibResult()
-            C._LayerCalib(layer, f"{tp}{layout.layers}.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
-                          lres, o, experts=es, frozen=frozen).run(x, args, kwargs)
-            x = es.x_next if es is not None else C._run_layer(layer, x, args, kwargs, o["batch_size"])
-            if observer is not None:
-                layer.self_attn.kv_observer = None
-            lres.seconds_per_layer.append(time.perf_counter() - t0)
-            amax = ranks.amax_max(observer.amax[i]) if observer is not None else {}
-            store.save_layer(i, lres, amax, x, es.saved if es is not None else None)
+            x, seconds = layers.calibrate(i, x, args, kwargs, res)
             if spill:  # the next input from the state file, not RAM
                 x = store.x(i + 1, shape, True).to(device)
-            layer.to("meta")                                  # the layer's weights are dropped here
-            _trim()
-            meta = store.load_layer(i)
-            _merge(res, meta)
-            res.kv_amax.append(amax)
+            layers.drop(i)
+            _merge(res, store.load_layer(i))
             bar.update(1)
-            bar.set_postfix_str(f"{lres.seconds_per_layer[0]:.1f} s/layer, peak RSS {peak_rss_bytes() / 2**30:.2f} GiB")
-            log.info("calibrated layer %d/%d in %.1f s", i + 1, n_layers, lres.seconds_per_layer[0])
+            bar.set_postfix_str(f"{seconds:.1f} s/layer, peak RSS {peak_rss_bytes() / 2**30:.2f} GiB")
+            log.info("calibrated layer %d/%d in %.1f s", i + 1, n_layers, seconds)
             hooks.after_layer(i)  # the kill-and-resume tests stop a run here
             if on_layer is not None:
                 on_layer(i)
@@ -289,6 +245,108 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     res.peak_rss = peak_rss_bytes()
     res.peak_rss_per_rank = world.all_gather(res.peak_rss)
     return res
+
+
+def _options(opts: dict) -> dict:
+    """The driver's options, `opts` over the defaults; CvtError naming an unknown one."""
+    o = dict(min_tokens=32, batch_size=8, damp=0.01, act_order=True, scale_search="hdiag", block_size=128,
+             static_groups=None,
+             true_sequential=True, alpha=0.5, n_grid=20, duo_scaling=True, awq_clip_search=True, max_samples=512,
+             max_hessian_bytes=4 << 30, hessian_dtype=torch.float32, collect_stats=False,
+             max_expert_bytes=MAX_EXPERT_BYTES)
+    unknown = set(opts) - set(o)
+    if unknown:
+        raise CvtError(f"unknown calibration option(s) {sorted(unknown)}")
+    o.update(opts)
+    return o
+
+
+def _first_input(model, layout, ckpt, tokens: torch.Tensor, device, tp: str):
+    """(hidden states, args, kwargs) of decoder layer 0 for this rank's share of `tokens`: the
+    tokens' rows of the embedding read from the checkpoint (mmap, never the whole table), and the
+    model's own forward for the layer arguments (rope, mask; `calib._layer_args`)."""
+    from cvt.quant.methods import calib as C
+
+    embed = model.get_submodule(layout.embed)
+    emb = ckpt.read(f"{tp}{layout.embed}.weight")         # rows read through mmap, never the whole table
+    embed.forward = lambda t: emb[t.cpu()].to(device=device, dtype=torch.float32)
+    mine = tokens[ranks.share(tokens.shape[0])]            # this rank's sequences (all of them for one)
+    x, args, kwargs = C._layer_args(model, (mine if mine.shape[0] else tokens[:1]).to(device))
+    x = x[:mine.shape[0]]                                  # a rank with none still needs the layer arguments
+    del embed.forward
+    return x, args, kwargs
+
+
+def _resume(store: LayerStore, plan, n_layers: int) -> tuple[StreamResult, int]:
+    """The result so far and the first layer to calibrate: the layers an earlier run of the same
+    plan finished, each checked against the plan (`check_resumed`)."""
+    start = store.done()
+    if start > n_layers:
+        raise _unreadable(store.root / "state.json", f"{start} layers done, the model has {n_layers}")
+    res = StreamResult(store, resumed_layers=start)
+    for i in range(start):
+        meta = store.load_layer(i)
+        check_resumed(meta, plan, i, store.root / f"layer-{i}.json")
+        _merge(res, meta)
+        res.kv_amax.append(store.kv_amax(i))
+    return res, start
+
+
+@dataclass
+class _Layers:
+    """Calibrates the model's decoder layers one at a time: read from the checkpoint, run through
+    the driver, saved to the state folder, dropped."""
+
+    model: nn.Module
+    layout: object  # `calib.Layout`
+    ckpt: object
+    plan: object
+    o: dict
+    store: LayerStore
+    device: torch.device
+    block: object
+    tp: str
+    frozen: frozenset
+    observer: object
+
+    def __post_init__(self):
+        self.layers = self.layout.decoder_layers(self.model)
+
+    def calibrate(self, i: int, x: torch.Tensor, args, kwargs, res: StreamResult) -> tuple[torch.Tensor, float]:
+        """Layer i read, calibrated and saved with the KV ranges it saw; returns its output and the
+        seconds it took."""
+        from cvt.quant.methods import calib as C
+        from cvt.runtime.loader import assign_tensors
+
+        t0 = time.perf_counter()
+        layout, plan, o, observer = self.layout, self.plan, self.o, self.observer
+        layer = self.layers[i]
+        prefix = f"{self.tp}{layout.layers}.{i}."
+        streamed = _streams_experts(layer, prefix, plan, o, layout.moe)
+        experts_at = prefix + "mlp.experts."
+        assign_tensors(self.model, self.ckpt, self.device, self.block, skip=lambda name: not name.startswith(prefix)
+                       or (streamed and name.startswith(experts_at)))
+        _dense_linears(layer)
+        es = (_expert_stream(self.model, self.ckpt, self.device, self.block, layer, i, plan, o, self.store)
+              if streamed else None)
+        if observer is not None:
+            layer.self_attn.kv_observer = observer._observer(i)
+        lres = C.CalibResult()
+        C._LayerCalib(layer, f"{self.tp}{layout.layers}.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
+                      lres, o, experts=es, frozen=self.frozen).run(x, args, kwargs)
+        x = es.x_next if es is not None else C._run_layer(layer, x, args, kwargs, o["batch_size"])
+        if observer is not None:
+            layer.self_attn.kv_observer = None
+        lres.seconds_per_layer.append(time.perf_counter() - t0)
+        amax = ranks.amax_max(observer.amax[i]) if observer is not None else {}
+        self.store.save_layer(i, lres, amax, x, es.saved if es is not None else None)
+        res.kv_amax.append(amax)
+        return x, lres.seconds_per_layer[0]
+
+    def drop(self, i: int) -> None:
+        """Layer i's weights dropped (back to the meta device), the freed heap handed back."""
+        self.layers[i].to("meta")
+        _trim()
 
 
 def _merge(res: StreamResult, meta: dict) -> None:
