@@ -351,10 +351,31 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: flo
         W, H = W[:, perm], H[perm][:, perm]
     U, used_damp = _inverse_cholesky(H, damp, name)
 
+    dyn_parts = {key: v.clone() for key, v in per_group.items()} if not static_groups else None
+
+    def regroup(cur: torch.Tensor, j: int) -> QuantizedTensor:  # a dynamic group's scales, from its current columns
+        return (search_scales(cur, H[j:j + G, j:j + G], scheme, G, shrinks, scale_search)
+                if search else scheme.quantize(cur))
+
+    Q, codes, loss = _sweep(W, U, grid, G, perm, block_size, dyn_parts, regroup)
+    if perm is not None:
+        inv = torch.argsort(perm)
+        Q, codes = Q[:, inv], codes[:, inv]
+    qt, out, exact = _packed(rtn, grid, codes, dyn_parts, Q, scheme, name)
+    return GPTQResult(qt, out, float(loss.sum()), used_damp, bool(static_groups), int(dead.sum()), exact)
+
+
+def _sweep(W: torch.Tensor, U: torch.Tensor, grid: "_Grid", G: int, perm: torch.Tensor | None, block_size: int,
+           dyn_parts: dict | None, regroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's column sweep over ``W [n, k]`` (permuted under act_order) with the upper Cholesky
+    factor `U` of the inverse Hessian, `block_size` columns at a time (lazy batch updates): each
+    column quantized on `grid`, its error pushed onto the columns after it. Dynamic groups
+    (`dyn_parts` not None) take their scales from `regroup(current columns, first column)` when
+    the sweep enters them, recorded in `dyn_parts`. Returns (dequantized Q, codes, loss per row)."""
+    n, k = W.shape
     Q = torch.zeros_like(W)
     codes = torch.zeros_like(W)
     loss = torch.zeros(n, dtype=torch.float64, device=W.device)
-    dyn_parts = {key: v.clone() for key, v in per_group.items()} if not static_groups else None
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         W1 = W[:, i1:i2].clone()
@@ -363,12 +384,11 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: flo
         for i in range(i2 - i1):
             j = i1 + i
             g = (int(perm[j]) if perm is not None else j) // G
-            if not static_groups and j % G == 0:
+            if dyn_parts is not None and j % G == 0:
                 # the group's current columns: in this block (W1, up to date) and beyond it (W, lazily
                 # updated by every previous block; this block has not pushed errors yet when i == 0)
                 cur = torch.cat((W1[:, i:], W[:, i2:]), dim=1)[:, :G]
-                gq = (search_scales(cur.contiguous(), H[j:j + G, j:j + G], scheme, G, shrinks, scale_search)
-                      if search else scheme.quantize(cur.contiguous()))
+                gq = regroup(cur.contiguous(), j)
                 grid.set_group(g, gq)
                 for key in dyn_parts:
                     dyn_parts[key][:, g] = gq.parts[key].reshape(n, -1)[:, 0]
@@ -381,10 +401,14 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: flo
         Q[:, i1:i2], codes[:, i1:i2] = Q1, C1
         loss += E1.double().pow(2).sum(dim=1) / 2
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    return Q, codes, loss
 
-    if perm is not None:
-        inv = torch.argsort(perm)
-        Q, codes = Q[:, inv], codes[:, inv]
+
+def _packed(rtn: QuantizedTensor, grid: "_Grid", codes: torch.Tensor, dyn_parts: dict | None, Q: torch.Tensor,
+            scheme: Scheme, name: str) -> tuple[QuantizedTensor, torch.Tensor, bool]:
+    """The codes and scales as the scheme's tensor, its dequantized weight, and whether that is
+    exactly the sweep's Q (CvtError when it differs beyond float rounding: a scheme whose
+    dequantize disagrees with its kernel formula)."""
     parts = grid.parts(rtn, codes)
     if dyn_parts:
         parts.update({key: v.reshape(rtn.parts[key].shape) for key, v in dyn_parts.items()})
@@ -398,7 +422,7 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: flo
         if diff > 1e-6 * scale:
             raise CvtError(f"GPTQ {name}: internal error: scheme {rtn.scheme!r} dequantizes the GPTQ codes to other "
                            f"values than the {rtn.kernel_fmt} kernel formula (max diff {diff:.3g})")
-    return GPTQResult(qt, out, float(loss.sum()), used_damp, bool(static_groups), int(dead.sum()), exact)
+    return qt, out, exact
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float, name: str) -> tuple[torch.Tensor, float]:
