@@ -334,6 +334,36 @@ def logit_stats(cand_logits: torch.Tensor, ref_logits: torch.Tensor, targets: to
     the reference gives a token the candidate rules out, PPL inf where a side rules out the
     target; the ratio is NaN when the reference PPL is infinite (undefined).
     """
+    cand_logits, ref_logits, targets = _flat_inputs(cand_logits, ref_logits, targets)
+    kl, nll_cand, nll_ref, dp, same, nan_rows = _per_position(cand_logits, ref_logits, targets, chunk_rows)
+    mean_c, mean_r = nll_cand.mean().item(), nll_ref.mean().item()
+    ppl_c, ppl_r = _exp(mean_c), _exp(mean_r)
+    if math.isnan(mean_c) or math.isnan(mean_r) or math.isinf(mean_r):
+        ratio = math.nan  # a NaN, or an infinite reference PPL: undefined
+    elif math.isfinite(ppl_c) and math.isfinite(ppl_r):
+        ratio = ppl_c / ppl_r  # ppl_r >= 1 (NLL >= 0)
+    else:  # PPL beyond float range (mean NLL > ~709): the ratio may still be finite
+        ratio = _exp(mean_c - mean_r)
+    q = quantiles(kl, [0.5, 0.99, 0.999])
+    return {
+        "tokens": targets.numel(),
+        "ppl_candidate": ppl_c,
+        "ppl_reference": ppl_r,
+        "ppl_ratio": ratio,
+        "kl_mean": kl.mean().item(),
+        "kl_median": q[0],
+        "kl_p99": q[1],
+        "kl_p999": q[2],
+        "kl_max": kl.max().item(),
+        "same_top1": math.nan if nan_rows else same.double().mean().item(),
+        "rms_delta_p": dp.square().mean().sqrt().item(),
+        "kl_per_token": kl,
+    }
+
+
+def _flat_inputs(cand_logits, ref_logits, targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits as [N, V] and the targets as CPU int64 [N]; ValueError for shapes that do not
+    match, non-integer targets, N = 0 or a target outside the vocabulary."""
     cand_logits = torch.as_tensor(cand_logits)
     ref_logits = torch.as_tensor(ref_logits)
     targets = torch.as_tensor(targets)
@@ -349,14 +379,19 @@ def logit_stats(cand_logits: torch.Tensor, ref_logits: torch.Tensor, targets: to
     cand_logits = cand_logits.reshape(-1, vocab)
     ref_logits = ref_logits.reshape(-1, vocab)
     targets = targets.reshape(-1).to(device="cpu", dtype=torch.long)
-    n = targets.numel()
-    if n == 0:
+    if targets.numel() == 0:
         raise ValueError("logit_stats needs at least one position (got N = 0)")
     bad = (targets < 0) | (targets >= vocab)
     if bool(bad.any()):
         i = int(bad.nonzero()[0].item())
         raise ValueError(f"target token id {int(targets[i])} at position {i} is outside the vocabulary [0, {vocab})")
+    return cand_logits, ref_logits, targets
 
+
+def _per_position(cand_logits: torch.Tensor, ref_logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int):
+    """Per position, in float64, `chunk_rows` rows at a time: (KL, candidate NLL, reference NLL,
+    dp, same top-1, and how many rows hold a NaN)."""
+    n = targets.numel()
     kl = torch.empty(n, dtype=torch.float64)
     nll_cand = torch.empty(n, dtype=torch.float64)
     nll_ref = torch.empty(n, dtype=torch.float64)
@@ -377,30 +412,7 @@ def logit_stats(cand_logits: torch.Tensor, ref_logits: torch.Tensor, targets: to
         dp[s:e] = lct.exp() - lrt.exp()
         same[s:e] = lc.argmax(-1) == lr.argmax(-1)  # argmax of a NaN row means nothing: see nan_rows
         nan_rows += int((torch.isnan(lc).any(-1) | torch.isnan(lr).any(-1)).sum())
-
-    mean_c, mean_r = nll_cand.mean().item(), nll_ref.mean().item()
-    ppl_c, ppl_r = _exp(mean_c), _exp(mean_r)
-    if math.isnan(mean_c) or math.isnan(mean_r) or math.isinf(mean_r):
-        ratio = math.nan  # a NaN, or an infinite reference PPL: undefined
-    elif math.isfinite(ppl_c) and math.isfinite(ppl_r):
-        ratio = ppl_c / ppl_r  # ppl_r >= 1 (NLL >= 0)
-    else:  # PPL beyond float range (mean NLL > ~709): the ratio may still be finite
-        ratio = _exp(mean_c - mean_r)
-    q = quantiles(kl, [0.5, 0.99, 0.999])
-    return {
-        "tokens": n,
-        "ppl_candidate": ppl_c,
-        "ppl_reference": ppl_r,
-        "ppl_ratio": ratio,
-        "kl_mean": kl.mean().item(),
-        "kl_median": q[0],
-        "kl_p99": q[1],
-        "kl_p999": q[2],
-        "kl_max": kl.max().item(),
-        "same_top1": math.nan if nan_rows else same.double().mean().item(),
-        "rms_delta_p": dp.square().mean().sqrt().item(),
-        "kl_per_token": kl,
-    }
+    return kl, nll_cand, nll_ref, dp, same, nan_rows
 
 
 def _exp(x: float) -> float:
