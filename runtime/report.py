@@ -362,7 +362,15 @@ def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
     out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
            f"<title>cvt verify report: {verdict}</title>", f"<style>{_CSS}</style>", "</head>", "<body>",
            f'<h1>cvt verify report <span class="verdict {badge}">{verdict}</span></h1>']
+    out += _html_sides(r) + _html_nonfinite(r) + _html_layers(r) + _html_logits(r, kl_values)
+    out += _html_weights(r, top_k_weights) + _html_thresholds(r)
+    out += [f'<p>Result: <span class="verdict {badge}">{verdict}</span></p>',
+            "</body>", "</html>"]
+    return "\n".join(out) + "\n"
 
+
+def _html_sides(r: Report) -> list[str]:
+    """The compared models, the data, the tool, and a note on non-finite values."""
     def side(label: str, m) -> str:
         extra = f"format {m.format or 'none'}" + (f"; stages: {' -> '.join(m.stages)}" if m.stages else "")
         q = quantization_line(m)
@@ -373,61 +381,78 @@ def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
 
     data = f"{r.data.source}" + (f" {r.data.path}" if r.data.path else "") + \
         f", {r.data.sequences} sequences, {r.data.tokens} tokens"
-    out += ["<ul>", side("Candidate", r.candidate), side("Reference", r.reference),
-            f"<li>Data: {esc(data)}</li>",
-            f"<li>Tool: {esc(r.tool.name)} {esc(r.tool.version)}, report version {r.report_version}</li>"]
+    out = ["<ul>", side("Candidate", r.candidate), side("Reference", r.reference),
+           f"<li>Data: {esc(data)}</li>",
+           f"<li>Tool: {esc(r.tool.name)} {esc(r.tool.version)}, report version {r.report_version}</li>"]
     note = nonfinite_note(r)
     if note:
         out.append(f'<li>Non-finite values: <strong>{esc(note)}</strong></li>' if r.nonfinite_layers or
                    r.nonfinite_weights else f"<li>Non-finite values: {esc(note)}</li>")
     out.append("</ul>")
+    return out
 
-    if r.nonfinite_layers or r.nonfinite_weights:
-        out.append("<h2>Non-finite values (NaN / Inf)</h2>")
-        out.append("<p>A NaN measurement fails every threshold. Where the values are:</p>")
-        out.append(_table(["Tensor", "Kind", "Side", "NaN", "+Inf", "-Inf", "Elements"],
-                          [([(n.name, ""), (kind, ""), (n.side, ""), (str(n.nan), "num"), (str(n.posinf), "num"),
-                             (str(n.neginf), "num"), (str(n.numel), "num")], "bad")
-                           for kind, rows in (("layer output", r.nonfinite_layers), ("weight", r.nonfinite_weights))
-                           for n in rows]))
 
-    out.append("<h2>Per-layer comparison</h2>")
-    out.append(cosine_plot_svg(r.layers, r.thresholds.min_cosine, r.first_divergent_layer))
-    if r.layers:
-        if r.first_divergent_layer:
-            out.append(f"<p>First divergent layer (Cosine &lt; {esc(fmt(r.thresholds.min_cosine))} or NaN): "
-                       f"<strong>{esc(r.first_divergent_layer)}</strong></p>")
-        rows = []
-        sides = _nonfinite_sides(r)
-        for i, row in enumerate(r.layers):
-            bad = row.name == r.first_divergent_layer
-            label = row.name + (" (first divergent)" if bad else "")
-            if row.name in sides:
-                label += f" (NaN/Inf: {sides[row.name]})"
-            cells = [(str(i), "num"), (label, "")]
-            cells += [(fmt_col(a, getattr(row, a)), "num") for a, _ in LAYER_COLUMNS]
-            rows.append((cells, "bad" if bad else ""))
-        out.append(_table(["#", "Layer"] + [c for _, c in LAYER_COLUMNS], rows))
-    else:
-        out.append("<p>No per-layer comparison.</p>")
+def _html_nonfinite(r: Report) -> list[str]:
+    """Where the NaN / Inf values are (nothing when there are none)."""
+    if not (r.nonfinite_layers or r.nonfinite_weights):
+        return []
+    return ["<h2>Non-finite values (NaN / Inf)</h2>",
+            "<p>A NaN measurement fails every threshold. Where the values are:</p>",
+            _table(["Tensor", "Kind", "Side", "NaN", "+Inf", "-Inf", "Elements"],
+                   [([(n.name, ""), (kind, ""), (n.side, ""), (str(n.nan), "num"), (str(n.posinf), "num"),
+                      (str(n.neginf), "num"), (str(n.numel), "num")], "bad")
+                    for kind, rows in (("layer output", r.nonfinite_layers), ("weight", r.nonfinite_weights))
+                    for n in rows])]
 
-    out.append("<h2>Logits</h2>")
-    out.append(kl_histogram_svg(kl_values))
+
+def _html_layers(r: Report) -> list[str]:
+    """The per-layer cosine plot and table, the first divergent layer marked."""
+    out = ["<h2>Per-layer comparison</h2>", cosine_plot_svg(r.layers, r.thresholds.min_cosine, r.first_divergent_layer)]
+    if not r.layers:
+        return out + ["<p>No per-layer comparison.</p>"]
+    if r.first_divergent_layer:
+        out.append(f"<p>First divergent layer (Cosine &lt; {esc(fmt(r.thresholds.min_cosine))} or NaN): "
+                   f"<strong>{esc(r.first_divergent_layer)}</strong></p>")
+    rows = []
+    sides = _nonfinite_sides(r)
+    for i, row in enumerate(r.layers):
+        bad = row.name == r.first_divergent_layer
+        label = row.name + (" (first divergent)" if bad else "")
+        if row.name in sides:
+            label += f" (NaN/Inf: {sides[row.name]})"
+        cells = [(str(i), "num"), (label, "")]
+        cells += [(fmt_col(a, getattr(row, a)), "num") for a, _ in LAYER_COLUMNS]
+        rows.append((cells, "bad" if bad else ""))
+    out.append(_table(["#", "Layer"] + [c for _, c in LAYER_COLUMNS], rows))
+    return out
+
+
+def _html_logits(r: Report, kl_values) -> list[str]:
+    """The KL histogram and the logits metrics."""
+    out = ["<h2>Logits</h2>", kl_histogram_svg(kl_values)]
     if r.logits is not None:
         out.append(_table(["Metric", "Value"], [([(label, ""), (_fmt_logit(f, getattr(r.logits, f)), "num")], "")
                                                 for f, label in LOGIT_ROWS]))
     else:
         out.append("<p>No logits comparison.</p>")
+    return out
 
+
+def _html_weights(r: Report, top_k_weights: int) -> list[str]:
+    """The weights of worst SQNR."""
     worst = _worst_weights(r.weights, top_k_weights)
-    out.append(f"<h2>Weight SQNR (worst {len(worst)} of {len(r.weights)})</h2>")
+    out = [f"<h2>Weight SQNR (worst {len(worst)} of {len(r.weights)})</h2>"]
     if worst:
         out.append(_table(["Tensor", "SQNR (dB)", "Format"],
                           [([(w.name, ""), (fmt(w.sqnr_db), "num"), (w.format, "")], "") for w in worst]))
     else:
         out.append("<p>No weight comparison.</p>")
+    return out
 
-    out.append("<h2>Thresholds</h2>")
+
+def _html_thresholds(r: Report) -> list[str]:
+    """The gates applied, each with its limit, value and result, then the violations."""
+    out = ["<h2>Thresholds</h2>"]
     if r.checks:
         out.append(_table(["Check", "Limit", "Value", "Result", "Detail"],
                           [([(c.name, ""), (fmt(c.limit), "num"), (fmt(c.value), "num"),
@@ -437,9 +462,7 @@ def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
         out.append(f"<p>No gates applied: {esc(NO_GATES_HINT)}.</p>")
     if r.violations:
         out.append("<p>Violations:</p><ul>" + "".join(f"<li>{esc(v)}</li>" for v in r.violations) + "</ul>")
-    out += [f'<p>Result: <span class="verdict {badge}">{verdict}</span></p>',
-            "</body>", "</html>"]
-    return "\n".join(out) + "\n"
+    return out
 
 
 # ----------------------------------------------------------------------------- files
