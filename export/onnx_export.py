@@ -301,76 +301,22 @@ def export_onnx(src, dst, *, scope: str = "model", layer: int | None = None, dty
 
 def _export(src, dst: Path, loaded, *, tmp: Path, recorded: set[str], scope, layer, dtype, opset, int4_op, w8a8_op, accuracy_level, moe,
             verify, threshold, quiet, t0, n_layers) -> ExportResult:
-    import onnx
-
-    from cvt.version import __version__
-    from cvt.export import onnx_models as om
-    from cvt.export.onnx_graph import Graph, LinearOptions, save_graph
+    from cvt.export.onnx_graph import LinearOptions
     from cvt.progress import make_progress
 
     model = loaded.model
     bar = make_progress(None, "export onnx (weights)", quiet)
     try:
         opts = LinearOptions(int4_op=int4_op, w8a8_op=w8a8_op, accuracy_level=accuracy_level, moe=moe)
-        targets = ([("model", None)] if scope == "model" else [("layer", None)] if scope == "layer"
-                   else [("block", b) for b in BLOCKS])
-        graphs = []
-        for kind, block in targets:
-            stem = {"model": "model", "layer": f"layer_{layer}", "block": f"layer_{layer}.{block}"}[kind]
-            g = Graph(opset=opset, weight_dtype=dtype, data_path=tmp / f"{stem}.onnx.data", progress=bar)
-            try:  # weights stream into the data file while the graph is built
-                if kind == "model":
-                    spec = om.build_model_graph(g, model, opts)
-                elif kind == "layer":
-                    spec = om.build_layer_graph(g, model, layer, opts)
-                else:
-                    spec = om.build_block_graph(g, model, layer, block, opts)
-                path = tmp / spec.file
-                data = save_graph(g, g.model(spec.name), path, threshold)
-            finally:
-                g.close_data()
-            onnx.checker.check_model(str(path), full_check=True)
-            entry = {"name": spec.name, "file": spec.file, "external_data": data.name if data else None,
-                     "inputs": [_io(v) for v in g.inputs], "outputs": [_io(v) for v in g.outputs],
-                     "nodes": len(g.nodes), "weight_bytes": g.weight_bytes}
-            graphs.append(entry)
-            log.debug("wrote %s (%d nodes, %d weight bytes%s)", spec.file, len(g.nodes), g.weight_bytes,
-                     f", external data {data.name}" if data else "")
+        graphs = _graphs(model, tmp, scope, layer, dtype, opset, opts, threshold, bar)
         for name in SIDE_FILES:
             p = loaded.checkpoint_path / name
             if p.is_file():
                 shutil.copy2(p, tmp / name)
-        src_manifest = loaded.checkpoint_path / "cvt_manifest.json"
-        attn0 = model.model.layers[0].self_attn
-        manifest = {
-            "format": "cvt-onnx", "version": 1, "tool": f"cvt {__version__}",
-            "source": {"path": str(src), "resolved": str(loaded.checkpoint_path), "format": loaded.source_format,
-                       "model_type": loaded.config.get("model_type"),
-                       "cvt_manifest_sha256": _sha256(src_manifest) if src_manifest.is_file() else None,
-                       "config_sha256": _sha256(loaded.checkpoint_path / "config.json")},
-            "scope": scope, "layer": layer, "opset": opset, "dtype": dtype, "compute_dtype": "fp32",
-            "int4_op": int4_op, "w8a8_op": w8a8_op, "accuracy_level": accuracy_level,
-            "family": om.family_name(model), "num_hidden_layers": n_layers,
-            "vocab_size": model.args.vocab_size, "hidden_size": model.args.hidden_size,
-            "max_positions": int(model.max_positions),
-            "kv_cache": {"layout": "mla-absorbed (latent, rope_key)" if om.is_mla(model) else "gqa (key, value)",
-                         "dtype": "int8" if getattr(attn0, "kv_scales", None) is not None else "float32",
-                         "inputs": "past_key_values.{i}.*", "outputs": "present.{i}.*"},
-            "moe": {"mode": moe, "math": "sum over experts of routing weight (0 where not selected) x expert "
-                                          "output, in expert order: exact" + ("; an If per expert runs it only when "
-                                          "some token selected it" if moe == "gated" else "; every expert runs")},
-            "linears": dict(sorted(opts.counts.items())),
-            "graphs": graphs,
-            "files": [],
-        }
-        for p in sorted(tmp.iterdir()):
-            manifest["files"].append({"path": p.name, "size": p.stat().st_size,
-                                      checksum.ALGORITHM: checksum.file_digest(p)})
-        data = json.dumps(manifest, indent=2) + "\n"
-        with open(tmp / MANIFEST, "w") as f:  # last: its presence means the export is complete
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        manifest = _manifest(src, loaded, graphs, opts, scope=scope, layer=layer, dtype=dtype, opset=opset,
+                             int4_op=int4_op, w8a8_op=w8a8_op, accuracy_level=accuracy_level, moe=moe,
+                             n_layers=n_layers)
+        _write_manifest(tmp, manifest)
         checks = None
         if verify:  # on the staged export: a failed parity check leaves no installed DST
             from cvt.export.ort import parity
@@ -392,3 +338,84 @@ def _export(src, dst: Path, loaded, *, tmp: Path, recorded: set[str], scope, lay
     res = ExportResult(dst, graphs, manifest, time.perf_counter() - t0, bytes_out, parity=checks)
     res.extra["installed"] = installed
     return res
+
+
+def _graphs(model, tmp: Path, scope, layer, dtype, opset, opts, threshold, bar) -> list[dict]:
+    """Each graph of the scope (the model, one layer, or one layer's blocks) built with its weights
+    streaming into its data file, saved and checked in `tmp`; their manifest entries."""
+    import onnx
+
+    from cvt.export import onnx_models as om
+    from cvt.export.onnx_graph import Graph, save_graph
+
+    targets = ([("model", None)] if scope == "model" else [("layer", None)] if scope == "layer"
+               else [("block", b) for b in BLOCKS])
+    graphs = []
+    for kind, block in targets:
+        stem = {"model": "model", "layer": f"layer_{layer}", "block": f"layer_{layer}.{block}"}[kind]
+        g = Graph(opset=opset, weight_dtype=dtype, data_path=tmp / f"{stem}.onnx.data", progress=bar)
+        try:  # weights stream into the data file while the graph is built
+            if kind == "model":
+                spec = om.build_model_graph(g, model, opts)
+            elif kind == "layer":
+                spec = om.build_layer_graph(g, model, layer, opts)
+            else:
+                spec = om.build_block_graph(g, model, layer, block, opts)
+            path = tmp / spec.file
+            data = save_graph(g, g.model(spec.name), path, threshold)
+        finally:
+            g.close_data()
+        onnx.checker.check_model(str(path), full_check=True)
+        entry = {"name": spec.name, "file": spec.file, "external_data": data.name if data else None,
+                 "inputs": [_io(v) for v in g.inputs], "outputs": [_io(v) for v in g.outputs],
+                 "nodes": len(g.nodes), "weight_bytes": g.weight_bytes}
+        graphs.append(entry)
+        log.debug("wrote %s (%d nodes, %d weight bytes%s)", spec.file, len(g.nodes), g.weight_bytes,
+                  f", external data {data.name}" if data else "")
+    return graphs
+
+
+def _manifest(src, loaded, graphs: list[dict], opts, *, scope, layer, dtype, opset, int4_op, w8a8_op,
+              accuracy_level, moe, n_layers) -> dict:
+    """The export's manifest: its source, options, model sizes, KV-cache and MoE conventions,
+    graphs; `files` filled in by `_write_manifest`."""
+    from cvt.version import __version__
+    from cvt.export import onnx_models as om
+
+    model = loaded.model
+    src_manifest = loaded.checkpoint_path / "cvt_manifest.json"
+    attn0 = model.model.layers[0].self_attn
+    return {
+        "format": "cvt-onnx", "version": 1, "tool": f"cvt {__version__}",
+        "source": {"path": str(src), "resolved": str(loaded.checkpoint_path), "format": loaded.source_format,
+                   "model_type": loaded.config.get("model_type"),
+                   "cvt_manifest_sha256": _sha256(src_manifest) if src_manifest.is_file() else None,
+                   "config_sha256": _sha256(loaded.checkpoint_path / "config.json")},
+        "scope": scope, "layer": layer, "opset": opset, "dtype": dtype, "compute_dtype": "fp32",
+        "int4_op": int4_op, "w8a8_op": w8a8_op, "accuracy_level": accuracy_level,
+        "family": om.family_name(model), "num_hidden_layers": n_layers,
+        "vocab_size": model.args.vocab_size, "hidden_size": model.args.hidden_size,
+        "max_positions": int(model.max_positions),
+        "kv_cache": {"layout": "mla-absorbed (latent, rope_key)" if om.is_mla(model) else "gqa (key, value)",
+                     "dtype": "int8" if getattr(attn0, "kv_scales", None) is not None else "float32",
+                     "inputs": "past_key_values.{i}.*", "outputs": "present.{i}.*"},
+        "moe": {"mode": moe, "math": "sum over experts of routing weight (0 where not selected) x expert "
+                                      "output, in expert order: exact" + ("; an If per expert runs it only when "
+                                      "some token selected it" if moe == "gated" else "; every expert runs")},
+        "linears": dict(sorted(opts.counts.items())),
+        "graphs": graphs,
+        "files": [],
+    }
+
+
+def _write_manifest(tmp: Path, manifest: dict) -> None:
+    """Every staged file with its size and checksum into `manifest`, then the manifest itself,
+    last: its presence means the export is complete."""
+    for p in sorted(tmp.iterdir()):
+        manifest["files"].append({"path": p.name, "size": p.stat().st_size,
+                                  checksum.ALGORITHM: checksum.file_digest(p)})
+    data = json.dumps(manifest, indent=2) + "\n"
+    with open(tmp / MANIFEST, "w") as f:  # last: its presence means the export is complete
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
