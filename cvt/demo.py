@@ -22,11 +22,6 @@ from cvt.errors import OutputError
 
 
 def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print) -> dict[str, Path]:
-    from cvt import corpus
-    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-    from cvt.convert.inspect import inspect_checkpoint
-    from cvt.demo_model import model_note, write_demo_release
-
     root = Path(directory)
     if root.exists() and any(root.iterdir()) and not (root / ".cvt-demo").exists():
         raise OutputError(f"{root}: exists and is not a cvt demo directory; choose another DIR")
@@ -37,6 +32,29 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     out = {"fp8": root / "source-fp8", "bf16": root / "bf16"}
 
     say = (lambda s: None) if quiet else echo
+    step_release(root, out, say, quiet)
+    step_run(out, say)
+    step_verify(root, out, say)
+    step_quantize(root, out, say)
+    step_shard(root, out, say)
+    step_export(root, out, say)
+    step_v32(root, out, say)
+    step_v4(root, out, say)
+    step_glm_kimi(root, out, say)
+
+    say("\noutputs:")
+    for key, path in out.items():
+        say(f"  {key:<13} {path}")
+    return out
+
+
+def step_release(root: Path, out: dict[str, Path], say, quiet: bool) -> None:
+    """[1/11] the tiny FP8 release (trained once, cached) and the held-out text; [2/11] fp8-to-bf16."""
+    from cvt import corpus
+    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
+    from cvt.convert.inspect import inspect_checkpoint
+    from cvt.demo_model import model_note, write_demo_release
+
     say(f"[1/11] writing a tiny DeepSeek-V3-style FP8 release, trained on Python's standard library source, "
         f"to {out['fp8']}\n{model_note()}")
     write_demo_release(out["fp8"], quiet=quiet)
@@ -51,6 +69,9 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
         f"{r.bytes_out} bytes in {len(r.files)} files")
     say(inspect_checkpoint(out["bf16"]).render())
 
+
+def step_run(out: dict[str, Path], say) -> None:
+    """[3/11] cvt run on the BF16 output."""
     prompt = "def __init__(self"
     say(f"\n[3/11] cvt run {out['bf16']} --prompt '{prompt}' --max-new-tokens 64 --temperature 0.8 --seed 0")
     import torch
@@ -58,7 +79,6 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     from cvt.runtime.generate import generate
     from cvt.runtime.loader import load_model
     from cvt.runtime.tokenizer import load_tokenizer
-    from cvt.runtime.verify import verify
 
     loaded = load_model(out["bf16"], dtype=torch.float32)
     tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
@@ -67,6 +87,11 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     say(f"decode {gen.decode_tokens_per_s:.1f} tokens/s")
     del loaded
 
+
+def step_verify(root: Path, out: dict[str, Path], say) -> None:
+    """[4/11] cvt verify: the FP8 release dequantized on load against the BF16 output."""
+    from cvt.runtime.verify import verify
+
     out["report"] = root / "verify-report"
     say(f"\n[4/11] cvt verify {out['fp8']} --reference {out['bf16']} --data {out['heldout']} --report {out['report']}")
     v = verify(out["fp8"], out["bf16"], out["report"], data=out["heldout"], seq_len=128, max_sequences=8).report
@@ -74,7 +99,11 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
     say(f"FP8 dequantized on load vs the BF16 output: min layer cosine {worst:.6f}, mean KL {v.logits.kl_mean:.3g}, "
         f"same top-1 {v.logits.same_top1:.0%} -> {'identical' if v.logits.kl_mean == 0 else 'differs'}")
 
+
+def step_quantize(root: Path, out: dict[str, Path], say) -> None:
+    """[5/11] cvt quantize to W4A16 (compressed-tensors) and W8A8 (ascend); [6/11] cvt verify each."""
     from cvt.quant.stage import quantize
+    from cvt.runtime.verify import verify
 
     out["w4a16"] = root / "w4a16-compressed-tensors"
     say(f"\n[5/11] cvt quantize {out['fp8']} {out['w4a16']} --scheme w4a16 --format compressed-tensors")
@@ -93,17 +122,6 @@ def run_demo(directory, quiet: bool = False, echo: Callable[[str], None] = print
                    max_sequences=8).report
         say(f"{key}: min layer cosine {min(row.cosine for row in v.layers):.4f}, PPL ratio {v.logits.ppl_ratio:.3f}, "
             f"mean KL {v.logits.kl_mean:.3g}, same top-1 {v.logits.same_top1:.0%}  ({out[f'report-{key}']}/report.html)")
-
-    step_shard(root, out, say)
-    step_export(root, out, say)
-    step_v32(root, out, say)
-    step_v4(root, out, say)
-    step_glm_kimi(root, out, say)
-
-    say("\noutputs:")
-    for key, path in out.items():
-        say(f"  {key:<13} {path}")
-    return out
 
 
 def step_shard(root: Path, out: dict[str, Path], say) -> None:
