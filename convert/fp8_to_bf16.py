@@ -27,6 +27,7 @@ from cvt.convert.safetensors_io import TensorRef, TensorSpec
 from cvt.convert.writer import DEFAULT_MAX_SHARD, OutTensor, WriteResult, default_workers, write_checkpoint
 from cvt.errors import TensorError
 from cvt.schemas.manifest import StageInfo
+from cvt.world import SINGLE, World
 
 SCALE_SUFFIX = "_scale_inv"
 SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")
@@ -135,8 +136,10 @@ def fp8_to_bf16(
     resume: bool = True,
     overwrite: bool = False,
     quiet: bool = False,
+    world: World = SINGLE,
 ) -> WriteResult:
-    """Convert SRC (dir or hub id) to a BF16 checkpoint in DST. See the module docstring."""
+    """Convert SRC (dir or hub id) to a BF16 checkpoint in DST. See the module docstring. `world`:
+    the ranks that write it (`cvt.world`)."""
     ckpt = open_checkpoint(src, revision)
     try:
         cfg = fp8_config(ckpt.config, where=str(src))
@@ -181,6 +184,7 @@ def fp8_to_bf16(
             resume=resume,
             overwrite=overwrite,
             quiet=quiet,
+            world=world,
         )
         result.extra.update(dequantized=n_deq, passed_through=len(outs) - n_deq, scales_dropped=n_deq)
         return result

@@ -35,6 +35,7 @@ from cvt.convert.checksum import ALGORITHM, recorded, verify
 from cvt.convert.durable import AtomicFile, write_bytes_atomic, write_json_atomic
 from cvt.errors import ManifestError, OutputError
 from cvt.schemas.manifest import FileInfo, Manifest
+from cvt.world import SINGLE, World
 
 STATE_NAME = ".cvt-state.json"
 RANK_STATE = ".cvt-state.r{}.json"  # the journal of rank R > 0 of a world of several ranks
@@ -45,10 +46,11 @@ class OutputDir:
     """DST during a run: lock, state journal of finished files, final manifest.
 
     `source`: the checkpoint directory the run reads; DST may not be it, lie inside it or
-    contain it (`cvt.convert.paths.check_disjoint`), checked before anything in DST is touched."""
+    contain it (`cvt.convert.paths.check_disjoint`), checked before anything in DST is touched.
+    `world`: the ranks that write DST (`cvt.world`; rank 0 enters it, the others take its view)."""
 
     def __init__(self, dst: Path, plan: str, resume: bool = True, overwrite: bool = False,
-                 source: Path | None = None, verb: str = "cvt"):
+                 source: Path | None = None, verb: str = "cvt", world: World = SINGLE):
         self.dst = Path(dst)
         self.plan = plan
         self.resume = resume
@@ -59,19 +61,18 @@ class OutputDir:
         self._lock = threading.Lock()
         self.prior_meta: dict[str, dict] = {}  # meta by key from a complete earlier manifest
         self._foreign: set[str] = set()  # DST entries no cvt run recorded (kept by --overwrite)
+        self.world = world
         self.rank = 0
 
     def __enter__(self) -> "OutputDir":
-        from cvt import world
-
-        w = world.current()
+        w = self.world
         if w.size == 1:
             return self._enter()
         # rank 0 makes DST (nothing in it is touched yet); every rank must see it and plan the same
         # output (the same SRC, cvt and command on every node); then rank 0 checks, locks and reads
         # DST and the others take its view
-        shared_dst(self.dst, self.source, self.verb)
-        plans = world.all_gather(self.plan)
+        shared_dst(self.dst, self.source, self.verb, w)
+        plans = w.all_gather(self.plan)
         odd = [r for r, p in enumerate(plans) if p != plans[0]]
         if odd:
             raise OutputError(f"{self.dst}: rank {', '.join(map(str, odd))} plans another output than rank 0 (another "
@@ -83,10 +84,10 @@ class OutputDir:
                 self._enter()
             except BaseException as exc:
                 err = exc
-        err = world.agree(err)
+        err = w.agree(err)
         if err is not None:
             raise err
-        view = world.broadcast({"state": self._state, "prior_meta": self.prior_meta,
+        view = w.broadcast({"state": self._state, "prior_meta": self.prior_meta,
                                 "foreign": sorted(self._foreign)} if w.main else None)
         if not w.main:
             self.rank = w.rank
@@ -252,13 +253,11 @@ class OutputDir:
             p.unlink(missing_ok=True)
 
 
-def shared_dst(dst: Path, source: Path | None, verb: str) -> None:
+def shared_dst(dst: Path, source: Path | None, verb: str, world: World) -> None:
     """In a world of several ranks, before anything in DST is touched: rank 0 checks DST against
-    SRC and makes it, then every rank must see it (`cvt.world.check_shared`)."""
-    from cvt import world
-
+    SRC and makes it, then every rank must see it (`cvt.world.World.check_shared`)."""
     err = None
-    if world.current().main:
+    if world.main:
         try:
             if source is not None:
                 check_disjoint(source, dst, verb)
@@ -413,7 +412,7 @@ def _refuse_link(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
+def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool, world: World = SINGLE):
     """DST's hidden calibration state folder (``.cvt-calib``, `cvt.quant.methods.stream`), for a
     stage that calibrates before it writes: DST checked first as `OutputDir` will (not SRC, not
     foreign files unless --overwrite), DST locked for the whole run from here on, calibration
@@ -421,16 +420,13 @@ def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
     lock held), the folder (`owned_dir`: never a symlink) cleared with --no-resume, and removed
     once the stage finished. Several ranks: DST checked shared first (`shared_dst`), then rank 0
     does all of that and the others use the folder once it stands."""
-    from cvt import world
-
-    w = world.current()
-    if w.size == 1:
+    if world.size == 1:
         with _calibration_dir(source, dst, overwrite, resume) as state:
             yield state
         return
-    shared_dst(Path(dst), source, "quantize")
+    shared_dst(Path(dst), source, "quantize", world)
     err, ctx, state = None, None, None
-    if w.main:
+    if world.main:
         try:
             ctx = _calibration_dir(source, dst, overwrite, resume)
             state = ctx.__enter__()
@@ -439,7 +435,7 @@ def calibration_dir(source: Path, dst: Path, overwrite: bool, resume: bool):
     err = world.agree(err)
     if err is not None:
         raise err
-    if not w.main:
+    if not world.main:
         yield Path(dst) / STATE_DIR
         return
     try:

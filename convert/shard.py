@@ -75,7 +75,7 @@ from cvt.convert.writer import (
     source_info,
     together,
 )
-from cvt import world
+from cvt.world import SINGLE, World
 from cvt.errors import CvtError
 from cvt.progress import make_progress
 from cvt.units import article
@@ -362,8 +362,9 @@ def _ascend_description(ckpt: Checkpoint, names: list[str]) -> bytes | None:
 
 
 def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD,
-          resume: bool = True, overwrite: bool = False, quiet: bool = False) -> WriteResult:
-    """Write SRC's tensors as per-rank directories under DST for `layout` (module docstring)."""
+          resume: bool = True, overwrite: bool = False, quiet: bool = False, world: World = SINGLE) -> WriteResult:
+    """Write SRC's tensors as per-rank directories under DST for `layout` (module docstring), by
+    the processes of `world` (`cvt.world`; they split the files: not the layout's ranks)."""
     t0 = time.perf_counter()
     ckpt = open_checkpoint(src, revision)
     try:
@@ -382,27 +383,28 @@ def shard(src, dst, layout: Layout, *, revision: str | None = None, max_shard_si
         pid = run_plan_id(ckpt, src_info, stage, layout=layout.model_dump())
         total_out = sum(h.spec.nbytes for hs in ranks for h in hs)
         with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
-                       verb="shard") as out:
-            w, manifest = world.current(), None
+                       verb="shard", world=world) as out:
+            manifest = None
+
             def prepare() -> None:
                 out.claim([*(RANK_DIR.format(r) for r in range(layout.world_size)), "config.json",
                            "expert_placement.json", "expert_placement_eplb.json",
                            *(p.name for p in ckpt.aux_files() if p.name != ASCEND_DESCRIPTION)])
-                if w.main:
+                if world.main:
                     for r in range(layout.world_size):
                         out.subdir(RANK_DIR.format(r))  # a real directory: never written through a link
-            together(prepare)  # every rank checks; rank 0 makes the rank folders
-            mine = ranked(files, lambda hs: sum(h.spec.nbytes for h in hs))  # this process's files
-            with make_progress(sum(h.spec.nbytes for _, hs in mine for h in hs), "shard", quiet or not w.main) as bar:
-                infos, written, skipped = together(lambda: _write_ranks(ckpt, out, splits, order, mine, bar))
-            infos, written, skipped = gathered(files, infos, written, skipped)
-            if w.main:
+            together(world, prepare)  # every rank checks; rank 0 makes the rank folders
+            mine = ranked(world, files, lambda hs: sum(h.spec.nbytes for h in hs))  # this process's files
+            with make_progress(sum(h.spec.nbytes for _, hs in mine for h in hs), "shard", quiet or not world.main) as bar:
+                infos, written, skipped = together(world, lambda: _write_ranks(ckpt, out, splits, order, mine, bar))
+            infos, written, skipped = gathered(world, files, infos, written, skipped)
+            if world.main:
                 manifest = _finish(ckpt, out, layout, splits, ranks, rank_files, infos, src_info, stage, pid, fmt,
                                    total_out)
             world.barrier()
         return WriteResult(dst=Path(dst), files=infos, written_files=written, skipped_files=skipped,
                            bytes_in=sum(r.nbytes for r in ckpt.tensors.values()), bytes_out=total_out,
-                           seconds=time.perf_counter() - t0, manifest=manifest, processes=w.size)
+                           seconds=time.perf_counter() - t0, manifest=manifest, processes=world.size)
     finally:
         ckpt.close()
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from cvt import world
+from cvt.world import SINGLE, World
 from cvt.version import __version__
 from cvt.convert.arch import carried_names
 from cvt.convert.outdir import OutputDir
@@ -329,36 +329,35 @@ def _nonfinite(data) -> int:
     return int((~torch.isfinite(data)).sum())
 
 
-def ranked(files: list[tuple[str, Any]], cost: Callable[[Any], int]) -> list[tuple[str, Any]]:
-    """The planned files this rank writes (`cvt.world.World.mine`, by bytes): all of them in a
+def ranked(w: World, files: list[tuple[str, Any]], cost: Callable[[Any], int]) -> list[tuple[str, Any]]:
+    """The planned files rank `w` writes (`cvt.world.World.mine`, by bytes): all of them in a
     world of one. Which rank writes a file changes nothing in it: the plan fixes every byte."""
-    w = world.current()
     return files if w.size == 1 else [files[i] for i in w.mine([cost(x) for _, x in files])]
 
 
-def together(step: Callable[[], Any]) -> Any:
-    """Run this rank's `step`, then agree with the others (`cvt.world.agree`): when any rank
+def together(w: World, step: Callable[[], Any]) -> Any:
+    """Run this rank's `step`, then agree with the others (`cvt.world.World.agree`): when any rank
     failed every rank raises (the failing one its own error), so that none waits for a peer
     that left. In a world of one: just `step()`."""
-    if world.current().size == 1:
+    if w.size == 1:
         return step()
     err = out = None
     try:
         out = step()
     except BaseException as exc:  # KeyboardInterrupt too: the peers must hear of it
         err = exc
-    err = world.agree(err)
+    err = w.agree(err)
     if err is not None:
         raise err
     return out
 
 
-def gathered(plan: list[tuple[str, Any]], files: list[FileInfo], written: int, skipped: int,
+def gathered(w: World, plan: list[tuple[str, Any]], files: list[FileInfo], written: int, skipped: int,
              meta: dict | None = None) -> tuple[list[FileInfo], int, int]:
     """Every rank's file infos in `plan` order, and the counts summed (meta merged into `meta`)."""
-    if world.current().size == 1:
+    if w.size == 1:
         return files, written, skipped
-    parts = world.all_gather((files, written, skipped, meta or {}))
+    parts = w.all_gather((files, written, skipped, meta or {}))
     order = {rel: i for i, (rel, _) in enumerate(plan)}
     files = sorted((f for p in parts for f in p[0]), key=lambda f: order[f.path])
     if meta is not None:
@@ -388,9 +387,10 @@ def write_checkpoint(
     quant=None,
     on_meta: Callable[[dict[str, dict]], None] | None = None,
     check_finite: bool = False,
+    world: World = SINGLE,
 ) -> WriteResult:
     """Plan, write and finalize a Hugging Face style checkpoint directory (see module doc);
-    `balanced`: see `plan_shards`."""
+    `balanced`: see `plan_shards`; `world`: the ranks that write it (`cvt.world`)."""
     t0 = time.perf_counter()
     extra_files = list(extra_files)
     shards = plan_shards(tensors, max_shard_size, prefix, balanced)
@@ -401,21 +401,20 @@ def write_checkpoint(
         quant=quant.model_dump(exclude={"tensors", "fallbacks", "float_modules", "calibration"})
         if quant is not None else None)
     total_out = sum(t.spec.nbytes for t in tensors)
-    w = world.current()
     manifest = None
     with OutputDir(Path(dst), pid, resume=resume, overwrite=overwrite, source=ckpt.source.confine_root,
-                   verb=stage.name) as out:
-        together(lambda: out.claim([*(rel for rel, _ in shards), f"{prefix}.safetensors.index.json", "config.json",
+                   verb=stage.name, world=world) as out:
+        together(world, lambda: out.claim([*(rel for rel, _ in shards), f"{prefix}.safetensors.index.json", "config.json",
                                     *(rel for rel, _ in extra_files), *(p.name for p in ckpt.aux_files())]))
         meta: dict[str, dict] = {}
-        mine = ranked(shards, lambda ts: sum(t.spec.nbytes for t in ts))  # this rank's files (all, for one)
-        with make_progress(sum(t.spec.nbytes for _, ts in mine for t in ts), stage.name, quiet or not w.main) as bar:
-            files, written, skipped = together(lambda: write_shards(
+        mine = ranked(world, shards, lambda ts: sum(t.spec.nbytes for t in ts))  # this rank's files (all, for one)
+        with make_progress(sum(t.spec.nbytes for _, ts in mine for t in ts), stage.name, quiet or not world.main) as bar:
+            files, written, skipped = together(world, lambda: write_shards(
                 out, mine, workers=workers, progress=bar, meta=meta, check_finite=stage.name if check_finite else None))
-        files, written, skipped = gathered(shards, files, written, skipped, meta)
+        files, written, skipped = gathered(world, shards, files, written, skipped, meta)
         if on_meta is not None:
             on_meta(meta)
-        if w.main:  # the files that make DST complete: one writer, after every rank's files are in
+        if world.main:  # the files that make DST complete: one writer, after every rank's files are in
             weight_map = {t.spec.name: rel for rel, ts in shards for t in ts}
             files.append(out.write_json(f"{prefix}.safetensors.index.json",
                                         {"metadata": {"total_size": total_out}, "weight_map": weight_map}))
@@ -436,5 +435,5 @@ def write_checkpoint(
         seconds=time.perf_counter() - t0,
         manifest=manifest,
         meta=meta,
-        processes=w.size,
+        processes=world.size,
     )

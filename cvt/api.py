@@ -8,6 +8,9 @@ unknown fields refused) -- the same objects the `cvt` command line builds from i
 Every function also takes the options' fields as keywords. An option out of its range raises
 pydantic's `ValidationError` (an unknown scheme, format or method: `CvtError`); failures of the
 work raise `cvt.errors.CvtError` (one line naming the file, tensor or option); nothing prints.
+The verbs that split their work over the ranks of a torchrun world (fp8_to_bf16, quantize, shard)
+read that world here, once (`cvt.world.expect`: one process without torchrun's environment, and
+as many ranks as `procs` says when given), and pass it down to the stage.
 Heavy modules (torch, the stages) are imported on first call, so `import cvt` stays cheap.
 """
 
@@ -78,9 +81,9 @@ def fp8_to_bf16(options: Fp8ToBf16Options | None = None, /, **kw):
     from cvt import world
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16 as stage
 
-    world.expect(o.procs)
+    w = world.expect(o.procs)  # a rank of torchrun writes its share of the files
     return stage(o.src, o.dst, revision=o.revision, workers=o.workers, max_shard_size=o.max_shard_size,
-                 resume=o.resume, overwrite=o.overwrite, quiet=o.quiet)
+                 resume=o.resume, overwrite=o.overwrite, quiet=o.quiet, world=w)
 
 
 class QuantizeOptions(_WriteOptions):
@@ -153,14 +156,14 @@ def quantize(options: QuantizeOptions | None = None, /, **kw):
         from cvt.runtime.device import resolve_device
 
         device = resolve_device(device)
-    world.start(getattr(device, "type", device))  # a rank of torchrun: its process group (gloo / nccl / hccl)
+    w.start(getattr(device, "type", device))  # a rank of torchrun: its process group (gloo / nccl / hccl)
     return stage(o.src, o.dst, scheme=o.scheme, fmt=o.fmt, method=o.method, group_size=o.group_size, asym=o.asym,
                  fp4_format=o.fp4_format, calib=o.calib, calib_tokens=o.calib_tokens,
                  static_attention=o.static_attention, ignore=o.ignore,
                  recipe=load_recipe(o.recipe) if o.recipe else None, revision=o.revision, workers=o.workers,
                  max_shard_size=o.max_shard_size, resume=o.resume, overwrite=o.overwrite, quiet=o.quiet,
                  target=o.target, device=device, expert_memory=o.expert_memory, target_version=o.target_version,
-                 kv_dtype=o.kv_dtype)
+                 kv_dtype=o.kv_dtype, world=w)
 
 
 class LayoutOptions(_Options):
@@ -243,12 +246,12 @@ def shard(options: ShardOptions | None = None, /, **kw):
     from cvt.convert.reader import open_checkpoint
     from cvt.convert.shard import shard as stage
 
-    world.expect(o.procs)
+    w = world.expect(o.procs)  # the processes of a torchrun world split the rank files (not the layout's ranks)
 
     with open_checkpoint(o.src, o.revision) as ckpt:
         layout = o.layout.build(ckpt.config)
     r = stage(o.src, o.dst, layout, revision=o.revision, max_shard_size=o.max_shard_size, resume=o.resume,
-              overwrite=o.overwrite, quiet=o.quiet)
+              overwrite=o.overwrite, quiet=o.quiet, world=w)
     r.layout = layout
     return r
 

@@ -1,18 +1,22 @@
 """The process world a stage runs in: one process, or one rank of a torchrun job.
 
-`current()` is this process's `World` (rank, size, local rank: torchrun's RANK, WORLD_SIZE,
-LOCAL_RANK; a world of one without them). Stages ask it how to split their work (`owners`:
-items to ranks by cost, the same answer on every rank) and meet through its collectives, each
+A `World` (rank, size, local rank) is a value: a verb's entry obtains it once (`from_env`:
+torchrun's RANK, WORLD_SIZE, LOCAL_RANK, `SINGLE` (a world of one) without them; `expect`: the same,
+checked against the `--procs` the verb was given) and passes it down to what splits work or meets
+the other ranks; a library function called directly works in `SINGLE`. This module is the only
+one that reads those variables. A world says how to split work (`owners`: items
+to ranks by cost, the same answer on every rank) and meets its ranks through collectives, each
 deterministic for a given world size: `barrier`, `all_gather` (Python objects, in rank order),
 `broadcast` (an object from one rank), `gather_sum` (a tensor summed on one rank in rank order,
-not in whatever order a reduction algorithm picks). The process group is initialized by
-`start` (gloo on CPU; nccl / hccl for CUDA / NPU devices, with a gloo group beside it for the
-Python objects and CPU tensors the stages exchange).
+not in whatever order a reduction algorithm picks), `agree` (whether any rank failed). Its process
+group is initialized by `World.start` (gloo on CPU; nccl / hccl for CUDA / NPU devices, with a gloo
+group beside it for the Python objects and CPU tensors the stages exchange): torch.distributed
+keeps one per process, and so does this module (`stop` leaves it).
 
 `launch` is what ``cvt quantize | fp8-to-bf16 | shard --procs N`` does: run ``python -m
 torch.distributed.run --standalone --nproc-per-node N`` with the same command on this node.
 Across nodes a user runs torchrun itself; DST must then be a folder every node sees
-(`check_shared`). A rank that dies takes the job down: torchrun's agent stops the others, and
+(`World.check_shared`). A rank that dies takes the job down: torchrun's agent stops the others, and
 each rank dies with its agent (`die_with_parent`).
 """
 
@@ -60,13 +64,123 @@ class World:
         """Indices of the items this rank does (`owners`), in their order."""
         return [i for i, r in enumerate(self.owners(costs)) if r == self.rank]
 
+    def start(self, device_type: str = "cpu") -> "World":
+        """Initialize the process group of this world (once; nothing for a world of one)."""
+        if self.size == 1:
+            return self
+        import torch.distributed as dist
 
-_ONE = World()
+        if not dist.is_initialized():
+            dist.init_process_group(backend_for(device_type), rank=self.rank, world_size=self.size)
+        if "cpu_group" not in _started:
+            _started["cpu_group"] = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return self
+
+    def _group(self):
+        if "cpu_group" not in _started:  # a stage that only moves files: gloo is all it needs
+            self.start("cpu")
+        return _started["cpu_group"]
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self._group())
+
+    def all_gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj, group=self._group())
+        return out
+
+    def broadcast(self, obj, src: int = 0):
+        """Rank `src`'s `obj` on every rank."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self._group())
+        return box[0]
+
+    def gather_sum(self, t, dst: int):
+        """sum over ranks r = 0, 1, ... of each rank's `t` (same shape and dtype everywhere), added in
+        rank order on rank `dst` (None elsewhere): the same bits for a given world size whatever
+        the transport. Rank `dst` receives one rank's tensor at a time (memory: the sum and one
+        buffer, whatever the world size). CPU tensors travel through gloo."""
+        if self.size == 1:
+            return t
+        import torch
+        import torch.distributed as dist
+
+        dev = t.device
+        src = t.detach().cpu().contiguous()
+        if self.rank != dst:
+            dist.send(src, dst=dst, group=self._group())
+            return None
+        total = buf = None
+        for r in range(self.size):
+            if r == dst:
+                part = src
+            else:
+                buf = torch.empty_like(src) if buf is None else buf
+                dist.recv(buf, src=r, group=self._group())
+                part = buf
+            total = part.clone() if total is None else total.add_(part)
+        return total.to(dev)
+
+    def agree(self, error: BaseException | None) -> BaseException | None:
+        """Every rank says whether it failed. A rank that failed keeps its own error; the others get a
+        `PeerFailed` naming the first rank that did (so that no rank waits for a peer that left)."""
+        code = (130 if isinstance(error, KeyboardInterrupt) else error.exit_code if isinstance(error, CvtError)
+                else 1 if isinstance(error, OSError) else 70)  # as the CLI's `main` exits for each
+        mine = None if error is None else (str(error) if isinstance(error, CvtError) else
+                                           f"{type(error).__name__}: {error}", code)
+        said = self.all_gather(mine)
+        bad = [(r, m) for r, m in enumerate(said) if m is not None]
+        if error is not None or not bad:
+            return error
+        r, (message, code) = bad[0]
+        return PeerFailed(r, message, code)
+
+    def check_shared(self, folder: Path) -> None:
+        """Every rank sees the same `folder` (DST): rank 0 writes a token there, each rank reads it
+        back; one clear error when a rank does not see it (DST on a node-local disk)."""
+        if self.size == 1:
+            return
+        import secrets
+
+        token_path = Path(folder) / f".cvt-world-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+        token = self.broadcast(secrets.token_hex(16) if self.main else None)
+        if self.main:
+            token_path.write_text(token)
+        self.barrier()
+        try:
+            seen = token_path.read_text()
+        except OSError:
+            seen = None
+        views = self.all_gather(seen == token)
+        self.barrier()
+        if self.main:
+            token_path.unlink(missing_ok=True)
+        blind = [r for r, ok in enumerate(views) if not ok]
+        if blind:  # rank 0 says it, once; the others stop quietly with its exit code
+            err = OutputError(f"{folder}: not shared by every rank (rank {', '.join(map(str, blind))} cannot see the "
+                              "file rank 0 wrote there); DST must be a folder every node mounts (a shared filesystem)")
+            raise err if self.main else PeerFailed(0, str(err), err.exit_code)
+
+
+SINGLE = World()  # one process: the default of every library function that takes a world
 _started: dict[str, Any] = {}  # "cpu_group": the gloo group for objects and CPU tensors
 
 
 def from_env(env=os.environ) -> World:
-    """The world torchrun's environment describes (a world of one when WORLD_SIZE is unset)."""
+    """The world torchrun's environment describes (`SINGLE` when WORLD_SIZE is unset); CvtError for
+    values that describe no rank, or a size other than ``--procs`` asked for."""
     try:
         size = int(env.get("WORLD_SIZE", "1") or 1)
         rank = int(env.get("RANK", "0") or 0)
@@ -79,17 +193,43 @@ def from_env(env=os.environ) -> World:
     asked = env.get(WORLD_ENV)
     if asked and asked != str(size):
         raise CvtError(f"--procs {asked} was asked for, but torchrun started {size} ranks")
-    return World(rank, size, local) if size > 1 else _ONE
+    return World(rank, size, local) if size > 1 else SINGLE
 
 
-def current() -> World:
-    return from_env()
+def launched(env=os.environ) -> bool:
+    """Whether this process is a rank of a torchrun world (ours or the user's): WORLD_SIZE set and
+    not 1, read as it is (before `from_env` checks it)."""
+    return env.get("WORLD_SIZE", "1") != "1"
 
 
-def expect(procs: int | None) -> World:
-    """This world, when it has `procs` ranks (None: any): a verb's `--procs N` under a torchrun
-    the user started must say what WORLD_SIZE says."""
-    w = current()
+def first_rank(env=os.environ) -> bool:
+    """Whether this process speaks for its world (one process, or rank 0: RANK unset or 0, read as
+    it is): a warning every rank would give is said once."""
+    return env.get("RANK", "0") == "0"
+
+
+def rank_label(env=os.environ) -> str:
+    """``"rank R: "`` in a torchrun world (R as RANK says, "?" without it), "" in one process: how
+    a rank prefixes its one error line."""
+    return f"rank {env.get('RANK', '?')}: " if launched(env) else ""
+
+
+def for_rank_entry(env=os.environ) -> World:
+    """The world of a rank entry point (`cvt.runtime.launch`): torch.distributed's when a caller
+    already initialized its process group, else RANK / WORLD_SIZE as given (unchecked: the rank's
+    preflight compares them with the manifest); LOCAL_RANK 0 when unset."""
+    import torch.distributed as dist
+
+    local = int(env.get("LOCAL_RANK", "0"))
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), local)
+    return World(int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), local)
+
+
+def expect(procs: int | None, env=os.environ) -> World:
+    """The world torchrun's environment describes (`from_env`), when it has `procs` ranks (None:
+    any): a verb's `--procs N` under a torchrun the user started must say what WORLD_SIZE says."""
+    w = from_env(env)
     if procs is not None and procs != w.size:
         if w.size == 1:  # the Python API, outside torchrun: it runs in this process, it launches none
             raise CvtError(f"procs {procs}: this process is not one of {procs} torchrun ranks (start it under "
@@ -111,20 +251,6 @@ def backend_for(device_type: str) -> str:
     raise CvtError(f"no torch.distributed backend for device {device_type} (cpu: gloo, cuda: nccl, npu: hccl)")
 
 
-def start(device_type: str = "cpu") -> World:
-    """Initialize the process group of this world (once; nothing for a world of one)."""
-    w = current()
-    if w.size == 1:
-        return w
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group(backend_for(device_type), rank=w.rank, world_size=w.size)
-    if "cpu_group" not in _started:
-        _started["cpu_group"] = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    return w
-
-
 def stop(clean: bool = True) -> None:
     """Leave the process group: after a last barrier when every rank got here (`clean`), so no
     rank tears down under a peer; after a failure at once (the peers may be anywhere: torchrun
@@ -142,70 +268,6 @@ def stop(clean: bool = True) -> None:
             dist.destroy_process_group()
 
 
-def _group():
-    if "cpu_group" not in _started:  # a stage that only moves files: gloo is all it needs
-        start("cpu")
-    return _started["cpu_group"]
-
-
-def barrier() -> None:
-    if current().size > 1:
-        import torch.distributed as dist
-
-        dist.barrier(group=_group())
-
-
-def all_gather(obj) -> list:
-    """Every rank's `obj`, in rank order, on every rank."""
-    w = current()
-    if w.size == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list = [None] * w.size
-    dist.all_gather_object(out, obj, group=_group())
-    return out
-
-
-def broadcast(obj, src: int = 0):
-    """Rank `src`'s `obj` on every rank."""
-    if current().size == 1:
-        return obj
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_group())
-    return box[0]
-
-
-def gather_sum(t, dst: int):
-    """sum over ranks r = 0, 1, ... of each rank's `t` (same shape and dtype everywhere), added in
-    rank order on rank `dst` (None elsewhere): the same bits for a given world size whatever
-    the transport. Rank `dst` receives one rank's tensor at a time (memory: the sum and one
-    buffer, whatever the world size). CPU tensors travel through gloo."""
-    w = current()
-    if w.size == 1:
-        return t
-    import torch
-    import torch.distributed as dist
-
-    dev = t.device
-    src = t.detach().cpu().contiguous()
-    if w.rank != dst:
-        dist.send(src, dst=dst, group=_group())
-        return None
-    total = buf = None
-    for r in range(w.size):
-        if r == dst:
-            part = src
-        else:
-            buf = torch.empty_like(src) if buf is None else buf
-            dist.recv(buf, src=r, group=_group())
-            part = buf
-        total = part.clone() if total is None else total.add_(part)
-    return total.to(dev)
-
-
 class PeerFailed(CvtError):
     """Another rank failed (and said why itself): this rank stops too, with that rank's exit
     code, and says nothing more (the CLI prints no line for it)."""
@@ -213,49 +275,6 @@ class PeerFailed(CvtError):
     def __init__(self, rank: int, message: str, exit_code: int):
         super().__init__(f"rank {rank} failed: {message}")
         self.rank, self.exit_code = rank, exit_code
-
-
-def agree(error: BaseException | None) -> BaseException | None:
-    """Every rank says whether it failed. A rank that failed keeps its own error; the others get a
-    `PeerFailed` naming the first rank that did (so that no rank waits for a peer that left)."""
-    code = (130 if isinstance(error, KeyboardInterrupt) else error.exit_code if isinstance(error, CvtError)
-            else 1 if isinstance(error, OSError) else 70)  # as the CLI's `main` exits for each
-    mine = None if error is None else (str(error) if isinstance(error, CvtError) else
-                                       f"{type(error).__name__}: {error}", code)
-    said = all_gather(mine)
-    bad = [(r, m) for r, m in enumerate(said) if m is not None]
-    if error is not None or not bad:
-        return error
-    r, (message, code) = bad[0]
-    return PeerFailed(r, message, code)
-
-
-def check_shared(folder: Path) -> None:
-    """Every rank sees the same `folder` (DST): rank 0 writes a token there, each rank reads it
-    back; one clear error when a rank does not see it (DST on a node-local disk)."""
-    w = current()
-    if w.size == 1:
-        return
-    import secrets
-
-    token_path = Path(folder) / f".cvt-world-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
-    token = broadcast(secrets.token_hex(16) if w.main else None)
-    if w.main:
-        token_path.write_text(token)
-    barrier()
-    try:
-        seen = token_path.read_text()
-    except OSError:
-        seen = None
-    views = all_gather(seen == token)
-    barrier()
-    if w.main:
-        token_path.unlink(missing_ok=True)
-    blind = [r for r, ok in enumerate(views) if not ok]
-    if blind:  # rank 0 says it, once; the others stop quietly with its exit code
-        err = OutputError(f"{folder}: not shared by every rank (rank {', '.join(map(str, blind))} cannot see the "
-                          "file rank 0 wrote there); DST must be a folder every node mounts (a shared filesystem)")
-        raise err if w.main else PeerFailed(0, str(err), err.exit_code)
 
 
 # ------------------------------------------------------------------------------ starting ranks

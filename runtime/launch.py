@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -183,15 +182,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _topology() -> tuple[int, int, int]:
-    import torch.distributed as dist
-
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), local
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), local
-
-
 class _RankZero(logging.Filter):
     def __init__(self, rank: int):
         super().__init__()
@@ -229,7 +219,10 @@ def main(argv=None, *, setup_logging: bool = False) -> int:
     """Run one rank; returns the exit code (module docstring). `setup_logging`: configure the root
     logger (rank-0 filtering), as the ``python -m`` entry point does; off for library callers."""
     args = parser().parse_args(argv)
-    rank, world, local = _topology()
+    from cvt.world import for_rank_entry
+
+    w = for_rank_entry()  # this rank's world, read once (torch.distributed's, or torchrun's environment)
+    rank, world, local = w.rank, w.size, w.local_rank
     if setup_logging:
         _logging(rank, args.debug, args.quiet)
     owned = clean = False  # clean: every rank got to the same point (a barrier is safe)

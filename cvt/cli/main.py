@@ -450,8 +450,7 @@ def main(argv=None) -> None:
 
         faults.install()
     options.ARGV[:] = list(sys.argv[1:] if argv is None else argv)
-    ranked = os.environ.get("WORLD_SIZE", "1") != "1"  # a rank of torchrun
-    who = f"rank {os.environ.get('RANK', '?')}: " if ranked else ""
+    ranked, who = world.launched(), world.rank_label()  # a rank of torchrun: its errors say which
     try:
         with scratch_dir():  # torch's caches and torchrun's logs: removed when the command ends
             cli.main(args=argv, prog_name="cvt", standalone_mode=False)

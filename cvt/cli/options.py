@@ -150,13 +150,13 @@ def deprecated_procs(verb: str, old: int | None, procs: int | None) -> int | Non
     """The process count of a verb whose `--world-size` once meant processes: `--procs`, or the
     old spelling with one warning line on stderr (said once: by the launching process, or by rank
     0 under the user's own torchrun)."""
-    import os
+    from cvt import world
 
     if old is None:
         return procs
     if procs is not None and procs != old:
         raise click.UsageError(f"{PROCS} {procs} and {OLD_PROCS} {old} disagree (give {PROCS} alone)")
-    if os.environ.get("RANK", "0") == "0":
+    if world.first_rank():
         click.echo(f"cvt: warning: {OLD_PROCS} is deprecated for {verb}; use {PROCS}", err=True)
     return old
 
@@ -200,7 +200,7 @@ def ranks(what: str, note: str, old_spelling: bool = False):
 
             ctx = click.get_current_context()
             procs = deprecated_procs(ctx.info_name, old_procs, procs)
-            if os.environ.get("WORLD_SIZE", "1") != "1":  # a rank of torchrun (ours or the user's)
+            if world.launched():  # a rank of torchrun (ours or the user's)
                 if os.environ.get(world.WORLD_ENV):  # started by `ranks` below: never outlive its torchrun
                     world.die_with_parent()()
                 w = world.expect(procs)

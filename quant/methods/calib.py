@@ -56,7 +56,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from cvt import world
+from cvt.world import SINGLE, World
 from cvt.errors import CvtError
 from cvt.quant.methods import ranks
 from cvt.quant.methods.awq import awq_clip, awq_search
@@ -279,13 +279,14 @@ class _LayerCalib:
     """Calibrate the linears of one decoder layer (see the module doc)."""
 
     def __init__(self, layer, prefix, scheme_for, method_for, res: CalibResult, opts: dict, experts=None,
-                 frozen: frozenset[str] = frozenset()):
+                 frozen: frozenset[str] = frozenset(), world: World = SINGLE):
         # experts: a `expert_stream.ExpertStream` loading the routed experts a chunk at a time
         # (the streaming driver, when a layer's experts pass its memory budget), or None
         # frozen: linears the output takes from the source as they are (DeepSeek-V4's FP4 experts
         # carried into an MX scheme): not calibrated, and no smoothing fold may change them
+        # world: the ranks that share the calibration sequences (`cvt.quant.methods.ranks`)
         self.layer, self.prefix, self.res, self.o, self.experts = layer, prefix, res, opts, experts
-        self.frozen = frozen
+        self.frozen, self.world = frozen, world
         self.no_clip = NO_CLIP + tuple(getattr(layer, "no_clip", ()))
         self._refresh()
         self.schemes = {n: s for n in self.linears if (s := scheme_for(n)) is not None}
@@ -459,7 +460,7 @@ class _LayerCalib:
                 _unstub(mod)
             for h in hooks:
                 h.remove()
-        if world.current().size > 1:  # what every rank saw, combined (`ranks.reduce_sites`)
+        if self.world.size > 1:  # what every rank saw, combined (`ranks.reduce_sites`)
             ranks.reduce_sites(self, sites)
 
     def _quantize_all(self, names: list[str], sites) -> None:
@@ -483,8 +484,8 @@ class _LayerCalib:
         if src.n == 0:
             return
         if meth == SMOOTHQUANT:
-            s = ranks.decided(g.producer, lambda: smooth_scales(src.absmax(), [self.linears[c].weight
-                                                                               for c in quant_cons], o["alpha"]))
+            s = ranks.decided(self.world, g.producer, lambda: smooth_scales(
+                src.absmax(), [self.linears[c].weight for c in quant_cons], o["alpha"]))
             info = {"method": SMOOTHQUANT, "alpha": o["alpha"]}
         else:
             use = [c for c in quant_cons if sites[self.site_of[c]].n >= o["min_tokens"]]
@@ -496,7 +497,7 @@ class _LayerCalib:
                 return awq_search(src.mean_abs(), [samples[self.site_of[c]] for c in use],
                                   [self.linears[c].weight for c in use], [self.schemes[c] for c in use],
                                   n_grid=o["n_grid"], duo_scaling=o["duo_scaling"])
-            found = ranks.decided(g.producer, search)  # one rank searches: the ranks fold the same s
+            found = ranks.decided(self.world, g.producer, search)  # one rank searches: the ranks fold the same s
             if found.alpha is None:
                 return
             s = found.scales

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from cvt import world
+from cvt.world import SINGLE, World
 from cvt.convert.durable import write_safetensors_atomic
 from cvt.convert.outdir import clear_dir
 from cvt.errors import CvtError
@@ -26,9 +26,9 @@ class LayerStore:
     layer's input ``x-{i+1}.bin`` and ``state.json`` (plan id, SRC's content identity, layers
     done, and the size and checksum of every state file a resumed run may use)."""
 
-    def __init__(self, root: Path, plan_id: str, source: dict[str, str] | None = None):
+    def __init__(self, root: Path, plan_id: str, source: dict[str, str] | None = None, world: World = SINGLE):
         self.root, self.plan_id, self.source = Path(root), plan_id, source or {}
-        self.world = world.current()  # several ranks: rank 0 writes the layers, each rank its inputs
+        self.world = world  # several ranks: rank 0 writes the layers, each rank its inputs
         self._index: dict[str, tuple[int, dict]] = {}   # module -> (layer, QuantizedTensor fields)
         self._floats: dict[str, int] = {}                # float tensor name -> layer
         self._files: dict[str, dict] = {}                # state file -> {size, algorithm: digest}: checked or written here
@@ -48,10 +48,10 @@ class LayerStore:
                 done = self._done()
             except BaseException as exc:
                 err = exc
-        err = world.agree(err)
+        err = self.world.agree(err)
         if err is not None:
             raise err
-        done, self._files = world.broadcast((done, self._files) if self.world.main else None)
+        done, self._files = self.world.broadcast((done, self._files) if self.world.main else None)
         return done
 
     def _done(self) -> int:
@@ -154,7 +154,7 @@ class LayerStore:
 
         x_name = self._x_name(i + 1)
         x_rec = write_bytes_atomic(self.root / x_name, x_next.detach().float().cpu().contiguous().numpy().tobytes())
-        inputs = world.all_gather((self._x_name(i), x_name, x_rec))  # every rank's share of the next input
+        inputs = self.world.all_gather((self._x_name(i), x_name, x_rec))  # every rank's share of the next input
         if self.world.main:
             tensors, fields = self._pack(lres.quantized)
             fields.update(parts or {})
@@ -173,7 +173,7 @@ class LayerStore:
                 self._files.pop(old, None)
             self._mark(i + 1)
         if self.world.size > 1:
-            self._files = world.broadcast(self._files if self.world.main else None)
+            self._files = self.world.broadcast(self._files if self.world.main else None)
         (self.root / self._x_name(i)).unlink(missing_ok=True)
 
     def load_layer(self, i: int) -> dict:

@@ -1,5 +1,5 @@
-"""Calibration across the ranks of a torchrun world (`cvt.world`): statistics data parallel,
-each linear quantized by one owner rank, the results shared.
+"""Calibration across the ranks of a torchrun world (`cvt.world.World`, the layer driver's ``lc.world``):
+statistics data parallel, each linear quantized by one owner rank, the results shared.
 
 Every rank runs the decoder layer on its share of the calibration sequences (`share`). After
 each statistics pass `reduce_sites` combines what the ranks saw, in rank order, so the result
@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from cvt import world
+from cvt.world import World
 from cvt.quant.recipe import GPTQ
 
 
@@ -32,9 +32,8 @@ from cvt.quant.recipe import GPTQ
 COLUMN_COST = 2_500_000
 
 
-def share(n: int) -> slice:
-    """This rank's contiguous share of `n` calibration sequences (empty when ranks outnumber them)."""
-    w = world.current()
+def share(w: World, n: int) -> slice:
+    """Rank `w`'s contiguous share of `n` calibration sequences (empty when ranks outnumber them)."""
     lo, hi = n * w.rank // w.size, n * (w.rank + 1) // w.size
     return slice(lo, hi)
 
@@ -45,19 +44,19 @@ def site_owners(lc, sites: dict) -> dict[tuple, int]:
     rows = {k: sum(lc.linears[t].weight.shape[0] for t in lc.schemes if lc.site_of[t] == k and lc.method[t] == GPTQ)
             for k in keys}
     costs = [sites[k].k ** 2 * max(rows[k], 1) + sites[k].k ** 3 + COLUMN_COST * sites[k].k for k in keys]
-    return dict(zip(keys, world.current().owners(costs)))
+    return dict(zip(keys, lc.world.owners(costs)))
 
 
 @torch.no_grad()
 def reduce_sites(lc, sites: dict) -> None:
     """Combine every rank's statistics of `sites` (module doc); records the Hessians' owners in
     ``lc.site_owner``."""
-    w = world.current()
+    w = lc.world
     owners = site_owners(lc, sites)
     lc.site_owner.update(owners)
     for key in sorted(sites):
         s = sites[key]
-        parts = world.all_gather((s.n, s.cmax, s.cmin, s.abssum, s.buf if s.cap else None))
+        parts = w.all_gather((s.n, s.cmax, s.cmin, s.abssum, s.buf if s.cap else None))
         s.n = sum(p[0] for p in parts)
         s.cmax = torch.stack([p[1] for p in parts]).amax(dim=0)
         s.cmin = torch.stack([p[2] for p in parts]).amin(dim=0)
@@ -75,7 +74,7 @@ def reduce_sites(lc, sites: dict) -> None:
         if s.hess is not None:
             h = s.hess
             mine = h.H * h.n  # 2 sum x x^T over this rank's rows
-            total = world.gather_sum(mine, owners[key])
+            total = w.gather_sum(mine, owners[key])
             if w.rank == owners[key]:
                 h._H, h.n = (total / s.n if s.n else total), s.n
             else:
@@ -92,7 +91,7 @@ def _portable(qt):
 def exchange(lc, names: list[str], sites: dict, quantize: Callable[[str], None]) -> None:
     """`quantize(name)` on the rank owning each of `names`, then every rank takes every result
     (in `names` order, as one process would have made them)."""
-    w = world.current()
+    w = lc.world
     if w.size == 1:
         for t in names:
             quantize(t)
@@ -111,7 +110,7 @@ def exchange(lc, names: list[str], sites: dict, quantize: Callable[[str], None])
     del res.fallbacks[n_fb:]
     payload = {t: (_portable(res.quantized[t]), res.stats.get(t, {}), res.methods[t], fb.get(t)) for t in mine}
     results: dict[str, tuple] = {}
-    for p in world.all_gather(payload):
+    for p in w.all_gather(payload):
         results.update(p)
     for t in names:
         qt, stats, method, fallback = results[t]
@@ -123,21 +122,20 @@ def exchange(lc, names: list[str], sites: dict, quantize: Callable[[str], None])
             res.fallbacks.append(fallback)
 
 
-def decided(rank_for: str, compute: Callable[[], object]):
-    """`compute()` on one rank (chosen by the name `rank_for`), its answer on every rank."""
-    w = world.current()
+def decided(w: World, rank_for: str, compute: Callable[[], object]):
+    """`compute()` on one rank of `w` (chosen by the name `rank_for`), its answer on every rank."""
     if w.size == 1:
         return compute()
     src = zlib.crc32(rank_for.encode()) % w.size
-    return world.broadcast(compute() if w.rank == src else None, src=src)
+    return w.broadcast(compute() if w.rank == src else None, src=src)
 
 
-def amax_max(amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each KV role's running amax, the maximum over the ranks."""
-    if world.current().size == 1:
+def amax_max(w: World, amax: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each KV role's running amax, the maximum over the ranks of `w`."""
+    if w.size == 1:
         return amax
     out: dict[str, torch.Tensor] = {}
-    for part in world.all_gather(amax):
+    for part in w.all_gather(amax):
         for role, t in part.items():
             out[role] = t if role not in out else torch.maximum(out[role], t)
     return out

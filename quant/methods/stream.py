@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from cvt import world
+from cvt.world import SINGLE, World
 from cvt.errors import CvtError
 from cvt.quant.methods import ranks
 from cvt.quant.recipe import AWQ, GPTQ, RTN, SMOOTHQUANT
@@ -189,13 +189,14 @@ def _dense_linears(layer: nn.Module) -> None:
 def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, device="cpu",
                         observe_kv: bool = False, spill_bytes: int | None = None, quiet: bool = True,
                         on_layer: Callable[[int], None] | None = None, frozen: frozenset[str] = frozenset(),
-                        **opts) -> StreamResult:
+                        world: World = SINGLE, **opts) -> StreamResult:
     """Calibrate `plan` (``plan.schemes``, ``plan.methods``) on `tokens` [b, s], one decoder layer
     at a time (module doc). `opts` go to the driver (`cvt.quant.methods.calib.calibrate`'s
     options). `on_layer(i)` is called after layer i is saved (tests kill runs there). `frozen`:
     linears the output carries from SRC as they are (not in ``plan.schemes``; no fold changes them).
     The layer input stored between layers is whatever the model's layers take (`calib.Layout`):
-    hidden states [b, s, h], DeepSeek-V4's hc streams [b, s, hc, h], float32."""
+    hidden states [b, s, h], DeepSeek-V4's hc streams [b, s, hc, h], float32. `world`: the ranks
+    that share the sequences (`cvt.quant.methods.ranks`; one process by default)."""
     from cvt import hooks
     from cvt.quant.methods import calib as C
     from cvt.runtime import kv_cache
@@ -207,7 +208,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     device = torch.device(device)
     o = _options(opts)
     source = ckpt.content_identity
-    store = LayerStore(state_dir, stream_plan_id(ckpt, plan, tokens, device, o, source, frozen), source)
+    store = LayerStore(state_dir, stream_plan_id(ckpt, plan, tokens, device, o, source, frozen), source, world)
     with torch.device("meta"):
         model = build_model(ckpt.config, dtype=torch.float32)
     n_layers = model.args.num_hidden_layers
@@ -216,7 +217,8 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
         raise CvtError(f"{ckpt.config.get('model_type')}: KV-cache scales are not calibrated for this model family")
     block = fp8_block(ckpt, source_format(ckpt.config))
     tp = text_prefix(ckpt)                                 # Kimi-K2.5: the checkpoint's language_model.
-    x, args, kwargs = _first_input(model, layout, ckpt, tokens, device, tp)
+    mine = tokens[ranks.share(world, tokens.shape[0])]     # this rank's sequences (all of them for one)
+    x, args, kwargs = _first_input(model, layout, ckpt, mine, tokens, device, tp)
     shape = tuple(x.shape)
     spill = x.numel() * 4 > (SPILL_BYTES if spill_bytes is None else spill_bytes)
     res, start = _resume(store, plan, n_layers)
@@ -224,7 +226,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
         x = store.x(start, shape, spill).to(device)
         log.info("calibration resumes after %d finished layers", start)
     observer = kv_cache.KVObserver(model) if observe_kv else None
-    layers = _Layers(model, layout, ckpt, plan, o, store, device, block, tp, frozen, observer)
+    layers = _Layers(model, layout, ckpt, plan, o, store, device, block, tp, frozen, observer, world)
     bar = make_progress(n_layers, "calibrate", quiet, unit="layer", initial=start)
     try:
         for i in range(start, n_layers):
@@ -261,16 +263,15 @@ def _options(opts: dict) -> dict:
     return o
 
 
-def _first_input(model, layout, ckpt, tokens: torch.Tensor, device, tp: str):
-    """(hidden states, args, kwargs) of decoder layer 0 for this rank's share of `tokens`: the
-    tokens' rows of the embedding read from the checkpoint (mmap, never the whole table), and the
-    model's own forward for the layer arguments (rope, mask; `calib._layer_args`)."""
+def _first_input(model, layout, ckpt, mine: torch.Tensor, tokens: torch.Tensor, device, tp: str):
+    """(hidden states, args, kwargs) of decoder layer 0 for this rank's share `mine` of `tokens`:
+    the tokens' rows of the embedding read from the checkpoint (mmap, never the whole table), and
+    the model's own forward for the layer arguments (rope, mask; `calib._layer_args`)."""
     from cvt.quant.methods import calib as C
 
     embed = model.get_submodule(layout.embed)
     emb = ckpt.read(f"{tp}{layout.embed}.weight")         # rows read through mmap, never the whole table
     embed.forward = lambda t: emb[t.cpu()].to(device=device, dtype=torch.float32)
-    mine = tokens[ranks.share(tokens.shape[0])]            # this rank's sequences (all of them for one)
     x, args, kwargs = C._layer_args(model, (mine if mine.shape[0] else tokens[:1]).to(device))
     x = x[:mine.shape[0]]                                  # a rank with none still needs the layer arguments
     del embed.forward
@@ -308,6 +309,7 @@ class _Layers:
     tp: str
     frozen: frozenset
     observer: object
+    world: World
 
     def __post_init__(self):
         self.layers = self.layout.decoder_layers(self.model)
@@ -333,12 +335,12 @@ class _Layers:
             layer.self_attn.kv_observer = observer._observer(i)
         lres = C.CalibResult()
         C._LayerCalib(layer, f"{self.tp}{layout.layers}.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
-                      lres, o, experts=es, frozen=self.frozen).run(x, args, kwargs)
+                      lres, o, experts=es, frozen=self.frozen, world=self.world).run(x, args, kwargs)
         x = es.x_next if es is not None else C._run_layer(layer, x, args, kwargs, o["batch_size"])
         if observer is not None:
             layer.self_attn.kv_observer = None
         lres.seconds_per_layer.append(time.perf_counter() - t0)
-        amax = ranks.amax_max(observer.amax[i]) if observer is not None else {}
+        amax = ranks.amax_max(self.world, observer.amax[i]) if observer is not None else {}
         self.store.save_layer(i, lres, amax, x, es.saved if es is not None else None)
         res.kv_amax.append(amax)
         return x, lres.seconds_per_layer[0]

@@ -19,6 +19,7 @@ from cvt.quant.stage.assignment import Plan
 from cvt.quant.stage import fp4_source
 from cvt.quant.stage.outputs import int8_kv
 from cvt.quant.stage.quantizer import Source
+from cvt.world import SINGLE, World
 
 
 @dataclass
@@ -43,11 +44,13 @@ class Calibrated:
 
 def calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_attention: bool,
               kv_codec: str, state_dir: Path, device, quiet: bool, expert_memory: int | None = None,
-              kv_static: bool = True, ascend_names: bool = False, source: Source | None = None) -> Calibrated:
+              kv_static: bool = True, ascend_names: bool = False, source: Source | None = None,
+              world: World = SINGLE) -> Calibrated:
     """Calibration text through the model, one decoder layer from disk at a time
     (`cvt.quant.methods.stream`): the calibrated methods, static activation scales of the
     attention projections (--static-attention: amax / 127 of what they see, after smoothing and
-    with the earlier layers quantized) and KV-cache scales (w8a8c8). Resumable per layer."""
+    with the earlier layers quantized) and KV-cache scales (w8a8c8). Resumable per layer. `world`:
+    the ranks that share the calibration sequences."""
     import hashlib
 
     from cvt.quant.methods.data import calib_tokens as calib_tokens_of
@@ -63,7 +66,7 @@ def calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_att
     c8 = kv_static and int8_kv(plan)
     plan, frozen = fp4_source.calibration_plan(plan, source) if source is not None else (plan, frozenset())
     res = calibrate_streaming(ckpt, plan, tokens, state_dir, device=device, observe_kv=c8, quiet=quiet,
-                              collect_stats=static_attention, frozen=frozen,
+                              collect_stats=static_attention, frozen=frozen, world=world,
                               **({} if expert_memory is None else {"max_expert_bytes": expert_memory}))
     store = res.store
     out = Calibrated(tokens=int(tokens.numel()), tokens_sha256=hashlib.sha256(tokens.numpy().tobytes()).hexdigest())

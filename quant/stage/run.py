@@ -21,6 +21,7 @@ from cvt.qtensor.stack_versions import check_line, line_problem
 from cvt.quant.recipe import RTN, Policy, Recipe
 from cvt.qtensor.schemes import scheme_from_options
 from cvt.units import article
+from cvt.world import SINGLE, World
 from cvt.quant.stage.assignment import Plan, check_kv_target, make_plan, names_where
 from cvt.quant.stage import fp4_source
 from cvt.quant.stage.calibrate import Calibrated, calibrate
@@ -38,13 +39,14 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
              quiet: bool = False, target: str | None = None, device: str = "cpu",
              expert_memory: int | None = None, target_version: str | None = None,
-             kv_dtype: str | None = None) -> WriteResult:
+             kv_dtype: str | None = None, world: World = SINGLE) -> WriteResult:
     """Quantize SRC into DST (see the package docstring) for the serving `target` (ascend:
     vllm-ascend, the default, or mindie; `cvt.qtensor.layouts`). Returns the writer's result,
     with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
     reads at once, as float32 (None: `cvt.quant.methods.stream.MAX_EXPERT_BYTES`). `target_version`:
     the vllm-ascend release line (`cvt.qtensor.stack_versions`); `kv_dtype`: the quantized KV
-    cache's storage, int8 or fp8 (`cvt.qtensor.kv_tensors.kv_storage`)."""
+    cache's storage, int8 or fp8 (`cvt.qtensor.kv_tensors.kv_storage`). `world`: the ranks that
+    share the work (`cvt.world`: a started torchrun world; one process by default)."""
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
     form, target, line, sch = _check_request(scheme, fmt, target, target_version, group_size, fp4_format, recipe,
                                              static_attention)
@@ -70,7 +72,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
         _check_calib(calib, needs_model)
         if not needs_model:
-            return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(), req))
+            return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(), req, world))
         from cvt.runtime.models import family
 
         if (static_attention or kv_static) and not getattr(family(ckpt.config)[0].Model, "calibrates_kv", True):
@@ -79,11 +81,12 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
                               "is not calibrated for this model family (--method gptq / awq / smoothquant are)")
         from cvt.convert.outdir import calibration_dir
 
-        with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume) as state:
+        with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume, world) as state:
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
             cal = calibrate(ckpt, plan, calib, calib_tokens, static_attention, kv_codec, state, device, quiet,
-                            expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec, source=source)
-            return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req))
+                            expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec, source=source,
+                            world=world)
+            return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req, world))
     finally:
         ckpt.close()
 

@@ -19,6 +19,7 @@ from cvt.quant.stage.calibrate import Calibrated
 from cvt.quant.stage.outputs import OutputPlan, kv_outputs
 from cvt.quant.stage.assignment import Plan
 from cvt.quant.stage.quantizer import Source
+from cvt.world import SINGLE, World
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,9 @@ class Request:
 
 
 def write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, cal: Calibrated,
-          req: Request) -> WriteResult:
-    """Write DST: SRC's tensors as the plan quantizes them, the format's metadata, the manifest."""
+          req: Request, world: World = SINGLE) -> WriteResult:
+    """Write DST: SRC's tensors as the plan quantizes them, the format's metadata, the manifest
+    (`world`: the ranks that write it)."""
     arch = arch_for(ckpt.config)
     out = OutputPlan(ckpt, arch, plan, form, source, src_fmt, cal, req.target).build()
     kv = kv_outputs(out, ckpt.config, plan, form, cal.kv_scales, req.fmt, req.kv_dtype)
@@ -64,7 +66,7 @@ def write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, ca
         max_shard_size=req.max_shard_size, workers=default_workers(req.workers), resume=req.resume,
         overwrite=req.overwrite, quiet=req.quiet,
         prefix=form.weights_prefix, extra_files=extra_files, quant=quant, on_meta=_on_meta(quant, plan, cal),
-        check_finite=True,
+        check_finite=True, world=world,
     )
     sqnrs = [v.sqnr_db for v in quant.tensors.values() if isinstance(v.sqnr_db, float)]
     result.extra.update(quantized=len(plan.schemes), float_modules=len(plan.float_reasons),
