@@ -35,9 +35,10 @@ KV cache for ``kv_tokens``: the tokens in flight over the whole world; attention
 sequences evenly over the dp ranks (``ceil(kv_tokens / dp)`` per rank), TP ranks of a group
 hold the same tokens. Per token and decoder layer (MTP layers excluded): MLA caches
 ``kv_lora_rank + qk_rope_head_dim`` values (whole on every TP rank: the latent has no heads),
-plus DeepSeek-V3.2's indexer key (``index_head_dim``, bf16; GLM-5: in its "full" indexer layers only);
+plus a lightning indexer's key (``index_head_dim``, bf16) in the layers the table's
+`ArchTable.indexer_layers` counts (DeepSeek-V3.2: every one; GLM-5: its "full" indexer layers);
 GQA caches ``2 x kv_heads / tp x head_dim``. bf16, or int8 under w8a8c8 (MLA: the latent
-only; the rope key stays bf16).
+only; the rope key stays bf16). `cvt.convert.kv_bytes` counts it.
 """
 
 from __future__ import annotations
