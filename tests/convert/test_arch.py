@@ -131,3 +131,45 @@ def test_families_share_the_decoder_skeleton_and_swiglu_rows():
             if r.pattern.endswith(".gate_proj"):
                 prefix = r.pattern[:-len(".gate_proj")]
                 assert rules[i:i + 3] == swiglu_rules(prefix, r.role, r.block), r.pattern
+
+
+def test_what_a_family_adds_is_table_data():
+    """DeepSeek-V4's MTP draft copies an Ascend output holds (`ArchTable.ascend_copies`: one pair
+    per MTP layer, only those the source lacks) and the layers that cache an indexer key
+    (`ArchTable.indexer_layers`) are read from the tables; other families have neither."""
+    from cvt.testing.checkpoints import tiny_deepseek_v32_config, tiny_glm_moe_dsa_config
+    from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config
+
+    v4 = arch_for(tiny_deepseek_v4_config(num_nextn_predict_layers=2))
+    names = {"embed.weight", "head.weight", "mtp.0.head.weight"}
+    assert v4.missing_copies(names) == {"mtp.0.emb.tok_emb.weight": "embed.weight",
+                                        "mtp.1.emb.tok_emb.weight": "embed.weight",
+                                        "mtp.1.head.weight": "head.weight"}
+    assert v4.missing_copies({"head.weight"}) == {"mtp.0.head.weight": "head.weight", "mtp.1.head.weight": "head.weight"}
+    assert arch_for(DSV3).missing_copies(names) == {}
+    v32 = tiny_deepseek_v32_config()
+    assert TABLES["deepseek_v32"].indexer_layers(v32) == v32["num_hidden_layers"]
+    glm = tiny_glm_moe_dsa_config(indexer_types=["full", "shared", "full"])
+    assert TABLES["glm_moe_dsa"].indexer_layers(glm) == 2
+    assert TABLES["deepseek_v3"].indexer_layers is None and TABLES["deepseek_v4"].indexer_layers is None
+
+
+def test_the_quantize_stage_and_the_memory_plan_name_no_model():
+    """The quantize stage and the memory plan read per-model knowledge from the tables: no
+    comparison of a model_type with a name there (the formats' `refused_models` is the formats' data)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = sorted((root / "quant" / "stage").glob("*.py")) + [root / "convert" / "memory_plan.py",
+                                                               root / "convert" / "kv_bytes.py"]
+    bad = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                text = ast.unparse(node)
+                named = any((isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value != "model_type")
+                            or (isinstance(n, ast.Name) and n.id.isupper()) for n in ast.walk(node))
+                if "model_type" in text and named:  # against a name, or a module's MODEL_TYPE
+                    bad.append(f"{path.relative_to(root)}:{node.lineno}: {text}")
+    assert not bad, "\n".join(bad)
