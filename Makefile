@@ -1,13 +1,17 @@
 # The two set-up commands of the README: `make demo` and `make test`.
 # Both create .venv when missing and install cvt (editable) with its test extras.
-# `make docs` builds the documentation site (docs/, mkdocs.yml) into build/site, offline and strict.
+#   make demo       train (once) and convert the demo model
+#   make test       the layer contract, the docs, then every test, the slow ones included (what CI runs)
+#   make test-fast  the tests not marked slow (pyproject.toml's markers): under 2 min on 2 cores
+#   make docs       the documentation site (docs/, mkdocs.yml) into build/site, offline and strict
+#   make bench      the FP8 -> BF16 benchmark
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test docs bench clean
+.PHONY: install demo test test-fast docs bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +39,10 @@ test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(MAKE) --no-print-directory docs
 	$(PY) -m pytest -q --durations=15
+
+# The edit loop: every module's fast checks (tests/test_layers.py runs the layer contract too).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" --durations=5
 
 bench: $(STAMP)
 	$(PY) bench/fp8_to_bf16.py
