@@ -89,13 +89,13 @@ def families() -> list[tuple[Any, dict[str, Any]]]:
     for mt, wrapper in WRAPPERS.items():
         text = TABLES[texts[mt]]
         cfg = {"model_type": mt, "text_config": {"model_type": texts[mt], **text.explicit_defaults}}
-        out.append((getattr(wrapper, "wrap", wrapper)(text, cfg), cfg))
+        out.append((wrapper.wrap(text, cfg), cfg))
     return out
 
 
 def _name(table) -> str:
-    """The family as people name it (`ArchTable.display`; "" where a table has none)."""
-    return getattr(table, "display", "")
+    """The family as people name it (`ArchTable.display`)."""
+    return table.display
 
 
 def _has_experts(table) -> bool:
