@@ -22,6 +22,7 @@ def _readme_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.slow
 def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
     from cvt.testing.checkpoints import write_fp8_release
 

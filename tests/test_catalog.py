@@ -857,7 +857,13 @@ def sources(tmp_path_factory, fp8_release_session):
     return fp8_release_session, bf16, qwen
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+# these calibrate, or wait on a run that does
+SLOW = {"quantize-w8a8c8-bf16-max-fa-scales", "quantize-smoothquant-nan-norm", "quantize-while-another-calibrates",
+        "quantize-state-truncated"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW else c for c in CASES],
+                         ids=[c.id for c in CASES])
 def test_bad_input(case: Case, sources, tmp_path):
     fp8, bf16, qwen = sources
     ctx = Ctx(tmp_path, fp8, bf16, qwen)
@@ -937,6 +943,7 @@ def test_overwrite_deletes_only_recorded_files(verb, sources, tmp_path):
     assert not _written_outside(_WRITTEN, dst), _written_outside(_WRITTEN, dst)
 
 
+@pytest.mark.slow
 def test_no_temp_folders_left(sources, tmp_path):
     """`run` (as verify and export: the loader's imports) imports torch._dynamo, which made
     $TMPDIR/torchinductor_<user> and left it: each command's temp folder is private and removed

@@ -35,6 +35,7 @@ def test_usage_errors_are_one_line():
     assert r.rc == 2 and "Invalid value for '--max-shard-size': size 'lots' is not a size like 5GB" in r.err
 
 
+@pytest.mark.slow
 def test_demo_runs_the_pipeline(tmp_path, demo_weights):
     r = run_cvt("demo", tmp_path / "demo")
     assert r.rc == 0, r.err

@@ -43,6 +43,7 @@ def test_slices_are_disjoint_and_fixed():
     assert "\nimport " in prose[:200_000]  # modules interleaved early, not only after the prose
 
 
+@pytest.mark.slow
 def test_trained_model_is_far_better_than_the_random_one(demo_weights):
     config, weights, _ = demo_weights
     trained = heldout_ppl(model_of(config, weights))
@@ -69,6 +70,7 @@ def test_training_is_deterministic():
     assert torch.equal(a["model.layers.3.eh_proj.weight"], init["model.layers.3.eh_proj.weight"])
 
 
+@pytest.mark.slow
 def test_cached_weights_are_reused(demo_weights):
     config, weights, key = demo_weights
     folder = demo_model.cache_root() / f"demo-dsv3-{key}"
@@ -81,6 +83,7 @@ def test_cached_weights_are_reused(demo_weights):
     assert demo_model.recipe_key(corpus.text("training"), {**demo_model.RECIPE, "steps": 1}) != key
 
 
+@pytest.mark.slow
 def test_demo_release_writes_python_and_ranks_the_schemes(demo_weights, tmp_path):
     """The FP8 release the demo starts from: a valid fp8-block checkpoint, text that looks like
     Python, and W8A8 close to BF16 while W4A16 is measurably worse."""
@@ -112,6 +115,7 @@ def test_demo_release_writes_python_and_ranks_the_schemes(demo_weights, tmp_path
     assert kl["w8a8"] < 0.01 and kl["w4a16"] > 3 * kl["w8a8"], kl
 
 
+@pytest.mark.slow
 def test_the_bf16_checkpoint_is_bf16(demo_weights, tmp_path):
     """`write_demo_bf16` drops the release's FP8 quantization_config (it once wrote BF16 weights
     under a config saying fp8, which inspect and every stage read as an FP8 release)."""

@@ -188,6 +188,7 @@ def test_top_level_help_names_every_architecture_table():
 
 
 # ------------------------------------------------------------------------------ cvt plan
+@pytest.mark.slow
 def test_plan_takes_a_hub_id_as_inspect_does(release, tmp_path):
     """Was: "deepseek-ai/DeepSeek-V3: no config.json". The fake hub cache of test_source, offline."""
     from cvt.tests.convert.test_source import COMMIT, REPO_ID, build_hub_cache, hub_env
@@ -289,6 +290,7 @@ GROUP_LINE = ("4 linears fell back in layers 0-2 and the MTP layer (layer 3): gr
               "in_features=96: quantized per channel (its own config group)")
 
 
+@pytest.mark.slow
 def test_quantize_summary_and_verify_report_say_the_fallbacks(q96, tmp_path):
     """The summary names the fallbacks by reason (was "4 fallbacks"); verify's report.html and
     report.md show the candidate's methods and fallbacks (they showed neither)."""

@@ -126,6 +126,7 @@ def test_fp8_to_bf16_is_bit_exact_with_the_indexer(tmp_path, scale_dtype):
     assert [got[f"{p}.{t}"][0] for t in INDEXER] == ["BF16", "BF16", "F32", "F32", "BF16"]
 
 
+@pytest.mark.slow
 def test_bf16_output_loads_in_transformers(release, tmp_path, monkeypatch):
     """transformers' DeepseekV32ForCausalLM takes every non-MTP tensor of the output (none missing),
     and computes the logits of the reference dequantization."""
@@ -199,6 +200,7 @@ def test_fp8_shard_keeps_indexer_scales_with_their_weights(release, tmp_path):
         assert {f"{IX.format(2)}.wk.weight", f"{IX.format(2)}.wk.weight_scale_inv"} <= set(index["weight_map"])
 
 
+@pytest.mark.slow
 def test_run_an_fp8_release(release):
     """The loader dequantizes the indexer's FP8 linears and takes its F32 LayerNorm."""
     r = run_cvt("run", release, "--input-ids", ",".join(str(i) for i in range(20)), "--max-new-tokens", "3",

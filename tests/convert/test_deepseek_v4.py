@@ -70,6 +70,7 @@ def test_split_dims_follow_the_official_convert_mapping(name, split):
     assert arch_for(tiny_deepseek_v4_config()).classify(name).split_dim == split
 
 
+@pytest.mark.slow
 def test_every_release_tensor_maps_and_mtp_is_a_layer_past_the_decoder():
     cfg = tiny_deepseek_v4_config()
     arch = arch_for(cfg)
@@ -183,6 +184,7 @@ def _load(folder):
     return out
 
 
+@pytest.mark.slow
 def test_fp8_to_bf16_v4_release_bit_exact(v4_release, tmp_path):
     r = run_cvt("fp8-to-bf16", v4_release, tmp_path / "out", "--quiet")
     assert r.rc == 0, r.err
@@ -207,6 +209,7 @@ def test_fp8_to_bf16_v4_release_bit_exact(v4_release, tmp_path):
     assert cfg["compress_ratios"] == [0, 4, 128, 0, 4]
 
 
+@pytest.mark.slow
 def test_fp8_to_bf16_v4_misshapen_fp4_scale_is_refused(tmp_path):
     cfg = tiny_deepseek_v4_config()
     tensors = v4_release_tensors(cfg)
@@ -219,6 +222,7 @@ def test_fp8_to_bf16_v4_misshapen_fp4_scale_is_refused(tmp_path):
     assert "Traceback" not in r.err and not (tmp_path / "out" / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_fp8_to_bf16_v4_int8_experts_without_fp4_expert_dtype_refused(tmp_path):
     cfg = tiny_deepseek_v4_config()
     src = write_v4_release(tmp_path / "src", cfg)
@@ -280,6 +284,7 @@ def test_shard_v4_reassembles_byte_for_byte_with_the_official_split_dims(v4_bf16
     assert t["mtp.0.ffn.experts.3.w2.weight"]["expert"] == [4, 3]  # MTP layer 0 is layer num_hidden_layers
 
 
+@pytest.mark.slow
 def test_quantize_v4_w8a8_ascend_keeps_the_recipe_floats_and_runs(v4_bf16, tmp_path):
     from cvt.runtime.loader import load_model
 

@@ -126,6 +126,7 @@ def test_bf16_output_loads_in_transformers(release, tmp_path, monkeypatch):
     assert ref  # the reference wrote tensors
 
 
+@pytest.mark.slow
 def test_inspect_run_and_plan(release):
     r = run_cvt("inspect", release)
     assert r.rc == 0, r.err
@@ -167,6 +168,7 @@ def test_shard_fp8_ep_and_bf16_tp(release, tmp_path):
     assert t["model.layers.0.self_attn.q_b_proj.weight"]["dim"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["w8a8-ascend", "w4a16-compressed-tensors"])
 def test_quantize_run_verify(release, tmp_path, case):
     """FP8 release -> quantized output (the indexer float: FLOAT in the Ascend description, `ignore`d in

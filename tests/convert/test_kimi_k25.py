@@ -147,6 +147,7 @@ def test_w4a8_requantizes_from_the_exact_float32_weight(release, tmp_path):
     assert assert_carried_identical(a, src) == 35
 
 
+@pytest.mark.slow
 def test_compressed_tensors_output_and_shard_replicate_the_vision_tower(release, tmp_path):
     src, tensors = release
     ct = tmp_path / "ct"
@@ -186,6 +187,7 @@ def test_fp8_variant_to_bf16_carries_the_vision_tower(tmp_path):
     assert out_cfg["vision_config"] == CFG["vision_config"]
 
 
+@pytest.mark.slow
 def test_calibrated_c8_reads_and_writes_the_release_names(release, tmp_path):
     """Layer-by-layer calibration (int8 KV-cache ranges) reads the text model under
     ``language_model.`` and writes the FAKQuant scales under the same prefix, which the runtime

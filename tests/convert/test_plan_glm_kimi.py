@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from cvt.convert.placement import make_layout
 from cvt.convert.memory_plan import memory_plan
 from cvt.tests.conftest import run_cvt
@@ -60,6 +62,7 @@ def test_kimi_k25_release_bytes_by_hand():
     assert r.rc == 0, r.err
 
 
+@pytest.mark.slow
 def test_glm5_bytes_and_kv_cache_by_hand():
     c = GLM5_CONFIG
     h, V, E, mi, L, dense = (c[k] for k in ("hidden_size", "vocab_size", "n_routed_experts", "moe_intermediate_size",

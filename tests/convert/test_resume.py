@@ -47,6 +47,7 @@ def test_kill_9_anywhere_then_resume_is_byte_identical(fp8_release_session, tmp_
     assert snapshot(dst) == golden
 
 
+@pytest.mark.slow
 def test_kill_at_file_boundaries(fp8_release_session, tmp_path, golden):
     """Right after a complete weight file, right after the last one, and inside the manifest."""
     weights = sorted(k for k in golden if k.endswith(".safetensors"))
@@ -142,6 +143,7 @@ def test_two_real_runs_at_once(fp8_release_session, tmp_path, golden):
     assert snapshot(dst) == golden
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_source_with_the_same_config_and_index(tmp_path):
     """A fine-tune ships the same config.json and index as its base: a killed run of one and a
     re-run with the other must not mix their shards."""

@@ -80,6 +80,7 @@ def test_rtn_quantize_of_a_bf16_checkpoint_never_imports_torch(tmp_path):
     assert r == {"rc": 0, "torch": False}
 
 
+@pytest.mark.slow
 def test_what_needs_torch_still_imports_it(fp8_release_session, tmp_path):
     """The probe sees a torch import: compressed-tensors asymmetric int4 plans its zero points on
     a probe (`cvt.qtensor.disk_specs.data_planned`)."""

@@ -34,6 +34,7 @@ def left_running(marker: str) -> list[str]:
     return [ln for ln in p.stdout.splitlines() if "pgrep" not in ln]
 
 
+@pytest.mark.slow
 def test_streaming_stages_write_one_process_bytes(fp8_release, tmp_path):
     """fp8-to-bf16 on 2 ranks, RTN quantize on 3 (more ranks than its output files), shard on 2
     processes: every file of DST, manifest included, equals the one-process output's."""
@@ -60,6 +61,7 @@ def test_streaming_stages_write_one_process_bytes(fp8_release, tmp_path):
     same_tree(tmp_path / "s-1", tmp_path / "s-2")
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_the_job_and_any_world_size_resumes(fp8_release, tmp_path):
     """Rank 1 SIGKILLed mid-write: the job ends non-zero with no process left; a one-process
     re-run keeps the files the ranks finished (journaled per rank) and writes the same bytes."""
@@ -131,6 +133,7 @@ def test_rank_journals_merge_into_the_next_run(tmp_path):
     assert os.environ.get("WORLD_SIZE") is None
 
 
+@pytest.mark.slow
 def test_a_folder_some_rank_cannot_see_is_one_line(tmp_path):
     """Rank 1 looks at another folder than rank 0 (as a node-local DST would be): every rank
     stops with the line naming the rank that cannot see rank 0's token; in a shared folder all pass."""

@@ -127,7 +127,13 @@ CASES = [
 IDS = [f"{f}-{s}" + "".join(f"-{k}={v}" for k, v in o.items()) for f, s, o, *_ in CASES]
 
 
-@pytest.mark.parametrize("family,source,opts,ops,linears,tol", CASES, ids=IDS)
+# slow: the int8 cases (each block is checked too) and variants of an op path a fast case covers
+SLOW = {"ds-bf16-dtype=bf16", "ds-w4a16-channel", "ds-w4a16-channel-int4_op=qdq"}
+
+
+@pytest.mark.parametrize("family,source,opts,ops,linears,tol",
+                         [pytest.param(*c, marks=pytest.mark.slow) if c[5] == "int8" or i in SLOW else c
+                          for c, i in zip(CASES, IDS)], ids=IDS)
 def test_model_parity(sources, tmp_path, family, source, opts, ops, linears, tol):
     src = sources(family, source)
     res = export_onnx(src, tmp_path / "onnx", verify=True, **opts)
@@ -273,6 +279,7 @@ def test_layer_and_block_scope(sources, tmp_path, scope, family, source):
     assert all(len(p.steps) == 5 for p in res.parity)  # prefill + 4 decode steps
 
 
+@pytest.mark.slow
 def test_external_data_and_relocation(sources, tmp_path):
     """Over the threshold the weights go to model.onnx.data (relative location): the export
     still checks, loads from another directory and agrees with the inline export bit for bit."""

@@ -41,6 +41,7 @@ def new_tokens(out: str) -> list[str]:
     return re.findall(r"new tokens: \[([^\]]*)\]", out)
 
 
+@pytest.mark.slow
 def test_export_verify_then_run_with_onnxruntime(qwen, tmp_path, capsys):
     _, w4 = qwen
     dst = tmp_path / "onnx"
@@ -155,6 +156,7 @@ def test_failed_export_leaves_no_dst_and_keeps_the_old_one(qwen, tmp_path, capsy
     assert not list(tmp_path.glob(".onnx*")) and not (dst / ".cvt-tmp").exists()  # nothing beside DST, no temp
 
 
+@pytest.mark.slow
 def test_w4a8_export_keeps_the_int8_activation_step(qwen, tmp_path, capsys):
     """Issue 24 item 6a: a W4A8_DYNAMIC linear was exported as its dequantized float weight (no
     per-token int8 activation step: max diff 0.079, other greedy tokens). Now it is the W8A8

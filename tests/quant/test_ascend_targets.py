@@ -164,6 +164,7 @@ def run(sources, name, src, **kw):
 
 # ---- vllm-ascend (the default target) ------------------------------------------------------------
 
+@pytest.mark.slow
 def test_vllm_ascend_w8a8_dynamic_and_static(sources):
     c = cfg(sources["ds"])
     d = run(sources, "ds-w8a8", "ds", scheme="w8a8")
@@ -176,6 +177,7 @@ def test_vllm_ascend_w8a8_dynamic_and_static(sources):
     assert "quantization_config" not in cfg(s) and "quantize" not in cfg(s)  # vllm-ascend: description only
 
 
+@pytest.mark.slow
 def test_vllm_ascend_w8a8c8_mla_is_fakquant(sources):
     c = cfg(sources["ds"])
     d = run(sources, "ds-w8a8c8", "ds", scheme="w8a8c8")
@@ -239,6 +241,7 @@ def test_mindie_w4a16_int8_every_linear_and_config_keys(sources):
                  target="mindie", quiet=True)
 
 
+@pytest.mark.slow
 def test_mindie_static_mla_and_c8_config_keys(sources):
     c = cfg(sources["ds"])
     d = run(sources, "ds-w8a8c8-static-mindie", "ds", scheme="w8a8c8", static_attention=True, target="mindie")
@@ -258,6 +261,7 @@ def test_mindie_static_mla_and_c8_config_keys(sources):
 
 # ---- every new layout runs, verifies, shards and plans -------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ds-w4a16", "ds-mxfp4", "ds-w8a8c8", "ds-w4a16-mindie"])
 def test_new_layouts_run_and_verify(sources, name, tmp_path):
     spec = {"ds-w4a16": dict(scheme="w4a16", group_size=32), "ds-mxfp4": dict(scheme="fp4", fp4_format="mxfp4"),
@@ -279,6 +283,7 @@ def test_new_layouts_run_and_verify(sources, name, tmp_path):
 
 # ---- reading what msModelSlim writes -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_msmodelslim_static_w8a8_layout_loads(sources, tmp_path):
     """msModelSlim 26.1's ascendv1_saver writes static W8A8 linears as weight, input_scale,
     input_offset, deq_scale, quant_bias -- no weight_scale / weight_offset (the run in
@@ -375,6 +380,7 @@ def test_w4a8_refused_where_no_stack_loads_it(sources):
         quantize(sources["ds"], sources["root"] / "w4a8-ct", fmt="compressed-tensors", scheme="w4a8", quiet=True)
 
 
+@pytest.mark.slow
 def test_w4a8_quantize_load_verify_on_trained_fixture(trained_fixture, tmp_path):
     """End to end on real weight structure: quantize -> load_model -> verify. Observed (RTN, experts
     only, the rest bf16): mean KL 0.0007, ppl ratio 1.001, every layer's cosine > 0.998."""

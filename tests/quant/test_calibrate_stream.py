@@ -12,6 +12,8 @@ import torch
 from cvt.quant.stage import quantize
 from cvt.tests.conftest import run_cvt
 
+pytestmark = pytest.mark.slow  # each test calibrates the tiny release end to end (GPTQ / AWQ): 10-40 s on 2 cores
+
 
 def snapshot(folder) -> dict[str, str]:
     """sha256 of every output file; the manifest without its calibration timings (seconds per

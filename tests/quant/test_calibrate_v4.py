@@ -222,6 +222,7 @@ def test_v4_smoothquant_w8a8_runs_and_folds_the_norms(release, outputs, tmp_path
     assert kl_sq <= 1.5 * kl_rtn, (kl_sq, kl_rtn)
 
 
+@pytest.mark.slow
 def test_carried_fp4_experts_are_not_recalibrated(release, tmp_path):
     """W4A8_MXFP carries the release's FP4 experts (method "source"); with --method gptq they stay
     the release's bytes: the output equals the RTN run's, file for file."""

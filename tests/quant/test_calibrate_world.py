@@ -10,8 +10,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_cvt
 from tests.quant.test_methods_e2e import kl_and_ppl, readme_row
+
+pytestmark = pytest.mark.slow  # calibration on several torchrun ranks
 
 
 def weights(root: Path) -> dict[str, bytes]:

@@ -225,6 +225,7 @@ def test_awq_and_smoothquant_folds_leave_the_float_model_unchanged(family, monke
     torch.testing.assert_close(model(tokens), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_calibrate_chunked_expert_hessians_and_layer_callbacks():
     """Hessians of routed experts collected in several passes give the same GPTQ result."""
     cfg = tiny_deepseek_config(num_nextn_predict_layers=0)
@@ -378,6 +379,7 @@ def _w8(name):
     return None if name.endswith(("kv_b_proj", "lm_head")) else W8
 
 
+@pytest.mark.slow
 def test_fixture_gptq_beats_rtn_w4a16(fixture_data):
     d = fixture_data
     kl = {}
@@ -394,6 +396,7 @@ def test_fixture_gptq_beats_rtn_w4a16(fixture_data):
     assert kl["awq"] < 1.15 * kl["rtn"], kl
 
 
+@pytest.mark.slow
 def test_fixture_awq_and_smoothquant_beat_rtn_with_activation_outliers(fixture_data):
     d = fixture_data
     kl = {}
@@ -409,6 +412,7 @@ def test_fixture_awq_and_smoothquant_beat_rtn_with_activation_outliers(fixture_d
     assert kl["w8a8", "smoothquant"] < 0.5 * kl["w8a8", "rtn"], kl
 
 
+@pytest.mark.slow
 def test_fixture_experts_with_few_tokens_fall_back_to_rtn(fixture_data):
     d = fixture_data
     tokens = d.calib[:2, :48]                     # 96 tokens, 2 of 8 experts each: ~24 per expert

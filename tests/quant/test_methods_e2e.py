@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from cvt.quant.stage import quantize
 from cvt.runtime.verify import verify
+
+pytestmark = pytest.mark.slow  # each method calibrates and scores the trained fixture
+
 
 def kl_and_ppl(candidate: Path, reference: Path, tmp: Path) -> tuple[float, float]:
     """`cvt verify CANDIDATE --reference REFERENCE --seq-len 128 --max-sequences 8` (docs/quantize.md's table)."""

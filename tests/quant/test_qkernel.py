@@ -136,7 +136,8 @@ def test_int8_per_channel(kernel, source, shape, layout, scheme, opts):
 
 
 @pytest.mark.parametrize("source", list(SOURCES))
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [SHAPES[0], pytest.param(SHAPES[1], marks=pytest.mark.slow)],  # 352: 11 groups
+                         ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("layout,sym", INT4, ids=[f"{a}-{'sym' if s else 'asym'}" for a, s in INT4])
 def test_int4_every_group_size(kernel, source, shape, layout, sym):
     """Every group size cvt accepts for this k (any divisor; k itself is per channel)."""
@@ -606,7 +607,9 @@ def test_stage_refuses_non_finite_weight_like_the_reference(fp8_release, tmp_pat
     assert errors[0] == errors[1] and name in errors[0] and "non-finite" in errors[0]
 
 
-@pytest.mark.parametrize("fmt,target", [("compressed-tensors", None), ("ascend", "vllm-ascend"), ("ascend", "mindie")])
+@pytest.mark.parametrize("fmt,target", [pytest.param("compressed-tensors", None, marks=pytest.mark.slow),
+                                        ("ascend", "vllm-ascend"),
+                                        pytest.param("ascend", "mindie", marks=pytest.mark.slow)])
 def test_stage_layout_probe_scaled_from_a_few_rows(monkeypatch, fmt, target):
     """The writer plans each module's tensors from a probe of 16 rows scaled by the layout's dims:
     the same specs as a probe of the module's full size (which costs a full quantization)."""

@@ -113,6 +113,7 @@ def test_line_option_refusals(fp8_release_session, root, kw, msg):
 
 # ---- --kv-dtype fp8: FAKQuant's e4m3 cache (Ascend 950) -----------------------------------------
 
+@pytest.mark.slow
 def test_fakquant_fp8_cache_written_and_run(fp8_release_session, root):
     kw = dict(fmt="ascend", scheme="w8a8c8", calib_tokens=64, quiet=True)
     quantize(fp8_release_session, root / "c8", **kw)

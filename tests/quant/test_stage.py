@@ -77,6 +77,7 @@ def outputs(fp8_release_session, tmp_path_factory):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_written_weights_are_the_scheme_applied_to_the_source(outputs, fp8_release_session, case):
     """Every quantized linear on disk reads back (format reader) to exactly what the scheme makes
@@ -123,6 +124,7 @@ def test_written_weights_are_the_scheme_applied_to_the_source(outputs, fp8_relea
     assert all(isinstance(v["sqnr_db"], float) and v["sqnr_db"] > 10 for v in quant["tensors"].values())
 
 
+@pytest.mark.slow
 def test_ascend_layout_matches_the_formats_table(outputs):
     """W8A8 dynamic / static; the per-target W4A16, MXFP4 and C8 layouts are pinned to the
     consumers' code in test_ascend_targets.py."""
@@ -147,6 +149,7 @@ def test_ascend_layout_matches_the_formats_table(outputs):
     assert desc["model.layers.0.self_attn.fa_k.scale"] == "FAQuant"
 
 
+@pytest.mark.slow
 def test_compressed_tensors_config(outputs):
     folder, _ = outputs["compressed-tensors-w4a16"]
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
@@ -162,6 +165,7 @@ def test_compressed_tensors_config(outputs):
         "quantization_config"]["format"] == "nvfp4-pack-quantized"
 
 
+@pytest.mark.slow
 def test_referee_compressed_tensors_dequantizes_the_stage_output(outputs, tmp_path):
     """compressed-tensors' model-free dequantizer, run on a whole cvt output directory, gives back
     the weights cvt's runtime multiplies by (pack-quantized: the package computes in bf16)."""
@@ -187,6 +191,7 @@ def test_referee_compressed_tensors_dequantizes_the_stage_output(outputs, tmp_pa
             assert torch.equal(theirs, ours if "w8a8" in cid else ours.bfloat16().float()), module
 
 
+@pytest.mark.slow
 def test_runtime_runs_every_output(outputs):
     tokens = torch.tensor([[256, 72, 101, 108, 108, 111]])
     for cid, (folder, _) in outputs.items():
@@ -421,6 +426,7 @@ def test_bad_fp8_scales_refused_before_writing(fp8_release, tmp_path, what):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["ascend", "compressed-tensors"])
 def test_c8_outputs_load_with_their_kv_scales(fp8_release_session, dense_qwen, tmp_path, fmt):
     """w8a8c8 of an MLA and a GQA model, both formats: the runtime attaches the KV-cache scales

@@ -65,6 +65,7 @@ def release(tmp_path_factory):
     return write_v4_release(tmp_path_factory.mktemp("v4") / "src")
 
 
+@pytest.mark.slow
 def test_w4a8_mxfp_carries_the_fp4_experts_byte_for_byte(release, tmp_path, caplog):
     from cvt.runtime.loader import load_model
 

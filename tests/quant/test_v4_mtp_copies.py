@@ -39,6 +39,7 @@ def releases(tmp_path_factory):
     return flash, write_release(root / "base", cfg, base, 2, move_scale=False)
 
 
+@pytest.mark.slow
 def test_the_ascend_output_has_the_drafts_copies(releases, tmp_path):
     flash, _ = releases
     dst = tmp_path / "w8a8"

@@ -134,6 +134,7 @@ def test_logits_match_transformers(name):
     assert_logits_close(ours(t), ref)
 
 
+@pytest.mark.slow
 def test_yarn_is_not_a_no_op():
     """The YaRN parity case would catch a runtime that ignored rope_scaling."""
     cfg = PARITY_CONFIGS["yarn"]

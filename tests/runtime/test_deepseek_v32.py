@@ -147,6 +147,7 @@ def test_incremental_decode_equals_full_forward(name, monkeypatch):
     assert bool(c.index_k[:, :SEQ].abs().sum(-1).gt(0).all()) and not bool(c.index_k[:, SEQ:].any())
 
 
+@pytest.mark.slow
 def test_c8_cache_wraps_the_int8_latent_and_decodes_like_the_full_forward():
     cfg = PARITY_CONFIGS["tiny"]
     model = random_model(cfg)
@@ -247,6 +248,7 @@ def test_meta_names_and_shapes_match_table():
         "wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"}
 
 
+@pytest.mark.slow
 def test_built_on_meta_then_assigned_runs():
     cfg = PARITY_CONFIGS["yarn"]
     with torch.device("meta"):

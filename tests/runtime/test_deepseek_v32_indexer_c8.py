@@ -163,6 +163,7 @@ def test_c8_output_holds_the_indexer_c8(outputs):
     assert manifest["quant"]["kv_cache"]["tensors"] == sorted(rots)
 
 
+@pytest.mark.slow
 def test_c8_output_loads_runs_and_verifies(outputs, tmp_path):
     loaded = load_model(outputs["c8"], dtype=torch.float32).model
     assert [loaded.model.layers[i].self_attn.indexer.rot is not None for i in range(4)] == [True] * 3 + [False]

@@ -42,6 +42,7 @@ def outputs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_indexer_stays_float(outputs, case):
     dst, ref = read_all(outputs[case]), read_all(outputs["bf16"])
@@ -65,6 +66,7 @@ def test_indexer_stays_float(outputs, case):
         assert {f"model.layers.1.self_attn.indexer.{m}" for m in ("wq_b", "wk", "weights_proj")} <= set(ignore)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_run_and_verify(outputs, case, tmp_path):
     loaded = load_model(outputs[case], dtype=torch.float32)
@@ -83,6 +85,7 @@ def test_run_and_verify(outputs, case, tmp_path):
     assert isinstance(sqnr["model.layers.1.self_attn.o_proj.weight"], float)
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process(tmp_path):
     from cvt.tests.runtime.test_distributed import _check_dumps, _reference, _spawn
 
@@ -96,6 +99,7 @@ def test_two_ranks_match_one_process(tmp_path):
     _check_dumps(tmp_path / "out-2", "v32-tp2-ep2", 2, _reference(src))
 
 
+@pytest.mark.slow
 def test_smoothquant_keeps_the_indexer_inputs(outputs, tmp_path):
     """A fold x / s into a norm must multiply every reader's columns by s, the float indexer included
     (quant/methods/sites.py `_smooth_groups` extras):

@@ -127,6 +127,7 @@ def test_matches_transformers_past_window_and_twice_the_largest_rate(name):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_cached_decode_equals_full_forward():
     cfg = CONFIGS["all-types"]
     ours, _ = models(cfg, seed=3)
@@ -155,6 +156,7 @@ def test_refuses_what_it_does_not_implement():
         build_model(tiny_deepseek_v4_config(compress_ratios=[0, 8, 128, 0, 4]))
 
 
+@pytest.mark.slow
 def test_loads_and_runs_the_bf16_output_of_a_v4_release(tmp_path):
     """fp8-to-bf16 of a tiny V4 release (release names, FP4 experts) loads into the runtime by name,
     MTP layer included, and `cvt run` generates from it."""

@@ -31,6 +31,7 @@ def v4_bf16(tmp_path_factory) -> Path:
     return fp8_to_bf16(write_v4_release(root / "release"), root / "bf16", quiet=True).dst
 
 
+@pytest.mark.slow
 def test_v4_shards_on_two_ranks_match_one_process(v4_bf16, tmp_path):
     cases = {
         # heads, o_groups and index heads / 2 (wo_b all-reduced, the indexer's projections gathered),

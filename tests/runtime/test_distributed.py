@@ -26,6 +26,8 @@ from cvt.errors import CvtError, ManifestError
 from cvt.runtime import launch
 from cvt.tests.conftest import run_cvt
 
+pytestmark = pytest.mark.slow  # the module fixtures quantize and shard nine layouts before any test runs
+
 PROMPTS = ["hello", "world", "MoE!"]  # two of one length (a batch of 2) and one alone
 NEW_TOKENS = 4
 ARGV = [a for p in PROMPTS for a in ("--prompt", p)] + ["--max-new-tokens", str(NEW_TOKENS), "--dtype", "fp32",

@@ -181,6 +181,7 @@ def test_meta_names_and_shapes_match_table():
     assert {n.split(".")[2] for n in ours if ".indexer." in n} == {"0", "3"}          # full + MTP
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process(tmp_path):
     """TP 2 x EP 2 shard of a GLM-5 with a shared indexer layer: the 2-rank world gives the
     single-process tokens and logits (tests/runtime/test_distributed.py's harness)."""

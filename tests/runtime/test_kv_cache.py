@@ -272,6 +272,7 @@ def dsv3(trained_fixture):
     return load_model(trained_fixture, dtype=torch.float32).model
 
 
+@pytest.mark.slow
 def test_mla_int8_cache_on_trained_fixture(dsv3):
     model = dsv3
     test = byte_tokens(HELD_OUT_TEXT)[None]
@@ -361,6 +362,7 @@ def qwen3(tmp_path_factory):
     return load_model(path, dtype=torch.float32).model
 
 
+@pytest.mark.slow
 def test_gqa_int8_cache_on_tiny_qwen3(qwen3):
     model = qwen3
     g = torch.Generator().manual_seed(0)
@@ -462,6 +464,7 @@ def test_compressed_tensors_conversion(qwen3):
     assert args.strategy == ct.QuantizationStrategy.ATTN_HEAD and args.num_bits == 8
 
 
+@pytest.mark.slow
 def test_compressed_tensors_conversion_mla(dsv3):
     scales = K.calibrate_kv_scales(dsv3, byte_tokens(CALIB_TEXT[:512]))
     ct = K.to_compressed_tensors(scales, dsv3)
@@ -514,6 +517,7 @@ def test_fp8_cache_matches_the_float_cache(family, qwen3, dsv3):
             K.attach_kv_cache_scales(model, K.calibrate_kv_scales(model, test), codec="fp8")
 
 
+@pytest.mark.slow
 def test_ascend_fp8_fakquant_cache(dsv3):
     """Ascend 950 FAKQuant (vllm-ascend attention/mla_v1.py: the latent cached float8_e4m3fn on A5,
     ``c_kv_scale = 1 / fa_k.scale`` in npu_kv_rmsnorm_rope_cache, read back times ``fak_descale_float``;

@@ -37,6 +37,7 @@ def test_bf16_weights_land_unchanged(qwen_dir):
     assert loaded.manifest is None and loaded.source_format == "bf16"
 
 
+@pytest.mark.slow
 def test_fp8_release_dequantized_on_load_equals_the_converted_output(fp8_release_session, tmp_path):
     fp8_to_bf16(fp8_release_session, tmp_path / "bf16", quiet=True)
     from_fp8 = load_model(fp8_release_session, dtype=torch.float32)

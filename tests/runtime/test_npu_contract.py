@@ -745,6 +745,7 @@ def _rtn_modules(model):
         setattr(parent, name.rpartition(".")[2], new)
 
 
+@pytest.mark.slow
 def test_whole_model_npu_path_matches_reference_kernels(trained_fixture, standin, monkeypatch):
     """The DeepSeek-V3 fixture with W8A8-dynamic attention and W4A16 experts (bf16 activations, as
     on an NPU): every quantized linear, fed the input it got in the reference forward, gives the

@@ -63,6 +63,7 @@ def _pids(pattern: str) -> list[int]:
     return [int(p) for p in out]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux's (prctl)")
 def test_killing_the_world_size_parent_ends_its_ranks(qwen, tmp_path):
     dst = tmp_path / "ep2"

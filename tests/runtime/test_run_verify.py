@@ -16,6 +16,7 @@ from cvt.runtime.tokenizer import load_tokenizer
 from cvt.schemas import load_schema
 from cvt.tests.conftest import run_cvt
 
+pytestmark = pytest.mark.slow  # generation and verify on the trained fixture
 
 
 @pytest.fixture(scope="module")
