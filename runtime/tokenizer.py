@@ -117,7 +117,9 @@ def read_ids(tok: "Tokenizer", path: Path, need: int, *, option: str, skip_blank
     try:
         with open(path, encoding="utf-8") as f:  # text mode: newlines as Path.read_text reads them
             if path.suffix != ".jsonl":
-                blank, got = _encode_prefix(tok, lambda k: bounded(f.read(k), True), need)
+                # never more than the bound at once (a read of 16 x 10**9 characters allocates that much)
+                blank, got = _encode_prefix(tok, lambda k: bounded(f.read(min(k, MAX_TEXT_CHARS + 1 - read)), True),
+                                            need)
                 if not (skip_blank and blank):
                     ids, used = got, 1
                 return ids, used
@@ -170,6 +172,8 @@ def _json_text(line: str, path: Path, i: int) -> str:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise CvtError(f"{path}:{i}: not a JSON line: {exc}") from None
+    except RecursionError:  # e.g. 50,000 nested arrays: Python's parser runs out of stack
+        raise CvtError(f'{path}:{i}: JSON nested too deeply (expected an object with a "text" string)') from None
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
         raise CvtError(f'{path}:{i}: expected an object with a "text" string')
     return obj["text"]

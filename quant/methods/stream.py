@@ -42,6 +42,7 @@ import json
 import logging
 import resource
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -230,7 +231,8 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     bar = make_progress(n_layers, "calibrate", quiet, unit="layer", initial=start)
     try:
         for i in range(start, n_layers):
-            x, seconds = layers.calibrate(i, x, args, kwargs, res)
+            with _layer_progress(layers.layers[i], f"layer {i + 1}/{n_layers}", mine.numel(), quiet):
+                x, seconds = layers.calibrate(i, x, args, kwargs, res)
             if spill:  # the next input from the state file, not RAM
                 x = store.x(i + 1, shape, True).to(device)
             layers.drop(i)
@@ -349,6 +351,34 @@ class _Layers:
         """Layer i's weights dropped (back to the meta device), the freed heap handed back."""
         self.layers[i].to("meta")
         _trim()
+
+
+@contextmanager
+def _layer_progress(layer: nn.Module, desc: str, tokens: int, quiet: bool):
+    """A bar of the calibration tokens through `layer` (this rank's `tokens` per pass), under the
+    layers' bar: the driver runs a layer several times (statistics per stage, GPTQ Hessian chunks,
+    expert chunks, its output), each pass counted afresh, so that a layer taking minutes visibly
+    moves. Counted by a forward hook on the decoder layer: every pass calls it batch by batch."""
+    from cvt.progress import make_progress
+
+    bar = make_progress(tokens, desc, quiet, unit="token", leave=False, position=1)
+    passes = [1]
+
+    def tick(module, args, out) -> None:
+        if not args or not hasattr(args[0], "shape") or args[0].dim() < 2:
+            return
+        if bar.n >= tokens:  # the next pass over the calibration tokens
+            passes[0] += 1
+            bar.reset(tokens)
+            bar.set_description(f"{desc}, pass {passes[0]}", refresh=False)
+        bar.update(int(args[0].shape[0] * args[0].shape[1]))
+
+    hook = layer.register_forward_hook(tick)
+    try:
+        yield bar
+    finally:
+        hook.remove()
+        bar.close()
 
 
 def _merge(res: StreamResult, meta: dict) -> None:

@@ -24,7 +24,7 @@ from cvt.units import article
 from cvt.world import SINGLE, World
 from cvt.quant.stage.assignment import Plan, check_kv_target, make_plan, names_where
 from cvt.quant.stage import fp4_source
-from cvt.quant.stage.calibrate import Calibrated, calibrate
+from cvt.quant.stage.calibrate import Calibrated, calib_data, calibrate
 from cvt.quant.stage.outputs import int8_kv, kv_static as _kv_static
 from cvt.quant.stage.quantizer import Source
 from cvt.quant.stage.write import Request, write
@@ -34,7 +34,7 @@ log = logging.getLogger("cvt")
 
 def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | None = None,
              group_size: int | None = None, asym: bool = False, fp4_format: str | None = None, calib: Path | None = None,
-             calib_tokens: int = 32768, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
+             calib_tokens: int | None = None, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
              static_attention: bool = False, revision: str | None = None, workers: int | None = None,
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
              quiet: bool = False, target: str | None = None, device: str = "cpu",
@@ -45,8 +45,10 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
     reads at once, as float32 (None: `cvt.quant.methods.stream.MAX_EXPERT_BYTES`). `target_version`:
     the vllm-ascend release line (`cvt.qtensor.stack_versions`); `kv_dtype`: the quantized KV
-    cache's storage, int8 or fp8 (`cvt.qtensor.kv_tensors.kv_storage`). `world`: the ranks that
-    share the work (`cvt.world`: a started torchrun world; one process by default)."""
+    cache's storage, int8 or fp8 (`cvt.qtensor.kv_tensors.kv_storage`). `calib_tokens`: the
+    calibration tokens asked for, refused when the text gives fewer (None: up to
+    `cvt.corpus.CALIB_TOKENS`, fewer with a warning when the text is shorter). `world`: the ranks
+    that share the work (`cvt.world`: a started torchrun world; one process by default)."""
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
     form, target, line, sch = _check_request(scheme, fmt, target, target_version, group_size, fp4_format, recipe,
                                              static_attention)
@@ -81,9 +83,10 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
                               "is not calibrated for this model family (--method gptq / awq / smoothquant are)")
         from cvt.convert.outdir import calibration_dir
 
+        tokens = calib_data(ckpt, calib, calib_tokens)  # before DST is touched: too few tokens are refused
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume, world) as state:
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
-            cal = calibrate(ckpt, plan, calib, calib_tokens, static_attention, kv_codec, state, device, quiet,
+            cal = calibrate(ckpt, plan, tokens, static_attention, kv_codec, state, device, quiet,
                             expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec, source=source,
                             world=world)
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req, world))
