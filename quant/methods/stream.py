@@ -121,12 +121,14 @@ def _streams_experts(layer: nn.Module, prefix: str, plan, o: dict, moe: str = "m
     from cvt.quant.methods.expert_stream import expert_bytes
 
     if moe != "mlp":
+        from cvt.units import binary_size
+
         need = expert_bytes(layer, moe)
-        if need > o["max_expert_bytes"]:
-            raise CvtError(f"{prefix}{moe}.experts: {need / 2**30:.1f} GiB of routed experts in float32, above "
-                           f"--expert-memory ({o['max_expert_bytes'] / 2**30:.1f} GiB); this family's blocks are "
-                           "calibrated with all their experts at once (not a chunk at a time): give --expert-memory "
-                           "at least that on a host with the memory, or quantize with --method rtn")
+        if need > o["max_expert_bytes"]:  # sizes in units that show them (a tiny model's are KiB, not "0.0 GiB")
+            raise CvtError(f"{prefix}{moe}.experts: {binary_size(need)} ({need} bytes) of routed experts in float32, "
+                           f"above --expert-memory ({binary_size(o['max_expert_bytes'])}); this family's blocks are "
+                           f"calibrated with all their experts at once (not a chunk at a time): give --expert-memory "
+                           f"{need} or more on a host with the memory, or quantize with --method rtn")
         return False
     if not isinstance(getattr(layer, "mlp", None), nn.Module):
         return False
