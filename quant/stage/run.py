@@ -65,6 +65,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         check_kv_target(ckpt.config, plan, fmt, target)
         kv_static = _kv_static(ckpt.config, plan, fmt)
+        if kv_static:  # before --kv-dtype's own rules, which are about the stacks of the families that have one
+            _check_kv_family(ckpt.config, arch, scheme, kv_dtype)
         kv_codec = _kv_codec(ckpt.config, plan, form, target, kv_dtype, kv_static)
         source = Source(ckpt, src_fmt, arch.table.scale_param)
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
@@ -77,10 +79,10 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(), req, world))
         from cvt.runtime.models import family
 
-        if (static_attention or kv_static) and not getattr(family(ckpt.config)[0].Model, "calibrates_kv", True):
-            # before DST is touched: DeepSeek-V4 has no int8 KV cache and no static attention inputs
-            raise OptionError(f"{arch.model_type}: {'--static-attention' if static_attention else 'an int8 KV cache'} "
-                              "is not calibrated for this model family (--method gptq / awq / smoothquant are)")
+        if static_attention and not getattr(family(ckpt.config)[0].Model, "calibrates_kv", True):
+            # before DST is touched: DeepSeek-V4 has no static attention inputs (nor a KV cache: above)
+            raise OptionError(f"{arch.model_type}: --static-attention is not calibrated for this model family "
+                              "(--method gptq / awq / smoothquant are)")
         from cvt.convert.outdir import calibration_dir
 
         tokens = calib_data(ckpt, calib, calib_tokens)  # before DST is touched: too few tokens are refused
@@ -128,6 +130,18 @@ def _source_format(ckpt: Checkpoint, src) -> SourceFormat:
         raise FormatError(f"{src}: cannot quantize {article(src_fmt.value)} checkpoint (quantize reads BF16, FP8 block "
                           "and compressed-tensors pack-quantized INT4 checkpoints)")
     return src_fmt
+
+
+def _check_kv_family(config: dict, arch, scheme: str, kv_dtype: str | None) -> None:
+    """OptionError when the model family has no KV-cache quantization in cvt (its runtime model
+    does not calibrate one: DeepSeek-V4), whatever --kv-dtype asks for."""
+    from cvt.runtime.models import family
+
+    if getattr(family(config)[0].Model, "calibrates_kv", True):
+        return
+    asked = f"--scheme {scheme}" + (f" --kv-dtype {kv_dtype}" if kv_dtype else "")
+    raise OptionError(f"{arch.model_type}: {asked} quantizes the KV cache, and cvt has no KV-cache quantization for "
+                      f"{arch.table.display} (its cache is not calibrated); give a scheme without a KV cache")
 
 
 def _kv_codec(config: dict, plan: Plan, form, target: str, kv_dtype: str | None, kv_static: bool) -> str:
