@@ -304,7 +304,8 @@ def inspect_cmd(path, revision, as_json, quiet):
 @cli.command("run")
 @click.argument("model")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
-@click.option("--input-ids", "input_ids", multiple=True, help="Comma-separated token ids instead of text (repeatable).")
+@click.option("--input-ids", "input_ids", type=options.INPUT_IDS, multiple=True, metavar="IDS",
+              help="Comma-separated token ids instead of text (repeatable).")
 @click.option("--max-new-tokens", type=click.IntRange(0), default=32, show_default=True)
 @click.option("--temperature", type=FiniteFloat(0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)

@@ -157,6 +157,24 @@ class SocVersion(click.ParamType):
 SOC_VERSION = SocVersion()
 
 
+class InputIds(click.ParamType):
+    """`cvt run --input-ids 1,2,3`: comma-separated token ids, at least one, none negative
+    (`cvt.runtime.tokenizer.input_ids_problem`); kept as the text the ranks are given."""
+
+    name = "ids"
+
+    def convert(self, value, param, ctx):
+        from cvt.runtime.tokenizer import input_ids_problem
+
+        why = input_ids_problem(value)
+        if why is not None:
+            self.fail(why, param, ctx)
+        return value
+
+
+INPUT_IDS = InputIds()
+
+
 # the command line `main` was given: what `ranks` re-runs on each rank
 ARGV: list[str] = []
 
