@@ -22,7 +22,7 @@ from cvt.quant.recipe import RTN, Policy, Recipe
 from cvt.qtensor.schemes import scheme_from_options
 from cvt.units import article
 from cvt.world import SINGLE, World
-from cvt.quant.stage.assignment import Plan, check_kv_target, make_plan, names_where
+from cvt.quant.stage.assignment import Plan, check_kv_target, check_method, make_plan, names_where
 from cvt.quant.stage import fp4_source
 from cvt.quant.stage.calibrate import Calibrated, calib_data, calibrate
 from cvt.quant.stage.outputs import int8_kv, kv_static as _kv_static
@@ -52,6 +52,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
     form, target, line, sch = _check_request(scheme, fmt, target, target_version, group_size, fp4_format, recipe,
                                              static_attention)
+    if recipe is None:  # --method against --scheme, before anything is read (a recipe's rules: per module)
+        check_method(method, sch)
     req = Request(scheme, fmt, target, method, group_size, asym, getattr(sch, "fp4_format", None),
                   static_attention, workers, max_shard_size, resume, overwrite, quiet, line, kv_dtype)
     ckpt = open_checkpoint(src, revision)
