@@ -204,6 +204,7 @@ def test_bad_environment(case: EnvCase, sources, v4_release, tmp_path, monkeypat
     _run_case(case, sources, v4_release, tmp_path, monkeypatch)
 
 
+@pytest.mark.slow  # a calibrated quantize run
 def test_the_default_calib_tokens_still_take_a_shorter_file(sources, tmp_path, caplog):
     """The default --calib-tokens is a bound, not a demand: a --calib file shorter than 32768
     tokens is used whole, with one warning (docs/quantize.md); only a count the user gives is
@@ -259,6 +260,7 @@ def test_a_calibrated_layer_shows_the_tokens_through_it():
     assert not layer._forward_hooks  # the hook goes with the layer's calibration
 
 
+@pytest.mark.slow  # a calibrated quantize run
 def test_quantize_shows_the_layer_bar(sources, tmp_path):
     _, _, qwen = sources
     r = run_cvt("quantize", qwen, tmp_path / "q", "--scheme", "w8a8", "--method", "smoothquant", "--calib-tokens",
