@@ -99,7 +99,7 @@ class QuantizeOptions(_WriteOptions):
     asym: bool = False
     fp4_format: Optional[str] = None                  # None: nvfp4
     calib: Optional[Path] = None
-    calib_tokens: int = Field(32768, ge=16)
+    calib_tokens: Optional[int] = Field(None, ge=16)  # None: up to cvt.corpus.CALIB_TOKENS; given: all of them
     device: str = "cpu"
     expert_memory: int = Field(4 * 2**30, gt=0)
     static_attention: bool = False

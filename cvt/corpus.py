@@ -40,6 +40,11 @@ CALIBRATION = (
 SLICES = {"training": TRAINING, "heldout": HELDOUT, "calibration": CALIBRATION}
 MIN_CHARS = {"training": 200_000, "heldout": 20_000, "calibration": 200_000}
 CHUNK = 4096  # characters: the calibration slice alternates sources about this often
+CALIB_TOKENS = 32768
+"""``cvt quantize --calib-tokens``' default (128 sequences x 256, llm-compressor's GPTQ budget at
+that length), a bound: the calibration slice gives more with any tokenizer, and a shorter
+``--calib`` file is used whole with a warning. A count the user gives is a demand (more than the
+text gives is refused: `cvt.quant.methods.data`)."""
 
 
 def stdlib_dir() -> Path:

@@ -1,8 +1,8 @@
 """The one progress bar of every long-running step (tqdm on stderr; `--quiet` turns it off).
 
 `make_progress(total, desc, quiet, unit)` is used by the writers (bytes written), model loading
-(bytes of tensors read), verify (layers scored), generation (tokens), calibration (layers),
-ONNX export and the benches (rows).
+(bytes of tensors read), verify (layers scored), generation (tokens), calibration (layers, and
+the tokens through the current layer, pass by pass), ONNX export and the benches (rows).
 
 A plain tqdm bar estimates its rate, and so its ETA, from the first update on: when that
 update comes after a slow start (opening files, building the model, a first matmul) the first
@@ -33,6 +33,10 @@ def _progress_class():
                 # before tqdm's __init__: it draws the first frame, which reads format_dict
                 self._updates, self._first = 0, None
                 super().__init__(*args, **kwargs)
+
+            def reset(self, total=None):  # a new run of the same bar: its rate is measured afresh
+                self._updates, self._first = 0, None
+                return super().reset(total)
 
             def update(self, n=1):
                 if not self.disable:

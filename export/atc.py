@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from cvt.errors import CvtError
+from cvt.errors import CvtError, OptionError
 
 MIN_OPSET, MAX_OPSET = 9, 18
 DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -150,6 +150,24 @@ class GraphCheckError(CvtError):
 
 
 # -- reading a graph --------------------------------------------------------------------------
+def onnx_file(path: Path) -> Path:
+    """`path` when it is a regular file; else CvtError saying what it is (from its stat, never
+    opened: a FIFO would block the open until a writer comes)."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise CvtError(f"{path}: no such ONNX file") from None
+    except OSError as exc:
+        raise CvtError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        from cvt.convert.reader import file_kind
+
+        raise CvtError(f"{path}: not a regular file ({file_kind(path)}); give an .onnx file")
+    return path
+
+
 def load_model(model):
     """(ModelProto, label) from a path or a ModelProto; external weights are not read."""
     from cvt.extras import require
@@ -158,9 +176,7 @@ def load_model(model):
 
     if isinstance(model, onnx.ModelProto):
         return model, f"<model {model.graph.name or 'graph'}>"
-    path = Path(model)
-    if not path.is_file():
-        raise CvtError(f"{path}: no such ONNX file")
+    path = onnx_file(Path(model))
     try:
         return onnx.load(str(path), load_external_data=False), str(path)
     except Exception as exc:  # protobuf DecodeError and friends
@@ -422,14 +438,24 @@ def _check_profiles(input_shape: str, dynamic_dims: str) -> None:
 
 
 # -- the command ------------------------------------------------------------------------------
-def check_soc_version(soc_version: str) -> str:
-    """`soc_version` when it is an Ascend SoC name of a series atc knows (`SOC_SERIES`), else CvtError."""
+def soc_problem(soc_version: str) -> str | None:
+    """Why `soc_version` is not an Ascend SoC name of a series atc knows (`SOC_SERIES`), starting
+    with the value, valid examples in it; None when it is one. The CLI's option type
+    (`cvt.cli.options.SocVersion`, exit 2) and `check_soc_version` say the same."""
     if not SOC_RE.match(soc_version or ""):
-        raise CvtError(f"--soc-version {soc_version!r} is not an Ascend SoC name like {SOC_EXAMPLES} "
-                       "('Ascend' + the Name that npu-smi info shows; A3: <Chip Name>_<NPU Name>)")
+        return (f"{soc_version!r} is not an Ascend SoC name like {SOC_EXAMPLES} ('Ascend' + the Name that npu-smi "
+                "info shows; A3: <Chip Name>_<NPU Name>)")
     if soc_version[:9] not in SOC_SERIES:
-        raise CvtError(f"--soc-version {soc_version!r}: no Ascend SoC series {soc_version[6:9]} (atc knows "
-                       f"{', '.join(s[6:] for s in SOC_SERIES)}: e.g. {SOC_EXAMPLES})")
+        return (f"{soc_version!r}: no Ascend SoC series {soc_version[6:9]} (atc knows "
+                f"{', '.join(s[6:] for s in SOC_SERIES)}: e.g. {SOC_EXAMPLES})")
+    return None
+
+
+def check_soc_version(soc_version: str) -> str:
+    """`soc_version` when it is an Ascend SoC name of a series atc knows, else OptionError (`soc_problem`)."""
+    why = soc_problem(soc_version)
+    if why is not None:
+        raise OptionError(f"--soc-version {why}")
     return soc_version
 
 

@@ -41,6 +41,7 @@ from cvt.export.atc import (
     check_for_atc,
     check_soc_version,
     load_model,
+    onnx_file,
     parse_dynamic_dims,
     parse_input_shape,
     precheck,
@@ -137,10 +138,8 @@ def find_onnx(path: Path) -> Path:
         if len(found) != 1:
             raise CvtError(f"{path}: holds {len(found)} .onnx files ({', '.join(p.name for p in found) or 'none'}); "
                            "give the one to convert")
-        return found[0]
-    if not path.is_file():
-        raise CvtError(f"{path}: no such ONNX file")
-    return path
+        return onnx_file(found[0])
+    return onnx_file(path)
 
 
 def export_om(onnx, dst, soc_version: str, *, input_shape: str | None = None, dynamic_dims: str | None = None,

@@ -40,6 +40,18 @@ class Method:
     summary: str
     data: bool  # calibrates on --calib text
     kernels: tuple[str, ...] | None = None
+    why_not: str = ""  # why a scheme outside `kernels` is refused, for messages
+
+
+def method_schemes(method: str) -> list[str] | None:
+    """The schemes `method` quantizes: those producing a kernel format it takes (None: any)."""
+    from cvt.qtensor.layouts import kernel_formats
+    from cvt.qtensor.schemes import get_scheme, scheme_names
+
+    kernels = METHOD_TABLE[method].kernels
+    if kernels is None:
+        return None
+    return [s for s in scheme_names() if kernel_formats(get_scheme(s)) & set(kernels)]
 
 
 RTN, SMOOTHQUANT, GPTQ, AWQ = "rtn", "smoothquant", "gptq", "awq"  # the methods' names, defined here
@@ -50,10 +62,11 @@ for _m in (
     # weight-only scheme would get harder weights and nothing back)
     Method(SMOOTHQUANT, "per-channel factors folded from the RMSNorm into its consumers, then RTN: flatter "
                         "activations for their int8 quantization", data=True,
-           kernels=(KF.W8A8_DYNAMIC, KF.W8A8_STATIC, KF.W4A8_DYNAMIC)),
-    # GPTQ's error feedback is written for int4 / int8 per channel / fp4 / MX weights
+           kernels=(KF.W8A8_DYNAMIC, KF.W8A8_STATIC, KF.W4A8_DYNAMIC),
+           why_not="it smooths activations for their int8 per-token quantization, which this scheme does not use"),
     Method(GPTQ, "column-wise quantization with inverse-Hessian error feedback", data=True,
-           kernels=(KF.W4A16, KF.W8A8_DYNAMIC, KF.NVFP4, KF.MXFP4, KF.MXFP8, KF.W4A4_MXFP4, KF.W4A8_MXFP)),
+           kernels=(KF.W4A16, KF.W8A8_DYNAMIC, KF.NVFP4, KF.MXFP4, KF.MXFP8, KF.W4A4_MXFP4, KF.W4A8_MXFP),
+           why_not="its error feedback is written for int4, int8 per-channel, fp4 and MX weights"),
     Method(AWQ, "activation-aware scales folded into the producer and a clipping search, then RTN", data=True),
 ):
     METHOD_TABLE.add(_m.name, _m)

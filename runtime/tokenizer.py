@@ -8,7 +8,7 @@ import stat
 from pathlib import Path
 
 from cvt.convert.reader import file_kind
-from cvt.errors import CvtError
+from cvt.errors import CvtError, OptionError
 
 
 class Tokenizer:
@@ -50,6 +50,21 @@ def _first_id(v):
     return v
 
 
+def input_ids_problem(text: str) -> str | None:
+    """Why one --input-ids value ("1,2,3"; spaces and empty items between commas ignored) is no
+    list of token ids, starting with the value; None when it is one. The CLI's option type says it
+    (exit 2) before anything is read; the vocabulary bound needs the model (`prompt_ids`)."""
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        return f"{text!r}: expected comma-separated integers"
+    if not ids:
+        return f"{text!r}: no token id in it (expected comma-separated integers, e.g. 1,2,3)"
+    if min(ids) < 0:
+        return f"{text!r}: token id {min(ids)} is negative"
+    return None
+
+
 def prompt_ids(tok: "Tokenizer", prompts, input_ids, vocab: int) -> list[list[int]]:
     """Token ids of `cvt run`'s --prompt texts and --input-ids lists ("1,2,3"), each id checked
     against the vocabulary; CvtError naming the bad option value or id."""
@@ -61,16 +76,18 @@ def prompt_ids(tok: "Tokenizer", prompts, input_ids, vocab: int) -> list[list[in
             raise CvtError(f"--prompt '{shown}': not UTF-8 text (character {exc.start})") from None
     ids = [tok.encode(p) for p in prompts]
     for text in input_ids:
-        try:
-            ids.append([int(x) for x in text.replace(" ", "").split(",") if x])
-        except ValueError:
-            raise CvtError(f"--input-ids {text!r}: expected comma-separated integers") from None
+        why = input_ids_problem(text)
+        if why is not None:
+            raise OptionError(f"--input-ids {why}")
+        ids.append([int(x) for x in text.replace(" ", "").split(",") if x])
     if not ids:
         raise CvtError("give --prompt TEXT or --input-ids 1,2,3")
-    for seq in ids:
+    given = [None] * len(prompts) + list(input_ids)  # the --input-ids text of each list (None: a --prompt's)
+    for seq, text in zip(ids, given):
         bad = [i for i in seq if not 0 <= i < vocab]
         if bad:
-            raise CvtError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            raise CvtError(("" if text is None else f"--input-ids {text!r}: ")
+                           + f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     return ids
 
 
@@ -117,7 +134,9 @@ def read_ids(tok: "Tokenizer", path: Path, need: int, *, option: str, skip_blank
     try:
         with open(path, encoding="utf-8") as f:  # text mode: newlines as Path.read_text reads them
             if path.suffix != ".jsonl":
-                blank, got = _encode_prefix(tok, lambda k: bounded(f.read(k), True), need)
+                # never more than the bound at once (a read of 16 x 10**9 characters allocates that much)
+                blank, got = _encode_prefix(tok, lambda k: bounded(f.read(min(k, MAX_TEXT_CHARS + 1 - read)), True),
+                                            need)
                 if not (skip_blank and blank):
                     ids, used = got, 1
                 return ids, used
@@ -170,6 +189,8 @@ def _json_text(line: str, path: Path, i: int) -> str:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise CvtError(f"{path}:{i}: not a JSON line: {exc}") from None
+    except RecursionError:  # e.g. 50,000 nested arrays: Python's parser runs out of stack
+        raise CvtError(f'{path}:{i}: JSON nested too deeply (expected an object with a "text" string)') from None
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
         raise CvtError(f'{path}:{i}: expected an object with a "text" string')
     return obj["text"]

@@ -112,7 +112,11 @@ def test_method_help_says_what_quantize_accepts():
 
 def test_smoothquant_on_a_weight_only_scheme_is_refused(release, tmp_path):
     r = run_cvt("quantize", release, tmp_path / "q", "--scheme", "w4a16", "--method", "smoothquant")
-    assert r.rc == 1 and "--method smoothquant does not support scheme w4a16 (it smooths activations" in r.err, r.err
+    # issue 37: a usage error (exit 2) that starts with the option, not a module name, and names the
+    # schemes the method applies to (the method table's)
+    assert r.rc == 2 and r.err == ("cvt: error: --method smoothquant does not apply to --scheme w4a16: it smooths "
+                                   "activations for their int8 per-token quantization, which w4a16 does not use; "
+                                   "smoothquant applies to --scheme w4a8, w8a8, w8a8c8\n"), r.err
     assert not (tmp_path / "q" / "cvt_manifest.json").exists()
 
 

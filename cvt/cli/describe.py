@@ -66,20 +66,8 @@ def targets() -> str:
             f"{_entries({t: TARGET_SUMMARIES[t] for t in ASCEND_TARGETS})}.")
 
 
-def method_schemes(method: str) -> list[str] | None:
-    """The schemes `method` quantizes: those producing a kernel format it takes (None: any)."""
-    from cvt.quant.recipe import METHOD_TABLE
-    from cvt.qtensor.layouts import kernel_formats
-    from cvt.qtensor.schemes import get_scheme, scheme_names
-
-    kernels = METHOD_TABLE[method].kernels
-    if kernels is None:
-        return None
-    return [s for s in scheme_names() if kernel_formats(get_scheme(s)) & set(kernels)]
-
-
 def methods() -> str:
-    from cvt.quant.recipe import METHOD_TABLE, METHODS
+    from cvt.quant.recipe import METHOD_TABLE, METHODS, method_schemes
 
     parts = []
     for m in METHOD_TABLE.values():

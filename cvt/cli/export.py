@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from cvt.cli.options import EXIT_THRESHOLD, common
+from cvt.cli.options import EXIT_THRESHOLD, SOC_VERSION, common
 from cvt.export.atc import INPUT_FORMATS, LOG_LEVELS, PRECISION_MODES  # plain constants (atc imports no onnx)
 
 
@@ -81,7 +81,7 @@ def onnx_cmd(src, dst, scope, layer, dtype, int4_op, w8a8_op, opset, accuracy_le
 @export.command("om")
 @click.argument("onnx", type=click.Path(exists=True))
 @click.argument("dst", type=click.Path(file_okay=False))
-@click.option("--soc-version", required=True, help="Target SoC, e.g. Ascend910B3, Ascend310P3 ('Ascend' + npu-smi's Name).")
+@click.option("--soc-version", type=SOC_VERSION, required=True, metavar="SOC", help="Target SoC, e.g. Ascend910B3, Ascend310P3 ('Ascend' + npu-smi's Name).")
 @click.option("--input-shape", help="atc --input_shape, e.g. \"input_ids:1,128\" (-1 or a~b for dynamic dims); "
                                     "default: the graph's own shapes when all are static.")
 @click.option("--dynamic-dims", help="atc --dynamic_dims profiles, one value per -1 in --input-shape, e.g. \"128;512;2048\".")

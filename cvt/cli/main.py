@@ -22,6 +22,7 @@ from cvt.cli.options import (EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_P
                              FP4_FORMATS, METHODS, PLAN_SCHEMES, SCHEMES, SIZE, TARGETS, FiniteFloat, common,
                              human, on_processes, ranks)
 from cvt import api
+from cvt.corpus import CALIB_TOKENS
 from cvt.version import __version__
 
 log = logging.getLogger("cvt")
@@ -98,9 +99,11 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @click.option("--fp4-format", type=FP4_FORMATS, default=None,
               help="Default nvfp4. nvfp4: group 16, E4M3 scales + a global scale; mxfp4: group 32, E8M0 scales.")
 @click.option("--calib", type=click.Path(dir_okay=False), help="Calibration text or .jsonl (\"text\" field); default: a built-in sample.")
-@click.option("--calib-tokens", type=click.IntRange(16), default=32768, show_default=True,
+@click.option("--calib-tokens", type=click.IntRange(16), default=CALIB_TOKENS, show_default=True,
               help="Calibration tokens to use, in sequences of 256 (the default: 128 x 256, the budget "
-                   "llm-compressor's GPTQ examples use at that length; fewer leave MoE experts few rows).")
+                   "llm-compressor's GPTQ examples use at that length; fewer leave MoE experts few rows). A count "
+                   "above what the calibration text gives is refused; the default takes what a shorter --calib "
+                   "file gives.")
 @click.option("--device", type=click.Choice(get_args(api.Device)), default="cpu", show_default=True,
               help="Where calibration computes (gptq / awq / smoothquant, --static-attention, w8a8c8): each decoder "
                    "layer is read from SRC onto it, calibrated and dropped; RTN needs no device.")
@@ -135,6 +138,8 @@ def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method
     experts copied unchanged into the MX FP4 schemes - or compressed-tensors INT4) into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
     tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay
     float by default."""
+    if click.get_current_context().get_parameter_source("calib_tokens") is click.core.ParameterSource.DEFAULT:
+        calib_tokens = None  # the default is a bound (a shorter text is used whole), a given count a demand
     r = api.quantize(api.QuantizeOptions(
         src=src, dst=dst, scheme=scheme, fmt=fmt, target=target, target_version=target_version, kv_dtype=kv_dtype,
         method=method, group_size=group_size, asym=asym,
@@ -299,7 +304,8 @@ def inspect_cmd(path, revision, as_json, quiet):
 @cli.command("run")
 @click.argument("model")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
-@click.option("--input-ids", "input_ids", multiple=True, help="Comma-separated token ids instead of text (repeatable).")
+@click.option("--input-ids", "input_ids", type=options.INPUT_IDS, multiple=True, metavar="IDS",
+              help="Comma-separated token ids instead of text (repeatable).")
 @click.option("--max-new-tokens", type=click.IntRange(0), default=32, show_default=True)
 @click.option("--temperature", type=FiniteFloat(0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)

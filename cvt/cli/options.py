@@ -139,6 +139,42 @@ class FiniteFloat(click.FloatRange):
         return super().convert(rv, param, ctx)
 
 
+class SocVersion(click.ParamType):
+    """An Ascend SoC name atc knows (`cvt.export.atc.soc_problem`: 'Ascend' + npu-smi's Name, of a
+    known chip series): a typo is a usage error (exit 2) naming valid ones, not an atc failure."""
+
+    name = "soc"
+
+    def convert(self, value, param, ctx):
+        from cvt.export.atc import soc_problem
+
+        why = soc_problem(value)
+        if why is not None:
+            self.fail(why, param, ctx)
+        return value
+
+
+SOC_VERSION = SocVersion()
+
+
+class InputIds(click.ParamType):
+    """`cvt run --input-ids 1,2,3`: comma-separated token ids, at least one, none negative
+    (`cvt.runtime.tokenizer.input_ids_problem`); kept as the text the ranks are given."""
+
+    name = "ids"
+
+    def convert(self, value, param, ctx):
+        from cvt.runtime.tokenizer import input_ids_problem
+
+        why = input_ids_problem(value)
+        if why is not None:
+            self.fail(why, param, ctx)
+        return value
+
+
+INPUT_IDS = InputIds()
+
+
 # the command line `main` was given: what `ranks` re-runs on each rank
 ARGV: list[str] = []
 

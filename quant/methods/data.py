@@ -3,8 +3,10 @@ into ``[b, s]`` sequences for the calibrated methods, KV-cache scales and static
 
 The built-in set is the "calibration" slice of the running Python's standard library source
 (`cvt.corpus`: the language reference's prose interleaved with modules; about 1 MB, more than
-``--calib-tokens``' default of 32768 tokens with any tokenizer). When the text gives fewer tokens
-than asked, one warning says how many were used."""
+``--calib-tokens``' default of 32768 tokens with any tokenizer). The default is a bound: when the
+text gives fewer tokens, one warning says how many were used. A count the user gave is a demand:
+a text that gives fewer tokens is refused, naming ``--calib-tokens``, the asked and the available
+counts, before any calibration work (rather than silently calibrating on less)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def check_calib(path: Path | str) -> Path:
 
 
 def calib_tokens(tokenizer, calib: Path | str | None = None, *, seq_len: int = 512, max_sequences: int = 128,
-                 max_len: int | None = None) -> torch.Tensor:
+                 max_len: int | None = None, asked: int | None = None) -> torch.Tensor:
     """Token ids [b, s] for calibration: ``calib`` (text or .jsonl with "text"), or the built-in
     calibration set (`cvt.corpus`, slice "calibration") when None.
 
@@ -41,22 +43,29 @@ def calib_tokens(tokenizer, calib: Path | str | None = None, *, seq_len: int = 5
     model's positions) is shorter, sequences of `max_len` are cut, more of them, to the same
     total. A text shorter than one sequence gives one shorter sequence. Only what is used is
     read (`cvt.runtime.tokenizer.read_ids`; the built-in set a piece at a time). Fewer tokens
-    than asked log one warning. Missing / empty / non-regular files are errors."""
+    than asked log one warning, unless `asked` (``--calib-tokens`` as the user gave it) is more
+    than the text gives: a CvtError naming both counts. Missing / empty / non-regular files are errors."""
     from cvt.runtime.tokenizer import read_ids
 
     want = max_sequences * seq_len
+    need = max(want, asked or 0)  # enough to tell whether the text holds `asked` tokens
     if max_len:
         seq_len = min(seq_len, max_len)
     if calib is not None:
         path = check_calib(calib)
-        ids, used = read_ids(tokenizer, path, want, option="--calib", skip_blank=True)
+        ids, used = read_ids(tokenizer, path, need, option="--calib", skip_blank=True)
         if not used:
             raise CvtError(f"--calib {path}: no text to calibrate on (the file is empty; expected text, "
                            "or .jsonl lines with a \"text\" field)")
         where = f"--calib {path}"
     else:
         where = "the built-in calibration set"
-        ids = _builtin_ids(tokenizer, want)
+        ids = _builtin_ids(tokenizer, need)
+    if asked is not None and len(ids) < asked:
+        more = "a --calib file with more text" if calib is None else "a longer --calib file"
+        raise CvtError(f"--calib-tokens {asked}: more than the {len(ids)} tokens {where} gives with this model's "
+                       f"tokenizer; give --calib-tokens {len(ids)} or fewer, or {more}")
+    ids = ids[:want]
     if len(ids) < 2:
         raise CvtError(f"{where}: {len(ids)} token(s), too few to calibrate")
     n = min(want // seq_len, len(ids) // seq_len)

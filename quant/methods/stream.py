@@ -42,6 +42,7 @@ import json
 import logging
 import resource
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -120,12 +121,14 @@ def _streams_experts(layer: nn.Module, prefix: str, plan, o: dict, moe: str = "m
     from cvt.quant.methods.expert_stream import expert_bytes
 
     if moe != "mlp":
+        from cvt.units import binary_size
+
         need = expert_bytes(layer, moe)
-        if need > o["max_expert_bytes"]:
-            raise CvtError(f"{prefix}{moe}.experts: {need / 2**30:.1f} GiB of routed experts in float32, above "
-                           f"--expert-memory ({o['max_expert_bytes'] / 2**30:.1f} GiB); this family's blocks are "
-                           "calibrated with all their experts at once (not a chunk at a time): give --expert-memory "
-                           "at least that on a host with the memory, or quantize with --method rtn")
+        if need > o["max_expert_bytes"]:  # sizes in units that show them (a tiny model's are KiB, not "0.0 GiB")
+            raise CvtError(f"{prefix}{moe}.experts: {binary_size(need)} ({need} bytes) of routed experts in float32, "
+                           f"above --expert-memory ({binary_size(o['max_expert_bytes'])}); this family's blocks are "
+                           f"calibrated with all their experts at once (not a chunk at a time): give --expert-memory "
+                           f"{need} or more on a host with the memory, or quantize with --method rtn")
         return False
     if not isinstance(getattr(layer, "mlp", None), nn.Module):
         return False
@@ -230,7 +233,8 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
     bar = make_progress(n_layers, "calibrate", quiet, unit="layer", initial=start)
     try:
         for i in range(start, n_layers):
-            x, seconds = layers.calibrate(i, x, args, kwargs, res)
+            with _layer_progress(layers.layers[i], f"layer {i + 1}/{n_layers}", mine.numel(), quiet):
+                x, seconds = layers.calibrate(i, x, args, kwargs, res)
             if spill:  # the next input from the state file, not RAM
                 x = store.x(i + 1, shape, True).to(device)
             layers.drop(i)
@@ -349,6 +353,34 @@ class _Layers:
         """Layer i's weights dropped (back to the meta device), the freed heap handed back."""
         self.layers[i].to("meta")
         _trim()
+
+
+@contextmanager
+def _layer_progress(layer: nn.Module, desc: str, tokens: int, quiet: bool):
+    """A bar of the calibration tokens through `layer` (this rank's `tokens` per pass), under the
+    layers' bar: the driver runs a layer several times (statistics per stage, GPTQ Hessian chunks,
+    expert chunks, its output), each pass counted afresh, so that a layer taking minutes visibly
+    moves. Counted by a forward hook on the decoder layer: every pass calls it batch by batch."""
+    from cvt.progress import make_progress
+
+    bar = make_progress(tokens, desc, quiet, unit="token", leave=False, position=1)
+    passes = [1]
+
+    def tick(module, args, out) -> None:
+        if not args or not hasattr(args[0], "shape") or args[0].dim() < 2:
+            return
+        if bar.n >= tokens:  # the next pass over the calibration tokens
+            passes[0] += 1
+            bar.reset(tokens)
+            bar.set_description(f"{desc}, pass {passes[0]}", refresh=False)
+        bar.update(int(args[0].shape[0] * args[0].shape[1]))
+
+    hook = layer.register_forward_hook(tick)
+    try:
+        yield bar
+    finally:
+        hook.remove()
+        bar.close()
 
 
 def _merge(res: StreamResult, meta: dict) -> None:

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from cvt.convert.arch import Role, text_config
 from cvt.convert.fp4 import FP4_DTYPES
 from cvt.convert.reader import Checkpoint
-from cvt.errors import CvtError, FormatError, TensorError
+from cvt.errors import CvtError, FormatError, OptionError, TensorError
 from cvt.qtensor.formats import default_group, group_fallback
-from cvt.quant.recipe import METHOD_TABLE, SMOOTHQUANT, Policy
+from cvt.quant.recipe import METHOD_TABLE, Policy, method_schemes
 from cvt.quant.stage.fp4_source import fp4_experts
 from cvt.qtensor.schemes import scheme_from_options
 from cvt.qtensor.schemes.base import Scheme
@@ -102,12 +102,11 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
         plan.experts[module] = expert
         plan.methods[module] = choice.method
         kernels = method_kernels(choice.method)
-        if kernels is not None and layouts.kernel_fmt_of(scheme) not in kernels:
-            why = (" (it smooths activations for their int8 per-token quantization, which this scheme does not use)"
-                   if choice.method == SMOOTHQUANT else "")
-            raise CvtError(f"{module}: --method {choice.method} does not support scheme {scheme.name}{why} "
-                           f"({layouts.kernel_fmt_of(scheme)}; {choice.method} handles {', '.join(kernels)}): use "
-                           "rtn, or give this module another method or scheme in a recipe")
+        if kernels is not None and layouts.kernel_fmt_of(scheme) not in kernels:  # a recipe's choice
+            why = METHOD_TABLE[choice.method].why_not
+            raise CvtError(f"{module}: --method {choice.method} does not support scheme {scheme.name}"
+                           f"{f' ({why})' if why else ''} ({layouts.kernel_fmt_of(scheme)}; {choice.method} handles "
+                           f"{', '.join(kernels)}): use rtn, or give this module another method or scheme in a recipe")
     if plan.group_fallbacks:  # one line for the run; each module is in the manifest's fallbacks
         names = sorted(plan.group_fallbacks)
         log.warning(f"cvt: {len(names)} linear(s) whose in_features the group size does not divide are quantized "
@@ -122,6 +121,20 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
             if len(group) > 1:
                 plan.shared[module] = group
     return plan
+
+
+def check_method(method: str, scheme) -> None:
+    """OptionError when --method cannot quantize --scheme (the `scheme` instance the options
+    build), before anything is read: the method table's kernel formats and reason, and the
+    schemes it does apply to. (A recipe's per-module choices are checked in `make_plan`.)"""
+    from cvt.qtensor import layouts
+
+    kernels = method_kernels(method)
+    if kernels is None or layouts.kernel_fmt_of(scheme) in kernels:
+        return
+    why = METHOD_TABLE[method].why_not.replace("this scheme", scheme.name)
+    raise OptionError(f"--method {method} does not apply to --scheme {scheme.name}: {why or 'not one it quantizes'}; "
+                      f"{method} applies to --scheme {', '.join(method_schemes(method))}")
 
 
 def method_kernels(method: str) -> tuple[str, ...] | None:

@@ -42,27 +42,34 @@ class Calibrated:
     summary: dict | None = None
 
 
-def calibrate(ckpt: Checkpoint, plan: Plan, calib, calib_tokens: int, static_attention: bool,
+def calib_data(ckpt: Checkpoint, calib, calib_tokens: int | None) -> torch.Tensor:
+    """The calibration token ids [b, 256] (`cvt.quant.methods.data.calib_tokens`): `calib_tokens`
+    as asked, all of them or a CvtError (None: the default, a bound)."""
+    from cvt.corpus import CALIB_TOKENS
+    from cvt.quant.methods.data import calib_tokens as calib_tokens_of
+    from cvt.runtime.models import family
+    from cvt.runtime.tokenizer import load_tokenizer
+
+    mod, cfg = family(ckpt.config)
+    return calib_tokens_of(load_tokenizer(ckpt.root, ckpt.config), calib, seq_len=256,
+                           max_sequences=max(1, (calib_tokens or CALIB_TOKENS) // 256),
+                           max_len=mod.Args.from_config(cfg).max_position_embeddings, asked=calib_tokens)
+
+
+def calibrate(ckpt: Checkpoint, plan: Plan, tokens: torch.Tensor, static_attention: bool,
               kv_codec: str, state_dir: Path, device, quiet: bool, expert_memory: int | None = None,
               kv_static: bool = True, ascend_names: bool = False, source: Source | None = None,
               world: World = SINGLE) -> Calibrated:
-    """Calibration text through the model, one decoder layer from disk at a time
+    """Calibration `tokens` (`calib_data`) through the model, one decoder layer from disk at a time
     (`cvt.quant.methods.stream`): the calibrated methods, static activation scales of the
     attention projections (--static-attention: amax / 127 of what they see, after smoothing and
     with the earlier layers quantized) and KV-cache scales (w8a8c8). Resumable per layer. `world`:
     the ranks that share the calibration sequences."""
     import hashlib
 
-    from cvt.quant.methods.data import calib_tokens as calib_tokens_of
     from cvt.quant.methods.stream import calibrate_streaming, kv_scales, text_prefix
-    from cvt.runtime.models import family
-    from cvt.runtime.tokenizer import load_tokenizer
     from cvt.schemas.manifest import Fallback as ManifestFallback
 
-    mod, cfg = family(ckpt.config)
-    tokens = calib_tokens_of(load_tokenizer(ckpt.root, ckpt.config), calib, seq_len=256,
-                             max_sequences=max(1, calib_tokens // 256),
-                             max_len=mod.Args.from_config(cfg).max_position_embeddings)
     c8 = kv_static and int8_kv(plan)
     plan, frozen = fp4_source.calibration_plan(plan, source) if source is not None else (plan, frozenset())
     res = calibrate_streaming(ckpt, plan, tokens, state_dir, device=device, observe_kv=c8, quiet=quiet,

@@ -22,9 +22,9 @@ from cvt.quant.recipe import RTN, Policy, Recipe
 from cvt.qtensor.schemes import scheme_from_options
 from cvt.units import article
 from cvt.world import SINGLE, World
-from cvt.quant.stage.assignment import Plan, check_kv_target, make_plan, names_where
+from cvt.quant.stage.assignment import Plan, check_kv_target, check_method, make_plan, names_where
 from cvt.quant.stage import fp4_source
-from cvt.quant.stage.calibrate import Calibrated, calibrate
+from cvt.quant.stage.calibrate import Calibrated, calib_data, calibrate
 from cvt.quant.stage.outputs import int8_kv, kv_static as _kv_static
 from cvt.quant.stage.quantizer import Source
 from cvt.quant.stage.write import Request, write
@@ -34,7 +34,7 @@ log = logging.getLogger("cvt")
 
 def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | None = None,
              group_size: int | None = None, asym: bool = False, fp4_format: str | None = None, calib: Path | None = None,
-             calib_tokens: int = 32768, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
+             calib_tokens: int | None = None, ignore: tuple[str, ...] = (), recipe: Recipe | None = None,
              static_attention: bool = False, revision: str | None = None, workers: int | None = None,
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
              quiet: bool = False, target: str | None = None, device: str = "cpu",
@@ -45,11 +45,15 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
     reads at once, as float32 (None: `cvt.quant.methods.stream.MAX_EXPERT_BYTES`). `target_version`:
     the vllm-ascend release line (`cvt.qtensor.stack_versions`); `kv_dtype`: the quantized KV
-    cache's storage, int8 or fp8 (`cvt.qtensor.kv_tensors.kv_storage`). `world`: the ranks that
-    share the work (`cvt.world`: a started torchrun world; one process by default)."""
+    cache's storage, int8 or fp8 (`cvt.qtensor.kv_tensors.kv_storage`). `calib_tokens`: the
+    calibration tokens asked for, refused when the text gives fewer (None: up to
+    `cvt.corpus.CALIB_TOKENS`, fewer with a warning when the text is shorter). `world`: the ranks
+    that share the work (`cvt.world`: a started torchrun world; one process by default)."""
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
     form, target, line, sch = _check_request(scheme, fmt, target, target_version, group_size, fp4_format, recipe,
                                              static_attention)
+    if recipe is None:  # --method against --scheme, before anything is read (a recipe's rules: per module)
+        check_method(method, sch)
     req = Request(scheme, fmt, target, method, group_size, asym, getattr(sch, "fp4_format", None),
                   static_attention, workers, max_shard_size, resume, overwrite, quiet, line, kv_dtype)
     ckpt = open_checkpoint(src, revision)
@@ -63,6 +67,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         check_kv_target(ckpt.config, plan, fmt, target)
         kv_static = _kv_static(ckpt.config, plan, fmt)
+        if kv_static:  # before --kv-dtype's own rules, which are about the stacks of the families that have one
+            _check_kv_family(ckpt.config, arch, scheme, kv_dtype)
         kv_codec = _kv_codec(ckpt.config, plan, form, target, kv_dtype, kv_static)
         source = Source(ckpt, src_fmt, arch.table.scale_param)
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
@@ -75,15 +81,16 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(), req, world))
         from cvt.runtime.models import family
 
-        if (static_attention or kv_static) and not getattr(family(ckpt.config)[0].Model, "calibrates_kv", True):
-            # before DST is touched: DeepSeek-V4 has no int8 KV cache and no static attention inputs
-            raise OptionError(f"{arch.model_type}: {'--static-attention' if static_attention else 'an int8 KV cache'} "
-                              "is not calibrated for this model family (--method gptq / awq / smoothquant are)")
+        if static_attention and not getattr(family(ckpt.config)[0].Model, "calibrates_kv", True):
+            # before DST is touched: DeepSeek-V4 has no static attention inputs (nor a KV cache: above)
+            raise OptionError(f"{arch.model_type}: --static-attention is not calibrated for this model family "
+                              "(--method gptq / awq / smoothquant are)")
         from cvt.convert.outdir import calibration_dir
 
+        tokens = calib_data(ckpt, calib, calib_tokens)  # before DST is touched: too few tokens are refused
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume, world) as state:
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
-            cal = calibrate(ckpt, plan, calib, calib_tokens, static_attention, kv_codec, state, device, quiet,
+            cal = calibrate(ckpt, plan, tokens, static_attention, kv_codec, state, device, quiet,
                             expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec, source=source,
                             world=world)
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req, world))
@@ -125,6 +132,18 @@ def _source_format(ckpt: Checkpoint, src) -> SourceFormat:
         raise FormatError(f"{src}: cannot quantize {article(src_fmt.value)} checkpoint (quantize reads BF16, FP8 block "
                           "and compressed-tensors pack-quantized INT4 checkpoints)")
     return src_fmt
+
+
+def _check_kv_family(config: dict, arch, scheme: str, kv_dtype: str | None) -> None:
+    """OptionError when the model family has no KV-cache quantization in cvt (its runtime model
+    does not calibrate one: DeepSeek-V4), whatever --kv-dtype asks for."""
+    from cvt.runtime.models import family
+
+    if getattr(family(config)[0].Model, "calibrates_kv", True):
+        return
+    asked = f"--scheme {scheme}" + (f" --kv-dtype {kv_dtype}" if kv_dtype else "")
+    raise OptionError(f"{arch.model_type}: {asked} quantizes the KV cache, and cvt has no KV-cache quantization for "
+                      f"{arch.table.display} (its cache is not calibrated); give a scheme without a KV cache")
 
 
 def _kv_codec(config: dict, plan: Plan, form, target: str, kv_dtype: str | None, kv_static: bool) -> str:

@@ -452,9 +452,16 @@ def test_w4a8_shards_like_vllm_ascend_loads_it(sources, tmp_path):
 
 
 def test_w4a8_with_gptq_is_refused_before_calibrating(sources, tmp_path):
-    """GPTQ has no grid for W4A8_DYNAMIC (`cvt.quant.methods.gptq.SUPPORTED`): refused while
+    """GPTQ has no grid for W4A8_DYNAMIC (`cvt.quant.methods.gptq.SUPPORTED`): refused from the
+    options, before the checkpoint is read; a recipe giving gptq to W4A8 modules is refused while
     planning, naming the module, before any layer is calibrated or any file written."""
+    from cvt.errors import OptionError
+    from cvt.quant.recipe import Recipe
+
     dst = tmp_path / "w4a8-gptq"
-    with pytest.raises(CvtError, match=r"mlp\.experts\.\d+\.\w+_proj: --method gptq does not support scheme w4a8"):
+    with pytest.raises(OptionError, match=r"^--method gptq does not apply to --scheme w4a8: "):
         quantize(sources["ds"], dst, scheme="w4a8", fmt="ascend", method="gptq", quiet=True)
+    recipe = Recipe(rules=[{"pattern": "mlp\\.experts\\.", "scheme": "w4a8", "method": "gptq"}])
+    with pytest.raises(CvtError, match=r"mlp\.experts\.\d+\.\w+_proj: --method gptq does not support scheme w4a8"):
+        quantize(sources["ds"], dst, scheme="w4a8", fmt="ascend", recipe=recipe, quiet=True)
     assert not dst.exists() or not any(dst.rglob("*.safetensors"))

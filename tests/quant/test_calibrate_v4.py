@@ -238,14 +238,21 @@ def test_carried_fp4_experts_are_not_recalibrated(release, tmp_path):
     assert outs["gptq"] == outs["rtn"]
 
 
-@pytest.mark.parametrize("scheme,extra,what", [("w8a8", "--static-attention", "--static-attention"),
-                                                ("w8a8c8", None, "an int8 KV cache")])
+_NO_KV = ("quantizes the KV cache, and cvt has no KV-cache quantization for DeepSeek-V4 (its cache is not "
+          "calibrated); give a scheme without a KV cache")
+
+
+@pytest.mark.parametrize("scheme,extra,what", [
+    ("w8a8", ["--static-attention"], "--static-attention is not calibrated for this model family "
+                                     "(--method gptq / awq / smoothquant are)"),
+    ("w8a8c8", [], f"--scheme w8a8c8 {_NO_KV}"),
+    # issue 37: not vllm-ascend's GQA C8 cache (V4 has no kv_lora_rank), but V4's own lack of one
+    ("w8a8c8", ["--kv-dtype", "fp8"], f"--scheme w8a8c8 --kv-dtype fp8 {_NO_KV}")])
 def test_kv_and_static_attention_stay_refused_for_v4_before_writing(release, tmp_path, scheme, extra, what):
     r = run_cvt("quantize", release, tmp_path / "q", "--scheme", scheme, "--format", "ascend", "--method", "gptq",
-                *([extra] if extra else []))
+                *extra)
     errors = [line for line in r.err.splitlines() if line.startswith("cvt: error:")]
-    assert r.rc != 0 and errors == [f"cvt: error: deepseek_v4: {what} is not calibrated for this model family "
-                                     "(--method gptq / awq / smoothquant are)"], r.err
+    assert r.rc == 2 and errors == [f"cvt: error: deepseek_v4: {what}"], r.err
     assert "requantized" not in r.err  # the FP4 experts' note is for a run that writes, after every refusal
     assert not (tmp_path / "q").exists()
 
