@@ -6,8 +6,13 @@
  * exactly the official math: the e4m3 value is exact in float32 (a 256-entry table), the
  * product is one IEEE single multiply (x86-64 and aarch64 do not use excess precision),
  * and the conversion to bfloat16 rounds to nearest even. NaN codes (0x7f, 0xff) give a
- * quiet NaN with the input's sign. Partial edge blocks need no special case: the scale
- * index is a division.
+ * quiet NaN with the input's sign, and are counted: cvt_dequant_fp8_block returns how many
+ * outputs are NaN / Inf, so that a writer refuses the weight without a second pass over it (the
+ * SIMD loops already spot NaN codes to redo their span in scalar, which counts). Partial edge
+ * blocks need no special case: the scale index is a division.
+ *
+ * cvt_count_nonfinite counts the NaN / Inf elements of any float buffer (the writer's check of
+ * tensors no kernel produced: copied source bytes, computed scales).
  *
  * Called through ctypes (see fp8.py); rows are split over `nthreads` pthreads. On x86-64 with
  * AVX2 + F16C, or AVX-512F (checked at run time; `CVT_KERNEL_SIMD` caps the level), and on
@@ -25,10 +30,18 @@ typedef struct {
     uint16_t *out;
     int64_t k, s_cols, bn, bk, row0, row1;
     int simd; /* 0 scalar, 1 AVX2 + F16C (NEON on aarch64), 2 AVX-512F; SIMD needs every scale finite and < 2**100 */
+    int64_t bad; /* out: the job's NaN / Inf outputs */
 } job_t;
 
-static void span_scalar(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
-    for (int64_t c = 0; c < len; c++) out[c] = bf16_rne(LUT[w[c]] * sc);
+/* Returns how many of the `len` outputs are NaN / Inf (bf16 exponent all ones). */
+static int64_t span_scalar(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
+    int64_t bad = 0;
+    for (int64_t c = 0; c < len; c++) {
+        uint16_t b = bf16_rne(LUT[w[c]] * sc);
+        out[c] = b;
+        bad += (b & 0x7f80u) == 0x7f80u;
+    }
+    return bad;
 }
 
 #ifdef CVT_X86
@@ -39,9 +52,11 @@ static void span_scalar(const uint8_t *w, uint16_t *out, int64_t len, float sc) 
  * are exactly w * 2**-8 (subnormals included: both formats' subnormal steps line up), F16C
  * widens them to float32 exactly, and multiplying by s * 2**8 (an exact power-of-two rescale,
  * since s < 2**100) rounds the same real product w * s once, as the scalar path does. NaN codes
- * (0x7f, 0xff) do not survive the bit move, so a block that contains one is redone in scalar.
+ * (0x7f, 0xff) do not survive the bit move, so a block that contains one is redone in scalar
+ * (which counts it); finite codes give finite products here (s < 2**100). Returns the span's
+ * NaN / Inf outputs, as span_scalar.
  */
-__attribute__((target("avx2,f16c"))) static void span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
+__attribute__((target("avx2,f16c"))) static int64_t span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
     const __m256 vs = _mm256_set1_ps(sc * 256.0f);
     const __m128i bits = _mm_set1_epi16((short)0xbf80), magm = _mm_set1_epi16(0x3f80);
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
@@ -56,14 +71,15 @@ __attribute__((target("avx2,f16c"))) static void span_simd(const uint8_t *w, uin
         __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
         _mm_storeu_si128((__m128i *)(out + c), _mm256_castsi256_si128(p));
     }
-    span_scalar(w + c, out + c, len - c, sc);
-    if (_mm_movemask_epi8(nan)) span_scalar(w, out, c, sc);
+    int64_t bad = span_scalar(w + c, out + c, len - c, sc);
+    if (_mm_movemask_epi8(nan)) bad += span_scalar(w, out, c, sc);
+    return bad;
 }
 
 /* 16 elements at a time with AVX-512F: span_simd's operations on 16 lanes (the same IEEE multiply
  * and integer rounding per element, so the same bits); the 32 -> 16 bit narrowing is exact (each
  * rounded lane is below 2**16). The rest (< 16) goes through span_simd. */
-__attribute__((target("avx512f,avx2,f16c"))) static void span_avx512(const uint8_t *w, uint16_t *out, int64_t len,
+__attribute__((target("avx512f,avx2,f16c"))) static int64_t span_avx512(const uint8_t *w, uint16_t *out, int64_t len,
                                                                      float sc) {
     const __m512 vs = _mm512_set1_ps(sc * 256.0f);
     const __m256i bits = _mm256_set1_epi16((short)0xbf80), magm = _mm256_set1_epi16(0x3f80);
@@ -79,8 +95,9 @@ __attribute__((target("avx512f,avx2,f16c"))) static void span_avx512(const uint8
         __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, half)), 16);
         _mm256_storeu_si256((__m256i *)(out + c), _mm512_cvtepi32_epi16(r));
     }
-    span_simd(w + c, out + c, len - c, sc);
-    if (_mm256_movemask_epi8(nan)) span_scalar(w, out, c, sc);
+    int64_t bad = span_simd(w + c, out + c, len - c, sc);
+    if (_mm256_movemask_epi8(nan)) bad += span_scalar(w, out, c, sc);
+    return bad;
 }
 #elif defined(__aarch64__)
 /*
@@ -88,7 +105,7 @@ __attribute__((target("avx512f,avx2,f16c"))) static void span_avx512(const uint8
  * exactly and vmulq_f32 is one IEEE single multiply (Linux leaves FPCR's flush-to-zero off, so
  * subnormal products stay), then the same integer round to nearest even. NaN codes: redone in scalar.
  */
-static void span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
+static int64_t span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
     const float32x4_t vs = vdupq_n_f32(sc * 256.0f);
     const uint16x8_t bits = vdupq_n_u16(0xbf80), magm = vdupq_n_u16(0x3f80);
     const uint32x4_t one = vdupq_n_u32(1), half = vdupq_n_u32(0x7fff);
@@ -104,17 +121,19 @@ static void span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
         bh = vshrq_n_u32(vaddq_u32(bh, vaddq_u32(vandq_u32(vshrq_n_u32(bh, 16), one), half)), 16);
         vst1q_u16(out + c, vcombine_u16(vmovn_u32(bl), vmovn_u32(bh)));
     }
-    span_scalar(w + c, out + c, len - c, sc);
-    if (vmaxvq_u16(nan)) span_scalar(w, out, c, sc);
+    int64_t bad = span_scalar(w + c, out + c, len - c, sc);
+    if (vmaxvq_u16(nan)) bad += span_scalar(w, out, c, sc);
+    return bad;
 }
-static void span_avx512(const uint8_t *w, uint16_t *out, int64_t len, float sc) { span_simd(w, out, len, sc); }
+static int64_t span_avx512(const uint8_t *w, uint16_t *out, int64_t len, float sc) { return span_simd(w, out, len, sc); }
 #else
-static void span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) { span_scalar(w, out, len, sc); }
-static void span_avx512(const uint8_t *w, uint16_t *out, int64_t len, float sc) { span_scalar(w, out, len, sc); }
+static int64_t span_simd(const uint8_t *w, uint16_t *out, int64_t len, float sc) { return span_scalar(w, out, len, sc); }
+static int64_t span_avx512(const uint8_t *w, uint16_t *out, int64_t len, float sc) { return span_scalar(w, out, len, sc); }
 #endif
 
 static void *run(void *arg) {
     job_t *j = (job_t *)arg;
+    int64_t bad = 0;
     for (int64_t i = j->row0; i < j->row1; i++) {
         const uint8_t *wr = j->w + i * j->k;
         uint16_t *orow = j->out + i * j->k;
@@ -122,13 +141,14 @@ static void *run(void *arg) {
         for (int64_t c0 = 0, b = 0; c0 < j->k; c0 += j->bk, b++) {
             int64_t len = c0 + j->bk < j->k ? j->bk : j->k - c0;
             if (j->simd == 2)
-                span_avx512(wr + c0, orow + c0, len, srow[b]);
+                bad += span_avx512(wr + c0, orow + c0, len, srow[b]);
             else if (j->simd)
-                span_simd(wr + c0, orow + c0, len, srow[b]);
+                bad += span_simd(wr + c0, orow + c0, len, srow[b]);
             else
-                span_scalar(wr + c0, orow + c0, len, srow[b]);
+                bad += span_scalar(wr + c0, orow + c0, len, srow[b]);
         }
     }
+    j->bad = bad;
     return NULL;
 }
 
@@ -140,8 +160,9 @@ int cvt_fp8_simd_level(int64_t allowed) {
 }
 
 /* w: [n, k] uint8 (e4m3fn bits); s: [ceil(n/bn), s_cols] float32; out: [n, k] uint16 (bf16 bits);
- * allow_simd: the highest SIMD level allowed (`cvt.extras.simd_level`) */
-int cvt_dequant_fp8_block(const uint8_t *w, const float *s, uint16_t *out, int64_t n, int64_t k,
+ * allow_simd: the highest SIMD level allowed (`cvt.extras.simd_level`). Returns the number of
+ * NaN / Inf outputs (NaN codes; with every scale finite and 448 |s| within bfloat16, only those). */
+int64_t cvt_dequant_fp8_block(const uint8_t *w, const float *s, uint16_t *out, int64_t n, int64_t k,
                           int64_t s_cols, int64_t bn, int64_t bk, int64_t nthreads, int64_t allow_simd) {
     pthread_once(&lut_once, init_lut);
     int simd = fp8_scales_simd_ok(s, ((n + bn - 1) / bn) * s_cols) ? cvt_fp8_simd_level(allow_simd) : 0;
@@ -151,11 +172,36 @@ int cvt_dequant_fp8_block(const uint8_t *w, const float *s, uint16_t *out, int64
     job_t jobs[64];
     int64_t per = (n + nthreads - 1) / nthreads;
     for (int64_t t = 0; t < nthreads; t++) {
-        job_t jb = {w, s, out, k, s_cols, bn, bk, t * per, (t + 1) * per < n ? (t + 1) * per : n, simd};
+        job_t jb = {w, s, out, k, s_cols, bn, bk, t * per, (t + 1) * per < n ? (t + 1) * per : n, simd, 0};
         jobs[t] = jb;
     }
     run_jobs(run, jobs, sizeof(job_t), nthreads);
-    return 0;
+    int64_t bad = 0;
+    for (int64_t t = 0; t < nthreads; t++) bad += jobs[t].bad;
+    return bad;
+}
+
+/* How many of the `n` elements of `size` bytes (1, 2, 4 or 8; little-endian) at `p` are NaN / Inf:
+ * those whose bits under `mask` (the exponent field, plus the mantissa where all ones is the only
+ * NaN, as e4m3fn's 0x7f) are all ones. One pass, vectorized by the compiler; -1 for another size. */
+int64_t cvt_count_nonfinite(const void *p, int64_t n, int64_t size, uint64_t mask) {
+    int64_t bad = 0;
+    if (size == 1) {
+        const uint8_t *x = p, m = (uint8_t)mask;
+        for (int64_t i = 0; i < n; i++) bad += (x[i] & m) == m;
+    } else if (size == 2) {
+        const uint16_t *x = p, m = (uint16_t)mask;
+        for (int64_t i = 0; i < n; i++) bad += (x[i] & m) == m;
+    } else if (size == 4) {
+        const uint32_t *x = p, m = (uint32_t)mask;
+        for (int64_t i = 0; i < n; i++) bad += (x[i] & m) == m;
+    } else if (size == 8) {
+        const uint64_t *x = p, m = mask;
+        for (int64_t i = 0; i < n; i++) bad += (x[i] & m) == m;
+    } else {
+        return -1;
+    }
+    return bad;
 }
 
 #ifndef CVT_NO_PYTHON /* tests/kernels/neon_harness.c builds the kernel alone, for aarch64 under qemu */

@@ -3,12 +3,14 @@
 Each file is a hidden temp file (`cvt.convert.durable.AtomicFile`) that opens at its first
 tensor, is hashed as it is written, and after its last is closed, fsynced, renamed into place and
 journaled in DST's state (`cvt.convert.outdir.OutputDir`). Bytes produced but not yet hashed are
-bounded by `cvt.convert.buffers.IN_FLIGHT_BYTES`. `cvt.convert.writer.write_shards` feeds it one
+bounded by `cvt.convert.buffers.IN_FLIGHT_BYTES`. Every float tensor handed to it is checked
+finite first (`cvt.convert.finite`): the one place every verb's weights pass. `cvt.convert.writer.write_shards` feeds it one
 worker per file; `cvt shard` one thread visiting the source once for many files.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,6 +19,7 @@ from typing import Callable
 
 from cvt.convert.buffers import IN_FLIGHT_BYTES, ByteBudget, Countdown
 from cvt.convert.durable import AtomicFile
+from cvt.convert.finite import count_nonfinite, is_float, nonfinite_error
 from cvt.convert.outdir import OutputDir, file_info
 from cvt.convert.safetensors_io import TensorSpec, encode_header
 from cvt.dtypes import DTYPES, dtype_code
@@ -180,17 +183,24 @@ class FileSet:
         return Countdown(holders, release)
 
     def put(self, rel: str, spec: TensorSpec, data, charge: Countdown, meta: tuple[str, dict] | None = None,
-            piece: bool = False, last: bool = True) -> None:
+            piece: bool = False, last: bool = True, check: bool = True, what: str | None = None) -> None:
         """Hand `data` (a tensor or buffer of exactly `spec`) to file `rel`, the next of its items;
         `piece`: `data` (a numpy array) is a piece of that item, any length, and unless `last`
-        more of it follows."""
+        more of it follows. A float `spec` holding NaN / Inf is a TensorError naming `what` (the
+        source tensor, `TensorRef.describe()`; default the tensor's name) and the verb, unless not
+        `check` (its producer counted them already)."""
         try:
-            if piece and type(data).__module__ == "numpy":
+            whole = not (piece and type(data).__module__ == "numpy")
+            if not whole:
                 import numpy as np
 
                 buf = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
             else:  # a whole tensor (a piece that is not numpy is the whole item: `OutTensor.pieces`)
                 buf = _as_buffer(data, spec)
+            bad = count_nonfinite(buf, spec.dtype) if check and is_float(spec.dtype) else 0
+            if bad:
+                raise nonfinite_error(what or spec.name, bad, math.prod(spec.shape) if whole else None,
+                                      self.out.verb, piece)
         except BaseException:
             charge.done()
             raise

@@ -29,15 +29,22 @@ NAN_CODES = (0x7F, 0xFF)
 
 
 @lru_cache(maxsize=1)
-def _c_kernel():
+def c_lib():
+    """The built `_fp8kernel.c` (`ctypes.CDLL`), or None (no C compiler at install, or
+    ``CVT_FP8_KERNEL=torch``)."""
     if os.environ.get("CVT_FP8_KERNEL", "").lower() == "torch":
         return None
-    lib = c_kernel("cvt.convert._fp8kernel", "FP8 kernel", "dequantizing with the torch kernel, ~8x slower")
+    return c_kernel("cvt.convert._fp8kernel", "FP8 kernel", "dequantizing with the torch kernel, ~8x slower")
+
+
+@lru_cache(maxsize=1)
+def _c_kernel():
+    lib = c_lib()
     if lib is None:
         return None
     fn = lib.cvt_dequant_fp8_block
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 7
-    fn.restype = ctypes.c_int
+    fn.restype = ctypes.c_int64  # the NaN / Inf outputs it made
     lib.cvt_fp8_simd_level.argtypes = [ctypes.c_int64]
     lib.cvt_fp8_simd_level.restype = ctypes.c_int
     fn.level = lib.cvt_fp8_simd_level
@@ -105,6 +112,14 @@ def dequant_fp8_block_np(w: memoryview, shape: tuple[int, int], scale_f32, block
     into a `cvt.convert.buffers.OUTPUTS` buffer);
     the same bits. Needs the C kernel (``kernel_name() == "c"``); without it callers take
     `dequant_fp8_block`, the torch path."""
+    return dequant_fp8_counted_np(w, shape, scale_f32, block, threads, out)[0]
+
+
+def dequant_fp8_counted_np(w: memoryview, shape: tuple[int, int], scale_f32, block: tuple[int, int] = (128, 128),
+                           threads: int | None = None, out=None):
+    """`dequant_fp8_block_np`, and how many of its outputs are NaN / Inf: (bits, count). The
+    kernel counts them as it goes (its NaN codes), so that a writer refuses the weight without
+    another pass over it (`cvt.convert.finite`)."""
     import numpy as np
 
     fn = _c_kernel()
@@ -121,11 +136,12 @@ def dequant_fp8_block_np(w: memoryview, shape: tuple[int, int], scale_f32, block
         out = OUTPUTS.array((n, k), np.uint16)
     else:
         out = np.frombuffer(out, dtype=np.uint16).reshape(n, k)
+    bad = 0
     if n and k:
         wa = np.frombuffer(w, dtype=np.uint8)
-        fn(wa.ctypes.data, s.ctypes.data, out.ctypes.data, n, k, s.shape[1], block[0], block[1],
-           max(1, threads or os.cpu_count() or 1), simd_level())
-    return out
+        bad = fn(wa.ctypes.data, s.ctypes.data, out.ctypes.data, n, k, s.shape[1], block[0], block[1],
+                 max(1, threads or os.cpu_count() or 1), simd_level())
+    return out, int(bad)
 
 
 def expected_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:

@@ -7,7 +7,10 @@ under the same name; a DeepSeek-V4 release's FP4 routed experts (int8 + `X.scale
 ``expert_dtype: "fp4"``) likewise (see `fp4.py`); the scales are dropped; every other tensor
 (norms, embeddings, router, F32 `e_score_correction_bias`, the MTP layer) is copied byte for byte.
 Before anything is written, every tensor is mapped through the architecture table and
-every scale is checked: present, of the expected shape and dtype, finite.
+every scale is checked: present, of the expected shape and dtype, finite. As they are written,
+the float tensors are checked finite (`cvt.convert.finite`): an FP8 weight's NaN codes (counted
+by the kernel as it dequantizes) or a copied tensor's NaN / Inf refuse the run, naming the tensor
+and its file, and leave no manifest.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from cvt.version import __version__
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config
 from cvt.convert.fp4 import EXPERT_DTYPE_FP4, FP4_DTYPES, FP4_MAX, GROUP, dequant_fp4_experts, fp4_scale_shape
-from cvt.convert.fp8 import dequant_fp8_block, dequant_fp8_block_np, expected_scale_shape, kernel_name, scale_to_f32_np
+from cvt.convert.fp8 import (dequant_fp8_block, dequant_fp8_block_np, dequant_fp8_counted_np, expected_scale_shape,
+                              kernel_name, scale_to_f32_np)
 from cvt.convert.reader import Checkpoint, open_checkpoint
 from cvt.convert.validate import check_weights
 from cvt.convert.safetensors_io import TensorRef, TensorSpec
@@ -201,8 +205,9 @@ def _dequantized_fp4(ckpt: Checkpoint, pair: Fp8Pair) -> OutTensor:
         ckpt.release(s.name)
         return out
 
+    # finite: every E2M1 code is, and `check_scales_finite` bounds the scales (no second pass)
     return OutTensor(spec=TensorSpec(w.name, "BF16", (w.shape[0], 2 * w.shape[1])), produce=produce,
-                     read_bytes=w.nbytes + s.nbytes)
+                     read_bytes=w.nbytes + s.nbytes, finite=True)
 
 
 def _passthrough(ckpt: Checkpoint, ref: TensorRef) -> OutTensor:
@@ -211,6 +216,7 @@ def _passthrough(ckpt: Checkpoint, ref: TensorRef) -> OutTensor:
         produce=lambda: ckpt.view(ref.name),
         release=lambda: ckpt.release(ref.name),
         read_bytes=ref.nbytes,
+        source=ref.describe(),
     )
 
 
@@ -238,19 +244,24 @@ def _dequantized(ckpt: Checkpoint, pair: Fp8Pair, block: tuple[int, int], thread
             ckpt.release(s.name)
             return out
 
-        return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=produce, read_bytes=w.nbytes + s.nbytes)
+        return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), produce=produce, read_bytes=w.nbytes + s.nbytes,
+                         source=w.describe())
 
     return OutTensor(spec=TensorSpec(w.name, "BF16", w.shape), read_bytes=w.nbytes + s.nbytes, pieces=True,
-                     produce=lambda: dequantized_pieces(ckpt, w.name, s.name, block, threads))
+                     produce=lambda: dequantized_pieces(ckpt, w.name, s.name, block, threads, verb="fp8-to-bf16"),
+                     finite=True)
 
 
-def dequantized_pieces(ckpt: Checkpoint, weight: str, scale: str, block: tuple[int, int], threads: int | None = None):
+def dequantized_pieces(ckpt: Checkpoint, weight: str, scale: str, block: tuple[int, int], threads: int | None = None,
+                       *, verb: str):
     """A stored FP8 weight ``[n, k]`` as BF16 bits, in pieces (``uint16 [rows, k]`` ndarrays, in
     order) of whole FP8 block rows, about `PIECE_BYTES` each: the C kernel (`dequant_fp8_block_np`)
     into recycled page-aligned buffers placed where the writer's O_DIRECT takes them without a
     staging copy (`buffers.OUTPUTS`). The same bits as one call (rows are independent, each piece
     keeps its scale rows); bounded pieces, so that a 250 MB weight is not a fresh 250 MB to fault
-    in and zero. Releases the weight's and scale's pages at the end."""
+    in and zero. Releases the weight's and scale's pages at the end. A NaN code (the kernel counts
+    its NaN outputs) is a TensorError naming the weight, its file and the rows, `verb` refused:
+    the writer takes these pieces as finite (`OutTensor.finite`) and scans them no more."""
     w, s = ckpt.tensors[weight], ckpt.tensors[scale]
     n, k = w.shape
     bn = block[0]
@@ -259,7 +270,11 @@ def dequantized_pieces(ckpt: Checkpoint, weight: str, scale: str, block: tuple[i
     rows = max(bn, PIECE_BYTES // max(2 * k, 1) // bn * bn)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        yield dequant_fp8_block_np(codes[r0 * k:r1 * k], (r1 - r0, k), s32[r0 // bn:-(-r1 // bn)], block,
-                                   threads=threads)
+        out, bad = dequant_fp8_counted_np(codes[r0 * k:r1 * k], (r1 - r0, k), s32[r0 // bn:-(-r1 // bn)], block,
+                                          threads=threads)
+        if bad:
+            raise TensorError(f"{w.describe()}: {bad} of its values in rows {r0}..{r1 - 1} are NaN codes (e4m3 0x7F / "
+                              f"0xFF); {verb} refused (cvt writes no non-finite float tensor)")
+        yield out
     ckpt.release(weight)
     ckpt.release(scale)

@@ -339,8 +339,14 @@ def _write_ranks(ckpt: Checkpoint, out: OutputDir, splits: dict[str, Split], ord
                     for _ in holders:
                         charge.done()
                     raise
-                for rel, h in holders:
-                    fs.put(rel, h.spec, data, charge)
+                what = ckpt.tensors[name].describe()  # a NaN / Inf in a float tensor: named with its file
+                for i, (rel, h) in enumerate(holders):
+                    try:  # the same bytes for every holder: checked finite once
+                        fs.put(rel, h.spec, data, charge, check=i == 0, what=what)
+                    except BaseException:
+                        for _ in holders[i + 1:]:
+                            charge.done()
+                        raise
                 del data
         infos = fs.close()
     except BaseException:

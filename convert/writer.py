@@ -41,7 +41,6 @@ from cvt.convert.arch import carried_names
 from cvt.convert.outdir import OutputDir
 from cvt.convert.reader import Checkpoint
 from cvt.convert.safetensors_io import TensorSpec
-from cvt.errors import TensorError
 from cvt.convert.buffers import OUTPUTS, place
 from cvt.convert.fileset import FileSet, _Cancelled
 from cvt.progress import make_progress
@@ -70,6 +69,11 @@ class OutTensor:
     `pieces`, it returns an iterator of numpy arrays that are the tensor's bytes in order, each
     made when the writer asks for it (placed and charged one by one), so that a large tensor is
     never whole in memory; or of one whole tensor (any of the above).
+
+    A float tensor is refused when it holds NaN / Inf (`cvt.convert.finite`, by `FileSet.put`),
+    unless `finite`: its producer counts them itself as it computes (the FP8 kernel) or cannot
+    make one. `source`: the source tensor it is read from (`TensorRef.describe()`: name, dtype,
+    shape, file), which that error names.
     """
 
     spec: TensorSpec
@@ -81,6 +85,8 @@ class OutTensor:
     meta: Callable[[], tuple[str, dict]] | None = None
     meta_key: str | None = None
     pieces: bool = False
+    finite: bool = False
+    source: str | None = None
 
 
 @dataclass
@@ -158,15 +164,13 @@ def write_shards(
     progress=None,
     metadata: dict[str, str] | None = None,
     meta: dict[str, dict] | None = None,
-    check_finite: str | None = None,
 ) -> tuple[list[FileInfo], int, int]:
     """Write every planned shard not already finished, `workers` files at a time (each producing
     its tensors in order). Returns (file infos, written, skipped); the tensors' stage metadata
-    is collected into `meta` (finished files' from the journal). `check_finite` (the verb): a
-    produced float torch tensor holding NaN / Inf is a TensorError naming it (a computed scale
-    or folded weight that overflowed), before its bytes are written."""
+    is collected into `meta` (finished files' from the journal). A float tensor holding NaN /
+    Inf is a TensorError naming it, before its bytes are written (`FileSet.put`)."""
     fs = FileSet(out, shards, progress=progress, metadata=metadata, closers=0, depth=2)
-    files = _ShardFiles(fs, check_finite)
+    files = _ShardFiles(fs)
     try:
         if fs.pending:
             _in_parallel(files.write, fs.pending, workers, files.stop)
@@ -204,8 +208,8 @@ class _ShardFiles:
     """Writes one planned file's tensors in order into a `FileSet`: each produced whole, or in
     pieces (`OutTensor.pieces`), placed at its offset and charged against the set's memory budget."""
 
-    def __init__(self, fs: FileSet, check_finite: str | None):
-        self.fs, self.check_finite = fs, check_finite
+    def __init__(self, fs: FileSet):
+        self.fs = fs
         self.stop = threading.Event()
 
     def write(self, rel: str, tensors: list[OutTensor]) -> None:
@@ -225,16 +229,9 @@ class _ShardFiles:
             except BaseException:
                 charge.done()
                 raise
-            bad = _nonfinite(data) if self.check_finite else 0
-            if bad:
-                charge.done()
-                raise self._refused(t, bad, data)
-            fs.put(rel, t.spec, data, charge, t.meta() if t.meta is not None else None)
+            fs.put(rel, t.spec, data, charge, t.meta() if t.meta is not None else None, check=not t.finite,
+                   what=t.source)
             del data
-
-    def _refused(self, t: OutTensor, bad: int, data) -> TensorError:
-        return TensorError(f"{t.spec.name}: {bad} of its {data.numel()} values are NaN / Inf (in the source, or "
-                           f"overflowed when computed from it); {self.check_finite} refused")
 
     def _pieces(self, rel: str, t: OutTensor, offset: int) -> int:
         """`t`'s pieces into file `rel` from `offset`, each placed and charged as it is made, then
@@ -260,13 +257,10 @@ class _ShardFiles:
             data = next(it, None)
             if data is None:
                 break
-            bad = _nonfinite(data) if self.check_finite else 0
-            if bad:
-                raise self._refused(t, bad, data)
             n = data.nbytes
             if offset + n > end:
                 raise RuntimeError(f"internal: {t.spec.name} produced more than its {t.spec.nbytes} planned bytes")
-            fs.put(rel, t.spec, data, fs.charge(n, 1), piece=True, last=False)
+            fs.put(rel, t.spec, data, fs.charge(n, 1), piece=True, last=False, check=not t.finite, what=t.source)
             offset += n
             del data
         if offset != end:
@@ -316,17 +310,6 @@ def finish_output(out: OutputDir, ckpt: Checkpoint, files: list[FileInfo], *, sr
                         summary=Summary(counts=summary), carried=_carried(ckpt, names), quant=quant, shard=shard)
     out.finish(manifest)
     return manifest
-
-
-def _nonfinite(data) -> int:
-    """How many NaN / Inf a produced torch float tensor holds (0 for anything else)."""
-    if type(data).__module__.split(".")[0] != "torch" or not data.is_floating_point():
-        return 0
-    import torch
-
-    if data.element_size() == 1:  # float8: torch has no isfinite for it; the float32 upcast is exact
-        data = data.float()
-    return int((~torch.isfinite(data)).sum())
 
 
 def ranked(w: World, files: list[tuple[str, Any]], cost: Callable[[Any], int]) -> list[tuple[str, Any]]:
@@ -386,7 +369,6 @@ def write_checkpoint(
     extra_files: Iterable[tuple[str, bytes]] = (),
     quant=None,
     on_meta: Callable[[dict[str, dict]], None] | None = None,
-    check_finite: bool = False,
     world: World = SINGLE,
 ) -> WriteResult:
     """Plan, write and finalize a Hugging Face style checkpoint directory (see module doc);
@@ -410,7 +392,7 @@ def write_checkpoint(
         mine = ranked(world, shards, lambda ts: sum(t.spec.nbytes for t in ts))  # this rank's files (all, for one)
         with make_progress(sum(t.spec.nbytes for _, ts in mine for t in ts), stage.name, quiet or not world.main) as bar:
             files, written, skipped = together(world, lambda: write_shards(
-                out, mine, workers=workers, progress=bar, meta=meta, check_finite=stage.name if check_finite else None))
+                out, mine, workers=workers, progress=bar, meta=meta))
         files, written, skipped = gathered(world, shards, files, written, skipped, meta)
         if on_meta is not None:
             on_meta(meta)

@@ -12,8 +12,9 @@ weight))``, which still serves calibrated, static-activation and packed-INT4-sou
 layouts the kernels do not cover, and ``CVT_QUANT_KERNEL=reference``. Checked
 before anything is written: names (architecture table), schemes against the format, group
 sizes against every tensor, FP8 scales (present, shaped, finite). A NaN/Inf weight is refused
-when its module is quantized (one pass over the weights, not two); like any failure, it
-leaves no index, config or manifest behind. Which
+when its module is quantized (one pass over the weights, not two), and so is a float tensor
+written with one (a float-kept FP8 weight's NaN codes, counted by the kernel as it dequantizes; a
+copied norm's NaN: `cvt.convert.finite`); like any failure, it leaves no index, config or manifest behind. Which
 linears are quantized, and how, is `cvt.quant.recipe.Policy`. Calibrated methods (gptq, awq,
 smoothquant) first run the runtime model layer by layer on calibration text
 (`cvt.quant.methods`); their results replace RTN for the modules they cover, and every

@@ -128,14 +128,15 @@ class OutputPlan:
         if name in cal.float_overrides:
             read = cal.float_loader or cal.float_overrides.get
             produce = (lambda n=name, d=dt, read=read: read(n).to(getattr(torch, torch_name(d))).contiguous())
-        elif pieces:  # FP8 dequantized to BF16 by the C kernel, in pieces
-            produce = (lambda n=name: dequantized_pieces(ckpt, n, source.scale_of(n), source.block))
+        elif pieces:  # FP8 dequantized to BF16 by the C kernel, in pieces (which refuses NaN codes)
+            produce = (lambda n=name: dequantized_pieces(ckpt, n, source.scale_of(n), source.block, verb="quantize"))
         elif dt != ref.dtype:  # FP8 (or DeepSeek-V4 FP4) dequantized to BF16
             produce = (lambda n=name: source.float_tensor(n))
         else:
             produce = (lambda n=name: ckpt.view(n))
         out.add(OutTensor(TensorSpec(name, dt, shape), produce=produce, release=(lambda n=name: ckpt.release(n)),
-                          read_bytes=ref.nbytes, pieces=pieces))
+                          read_bytes=ref.nbytes, pieces=pieces, finite=pieces,
+                          source=None if name in cal.float_overrides else ref.describe()))
         module = info.module
         if info.param == "weight" and len(ref.shape) == 2 and info.role.value in LINEAR_ROLES \
                 and module not in out.float_linears:
@@ -147,7 +148,8 @@ class OutputPlan:
         source = self.source
         for copy, name in self.arch.missing_copies(self.ckpt.tensors).items():
             dt, shape = source.float_spec(name)
-            out.add(OutTensor(TensorSpec(copy, dt, shape), produce=lambda n=name: source.float_tensor(n)))
+            out.add(OutTensor(TensorSpec(copy, dt, shape), produce=lambda n=name: source.float_tensor(n),
+                              source=self.ckpt.tensors[name].describe()))
 
 
 def int8_kv(plan: Plan) -> bool:

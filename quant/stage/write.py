@@ -66,7 +66,7 @@ def write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, ca
         max_shard_size=req.max_shard_size, workers=default_workers(req.workers), resume=req.resume,
         overwrite=req.overwrite, quiet=req.quiet,
         prefix=form.weights_prefix, extra_files=extra_files, quant=quant, on_meta=_on_meta(quant, plan, cal),
-        check_finite=True, world=world,
+        world=world,
     )
     sqnrs = [v.sqnr_db for v in quant.tensors.values() if isinstance(v.sqnr_db, float)]
     result.extra.update(quantized=len(plan.schemes), float_modules=len(plan.float_reasons),

@@ -56,8 +56,10 @@ def _fp8(harness, tmp_path, codes: np.ndarray, s: np.ndarray, block, level: int)
     (tmp_path / "w").write_bytes(np.ascontiguousarray(codes, np.uint8).tobytes())
     (tmp_path / "s").write_bytes(np.ascontiguousarray(s, np.float32).tobytes())
     said = _run(harness["FP8"], n, k, *block, level, tmp_path / "w", tmp_path / "s", tmp_path / "o")
-    assert said.split() == ["level", str(level)]  # the NEON loop is the one asked for (level 1)
-    return np.frombuffer((tmp_path / "o").read_bytes(), dtype=np.uint16).reshape(n, k)
+    out = np.frombuffer((tmp_path / "o").read_bytes(), dtype=np.uint16).reshape(n, k)
+    # the NEON loop is the one asked for (level 1), and the kernel counts every NaN / Inf output
+    assert said.split() == ["level", str(level), "nonfinite", str(int(((out & 0x7F80) == 0x7F80).sum()))]
+    return out
 
 
 EVERY_CODE_SCALES = {

@@ -5,7 +5,8 @@
  * (scalar) and 1 (NEON), comparing both with the torch reference.
  *
  *   harness-fp8   N K BN BK SIMD W S OUT
- *       W: [N, K] e4m3 codes; S: [ceil(N/BN), ceil(K/BK)] float32; OUT: [N, K] bf16 bits
+ *       W: [N, K] e4m3 codes; S: [ceil(N/BN), ceil(K/BK)] float32; OUT: [N, K] bf16 bits;
+ *       prints the level and the kernel's non-finite count
  *   harness-quant N K SRC BN BK MODE GROUP QMIN QMAX PACK QDIV GS SIMD W S OUT
  *       W: BF16 bits (SRC 0) or e4m3 codes (SRC 1); S: the FP8 block scale (any file for BF16);
  *       writes OUT.q, OUT.scale, OUT.offset, OUT.scale8, OUT.scale_bf16 (the cvt_qargs buffers)
@@ -49,9 +50,10 @@ int main(int argc, char **argv) {
     uint8_t *w = slurp(argv[6], (size_t)(n * k));
     float *s = slurp(argv[7], sizeof(float) * (size_t)(sr * sc));
     uint16_t *out = malloc(2 * (size_t)(n * k) + 2);
-    cvt_dequant_fp8_block(w, s, out, n, k, sc, bn, bk, 3, simd);
+    long long bad = (long long)cvt_dequant_fp8_block(w, s, out, n, k, sc, bn, bk, 3, simd);
     spill(argv[8], "", out, 2 * (size_t)(n * k));
     printf("level %d\n", cvt_fp8_simd_level(simd));
+    printf("nonfinite %lld\n", bad);
 #else
     if (argc != 17) { fprintf(stderr, "usage: N K SRC BN BK MODE GROUP QMIN QMAX PACK QDIV GS SIMD W S OUT\n"); return 2; }
     cvt_qargs a;
