@@ -170,6 +170,11 @@ class Graph:
         weight dtype) and returned as float32 (a Cast when stored narrower, unless `cast` is
         False: then the stored tensor itself)."""
         if t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())  # a NaN / Inf weight is never written (`cvt.convert.finite`)
+            if bad:
+                from cvt.convert.finite import nonfinite_error
+
+                raise nonfinite_error(hint, bad, t.numel(), "export onnx")
             store = TORCH_DTYPES[dtype or self.weight_dtype]
             if store == torch.float16 and t.numel() and float(t.abs().max()) > 65504:
                 raise CvtError(f"{hint}: holds {float(t.abs().max()):.4g}, beyond float16's range (65504); "

@@ -253,3 +253,33 @@ def test_the_c_kernels_share_one_header_that_ships_with_them():
         for h in included:  # package data of the package whose folder holds it
             assert "*.h" in cfg["package-data"][f"cvt.{Path(h).parts[0]}"], h
     assert {e["name"] for e in cfg["ext-modules"]} == {"cvt.convert._fp8kernel", "cvt.quant._qkernel"}
+
+
+@pytest.mark.parametrize("level", ["avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("scales", ["moderate", "huge"])
+def test_the_kernel_counts_its_nonfinite_outputs(level, scales, monkeypatch):
+    """The count `dequant_fp8_counted_np` returns (what fp8-to-bf16 and quantize refuse a float
+    tensor by, issue 37) is the number of NaN / Inf outputs of the independent reference, at every
+    SIMD level: NaN codes in the vector part and in the tails of 100-wide blocks, and (huge scales:
+    the scalar loop) products that overflow to Inf."""
+    if fp8._c_kernel() is None:
+        pytest.skip("C kernel not built")
+    monkeypatch.setenv("CVT_KERNEL_SIMD", level)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(6, 2)[:, :500].contiguous()  # 0x7F / 0xFF in both parts
+    codes[2, 499] = 0xFF  # in a block's 4-element tail
+    s = torch.tensor([[1.0, 3.0e-41, 0.1, 2.0, 0.5], [0.1, 1.7e38 if scales == "huge" else 1e30, 1.0, 1.0, 1.0]] * 3)
+    block = (1, 100)
+    out, bad = fp8.dequant_fp8_counted_np(memoryview(codes.numpy()).cast("B"), (6, 500), s.numpy(), block)
+    want = dequant(codes.numpy(), s.numpy(), block)
+    assert same_bits_nan_aware(out, want)
+    assert bad == int(((want & 0x7F80) == 0x7F80).sum()) > 0
+    if scales == "huge":
+        assert bad > int(((codes & 0x7F) == 0x7F).sum())  # Inf products counted too
+
+
+def test_the_count_is_zero_for_finite_codes():
+    if fp8._c_kernel() is None:
+        pytest.skip("C kernel not built")
+    w, s = random_case((300, 260), (128, 128), "F32", seed=11)
+    _, bad = fp8.dequant_fp8_counted_np(memoryview(w.view(torch.uint8).numpy()).cast("B"), (300, 260), s.numpy())
+    assert bad == 0
