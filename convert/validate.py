@@ -4,13 +4,18 @@
 and layer, what the checkpoint holds and every problem a later stage or the runtime would
 trip over:
 
-* a tensor no architecture pattern maps (or one past the config's layers / experts);
+* a tensor no architecture pattern maps (or one past the config's layers / experts); a
+  wrapper's text tensors without its prefix (Kimi-K2.5's ``language_model.``), in one line;
 * an FP8 weight without its ``weight_scale_inv`` (DeepSeek-V4: ``scale``), a scale without a
   weight, a misshaped scale (a V4 FP4 expert's: ``[n, k/32]``);
 * a float or FP8 weight whose shape differs from what config.json describes
   (`ArchSpec.shapes`; packed quantized parts are checked by their formats' readers);
 * a decoder layer without tensors, a MoE layer missing some of the config's routed experts, a
   layer holding MoE tensors that ``first_k_dense_replace`` makes dense;
+* MTP layers config.json counts (``num_nextn_predict_layers``) but the files lack: any of them
+  where the table requires them (`ArchTable.mtp_required`: DeepSeek-V4), else some but not all;
+* an id tensor with an entry outside the ids it indexes (`ArchTable.id_params`: DeepSeek-V4's
+  hash-routing ``tid2eid``, expert ids; the only values read, a few MB);
 * a config.json value no model can have (`cvt.convert.arch.config_problems`: ``index_topk`` 0,
   ``n_group`` not dividing the experts, a negative ``rms_norm_eps``, ...), which the runtime
   refuses with the same check.
@@ -88,6 +93,9 @@ def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> 
                             f"{list(expected[name])}")
         if arch is None:
             continue
+        if arch.lacks_prefix(base):  # one line below for all of them, not one per tensor
+            out.by_role["unmapped"] += ref.nbytes
+            continue
         try:
             info = arch.classify(base)
         except ArchError as exc:
@@ -105,21 +113,62 @@ def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> 
             out.layers_seen.add(info.layer)
             if info.expert is not None:
                 out.experts_seen[info.layer].add(info.expert)
+        if info.param in arch.table.id_params:
+            problems += _id_problems(ckpt, ref, arch, arch.table.id_params[info.param])
     if arch is not None:  # what is missing explains the misshapes it causes: listed first
-        structural: list[str] = []
-        n = arch.num_layers
-        for layer, seen in sorted(out.experts_seen.items()):
-            missing = sorted(set(range(arch.num_experts)) - seen)
-            if missing:
-                key = arch.table.config_keys.get("experts", "experts")
-                structural.append(f"layer {layer}: {len(missing)} of {arch.num_experts} experts missing "
-                                f"(e.g. expert {missing[0]}); config.json {key} = {arch.num_experts}")
-        missing_layers = sorted(set(range(n)) - out.layers_seen)
-        if missing_layers:
-            structural.append(f"{len(missing_layers)} decoder layers have no tensors (e.g. layer {missing_layers[0]}); "
-                            f"config.json {arch.table.config_keys.get('layers', 'layers')} = {n}")
-        problems[:0] = out.config + structural
+        prefix = arch.prefix_problem(ckpt.tensors)  # (then the layers look empty: that line alone)
+        problems[:0] = out.config + ([prefix] if prefix else _missing(arch, out))
     return out
+
+
+def _missing(arch: ArchSpec, out: Survey) -> list[str]:
+    """Experts, decoder layers and MTP layers config.json counts that hold no tensor."""
+    structural: list[str] = []
+    for layer, seen in sorted(out.experts_seen.items()):
+        missing = sorted(set(range(arch.num_experts)) - seen)
+        if missing:
+            key = arch.table.config_keys.get("experts", "experts")
+            structural.append(f"layer {layer}: {len(missing)} of {arch.num_experts} experts missing "
+                              f"(e.g. expert {missing[0]}); config.json {key} = {arch.num_experts}")
+    missing_layers = sorted(set(range(arch.num_layers)) - out.layers_seen)
+    if missing_layers:
+        structural.append(f"{len(missing_layers)} decoder layers have no tensors (e.g. layer {missing_layers[0]}); "
+                          f"config.json {arch.table.config_keys.get('layers', 'layers')} = {arch.num_layers}")
+    return structural + _mtp_problems(arch, out.layers_seen)
+
+
+def _mtp_problems(arch: ArchSpec, seen: set[int]) -> list[str]:
+    """The MTP layers config.json counts that hold no tensor, when the table requires every one
+    (`ArchTable.mtp_required`) or some are stored (all or none otherwise)."""
+    n, m = arch.num_layers, arch.num_mtp_layers
+    missing = [j for j in range(m) if n + j not in seen]
+    if not missing or (len(missing) == m and not arch.table.mtp_required):
+        return []
+    key = arch.table.config_keys.get("mtp_layers", "mtp_layers")
+    what = (f"MTP layer {missing[0]} (layer index {n + missing[0]}) has" if len(missing) == 1 else
+            f"{len(missing)} of the {m} MTP layers have (e.g. MTP layer {missing[0]}, layer index {n + missing[0]})")
+    hint = " (set it to 0 for a checkpoint without MTP layers)" if len(missing) == m else ""
+    return [f"{what} no tensors, but config.json {key} = {m}{hint}"]
+
+
+def _id_problems(ckpt, ref, arch: ArchSpec, count: str) -> list[str]:
+    """An id tensor (`ArchTable.id_params`): integer, every entry in 0..count-1."""
+    import numpy as np
+
+    key, top = arch.table.config_keys.get(count, count), arch.counts.get(count, 0)
+    if ref.dtype not in ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64"):
+        return [f"{ref.describe()}: holds {count} ids, so must be an integer tensor"]
+    try:
+        ids = np.frombuffer(ckpt.view(ref.name), dtype=f"<{ref.dtype[0].lower()}{int(ref.dtype[1:]) // 8}")
+        bad = np.flatnonzero((ids < 0) | (ids >= top))
+        if not bad.size:
+            return []
+        at = [int(i) for i in np.unravel_index(int(bad[0]), ref.shape)]
+        more = f" ({bad.size - 1} more entries out of range)" if bad.size > 1 else ""
+        return [f"{ref.describe()}: entry {int(ids[bad[0]])} at {at} is not one of the {top} {count} (ids 0..{top - 1}; "
+                f"config.json {key} = {top}){more}"]
+    finally:
+        ckpt.release(ref.name)
 
 
 def check_weights(ckpt, arch: ArchSpec, verb: str, block: tuple[int, int] = (128, 128)) -> None:

@@ -28,7 +28,7 @@ from cvt.convert.arch import arch_for, carried_names
 from cvt.convert.config import SourceFormat, fp8_config, source_format
 from cvt.convert.fp8 import dequant_fp8_block
 from cvt.convert.reader import Checkpoint, manifest_problems, open_checkpoint, read_manifest
-from cvt.errors import ManifestError, TensorError
+from cvt.errors import CheckpointError, ManifestError, TensorError
 from cvt.runtime.kv_cache import is_kv_cache_tensor
 from cvt.runtime.models import build_model
 from cvt.schemas.manifest import Manifest
@@ -99,7 +99,11 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         if fmt is SourceFormat.OTHER_QUANT:
             raise ManifestError(f"{ckpt.root}: {fmt.value} checkpoints are not runnable (bf16, fp8-block, "
                                 "compressed-tensors and cvt outputs are)")
-        arch_for(ckpt.config).shapes()  # sizes that describe no model: one line naming the key
+        arch = arch_for(ckpt.config)
+        arch.shapes()  # sizes that describe no model: one line naming the key
+        bare = arch.prefix_problem(ckpt.tensors)  # Kimi-K2.5 text names without language_model.
+        if bare is not None:
+            raise CheckpointError(f"{ckpt.root}: {bare}")
         block = fp8_block(ckpt, fmt)
         device = torch.device(device)
         with torch.device("meta"):

@@ -182,6 +182,13 @@ class ArchTable:
     # copies an Ascend output holds where SRC lacks them: {copy: the tensor it copies}, ``{M}`` for
     # each MTP layer (DeepSeek-V4: vllm-ascend's MTP draft reads only its own mtp.M.* embed / head)
     ascend_copies: Mapping[str, str] = field(default_factory=dict)
+    # every MTP layer config.json counts must be stored (DeepSeek-V4: its release always holds
+    # mtp.*, which vLLM's draft loads). Otherwise all or none: transformers' save_pretrained drops
+    # DeepSeek-V3's MTP layer and keeps num_nextn_predict_layers, and cvt's runtime runs without it
+    mtp_required: bool = False
+    # integer tensors holding ids, by parameter -> the canonical count (`config_keys`) they index:
+    # each entry must be in 0..count-1 (DeepSeek-V4's hash-routing ``tid2eid``: expert ids)
+    id_params: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -310,9 +317,35 @@ class ArchSpec:
     def num_mtp_layers(self) -> int:
         return self.counts.get("mtp_layers", 0)
 
+    def lacks_prefix(self, name: str) -> bool:
+        """Whether `name` is a text-model tensor stored without the wrapper's `text_prefix`
+        (Kimi-K2.5's ``language_model.``), which the table's names all carry."""
+        prefix = self.table.text_prefix
+        if not prefix or name.startswith(prefix):
+            return False
+        module, _, param = (prefix + name).rpartition(".")
+        return any(rx.fullmatch(module) is not None and (param in PARAMS or param in r.params) for rx, r in self._rules)
+
+    def prefix_problem(self, names) -> str | None:
+        """One line when some of `names` lack the wrapper's `text_prefix` (`lacks_prefix`): how
+        many, one of them, the prefix expected; None when every text tensor has it."""
+        names = list(names)
+        bare = [n for n in names if self.lacks_prefix(n)]
+        if not bare:
+            return None
+        prefix = self.table.text_prefix
+        mixed = ", while others have it" if any(n.startswith(prefix) for n in names) else ""
+        return (f"{len(bare)} text-model tensors lack the {prefix!r} prefix (e.g. {bare[0]}{mixed}): a "
+                f"{self.table.model_types[0]} checkpoint (config.json model_type) names every one under it")
+
     def classify(self, name: str) -> TensorInfo:
         """Map a tensor name to its role; ArchError when nothing in the table matches."""
         module, _, param = name.rpartition(".")
+        if self.lacks_prefix(name):
+            p = self.table.text_prefix
+            raise ArchError(f"tensor {name}: lacks the {p!r} prefix (expected {p}{name}): a {self.table.model_types[0]} "
+                            "checkpoint (config.json model_type) names every text-model tensor under it; one without "
+                            "it, or mixing both, is refused")
         if param not in PARAMS and not any(param in r.params for _, r in self._rules):
             raise ArchError(
                 f"tensor {name}: parameter {param!r} is not one {self.table.name} checkpoints use "

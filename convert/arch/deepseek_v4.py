@@ -239,6 +239,8 @@ TABLE = ArchTable(
     scale_param="scale",
     kv_cache=kv_cache,
     ascend_copies={"mtp.{M}.emb.tok_emb.weight": "embed.weight", "mtp.{M}.head.weight": "head.weight"},  # (3)
+    mtp_required=True,
+    id_params={"tid2eid": "experts"},  # token id -> the experts a hash layer routes it to
     fused_groups=tuple(  # each expert's w1 / w3 (vLLM's w13), the shared experts' gate_up
         grp for L in ("layers.{L}", M) for grp in (
             (f"{L}.ffn.experts.{{E}}.w1", f"{L}.ffn.experts.{{E}}.w3"),

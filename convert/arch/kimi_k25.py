@@ -24,8 +24,11 @@ k = merge_kernel_size[0] * merge_kernel_size[1]; text hidden = text_config.hidde
 
 Vision and projector tensors have role CARRIED: float (BF16 in the release), never quantized,
 replicated on every rank, copied byte for byte by fp8-to-bf16, quantize and shard; the runtime
-(text only) does not load them. The text names also classify without the ``language_model.``
-prefix (a text-only export under the same config).
+(text only) does not load them. Every text tensor of the release is under ``language_model.``,
+which calibration and the KV-cache scales' names rely on: a checkpoint under this config with
+text names lacking it, or mixing both, is refused before any work (`ArchSpec.lacks_prefix`,
+`ArchSpec.prefix_problem`: every writer and `cvt inspect` through the survey, `cvt run` / `verify` /
+`export` through the loader), naming a tensor and the prefix.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ def carried_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
     """The kimi_k25 table of a config.json whose text model is `text`'s: its rules and fused groups
-    under ``language_model.`` (and bare), the carried rules, shapes = prefixed text shapes + `carried_shapes`."""
+    under ``language_model.``, the carried rules, shapes = prefixed text shapes + `carried_shapes`."""
     def prefixed(rule: Rule) -> Rule:
         return dataclasses.replace(rule, pattern=TEXT_PREFIX + rule.pattern)
 
@@ -110,11 +113,13 @@ def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
         name="kimi_k25",
         display=DISPLAY,
         model_types=("kimi_k25",),
-        rules=tuple(map(prefixed, text.rules)) + text.rules + CARRIED_RULES,
+        rules=tuple(map(prefixed, text.rules)) + CARRIED_RULES,
         config_keys=text.config_keys,
         param_shapes=param_shapes,
         explicit_defaults=text.explicit_defaults,
-        fused_groups=tuple(tuple(TEXT_PREFIX + p for p in g) for g in text.fused_groups) + text.fused_groups,
+        fused_groups=tuple(tuple(TEXT_PREFIX + p for p in g) for g in text.fused_groups),
         config_checks=text.config_checks,
         text_prefix=TEXT_PREFIX,
+        mtp_required=text.mtp_required,
+        id_params=text.id_params,
     )
