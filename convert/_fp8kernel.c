@@ -33,15 +33,35 @@ typedef struct {
     int64_t bad; /* out: the job's NaN / Inf outputs */
 } job_t;
 
-/* Returns how many of the `len` outputs are NaN / Inf (bf16 exponent all ones). */
-static int64_t span_scalar(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
-    int64_t bad = 0;
-    for (int64_t c = 0; c < len; c++) {
-        uint16_t b = bf16_rne(LUT[w[c]] * sc);
-        out[c] = b;
-        bad += (b & 0x7f80u) == 0x7f80u;
+/* How many of the n elements of x have every bit of mask set (a NaN / Inf when mask is the
+ * exponent field): counted in runs of 4096 into a narrow sum, which the compiler vectorizes
+ * (one 64-bit sum per element ran 3-5x slower). */
+#define COUNT_MASKED(T, ACC)                                                            \
+    static int64_t count_masked_##T(const T *x, int64_t n, T m) {                        \
+        int64_t bad = 0;                                                                 \
+        for (int64_t i0 = 0; i0 < n; i0 += 4096) {                                       \
+            int64_t e = i0 + 4096 < n ? i0 + 4096 : n;                                   \
+            ACC b = 0;                                                                   \
+            for (int64_t i = i0; i < e; i++) b += (x[i] & m) == m;                       \
+            bad += b;                                                                    \
+        }                                                                                \
+        return bad;                                                                      \
     }
-    return bad;
+COUNT_MASKED(uint8_t, uint16_t)
+COUNT_MASKED(uint16_t, uint16_t)
+COUNT_MASKED(uint32_t, uint32_t)
+COUNT_MASKED(uint64_t, uint32_t)
+
+static void span_plain(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
+    for (int64_t c = 0; c < len; c++) out[c] = bf16_rne(LUT[w[c]] * sc);
+}
+
+/* span_plain, returning how many of the `len` outputs are NaN / Inf (bf16 exponent all ones): a
+ * second loop over the span just written (in L1), which keeps the first as fast as before. */
+static int64_t span_scalar(const uint8_t *w, uint16_t *out, int64_t len, float sc) {
+    if (len <= 0) return 0;
+    span_plain(w, out, len, sc);
+    return count_masked_uint16_t(out, len, 0x7f80u);
 }
 
 #ifdef CVT_X86
@@ -145,8 +165,9 @@ static void *run(void *arg) {
             else if (j->simd)
                 bad += span_simd(wr + c0, orow + c0, len, srow[b]);
             else
-                bad += span_scalar(wr + c0, orow + c0, len, srow[b]);
+                span_plain(wr + c0, orow + c0, len, srow[b]);
         }
+        if (!j->simd) bad += count_masked_uint16_t(orow, j->k, 0x7f80u); /* the row, once (in cache) */
     }
     j->bad = bad;
     return NULL;
@@ -183,25 +204,15 @@ int64_t cvt_dequant_fp8_block(const uint8_t *w, const float *s, uint16_t *out, i
 
 /* How many of the `n` elements of `size` bytes (1, 2, 4 or 8; little-endian) at `p` are NaN / Inf:
  * those whose bits under `mask` (the exponent field, plus the mantissa where all ones is the only
- * NaN, as e4m3fn's 0x7f) are all ones. One pass, vectorized by the compiler; -1 for another size. */
+ * NaN, as e4m3fn's 0x7f) are all ones. One pass (count_masked_*); -1 for another size. */
 int64_t cvt_count_nonfinite(const void *p, int64_t n, int64_t size, uint64_t mask) {
-    int64_t bad = 0;
-    if (size == 1) {
-        const uint8_t *x = p, m = (uint8_t)mask;
-        for (int64_t i = 0; i < n; i++) bad += (x[i] & m) == m;
-    } else if (size == 2) {
-        const uint16_t *x = p, m = (uint16_t)mask;
-        for (int64_t i = 0; i < n; i++) bad += (x[i] & m) == m;
-    } else if (size == 4) {
-        const uint32_t *x = p, m = (uint32_t)mask;
-        for (int64_t i = 0; i < n; i++) bad += (x[i] & m) == m;
-    } else if (size == 8) {
-        const uint64_t *x = p, m = mask;
-        for (int64_t i = 0; i < n; i++) bad += (x[i] & m) == m;
-    } else {
-        return -1;
+    switch (size) {
+    case 1: return count_masked_uint8_t(p, n, (uint8_t)mask);
+    case 2: return count_masked_uint16_t(p, n, (uint16_t)mask);
+    case 4: return count_masked_uint32_t(p, n, (uint32_t)mask);
+    case 8: return count_masked_uint64_t(p, n, mask);
+    default: return -1;
     }
-    return bad;
 }
 
 #ifndef CVT_NO_PYTHON /* tests/kernels/neon_harness.c builds the kernel alone, for aarch64 under qemu */
