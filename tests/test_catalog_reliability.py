@@ -169,7 +169,7 @@ CASES = [
     _named(_case(["quantize"], "kimi", _unprefix("model.layers.1."), _BARE_ONE, "--scheme", "w4a16", "--format",
                  "ascend"), "one-layer-bare"),
     _named(_case(["fp8-to-bf16"], "kimi8", _unprefix("model.layers.1."), _BARE_ONE), "one-layer-bare"),
-    _named(_case(["shard"], "kimi8", _unprefix("model.layers.1."), _BARE_ONE, "--ep", "2"), "one-layer-bare"),
+    _named(_case(["shard"], "kimi8", _unprefix("model.layers.1."), _MIXED, "--ep", "2"), "one-layer-bare"),
     _named(_case(["run"], "kimi", _unprefix("model.layers.1."), _MIXED, "--input-ids", "1,2"), "one-layer-bare"),
 ]
 

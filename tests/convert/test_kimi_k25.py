@@ -69,6 +69,26 @@ def test_vision_config_errors_name_the_key():
         arch_for(bad).shapes()
 
 
+def test_text_names_need_the_release_prefix():
+    """The release names every text tensor under ``language_model.`` (calibration and the KV-cache
+    scales rely on it): a bare text name is refused, naming the prefix (issue 37); the towers keep
+    theirs, and a checkpoint mixing both is one survey line, not one per tensor."""
+    from cvt.errors import ArchError
+
+    arch = arch_for(K25)
+    with pytest.raises(ArchError, match=r"tensor model\.layers\.3\.mlp\.gate\.weight: lacks the 'language_model\.' "
+                                        r"prefix \(expected language_model\.model\.layers\.3\.mlp\.gate\.weight\)"):
+        arch.classify("model.layers.3.mlp.gate.weight")
+    assert arch.classify("language_model.model.layers.3.mlp.gate.weight").role is Role.ROUTER
+    assert not arch.lacks_prefix("vision_tower.encoder.blocks.0.wo.weight") and not arch.lacks_prefix("lm_head.x")
+    names = ["language_model.model.norm.weight", "model.layers.0.input_layernorm.weight", "lm_head.weight",
+             "mm_projector.proj.0.weight"]
+    assert arch.prefix_problem(names) == (
+        "2 text-model tensors lack the 'language_model.' prefix (e.g. model.layers.0.input_layernorm.weight, while "
+        "others have it): a kimi_k25 checkpoint (config.json model_type) names every one under it")
+    assert arch.prefix_problem(names[:1] + names[3:]) is None
+
+
 @pytest.fixture(scope="module")
 def release(tmp_path_factory) -> tuple[Path, dict]:
     tensors = kimi_int4_tensors(CFG, seed=2)
