@@ -71,8 +71,11 @@ def test_unknown_model_type():
 def test_text_config_wrapper():
     arch = arch_for({"model_type": "kimi_k25", "text_config": {**DSV3, "model_type": "kimi_k2"}})
     assert arch.table.name == "kimi_k25" and arch.model_type == "kimi_k2"       # DeepSeek-V3's, wrapped
-    bare, prefixed = (arch.classify(p + "model.layers.0.mlp.up_proj.weight") for p in ("", "language_model."))
-    assert (bare.role, bare.layer, bare.split_dim) == (prefixed.role, prefixed.layer, prefixed.split_dim)
+    prefixed = arch.classify("language_model.model.layers.0.mlp.up_proj.weight")
+    assert (prefixed.role, prefixed.layer, prefixed.split_dim) == (Role.LINEAR, 0, 0)
+    # the release's names only: a text name without the prefix is refused, naming it (issue 37)
+    with pytest.raises(ArchError, match="lacks the 'language_model.' prefix"):
+        arch.classify("model.layers.0.mlp.up_proj.weight")
 
 
 def test_duplicate_registration_fails_loudly():
