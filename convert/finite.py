@@ -1,10 +1,10 @@
 """No NaN / Inf in a float tensor cvt writes: the count every writer checks, and its error.
 
-Every verb that writes weights (fp8-to-bf16, quantize, shard) hands each tensor to
+Every verb that writes checkpoint weights (fp8-to-bf16, quantize, shard) hands each tensor to
 `cvt.convert.fileset.FileSet.put`, which refuses a float one holding a NaN or an Inf before
-its bytes reach the file (`check`): copied source tensors (norms, embeddings, a float-kept
-linear of a BF16 source, an FP8 weight `cvt shard` splits), computed ones (scales, folded
-weights) alike. Producers that count as they compute say so (`OutTensor.finite`) and are not
+its bytes reach the file: copied source tensors (norms, embeddings, a float-kept linear of a
+BF16 source, an FP8 weight `cvt shard` splits), computed ones (scales, folded weights) alike;
+`cvt export onnx` checks each weight it stores (`cvt.export.onnx_graph.Graph.weight`). Producers that count as they compute say so (`OutTensor.finite`) and are not
 scanned again: the FP8 dequant kernel counts its NaN outputs (`cvt.convert.fp8`), and a
 DeepSeek-V4 FP4 expert cannot hold one (every E2M1 code is finite, its scales are checked
 finite and bounded first). No verb has an ``--allow-nonfinite``: no tensor of a supported

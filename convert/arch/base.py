@@ -341,11 +341,6 @@ class ArchSpec:
     def classify(self, name: str) -> TensorInfo:
         """Map a tensor name to its role; ArchError when nothing in the table matches."""
         module, _, param = name.rpartition(".")
-        if self.lacks_prefix(name):
-            p = self.table.text_prefix
-            raise ArchError(f"tensor {name}: lacks the {p!r} prefix (expected {p}{name}): a {self.table.model_types[0]} "
-                            "checkpoint (config.json model_type) names every text-model tensor under it; one without "
-                            "it, or mixing both, is refused")
         if param not in PARAMS and not any(param in r.params for _, r in self._rules):
             raise ArchError(
                 f"tensor {name}: parameter {param!r} is not one {self.table.name} checkpoints use "
@@ -371,4 +366,9 @@ class ArchSpec:
             if expert is not None and self.num_experts and expert >= self.num_experts:
                 raise ArchError(f"tensor {name}: expert {expert} is past the config's {self.num_experts} routed experts")
             return TensorInfo(name, module, param, rule, layer, expert, is_mtp)
+        if self.lacks_prefix(name):
+            p = self.table.text_prefix
+            raise ArchError(f"tensor {name}: lacks the {p!r} prefix (expected {p}{name}): a {self.table.model_types[0]} "
+                            "checkpoint (config.json model_type) names every text-model tensor under it; one without "
+                            "it, or mixing both, is refused")
         raise ArchError(f"tensor {name} does not match any {self.table.name} name pattern (model_type {self.model_type})")
