@@ -192,6 +192,7 @@ def reliability_sources(tmp_path_factory, fp8_release_session):
     return dict(fp8=fp8_release_session, bf16=bf16, qwen=qwen, v4=v4, kimi=kimi, kimi8=kimi8)
 
 
+@pytest.mark.slow  # (its module fixture builds five checkpoints)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_reliability_case(case: Case, reliability_sources, tmp_path):
     _check(RCtx(tmp_path, **reliability_sources), case)
@@ -201,6 +202,7 @@ def test_ids_are_unique():
     assert len({c.id for c in CASES}) == len(CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["v3-no-mtp", "kimi"])
 def test_the_legitimate_layouts_still_pass(which, reliability_sources, tmp_path):
     """What the checks must not refuse: a V3-family checkpoint without any MTP layer while config.json

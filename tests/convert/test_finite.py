@@ -119,18 +119,20 @@ def refused(argv: list, src: Path, dst: Path, culprit: str) -> None:
 
 
 @pytest.mark.parametrize("plant_id", list(PLANTS))
-@pytest.mark.parametrize("verb", list(VERBS))
+@pytest.mark.parametrize("verb", [v if v == "fp8-to-bf16" else pytest.param(v, marks=pytest.mark.slow) for v in VERBS])
 def test_every_verb_and_scheme_refuses_a_nan_it_would_write(verb, plant_id, planted, tmp_path):
     name, _ = PLANTS[plant_id]
     refused(VERBS[verb], planted[plant_id], tmp_path / "out", name)
 
 
+@pytest.mark.slow
 def test_an_expert_kept_float_by_ignore(planted, tmp_path):
     """A routed expert kept float (--ignore) with an e4m3 -NaN code (0xFF): named with its file."""
     refused(["quantize", "--scheme", "w4a16", "--ignore", r".*\.experts\.2\..*"], planted["expert-0xff"],
             tmp_path / "out", f"{EXPERT} (F8_E4M3 [256, 128], model-0000")
 
 
+@pytest.mark.slow
 def test_export_onnx_refuses_a_nan_weight(planted, tmp_path):
     refused(["export", "onnx"], planted["kv_b_proj-0x7f"], tmp_path / "onnx", "model.layers.0.self_attn.kv_b_proj")
 
