@@ -255,7 +255,7 @@ def _dequantized(ckpt: Checkpoint, pair: Fp8Pair, block: tuple[int, int], thread
 def dequantized_pieces(ckpt: Checkpoint, weight: str, scale: str, block: tuple[int, int], threads: int | None = None,
                        *, verb: str):
     """A stored FP8 weight ``[n, k]`` as BF16 bits, in pieces (``uint16 [rows, k]`` ndarrays, in
-    order) of whole FP8 block rows, about `PIECE_BYTES` each: the C kernel (`dequant_fp8_block_np`)
+    order) of whole FP8 block rows, about `PIECE_BYTES` each: the C kernel (`dequant_fp8_counted_np`)
     into recycled page-aligned buffers placed where the writer's O_DIRECT takes them without a
     staging copy (`buffers.OUTPUTS`). The same bits as one call (rows are independent, each piece
     keeps its scale rows); bounded pieces, so that a 250 MB weight is not a fresh 250 MB to fault

@@ -141,3 +141,15 @@ def test_the_inspect_sample_is_the_real_output(tmp_path):
     r = run_cvt("inspect", src)
     assert r.rc == 0, r.err
     assert r.out.replace(str(tmp_path) + "/", ".../") == block.group(2)
+
+
+def test_the_development_page_names_every_module_and_folder():
+    """The repository map on docs/development.md names every module of cvt/ and every folder the
+    package is built from, so a new module (cvt/world.py was once left out) cannot go unmentioned."""
+    text = (DOCS / "development.md").read_text()
+    block = re.search(r"## The repository\n+```\n(.*?)```", text, re.S).group(1)
+    modules = [p.stem for p in (ROOT / "cvt").glob("*.py") if p.stem not in ("__init__", "__main__")]
+    missing = [m for m in modules if not re.search(rf"\b{m}\b", block)]
+    folders = [p.name for p in (ROOT / "cvt").iterdir() if p.is_dir() and p.name != "__pycache__"]
+    missing += [f"{f}/" for f in folders if f"{f}/" not in block]
+    assert not missing, f"docs/development.md's repository map leaves out {missing}"

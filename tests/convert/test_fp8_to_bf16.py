@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 
 from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-from cvt.testing.checkpoints import tiny_deepseek_config, write_fp8_release
+from cvt.testing.checkpoints import release_tensors, tiny_deepseek_config, write_fp8_release, write_release
 from cvt.schemas import load_schema
 from cvt.tests.conftest import run_cvt
 from cvt.tests.convert.fp8_reference import decode_scale, dequant
@@ -172,8 +172,10 @@ def test_quantization_config_under_text_config(tmp_path):
     qc = cfg.pop("quantization_config")
     wrapper = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
                "text_config": {**cfg, "quantization_config": qc}}
-    src = write_fp8_release(tmp_path / "src", config=cfg | {"quantization_config": qc})
-    (src / "config.json").write_text(json.dumps(wrapper))
+    # the Kimi-K2.5 release layout: every text tensor under language_model. (a wrapper without it
+    # is refused: tests/test_catalog_reliability.py)
+    tensors = release_tensors(cfg | {"quantization_config": qc})
+    src = write_release(tmp_path / "src", wrapper, {f"language_model.{k}": v for k, v in tensors.items()})
     fp8_to_bf16(src, tmp_path / "out", quiet=True)
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in out_cfg["text_config"] and "quantization_config" not in out_cfg

@@ -197,14 +197,14 @@ def test_quantize_writes_kernel_outputs_straight_and_the_reference_bytes(fp8_rel
     without a staging copy (the tiny release's tensors are small: the size thresholds are lowered
     so that they qualify, both placements used), and the files are the unfused reference's
     (tests/quant/test_qkernel.py::test_stage_writes_the_reference_bytes: CVT_QUANT_KERNEL=reference)."""
-    import cvt.quant.stage as ST
+    import cvt.quant.stage.outputs as ST
     from cvt.quant import qkernel as QK
     from cvt.quant.stage import quantize
 
     _needs_direct(tmp_path)
     pieces = []  # the FP8 tensors kept float: BF16 in pieces, as fp8-to-bf16 writes them
     real_pieces = ST.dequantized_pieces
-    monkeypatch.setattr(ST, "dequantized_pieces", lambda ck, n, *a: pieces.append(n) or real_pieces(ck, n, *a))
+    monkeypatch.setattr(ST, "dequantized_pieces", lambda ck, n, *a, **k: pieces.append(n) or real_pieces(ck, n, *a, **k))
     QK._c_kernel.cache_clear()
     if QK._c_kernel() is None:
         pytest.skip("C quantize kernel not built")
@@ -237,8 +237,8 @@ def test_fp8_to_bf16_writes_kernel_outputs_straight_and_the_torch_bytes(fp8_rele
 
     monkeypatch.setattr(S, "PIECE_BYTES", piece_bytes)
     made = []
-    real_np = S.dequant_fp8_block_np
-    monkeypatch.setattr(S, "dequant_fp8_block_np", lambda *a, **k: made.append(a[1]) or real_np(*a, **k))
+    real_np = S.dequant_fp8_counted_np
+    monkeypatch.setattr(S, "dequant_fp8_counted_np", lambda *a, **k: made.append(a[1]) or real_np(*a, **k))
 
     _needs_direct(tmp_path)
     F._c_kernel.cache_clear()
