@@ -192,7 +192,9 @@ def from_env(env=os.environ) -> World:
         raise CvtError(f"RANK {rank} / WORLD_SIZE {size} / LOCAL_RANK {local} describe no rank of a world")
     asked = env.get(WORLD_ENV)
     if asked and asked != str(size):
-        raise CvtError(f"--procs {asked} was asked for, but torchrun started {size} ranks")
+        # cvt sets it from --procs for its own ranks; a user may have left it in the environment
+        raise CvtError(f"{WORLD_ENV}={asked} in the environment (what --procs {asked} sets for its ranks) "
+                       f"disagrees with torchrun's {size} rank(s); unset {WORLD_ENV} unless cvt --procs set it")
     return World(rank, size, local) if size > 1 else SINGLE
 
 

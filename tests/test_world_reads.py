@@ -147,3 +147,15 @@ def test_the_environment_check_sees_reads(source, found):
 ])
 def test_the_reader_check_sees_calls(source, found):
     assert world_reader_calls(ast.parse(source)) == found
+
+
+def test_a_stray_cvt_world_size_is_named_as_the_environment_variable():
+    """`CVT_WORLD_SIZE=7` left in the environment of a 1-rank run is named as the variable, not as
+    an option the user never gave (issue 37 cause 15)."""
+    import pytest
+
+    from cvt import world
+    from cvt.errors import CvtError
+
+    with pytest.raises(CvtError, match=r"^CVT_WORLD_SIZE=7 in the environment .* disagrees with torchrun's 1 rank"):
+        world.from_env({"CVT_WORLD_SIZE": "7"})
