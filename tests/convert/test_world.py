@@ -103,7 +103,7 @@ def test_owners_balance_by_cost_and_agree_everywhere():
 
 @pytest.mark.parametrize("env, why", [({"WORLD_SIZE": "2", "RANK": "2"}, "describe no rank"),
                                       ({"WORLD_SIZE": "x"}, "must be integers"),
-                                      ({"WORLD_SIZE": "2", "RANK": "0", world.WORLD_ENV: "4"}, "torchrun started 2")])
+                                      ({"WORLD_SIZE": "2", "RANK": "0", world.WORLD_ENV: "4"}, "disagrees with torchrun.s 2 rank")])
 def test_bad_torchrun_environment_is_one_line(env, why):
     with pytest.raises(CvtError, match=why):
         world.from_env(env)
