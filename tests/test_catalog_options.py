@@ -14,7 +14,7 @@ progress inside a layer").
 * 10: a ``--calib`` / ``--data`` .jsonl line nested 50,000 deep: exit 1 naming file and line;
 * 14: DeepSeek-V4 GPTQ above ``--expert-memory``: the size in a unit that shows it, and the bytes;
 * 15: V4 with an int8 / fp8 KV cache: V4 has no KV quantization in cvt (not vllm-ascend's GQA
-  rule); ``CVT_WORLD_SIZE`` in the environment named as such (its message is cvt/world.py's);
+  rule); ``CVT_WORLD_SIZE`` in the environment named as such (was: "--procs 7 was asked for");
 * 16: ``export om`` on a FIFO (not "no such file", never opened); an unknown ``--soc-version``
   (exit 2, naming valid ones);
 * 17: ``run --input-ids ,,`` (exit 2 naming the option); ``--method smoothquant`` with w4a16
@@ -168,10 +168,8 @@ CASES = [
 
 # --- 15: CVT_WORLD_SIZE (set by `--procs N` for its ranks) left in a user's environment
 ENV_CASES = [
-    pytest.param(EnvCase("fp8-to-bf16-cvt-world-size-in-env", _verb(["fp8-to-bf16"], "fp8", _nothing),
-                         "CVT_WORLD_SIZE=7", env=(("CVT_WORLD_SIZE", "7"),)),
-                 marks=pytest.mark.xfail(strict=True, reason="the message is cvt/world.py's from_env (issue 37 "
-                                                              "cause 15; another helper's file): it says --procs 7")),
+    EnvCase("fp8-to-bf16-cvt-world-size-in-env", _verb(["fp8-to-bf16"], "fp8", _nothing),
+            "CVT_WORLD_SIZE=7 in the environment", env=(("CVT_WORLD_SIZE", "7"),)),
 ]
 
 
