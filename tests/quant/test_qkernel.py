@@ -193,6 +193,7 @@ def test_fp8_scale_dtypes_and_blocks(kernel, scale_dtype, layout, scheme, opts):
         assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", list(SOURCES))
 @pytest.mark.parametrize("layout,scheme,opts", [
     ("ascend-w8a8-dynamic", "w8a8", {}), ("ct-int4", "w4a16", {"group_size": 128}),

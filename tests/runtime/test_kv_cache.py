@@ -480,7 +480,7 @@ def test_compressed_tensors_conversion_mla(dsv3):
 
 
 # ------------------------------------------------------------------------- FP8 (vLLM)
-@pytest.mark.parametrize("family", ["gqa", "mla"])
+@pytest.mark.parametrize("family", ["gqa", pytest.param("mla", marks=pytest.mark.slow)])
 def test_fp8_cache_matches_the_float_cache(family, qwen3, dsv3):
     """compressed-tensors w8a8c8: vLLM's FP8 (e4m3) cache with per-tensor k_scale / v_scale
     (amax / 448). cvt's runtime runs the same cache: incremental decode through it and the full
