@@ -86,3 +86,12 @@ def test_ci_runs_make_test():
         pytest.skip("needs the source tree (tests run from an installed cvt.tests)")
     commands = [line.strip() for line in ci.read_text().splitlines() if line.strip() and not line.startswith("#")]
     assert "make test" in commands
+
+
+def test_the_development_page_lists_every_make_target():
+    makefile, page = ROOT / "Makefile", ROOT / "docs" / "development.md"
+    if not (makefile.is_file() and page.is_file()):
+        pytest.skip("needs the source tree (tests run from an installed cvt.tests)")
+    phony = re.search(r"^\.PHONY:(.*)$", makefile.read_text(), re.M).group(1).split()
+    assert "test-fast" in phony
+    assert [t for t in phony if f"| `make {t}` |" not in page.read_text()] == []
