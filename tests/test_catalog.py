@@ -857,12 +857,13 @@ def sources(tmp_path_factory, fp8_release_session):
     return fp8_release_session, bf16, qwen
 
 
-# these calibrate, or wait on a run that does
+# these calibrate, or wait on a run that does; the quantize-state-* cases resume a killed GPTQ run
 SLOW = {"quantize-w8a8c8-bf16-max-fa-scales", "quantize-smoothquant-nan-norm", "quantize-while-another-calibrates",
         "quantize-state-truncated"}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.id in SLOW else c for c in CASES],
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
+                                  if c.id in SLOW or c.id.startswith("quantize-state-") else c for c in CASES],
                          ids=[c.id for c in CASES])
 def test_bad_input(case: Case, sources, tmp_path):
     fp8, bf16, qwen = sources

@@ -101,6 +101,7 @@ def test_cli_quiets_numpys_blas_threads_unless_told(preset):
     assert value == (preset or ("4" if x86 else "None"))
 
 
+@pytest.mark.slow
 def test_cli_choices_follow_the_registries():
     """The CLI's choices are the registries' names, read when first needed: `cvt --help`
     imports no registry, `cvt quantize --help` lists them all."""

@@ -166,6 +166,7 @@ def test_a_missing_c_kernel_is_said_once():
         assert ok.stderr == ""
 
 
+@pytest.mark.slow
 def test_ep_that_divides_nothing_says_why():
     """Was "valid ep: 1" alone for --ep 7 on 384 experts."""
     r = run_cvt("plan", os.path.join(os.path.dirname(__file__), "data", "configs", "kimi-k2.json"), "--ep", "7")

@@ -83,6 +83,7 @@ def test_verify_with_gates_prints_the_verdict(qwen, tmp_path):
     assert v.rc == 0 and "result: PASSED (2 gates)" in v.out, v.out + v.err
 
 
+@pytest.mark.slow
 def test_bench_missing_dir_is_one_clear_error(tmp_path):
     missing = tmp_path / "nope"
     p = subprocess.run([sys.executable, str(REPO / "bench" / "runtime.py"), "--dir", str(missing)],

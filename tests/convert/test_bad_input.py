@@ -333,7 +333,7 @@ def _limit_file_size(limit: int):
     return preexec
 
 
-@pytest.mark.parametrize("quiet", [True, False], ids=["quiet", "progress-bar"])
+@pytest.mark.parametrize("quiet", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["quiet", "progress-bar"])
 def test_disk_full_then_resume(fp8_release, dst, quiet):
     limit = 500_000  # the single output shard is ~3 MB
     args = ("fp8-to-bf16", fp8_release, dst, *(["--quiet"] if quiet else []))

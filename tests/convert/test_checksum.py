@@ -46,6 +46,7 @@ def test_manifest_records_blake3_of_every_file(out):
         assert f["blake3"] == blake3.blake3((out / f["path"]).read_bytes()).hexdigest()  # the package's own
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_in_any_file_is_detected(out, tmp_path):
     """Every file the manifest lists, a byte flipped at its start, middle and end (same size):
     verification names the file; the untouched copy verifies clean."""

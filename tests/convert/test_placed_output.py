@@ -23,6 +23,7 @@ def small_pool(monkeypatch):
     monkeypatch.setattr(B, "POOLED_MIN", 1 << 20)
 
 
+@pytest.mark.slow
 def test_pool_places_arrays_within_a_page_and_recycles_a_block_once_its_last_view_is_gone(small_pool):
     pool = B.OutputPool(max_idle=64 << 20)
     a = pool.array((700, 1000), np.uint16, phase=1234)

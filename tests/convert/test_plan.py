@@ -138,6 +138,7 @@ def test_mindie_file_with_decoder_layer_ids_and_bad_files(tmp_path):
 
 
 # ------------------------------------------------------------------------------ validation
+@pytest.mark.slow
 def test_deepseek_tp64_dense_down_proj_names_tensor_blocks_and_valid_degrees():
     bad = validate(make_layout(world_size=64, tp=64), DSV3)
     down = [str(v) for v in bad if "down_proj" in v.subject]
@@ -215,8 +216,8 @@ def _degree(name, lay):
 
 
 @pytest.mark.parametrize("cfg,kw,scheme", [
-    (DSV3, dict(world_size=32, tp=8, moe_tp=2, dense_tp=8), "bf16"),
-    (DSV3, dict(world_size=32, tp=8, moe_tp=2, dense_tp=8), "fp8"),
+    pytest.param(DSV3, dict(world_size=32, tp=8, moe_tp=2, dense_tp=8), "bf16", marks=pytest.mark.slow),
+    pytest.param(DSV3, dict(world_size=32, tp=8, moe_tp=2, dense_tp=8), "fp8", marks=pytest.mark.slow),
     (TINY, dict(world_size=4, tp=2, moe_tp=2, embed_tp=4), "bf16"),  # tiny's 192-row q_b_proj: no FP8 TP
     (TINY, dict(world_size=4, moe_tp=2, shared_experts="replicated"), "bf16"),
     (TINY, dict(world_size=4, placement=contiguous_placement(4, 4, redundant=4)), "bf16"),
@@ -269,8 +270,9 @@ BF = lambda n, k: 2 * n * k  # noqa: E731
 
 
 @pytest.mark.parametrize("cfg,ep,scheme,lin,kvb,fmt", [
-    (KIMI, 64, "w8a8", W8, BF, None), (KIMI, 64, "w8a8", W8A, BF, "ascend"), (KIMI, 64, "w4a16", W4, BF, None),
-    (DSV3, 32, "fp8", F8, F8, None), (DSV3, 32, "bf16", BF, BF, None),
+    pytest.param(KIMI, 64, "w8a8", W8, BF, None, marks=pytest.mark.slow), (KIMI, 64, "w8a8", W8A, BF, "ascend"),
+    pytest.param(KIMI, 64, "w4a16", W4, BF, None, marks=pytest.mark.slow),
+    (DSV3, 32, "fp8", F8, F8, None), pytest.param(DSV3, 32, "bf16", BF, BF, None, marks=pytest.mark.slow),
 ], ids=["kimi-ep64-w8a8", "kimi-ep64-w8a8-ascend", "kimi-ep64-w4a16", "dsv3-ep32-fp8", "dsv3-ep32-bf16"])
 def test_real_configs_match_a_hand_count(cfg, ep, scheme, lin, kvb, fmt):
     plan = memory_plan(cfg, make_layout(ep=ep), scheme, fmt=fmt)
@@ -338,6 +340,7 @@ def test_parse_bytes():
         parse_bytes("64 bananas")
 
 
+@pytest.mark.slow
 def test_cli_plan_on_the_real_configs():
     """`cvt plan` from config.json alone, on the real DeepSeek-V3 and Kimi-K2 configs."""
     from cvt.tests.conftest import run_cvt

@@ -33,6 +33,7 @@ def mla_layer(c: dict) -> int:
     return attn + 2 * (ql + kl) + 2 * 2 * h
 
 
+@pytest.mark.slow
 def test_kimi_k25_release_bytes_by_hand():
     t = K25["text_config"]
     h, V, E, mi, L, dense = (t[k] for k in ("hidden_size", "vocab_size", "n_routed_experts", "moe_intermediate_size",

@@ -32,7 +32,8 @@ def total_written(golden) -> int:
 
 @pytest.mark.parametrize(
     "workers,where",
-    [("1", 0.0001), ("1", 0.31), ("1", 0.77), ("1", 0.9995), ("2", 0.13), ("2", 0.5)],
+    [*(pytest.param(w, at, marks=pytest.mark.slow) for w, at in [("1", 0.0001), ("1", 0.31), ("1", 0.77), ("1", 0.9995),
+                                                                 ("2", 0.13)]), ("2", 0.5)],
     ids=lambda v: f"workers{v}" if isinstance(v, str) else f"kill-at-{v:.2%}",
 )
 def test_kill_9_anywhere_then_resume_is_byte_identical(fp8_release_session, tmp_path, golden, workers, where):
@@ -64,6 +65,7 @@ def test_kill_at_file_boundaries(fp8_release_session, tmp_path, golden):
         assert snapshot(dst) == golden
 
 
+@pytest.mark.slow
 def test_resume_skips_finished_files_and_redoes_damaged_ones(fp8_release_session, tmp_path, golden):
     dst = tmp_path / "out"
     weights = sorted(k for k in golden if k.endswith(".safetensors"))
@@ -127,6 +129,7 @@ def test_second_concurrent_run_is_refused(fp8_release_session, tmp_path):
     assert run_cvt("fp8-to-bf16", fp8_release_session, dst, "--quiet").rc == 0
 
 
+@pytest.mark.slow
 def test_two_real_runs_at_once(fp8_release_session, tmp_path, golden):
     """Two real processes on one DST: one wins, the other refuses or finds the work done; the result is intact."""
     import subprocess
@@ -161,6 +164,7 @@ def test_resume_refuses_another_source_with_the_same_config_and_index(tmp_path):
     assert r.rc != 0 and "different run" in r.err
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_source_replaced_in_place_with_the_same_mtimes(tmp_path):
     """SRC's weight files replaced at the same path by another checkpoint's with the same names
     and sizes, their mtimes set back (``touch -r``): the plan is keyed on the files' content

@@ -223,6 +223,7 @@ def test_qwen3_moe_gqa_heads_split(tmp_path):
     assert m["shard"]["tensors"]["model.layers.0.self_attn.k_proj.weight"]["dim"] == 0
 
 
+@pytest.mark.slow
 def test_kill_9_mid_write_then_resume_is_byte_identical(bf16_src, tmp_path):
     args = ("shard", str(bf16_src), "--tp", "2", "--ep", "4", "--max-shard-size", "400KB", "-q")
     golden = run_cvt(*args[:2], str(tmp_path / "golden"), *args[2:])
@@ -238,6 +239,7 @@ def test_kill_9_mid_write_then_resume_is_byte_identical(bf16_src, tmp_path):
     assert not list((tmp_path / "out").glob("rank-*/.*.tmp"))
 
 
+@pytest.mark.slow
 def test_dry_run_plans_the_real_kimi_config():
     kimi = str(CONFIGS / "kimi-k2.json")
     r = CliRunner().invoke(cli, ["shard", kimi, "--dry-run", "--ep", "64", "--scheme", "w8a8", "--hbm", "64GB",

@@ -95,7 +95,8 @@ def hf_home(tmp_path, fp8_release_session) -> Path:
 # hub ids through the CLI
 
 
-@pytest.mark.parametrize("symlinks", [True, False], ids=["blob-symlinks", "plain-files"])
+@pytest.mark.parametrize("symlinks", [pytest.param(True, marks=pytest.mark.slow), False],
+                         ids=["blob-symlinks", "plain-files"])
 def test_hub_id_from_offline_cache(tmp_path, fp8_release_session, symlinks):
     home = tmp_path / "hf_home"
     build_hub_cache(home, fp8_release_session, symlinks=symlinks)
@@ -111,7 +112,7 @@ def test_hub_id_from_offline_cache(tmp_path, fp8_release_session, symlinks):
     assert (dst / "tokenizer.json").read_bytes() == (fp8_release_session / "tokenizer.json").read_bytes()
 
 
-@pytest.mark.parametrize("revision", [COMMIT, "main"], ids=["commit", "branch"])
+@pytest.mark.parametrize("revision", [COMMIT, pytest.param("main", marks=pytest.mark.slow)], ids=["commit", "branch"])
 def test_hub_revision(tmp_path, hf_home, revision):
     dst = tmp_path / "out"
     res = run_cvt("fp8-to-bf16", REPO_ID, dst, "--revision", revision, "--quiet", env=hub_env(hf_home))
@@ -120,6 +121,7 @@ def test_hub_revision(tmp_path, hf_home, revision):
     assert (src["kind"], src["repo_id"], src["revision"]) == ("hub", REPO_ID, COMMIT)
 
 
+@pytest.mark.slow
 def test_hub_id_not_in_cache(tmp_path, hf_home):
     dst = tmp_path / "out"
     res = run_cvt("fp8-to-bf16", "cvt-test/not-cached", dst, env=hub_env(hf_home))
@@ -127,6 +129,7 @@ def test_hub_id_not_in_cache(tmp_path, hf_home):
     assert_nothing_complete(dst)
 
 
+@pytest.mark.slow
 def test_hub_id_not_in_empty_cache(tmp_path):
     dst = tmp_path / "out"
     res = run_cvt("fp8-to-bf16", REPO_ID, dst, env=hub_env(tmp_path / "empty_hf_home"))
@@ -134,7 +137,8 @@ def test_hub_id_not_in_empty_cache(tmp_path):
     assert_nothing_complete(dst)
 
 
-@pytest.mark.parametrize("revision", [OTHER_COMMIT, "no-such-branch"], ids=["commit", "branch"])
+@pytest.mark.parametrize("revision", [OTHER_COMMIT, pytest.param("no-such-branch", marks=pytest.mark.slow)],
+                         ids=["commit", "branch"])
 def test_hub_revision_not_in_cache(tmp_path, hf_home, revision):
     dst = tmp_path / "out"
     res = run_cvt("fp8-to-bf16", REPO_ID, dst, "--revision", revision, env=hub_env(hf_home))
@@ -142,6 +146,7 @@ def test_hub_revision_not_in_cache(tmp_path, hf_home, revision):
     assert_nothing_complete(dst)
 
 
+@pytest.mark.slow
 def test_hub_incomplete_snapshot(tmp_path, fp8_release_session):
     """A cached tree listing says the snapshot should hold a shard that is not there."""
     home = tmp_path / "hf_home"
@@ -159,6 +164,7 @@ def test_hub_incomplete_snapshot(tmp_path, fp8_release_session):
     assert_nothing_complete(dst)
 
 
+@pytest.mark.slow
 def test_hub_errors_name_files_in_the_snapshot(tmp_path, hf_home):
     """A corrupt file in a cached snapshot is reported like a local one: one line, the file named."""
     snap = hf_home / "hub" / f"models--{ORG}--{NAME}" / "snapshots" / COMMIT
@@ -199,6 +205,7 @@ def test_revision_with_local_dir(tmp_path, fp8_release):
     assert_one_line_error(res, "--revision")
 
 
+@pytest.mark.slow
 def test_local_dir_wins_over_hub_id(tmp_path, fp8_release_session):
     """An existing directory spelled like owner/name is a local directory, not a hub id."""
     work = tmp_path / "cwd"
@@ -234,6 +241,7 @@ def test_resolve_local_errors(tmp_path, fp8_release):
         resolve("./missing-dir")
 
 
+@pytest.mark.slow
 def test_resolve_hub_id_offline(tmp_path, hf_home):
     """resolve() in a fresh interpreter (huggingface-hub reads HF_HOME/HF_HUB_OFFLINE at import)."""
     code = (

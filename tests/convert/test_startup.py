@@ -63,7 +63,10 @@ RTN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fmt,scheme,opts", RTN_CASES, ids=[f"{f}-{s}-{len(o)}" for f, s, o in RTN_CASES])
+# one case fast: each runs a subprocess
+@pytest.mark.parametrize("fmt,scheme,opts", [RTN_CASES[0], *(pytest.param(*c, marks=pytest.mark.slow)
+                                                              for c in RTN_CASES[1:])],
+                         ids=[f"{f}-{s}-{len(o)}" for f, s, o in RTN_CASES])
 def test_rtn_quantize_never_imports_torch(fp8_release_session, tmp_path, fmt, scheme, opts):
     if qkernel._c_kernel() is None or fp8._c_kernel() is None:
         pytest.skip("C kernels not built: the torch fallbacks quantize then")
@@ -72,6 +75,7 @@ def test_rtn_quantize_never_imports_torch(fp8_release_session, tmp_path, fmt, sc
     assert (tmp_path / "out" / "cvt_manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_rtn_quantize_of_a_bf16_checkpoint_never_imports_torch(tmp_path):
     if qkernel._c_kernel() is None:
         pytest.skip("C quantize kernel not built")

@@ -538,7 +538,7 @@ def _files(folder) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("fmt,scheme,opts", STAGE_CASES,
                          ids=[f"{f}-{s}" + "".join(f"-{k}={v}" for k, v in o.items()) for f, s, o in STAGE_CASES])
-@pytest.mark.parametrize("impl", ["c", "torch"])
+@pytest.mark.parametrize("impl", ["c", pytest.param("torch", marks=pytest.mark.slow)])  # torch kernels: the tests above
 def test_stage_writes_the_reference_bytes(fp8_release_session, tmp_path, monkeypatch, fmt, scheme, opts, impl):
     from cvt.convert.reader import read_manifest
     from cvt.quant.stage import quantize

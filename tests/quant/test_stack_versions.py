@@ -79,6 +79,7 @@ def test_main_refuses_what_pr_13713_removed(fp8_release_session, root):
     assert not any((root / n).exists() and any((root / n).iterdir()) for n in ("r1", "r2", "r3"))
 
 
+@pytest.mark.slow
 def test_w4a4_mxfp4_linear_with_odd_k_over_32_is_float_on_0_23_and_0_24(tmp_path):
     """q_b_proj with 96 in_features (3 scale columns) cannot be loaded by 0.23 / 0.24's W4A4_MXFP4
     linear method: kept float there with the reason (a recipe asking for it is refused); 0.25 and

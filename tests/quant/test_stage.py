@@ -311,6 +311,7 @@ def test_transformers_loads_w8a8_dense_qwen3_and_logits_match(dense_qwen, tmp_pa
     assert torch.nn.functional.cosine_similarity(a.flatten(), real.flatten(), dim=0) > 0.99
 
 
+@pytest.mark.slow
 def test_kimi_int4_source_reemitted_without_loss(tmp_path):
     """A compressed-tensors pack-quantized INT4 g32 source with int4 experts (as Kimi-K2-Thinking
     ships) re-emitted as Ascend W4A16 g32 for vllm-ascend (int32 experts) and, at g64, for MindIE
@@ -346,6 +347,7 @@ def test_recipe_mixed_precision(fp8_release_session, tmp_path):
     load_model(tmp_path / "mixed", dtype=torch.float32)
 
 
+@pytest.mark.slow
 def test_kill_and_resume_is_byte_identical(fp8_release_session, tmp_path):
     args = ["quantize", fp8_release_session, None, "--scheme", "w4a16", "--format", "ascend", "--max-shard-size",
             "300000", "--quiet"]

@@ -116,6 +116,7 @@ def test_w4a8_mxfp_carries_the_fp4_experts_byte_for_byte(release, tmp_path, capl
     assert "expert_dtype" not in cfg and "quantization_config" not in cfg
 
 
+@pytest.mark.slow
 def test_w8a8_requantizes_the_experts_as_from_the_bf16_output_saying_so(release, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="cvt"):
         r = run_cvt("quantize", release, tmp_path / "direct", "--scheme", "w8a8", "--format", "ascend", "--quiet")

@@ -60,6 +60,7 @@ def test_the_ascend_output_has_the_drafts_copies(releases, tmp_path):
     assert torch.isfinite(model(tokens)).all()
 
 
+@pytest.mark.slow
 def test_a_release_with_the_copies_is_read_and_carried(releases, tmp_path):
     _, base = releases
     src = read_all(base)

@@ -218,6 +218,7 @@ def _png_distinct_bytes(data: bytes) -> int:
     return len(set(zlib.decompress(idat)))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_chromium() is None, reason="chromium is not installed: headless render of report.html skipped")
 def test_html_renders_in_headless_chromium(tmp_path):
     report, kl = _report(STRICT)
