@@ -139,40 +139,29 @@ class FiniteFloat(click.FloatRange):
         return super().convert(rv, param, ctx)
 
 
-class SocVersion(click.ParamType):
-    """An Ascend SoC name atc knows (`cvt.export.atc.soc_problem`: 'Ascend' + npu-smi's Name, of a
-    known chip series): a typo is a usage error (exit 2) naming valid ones, not an atc failure."""
+class Checked(click.ParamType):
+    """A text option whose value a library function judges (``module:function``, returning None or
+    the problem in words), imported only when the option is given so `--help` stays instant: a bad
+    value is a usage error (exit 2) naming the option, not a failure deep in the verb."""
 
-    name = "soc"
+    def __init__(self, name: str, problem: str):
+        self.name, self._problem = name, problem
 
     def convert(self, value, param, ctx):
-        from cvt.export.atc import soc_problem
+        import importlib
 
-        why = soc_problem(value)
+        module, fn = self._problem.split(":")
+        why = getattr(importlib.import_module(module), fn)(value)
         if why is not None:
             self.fail(why, param, ctx)
         return value
 
 
-SOC_VERSION = SocVersion()
-
-
-class InputIds(click.ParamType):
-    """`cvt run --input-ids 1,2,3`: comma-separated token ids, at least one, none negative
-    (`cvt.runtime.tokenizer.input_ids_problem`); kept as the text the ranks are given."""
-
-    name = "ids"
-
-    def convert(self, value, param, ctx):
-        from cvt.runtime.tokenizer import input_ids_problem
-
-        why = input_ids_problem(value)
-        if why is not None:
-            self.fail(why, param, ctx)
-        return value
-
-
-INPUT_IDS = InputIds()
+# an Ascend SoC name atc knows ('Ascend' + npu-smi's Name, of a known chip series): a typo names valid ones
+SOC_VERSION = Checked("soc", "cvt.export.atc:soc_problem")
+# `cvt run --input-ids 1,2,3`: comma-separated token ids, at least one, none negative; kept as the
+# text the ranks are given
+INPUT_IDS = Checked("ids", "cvt.runtime.tokenizer:input_ids_problem")
 
 
 # the command line `main` was given: what `ranks` re-runs on each rank
