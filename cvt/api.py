@@ -81,7 +81,7 @@ def fp8_to_bf16(options: Fp8ToBf16Options | None = None, /, **kw):
     from cvt import world
     from cvt.convert.fp8_to_bf16 import fp8_to_bf16 as stage
 
-    w = world.expect(o.procs)  # a rank of torchrun writes its share of the files
+    w = world.expect(o.procs).start("cpu")  # a rank of torchrun writes its share of the files (peers met before DST)
     return stage(o.src, o.dst, revision=o.revision, workers=o.workers, max_shard_size=o.max_shard_size,
                  resume=o.resume, overwrite=o.overwrite, quiet=o.quiet, world=w)
 
@@ -246,7 +246,8 @@ def shard(options: ShardOptions | None = None, /, **kw):
     from cvt.convert.reader import open_checkpoint
     from cvt.convert.shard import shard as stage
 
-    w = world.expect(o.procs)  # the processes of a torchrun world split the rank files (not the layout's ranks)
+    # the processes of a torchrun world split the rank files (not the layout's ranks); they meet before DST is made
+    w = world.expect(o.procs).start("cpu")
 
     with open_checkpoint(o.src, o.revision) as ckpt:
         layout = o.layout.build(ckpt.config)

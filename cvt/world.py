@@ -11,13 +11,13 @@ deterministic for a given world size: `barrier`, `all_gather` (Python objects, i
 not in whatever order a reduction algorithm picks), `agree` (whether any rank failed). Its process
 group is initialized by `World.start` (gloo on CPU; nccl / hccl for CUDA / NPU devices, with a gloo
 group beside it for the Python objects and CPU tensors the stages exchange): torch.distributed
-keeps one per process, and so does this module (`stop` leaves it).
+keeps one per process, and so does this module (`stop` leaves it). `init_group` meets the other
+ranks within a rendezvous timeout (`RENDEZVOUS_ENV`, default `RENDEZVOUS_S`) and then gives the
+collectives torch's long default: a peer that never comes is one line naming MASTER_ADDR /
+MASTER_PORT, not a wait of half an hour.
 
-`launch` is what ``cvt quantize | fp8-to-bf16 | shard --procs N`` does: run ``python -m
-torch.distributed.run --standalone --nproc-per-node N`` with the same command on this node.
-Across nodes a user runs torchrun itself; DST must then be a folder every node sees
-(`World.check_shared`). A rank that dies takes the job down: torchrun's agent stops the others, and
-each rank dies with its agent (`die_with_parent`).
+`cvt.launcher` starts the ranks of ``cvt VERB --procs N`` on this node. Across nodes a user runs
+torchrun itself; DST must then be a folder every node sees (`World.check_shared`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,21 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
+from cvt import signals
 from cvt.errors import CvtError, OutputError
 
 # set by `cvt ... --procs N` for the ranks it starts: the size the user asked for (a
 # torchrun that started a different number of ranks is refused rather than silently used)
 WORLD_ENV = "CVT_WORLD_SIZE"
+# the most ranks cvt takes, from torchrun's WORLD_SIZE or --procs: far above any conversion job
+# (DeepSeek-V3 at EP 320 is 320 ranks), and a bound before any list or tensor is sized by it
+MAX_WORLD = 4096
+# how long a rank waits for the others to arrive (seconds): a rank started by hand whose peers
+# never come stops with one line instead of torch's 30-minute wait
+RENDEZVOUS_ENV = "CVT_RENDEZVOUS_TIMEOUT"
+RENDEZVOUS_S = 300
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ class World:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group(backend_for(device_type), rank=self.rank, world_size=self.size)
+            init_group(backend_for(device_type), self.rank, self.size)
         if "cpu_group" not in _started:
             _started["cpu_group"] = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         return self
@@ -136,7 +144,7 @@ class World:
     def agree(self, error: BaseException | None) -> BaseException | None:
         """Every rank says whether it failed. A rank that failed keeps its own error; the others get a
         `PeerFailed` naming the first rank that did (so that no rank waits for a peer that left)."""
-        code = (130 if isinstance(error, KeyboardInterrupt) else error.exit_code if isinstance(error, CvtError)
+        code = (signals.exit_code(signals.signum_of(error)) if isinstance(error, KeyboardInterrupt) else error.exit_code if isinstance(error, CvtError)
                 else 1 if isinstance(error, OSError) else 70)  # as the CLI's `main` exits for each
         mine = None if error is None else (str(error) if isinstance(error, CvtError) else
                                            f"{type(error).__name__}: {error}", code)
@@ -188,6 +196,8 @@ def from_env(env=os.environ) -> World:
     except ValueError:
         raise CvtError(f"WORLD_SIZE / RANK / LOCAL_RANK must be integers (got {env.get('WORLD_SIZE')!r}, "
                        f"{env.get('RANK')!r}, {env.get('LOCAL_RANK')!r})") from None
+    if size > MAX_WORLD:
+        raise CvtError(f"WORLD_SIZE {size}: above the {MAX_WORLD} ranks cvt runs on")
     if size < 1 or not 0 <= rank < size or local < 0:
         raise CvtError(f"RANK {rank} / WORLD_SIZE {size} / LOCAL_RANK {local} describe no rank of a world")
     asked = env.get(WORLD_ENV)
@@ -195,6 +205,10 @@ def from_env(env=os.environ) -> World:
         # cvt sets it from --procs for its own ranks; a user may have left it in the environment
         raise CvtError(f"{WORLD_ENV}={asked} in the environment (what --procs {asked} sets for its ranks) "
                        f"disagrees with torchrun's {size} rank(s); unset {WORLD_ENV} unless cvt --procs set it")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if size > 1 and not env.get(k)]
+    if missing:  # torch.distributed would fail on it later, with an error taken for a peer leaving
+        raise CvtError(f"WORLD_SIZE {size} without {' / '.join(missing)}: the ranks meet at MASTER_ADDR:MASTER_PORT "
+                       "(torchrun sets both; ranks started by hand need rank 0's address and a free port)")
     return World(rank, size, local) if size > 1 else SINGLE
 
 
@@ -279,163 +293,44 @@ class PeerFailed(CvtError):
         self.rank, self.exit_code = rank, exit_code
 
 
-# ------------------------------------------------------------------------------ starting ranks
-# the lines torchrun's agent prints itself (its log records and its failure report), as opposed
-# to what the ranks print
-_AGENT = re.compile(
-    r"^([WEI]\d{4} |\[rank\d+\]|\[\d+\]:|Traceback |  File |torch\.distributed\.|=+\s*$|-+\s*$|Failures:|Root Cause"
-    r"|  <NO_OTHER_FAILURES>|\s+(time|host|rank|exitcode|error_file|traceback)\s*:|.* FAILED\s*$)")
-
-
-def boot(module: str) -> str:
-    """Python code for `python -c` that runs MODULE as `python -m MODULE` would, except that the
-    current directory is not put on sys.path.
-
-    `python -m` (and `-c`) put the current directory first on sys.path, so a folder named `cvt`
-    there -- the clone's own folder, when cvt starts from its parent -- shadows the installed
-    package and every rank dies on import (a folder named `torch` would break the agent the
-    same way). `-P` / PYTHONSAFEPATH would drop it but exist only from Python 3.11 (cvt
-    supports 3.10); `-I` would also drop PYTHONPATH and the user's site-packages, where cvt may
-    be installed. So the child removes the one entry `-c` added (''; none under -P /
-    PYTHONSAFEPATH), keeping every other path as the parent's interpreter would have it. One
-    line, so that a process list shows MODULE and its arguments on one line (`pgrep -f`)."""
-    return (f"import runpy, sys; sys.path.pop(0) if sys.path[:1] == [''] else None; "
-            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
-
-
-def boot_rank(module: str) -> str:
-    """`boot` for a rank: MODULE runs through `run_rank`, which ends the process without the
-    interpreter's teardown."""
-    return (f"import sys; sys.path.pop(0) if sys.path[:1] == [''] else None; "
-            f"from cvt.world import run_rank; run_rank({module!r})")
-
-
-def run_rank(module: str) -> NoReturn:
-    """Run MODULE as ``__main__`` (as `boot` does), then flush and leave with ``os._exit``.
-
-    A rank's work is over when MODULE returns (its process group destroyed, its files closed,
-    its output printed); what is left is the interpreter's teardown, where C++ static destructors
-    run while gloo's or the store's threads may still be joinable: now and then that aborted a
-    rank that had succeeded ("terminate called without an active exception", SIGABRT, and
-    torchrun reports the run failed). Skipping the teardown keeps the exit code MODULE chose."""
-    import logging
-    import runpy
-    import traceback
-
-    code = 0
+def rendezvous_s(env=os.environ) -> float:
+    """The rendezvous timeout in seconds (`RENDEZVOUS_ENV`, default `RENDEZVOUS_S`)."""
+    text = env.get(RENDEZVOUS_ENV, "")
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as exc:  # sys.exit(None | int | message), as the interpreter maps it
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            sys.stderr.write(f"{exc.code}\n")
-            code = 1
-    except KeyboardInterrupt:
-        code = 130
-    except BaseException:  # an uncaught error: the traceback the interpreter would print
-        traceback.print_exc()
-        code = 1
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be said there
-            pass
-    try:  # what C / C++ code (torch, gloo) printed through stdio's buffers: os._exit skips exit()'s flush
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
-        pass
-    os._exit(code)
+        value = float(text) if text else RENDEZVOUS_S
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1e7:
+        raise CvtError(f"{RENDEZVOUS_ENV}={text!r}: give the seconds a rank waits for the others (default {RENDEZVOUS_S})")
+    return value
 
 
-def die_with_parent(parent: int | None = None, sig: int = 15):
-    """On Linux, make the calling process receive `sig` (SIGTERM) when its parent exits, kill -9
-    included, so that no rank or torchrun outlives the command that started it. `parent`: the
-    pid expected as parent (when it already died, exit now). Elsewhere a no-op.
+def init_group(backend: str, rank: int, size: int, env=os.environ) -> None:
+    """`dist.init_process_group` for rank `rank` of `size`, meeting the others within the rendezvous
+    timeout (one line naming MASTER_ADDR / MASTER_PORT when they do not all come); the
+    collectives then get torch's default timeout back."""
+    from datetime import timedelta
 
-    Returns the function that does it, resolved here: `launch` passes it as a Popen
-    `preexec_fn`, where (between fork and exec) nothing may be imported."""
-    import ctypes
-    import signal
+    import torch.distributed as dist
 
+    wait = rendezvous_s(env)
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return lambda: None
+        dist.init_process_group(backend, rank=rank, world_size=size, timeout=timedelta(seconds=wait))
+    except (RuntimeError, ValueError) as exc:  # torch's DistStoreError / DistNetworkError derive from RuntimeError
+        where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+        raise CvtError(f"the {size} ranks did not all meet at MASTER_ADDR:MASTER_PORT {where} within "
+                       f"{wait:g} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); start every "
+                       f"rank with the same MASTER_ADDR / MASTER_PORT / WORLD_SIZE, or raise {RENDEZVOUS_ENV}") from None
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.4
+    if set_timeout is not None and backend in ("gloo", "nccl"):
+        default = getattr(dist.constants, "default_pg_nccl_timeout" if backend == "nccl" else "default_pg_timeout", None)
+        if default is not None:
+            set_timeout(default)
 
-    def arm() -> None:
-        prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if parent is not None and os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
 
-    return arm
-
-
-def launch(module: str, argv: list[str], world_size: int, *, debug: bool = False,
-           env_extra: dict[str, str] | None = None) -> int:
-    """Run ``python -m torch.distributed.run --standalone --nproc-per-node W`` with each rank
-    running MODULE ARGV (started by `boot`), and return the exit code: the first failing rank's
-    own code when torchrun reports it, else torchrun's. Unless `debug`, stderr keeps the ranks'
-    ``cvt:`` lines (an error said by several ranks once) and drops torchrun's own report,
-    which is shown only when the run fails without any ``cvt:`` line."""
-    import collections
-    import subprocess
-
-    cmd = [sys.executable, "-c", boot("torch.distributed.run"), "--standalone", "--nproc-per-node", str(world_size),
-           "--no-python", sys.executable, "-u", "-c", boot_rank(module), *argv]
-    from cvt.scratch import child_env
-
-    env = child_env(dict(os.environ))  # torchrun's log folders go to the command's private temp folder
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // world_size)))  # the CPUs this process may use, shared
-    env.update(env_extra or {})
-    # torchrun gets SIGTERM if this process dies (and stops its ranks, which also die with it)
-    arm = die_with_parent(os.getpid())
-    if debug:
-        return subprocess.call(cmd, env=env, preexec_fn=arm)
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=arm)
-    said: set[str] = set()
-    other: collections.deque[str] = collections.deque(maxlen=40)
-    codes: list[int] = []
-    root_cause = report = False
-
-    def line_out(line: str) -> None:
-        nonlocal root_cause, report
-        if line.startswith("cvt:"):
-            key = re.sub(r"^cvt: (error: |internal error: )?rank \d+: ", r"cvt: \1", line)
-            if key not in said:
-                said.add(key)
-                sys.stderr.write(line)
-        elif report or _AGENT.match(line):  # torchrun's own log and report: shown only when no rank said why
-            other.append(line)
-            report = report or line.startswith("Traceback ")  # the agent's failure: all that follows is its
-            root_cause = root_cause or line.startswith("Root Cause")
-            m = re.match(r"\s*exitcode\s*:\s*(-?\d+)", line)
-            if m and root_cause:
-                codes.append(int(m.group(1)))
-        else:  # rank 0's progress bar and log lines (the other ranks run quiet)
-            sys.stderr.write(line)
-        sys.stderr.flush()
-
-    pending = ""
-    while chunk := os.read(proc.stderr.fileno(), 1 << 16):
-        pending += chunk.decode(errors="replace")
-        *lines, pending = pending.split("\n")
-        for line in lines:
-            line_out(line + "\n")
-        cut = pending.rfind("\r")  # a progress bar's redraws, passed on as they come
-        if cut >= 0 and not report and not pending.startswith("cvt:"):
-            sys.stderr.write(pending[:cut + 1])
-            sys.stderr.flush()
-            pending = pending[cut + 1:]
-    if pending:
-        line_out(pending)
-    rc = proc.wait()
-    if rc != 0 and not said:
-        sys.stderr.write("".join(other))
-    if rc != 0 and codes and codes[0] > 0:
-        return codes[0]  # the failing rank's own exit code (1 refused input, 70 a bug, ...), not torchrun's 1
-    return rc
+def peer_left(exc: BaseException) -> bool:
+    """Whether `exc` is torch.distributed's report that a peer rank went away mid-collective (that
+    rank, or torchrun, says why; this one stops quietly)."""
+    text = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    return "torch.distributed" in text or "Connection closed by peer" in text or "Connection reset by peer" in text \
+        or type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistError")

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # importing the launcher stays cheap: `cvt run` imports it
 
 log = logging.getLogger("cvt.runtime.launch")
 
-EXIT_INTERNAL = 70
+EXIT_ERROR, EXIT_INTERNAL = 1, 70  # as the CLI exits for a refused input and for a bug
 
 
 @dataclass
@@ -204,9 +204,15 @@ def _logging(rank: int, debug: bool, quiet: bool) -> None:
 
 
 def report(rank: int, exc: BaseException, debug: bool) -> int:
-    """One line on stderr for a rank's failure (a traceback with --debug); its exit code."""
+    """One line on stderr for a rank's failure (a traceback with --debug); its exit code. A
+    collective whose peer went away says nothing: that peer, or torchrun's report of it
+    (`cvt.launcher`), says why."""
+    from cvt.world import peer_left
+
     if debug:
         traceback.print_exception(exc)
+    if peer_left(exc):
+        return EXIT_ERROR
     if isinstance(exc, CvtError):
         sys.stderr.write(f"cvt: error: rank {rank}: {exc}\n")
         return exc.exit_code
@@ -240,7 +246,9 @@ def main(argv=None, *, setup_logging: bool = False) -> int:
         except Exception as exc:  # whatever it is, it must reach `agree`, or the peers wait
             pre, err = None, exc
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group(backend_for(device), rank=rank, world_size=world)
+            from cvt.world import init_group
+
+            init_group(backend_for(device), rank, world)
             owned = True
         failed = agree(err is not None, device)
         clean = True
@@ -256,9 +264,12 @@ def main(argv=None, *, setup_logging: bool = False) -> int:
         # the sub-groups (seen once as a SIGABRT of rank 0 at exit, after its output was printed)
         clean = True
         return rc
-    except KeyboardInterrupt:
-        sys.stderr.write(f"cvt: rank {rank}: interrupted\n")
-        return 130
+    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM / SIGHUP (`cvt.signals`)
+        from cvt import signals
+
+        sig = signals.signum_of(exc)
+        sys.stderr.write(f"{signals.stopped_line(sig).replace('cvt: ', f'cvt: rank {rank}: ', 1)}\n")
+        return signals.exit_code(sig)
     except Exception as exc:
         return report(rank, exc, args.debug)
     finally:
@@ -355,7 +366,7 @@ def torchrun(model, world_size: int | None, argv: list[str]) -> int:
                        f"(or torchrun --nproc-per-node {world} -m cvt.runtime.launch {model})")
     if world_size != world:
         raise CvtError(f"{model} is sharded for a world of {world} ranks, not {world_size}: use --procs {world}")
-    from cvt.world import launch
+    from cvt.launcher import launch
 
     return launch("cvt.runtime.launch", [str(model), *argv], world_size, debug="--debug" in argv)
 
@@ -365,7 +376,9 @@ __all__ = ["main", "preflight", "Preflight", "LogitsRecorder", "dump_logits", "p
 
 
 if __name__ == "__main__":
-    from cvt.world import die_with_parent
+    from cvt import signals
+    from cvt.launcher import die_with_parent
 
+    signals.install()
     die_with_parent()()  # a rank never outlives torchrun's agent (nor, through it, `cvt run`)
     sys.exit(main(setup_logging=True))

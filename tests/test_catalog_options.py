@@ -1,4 +1,4 @@
-"""The bad-input catalog, continued (issue 37, causes 7, 10, 14-17): option values and inputs
+"""The bad-input catalog, continued (issue 37, causes 2, 7-10, 14-17): option values and inputs
 that a hostile or careless user hands cvt, each refused before any work with one line naming the
 culprit and the README's exit code (2: a bad argument value, knowable from the arguments alone;
 1: refused input, which needs a file read to tell).
@@ -8,6 +8,9 @@ The cases run through `tests/test_catalog.py`'s harness (`_check`: the real CLI 
 complete-looking DST). Beside it: the bar of tokens through a calibrated layer (cause 7's "no
 progress inside a layer").
 
+* 2: ``--procs`` above two ranks per CPU of this node (65 ranks on 2 cores ran 145 s for nothing;
+  a million made 919,000 rank folders): exit 2 before torchrun starts; 8, 9: a ``WORLD_SIZE``
+  above `cvt.world.MAX_WORLD`, or without MASTER_ADDR / MASTER_PORT: exit 1 naming them, no DST;
 * 7: ``--calib-tokens`` above what the calibration text gives (the built-in set or ``--calib``):
   exit 1, naming the option and both counts (the count available depends on the model's
   tokenizer and the file: input, not arguments);
@@ -166,10 +169,30 @@ CASES = [
          "tp 3 does not divide the world size 7", rc=3, form="report"),
 ]
 
-# --- 15: CVT_WORLD_SIZE (set by `--procs N` for its ranks) left in a user's environment
+# --- 2: more ranks than this node runs (at most 2 per CPU, and cvt.world.MAX_WORLD): refused before torchrun starts
+PROCS_CASES = [
+    Case("fp8-to-bf16-procs-1000000", _verb(["fp8-to-bf16"], "fp8", _nothing, "--procs", "1000000"),
+         "--procs 1000000: this node gives cvt ", rc=2),
+    Case("quantize-procs-5000", _verb(["quantize"], "qwen", _nothing, "--scheme", "w8a8", "--procs", "5000"),
+         "--procs 5000: this node gives cvt ", rc=2),
+    Case("shard-procs-100000", _verb(["shard"], "qwen", _nothing, "--ep", "2", "--procs", "100000"),
+         "--procs 100000: this node gives cvt ", rc=2),
+]
+CASES += PROCS_CASES
+
+# --- 15: CVT_WORLD_SIZE (set by `--procs N` for its ranks) left in a user's environment; 9: a WORLD_SIZE
+# no list may be sized by; 8: WORLD_SIZE without the address the ranks meet at
 ENV_CASES = [
     EnvCase("fp8-to-bf16-cvt-world-size-in-env", _verb(["fp8-to-bf16"], "fp8", _nothing),
             "CVT_WORLD_SIZE=7 in the environment", env=(("CVT_WORLD_SIZE", "7"),)),
+    EnvCase("fp8-to-bf16-world-size-10-to-the-30", _verb(["fp8-to-bf16"], "fp8", _nothing),
+            f"WORLD_SIZE {10**30}: above the 4096 ranks cvt runs on", env=(("WORLD_SIZE", str(10**30)), ("RANK", "0"))),
+    EnvCase("quantize-world-size-without-master-addr", _verb(["quantize"], "qwen", _nothing, "--scheme", "w8a8"),
+            "WORLD_SIZE 2 without MASTER_ADDR / MASTER_PORT: the ranks meet at MASTER_ADDR:MASTER_PORT",
+            env=(("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_ADDR", ""), ("MASTER_PORT", ""))),
+    EnvCase("fp8-to-bf16-world-size-without-master-port", _verb(["fp8-to-bf16"], "fp8", _nothing),
+            "WORLD_SIZE 2 without MASTER_PORT: ",
+            env=(("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", ""))),
 ]
 
 

@@ -34,7 +34,9 @@ LAYERS = [  # top to bottom; ":" siblings may import each other, nothing points 
     "cvt.convert",
     "cvt.qtensor",
     "cvt.schemas",
+    "cvt.launcher",
     "cvt.units : cvt.registry : cvt.lazy : cvt.dtypes : cvt.version : cvt.extras : cvt.progress : cvt.scratch : cvt.corpus : cvt.world : cvt.hooks",
+    "cvt.signals",
     "cvt.errors",
 ]
 INDEPENDENT = [

@@ -18,7 +18,7 @@ import click
 from cvt.cli.export import export as export_group
 from cvt.cli import describe, options
 from cvt.cli.describe import LazyHelp
-from cvt.cli.options import (EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PROBLEMS, EXIT_THRESHOLD, FORMATS,
+from cvt.cli.options import (EXIT_ERROR, EXIT_INTERNAL, EXIT_PROBLEMS, EXIT_THRESHOLD, FORMATS,
                              FP4_FORMATS, METHODS, PLAN_SCHEMES, SCHEMES, SIZE, TARGETS, FiniteFloat, common,
                              human, on_processes, ranks)
 from cvt import api
@@ -435,21 +435,22 @@ def one_line(msg: str) -> str:
     return out
 
 
-def _peer_left(exc: BaseException) -> bool:
-    """Whether `exc` is torch.distributed's report that a peer rank went away mid-collective."""
-    text = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
-    return "torch.distributed" in text or "Connection closed by peer" in text or "Connection reset by peer" in text \
-        or type(exc).__name__ in ("DistBackendError", "DistNetworkError", "DistError")
-
-
 def main(argv=None) -> None:
-    """Entry point: run the CLI and turn every failure into one line and an exit code."""
+    """Entry point: run the CLI and turn every failure into one line and an exit code. SIGTERM and
+    SIGHUP stop it as Ctrl-C does (`cvt.signals`): cleanup, one line, exit 128 + the signal."""
+    from cvt import signals
+
+    with signals.installed():
+        _main(argv)
+
+
+def _main(argv) -> None:
     debug = bool(os.environ.get("CVT_DEBUG")) or "--debug" in (argv if argv is not None else sys.argv[1:])
     from cvt.errors import CvtError
 
     from cvt.scratch import scratch_dir
 
-    from cvt import world
+    from cvt import signals, world
 
     if any(k.startswith("CVT_TEST_") for k in os.environ):  # the kill-and-resume tests' faults (cvt.hooks)
         from cvt.testing import faults
@@ -474,9 +475,11 @@ def main(argv=None) -> None:
     except click.ClickException as exc:
         click.echo(f"cvt: error: {one_line(exc.format_message())}", err=True)
         sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
-        click.echo("cvt: interrupted" + ("; re-run the same command to resume" if _resumes(argv) else ""), err=True)
-        sys.exit(EXIT_INTERRUPTED)
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:  # click turns Ctrl-C (and `Interrupted`) into Abort
+        sig = signals.signum_of(exc.__cause__ if isinstance(exc, click.exceptions.Abort) and exc.__cause__ else exc)
+        click.echo(signals.stopped_line(sig) + ("; re-run the same command to resume" if _resumes(argv) else ""),
+                   err=True)
+        sys.exit(signals.exit_code(sig))
     except world.PeerFailed as exc:  # another rank failed and said why: stop with its code, quietly
         if debug:
             traceback.print_exc()
@@ -507,7 +510,7 @@ def main(argv=None) -> None:
                 traceback.print_exc()
             click.echo(f"cvt: error: invalid input: {one_line(validation_summary(exc))}", err=True)
             sys.exit(EXIT_ERROR)
-        if ranked and _peer_left(exc):  # a collective whose peer died: that rank says why, this one stops
+        if ranked and world.peer_left(exc):  # a collective whose peer died: that rank says why, this one stops
             if debug:
                 traceback.print_exc()
             sys.exit(EXIT_ERROR)

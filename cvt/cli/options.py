@@ -207,7 +207,7 @@ def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 def ranks(what: str, note: str, old_spelling: bool = False):
     """`--procs N` on a streaming or calibrating verb: run the same command as N ranks of torchrun
-    on this node (`cvt.world.launch`), which split `what` (`note`: how they talk, and what the
+    on this node (`cvt.launcher.launch`), which split `what` (`note`: how they talk, and what the
     bytes are); under a torchrun the user started (several nodes) the flag may be left out, and
     must match WORLD_SIZE if given. Ranks other than 0 print no summary. `old_spelling`: the verb
     also takes the deprecated `--world-size N` for it (`deprecated_procs`)."""
@@ -221,20 +221,21 @@ def ranks(what: str, note: str, old_spelling: bool = False):
             import os
             import sys
 
-            from cvt import world
+            from cvt import launcher, world
 
             ctx = click.get_current_context()
             procs = deprecated_procs(ctx.info_name, old_procs, procs)
             if world.launched():  # a rank of torchrun (ours or the user's)
                 if os.environ.get(world.WORLD_ENV):  # started by `ranks` below: never outlive its torchrun
-                    world.die_with_parent()()
+                    launcher.die_with_parent()()
                 w = world.expect(procs)
                 return fn(*args, quiet=quiet or not w.main, **kwargs)
             if procs is None or procs == 1:
                 return fn(*args, quiet=quiet, **kwargs)
             argv = _without(ARGV, (PROCS, OLD_PROCS) if old_spelling else (PROCS,))
             debug = ctx.obj.get("debug", False)
-            sys.exit(world.launch("cvt", argv, procs, debug=debug, env_extra={world.WORLD_ENV: str(procs)}))
+            sys.exit(launcher.launch("cvt", argv, procs, debug=debug, env_extra={world.WORLD_ENV: str(procs)},
+                                     hint="; re-run the same command to resume"))
 
         return old_procs_option(wrapper) if old_spelling else wrapper
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cvt import world
+from cvt import launcher, world
 from cvt.convert.outdir import RANK_STATE, STATE_NAME, OutputDir
 from cvt.errors import CvtError
 from cvt.schemas.manifest import FileInfo
@@ -84,7 +84,7 @@ def test_killed_rank_ends_the_job_and_any_world_size_resumes(fp8_release, tmp_pa
 
 def test_procs_flag_must_match_torchrun(fp8_release, tmp_path):
     r = run_cvt("fp8-to-bf16", fp8_release, tmp_path / "x", "--procs", "2", subprocess_=True,
-                env={"WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0"})
+                env={"WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
     assert r.rc == 1 and r.err.count("\n") == 1
     assert "--procs 2" in r.err and "3 ranks" in r.err
     assert not (tmp_path / "x").exists()
@@ -99,6 +99,27 @@ def test_owners_balance_by_cost_and_agree_everywhere():
     assert owners == [2, 2, 0, 2, 1, 1]
     assert w.mine(costs) == [4, 5]
     assert world.World(size=4).owners([1.0]) == [0]  # more ranks than items
+
+
+def test_procs_are_bounded_by_the_cpus_of_this_node():
+    """Two ranks per CPU this process may use, never above MAX_WORLD: checked before torchrun starts."""
+    from cvt.errors import OptionError
+
+    most = min(world.MAX_WORLD, launcher.RANKS_PER_CPU * launcher.usable_cpus())
+    launcher.check_procs(most)
+    with pytest.raises(OptionError, match=rf"^--procs {most + 1}: this node gives cvt \d+ CPUs?, .*at most --procs {most};"):
+        launcher.check_procs(most + 1)
+
+
+@pytest.mark.parametrize("value, ok", [("", 300.0), ("2.5", 2.5), ("0", None), ("-1", None), ("nan", None),
+                                       ("inf", None), ("x", None)])
+def test_rendezvous_timeout_is_seconds_above_zero(value, ok):
+    env = {world.RENDEZVOUS_ENV: value}
+    if ok is not None:
+        assert world.rendezvous_s(env) == ok
+    else:
+        with pytest.raises(CvtError, match=f"^{world.RENDEZVOUS_ENV}="):
+            world.rendezvous_s(env)
 
 
 @pytest.mark.parametrize("env, why", [({"WORLD_SIZE": "2", "RANK": "2"}, "describe no rank"),
@@ -143,15 +164,15 @@ def test_a_folder_some_rank_cannot_see_is_one_line(tmp_path):
     root = str(Path(__file__).resolve().parents[2])
     env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     probe = subprocess.run([__import__("sys").executable, "-c", (
-        "import sys; from cvt import world; "
-        f"sys.exit(world.launch('tests.convert.world_probe', {[str(a), str(b)]!r}, 2, env_extra={env!r}))")],
+        "import sys; from cvt import launcher; "
+        f"sys.exit(launcher.launch('tests.convert.world_probe', {[str(a), str(b)]!r}, 2, env_extra={env!r}))")],
         capture_output=True, text=True, timeout=300)
     assert probe.returncode == 1, probe.stderr
     lines = [ln for ln in probe.stderr.splitlines() if ln.startswith("cvt:")]
     assert len(lines) == 1 and "not shared by every rank (rank 1 cannot see" in lines[0], probe.stderr
     ok = subprocess.run([__import__("sys").executable, "-c", (
-        "import sys; from cvt import world; "
-        f"sys.exit(world.launch('tests.convert.world_probe', {[str(a), str(a)]!r}, 2, env_extra={env!r}))")],
+        "import sys; from cvt import launcher; "
+        f"sys.exit(launcher.launch('tests.convert.world_probe', {[str(a), str(a)]!r}, 2, env_extra={env!r}))")],
         capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert list(a.iterdir()) == []  # the token is gone
@@ -171,7 +192,7 @@ def test_a_rank_keeps_its_exit_code_whatever_the_teardown_does(tmp_path, body, r
 
     (tmp_path / "rank_probe_mod.py").write_text(body + "\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    p = subprocess.run([sys.executable, "-c", world.boot_rank("rank_probe_mod")], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", launcher.boot_rank("rank_probe_mod")], capture_output=True, text=True,
                        env=env, timeout=60, cwd=tmp_path)
     assert (p.returncode, p.stdout) == (rc, "done\n"), (p.returncode, p.stdout, p.stderr)
     assert (p.stderr == err) if not err.startswith("ValueError") else p.stderr.rstrip().endswith(err), p.stderr
@@ -183,6 +204,6 @@ def test_a_rank_keeps_what_c_code_printed_through_stdio(tmp_path):
 
     (tmp_path / "rank_c_mod.py").write_text("import ctypes; ctypes.CDLL(None).printf(b'from C\\n')\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    p = subprocess.run([sys.executable, "-c", world.boot_rank("rank_c_mod")], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", launcher.boot_rank("rank_c_mod")], capture_output=True, text=True,
                        env=env, timeout=60, cwd=tmp_path)
     assert (p.returncode, p.stdout) == (0, "from C\n"), (p.returncode, p.stdout, p.stderr)

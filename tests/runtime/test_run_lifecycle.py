@@ -91,3 +91,45 @@ def test_killing_the_world_size_parent_ends_its_ranks(qwen, tmp_path):
             os.kill(pid, signal.SIGKILL)
         if parent.poll() is None:
             parent.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups: Linux")
+@pytest.mark.parametrize("how", ["kill -9 rank 1", "SIGTERM to cvt"])
+def test_a_procs_run_ends_in_one_line(how, qwen, tmp_path):
+    """`cvt run --procs 2` with rank 1 killed: one line naming the rank and SIGKILL, exit 137 (was
+    rank 0's "internal error: ... Connection reset by peer", exit 1); SIGTERM to the command: one
+    line, exit 143; either way no process and no temp folder left."""
+    dst = tmp_path / "ep2"
+    assert run_cvt("shard", qwen, dst, "--ep", 2, "--quiet").rc == 0
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    ranks = rf"run_rank\('cvt\.runtime\.launch'\) {dst}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)}
+    env.pop("CVT_DEBUG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "cvt", "run", str(dst), "--procs", "2", "--input-ids", "1,2,3",
+                             "--max-new-tokens", "4000", "--dtype", "fp32", "--device", "cpu"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_pids(ranks)) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(3)  # loaded and generating
+        if how == "SIGTERM to cvt":
+            os.kill(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(next(p for p in _pids(ranks) if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{p}/environ").read_bytes()),
+                    signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("cvt:") and " loaded " not in ln]
+    if how == "SIGTERM to cvt":
+        assert (proc.returncode, lines) == (143, ["cvt: stopped by SIGTERM"]), err
+    else:
+        assert (proc.returncode, lines) == (137, ["cvt: error: rank 1 was killed by SIGKILL; torchrun stopped the "
+                                                  "other ranks"]), err
+    assert "Traceback" not in err and "internal error" not in err
+    assert _pids(ranks) == [] and os.listdir(tmp) == []
