@@ -9,7 +9,7 @@ log and failure report, which it reads (`_Report`) to say in one line what ended
 the error a rank said, else the rank a signal killed or the rank that exited without a word.
 The full report is printed under ``--debug`` only.
 
-`check_procs` bounds N before anything starts: at most two ranks per CPU this process may use
+`check_procs` bounds N before anything starts: at most four ranks per CPU this process may use
 (a rank beyond that only waits for a CPU: 65 ranks on 2 cores ran 145 s for nothing), and never
 above `cvt.world.MAX_WORLD`. A rank never outlives the command (`die_with_parent`).
 """
@@ -27,7 +27,7 @@ from cvt import signals
 from cvt.errors import OptionError
 from cvt.world import MAX_WORLD
 
-RANKS_PER_CPU = 2
+RANKS_PER_CPU = 4
 
 
 def usable_cpus() -> int:

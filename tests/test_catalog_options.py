@@ -8,7 +8,7 @@ The cases run through `tests/test_catalog.py`'s harness (`_check`: the real CLI 
 complete-looking DST). Beside it: the bar of tokens through a calibrated layer (cause 7's "no
 progress inside a layer").
 
-* 2: ``--procs`` above two ranks per CPU of this node (65 ranks on 2 cores ran 145 s for nothing;
+* 2: ``--procs`` above four ranks per CPU of this node (65 ranks on 2 cores ran 145 s for nothing;
   a million made 919,000 rank folders): exit 2 before torchrun starts; 8, 9: a ``WORLD_SIZE``
   above `cvt.world.MAX_WORLD`, or without MASTER_ADDR / MASTER_PORT: exit 1 naming them, no DST;
 * 7: ``--calib-tokens`` above what the calibration text gives (the built-in set or ``--calib``):
@@ -169,7 +169,7 @@ CASES = [
          "tp 3 does not divide the world size 7", rc=3, form="report"),
 ]
 
-# --- 2: more ranks than this node runs (at most 2 per CPU, and cvt.world.MAX_WORLD): refused before torchrun starts
+# --- 2: more ranks than this node runs (at most 4 per CPU, and cvt.world.MAX_WORLD): refused before torchrun starts
 PROCS_CASES = [
     Case("fp8-to-bf16-procs-1000000", _verb(["fp8-to-bf16"], "fp8", _nothing, "--procs", "1000000"),
          "--procs 1000000: this node gives cvt ", rc=2),

@@ -2,8 +2,8 @@
 stopped from outside at a known point (a rank paused mid-write by ``CVT_TEST_PAUSE_AT_BYTE``,
 its pid in a file), as a user or a scheduler would:
 
-* ``kill -9`` of rank 0, then of rank 1: one ``cvt: error:`` line naming the rank and SIGKILL,
-  exit 137, no traceback;
+* ``kill -9`` of rank 0, then of rank 1 (and of rank 1 of an RTN quantize and of a shard): one
+  ``cvt: error:`` line naming the rank and SIGKILL, exit 137, no traceback;
 * SIGTERM, SIGINT and SIGHUP to the command's process group: one line, exit 128 + signal;
 * one process under SIGTERM: the same;
 * a rank started by hand whose peer never comes: one line naming MASTER_ADDR / MASTER_PORT
@@ -43,11 +43,12 @@ def clean(fp8_release_session, tmp_path_factory) -> Path:
     return out
 
 
-def _start(src: Path, dst: Path, tmp: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    """`cvt fp8-to-bf16 SRC DST` in a process group of its own, TMPDIR `tmp`."""
+def _start(src: Path, dst: Path, tmp: Path, *extra: str, env: dict | None = None,
+           verb: tuple = ("fp8-to-bf16",)) -> subprocess.Popen:
+    """`cvt VERB SRC DST` (fp8-to-bf16) in a process group of its own, TMPDIR `tmp`."""
     full = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp), **(env or {})}
     full.pop("CVT_DEBUG", None)
-    return subprocess.Popen([sys.executable, "-m", "cvt", "fp8-to-bf16", str(src), str(dst), *SMALL, *extra],
+    return subprocess.Popen([sys.executable, "-m", "cvt", verb[0], str(src), str(dst), *verb[1:], *SMALL, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full,
                             start_new_session=True)
 
@@ -74,9 +75,9 @@ def _end(proc: subprocess.Popen, dst: Path, tmp: Path) -> tuple[int, list[str], 
     return proc.returncode, [ln for ln in err.splitlines() if ln.startswith("cvt:")], err
 
 
-def _resumes(src: Path, dst: Path, clean: Path) -> None:
+def _resumes(src: Path, dst: Path, clean: Path, verb: tuple = ("fp8-to-bf16",)) -> None:
     assert not (dst / "cvt_manifest.json").exists()  # nothing that looks complete
-    r = run_cvt("fp8-to-bf16", src, dst, *SMALL, "-q")
+    r = run_cvt(verb[0], src, dst, *verb[1:], *SMALL, "-q")
     assert r.rc == 0, r.err
     same_tree(clean, dst)
 
@@ -94,6 +95,23 @@ def test_kill_9_of_one_rank_is_one_line_naming_it(rank, fp8_release_session, cle
                      "same command to resume"], err
     assert "Traceback" not in err and "ChildFailedError" not in err
     _resumes(fp8_release_session, dst, clean)
+
+
+@pytest.mark.parametrize("verb", [("quantize", "--scheme", "w8a8"), ("shard", "--ep", "2")], ids=lambda v: v[0])
+def test_kill_9_of_a_rank_of_quantize_and_shard(verb, fp8_release_session, clean, tmp_path):
+    """The same for the other streaming verbs (RTN quantize, shard), on the BF16 conversion."""
+    tmp, dst, marker = tmp_path / "tmp", tmp_path / "out", tmp_path / "paused"
+    tmp.mkdir()
+    ref = tmp_path / "ref"
+    assert run_cvt(verb[0], clean, ref, *verb[1:], *SMALL, "-q").rc == 0
+    proc = _start(clean, dst, tmp, "--procs", "2", verb=verb, env={
+        "CVT_TEST_PAUSE_AT_BYTE": "400000", "CVT_TEST_PAUSE_FILE": str(marker), "CVT_TEST_KILL_RANK": "1"})
+    os.kill(_paused(proc, marker), signal.SIGKILL)
+    rc, lines, err = _end(proc, dst, tmp)
+    assert (rc, lines) == (137, ["cvt: error: rank 1 was killed by SIGKILL; torchrun stopped the other ranks; "
+                                 "re-run the same command to resume"]), err
+    assert "Traceback" not in err
+    _resumes(clean, dst, ref, verb)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
