@@ -29,21 +29,24 @@ class Layout:
     per_sequence: positions, among the positional arguments after the layer input, of those that
                   hold one row per sequence ([b, ...]: DeepSeek-V4's token ids): each mini-batch
                   gets its rows, as it gets its rows of the layer input
-    moe:          attribute of a layer holding its MoE (``.experts``); only the HF layout's ``mlp``
-                  is calibrated a chunk of experts at a time (`cvt.quant.methods.expert_stream`)
+    moe:          attribute of a layer holding its MoE (``.experts``), whose routed experts may be
+                  calibrated a chunk at a time (`cvt.quant.methods.expert_stream`)
+    attn:         attribute of a layer holding its attention (the first part of the parallel
+                  names' ``attn_out``: ``self_attn``, V4's ``attn``)
     """
 
     layers: str = "model.layers"
     embed: str = "model.embed_tokens"
     per_sequence: tuple[int, ...] = ()
     moe: str = "mlp"
+    attn: str = "self_attn"
 
     @classmethod
     def of(cls, model: nn.Module) -> "Layout":
         from cvt.runtime.models.base import ParallelNames
 
         names = getattr(model, "parallel", None) or ParallelNames()
-        return cls(layers=names.layers, embed=names.embed, moe=names.mlp,
+        return cls(layers=names.layers, embed=names.embed, moe=names.mlp, attn=names.attn_out.split(".")[0],
                    per_sequence=tuple(getattr(model, "calib_per_sequence", ())))
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:

@@ -21,6 +21,12 @@ residual last, as `MoE.forward` and the decoder layer do in one pass.
 
 Smoothing that spans the experts (AWQ / SmoothQuant on post_attention_layernorm, AWQ's
 up -> down folds) needs every expert at once: such layers are calibrated whole (`chunkable`).
+
+DeepSeek-V4's blocks stream the same way (their MoE is ``ffn``, attention ``attn``, experts'
+linears w1 / w3 / w2): the routed sum continues over chunks as in the HF layout, and the block's
+output comes from one more pass of the block itself with attention replayed and the MoE
+returning that sum plus the shared expert's (the hyper-connection mixing around it is the
+block's own arithmetic, not repeated here).
 """
 
 from __future__ import annotations
@@ -44,10 +50,15 @@ class ExpertStream:
 
     def __init__(self, layer: nn.Module, prefix: str, chunks: list[list[int]],
                  load: Callable[[list[int]], None], drop: Callable[[list[int]], None],
-                 save: Callable[[int, dict], dict] | None = None):
+                 save: Callable[[int, dict], dict] | None = None, moe: str = "mlp", attn: str = "self_attn"):
+        # moe / attn: the layer's MoE and attention attributes (HF layout: mlp, self_attn;
+        # DeepSeek-V4's block: ffn, attn)
         self.layer, self.prefix, self.chunks, self.load, self.drop = layer, prefix, chunks, load, drop
         self.save, self.saved = save, {}
-        self.container = f"{prefix}.mlp.experts"
+        self.moe, self.attn = getattr(layer, moe), getattr(layer, attn)
+        self.hf = moe == "mlp"  # the HF decoder layer's residual arithmetic (`_chunks_then_output`)
+        self.stage = f"{prefix}.{moe}"
+        self.container = f"{prefix}.{moe}.experts"
         self.x_next: torch.Tensor | None = None   # the layer's output, once the MoE stage ran
         self._attn: list[torch.Tensor] | None = None
         self._shared: list[torch.Tensor] | None = None
@@ -55,13 +66,13 @@ class ExpertStream:
     # -- planning -------------------------------------------------------------------------------
     @staticmethod
     def plan_chunks(layer: nn.Module, gptq_site_k: Callable[[int], list[int]], max_bytes: int,
-                    max_hessian_bytes: int, hessian_itemsize: int = 4) -> list[list[int]]:
+                    max_hessian_bytes: int, hessian_itemsize: int = 4, moe: str = "mlp") -> list[list[int]]:
         """Consecutive experts per chunk within both budgets (float32 weights; Hessians of the
         GPTQ sites `gptq_site_k(e)` lists by width); at least one expert per chunk."""
         chunks: list[list[int]] = []
         cur: list[int] = []
         wb = hb = 0
-        for e, ex in enumerate(layer.mlp.experts):
+        for e, ex in enumerate(getattr(layer, moe).experts):
             w = 4 * sum(p.numel() for p in ex.parameters())
             h = sum(hessian_itemsize * k * k for k in gptq_site_k(e))
             if cur and (wb + w > max_bytes or hb + h > max_hessian_bytes):
@@ -75,7 +86,7 @@ class ExpertStream:
 
     def owns(self, stage: str) -> bool:
         """Whether this is the stage holding the routed experts (true-sequential: the MLP)."""
-        return stage == f"{self.prefix}.mlp"
+        return stage == self.stage
 
     def expert_of(self, name: str) -> int | None:
         head = self.container + "."
@@ -115,19 +126,42 @@ class ExpertStream:
             mods = [m for m in lc.res.quantized if self.expert_of(m) in chunk]
             if self.save is not None and mods:
                 self.saved.update(self.save(c, {m: lc.res.quantized.pop(m) for m in mods}))
-        # the decoder layer's own arithmetic: h = x + attention, then h + (MoE.forward's y [+ shared
-        # experts' output], viewed as the input)
         bs = lc.o["batch_size"]
         starts = range(0, x.shape[0], bs)
         if not len(acc) == len(self._attn) == len(starts):
             raise RuntimeError(f"internal: {self.prefix}: {len(acc)} routed sums for {len(starts)} batches")
         shared = self._shared or [None] * len(acc)
-        outs = []
-        for b0, attn, a, s in zip(starts, self._attn, acc, shared):
-            h = x[b0:b0 + bs] + attn
-            outs.append(h + (a if s is None else a + s).view(h.shape))
-        self.x_next = torch.cat(outs) if outs else x.clone()  # (no batch: a rank with no calibration sequence)
+        if self.hf:
+            # the decoder layer's own arithmetic: h = x + attention, then h + (MoE.forward's y [+ shared
+            # experts' output], viewed as the input)
+            outs = []
+            for b0, attn, a, s in zip(starts, self._attn, acc, shared):
+                h = x[b0:b0 + bs] + attn
+                outs.append(h + (a if s is None else a + s).view(h.shape))
+            self.x_next = torch.cat(outs) if outs else x.clone()  # (no batch: a rank with no calibration sequence)
+        else:
+            self.x_next = self._output_pass(lc, acc, shared, x, args, kwargs)
         self._attn = self._shared = None
+
+    def _output_pass(self, lc, acc: list, shared: list, x, args, kwargs) -> torch.Tensor:
+        """The layer's output from one more pass of the layer itself (a block whose arithmetic
+        around the MoE is its own: DeepSeek-V4's hyper-connection streams), attention replayed
+        and the MoE returning, batch by batch, what its forward returns: the routed sum plus the
+        shared experts' output, viewed as its input."""
+        from cvt.quant.methods.calib import _run_layer, _unstub
+
+        sums = iter(zip(acc, shared))
+
+        def moe_output(h, *a, **k):
+            y, s = next(sums)
+            return (y if s is None else y + s).view(h.shape)
+
+        self.moe.forward = moe_output
+        try:
+            with self._replay():
+                return _run_layer(self.layer, x, args, kwargs, lc.o["batch_size"])
+        finally:
+            _unstub(self.moe)
 
     @torch.no_grad()
     def finish(self, lc, x, args, kwargs) -> None:
@@ -180,7 +214,7 @@ class ExpertStream:
                                    seed=zlib.crc32(key[1].encode()))
             if gptq:
                 lc.h_users[key] = lc.h_users.get(key, 0) + 1
-        shared = getattr(self.layer.mlp, "shared_experts", None)
+        shared = getattr(self.moe, "shared_experts", None)
         with self._replay(), self._stubbed([], also=[shared] if shared is not None else []):  # not needed here
             lc._collect(stage, sites, x, args, kwargs, stub_experts={(self.container, e) for e in chunk})
         lc._quantize_all(mine, sites)
@@ -193,7 +227,7 @@ class ExpertStream:
         `run_experts` is swapped for the pass: only this thread runs forwards during calibration."""
         from cvt.quant.methods.calib import _run_layer, _stub, _unstub
 
-        mlp = self.layer.mlp
+        mlp = self.moe
         models = sys.modules[type(mlp).__module__]   # where MoE.forward looks run_experts up
         real = models.run_experts
         pos = [0]
@@ -229,7 +263,7 @@ class ExpertStream:
     def _recording(self):
         """Keep the attention output of each batch the passes inside run (for `_replay`)."""
         self._attn, self._shared = [], []
-        hook = self.layer.self_attn.register_forward_hook(lambda m, a, out: self._attn.append(out))
+        hook = self.attn.register_forward_hook(lambda m, a, out: self._attn.append(out))
         try:
             yield
         finally:
@@ -240,7 +274,7 @@ class ExpertStream:
         """Attention returns the outputs recorded in the stage's first pass, batch by batch."""
         from cvt.quant.methods.calib import _unstub
 
-        attn, recorded = self.layer.self_attn, iter(self._attn)
+        attn, recorded = self.attn, iter(self._attn)
         attn.forward = lambda *a, **k: next(recorded)
         try:
             yield
@@ -251,7 +285,7 @@ class ExpertStream:
     def _stubbed(self, ids: list[int], also: list[nn.Module] = ()):
         from cvt.quant.methods.calib import _stub, _unstub
 
-        mods = [self.layer.mlp.experts[e] for e in ids] + list(also)
+        mods = [self.moe.experts[e] for e in ids] + list(also)
         for m in mods:
             _stub(m)
         try:

@@ -114,67 +114,60 @@ def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict, source:
 
 
 def _streams_experts(layer: nn.Module, prefix: str, plan, o: dict, moe: str = "mlp") -> bool:
-    """Whether this layer's routed experts are calibrated a chunk at a time (module doc). A layer
-    whose MoE is not the HF ``mlp`` (DeepSeek-V4's block: ``ffn``) is calibrated whole: a
-    CvtError when its routed experts do not fit ``max_expert_bytes`` (before anything of the
-    layer is read, rather than running the host out of memory)."""
+    """Whether this layer's routed experts are calibrated a chunk at a time (module doc): its MoE
+    (``moe``: the HF layout's ``mlp``, DeepSeek-V4's ``ffn``) holds more than ``max_expert_bytes``
+    of routed experts, and no smoothing spans them."""
     from cvt.quant.methods.expert_stream import expert_bytes
 
-    if moe != "mlp":
-        from cvt.units import binary_size
-
-        need = expert_bytes(layer, moe)
-        if need > o["max_expert_bytes"]:  # sizes in units that show them (a tiny model's are KiB, not "0.0 GiB")
-            raise CvtError(f"{prefix}{moe}.experts: {binary_size(need)} ({need} bytes) of routed experts in float32, "
-                           f"above --expert-memory ({binary_size(o['max_expert_bytes'])}); this family's blocks are "
-                           f"calibrated with all their experts at once (not a chunk at a time): give --expert-memory "
-                           f"{need} or more on a host with the memory, or quantize with --method rtn")
+    if not isinstance(getattr(layer, moe, None), nn.Module):
         return False
-    if not isinstance(getattr(layer, "mlp", None), nn.Module):
-        return False
-    if not o["true_sequential"] or expert_bytes(layer) <= o["max_expert_bytes"]:
+    if not o["true_sequential"] or expert_bytes(layer, moe) <= o["max_expert_bytes"]:
         return False
     smoothed = sorted(m for m, meth in plan.methods.items()
-                      if m.startswith(prefix + "mlp.") and meth in (AWQ, SMOOTHQUANT))
+                      if m.startswith(f"{prefix}{moe}.") and meth in (AWQ, SMOOTHQUANT))
     if smoothed:
-        log.info("%smlp.experts: calibrated whole (%s smooths across them: %s)", prefix,
+        log.info("%s%s.experts: calibrated whole (%s smooths across them: %s)", prefix, moe,
                  plan.methods[smoothed[0]], smoothed[0])
         return False
     return True
 
 
-def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o: dict, store: LayerStore):
+def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o: dict, store: LayerStore,
+                   layout) -> "ExpertStream":
     from cvt.quant.methods.expert_stream import ExpertStream
     from cvt.runtime.loader import assign_tensors
 
-    prefix = f"{text_prefix(ckpt)}model.layers.{i}"
+    prefix, moe = f"{text_prefix(ckpt)}{layout.layers}.{i}", layout.moe
+    experts = getattr(layer, moe).experts
 
     def gptq_sites(e: int) -> list[int]:
-        ex, name = layer.mlp.experts[e], f"{prefix}.mlp.experts.{e}."
-        ks = []
-        if any(plan.methods.get(name + p) == GPTQ and name + p in plan.schemes for p in ("gate_proj", "up_proj")):
-            ks.append(ex.gate_proj.weight.shape[1])
-        if plan.methods.get(name + "down_proj") == GPTQ and name + "down_proj" in plan.schemes:
-            ks.append(ex.down_proj.weight.shape[1])
-        return ks
+        """The widths of expert e's GPTQ Hessians: one for the linears reading the MoE input
+        (gate / up, V4's w1 / w3), one per other linear (down, w2)."""
+        ex, name = experts[e], f"{prefix}.{moe}.experts.{e}."
+        shared = getattr(ex, "shared_input", ("gate_proj", "up_proj"))
+        gptq = [n for n, mod in ex.named_children()
+                if hasattr(mod, "weight") and plan.methods.get(name + n) == GPTQ and name + n in plan.schemes]
+        ks = [getattr(ex, n).weight.shape[1] for n in gptq if n not in shared]
+        reads_input = [n for n in gptq if n in shared]
+        return ([getattr(ex, reads_input[0]).weight.shape[1]] if reads_input else []) + ks
 
     def save(c: int, quantized: dict) -> dict:
         return store.save_part(i, c, quantized)
 
     def load(ids: list[int]) -> None:
-        heads = tuple(f"{prefix}.mlp.experts.{e}." for e in ids)
+        heads = tuple(f"{prefix}.{moe}.experts.{e}." for e in ids)
         assign_tensors(model, ckpt, device, block, skip=lambda name: not name.startswith(heads))
         _dense_linears(layer)
 
     def drop(ids: list[int]) -> None:
         for e in ids:
-            layer.mlp.experts[e].to("meta")
+            experts[e].to("meta")
         _trim()
 
     chunks = ExpertStream.plan_chunks(layer, gptq_sites, o["max_expert_bytes"], o["max_hessian_bytes"],
-                                      torch.finfo(o["hessian_dtype"]).bits // 8)
-    log.info("%s: %d routed experts in %d chunks", prefix, len(layer.mlp.experts), len(chunks))
-    return ExpertStream(layer, prefix, chunks, load, drop, save)
+                                      torch.finfo(o["hessian_dtype"]).bits // 8, moe=moe)
+    log.info("%s: %d routed experts in %d chunks", prefix, len(experts), len(chunks))
+    return ExpertStream(layer, prefix, chunks, load, drop, save, moe=moe, attn=layout.attn)
 
 
 def _dense_linears(layer: nn.Module) -> None:
@@ -329,11 +322,11 @@ class _Layers:
         layer = self.layers[i]
         prefix = f"{self.tp}{layout.layers}.{i}."
         streamed = _streams_experts(layer, prefix, plan, o, layout.moe)
-        experts_at = prefix + "mlp.experts."
+        experts_at = f"{prefix}{layout.moe}.experts."
         assign_tensors(self.model, self.ckpt, self.device, self.block, skip=lambda name: not name.startswith(prefix)
                        or (streamed and name.startswith(experts_at)))
         _dense_linears(layer)
-        es = (_expert_stream(self.model, self.ckpt, self.device, self.block, layer, i, plan, o, self.store)
+        es = (_expert_stream(self.model, self.ckpt, self.device, self.block, layer, i, plan, o, self.store, layout)
               if streamed else None)
         if observer is not None:
             layer.self_attn.kv_observer = observer._observer(i)

@@ -45,7 +45,7 @@ from torch import nn
 from cvt.convert.arch.deepseek_v4 import DEFAULTS, compress_ratios, num_hash_layers
 from cvt.errors import CvtError
 from cvt.runtime.kernels import Linear
-from cvt.runtime.models.base import ConfigError, ModelArgs, ParallelNames, RMSNorm, build_experts
+from cvt.runtime.models.base import ConfigError, ModelArgs, ParallelNames, RMSNorm, build_experts, run_experts
 
 
 YARN_KEYS = frozenset({"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
@@ -368,10 +368,9 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         w, idx = self.route(flat, tokens)
-        y = torch.zeros_like(flat)
-        for e in torch.unique(idx).tolist():
-            tok, slot = torch.where(idx == e)
-            y.index_add_(0, tok, self.experts[e](flat[tok]) * w[tok, slot, None].to(flat.dtype))
+        # the experts that got tokens, in expert order (looked up in this module: calibration
+        # swaps it to continue one sum over chunks of experts, `cvt.quant.methods.expert_stream`)
+        y = run_experts(flat, idx, w, self.experts)
         return (y + self.shared_experts(flat)).view(shape)
 
 
