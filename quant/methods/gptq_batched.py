@@ -14,8 +14,8 @@ inverse Cholesky            ``cholesky_ex`` on ``[E, k, k]``; a member that fail
                             retries at 10 d, the others keep theirs (`used_damp` per member)
 column quantization         `_BatchedGrid`: scales ``[E, n, n_groups]``, one column of every
                             member on its grid in one set of elementwise ops
-rank-1 update in a block    ``addcmul_`` over ``[E, n, B]``
-lazy block update           ``baddbmm_`` of ``E1 [E, n, B]`` with ``U [E, B, k - i2]``
+rank-1 update in a block    ``baddbmm_`` of ``err [E, n, 1]`` with a row of ``U``
+lazy block update           ``bmm`` of ``E1 [E, n, B]`` with ``U [E, B, k - i2]``
 dynamic groups              the scheme's RTN of the group's current columns of all members
                             stacked as ``[E * n, G]`` (rows are independent in every
                             scheme without a per-tensor part, the only ones with dynamic
@@ -28,12 +28,16 @@ permutation on the device, once per block. A dynamic group calls the scheme's RT
 the sweep enters it (k / G times for all members together), which may check its input on
 the host.
 
-Results equal `gptq_quantize` of each member alone up to float reduction order (bmm against
-mm, addcmul against addr): ``used_damp`` and dead columns exactly, codes for all but a few
-elements whose value sat on a rounding boundary (tests/quant/test_gptq_batched.py).
+Results equal `gptq_quantize` of each member alone up to float reduction order:
+``used_damp`` and dead columns exactly, codes for all but a few elements whose value sat on a
+rounding boundary (tests/quant/test_gptq_batched.py). On the CPU builds measured so far they
+are the same bits (the batched GEMMs reduce in the same order as the per-member ones); a GPU's
+batched GEMM need not.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -202,11 +206,13 @@ def _sweep_batched(W: torch.Tensor, U: torch.Tensor, grid: _BatchedGrid, G: int,
             c, q = grid.quant(wcol, p)
             Q1[:, :, i], C1[:, :, i] = q, c
             err = (wcol - q) / U1[:, i, i, None]
-            W1[:, :, i:].addcmul_(err[:, :, None], U1[:, None, i, i:], value=-1)
+            # a product with inner size 1: each element w - e*u rounded once after the exact product,
+            # as `addr_` in `gptq._sweep` (an addcmul_ there rounds differently on some CPU paths)
+            W1[:, :, i:].baddbmm_(err[:, :, None], U1[:, i:i + 1, i:], alpha=-1)
             E1[:, :, i] = err
         Q[:, :, i1:i2], codes[:, :, i1:i2] = Q1, C1
         loss += E1.double().pow(2).sum(dim=2) / 2
-        W[:, :, i2:].baddbmm_(E1, U[:, i1:i2, i2:], alpha=-1)
+        W[:, :, i2:] -= torch.bmm(E1, U[:, i1:i2, i2:])     # as `gptq._sweep`'s mm then subtract
     return Q, codes, loss
 
 
@@ -214,7 +220,9 @@ def _inverse_cholesky_batched(H: torch.Tensor, damp: float, names: list[str]) ->
     """`gptq._inverse_cholesky` of every member of ``H [E, k, k]``: the members that fail at
     dampening d retry at 10 d, the others keep their factor. Returns (U [E, k, k], damp per member)."""
     E, k, _ = H.shape
-    mean_diag = torch.diagonal(H, dim1=1, dim2=2).mean(dim=1).tolist()
+    # per member, as `_inverse_cholesky` takes it (a batched mean over the strided diagonals may sum in
+    # another order, and the shift with it)
+    mean_diag = [torch.diag(h).mean().item() for h in H]
     U = torch.empty_like(H)
     used: list[float] = [0.0] * E
     todo = list(range(E))
@@ -240,3 +248,36 @@ def _inverse_cholesky_batched(H: torch.Tensor, damp: float, names: list[str]) ->
             return U, used
     raise CvtError(f"GPTQ {names[todo[0]]}: the input Hessian [{k}, {k}] is not positive definite even with "
                    f"dampening {damp * 1000:g} x mean(diag H); the calibration inputs may hold non-finite values")
+
+
+# ---- the calibration driver's use: same-shaped linears of one quantization call ------------------
+
+# members per batched call: enough to fill a GPU's launches, few enough that the stacked copies
+# (weights, and a few [E, k, k] Hessian-sized buffers: damped H, its inverse, U) stay small
+MAX_MEMBERS = 16
+
+
+def solve_together(items: list[tuple[str, torch.Tensor, Callable[[], torch.Tensor], Scheme]], max_bytes: int,
+                   **opts) -> dict[str, GPTQResult]:
+    """`gptq_quantize_batched` over `items` ``(name, weight [n, k], hessian(), scheme)``: those
+    with the same weight shape, dtype, device and scheme object are solved together, in `items`
+    order, at most `MAX_MEMBERS` and `max_bytes` of float32 Hessians per call. A linear with no
+    partner is left out (the caller solves it alone, as before). `opts` go to each call."""
+    groups: dict[tuple, list] = {}
+    for it in items:
+        w = it[1]
+        groups.setdefault((tuple(w.shape), w.dtype, w.device, id(it[3])), []).append(it)
+    out: dict[str, GPTQResult] = {}
+    for members in groups.values():
+        k = members[0][1].shape[1]
+        per_call = max(1, min(MAX_MEMBERS, max_bytes // (4 * k * k)))
+        for b0 in range(0, len(members), per_call):
+            batch = members[b0:b0 + per_call]
+            if len(batch) < 2:
+                continue
+            W = torch.stack([m[1].detach().to(torch.float32) for m in batch])
+            H = torch.stack([m[2]().to(torch.float32) for m in batch])
+            names = [m[0] for m in batch]
+            out.update(zip(names, gptq_quantize_batched(W, H, batch[0][3], names=names, **opts)))
+            del W, H
+    return out

@@ -95,6 +95,10 @@ def test_batched_matches_one_by_one(key, mode):
     assert torch.all(got[1].weight[:, [7, 9]] == 0)
 
 
+def _raise(name):
+    raise AssertionError(f"host sync: {name}")
+
+
 def test_the_column_loop_reads_nothing_back(monkeypatch):
     """Inside `_sweep_batched` (dynamic groups' RTN calls excepted) no tensor value goes to the
     host: item / tolist / __bool__ / __int__ / __float__ / __index__ raise there."""
@@ -105,7 +109,7 @@ def test_the_column_loop_reads_nothing_back(monkeypatch):
 
     def forbid():
         for nm in names:
-            setattr(torch.Tensor, nm, lambda *a, _nm=nm, **k: (_ for _ in ()).throw(AssertionError(f"host sync: {_nm}")))
+            setattr(torch.Tensor, nm, lambda *a, _nm=nm, **k: _raise(_nm))
 
     def allow():
         for nm, f in saved.items():
@@ -155,3 +159,34 @@ def test_batched_refusals():
     W[2, 0, 0] = float("inf")
     with pytest.raises(CvtError, match="w2.*non-finite"):
         gptq_quantize_batched(W, H, scheme, names=["w0", "w1", "w2"])
+
+
+@pytest.mark.slow
+def test_calibration_solves_same_shaped_experts_together(monkeypatch):
+    """`calibrate` hands a layer's routed experts of one shape to one batched call; the quantized
+    model is the one the per-linear path gives (the same bits on the CPU)."""
+    import cvt.quant.methods.calib as calib_mod
+    from cvt.quant.methods import calibrate
+    from cvt.testing.checkpoints import tiny_qwen3_config
+    from cvt.tests.quant.test_methods import random_model
+
+    cfg = tiny_qwen3_config(moe=True)
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    scheme = get_scheme("w4a16", group_size=16)
+
+    def sf(n):
+        return None if n.endswith(("lm_head", "mlp.gate")) else scheme
+
+    shapes = []
+    real = gb.gptq_quantize_batched
+    monkeypatch.setattr(gb, "gptq_quantize_batched",
+                        lambda W, *a, **k: shapes.append(tuple(W.shape)) or real(W, *a, **k))
+    batched = calibrate(random_model(cfg), tokens, sf, "gptq", min_tokens=1)
+    assert shapes and all(E > 1 for E, _, _ in shapes)
+    monkeypatch.setattr(calib_mod, "solve_together", lambda *a, **k: {})
+    alone = calibrate(random_model(cfg), tokens, sf, "gptq", min_tokens=1)
+    assert batched.quantized.keys() == alone.quantized.keys()
+    for name, qt in alone.quantized.items():
+        for part, t in qt.parts.items():
+            assert torch.equal(batched.quantized[name].parts[part], t), (name, part)
+    assert batched.stats == alone.stats
