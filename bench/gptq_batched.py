@@ -71,7 +71,8 @@ def main() -> None:
     scheme = get_scheme(a.scheme, **opts)
     W, H = fixture(a.experts, n, k, a.device)
     kw = dict(act_order=a.act_order, scale_search=a.scale_search)
-    print(f"device {a.device} ({torch.cuda.get_device_name() if a.device == 'cuda' else f'{torch.get_num_threads()} threads'}), "
+    where = torch.cuda.get_device_name() if a.device == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"device {a.device} ({where}), "
           f"E {a.experts} x [{n}, {k}], scheme {a.scheme}, act_order {a.act_order}, scale_search {a.scale_search}")
     t1, ones = timed(lambda: [gptq_quantize(W[e], H[e], scheme, **kw) for e in range(a.experts)], a.device, a.repeat)
     tb, batch = timed(lambda: gptq_quantize_batched(W, H, scheme, **kw), a.device, a.repeat)
