@@ -76,9 +76,9 @@ def quantize_elements(v: torch.Tensor, elem: str) -> torch.Tensor:
         a = v / (2 ** pe) * (2 ** (FP8_MBITS - 2))
         a = torch.sign(a) * torch.floor(torch.abs(a) + 0.5)
         out = torch.clamp(a / (2 ** (FP8_MBITS - 2)) * (2 ** pe), -FP8_MAX, FP8_MAX)
-        out[v == float("inf")] = float("inf")
-        out[v == -float("inf")] = -float("inf")
-        return out
+        # +-inf stay +-inf; a where, not a masked assignment, so that GPTQ's batched column loop
+        # (`gptq_batched`) runs without a device-to-host sync
+        return torch.where(torch.isinf(v), v, out)
     b = torch.abs(v)
     pe = torch.clip(torch.floor(torch.log2(b + FP4_EPS)), 0, FP4_EMAX)
     m = torch.floor(b / (2 ** pe) * 2 + 0.5)

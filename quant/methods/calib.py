@@ -25,9 +25,10 @@ layer plus the calibration activations:
      ``kv_a_layernorm``'s output. Later stages' modules are stubbed out during these passes.
    * smoothing groups (awq, smoothquant) are searched and folded (`smoothquant.scale_rows` /
      `scale_columns`); the statistics already captured are rescaled to the new inputs;
-   * each target linear is quantized: gptq -> `gptq.gptq_quantize(w, H)`, awq -> optional
-     clipping search then RTN, smoothquant / rtn -> RTN (`scheme.quantize`), and its weight in
-     the model is replaced by the dequantized weight, so later layers see quantized outputs.
+   * each target linear is quantized: gptq -> `gptq.gptq_quantize(w, H)` (routed experts of
+     one shape: one `gptq_batched` call for many), awq -> optional clipping search then RTN,
+     smoothquant / rtn -> RTN (`scheme.quantize`), and its weight in the model is replaced by
+     the dequantized weight, so later layers see quantized outputs.
    * MoE experts: hooks see only the tokens routed to each expert. An expert linear with fewer
      than `min_tokens` rows is quantized with RTN and reported in `CalibResult.fallbacks`.
      GPTQ Hessians of routed experts are collected in chunks of experts so that their memory
@@ -63,6 +64,7 @@ from cvt.quant.methods.awq import awq_clip, awq_search
 from cvt.quant.methods.data import calib_tokens  # noqa: F401  (re-exported)
 from cvt.quant.recipe import AWQ, DATA_METHODS, GPTQ, METHODS, RTN, SMOOTHQUANT  # noqa: F401  (METHODS re-exported)
 from cvt.quant.methods.gptq import gptq_quantize
+from cvt.quant.methods.gptq_batched import solve_together
 from cvt.quant.methods.decoder_layers import Layout, _PerSequence  # noqa: F401  (Layout re-exported)
 from cvt.quant.methods.sites import _children, _Group, _Site, _site_key, _smooth_groups
 from cvt.quant.methods.smoothquant import scale_columns, scale_rows, smooth_scales
@@ -302,6 +304,7 @@ class _LayerCalib:
         self.groups = _smooth_groups(layer, prefix)
         self.changed: set[str] = set()      # float params changed by folds
         self.site_owner: dict[tuple, int] = {}  # GPTQ site -> the rank holding its Hessian (`ranks`)
+        self.solved: dict = {}                  # linear -> GPTQResult of a batched call (`_solve_experts`)
 
     def _refresh(self) -> None:
         """Module maps (again after an expert chunk is loaded: a quantized source's linears are
@@ -465,7 +468,27 @@ class _LayerCalib:
 
     def _quantize_all(self, names: list[str], sites) -> None:
         """`_quantize` each of `names` (on its owner rank in a world of several: `ranks.exchange`)."""
-        ranks.exchange(self, names, sites, lambda t: self._quantize(t, sites))
+        ranks.exchange(self, names, sites, lambda t: self._quantize(t, sites),
+                       lambda mine: self._solve_experts(mine, sites))
+
+    def _solve_experts(self, names: list[str], sites) -> None:
+        """GPTQ of the routed experts' linears among `names` that share a shape and scheme, in
+        batched calls (`gptq_batched.solve_together`: one column sweep for many experts); `_quantize`
+        takes their results from ``self.solved`` in `names` order, so the bookkeeping is unchanged."""
+        o = self.o
+        items = []
+        for t in names:
+            site = sites.get(self.site_of[t])
+            if (self.method[t] == GPTQ and EXPERT_RE.match(t + ".") and site is not None and site.hess is not None
+                    and site.n >= o["min_tokens"]):
+                items.append((t, self.linears[t].weight, site.hessian, self.schemes[t]))
+        self.solved = solve_together(items, o["max_hessian_bytes"], **self._gptq_opts()) if len(items) > 1 else {}
+
+    def _gptq_opts(self) -> dict:
+        o = self.o
+        # an explicit static_groups=False asks for the reference's dynamic groups: no act_order then
+        return dict(damp=o["damp"], act_order=o["act_order"] and o["static_groups"] is not False,
+                    block_size=o["block_size"], static_groups=o["static_groups"], scale_search=o["scale_search"])
 
     def _smooth(self, g: _Group, sites) -> None:
         meth = self._group_method(g)
@@ -537,11 +560,8 @@ class _LayerCalib:
             _quantize_rtn(mod, name, scheme, self.res)
             return
         if meth == GPTQ:
-            # an explicit static_groups=False asks for the reference's dynamic groups: no act_order then
-            act_order = o["act_order"] and o["static_groups"] is not False
-            r = gptq_quantize(mod.weight, site.hessian(), scheme, damp=o["damp"], act_order=act_order,
-                              block_size=o["block_size"], static_groups=o["static_groups"], name=name,
-                              scale_search=o["scale_search"])
+            r = self.solved.pop(name, None) or gptq_quantize(mod.weight, site.hessian(), scheme, name=name,
+                                                             **self._gptq_opts())
             self.res.quantized[name] = r.qtensor
             self.res.methods[name] = GPTQ
             stats.update(gptq_loss=r.loss, gptq_damp=r.damp,

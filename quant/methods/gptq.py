@@ -247,32 +247,37 @@ def _clip(W: torch.Tensor, G: int, r: float) -> torch.Tensor:
     return torch.maximum(torch.minimum(g, hi), lo).reshape(n, k)
 
 
-def _group_loss(err: torch.Tensor, H: torch.Tensor, G: int, metric: str) -> torch.Tensor:
+def _group_loss(err: torch.Tensor, H: torch.Tensor | None, G: int, metric: str,
+                hd: torch.Tensor | None = None) -> torch.Tensor:
     """[n, k/G] loss of the error ``err [n, k]`` per row and group: "mse" sum e^2; "hdiag" sum
     e^2 diag(H) (each column's error weighted by its input's energy: the output error a column
-    causes when the inputs are uncorrelated)."""
+    causes when the inputs are uncorrelated). `hd` ``[n, k]``, when given, replaces diag(H) per
+    row (the rows of several linears stacked, each with its own Hessian: `gptq_batched`)."""
     n, k = err.shape
     e = err.reshape(n, k // G, G)
     if metric == "mse":
         return e.pow(2).sum(-1)
-    return (e.pow(2) * torch.diagonal(H).reshape(1, k // G, G)).sum(-1)
+    w = torch.diagonal(H).reshape(1, k // G, G) if hd is None else hd.reshape(n, k // G, G)
+    return (e.pow(2) * w).sum(-1)
 
 
-def search_scales(W: torch.Tensor, H: torch.Tensor, scheme: Scheme, G: int, shrinks, metric: str) -> QuantizedTensor:
+def search_scales(W: torch.Tensor, H: torch.Tensor | None, scheme: Scheme, G: int, shrinks, metric: str,
+                  hd: torch.Tensor | None = None) -> QuantizedTensor:
     """The scheme's quantization of ``W [n, k]`` whose per-group parts (scales, offsets) are, per
     row and group, those of the clipped weight `_clip(W, G, r)` for the r in `shrinks` whose grid
     quantizes W (unclipped) with the least `_group_loss`. shrinks[0] should be 1.0 (plain absmax):
     ties keep the earlier candidate, so the chosen grid is never worse than it on the metric.
     The loss is that of W on each grid (`_Grid.fake`: codes of the unclipped weight, as GPTQ picks
     them); the returned per-element parts (codes) are the absmax RTN's, which GPTQ replaces.
-    One candidate is alive at a time: memory is one quantization of W plus the per-group best."""
+    One candidate is alive at a time: memory is one quantization of W plus the per-group best.
+    `hd` ``[n, k]`` replaces diag(H) per row (`_group_loss`)."""
     n, k = W.shape
     ng = k // G
     base = best_loss = None
     best: dict[str, torch.Tensor] = {}
     for r in shrinks:
         qt = scheme.quantize(_clip(W, G, r) if r != 1.0 else W)
-        loss = _group_loss(W - _Grid(qt, ng).fake(W), H, G, metric)
+        loss = _group_loss(W - _Grid(qt, ng).fake(W), H, G, metric, hd)
         per_group = {key: v.reshape(n, -1) for key, v in qt.parts.items() if v.numel() == n * ng}
         if base is None:
             base, best_loss, best = qt, loss, {key: v.clone() for key, v in per_group.items()}
@@ -318,33 +323,14 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: flo
     H[dead, dead] = 1
     W[:, dead] = 0
     rtn = scheme.quantize(W)  # static scales: after dead columns are zeroed, as the reference
-    if rtn.kernel_fmt not in SUPPORTED:
-        raise CvtError(f"GPTQ {name}: scheme {rtn.scheme!r} with kernel format {rtn.kernel_fmt!r} is not supported "
-                       f"(supported kernel formats: {', '.join(SUPPORTED)}; static activation scales: use rtn or "
-                       "smoothquant, or dynamic activations)")
-    G = _group_size(rtn, k)
-    if k % G:
-        raise CvtError(f"GPTQ {name}: group size {G} does not divide in_features {k}")
-    n_groups = k // G
+    G, n_groups, static_groups, block_size, search = _settings(rtn, n, k, name, act_order, block_size,
+                                                               static_groups, scale_search)
     grid = _Grid(rtn, n_groups)
     per_group = _dynamic_parts(rtn.kernel_fmt, rtn.parts, n, n_groups)
-    has_global = any(v.dim() < 2 or tuple(v.shape) not in ((n, n_groups), (n, k)) for v in rtn.parts.values())
-    if static_groups is None:
-        static_groups = act_order or has_global
-    if not static_groups and has_global:
-        raise CvtError(f"GPTQ {name}: scheme {rtn.scheme!r} ({rtn.kernel_fmt}) has a per-tensor part; "
-                       "only static groups are possible")
-    if block_size % G and G % block_size:
-        block_size = G
-    if scale_search is not None and scale_search not in METRICS:
-        raise CvtError(f"GPTQ {name}: unknown scale_search {scale_search!r} (known: {', '.join(METRICS)})")
-    search = scale_search is not None and not has_global
     if search and static_groups:
         rtn = search_scales(W, H, scheme, G, shrinks, scale_search)
         grid = _Grid(rtn, n_groups)
 
-    if act_order and not static_groups:
-        raise CvtError(f"GPTQ {name}: act_order needs static groups (dynamic ones would need a g_idx on disk)")
     perm = None
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True)
@@ -363,6 +349,33 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: flo
         Q, codes = Q[:, inv], codes[:, inv]
     qt, out, exact = _packed(rtn, grid, codes, dyn_parts, Q, scheme, name)
     return GPTQResult(qt, out, float(loss.sum()), used_damp, bool(static_groups), int(dead.sum()), exact)
+
+
+def _settings(rtn: QuantizedTensor, n: int, k: int, name: str, act_order: bool, block_size: int,
+              static_groups: bool | None, scale_search: str | None) -> tuple[int, int, bool, int, bool]:
+    """The checks and settings `gptq_quantize` and `gptq_batched.gptq_quantize_batched` share,
+    from the scheme's RTN of the weight: (group size G, groups, static_groups, block_size, search)."""
+    if rtn.kernel_fmt not in SUPPORTED:
+        raise CvtError(f"GPTQ {name}: scheme {rtn.scheme!r} with kernel format {rtn.kernel_fmt!r} is not supported "
+                       f"(supported kernel formats: {', '.join(SUPPORTED)}; static activation scales: use rtn or "
+                       "smoothquant, or dynamic activations)")
+    G = _group_size(rtn, k)
+    if k % G:
+        raise CvtError(f"GPTQ {name}: group size {G} does not divide in_features {k}")
+    n_groups = k // G
+    has_global = any(v.dim() < 2 or tuple(v.shape) not in ((n, n_groups), (n, k)) for v in rtn.parts.values())
+    if static_groups is None:
+        static_groups = act_order or has_global
+    if not static_groups and has_global:
+        raise CvtError(f"GPTQ {name}: scheme {rtn.scheme!r} ({rtn.kernel_fmt}) has a per-tensor part; "
+                       "only static groups are possible")
+    if block_size % G and G % block_size:
+        block_size = G
+    if scale_search is not None and scale_search not in METRICS:
+        raise CvtError(f"GPTQ {name}: unknown scale_search {scale_search!r} (known: {', '.join(METRICS)})")
+    if act_order and not static_groups:
+        raise CvtError(f"GPTQ {name}: act_order needs static groups (dynamic ones would need a g_idx on disk)")
+    return G, n_groups, bool(static_groups), block_size, scale_search is not None and not has_global
 
 
 def _sweep(W: torch.Tensor, U: torch.Tensor, grid: "_Grid", G: int, perm: torch.Tensor | None, block_size: int,

@@ -88,11 +88,15 @@ def _portable(qt):
     return dataclasses.replace(qt, parts=cpu, extra=extra)
 
 
-def exchange(lc, names: list[str], sites: dict, quantize: Callable[[str], None]) -> None:
+def exchange(lc, names: list[str], sites: dict, quantize: Callable[[str], None],
+             prepare: Callable[[list[str]], None] | None = None) -> None:
     """`quantize(name)` on the rank owning each of `names`, then every rank takes every result
-    (in `names` order, as one process would have made them)."""
+    (in `names` order, as one process would have made them). `prepare(mine)`, when given, runs
+    first on each rank with the names it quantizes (batched GPTQ of same-shaped linears)."""
     w = lc.world
     if w.size == 1:
+        if prepare is not None:
+            prepare(list(names))
         for t in names:
             quantize(t)
         return
@@ -104,6 +108,8 @@ def exchange(lc, names: list[str], sites: dict, quantize: Callable[[str], None])
     res = lc.res
     n_fb = len(res.fallbacks)
     mine = [t for t in names if owner[t] == w.rank]
+    if prepare is not None:
+        prepare(mine)
     for t in mine:
         quantize(t)
     fb = {f.name: f for f in res.fallbacks[n_fb:]}
