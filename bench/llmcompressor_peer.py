@@ -437,6 +437,9 @@ def main() -> None:
     ap.add_argument("--cvt-verify", action="store_true", help="also run `cvt verify` on each output (second opinion)")
     ap.add_argument("--dir", type=scratch_dir, help="where the work dir goes (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (outputs, logs)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where both tools calibrate: cvt quantize --device; llm-compressor's sequential pipeline "
+                         "onloads each layer to the GPU when it sees one (cpu: CUDA_VISIBLE_DEVICES='' for it)")
     args = ap.parse_args()
     if args.seq_len < 2 or (args.num_seq * args.seq_len) % CVT_CALIB_SEQ:
         fail(f"--num-seq x --seq-len must be a multiple of {CVT_CALIB_SEQ} (cvt's calibration sequence length)", 2)
@@ -504,7 +507,8 @@ def report(args, root: Path, fixture: Path, cvt: str, venv_py: Path, env: dict, 
     for method in ("gptq", "rtn"):
         out = root / f"cvt-{method}"
         cmd = [cvt, "quantize", str(fixture), str(out), "--scheme", "w4a16", "--format", "compressed-tensors",
-               "--method", method, "--group-size", str(G), "--recipe", str(recipe), "--device", "cpu", "--quiet"]
+               "--method", method, "--group-size", str(G), "--recipe", str(recipe), "--device", args.device,
+               "--quiet"]
         if method != "rtn":
             cmd += ["--calib", str(data["cvt_calib"]), "--calib-tokens", str(data["calib_tokens"]), *args.cvt_arg]
         log = root / f"cvt-{method}.log"
@@ -537,7 +541,7 @@ def report(args, root: Path, fixture: Path, cvt: str, venv_py: Path, env: dict, 
     (root / "llmc-job.json").write_text(json.dumps(job))
     cmd = [str(venv_py), __file__, INNER, str(root / "llmc-job.json")]
     log = root / "llmc-gptq.log"
-    wall, rc = run(cmd, log, env)
+    wall, rc = run(cmd, log, {**env, "CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else env)
     if rc != 0 or not (out / "config.json").is_file():
         print(f"llm-compressor failed, rc {rc}: {shlex.join(cmd)}\n{tail(log)}")
         fail(f"BLOCKER: llm-compressor {versions['llmcompressor']} could not quantize {fixture}; log above")
@@ -584,7 +588,7 @@ def report(args, root: Path, fixture: Path, cvt: str, venv_py: Path, env: dict, 
           f"GPTQ block {lr['gptq']['block_size']}, dampening {lr['gptq']['dampening_frac']}, actorder "
           f"{lr['gptq']['actorder']}, all experts calibrated on every token")
     print(f"cvt:            {cvt} (torch {torch.__version__}; {tree_state()}); GPTQ extra args: "
-          f"{shlex.join(args.cvt_arg) or '-'}; CPU: {os.cpu_count()} cores")
+          f"{shlex.join(args.cvt_arg) or '-'}; CPU: {os.cpu_count()} cores; device {args.device}")
     print(f"calibration:    {args.num_seq} x {args.seq_len} = {data['calib_tokens']} tokens (<bos> + ASCII of "
           f"{args.headers} a-t, {data['train_bytes']} bytes, the training split), sha256 {data['calib_sha256'][:16]}: "
           f"equal to cvt's calib_tokens and its manifest, and to what llm-compressor's calibration fed the embedding "

@@ -90,5 +90,5 @@ def name_of(code: int) -> str | None:
         return f"signal {-code}"
 
 
-__all__ = ["Interrupted", "install", "installed", "note", "received", "signum_of", "exit_code", "stopped_line", "name_of",
-           "STOP_SIGNALS"]
+__all__ = ["Interrupted", "install", "installed", "note", "received", "signum_of", "exit_code", "stopped_line",
+           "name_of", "STOP_SIGNALS"]

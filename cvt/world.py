@@ -144,7 +144,8 @@ class World:
     def agree(self, error: BaseException | None) -> BaseException | None:
         """Every rank says whether it failed. A rank that failed keeps its own error; the others get a
         `PeerFailed` naming the first rank that did (so that no rank waits for a peer that left)."""
-        code = (signals.exit_code(signals.signum_of(error)) if isinstance(error, KeyboardInterrupt) else error.exit_code if isinstance(error, CvtError)
+        code = (signals.exit_code(signals.signum_of(error)) if isinstance(error, KeyboardInterrupt)
+                else error.exit_code if isinstance(error, CvtError)
                 else 1 if isinstance(error, OSError) else 70)  # as the CLI's `main` exits for each
         mine = None if error is None else (str(error) if isinstance(error, CvtError) else
                                            f"{type(error).__name__}: {error}", code)
@@ -301,7 +302,8 @@ def rendezvous_s(env=os.environ) -> float:
     except ValueError:
         value = -1.0
     if not 0 < value < 1e7:
-        raise CvtError(f"{RENDEZVOUS_ENV}={text!r}: give the seconds a rank waits for the others (default {RENDEZVOUS_S})")
+        raise CvtError(f"{RENDEZVOUS_ENV}={text!r}: give the seconds a rank waits for the others "
+                       f"(default {RENDEZVOUS_S})")
     return value
 
 
@@ -318,12 +320,14 @@ def init_group(backend: str, rank: int, size: int, env=os.environ) -> None:
         dist.init_process_group(backend, rank=rank, world_size=size, timeout=timedelta(seconds=wait))
     except (RuntimeError, ValueError) as exc:  # torch's DistStoreError / DistNetworkError derive from RuntimeError
         where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
-        raise CvtError(f"the {size} ranks did not all meet at MASTER_ADDR:MASTER_PORT {where} within "
-                       f"{wait:g} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); start every "
-                       f"rank with the same MASTER_ADDR / MASTER_PORT / WORLD_SIZE, or raise {RENDEZVOUS_ENV}") from None
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CvtError(f"the {size} ranks did not all meet at MASTER_ADDR:MASTER_PORT {where} within {wait:g} s "
+                       f"({type(exc).__name__}: {first}); start every rank with the same MASTER_ADDR / MASTER_PORT / "
+                       f"WORLD_SIZE, or raise {RENDEZVOUS_ENV}") from None
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.4
     if set_timeout is not None and backend in ("gloo", "nccl"):
-        default = getattr(dist.constants, "default_pg_nccl_timeout" if backend == "nccl" else "default_pg_timeout", None)
+        which = "default_pg_nccl_timeout" if backend == "nccl" else "default_pg_timeout"
+        default = getattr(dist.constants, which, None)
         if default is not None:
             set_timeout(default)
 

@@ -65,6 +65,7 @@ from cvt.quant.methods.data import calib_tokens  # noqa: F401  (re-exported)
 from cvt.quant.recipe import AWQ, DATA_METHODS, GPTQ, METHODS, RTN, SMOOTHQUANT  # noqa: F401  (METHODS re-exported)
 from cvt.quant.methods.gptq import gptq_quantize
 from cvt.quant.methods.gptq_batched import solve_together
+from cvt.quant.methods.phases import Phases
 from cvt.quant.methods.decoder_layers import Layout, _PerSequence  # noqa: F401  (Layout re-exported)
 from cvt.quant.methods.sites import _children, _Group, _Site, _site_key, _smooth_groups
 from cvt.quant.methods.smoothquant import scale_columns, scale_rows, smooth_scales
@@ -104,6 +105,7 @@ class CalibResult:
                     scales and the manifest
     smoothing:      producer name (norm or linear) -> {"method", "alpha", "consumers"} per fold
     seconds_per_layer: wall time of each decoder layer
+    phases:         wall seconds of this layer's forward passes, solve and IO (`phases.Phases`)
     """
 
     quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
@@ -113,6 +115,7 @@ class CalibResult:
     stats: dict[str, dict] = field(default_factory=dict)
     smoothing: dict[str, dict] = field(default_factory=dict)
     seconds_per_layer: list[float] = field(default_factory=list)
+    phases: Phases = field(default_factory=Phases)
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -340,8 +343,9 @@ class _LayerCalib:
         if not any(m in DATA_METHODS for m in self.method.values()) and not self.o.get("collect_stats"):
             if self.experts is not None:  # routed experts read a chunk at a time
                 return self.experts.run_rtn(self, x, args, kwargs)
-            for n in self.schemes:
-                _quantize_rtn(self.linears[n], n, self.schemes[n], self.res)
+            with self.res.phases("solve"):
+                for n in self.schemes:
+                    _quantize_rtn(self.linears[n], n, self.schemes[n], self.res)
             return
         for stage, targets in self._stages():
             self._run_stage(stage, targets, x, args, kwargs)
@@ -413,8 +417,9 @@ class _LayerCalib:
         self._collect(stage, sites, x, args, kwargs, stub_experts=stub_experts)
 
         # smoothing folds
-        for g in groups:
-            self._smooth(g, sites)
+        with self.res.phases("solve"):
+            for g in groups:
+                self._smooth(g, sites)
         # quantize everything whose statistics are complete
         pending = {t for ch in later_chunks for k in ch for t in self._target_of_site(k, targets)}
         self.h_users = {}
@@ -440,6 +445,10 @@ class _LayerCalib:
         return mod.weight.shape[1] if mode == "in" else mod.weight.shape[0]
 
     def _collect(self, stage, sites, x, args, kwargs, stub_experts) -> None:
+        with self.res.phases("forward"):
+            self._collect_here(stage, sites, x, args, kwargs, stub_experts)
+
+    def _collect_here(self, stage, sites, x, args, kwargs, stub_experts) -> None:
         hooks = []
         for (mode, name), site in sites.items():
             mod = self.mods[name]
@@ -468,8 +477,9 @@ class _LayerCalib:
 
     def _quantize_all(self, names: list[str], sites) -> None:
         """`_quantize` each of `names` (on its owner rank in a world of several: `ranks.exchange`)."""
-        ranks.exchange(self, names, sites, lambda t: self._quantize(t, sites),
-                       lambda mine: self._solve_experts(mine, sites))
+        with self.res.phases("solve"):
+            ranks.exchange(self, names, sites, lambda t: self._quantize(t, sites),
+                           lambda mine: self._solve_experts(mine, sites))
 
     def _solve_experts(self, names: list[str], sites) -> None:
         """GPTQ of the routed experts' linears among `names` that share a shape and scheme, in

@@ -114,18 +114,23 @@ class ExpertStream:
         """Each chunk: read, `per_chunk` (quantize its experts), add its share of the output,
         drop; then the layer's output (`x_next`)."""
         acc: list[torch.Tensor] = []
+        phase = lc.res.phases
         for c, chunk in enumerate(self.chunks):
-            self.load(chunk)
+            with phase("io"):
+                self.load(chunk)
             lc._refresh()
             try:
                 per_chunk(chunk)
-                self._accumulate(lc, chunk, first=c == 0, acc=acc, x=x, args=args, kwargs=kwargs)
+                with phase("forward"):
+                    self._accumulate(lc, chunk, first=c == 0, acc=acc, x=x, args=args, kwargs=kwargs)
             finally:
-                self.drop(chunk)
+                with phase("io"):
+                    self.drop(chunk)
                 lc._refresh()
             mods = [m for m in lc.res.quantized if self.expert_of(m) in chunk]
             if self.save is not None and mods:
-                self.saved.update(self.save(c, {m: lc.res.quantized.pop(m) for m in mods}))
+                with phase("io"):
+                    self.saved.update(self.save(c, {m: lc.res.quantized.pop(m) for m in mods}))
         bs = lc.o["batch_size"]
         starts = range(0, x.shape[0], bs)
         if not len(acc) == len(self._attn) == len(starts):
@@ -140,7 +145,8 @@ class ExpertStream:
                 outs.append(h + (a if s is None else a + s).view(h.shape))
             self.x_next = torch.cat(outs) if outs else x.clone()  # (no batch: a rank with no calibration sequence)
         else:
-            self.x_next = self._output_pass(lc, acc, shared, x, args, kwargs)
+            with phase("forward"):
+                self.x_next = self._output_pass(lc, acc, shared, x, args, kwargs)
         self._attn = self._shared = None
 
     def _output_pass(self, lc, acc: list, shared: list, x, args, kwargs) -> torch.Tensor:
@@ -174,7 +180,7 @@ class ExpertStream:
         """One pass, every routed expert stubbed, keeping the attention output per batch."""
         from cvt.quant.methods.calib import _run_layer
 
-        with self._recording(), self._stubbed([e for c in self.chunks for e in c]):
+        with self._recording(), self._stubbed([e for c in self.chunks for e in c]), lc.res.phases("forward"):
             _run_layer(self.layer, x, args, kwargs, lc.o["batch_size"], out=False)
 
     @torch.no_grad()
@@ -184,15 +190,17 @@ class ExpertStream:
         experts a chunk at a time, then the layer's output from the chunks' passes."""
         from cvt.quant.methods.calib import _quantize_rtn
 
-        for n in lc.schemes:
-            if self.expert_of(n) is None:
-                _quantize_rtn(lc.linears[n], n, lc.schemes[n], lc.res)
+        with lc.res.phases("solve"):
+            for n in lc.schemes:
+                if self.expert_of(n) is None:
+                    _quantize_rtn(lc.linears[n], n, lc.schemes[n], lc.res)
         self._record_attention(lc, x, args, kwargs)
 
         def quantize(chunk: list[int]) -> None:
-            for n in lc.schemes:
-                if self.expert_of(n) in chunk:
-                    _quantize_rtn(lc.linears[n], n, lc.schemes[n], lc.res)
+            with lc.res.phases("solve"):
+                for n in lc.schemes:
+                    if self.expert_of(n) in chunk:
+                        _quantize_rtn(lc.linears[n], n, lc.schemes[n], lc.res)
 
         self._chunks_then_output(lc, x, args, kwargs, quantize)
 

@@ -167,6 +167,7 @@ class LayerStore:
             self._record(f"layer-{i}.json", write_json_atomic(self.root / f"layer-{i}.json", {
                 "quantized": fields, "floats": sorted(lres.float_weights), "methods": lres.methods,
                 "stats": lres.stats, "seconds": lres.seconds_per_layer,
+                "phases": {k: round(v, 3) for k, v in lres.phases.seconds.items()},
                 "fallbacks": [[f.name, f.tokens, f.reason] for f in lres.fallbacks]}))
             for old, new, rec in inputs:
                 self._record(new, rec)

@@ -30,9 +30,10 @@ class _Site:
     def __init__(self, k: int, *, hessian: bool = False, samples: int = 0, hessian_dtype=torch.float32,
                  seed: int = 0):
         self.k, self.n = k, 0
-        self.cmax = torch.full((k,), -math.inf)
-        self.cmin = torch.full((k,), math.inf)
-        self.abssum = torch.zeros(k, dtype=torch.float64)
+        # per-channel max, min and sum |x|, accumulated where the forward runs (no host round trip
+        # per linear and batch); read on the host (`cmax`, `cmin`, `abssum`), copied once per read
+        self._stats: list[torch.Tensor] | None = None
+        self._host: list[torch.Tensor] | None = None
         self.hess = HessianAccumulator(k, hessian_dtype) if hessian else None
         self.cap = samples
         self.buf: torch.Tensor | None = None
@@ -46,14 +47,39 @@ class _Site:
         m = x.shape[0]
         if m == 0:
             return
-        self.cmax = torch.maximum(self.cmax, x.amax(dim=0).cpu())
-        self.cmin = torch.minimum(self.cmin, x.amin(dim=0).cpu())
-        self.abssum += x.abs().sum(dim=0, dtype=torch.float64).cpu()
+        cmax, cmin, abssum = self._device_stats(x.device)
+        torch.maximum(cmax, x.amax(dim=0), out=cmax)  # max / min / float64 sums: the same bits on any device
+        torch.minimum(cmin, x.amin(dim=0), out=cmin)
+        abssum += x.abs().sum(dim=0, dtype=torch.float64)
+        self._host = None
         if self.hess is not None:
             self.hess.add(x)
         if self.cap:
             self._reservoir(x.cpu())
         self.n += m
+
+    def _device_stats(self, device) -> list[torch.Tensor]:
+        if self._stats is None:
+            self._stats = [torch.full((self.k,), -math.inf, device=device),
+                           torch.full((self.k,), math.inf, device=device),
+                           torch.zeros(self.k, dtype=torch.float64, device=device)]
+        elif self._stats[0].device != torch.device(device):  # set on the host by a reduction over ranks
+            self._stats = [t.to(device) for t in self._stats]
+        return self._stats
+
+    def _host_stats(self) -> list[torch.Tensor]:
+        if self._host is None:
+            self._host = [t.cpu() for t in self._device_stats(self._stats[0].device if self._stats else "cpu")]
+        return self._host
+
+    def _set_stat(self, i: int, value: torch.Tensor) -> None:
+        stats = self._host_stats()
+        self._stats = [value if j == i else t for j, t in enumerate(stats)]
+        self._host = None
+
+    cmax = property(lambda self: self._host_stats()[0], lambda self, v: self._set_stat(0, v))
+    cmin = property(lambda self: self._host_stats()[1], lambda self, v: self._set_stat(1, v))
+    abssum = property(lambda self: self._host_stats()[2], lambda self, v: self._set_stat(2, v))
 
     def _reservoir(self, x: torch.Tensor) -> None:
         """Uniform sample of `cap` rows over everything seen (vectorized reservoir sampling)."""

@@ -77,6 +77,7 @@ class StreamResult:
     stats: dict[str, dict] = field(default_factory=dict)
     kv_amax: list[dict[str, torch.Tensor]] = field(default_factory=list)
     seconds_per_layer: list[float] = field(default_factory=list)
+    phase_seconds: list[dict[str, float]] = field(default_factory=list)  # per layer (`phases.Phases`)
     peak_rss: int = 0
     peak_rss_per_rank: list[int] = field(default_factory=list)
     resumed_layers: int = 0
@@ -323,20 +324,25 @@ class _Layers:
         prefix = f"{self.tp}{layout.layers}.{i}."
         streamed = _streams_experts(layer, prefix, plan, o, layout.moe)
         experts_at = f"{prefix}{layout.moe}.experts."
-        assign_tensors(self.model, self.ckpt, self.device, self.block, skip=lambda name: not name.startswith(prefix)
-                       or (streamed and name.startswith(experts_at)))
-        _dense_linears(layer)
+        lres = C.CalibResult()
+        with lres.phases("io"):
+            assign_tensors(self.model, self.ckpt, self.device, self.block,
+                           skip=lambda name: not name.startswith(prefix) or (streamed and name.startswith(experts_at)))
+            _dense_linears(layer)
         es = (_expert_stream(self.model, self.ckpt, self.device, self.block, layer, i, plan, o, self.store, layout)
               if streamed else None)
         if observer is not None:
             layer.self_attn.kv_observer = observer._observer(i)
-        lres = C.CalibResult()
         C._LayerCalib(layer, f"{self.tp}{layout.layers}.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
                       lres, o, experts=es, frozen=self.frozen, world=self.world).run(x, args, kwargs)
-        x = es.x_next if es is not None else C._run_layer(layer, x, args, kwargs, o["batch_size"])
+        if es is not None:
+            x = es.x_next
+        else:
+            with lres.phases("forward"):
+                x = C._run_layer(layer, x, args, kwargs, o["batch_size"])
         if observer is not None:
             layer.self_attn.kv_observer = None
-        lres.seconds_per_layer.append(time.perf_counter() - t0)
+        lres.seconds_per_layer.append(time.perf_counter() - t0)  # (saving its state, below, is not counted)
         amax = ranks.amax_max(self.world, observer.amax[i]) if observer is not None else {}
         self.store.save_layer(i, lres, amax, x, es.saved if es is not None else None)
         res.kv_amax.append(amax)
@@ -383,6 +389,7 @@ def _merge(res: StreamResult, meta: dict) -> None:
     res.stats.update(meta["stats"])
     res.fallbacks += [Fallback(*f) for f in meta["fallbacks"]]
     res.seconds_per_layer += meta["seconds"]
+    res.phase_seconds.append(meta.get("phases", {}))  # (a state saved before phases were recorded: none)
 
 
 def text_prefix(ckpt) -> str:

@@ -101,3 +101,25 @@ def test_smoothquant_beats_rtn_at_w8a8_with_activation_outliers(trained_fixture,
     assert kl["smoothquant"][0] < 0.5 * kl["rtn"][0] and kl["smoothquant"][1] <= kl["rtn"][1] + 1e-3, kl
     for method in ("rtn", "smoothquant"):
         assert_readme_row(f"w8a8 with injected activation outliers, {method}", kl[method])
+
+
+def test_batched_gptq_keeps_the_per_linear_quality(trained_fixture, tmp_path, monkeypatch):
+    """Issue 38's acceptance on the trained fixture: GPTQ with a layer's same-shaped experts solved
+    together (`gptq_batched`) against one linear at a time: the packed codes of at least 99.5% of
+    the weights equal, and the mean KL to the BF16 fixture within 2% relative."""
+    import cvt.quant.methods.calib as calib_mod
+
+    quantize(trained_fixture, tmp_path / "batched", scheme="w4a16", method="gptq", quiet=True, calib_tokens=2048)
+    monkeypatch.setattr(calib_mod, "solve_together", lambda *a, **k: {})
+    quantize(trained_fixture, tmp_path / "alone", scheme="w4a16", method="gptq", quiet=True, calib_tokens=2048)
+    a, b = ({k: v for f in sorted((tmp_path / d).glob("*.safetensors")) for k, v in load_file(f).items()}
+            for d in ("alone", "batched"))
+    assert a.keys() == b.keys()
+    same = total = 0
+    for name, t in a.items():
+        if not t.is_floating_point() and ".experts." in name:  # the routed experts' packed codes
+            same += int((b[name] == t).sum())
+            total += t.numel()
+    assert total and same / total >= 0.995, same / total
+    kl_alone, kl_batched = (kl_and_ppl(tmp_path / d, trained_fixture, tmp_path)[0] for d in ("alone", "batched"))
+    assert abs(kl_batched - kl_alone) <= 0.02 * kl_alone, (kl_batched, kl_alone)
