@@ -25,6 +25,7 @@ scales, several shards, index, tokenizer.json): the demo's source checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -112,21 +113,62 @@ def trained_weights(cache: Path | None = None, quiet: bool = True) -> tuple[dict
 
     `cache`: the cache root (default `cache_root()`). `quiet=False` shows a progress bar on stderr
     while training."""
-    from safetensors.torch import load_file, save_file
-
     from cvt import corpus
 
     text = corpus.text("training")
     key = recipe_key(text)
     path = model_file(cache, key)
-    folder, root = path.parent, path.parent.parent
+    root = path.parent.parent
     config = demo_config()
     if path.is_file():
+        return config, _cached(path), key
+    with _training_lock(root, key, quiet):  # a second demo run waits for the first's model, then reuses it
+        if path.is_file():
+            return config, _cached(path), key
+        return config, _train_and_cache(config, text, key, path, quiet), key
+
+
+def _cached(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises its own types
+        raise CvtError(f"{path}: the cached demo model cannot be read ({exc}); delete {path.parent} "
+                       "and it is trained again") from exc
+
+
+@contextlib.contextmanager
+def _training_lock(root: Path, key: str, quiet: bool):
+    """An exclusive lock on ``ROOT/.demo-dsv3-KEY.lock`` while the model is trained and cached, so
+    that two demo runs at once train it once and use the same weights (training in two processes
+    at once gave two different models: its float sums follow the threads' timing). No lock where
+    the cache cannot be written (the run trains for itself, as before)."""
+    try:
+        import fcntl
+
+        root.mkdir(parents=True, exist_ok=True)
+        fh = open(root / f".demo-dsv3-{key}.lock", "a+")
+    except (ImportError, OSError):
+        yield
+        return
+    with fh:
         try:
-            return config, load_file(str(path)), key
-        except Exception as exc:  # safetensors raises its own types
-            raise CvtError(f"{path}: the cached demo model cannot be read ({exc}); delete {folder} "
-                           "and it is trained again") from exc
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not quiet:
+                log.warning("another cvt demo is training the demo model; waiting for it (%s)", root)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _train_and_cache(config: dict, text: str, key: str, path: Path, quiet: bool) -> dict:
+    from safetensors.torch import save_file
+
+    folder, root = path.parent, path.parent.parent
     weights = train(config, text, RECIPE, quiet=quiet)
     tmp = None
     try:
@@ -145,7 +187,7 @@ def trained_weights(cache: Path | None = None, quiet: bool = True) -> tuple[dict
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    return config, weights, key
+    return weights
 
 
 def train(config: dict[str, Any], text: str, recipe: dict[str, Any], quiet: bool = True) -> dict:

@@ -126,3 +126,34 @@ def test_the_bf16_checkpoint_is_bf16(demo_weights, tmp_path):
     assert "quantization_config" not in json.loads((path / "config.json").read_text())
     report = inspect_checkpoint(path)
     assert report.to_dict()["source_format"] == "bf16" and not report.problems
+
+
+def test_two_demo_runs_at_once_train_once_and_share_the_weights(tmp_path, monkeypatch):
+    """Two runs that find no cached model: the second waits on the cache's lock for the first's
+    model and loads it (was: both trained, and the second wrote its own, different, weights)."""
+    import threading
+    import time
+
+    import torch
+
+    calls = []
+
+    def slow_train(config, text, recipe, quiet=True):  # the real one takes minutes: a stand-in that differs per call
+        calls.append(1)
+        time.sleep(0.5)
+        return {"w": torch.full((4,), float(len(calls)))}
+
+    monkeypatch.setattr(demo_model, "train", slow_train)
+    got = [None, None]
+
+    def run(i):
+        got[i] = demo_model.trained_weights(cache=tmp_path)[1]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(calls) == 1
+    assert torch.equal(got[0]["w"], got[1]["w"])
+    assert demo_model.model_file(tmp_path, demo_model.recipe_key(corpus.text("training"))).is_file()
