@@ -112,6 +112,8 @@ def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
     return ArchTable(
         name="kimi_k25",
         display=DISPLAY,
+        attention=text.attention,
+        kv_note=text.kv_note,
         model_types=("kimi_k25",),
         rules=tuple(map(prefixed, text.rules)) + CARRIED_RULES,
         config_keys=text.config_keys,
