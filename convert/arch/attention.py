@@ -77,15 +77,17 @@ def _gqa_bytes(cfg, tokens, tp, elem, index_c8):
     return tokens * 2 * -(-kv_heads // tp) * head_dim * elem
 
 
+# what DeepSeek-V4's cache sizes mean when config.json omits them (`cvt.convert.arch.deepseek_v4.DEFAULTS`)
+V4_CACHE_DEFAULTS = {"sliding_window": 128, "index_head_dim": 128}
+
+
 def _v4_bytes(ratio: int):
     """DeepSeek-V4 (its inference/model.py `Attention`): the last sliding_window K=V entries of
     head_dim, plus at ratio r > 0 one head_dim entry per r positions, and at r == 4 the
-    indexer's index_head_dim key per 4 positions (V4's defaults: `cvt.convert.arch.deepseek_v4`)."""
+    indexer's index_head_dim key per 4 positions."""
     def count(cfg, tokens, tp, elem, index_c8):
-        from cvt.convert.arch.deepseek_v4 import DEFAULTS  # (which imports this module)
-
-        dim, window = cfg["head_dim"], cfg.get("sliding_window", DEFAULTS["sliding_window"])
-        idim = cfg.get("index_head_dim", DEFAULTS["index_head_dim"])
+        dim, window = cfg["head_dim"], cfg.get("sliding_window", V4_CACHE_DEFAULTS["sliding_window"])
+        idim = cfg.get("index_head_dim", V4_CACHE_DEFAULTS["index_head_dim"])
         extra = tokens // ratio * (dim + (idim if ratio == 4 else 0)) if ratio else 0
         return (min(tokens, window) * dim + extra) * elem
     return count
@@ -183,6 +185,17 @@ class LayerAttention:
     @property
     def main(self) -> AttentionKind:
         return self.kinds[0]
+
+    @property
+    def kv_quant(self) -> KVQuant | None:
+        """The family's KV-cache quantization convention (None: cvt quantizes none of its caches)."""
+        return self.main.kv_quant
+
+    @property
+    def latent(self) -> bool:
+        """Whether the family's quantized cache is one latent per token (MLA's FAKQuant: one scale
+        per layer, the fa_q / fa_k / fa_v sites) rather than k / v per channel (GQA's C8)."""
+        return self.kv_quant is not None and self.kv_quant.latent
 
     def layers(self, cfg: Mapping[str, Any]) -> list[AttentionKind]:
         """One kind per decoder layer (MTP layers excluded); ArchError when the family's own

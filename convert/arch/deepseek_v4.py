@@ -68,7 +68,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from cvt.convert.arch import checks
-from cvt.convert.arch.attention import V4, LayerAttention, v4_kind
+from cvt.convert.arch.attention import V4, V4_CACHE_DEFAULTS, LayerAttention, v4_kind
 from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
 
 C, R, V, REP = Parallel.COLUMN, Parallel.ROW, Parallel.VOCAB, Parallel.REPLICATED
@@ -79,9 +79,11 @@ LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavil
 DEFAULT_HASH_LAYERS = 3  # transformers' DeepseekV4Config.default_num_hash_layers
 
 # What an absent key means to transformers' DeepseekV4Config (and cvt's runtime)
+# (sliding_window and index_head_dim: the attention kinds' own, `cvt.convert.arch.attention`)
+_W, _DI = V4_CACHE_DEFAULTS["sliding_window"], V4_CACHE_DEFAULTS["index_head_dim"]
 DEFAULTS = {"scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
-            "swiglu_limit": 10.0, "sliding_window": 128, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-            "hc_eps": 1e-6, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+            "swiglu_limit": 10.0, "sliding_window": _W, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+            "hc_eps": 1e-6, "index_n_heads": 64, "index_head_dim": _DI, "index_topk": 512,
             "rope_theta": 10000.0, "compress_rope_theta": 160000.0}
 
 

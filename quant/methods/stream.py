@@ -216,7 +216,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
         model = build_model(ckpt.config, dtype=torch.float32)
     n_layers = model.args.num_hidden_layers
     layout = C.Layout.of(model)
-    if observe_kv and not getattr(model, "calibrates_kv", True):
+    if observe_kv and kv_cache.attention(model).kv_quant is None:  # (its table's attention kind)
         raise CvtError(f"{ckpt.config.get('model_type')}: KV-cache scales are not calibrated for this model family")
     block = fp8_block(ckpt, source_format(ckpt.config))
     tp = text_prefix(ckpt)                                 # Kimi-K2.5: the checkpoint's language_model.
@@ -411,7 +411,7 @@ def kv_scales(res: StreamResult, model_or_config, codec: str, ascend_names: bool
     class _Obs(kv_cache.KVObserver):
         def __init__(self):  # noqa: D401 - the observer's scale rules over stored ranges
             self.model = model_or_config
-            self.mla = kv_cache.is_mla(model_or_config)
+            self.mla = kv_cache.latent_cache(model_or_config)
             self.amax = res.kv_amax
 
     obs = _Obs()
