@@ -175,6 +175,13 @@ class ArchTable:
     # a wrapper's prefix of the text model's tensor names (Kimi-K2.5: "language_model."), which the
     # runtime's module names lack
     text_prefix: str = ""
+    # the linears calibration reads (`cvt.quant.methods.sites`), by their names under a parent module:
+    # each group reads one input, measured once at its first linear present; the first group is the
+    # attention's, read from input_layernorm (a smoothing fold's consumers, unless the runtime layer
+    # lists its own folds: DeepSeek-V4's ``smooth_groups``)
+    calib_shared_inputs: tuple[tuple[str, ...], ...] = ()
+    # linears that read a norm of the same parent (measured as that norm's output): {linear: norm}
+    calib_norm_inputs: Mapping[str, str] = field(default_factory=dict)
     # the parameter holding an FP8 weight's block scale in the release (DeepSeek-V4: ``scale``)
     scale_param: str = "weight_scale_inv"
     # config -> the memory plan's line on how the KV cache was counted, for families whose layers'

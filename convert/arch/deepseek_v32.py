@@ -94,5 +94,7 @@ TABLE = ArchTable(
         (f"{IX}.wk", f"{IX}.weights_proj"),
     ),
     config_keys=deepseek_v3.TABLE.config_keys,
+    calib_shared_inputs=deepseek_v3.TABLE.calib_shared_inputs,
+    calib_norm_inputs=deepseek_v3.TABLE.calib_norm_inputs,
     rules=deepseek_v3.TABLE.rules + INDEXER_RULES,
 )

@@ -244,6 +244,9 @@ TABLE = ArchTable(
     config_checks=checks.deepseek_v4,
     scale_param="scale",
     kv_note=kv_note,
+    # attn_norm's output -> wq_a, wkv; the MoE input -> each expert's w1, w3 (its folds: the runtime
+    # block's smooth_groups)
+    calib_shared_inputs=(("wq_a", "wkv"), ("w1", "w3")),
     ascend_copies={"mtp.{M}.emb.tok_emb.weight": "embed.weight", "mtp.{M}.head.weight": "head.weight"},  # (3)
     mtp_required=True,
     id_params={"tid2eid": "experts"},  # token id -> the experts a hash layer routes it to

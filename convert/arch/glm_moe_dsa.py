@@ -101,5 +101,7 @@ TABLE = ArchTable(
     config_checks=config_problems,
     fused_groups=deepseek_v32.TABLE.fused_groups,
     config_keys=deepseek_v32.TABLE.config_keys,
+    calib_shared_inputs=deepseek_v32.TABLE.calib_shared_inputs,
+    calib_norm_inputs=deepseek_v32.TABLE.calib_norm_inputs,
     rules=deepseek_v32.TABLE.rules,
 )

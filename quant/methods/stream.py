@@ -50,6 +50,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from cvt.convert.arch import TABLES
 from cvt.world import SINGLE, World
 from cvt.errors import CvtError
 from cvt.quant.methods import ranks
@@ -339,7 +340,8 @@ class _Layers:
             layer.self_attn.kv_observer = observer._observer(i)
         lres = C.CalibResult()
         C._LayerCalib(layer, f"{self.tp}{layout.layers}.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
-                      lres, o, experts=es, frozen=self.frozen, world=self.world).run(x, args, kwargs)
+                      lres, o, TABLES[self.model.args.family], experts=es, frozen=self.frozen,
+                      world=self.world).run(x, args, kwargs)
         x = es.x_next if es is not None else C._run_layer(layer, x, args, kwargs, o["batch_size"])
         if observer is not None:
             layer.self_attn.kv_observer = None

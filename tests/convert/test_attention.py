@@ -82,3 +82,13 @@ def test_the_linear_kind_counts_a_fixed_state():
            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
     state = 3 * (2 * 2 * 8 + 4 * 16) + 4 * 8 * 16
     assert KINDS["linear"].cache_bytes(cfg, 10) == KINDS["linear"].cache_bytes(cfg, 10_000) == state * 2
+
+
+def test_every_architecture_declares_what_calibration_reads():
+    """Each table names the linears that read one input (`ArchTable.calib_shared_inputs`, the first
+    group the attention's), which the calibration driver measures once (`cvt.quant.methods.sites`)."""
+    for mt in TABLES.names():
+        groups = TABLES[mt].calib_shared_inputs
+        assert groups and all(groups) and len({n for g in groups for n in g}) == sum(map(len, groups)), mt
+    assert TABLES["deepseek_v3"].calib_norm_inputs == {"kv_b_proj": "kv_a_layernorm"}
+    assert arch_for(tiny_kimi_k25_config()).table.calib_shared_inputs == TABLES["deepseek_v3"].calib_shared_inputs
