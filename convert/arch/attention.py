@@ -115,7 +115,7 @@ class AttentionKind:
     heads_split:    the cache splits over TP by KV heads (so TP must divide them); otherwise
                     every TP rank holds it whole
     indexer_key:    the layer caches a lightning indexer's key beside its cache (the indexer C8's site)
-    bytes:          (config, tokens, tp, bytes per quantizable element, indexer C8) -> cache bytes of
+    count_bytes:    (config, tokens, tp, bytes per quantizable element, indexer C8) -> cache bytes of
                     one layer holding `tokens` positions of one sequence on one TP rank
     """
 
@@ -125,7 +125,7 @@ class AttentionKind:
     runtime_cache: str
     kv_quant: KVQuant | None
     heads_split: bool
-    bytes: Callable[[Mapping[str, Any], int, int, int, bool], int]
+    count_bytes: Callable[[Mapping[str, Any], int, int, int, bool], int]
     indexer_key: bool = False
 
     def cache_bytes(self, cfg: Mapping[str, Any], tokens: int, tp: int = 1, int8: bool = False,
@@ -133,24 +133,24 @@ class AttentionKind:
         """This layer's cache bytes for `tokens` positions on one of `tp` ranks: bf16, or int8
         where `int8` asks for the quantized cache and the kind quantizes it."""
         elem = 1 if int8 and self.kv_quant is not None and not index_c8 else 2
-        return self.bytes(cfg, tokens, tp, elem, index_c8)
+        return self.count_bytes(cfg, tokens, tp, elem, index_c8)
 
 
 _MLA_CACHE = (CacheEntry("latent", ("batch", "{t}", "kv_lora_rank")),
               CacheEntry("rope_key", ("batch", "{t}", "qk_rope_head_dim")))
 MLA = AttentionKind("mla", _MLA_CACHE, "mla-absorbed (latent, rope_key)", "MLACache / Int8MLACache (C8)",
-                    FAKQUANT, heads_split=False, bytes=_mla_bytes)
+                    FAKQUANT, heads_split=False, count_bytes=_mla_bytes)
 SPARSE_MLA = dataclasses.replace(MLA, name="sparse_mla", runtime_cache="MLACache + the indexer's key cache",
-                                 bytes=_sparse_mla_bytes, indexer_key=True)
+                                 count_bytes=_sparse_mla_bytes, indexer_key=True)
 SPARSE_MLA_SHARED = dataclasses.replace(MLA, name="sparse_mla_shared", runtime_cache="MLACache")
 GQA = AttentionKind("gqa", (CacheEntry("key", ("batch", "kv_heads", "{t}", "dim_head")),
                             CacheEntry("value", ("batch", "kv_heads", "{t}", "dim_head"))),
-                    "gqa (key, value)", "KVCache / Int8KVCache (C8)", C8, heads_split=True, bytes=_gqa_bytes)
+                    "gqa (key, value)", "KVCache / Int8KVCache (C8)", C8, heads_split=True, count_bytes=_gqa_bytes)
 _V4_CACHE = (CacheEntry("window", ("batch", "sliding_window", "head_dim")),
              CacheEntry("compressed", ("batch", "{t}", "head_dim")))
 V4_RATIOS = {0: "v4_sliding", 4: "v4_csa", 128: "v4_hca"}
 V4 = {r: AttentionKind(name, _V4_CACHE[:1] if r == 0 else _V4_CACHE, "deepseek-v4 (window, compressed)",
-                       "the V4 model's Cache", None, heads_split=False, bytes=_v4_bytes(r), indexer_key=r == 4)
+                       "the V4 model's Cache", None, heads_split=False, count_bytes=_v4_bytes(r), indexer_key=r == 4)
       for r, name in V4_RATIOS.items()}
 
 
@@ -165,7 +165,7 @@ LINEAR = AttentionKind("linear", (CacheEntry("conv_state", ("batch", "conv_chann
                                   CacheEntry("recurrent_state", ("batch", "linear_num_value_heads",
                                                                  "linear_key_head_dim", "linear_value_head_dim"))),
                        "gated-deltanet (conv_state, recurrent_state)", "(no runtime model yet)", None,
-                       heads_split=True, bytes=_linear_bytes)
+                       heads_split=True, count_bytes=_linear_bytes)
 
 KINDS: dict[str, AttentionKind] = {k.name: k for k in (MLA, SPARSE_MLA, SPARSE_MLA_SHARED, GQA, *V4.values(), LINEAR)}
 
