@@ -33,12 +33,13 @@ Bytes per tensor shard under a scheme:
 
 KV cache for ``kv_tokens``: the tokens in flight over the whole world; attention DP splits
 sequences evenly over the dp ranks (``ceil(kv_tokens / dp)`` per rank), TP ranks of a group
-hold the same tokens. Per token and decoder layer (MTP layers excluded): MLA caches
-``kv_lora_rank + qk_rope_head_dim`` values (whole on every TP rank: the latent has no heads),
-plus a lightning indexer's key (``index_head_dim``, bf16) in the layers the table's
-`ArchTable.indexer_layers` counts (DeepSeek-V3.2: every one; GLM-5: its "full" indexer layers);
-GQA caches ``2 x kv_heads / tp x head_dim``. bf16, or int8 under w8a8c8 (MLA: the latent
-only; the rope key stays bf16). `cvt.convert.kv_bytes` counts it.
+hold the same tokens. Each decoder layer caches what its attention kind holds (the table's
+`ArchTable.attention`, `cvt.convert.arch.attention`; MTP layers excluded): MLA
+``kv_lora_rank + qk_rope_head_dim`` values per token (whole on every TP rank: the latent has no
+heads), sparse MLA plus its lightning indexer's key (``index_head_dim``, bf16) where the layer runs
+its own indexer (DeepSeek-V3.2: every one; GLM-5: its "full" indexer layers), GQA
+``2 x kv_heads / tp x head_dim``. bf16, or int8 under w8a8c8 (MLA: the latent only; the rope key
+stays bf16). `cvt.convert.kv_bytes` counts it.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def validate(layout: Layout, config: Mapping[str, Any], scheme: str | None = Non
     out: list[Violation] = []
     heads = cfg.get("num_attention_heads") or 0
     out.append(_config_violation("config.num_attention_heads", "tp", layout.tp, heads, W, "head"))
-    if "kv_lora_rank" not in cfg and arch.table.kv_cache is None:  # (DeepSeek-V4's one K=V head: whole on every rank)
+    if any(k.heads_split for k in arch.attention()):  # GQA's KV heads; MLA's latent, V4's one K=V head: whole
         kv = cfg.get("num_key_value_heads") or heads
         out.append(_config_violation("config.num_key_value_heads", "tp", layout.tp, kv, W, "KV head"))
     E, layers = arch.num_experts, moe_layers(config)

@@ -129,10 +129,8 @@ def cell(table, config: dict[str, Any], column: Column, fmt: str, target: str) -
         return None  # every linear would stay float: the stage refuses "nothing to quantize"
     lm = text_config(config)
     if getattr(sch, "kv_cache", None) == "int8" and not indexer_c8.applies(lm, fmt):
-        from cvt.runtime.models import family
-
-        if not getattr(family(config)[0].Model, "calibrates_kv", True):
-            return None  # a static KV cache this family's runtime model does not calibrate
+        if table.attention.kv_quant is None:
+            return None  # a static KV cache this family's attention kind does not quantize
     devices = {lo.device for lo in found}
     return Cell(fmt, target, experts_only, devices.pop() if len(devices) == 1 else "")
 

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cvt.convert import checksum
+from cvt.convert.arch import TABLES
+from cvt.convert.arch.attention import GQA, MLA
 from cvt.convert.paths import check_disjoint
 from cvt.errors import ArchError, CheckpointError, CvtError, OutputError
 
@@ -59,7 +61,16 @@ MOE_MODES = ("gated", "dense")
 BLOCKS = ("self_attn", "mlp")
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
-SUPPORTED_TYPES = ("deepseek_v3", "kimi_k2", "qwen3_moe", "qwen3", "qwen2", "llama")
+
+# the attention kinds `cvt.export.onnx_models.GRAPHS` emits (named here so that checking a source
+# needs no onnx import; tests/export hold the two equal)
+EXPORTED_KINDS = (MLA.name, GQA.name)
+
+
+def exportable_types() -> list[str]:
+    """The model_types whose every attention kind (`cvt.convert.arch.attention`) is exported, in
+    registration order."""
+    return [mt for mt in TABLES.names() if all(k.name in EXPORTED_KINDS for k in TABLES[mt].attention.kinds)]
 
 
 @dataclass
@@ -127,8 +138,9 @@ def check_source(src) -> dict | None:
     with open_checkpoint(p) as ckpt:
         cfg = text_config(ckpt.config)
     mt = cfg.get("model_type")
-    if mt not in SUPPORTED_TYPES:
-        raise ArchError(f"{src}: model_type {mt!r} cannot be exported (supported: {', '.join(SUPPORTED_TYPES)})")
+    supported = exportable_types()
+    if mt not in supported:
+        raise ArchError(f"{src}: model_type {mt!r} cannot be exported (supported: {', '.join(supported)})")
     return cfg
 
 
@@ -396,7 +408,7 @@ def _manifest(src, loaded, graphs: list[dict], opts, *, scope, layer, dtype, ops
         "family": om.family_name(model), "num_hidden_layers": n_layers,
         "vocab_size": model.args.vocab_size, "hidden_size": model.args.hidden_size,
         "max_positions": int(model.max_positions),
-        "kv_cache": {"layout": "mla-absorbed (latent, rope_key)" if om.is_mla(model) else "gqa (key, value)",
+        "kv_cache": {"layout": om.kind_of(model).layout,
                      "dtype": "int8" if getattr(attn0, "kv_scales", None) is not None else "float32",
                      "inputs": "past_key_values.{i}.*", "outputs": "present.{i}.*"},
         "moe": {"mode": moe, "math": "sum over experts of routing weight (0 where not selected) x expert "

@@ -9,6 +9,9 @@ the graph from P and s, so batch, sequence and cache length are all dynamic axes
 
 Cache I/O per decoder layer i (what the runtime's caches hold):
 
+The graphs of each attention kind (`cvt.convert.arch.attention`, declared by the architecture
+tables) are one row of `GRAPHS`; the cache I/O are the kind's `AttentionKind.cache` entries:
+
 * DeepSeek-V3 (absorbed MLA): ``past_key_values.{i}.latent`` [batch, past, kv_lora_rank]
   (kv_a_layernorm of the latent) and ``past_key_values.{i}.rope_key`` [batch, past,
   qk_rope_head_dim] (the rotated shared rope key); outputs ``present.{i}.latent`` / ``.rope_key``.
@@ -30,10 +33,13 @@ atc; n_experts / top_k times the expert FLOPs).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import numpy as np
 from onnx import TensorProto
 
+from cvt.convert.arch import TABLES
+from cvt.convert.arch.attention import GQA, MLA, AttentionKind
 from cvt.errors import ArchError, CvtError
 from cvt.export.onnx_graph import Graph, LinearOptions, linear
 
@@ -70,29 +76,35 @@ class GraphSpec:
     file: str
 
 
-def is_mla(model) -> bool:
-    return hasattr(model.args, "kv_lora_rank")
+def kind_of(model) -> AttentionKind:
+    """The runtime model's attention kind, as its family's architecture table declares it."""
+    return TABLES[model.args.family].attention.main
+
+
+def graphs(model) -> "Graphs":
+    """The emitters of the model's attention kind (`GRAPHS`); ArchError for a kind without any."""
+    kind = kind_of(model)
+    if kind.name not in GRAPHS:
+        raise ArchError(f"{model.args.family}: {kind.name} attention has no ONNX graphs (exported: "
+                        f"{', '.join(GRAPHS)})")
+    return GRAPHS[kind.name]
 
 
 def family_name(model) -> str:
-    return "deepseek_v3" if is_mla(model) else "qwen3"
+    return graphs(model).family
 
 
 def cache_io(model, i: int) -> list[CacheIO]:
-    """The two cache tensors of decoder layer i, in runtime order (MLA: latent, rope key;
-    GQA: key, value)."""
+    """The cache tensors of decoder layer i, in runtime order (the kind's `AttentionKind.cache`:
+    MLA latent, rope key; GQA key, value); a dim named by the kind is the model argument's value."""
     a = model.args
     attn = model.model.layers[i].self_attn
     scales = getattr(attn, "kv_scales", None) or (None, None)  # a None scale: that tensor is cached float
-    if is_mla(model):
-        out = [("latent", ["batch", "{t}", a.kv_lora_rank]), ("rope_key", ["batch", "{t}", a.qk_rope_head_dim])]
-        axis = 1
-    else:
-        out = [("key", ["batch", a.kv_heads, "{t}", a.dim_head]), ("value", ["batch", a.kv_heads, "{t}", a.dim_head])]
-        axis = 2
+    out = [(e.name, [d if d in ("batch", "{t}") else getattr(a, d) for d in e.dims]) for e in kind_of(model).cache]
     return [CacheIO(f"past_key_values.{i}.{n}", f"present.{i}.{n}", dims,
                     F if scales[j] is None else TensorProto.INT8,
-                    None if scales[j] is None else scales[j].float().cpu(), axis) for j, (n, dims) in enumerate(out)]
+                    None if scales[j] is None else scales[j].float().cpu(), dims.index("{t}"))
+            for j, (n, dims) in enumerate(out)]
 
 
 def _dims(dims, t: str) -> list:
@@ -107,7 +119,7 @@ def positions(g: Graph, model, past_len: str, seq: str) -> Positions:
     pos = g.op("Range", [p0, total, g.const(1)], hint="positions")                        # [s]
     freqs = g.mul(g.unsqueeze(g.op("Cast", [pos], to=F), [1]),
                   g.const(model.inv_freq.float().cpu().numpy()[None, :], np.float32))     # [s, r/2]
-    if not is_mla(model):
+    if graphs(model).rope_halves:
         freqs = g.op("Concat", [freqs, freqs], axis=-1)                                   # [s, D]
     cos, sin = g.op("Cos", [freqs]), g.op("Sin", [freqs])
     if float(model.rope_scale) != 1.0:
@@ -293,13 +305,29 @@ def mlp(g: Graph, m, x: str, hint: str, opts: LinearOptions) -> str:
     return linear(g, m.down_proj, g.mul(a, linear(g, m.up_proj, x, hint + ".up_proj", opts)), hint + ".down_proj", opts)
 
 
+class Graphs(NamedTuple):
+    """How one attention kind's families are emitted: the manifest's family, the attention and
+    MoE emitters, and whether the rope tables span head_dim (rotate-half: cos / sin repeated)
+    rather than the rope dims' pairs."""
+
+    family: str
+    attention: Callable
+    moe: Callable
+    rope_halves: bool
+
+
+# by attention kind (`cvt.convert.arch.attention`): a kind absent here is not exported
+GRAPHS = {MLA.name: Graphs("deepseek_v3", mla, deepseek_moe, rope_halves=False),
+          GQA.name: Graphs("qwen3", gqa, qwen_moe, rope_halves=True)}
+
+
 def attention(g, model, attn, x, pos, cache, past, hint, opts):
-    return (mla if is_mla(model) else gqa)(g, attn, x, pos, cache, past, hint, opts)
+    return graphs(model).attention(g, attn, x, pos, cache, past, hint, opts)
 
 
 def ffn(g: Graph, model, m, x: str, hint: str, opts: LinearOptions) -> str:
     if hasattr(m, "experts"):
-        return (deepseek_moe if is_mla(model) else qwen_moe)(g, m, x, hint, opts)
+        return graphs(model).moe(g, m, x, hint, opts)
     return mlp(g, m, x, hint, opts)
 
 

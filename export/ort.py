@@ -349,9 +349,11 @@ def torch_positions(model, start_pos: int, s: int, cached: bool = True):
     """cos, sin, mask exactly as the runtime model's forward builds them (float32 activations)."""
     import torch
 
+    from cvt.export import onnx_models as om
+
     pos = torch.arange(start_pos, start_pos + s)
     freqs = pos[:, None].float() * model.inv_freq[None]
-    if not hasattr(model.args, "kv_lora_rank"):
+    if om.graphs(model).rope_halves:
         freqs = torch.cat((freqs, freqs), dim=-1)
     cos, sin = freqs.cos() * model.rope_scale, freqs.sin() * model.rope_scale
     keys = torch.arange(start_pos + s) if cached else pos

@@ -98,30 +98,15 @@ def kv_tensor_specs(layers: int, mla: bool, heads: int, kv_channels: int) -> lis
     return out
 
 
-def kv_tensor_specs_for_config(cfg: Mapping[str, Any]) -> list[KVTensorSpec]:
-    """`kv_tensor_specs` of the language model's config (a wrapper config.json's `text_config`,
-    unwrapped by the caller: `cvt.convert.arch.text_config`)."""
-    heads = int(cfg["num_attention_heads"])
-    mla = "kv_lora_rank" in cfg
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    return kv_tensor_specs(int(cfg["num_hidden_layers"]), mla, heads, 0 if mla else kv_heads * head_dim)
-
-
 def kv_target_problem(cfg: Mapping[str, Any], fmt: str, target: str) -> str | None:
     """Why `target` would load an int8 KV cache of this model wrong (None: it loads it); `cfg`
-    the language model's config, as for `kv_tensor_specs_for_config`."""
+    the language model's config (a wrapper config.json's `text_config`)."""
     mt = cfg.get("model_type")
     if target == VLLM_ASCEND and mt == "qwen3_moe":  # vllm-ascend reads the ascend format only
         return ("w8a8c8 for qwen3_moe on vllm-ascend: vllm-ascend 0.23 loads C8 KV-cache scales only for Qwen3 "
                 "dense, GLM4-MoE and MiniMax-M2 (patch/worker/patch_gqa_c8.py); for Qwen3-MoE it drops them and "
                 "runs the int8 cache with scale 1 (wrong results, no error). Use --scheme w8a8, or --target mindie")
     return None
-
-
-def kv_tag(mla: bool) -> str:
-    """The Ascend description tag of a KV-cache tensor."""
-    return "FAQuant" if mla else "C8"
 
 
 # ---- the cache's storage dtype (--kv-dtype) ---------------------------------------------------------

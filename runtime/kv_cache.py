@@ -73,12 +73,13 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from cvt.convert.arch import text_config
+from cvt.convert.arch import TABLES, arch_for, text_config
+from cvt.convert.arch.attention import LayerAttention, kv_sites
 from cvt.errors import CvtError
 from cvt.qtensor.indexer_c8 import ROT_RE as INDEXER_ROT_RE
 from cvt.qtensor.kv_tensors import (
     CT_NAME_RE, NAME_RE, KV_CONVENTION, QMAX, QMIN, SCALE_DIVISOR, SCALE_MIN, KVTensorSpec,
-    kv_tensor_specs, kv_tensor_specs_for_config)
+    kv_tensor_specs)
 
 # ---------------------------------------------------------------------------------- math
 CODECS = ("int8", "fp8")
@@ -156,17 +157,27 @@ def _args(model_or_config: Any):
     return model_or_config                                  # an Args object
 
 
-def is_mla(model_or_config: Any) -> bool:
-    return hasattr(_args(model_or_config), "kv_lora_rank")
+def attention(model_or_config: Any) -> LayerAttention:
+    """The family's attention declaration, as its architecture table holds it (`ArchTable.attention`;
+    a runtime model or Args by its `family`, a config.json by its model_type)."""
+    if isinstance(model_or_config, Mapping):
+        return arch_for(model_or_config).table.attention
+    return TABLES[_args(model_or_config).family].attention
+
+
+def latent_cache(model_or_config: Any) -> bool:
+    """Whether the family's cache quantizes one latent per token (`LayerAttention.latent`: MLA's
+    FAKQuant, one scale per layer), rather than k / v per channel (GQA's C8)."""
+    return attention(model_or_config).latent
 
 
 def kv_cache_tensor_specs(model_or_config: Any) -> list[KVTensorSpec]:
     """Every KV-cache tensor of a model (runtime model, config.json dict or Args), in layer
     order: per layer, per role (MLA q, k, v; GQA k, v), scale then offset (`cvt.qtensor.kv_tensors`)."""
     if isinstance(model_or_config, Mapping):
-        return kv_tensor_specs_for_config(text_config(model_or_config))
+        return kv_sites(text_config(model_or_config), attention(model_or_config).main)
     args = _args(model_or_config)
-    mla = hasattr(args, "kv_lora_rank")
+    mla = latent_cache(args)
     return kv_tensor_specs(args.num_hidden_layers, mla, args.num_attention_heads,
                            0 if mla else args.kv_heads * args.dim_head)
 
@@ -234,7 +245,7 @@ def attach_kv_cache_scales(model: nn.Module, tensors: Mapping[str, torch.Tensor]
         if not tensors:
             return
     args = model.args
-    mla = is_mla(args)
+    mla = latent_cache(args)
     if codec not in CODECS:
         raise CvtError(f"KV-cache codec {codec!r} is not supported (supported: {', '.join(CODECS)})")
     names = set(tensors)
@@ -307,7 +318,7 @@ def _attach_fp8(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
         if zp:
             raise CvtError(f"{zp[0]}: asymmetric KV caches are not supported")
         dev = _device_of(attn)
-        a, b = (got["k"], got["k"]) if is_mla(args) else (got["k"], got["v"])
+        a, b = (got["k"], got["k"]) if latent_cache(args) else (got["k"], got["v"])
         attn.kv_scales, attn.kv_extra, attn.kv_codec = (a.to(dev), b.to(dev)), {}, "fp8"
         attn.kv_names = "ct"
 
@@ -326,7 +337,7 @@ def get_kv_cache_scales(model: nn.Module, offsets: bool = True) -> dict[str, tor
     scales = layer_kv_scales(model)
     if scales is None:
         raise CvtError("the model has no KV-cache scales (not a C8 model; calibrate or load them first)")
-    mla = is_mla(model)
+    mla = latent_cache(model)
     if kv_codec(model) == "fp8" and getattr(_attentions(model)[0], "kv_names", "ct") != "c8":
         out = {}
         for i, (a, b) in enumerate(scales):
@@ -395,7 +406,7 @@ class KVObserver:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.mla = is_mla(model)
+        self.mla = latent_cache(model)
         self.amax: list[dict[str, torch.Tensor]] = [{} for _ in range(model.args.num_hidden_layers)]
         self.tokens = 0
 
@@ -524,7 +535,7 @@ def to_compressed_tensors(scales: Mapping[str, torch.Tensor], model_or_config: A
     max per head (GQA only). MLA: k_scale = v_scale = the latent's fa_k scale."""
     compressed_tensors_kv_cache_scheme(strategy)
     args = _args(model_or_config)
-    mla = hasattr(args, "kv_lora_rank")
+    mla = latent_cache(args)
     if mla and strategy != "tensor":
         raise CvtError("MLA's latent KV cache has no attention heads: only the 'tensor' kv cache strategy "
                        "can be written for compressed-tensors")
@@ -548,7 +559,7 @@ def from_compressed_tensors(tensors: Mapping[str, torch.Tensor], model_or_config
     scales (exact broadcast; offsets omitted = zero). MLA: k_scale is the latent's (fa_k),
     v_scale is not used (vLLM's MLA reading). A non-zero zero point is refused."""
     args = _args(model_or_config)
-    mla = hasattr(args, "kv_lora_rank")
+    mla = latent_cache(args)
     out = {}
     for name, t in tensors.items():
         m = CT_NAME_RE.match(name)

@@ -361,11 +361,11 @@ class RankModel:
     entry: RankShard
 
 
-def _local_kv(kv: dict[str, torch.Tensor], ctx: ParallelContext, mla: bool) -> dict[str, torch.Tensor]:
+def _local_kv(kv: dict[str, torch.Tensor], ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """KV-cache scales that cover every head (replicated by the sharder: GQA per-channel scales
     over the KV heads, MLA's fa_q [heads, 1]) keep the rank's heads; per-tensor ones ([1], [1, 1])
-    stay whole, and so do DeepSeek-V3.2's indexer rotations (the indexer is replicated). `mla` is
-    kept for callers; the rule is the same."""
+    stay whole, and so do DeepSeek-V3.2's indexer rotations (the indexer is replicated): one rule
+    for every attention kind."""
     from cvt.runtime.kv_cache import INDEXER_ROT_RE
 
     tp = ctx.size("tp")
@@ -416,7 +416,7 @@ def load_rank(root, manifest: Manifest, config: dict, ctx: ParallelContext, *, d
     finally:
         ckpt.close()
     if kv:
-        kv = _local_kv(kv, ctx, kv_cache.is_mla(largs))
+        kv = _local_kv(kv, ctx)
         kv_cache.attach_kv_cache_scales(model, {k: v.to(ctx.device) for k, v in kv.items()},
                                         kv_cache.codec_of_config(config, manifest))
     check_complete(model, root / entry.dir)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping
 
+from cvt.convert.arch.attention import AttentionKind, LayerAttention
 from cvt.errors import ArchError
 
 
@@ -153,6 +154,9 @@ class ArchTable:
     rules: tuple[Rule, ...]
     # the families' names as people say them, e.g. "DeepSeek-V3 / R1 / V3.1": `cvt --help` lists them
     display: str
+    # each decoder layer's attention kind, and so what its cache holds (`cvt.convert.arch.attention`):
+    # the plan's KV bytes, the runtime cache, the KV-quantization sites and the ONNX cache I/O read it
+    attention: LayerAttention
     # canonical count -> config key (absent keys mean 0)
     config_keys: Mapping[str, str] = field(default_factory=dict)
     # config -> {weight name: shape}, for planning from config.json alone (no weights)
@@ -171,14 +175,18 @@ class ArchTable:
     # a wrapper's prefix of the text model's tensor names (Kimi-K2.5: "language_model."), which the
     # runtime's module names lack
     text_prefix: str = ""
+    # the linears calibration reads (`cvt.quant.methods.sites`), by their names under a parent module:
+    # each group reads one input, measured once at its first linear present; the first group is the
+    # attention's, read from input_layernorm (a smoothing fold's consumers, unless the runtime layer
+    # lists its own folds: DeepSeek-V4's ``smooth_groups``)
+    calib_shared_inputs: tuple[tuple[str, ...], ...] = ()
+    # linears that read a norm of the same parent (measured as that norm's output): {linear: norm}
+    calib_norm_inputs: Mapping[str, str] = field(default_factory=dict)
     # the parameter holding an FP8 weight's block scale in the release (DeepSeek-V4: ``scale``)
     scale_param: str = "weight_scale_inv"
-    # (config, tokens on a rank, bytes per element) -> (KV-cache bytes, what it counts), for
-    # families whose cache is not one MLA latent or GQA k/v per token and layer (DeepSeek-V4)
-    kv_cache: Callable[[Mapping[str, Any], int, int], tuple[int, str]] | None = None
-    # config -> how many decoder layers cache a lightning-indexer key beside the MLA latent, for
-    # families with a DSA indexer (DeepSeek-V3.2: every layer; GLM-5: its "full" indexer layers)
-    indexer_layers: Callable[[Mapping[str, Any]], int] | None = None
+    # config -> the memory plan's line on how the KV cache was counted, for families whose layers'
+    # caches do not grow by a fixed size per token (DeepSeek-V4's windows and compressed entries)
+    kv_note: Callable[[Mapping[str, Any]], str] | None = None
     # copies an Ascend output holds where SRC lacks them: {copy: the tensor it copies}, ``{M}`` for
     # each MTP layer (DeepSeek-V4: vllm-ascend's MTP draft reads only its own mtp.M.* embed / head)
     ascend_copies: Mapping[str, str] = field(default_factory=dict)
@@ -304,6 +312,10 @@ class ArchSpec:
                 if copy not in names and name in names:
                     out[copy] = name
         return out
+
+    def attention(self) -> list[AttentionKind]:
+        """Each decoder layer's attention kind (`ArchTable.attention`; MTP layers excluded)."""
+        return self.table.attention.layers(self.config)
 
     @property
     def num_layers(self) -> int:

@@ -9,6 +9,7 @@ quantization (msModelSlim and cann-recipes-infer agree).
 """
 
 from cvt.convert.arch import checks
+from cvt.convert.arch.attention import MLA, every_layer
 from cvt.convert.arch.base import DECODER_RULES, LAYER as L, ArchTable, Block, Parallel, Role, Rule, swiglu_rules
 
 C, R, V, REP = Parallel.COLUMN, Parallel.ROW, Parallel.VOCAB, Parallel.REPLICATED
@@ -82,6 +83,9 @@ DEFAULTS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_pro
 TABLE = ArchTable(
     name="deepseek_v3",
     display="DeepSeek-V3 / R1 / V3.1 and Kimi-K2",
+    attention=every_layer(MLA),
+    calib_shared_inputs=(("q_a_proj", "q_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj")),
+    calib_norm_inputs={"kv_b_proj": "kv_a_layernorm"},  # the latent, normed
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
     config_checks=checks.deepseek,

@@ -36,6 +36,7 @@ msModelSlim description (a missing entry fails its start-up), where cvt writes F
 from __future__ import annotations
 
 from cvt.convert.arch import checks, deepseek_v3
+from cvt.convert.arch.attention import SPARSE_MLA, every_layer
 from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
 
 REP = Parallel.REPLICATED
@@ -67,11 +68,6 @@ def indexer_shapes(cfg, layer: int) -> dict[str, tuple[int, ...]]:
             f"{p}.k_norm.weight": (dim,), f"{p}.k_norm.bias": (dim,), f"{p}.weights_proj.weight": (heads, h)}
 
 
-def indexer_layers(cfg) -> int:
-    """Decoder layers that cache an indexer key: every one (`ArchTable.indexer_layers`)."""
-    return cfg["num_hidden_layers"]
-
-
 def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """DeepSeek-V3's weights plus each layer's indexer, right after its o_proj (MTP layers too:
     the release's layer 61 has one)."""
@@ -88,15 +84,17 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
 TABLE = ArchTable(
     name="deepseek_v32",
     display="DeepSeek-V3.2",
+    attention=every_layer(SPARSE_MLA),  # every layer runs (and caches the key of) its own indexer
     model_types=("deepseek_v32",),
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
     config_checks=checks.deepseek_v32,
-    indexer_layers=indexer_layers,
     fused_groups=deepseek_v3.TABLE.fused_groups + (
         # vLLM's Indexer.wk_weights_proj (float: quant_config=None)
         (f"{IX}.wk", f"{IX}.weights_proj"),
     ),
     config_keys=deepseek_v3.TABLE.config_keys,
+    calib_shared_inputs=deepseek_v3.TABLE.calib_shared_inputs,
+    calib_norm_inputs=deepseek_v3.TABLE.calib_norm_inputs,
     rules=deepseek_v3.TABLE.rules + INDEXER_RULES,
 )

@@ -68,6 +68,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from cvt.convert.arch import checks
+from cvt.convert.arch.attention import V4, V4_CACHE_DEFAULTS, LayerAttention, v4_kind
 from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
 
 C, R, V, REP = Parallel.COLUMN, Parallel.ROW, Parallel.VOCAB, Parallel.REPLICATED
@@ -78,9 +79,11 @@ LAYER_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavil
 DEFAULT_HASH_LAYERS = 3  # transformers' DeepseekV4Config.default_num_hash_layers
 
 # What an absent key means to transformers' DeepseekV4Config (and cvt's runtime)
+# (sliding_window and index_head_dim: the attention kinds' own, `cvt.convert.arch.attention`)
+_W, _DI = V4_CACHE_DEFAULTS["sliding_window"], V4_CACHE_DEFAULTS["index_head_dim"]
 DEFAULTS = {"scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
-            "swiglu_limit": 10.0, "sliding_window": 128, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-            "hc_eps": 1e-6, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+            "swiglu_limit": 10.0, "sliding_window": _W, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+            "hc_eps": 1e-6, "index_n_heads": 64, "index_head_dim": _DI, "index_topk": 512,
             "rope_theta": 10000.0, "compress_rope_theta": 160000.0}
 
 
@@ -169,23 +172,25 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def kv_cache(cfg: Mapping[str, Any], tokens: int, elem: int = 2) -> tuple[int, str]:
-    """KV-cache bytes of `tokens` positions of one sequence over the decoder layers (MTP layers
-    excluded), as DeepSeek's V4 inference/model.py `Attention` sizes its cache: every layer keeps
-    the last sliding_window K=V entries of head_dim; a layer at ratio r > 0 adds one head_dim
-    entry per r positions, and at r == 4 the indexer one index_head_dim key per 4 positions."""
+def attention_kinds(cfg: Mapping[str, Any]) -> list:
+    """Each decoder layer's attention kind, by its compress ratio (`cvt.convert.arch.attention.V4`:
+    sliding window only, CSA at 4, HCA at 128)."""
+    return [v4_kind(r) for r in compress_ratios(cfg)[:cfg["num_hidden_layers"]]]
+
+
+def kv_note(cfg: Mapping[str, Any]) -> str:
+    """How the memory plan counts the cache (the kinds' own bytes, as DeepSeek's V4
+    inference/model.py `Attention` sizes it): every layer keeps the last sliding_window K=V
+    entries of head_dim; a layer at ratio r > 0 adds one head_dim entry per r positions, and at
+    r == 4 the indexer one index_head_dim key per 4 positions."""
     n, dim = cfg["num_hidden_layers"], cfg["head_dim"]
     window = cfg.get("sliding_window", DEFAULTS["sliding_window"])
     idim = cfg.get("index_head_dim", DEFAULTS["index_head_dim"])
     ratios = compress_ratios(cfg)[:n]
-    values = n * min(tokens, window) * dim
-    for r in ratios:
-        if r:
-            values += tokens // r * (dim + (idim if r == 4 else 0))
     kinds = {r: ratios.count(r) for r in sorted(set(ratios))}
     what = ", ".join(f"{c} x {'sliding window' if r == 0 else f'rate {r}'}" for r, c in kinds.items())
-    return values * elem, (f"DeepSeek-V4 layers ({what}): last {window} K=V entries of {dim} per layer, plus "
-                           f"{dim} per r positions at rate r and the indexer's {idim} per 4 at rate 4")
+    return (f"DeepSeek-V4 layers ({what}): last {window} K=V entries of {dim} per layer, plus "
+            f"{dim} per r positions at rate r and the indexer's {idim} per 4 at rate 4")
 
 
 def _layer_rules(L: str) -> tuple[Rule, ...]:
@@ -232,12 +237,16 @@ M = "mtp.{M}"
 TABLE = ArchTable(
     name="deepseek_v4",
     display="DeepSeek-V4",
+    attention=LayerAttention(tuple(V4.values()), attention_kinds),
     model_types=("deepseek_v4",),
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
     config_checks=checks.deepseek_v4,
     scale_param="scale",
-    kv_cache=kv_cache,
+    kv_note=kv_note,
+    # attn_norm's output -> wq_a, wkv; the MoE input -> each expert's w1, w3 (its folds: the runtime
+    # block's smooth_groups)
+    calib_shared_inputs=(("wq_a", "wkv"), ("w1", "w3")),
     ascend_copies={"mtp.{M}.emb.tok_emb.weight": "embed.weight", "mtp.{M}.head.weight": "head.weight"},  # (3)
     mtp_required=True,
     id_params={"tid2eid": "experts"},  # token id -> the experts a hash layer routes it to

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from cvt.convert.arch import checks, deepseek_v3, deepseek_v32
+from cvt.convert.arch.attention import SPARSE_MLA, SPARSE_MLA_SHARED, LayerAttention
 from cvt.convert.arch.base import ArchTable
 
 FULL, SHARED = "full", "shared"
@@ -56,9 +57,10 @@ def indexer_types(cfg: Mapping[str, Any]) -> list[str]:
     return [FULL if max(i - offset + 1, 0) % freq == 0 else SHARED for i in range(n)]
 
 
-def full_indexer_layers(cfg: Mapping[str, Any]) -> int:
-    """Decoder layers that cache an indexer key: the "full" ones (`ArchTable.indexer_layers`)."""
-    return indexer_types(cfg).count(FULL)
+def attention_kinds(cfg: Mapping[str, Any]) -> list:
+    """Each decoder layer's attention kind: sparse MLA in the "full" layers (which cache their
+    indexer's key), sparse MLA reusing a full layer's top-k in the "shared" ones."""
+    return [SPARSE_MLA if t == FULL else SPARSE_MLA_SHARED for t in indexer_types(cfg)]
 
 
 def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -92,12 +94,14 @@ def config_problems(cfg: Mapping[str, Any]) -> list[str]:
 TABLE = ArchTable(
     name="glm_moe_dsa",
     display="GLM-5",
+    attention=LayerAttention((SPARSE_MLA, SPARSE_MLA_SHARED), attention_kinds),
     model_types=("glm_moe_dsa",),
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,
     config_checks=config_problems,
-    indexer_layers=full_indexer_layers,
     fused_groups=deepseek_v32.TABLE.fused_groups,
     config_keys=deepseek_v32.TABLE.config_keys,
+    calib_shared_inputs=deepseek_v32.TABLE.calib_shared_inputs,
+    calib_norm_inputs=deepseek_v32.TABLE.calib_norm_inputs,
     rules=deepseek_v32.TABLE.rules,
 )

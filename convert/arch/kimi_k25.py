@@ -112,6 +112,10 @@ def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
     return ArchTable(
         name="kimi_k25",
         display=DISPLAY,
+        attention=text.attention,
+        kv_note=text.kv_note,
+        calib_shared_inputs=text.calib_shared_inputs,
+        calib_norm_inputs=text.calib_norm_inputs,
         model_types=("kimi_k25",),
         rules=tuple(map(prefixed, text.rules)) + CARRIED_RULES,
         config_keys=text.config_keys,

@@ -6,6 +6,7 @@ SwiGLU MLP; Qwen3-MoE replaces the MLP with a softmax router `mlp.gate` over
 """
 
 from cvt.convert.arch import checks
+from cvt.convert.arch.attention import GQA, every_layer
 from cvt.convert.arch.base import DECODER_RULES, LAYER as L, ArchTable, Block, Parallel, Role, Rule, swiglu_rules
 
 C, R, REP = Parallel.COLUMN, Parallel.ROW, Parallel.REPLICATED
@@ -78,20 +79,23 @@ def param_shapes(cfg) -> dict[str, tuple[int, ...]]:
 
 
 # vLLM qwen3.py / qwen3_moe.py / llama.py: qkv_proj, gate_up_proj, each expert's w13
+_CALIB_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # `ArchTable.calib_shared_inputs`
 _FUSED = ((f"{L}.self_attn.q_proj", f"{L}.self_attn.k_proj", f"{L}.self_attn.v_proj"),
           (f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj"))
 
 DENSE = ArchTable(
-    name="qwen3", display="Qwen3 / Qwen2 / Llama", model_types=("qwen3", "qwen2", "llama"), rules=_COMMON, config_keys=_KEYS, param_shapes=param_shapes,
-    fused_groups=_FUSED, config_checks=checks.qwen3,
+    name="qwen3", display="Qwen3 / Qwen2 / Llama", attention=every_layer(GQA), model_types=("qwen3", "qwen2", "llama"), rules=_COMMON, config_keys=_KEYS, param_shapes=param_shapes,
+    fused_groups=_FUSED, config_checks=checks.qwen3, calib_shared_inputs=_CALIB_INPUTS,
 )
 
 MOE = ArchTable(
     name="qwen3_moe",
     display="Qwen3-MoE",
+    attention=every_layer(GQA),
     param_shapes=param_shapes,
     model_types=("qwen3_moe",),
     config_checks=checks.qwen3,
+    calib_shared_inputs=_CALIB_INPUTS,
     config_keys={**_KEYS, "experts": "num_experts", "experts_per_token": "num_experts_per_tok"},  # see param_shapes
     fused_groups=_FUSED + ((f"{L}.mlp.experts.{{E}}.gate_proj", f"{L}.mlp.experts.{{E}}.up_proj"),),
     rules=_COMMON

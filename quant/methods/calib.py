@@ -57,6 +57,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from cvt.convert.arch import TABLES, ArchTable
 from cvt.world import SINGLE, World
 from cvt.errors import CvtError
 from cvt.quant.methods import ranks
@@ -220,6 +221,7 @@ def calibrate(model: nn.Module, tokens: torch.Tensor, scheme_for: Callable[[str]
     layout = Layout.of(model)
     layers = layout.decoder_layers(model)
     n_layers = model.args.num_hidden_layers
+    table = TABLES[model.args.family]  # which linears read what (`ArchTable.calib_shared_inputs`)
     dev = next((p.device for p in model.get_submodule(layout.embed).parameters()), torch.device("cpu"))
     if on_layer_start is not None:
         on_layer_start(0, layers[0])
@@ -231,7 +233,7 @@ def calibrate(model: nn.Module, tokens: torch.Tensor, scheme_for: Callable[[str]
         if on_layer_start is not None and i > 0:
             on_layer_start(i, layer)
         lres = CalibResult()
-        _LayerCalib(layer, f"{layout.layers}.{i}", scheme_for, method_for, lres, opts).run(x, args, kwargs)
+        _LayerCalib(layer, f"{layout.layers}.{i}", scheme_for, method_for, lres, opts, table).run(x, args, kwargs)
         x = _run_layer(layer, x, args, kwargs, batch_size)
         lres.seconds_per_layer.append(time.perf_counter() - t0)
         _merge(result, lres, keep_tensors)
@@ -283,13 +285,14 @@ def _quantize_rtn(mod, name, scheme, res: CalibResult, w: torch.Tensor | None = 
 class _LayerCalib:
     """Calibrate the linears of one decoder layer (see the module doc)."""
 
-    def __init__(self, layer, prefix, scheme_for, method_for, res: CalibResult, opts: dict, experts=None,
-                 frozen: frozenset[str] = frozenset(), world: World = SINGLE):
+    def __init__(self, layer, prefix, scheme_for, method_for, res: CalibResult, opts: dict, table: ArchTable,
+                 experts=None, frozen: frozenset[str] = frozenset(), world: World = SINGLE):
         # experts: a `expert_stream.ExpertStream` loading the routed experts a chunk at a time
         # (the streaming driver, when a layer's experts pass its memory budget), or None
         # frozen: linears the output takes from the source as they are (DeepSeek-V4's FP4 experts
         # carried into an MX scheme): not calibrated, and no smoothing fold may change them
         # world: the ranks that share the calibration sequences (`cvt.quant.methods.ranks`)
+        # table: the family's architecture table, whose declaration says which linears read what
         self.layer, self.prefix, self.res, self.o, self.experts = layer, prefix, res, opts, experts
         self.frozen, self.world = frozen, world
         self.no_clip = NO_CLIP + tuple(getattr(layer, "no_clip", ()))
@@ -303,8 +306,8 @@ class _LayerCalib:
         self.site_of = {}
         for n in self.linears:
             parent_name = n.rsplit(".", 1)[0]
-            self.site_of[n] = _site_key(n, self.linears[n], self.mods[parent_name], parent_name)
-        self.groups = _smooth_groups(layer, prefix)
+            self.site_of[n] = _site_key(n, self.linears[n], self.mods[parent_name], parent_name, table)
+        self.groups = _smooth_groups(layer, prefix, table)
         self.changed: set[str] = set()      # float params changed by folds
         self.site_owner: dict[tuple, int] = {}  # GPTQ site -> the rank holding its Hessian (`ranks`)
         self.solved: dict = {}                  # linear -> GPTQResult of a batched call (`_solve_experts`)

@@ -2,7 +2,8 @@
 of one activation (`_Site`: token count, min / max, GPTQ Hessian, AWQ mean |x| and a reservoir
 sample), the smoothing groups of a decoder layer (`_Group`, `_smooth_groups`: producer norm or
 linear -> consumer linears, for AWQ / SmoothQuant folds), and which linears share one input
-(`_site_key`)."""
+(`_site_key`). Which linears read what is each architecture's declaration
+(`ArchTable.calib_shared_inputs`, `ArchTable.calib_norm_inputs`), passed in as the table."""
 
 from __future__ import annotations
 
@@ -12,12 +13,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from cvt.convert.arch import ArchTable
 from cvt.quant.methods.gptq import HessianAccumulator
 from cvt.runtime.kernels import Linear
-
-# Linears of one parent module that receive the identical input tensor: the first present one is the site.
-SHARED_INPUT = (("q_a_proj", "q_proj", "kv_a_proj_with_mqa", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-ATTN_INPUTS = ("q_a_proj", "q_proj", "kv_a_proj_with_mqa", "k_proj", "v_proj")
 
 
 # ---- statistics at one input site --------------------------------------------------------------
@@ -154,17 +152,19 @@ def _children(module: nn.Module, prefix: str) -> dict[str, nn.Module]:
     return {f"{prefix}.{n}": m for n, m in module.named_children()}
 
 
-def _smooth_groups(layer: nn.Module, prefix: str) -> list[_Group]:
-    """The smoothing groups of one decoder layer of either runtime family (by module names); a
-    layer that lists its own (``layer.smooth_groups(prefix)``: DeepSeek-V4's block) gives those."""
+def _smooth_groups(layer: nn.Module, prefix: str, table: ArchTable) -> list[_Group]:
+    """The smoothing groups of one decoder layer of `table`'s family (by module names: its
+    attention inputs are the first of `ArchTable.calib_shared_inputs`); a layer that lists its own
+    (``layer.smooth_groups(prefix)``: DeepSeek-V4's block) gives those."""
     own = getattr(layer, "smooth_groups", None)
     if own is not None:
         return [_Group(p, list(cons), extras=list(extras)) for p, cons, extras in own(prefix)]
     groups: list[_Group] = []
     attn = getattr(layer, "self_attn", None)
     ap = f"{prefix}.self_attn"
+    attn_inputs = table.calib_shared_inputs[0] if table.calib_shared_inputs else ()
     if attn is not None and hasattr(layer, "input_layernorm"):
-        cons = [f"{ap}.{n}" for n in ATTN_INPUTS if isinstance(getattr(attn, n, None), Linear)]
+        cons = [f"{ap}.{n}" for n in attn_inputs if isinstance(getattr(attn, n, None), Linear)]
         # DeepSeek-V3.2's lightning indexer reads the same two activations (wk, weights_proj: the
         # normed hidden state; wq_b: q_a_layernorm's output) and stays float: a fold into either norm
         # must scale its columns too, as the router's
@@ -216,14 +216,15 @@ def _smooth_groups(layer: nn.Module, prefix: str) -> list[_Group]:
 
 
 
-def _site_key(name: str, module: nn.Module, parent: nn.Module, parent_name: str) -> tuple[str, str]:
+def _site_key(name: str, module: nn.Module, parent: nn.Module, parent_name: str,
+              table: ArchTable) -> tuple[str, str]:
+    """Where a linear's input is measured (`table`'s declaration): ("out", norm) for a linear that
+    reads a norm's output, else ("in", the first present linear of its shared-input group)."""
     leaf = name.rsplit(".", 1)[-1]
-    own = getattr(parent, "shared_input", ())   # a runtime module that names its own (DeepSeek-V4)
-    if leaf in own:
-        return ("in", f"{parent_name}.{next(n for n in own if isinstance(getattr(parent, n, None), Linear))}")
-    if leaf == "kv_b_proj" and hasattr(parent, "kv_a_layernorm"):
-        return ("out", f"{parent_name}.kv_a_layernorm")
-    for names in SHARED_INPUT:
+    norm = table.calib_norm_inputs.get(leaf)
+    if norm is not None and hasattr(parent, norm):
+        return ("out", f"{parent_name}.{norm}")
+    for names in table.calib_shared_inputs:
         if leaf in names:
             for n in names:
                 if isinstance(getattr(parent, n, None), Linear):

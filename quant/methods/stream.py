@@ -50,6 +50,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from cvt.convert.arch import TABLES
 from cvt.world import SINGLE, World
 from cvt.errors import CvtError
 from cvt.quant.methods import ranks
@@ -145,7 +146,8 @@ def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o
         """The widths of expert e's GPTQ Hessians: one for the linears reading the MoE input
         (gate / up, V4's w1 / w3), one per other linear (down, w2)."""
         ex, name = experts[e], f"{prefix}.{moe}.experts.{e}."
-        shared = getattr(ex, "shared_input", ("gate_proj", "up_proj"))
+        shared = next((names for names in TABLES[model.args.family].calib_shared_inputs
+                       if any(hasattr(ex, n) for n in names)), ())  # the family's table: which read one input
         gptq = [n for n, mod in ex.named_children()
                 if hasattr(mod, "weight") and plan.methods.get(name + n) == GPTQ and name + n in plan.schemes]
         ks = [getattr(ex, n).weight.shape[1] for n in gptq if n not in shared]
@@ -210,7 +212,7 @@ def calibrate_streaming(ckpt, plan, tokens: torch.Tensor, state_dir: Path, *, de
         model = build_model(ckpt.config, dtype=torch.float32)
     n_layers = model.args.num_hidden_layers
     layout = C.Layout.of(model)
-    if observe_kv and not getattr(model, "calibrates_kv", True):
+    if observe_kv and kv_cache.attention(model).kv_quant is None:  # (its table's attention kind)
         raise CvtError(f"{ckpt.config.get('model_type')}: KV-cache scales are not calibrated for this model family")
     block = fp8_block(ckpt, source_format(ckpt.config))
     tp = text_prefix(ckpt)                                 # Kimi-K2.5: the checkpoint's language_model.
@@ -334,7 +336,8 @@ class _Layers:
         if observer is not None:
             layer.self_attn.kv_observer = observer._observer(i)
         C._LayerCalib(layer, f"{self.tp}{layout.layers}.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
-                      lres, o, experts=es, frozen=self.frozen, world=self.world).run(x, args, kwargs)
+                      lres, o, TABLES[self.model.args.family], experts=es, frozen=self.frozen,
+                      world=self.world).run(x, args, kwargs)
         if es is not None:
             x = es.x_next
         else:
@@ -411,7 +414,7 @@ def kv_scales(res: StreamResult, model_or_config, codec: str, ascend_names: bool
     class _Obs(kv_cache.KVObserver):
         def __init__(self):  # noqa: D401 - the observer's scale rules over stored ranges
             self.model = model_or_config
-            self.mla = kv_cache.is_mla(model_or_config)
+            self.mla = kv_cache.latent_cache(model_or_config)
             self.amax = res.kv_amax
 
     obs = _Obs()

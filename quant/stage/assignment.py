@@ -8,7 +8,8 @@ import logging
 from dataclasses import dataclass, field
 
 
-from cvt.convert.arch import Role, text_config
+from cvt.convert.arch import Role, arch_for, text_config
+from cvt.convert.arch.attention import SPARSE_MLA
 from cvt.convert.fp4 import FP4_DTYPES
 from cvt.convert.reader import Checkpoint
 from cvt.errors import CvtError, FormatError, OptionError, TensorError
@@ -175,9 +176,8 @@ def check_kv_target(config, plan: Plan, fmt: str, target: str) -> None:
     from cvt.qtensor import indexer_c8, layouts
 
     lm = text_config(config)
-    if (fmt == layouts.ASCEND and "index_topk" in lm and not indexer_c8.applies(lm, fmt)
-            and not lm.get("compress_ratios") and not lm.get("compress_rates")):
-        # vllm-ascend serves a model with a lightning indexer (and no V4 compression) through its SFA
+    if fmt == layouts.ASCEND and SPARSE_MLA in arch_for(config).table.attention.kinds and not indexer_c8.applies(lm, fmt):
+        # vllm-ascend serves sparse MLA (a lightning indexer, no V4 compression) through its SFA
         # backend (`utils.model_uses_sfa_sparse`), whose C8 is the indexer's and which never reads
         # FAKQuant's fa_* scales: an MLA C8 would load and do nothing
         raise FormatError(f"{lm.get('model_type')}: vllm-ascend runs this model's attention through its SFA backend, "

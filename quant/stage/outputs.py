@@ -16,7 +16,7 @@ from typing import Any
 
 from cvt.lazy import torch
 
-from cvt.convert.arch import ArchSpec, TensorInfo, text_config
+from cvt.convert.arch import ArchSpec, TensorInfo, arch_for, text_config
 from cvt.convert.config import SourceFormat
 from cvt.convert.fp8 import kernel_name as fp8_kernel_name
 from cvt.convert.fp8_to_bf16 import dequantized_pieces
@@ -193,14 +193,12 @@ def kv_outputs(out: Outputs, config: dict, plan: Plan, form, kv_scales: dict, fm
                          {"extra_keys": indexer_c8.description_keys(lm)})
     if not c8:
         return KVOutputs()
-    from cvt.qtensor.kv_tensors import kv_tag
-
     meta = form.kv_manifest(kv_scales)  # Ascend int8 names, or compressed-tensors fp8 k_scale / v_scale
     if kv_dtype is not None and kv_dtype != form.kv_codec:  # Ascend 950's fp8 FAKQuant cache
         from cvt.qtensor.kv_tensors import FP8_FAKQUANT
 
         meta["convention"] = {**meta["convention"], **FP8_FAKQUANT}
-    tag = kv_tag("kv_lora_rank" in text_config(config))
+    tag = arch_for(config).table.attention.kv_quant.tag  # FAKQuant's FAQuant, GQA's C8
     for n, t in kv_scales.items():
         out.add(OutTensor(TensorSpec(n, dtype_code(t.dtype), tuple(t.shape)), produce=lambda t=t: t.contiguous()),
                 tag)

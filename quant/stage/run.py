@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from cvt.convert.arch import arch_for, text_config
+from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, source_format
 from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
 from cvt.convert.validate import check_weights
@@ -135,11 +135,9 @@ def _source_format(ckpt: Checkpoint, src) -> SourceFormat:
 
 
 def _check_kv_family(config: dict, arch, scheme: str, kv_dtype: str | None) -> None:
-    """OptionError when the model family has no KV-cache quantization in cvt (its runtime model
-    does not calibrate one: DeepSeek-V4), whatever --kv-dtype asks for."""
-    from cvt.runtime.models import family
-
-    if getattr(family(config)[0].Model, "calibrates_kv", True):
+    """OptionError when the model family has no KV-cache quantization in cvt (its attention kind
+    has none: DeepSeek-V4), whatever --kv-dtype asks for."""
+    if arch.table.attention.kv_quant is not None:
         return
     asked = f"--scheme {scheme}" + (f" --kv-dtype {kv_dtype}" if kv_dtype else "")
     raise OptionError(f"{arch.model_type}: {asked} quantizes the KV cache, and cvt has no KV-cache quantization for "
@@ -158,7 +156,7 @@ def _kv_codec(config: dict, plan: Plan, form, target: str, kv_dtype: str | None,
     if kv_dtype is not None:  # kv_tensors imports torch, which RTN otherwise never does
         from cvt.qtensor.kv_tensors import kv_storage
 
-        kv_codec = kv_storage(form.name, form.kv_codec, target, kv_dtype, "kv_lora_rank" in text_config(config), c8)
+        kv_codec = kv_storage(form.name, form.kv_codec, target, kv_dtype, arch_for(config).table.attention.latent, c8)
     return kv_codec
 
 

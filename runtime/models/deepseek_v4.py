@@ -233,9 +233,6 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    # linears reading the identical input (attn_norm's output): one calibration site (`sites._site_key`)
-    shared_input: ClassVar[tuple[str, ...]] = ("wq_a", "wkv")
-
     def __init__(self, args: Args, ratio: int, dtype=None, device=None):
         super().__init__()
         H, D, q = args.num_attention_heads, args.head_dim, args.q_lora_rank
@@ -302,8 +299,6 @@ class Attention(nn.Module):
 
 
 class Expert(nn.Module):
-    shared_input: ClassVar[tuple[str, ...]] = ("w1", "w3")  # both read the MoE input
-
     def __init__(self, args: Args, dtype=None, device=None):
         super().__init__()
         d, i = args.hidden_size, args.moe_intermediate_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cvt.convert.arch import TABLES, ArchTable, Block, Parallel, Role, arch_for, register
+from cvt.convert.arch.attention import MLA, every_layer
 from cvt.testing.checkpoints import tiny_deepseek_config
 from cvt.errors import ArchError
 
@@ -80,7 +81,8 @@ def test_text_config_wrapper():
 
 def test_duplicate_registration_fails_loudly():
     with pytest.raises(ArchError, match="already registered"):
-        register(ArchTable(name="again", model_types=("deepseek_v3",), rules=(), display="Again"))
+        register(ArchTable(name="again", model_types=("deepseek_v3",), rules=(), display="Again",
+                           attention=every_layer(MLA)))
     assert TABLES["deepseek_v3"].name == "deepseek_v3"
 
 
@@ -138,8 +140,8 @@ def test_families_share_the_decoder_skeleton_and_swiglu_rows():
 
 def test_what_a_family_adds_is_table_data():
     """DeepSeek-V4's MTP draft copies an Ascend output holds (`ArchTable.ascend_copies`: one pair
-    per MTP layer, only those the source lacks) and the layers that cache an indexer key
-    (`ArchTable.indexer_layers`) are read from the tables; other families have neither."""
+    per MTP layer, only those the source lacks) and the layers that cache an indexer key (their
+    attention kind, `ArchTable.attention`) are read from the tables; other families have neither."""
     from cvt.testing.checkpoints import tiny_deepseek_v32_config, tiny_glm_moe_dsa_config
     from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config
 
@@ -151,10 +153,12 @@ def test_what_a_family_adds_is_table_data():
     assert v4.missing_copies({"head.weight"}) == {"mtp.0.head.weight": "head.weight", "mtp.1.head.weight": "head.weight"}
     assert arch_for(DSV3).missing_copies(names) == {}
     v32 = tiny_deepseek_v32_config()
-    assert TABLES["deepseek_v32"].indexer_layers(v32) == v32["num_hidden_layers"]
-    glm = tiny_glm_moe_dsa_config(indexer_types=["full", "shared", "full"])
-    assert TABLES["glm_moe_dsa"].indexer_layers(glm) == 2
-    assert TABLES["deepseek_v3"].indexer_layers is None and TABLES["deepseek_v4"].indexer_layers is None
+    def indexed(cfg):
+        return sum(k.indexer_key for k in arch_for(cfg).attention())
+
+    assert indexed(v32) == v32["num_hidden_layers"]
+    assert indexed(tiny_glm_moe_dsa_config(indexer_types=["full", "shared", "full"])) == 2
+    assert indexed(DSV3) == 0
 
 
 def test_the_quantize_stage_and_the_memory_plan_name_no_model():

@@ -184,3 +184,12 @@ def test_sharded_source_is_refused_naming_what_to_export(qwen, tmp_path, capsys)
     assert err == (f"cvt: error: {sharded}: a cvt shard output (2 per-rank directories); export onnx needs an "
                    f"unsharded checkpoint: pass the one it was sharded from, {bf16}\n")
     assert not (tmp_path / "onnx").exists()
+
+
+def test_the_exported_attention_kinds_are_the_graphs():
+    """`onnx_export.EXPORTED_KINDS` (checked before onnx is imported) names the kinds `GRAPHS` emits."""
+    from cvt.export import onnx_models
+    from cvt.export.onnx_export import EXPORTED_KINDS, exportable_types
+
+    assert set(EXPORTED_KINDS) == set(onnx_models.GRAPHS)
+    assert set(exportable_types()) == {"deepseek_v3", "kimi_k2", "qwen3_moe", "qwen3", "qwen2", "llama"}

@@ -20,6 +20,7 @@ import signal
 import pytest
 import torch
 
+from cvt.convert.arch import TABLES
 from cvt.testing.checkpoints_v4 import write_v4_release
 from cvt.tests.conftest import run_cvt
 from cvt.tests.quant.test_calibrate_stream import snapshot
@@ -105,7 +106,8 @@ def test_v4_smoothing_folds_are_exact(model):
 
     tokens = _tokens(2, 40)  # past the sliding window (8) and 2x the CSA rate
     want = model(tokens)
-    groups = _smooth_groups(model.layers[1], "layers.1")  # a CSA layer (ratio 4: compressor + indexer)
+    v4 = TABLES["deepseek_v4"]
+    groups = _smooth_groups(model.layers[1], "layers.1", v4)  # a CSA layer (ratio 4: compressor + indexer)
     assert [(g.producer, g.consumers[:2], g.extras) for g in groups] == [
         ("layers.1.attn_norm", ["layers.1.attn.wq_a", "layers.1.attn.wkv"],
          ["layers.1.attn.compressor.wkv", "layers.1.attn.compressor.wgate", "layers.1.attn.indexer.weights_proj",
@@ -115,12 +117,12 @@ def test_v4_smoothing_folds_are_exact(model):
     assert len(groups[2].consumers) == 2 * (model.args.n_routed_experts + 1)
 
     smoothed = copy.deepcopy(model)
-    _fold_all(smoothed, lambda layer, p: [(g.producer, g.consumers, g.extras) for g in _smooth_groups(layer, p)])
+    _fold_all(smoothed, lambda layer, p: [(g.producer, g.consumers, g.extras) for g in _smooth_groups(layer, p, v4)])
     got = smoothed(tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
     broken = copy.deepcopy(model)
-    _fold_all(broken, lambda layer, p: [(g.producer, g.consumers, []) for g in _smooth_groups(layer, p)])
+    _fold_all(broken, lambda layer, p: [(g.producer, g.consumers, []) for g in _smooth_groups(layer, p, v4)])
     assert (broken(tokens) - want).abs().max() > 1e-2
 
 

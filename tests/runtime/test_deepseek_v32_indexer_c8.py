@@ -264,5 +264,5 @@ def test_rank_loader_keeps_the_rotations_whole(outputs):
     lay = make_layout(world_size=2, tp=2)
     rots = {n: t for n, t in read_all(outputs["c8"]).items() if indexer_c8.ROT_RE.match(n)}
     for r in range(2):
-        got = _local_kv(rots, ParallelContext(lay, r, torch.device("cpu"), coords(lay, r)), True)
+        got = _local_kv(rots, ParallelContext(lay, r, torch.device("cpu"), coords(lay, r)))
         assert sorted(got) == sorted(rots) and all(torch.equal(got[n], rots[n]) for n in rots)

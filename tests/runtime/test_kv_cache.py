@@ -250,7 +250,7 @@ def test_convention_names_and_shapes_match_the_models(trained_fixture, tmp_path)
     import json
     cfg = json.loads((trained_fixture / "config.json").read_text())
     assert K.kv_cache_tensor_names(cfg) == K.kv_cache_tensor_names(dsv3)
-    assert K.is_mla(cfg) and kv_tensors.KV_CONVENTION["version"] == 2
+    assert K.latent_cache(cfg) and kv_tensors.KV_CONVENTION["version"] == 2
 
     qcfg = tiny_qwen3_config(moe=False)
     qwen = load_model(write_bf16_checkpoint(tmp_path / "q", qcfg), dtype=torch.float32).model
@@ -261,7 +261,7 @@ def test_convention_names_and_shapes_match_the_models(trained_fixture, tmp_path)
             for kind in ("scale", "offset"):
                 assert names[f"model.layers.{i}.self_attn.{proj}.kv_cache_{kind}"] == \
                     (getattr(attn, proj).weight.shape[0],)
-    assert len(names) == 4 * qcfg["num_hidden_layers"] and not K.is_mla(qcfg)
+    assert len(names) == 4 * qcfg["num_hidden_layers"] and not K.latent_cache(qcfg)
     assert K.is_kv_cache_tensor("model.layers.3.self_attn.k_scale")
     assert not K.is_kv_cache_tensor("model.layers.3.self_attn.k_proj.weight_scale")
 
