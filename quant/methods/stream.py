@@ -83,6 +83,12 @@ class StreamResult:
     peak_rss_per_rank: list[int] = field(default_factory=list)
     resumed_layers: int = 0
 
+    def phase_table(self) -> dict[str, list[float]]:
+        """phase -> its seconds in each layer (0 for a layer saved before phases were recorded)."""
+        from cvt.quant.methods.phases import PHASES
+
+        return {k: [ph.get(k, 0.0) for ph in self.phase_seconds] for k in PHASES}
+
 
 def _trim() -> None:
     """Hand freed heap memory back to the OS (glibc keeps a dropped layer's many mid-sized

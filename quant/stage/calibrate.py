@@ -12,7 +12,6 @@ from typing import Any
 from cvt.lazy import torch
 
 from cvt.convert.reader import Checkpoint
-from cvt.quant.methods.phases import PHASES
 from cvt.quant.recipe import RTN
 from cvt.qtensor.schemes.base import QuantizedTensor
 from cvt.schemas.manifest import Fallback
@@ -96,7 +95,7 @@ def calibrate(ckpt: Checkpoint, plan: Plan, tokens: torch.Tensor, static_attenti
     out.summary = {"tokens": int(tokens.numel()), "layers": len(res.seconds_per_layer), "device": str(device),
                    "seconds_per_layer": [round(x, 3) for x in res.seconds_per_layer],
                    # per layer: its forward passes, solve and reads (`cvt.quant.methods.phases`)
-                   "phase_seconds": {k: [ph.get(k, 0.0) for ph in res.phase_seconds] for k in PHASES},
+                   "phase_seconds": res.phase_table(),
                    "peak_rss_bytes": max(res.peak_rss_per_rank or [res.peak_rss]), "resumed_layers": res.resumed_layers}
     if len(res.peak_rss_per_rank) > 1:  # a torchrun world: its size and each rank's peak
         out.summary.update(ranks=len(res.peak_rss_per_rank), peak_rss_per_rank=res.peak_rss_per_rank)
