@@ -152,7 +152,6 @@ class _Report:
 
     said: set = field(default_factory=set)
     speakers: list = field(default_factory=list)
-    held: list = field(default_factory=list)
     stopped: int | None = None
     failures: dict = field(default_factory=dict)
     root: int | None = None
@@ -174,8 +173,7 @@ class _Report:
             if line.startswith(("cvt: error:", "cvt: internal error:")):  # why a rank failed (not a log line)
                 by = _SAID_BY.match(line)
                 self.speakers.append(int(by.group(1)) if by else None)
-        elif self._in_report or _AGENT.match(line):  # torchrun's own log and report
-            self.held.append(line)
+        elif self._in_report or _AGENT.match(line):  # torchrun's own log and report: read, not shown
             self._agent(line)
         else:  # rank 0's progress bar and log lines (the other ranks run quiet)
             sys.stderr.write(line)

@@ -574,7 +574,7 @@ class _LayerCalib:
             return
         if meth == GPTQ:
             r = self.solved.pop(name, None) or gptq_quantize(mod.weight, site.hessian(), scheme, name=name,
-                                                             **self._gptq_opts())
+                                                             factor=site.factor, **self._gptq_opts())
             self.res.quantized[name] = r.qtensor
             self.res.methods[name] = GPTQ
             stats.update(gptq_loss=r.loss, gptq_damp=r.damp,
@@ -583,7 +583,7 @@ class _LayerCalib:
             key = self.site_of[name]
             self.h_users[key] -= 1
             if self.h_users[key] == 0:
-                site.hess = None     # every linear of this site is done: free the Hessian
+                site.hess, site.factor = None, {}  # every linear of this site is done: free the Hessian
             return
         w = None
         if meth == AWQ and o["awq_clip_search"] and name.rsplit(".", 1)[-1] not in self.no_clip:

@@ -299,7 +299,7 @@ def search_scales(W: torch.Tensor, H: torch.Tensor | None, scheme: Scheme, G: in
 def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: float = 0.01,
                   act_order: bool = False, block_size: int = 128, static_groups: bool | None = None,
                   name: str = "weight", scale_search: str | None = None,
-                  shrinks: tuple[float, ...] = SHRINKS) -> GPTQResult:
+                  shrinks: tuple[float, ...] = SHRINKS, factor: dict | None = None) -> GPTQResult:
     """GPTQ of one linear weight ``w [n, k]`` given its input Hessian ``H [k, k]`` (2/N sum x x^T).
 
     damp: relative dampening (times mean diag H). act_order: quantize columns in order of
@@ -310,7 +310,10 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: flo
     `_group_loss` metric ("mse", "hdiag"): each group's scales are those of the clipped weight
     `_clip(w, G, r)` for the r in `shrinks` whose grid quantizes the group with the least loss
     (`search_scales`; plain absmax r = 1 included, so never worse on that metric). Not for
-    schemes with a per-tensor part (nvfp4's global scale): ignored there."""
+    schemes with a per-tensor part (nvfp4's global scale): ignored there. `factor`: a dict kept
+    by the caller for the linears that read one input (one Hessian: gate and up, q_a and kv_a):
+    the inverse-Hessian factor the first computes, the others reuse -- it depends on H, act_order
+    and damp only, so the bits are those of computing it again, at a fraction of the O(k^3) cost."""
     w0 = w.detach().to(torch.float32)
     n, k = w0.shape
     if H.shape != (k, k):
@@ -335,7 +338,12 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: flo
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
-    U, used_damp = _inverse_cholesky(H, damp, name)
+    if factor is not None and factor.get("key") == (act_order, damp):
+        U, used_damp = factor["U"], factor["damp"]
+    else:
+        U, used_damp = _inverse_cholesky(H, damp, name)
+        if factor is not None:
+            factor.update(key=(act_order, damp), U=U, damp=used_damp)
 
     dyn_parts = {key: v.clone() for key, v in per_group.items()} if not static_groups else None
 

@@ -119,10 +119,12 @@ class _BatchedGrid:
 def gptq_quantize_batched(W: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: float = 0.01,
                           act_order: bool = False, block_size: int = 128, static_groups: bool | None = None,
                           names: list[str] | None = None, scale_search: str | None = None,
-                          shrinks: tuple[float, ...] = SHRINKS) -> list[GPTQResult]:
+                          shrinks: tuple[float, ...] = SHRINKS, same: list[int] | None = None) -> list[GPTQResult]:
     """GPTQ of E linear weights ``W [E, n, k]`` with their input Hessians ``H [E, k, k]``: the
     `GPTQResult` of each member, as `gptq.gptq_quantize` (same options) gives it for that member
-    alone up to float reduction order. `names` (E of them) are used in messages."""
+    alone up to float reduction order. `names` (E of them) are used in messages. `same[e]`: the
+    first member whose Hessian is member e's (gate and up of one expert): its inverse-Hessian
+    factor is computed once and shared, as `gptq_quantize(factor=)` does."""
     if W.dim() != 3 or H.shape != (W.shape[0], W.shape[2], W.shape[2]):
         raise CvtError(f"batched GPTQ: weights {list(W.shape)} and Hessians {list(H.shape)} are not [E, n, k] and "
                        "[E, k, k]")
@@ -154,7 +156,11 @@ def gptq_quantize_batched(W: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, d
         perm = torch.argsort(torch.diagonal(H, dim1=1, dim2=2), dim=1, descending=True)     # [E, k]
         W = W.gather(2, perm[:, None, :].expand(E, n, k))
         H = H.gather(1, perm[:, :, None].expand(E, k, k)).gather(2, perm[:, None, :].expand(E, k, k))
-    U, used_damp = _inverse_cholesky_batched(H, damp, names)
+    first = sorted(set(same)) if same is not None else list(range(E))
+    U, used_damp = _inverse_cholesky_batched(H[first] if len(first) < E else H, damp, [names[e] for e in first])
+    if len(first) < E:  # each member takes the factor of the first member with its Hessian
+        at = [first.index(same[e]) for e in range(E)]
+        U, used_damp = U[at], [used_damp[i] for i in at]
     hdiag = torch.diagonal(H, dim1=1, dim2=2)
 
     def regroup(cur: torch.Tensor, j: int) -> QuantizedTensor:  # every member's group from its current columns
@@ -276,8 +282,12 @@ def solve_together(items: list[tuple[str, torch.Tensor, Callable[[], torch.Tenso
             if len(batch) < 2:
                 continue
             W = torch.stack([m[1].detach().to(torch.float32) for m in batch])
-            H = torch.stack([m[2]().to(torch.float32) for m in batch])
+            # linears of one site (gate and up of an expert) hand in the same hessian(): built once,
+            # its factor computed once
+            same = [next(j for j in range(i + 1) if batch[j][2] == batch[i][2]) for i in range(len(batch))]
+            built = {j: batch[j][2]().to(torch.float32) for j in sorted(set(same))}
+            H = torch.stack([built[j] for j in same])
             names = [m[0] for m in batch]
-            out.update(zip(names, gptq_quantize_batched(W, H, batch[0][3], names=names, **opts)))
+            out.update(zip(names, gptq_quantize_batched(W, H, batch[0][3], names=names, same=same, **opts)))
             del W, H
     return out

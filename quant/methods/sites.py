@@ -33,6 +33,7 @@ class _Site:
         self._stats: list[torch.Tensor] | None = None
         self._host: list[torch.Tensor] | None = None
         self.hess = HessianAccumulator(k, hessian_dtype) if hessian else None
+        self.factor: dict = {}  # GPTQ's inverse-Hessian factor, shared by the linears of this site
         self.cap = samples
         self.buf: torch.Tensor | None = None
         self.gen = torch.Generator().manual_seed(seed)

@@ -197,3 +197,26 @@ def test_calibration_solves_same_shaped_experts_together(monkeypatch):
                 same += int((got == t).sum())
                 total += t.numel()
     assert total and same / total >= 0.995, same / total
+
+
+def test_members_of_one_hessian_share_its_factor(monkeypatch):
+    """`same`: gate and up of one expert hand in one Hessian; its inverse-Hessian factor is
+    computed once for both (the batch factors 2 matrices for 3 members), and each member's
+    result is the one computing it again gives (codes >= 99.5% equal anywhere; damp exact)."""
+    g = torch.Generator().manual_seed(1)
+    x = [torch.randn(128, 64, generator=g) for _ in range(2)]
+    H1, H2 = (2 * a.T @ a / 128 for a in x)
+    W = torch.randn(3, 32, 64, generator=g)
+    H = torch.stack([H1, H1, H2])
+    scheme = get_scheme("w4a16", group_size=16)
+    seen = []
+    real = gb._inverse_cholesky_batched
+    monkeypatch.setattr(gb, "_inverse_cholesky_batched",
+                        lambda Hs, *a, **k: seen.append(Hs.shape[0]) or real(Hs, *a, **k))
+    shared = gb.gptq_quantize_batched(W, H, scheme, act_order=True, same=[0, 0, 2])
+    each = gb.gptq_quantize_batched(W, H, scheme, act_order=True)
+    assert seen == [2, 3]
+    for a, b in zip(shared, each):
+        assert a.damp == b.damp
+        code = next(k for k, t in b.qtensor.parts.items() if not t.is_floating_point())
+        assert (a.qtensor.parts[code] == b.qtensor.parts[code]).float().mean() >= 0.995

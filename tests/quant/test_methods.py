@@ -466,3 +466,34 @@ def test_scale_search_never_worse_than_absmax_on_its_metric(scheme):
     same = search_scales(w, H, scheme, G, (1.0,), "hdiag")
     assert same.parts.keys() == rtn.parts.keys()
     assert all(torch.equal(same.parts[k], rtn.parts[k]) for k in rtn.parts)
+
+
+def test_linears_of_one_input_share_the_inverse_hessian_factor(monkeypatch):
+    """Gate and up read one input (one Hessian): the O(k^3) inverse-Hessian factor is computed
+    for the first and reused by the second (`gptq_quantize(factor=)`, the site's dict in the
+    driver), which then quantizes to exactly what computing it again gives."""
+    from cvt.qtensor.schemes import get_scheme
+    from cvt.quant.methods import gptq as G
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=g)
+    H = 2 * x.T @ x / 256
+    w_gate, w_up = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
+    scheme = get_scheme("w4a16", group_size=16)
+    calls = []
+    real = G._inverse_cholesky
+    monkeypatch.setattr(G, "_inverse_cholesky", lambda *a, **k: calls.append(1) or real(*a, **k))
+    shared: dict = {}
+    for act_order in (False, True):
+        shared.clear()
+        calls.clear()
+        a = G.gptq_quantize(w_gate, H, scheme, act_order=act_order, factor=shared)
+        b = G.gptq_quantize(w_up, H, scheme, act_order=act_order, factor=shared)
+        assert len(calls) == 1
+        alone = G.gptq_quantize(w_up, H, scheme, act_order=act_order)
+        assert len(calls) == 2
+        for key, t in alone.qtensor.parts.items():
+            assert torch.equal(b.qtensor.parts[key], t), key
+        assert (b.damp, b.loss) == (alone.damp, alone.loss) and a.damp == b.damp
+    G.gptq_quantize(w_up, H, scheme, act_order=False, damp=0.1, factor=shared)  # other settings: computed anew
+    assert len(calls) == 3
