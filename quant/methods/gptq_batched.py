@@ -261,14 +261,18 @@ def _inverse_cholesky_batched(H: torch.Tensor, damp: float, names: list[str]) ->
 # members per batched call: enough to fill a GPU's launches, few enough that the stacked copies
 # (weights, and a few [E, k, k] Hessian-sized buffers: damped H, its inverse, U) stay small
 MAX_MEMBERS = 16
+# [E, k, k] float32 buffers alive at once in a call (the stacked Hessians, their working copy, the
+# damped copy, its factor, the inverse, U): what a call's members are counted against the budget
+HESSIAN_COPIES = 6
 
 
 def solve_together(items: list[tuple[str, torch.Tensor, Callable[[], torch.Tensor], Scheme]], max_bytes: int,
                    **opts) -> dict[str, GPTQResult]:
     """`gptq_quantize_batched` over `items` ``(name, weight [n, k], hessian(), scheme)``: those
     with the same weight shape, dtype, device and scheme object are solved together, in `items`
-    order, at most `MAX_MEMBERS` and `max_bytes` of float32 Hessians per call. A linear with no
-    partner is left out (the caller solves it alone, as before). `opts` go to each call."""
+    order, at most `MAX_MEMBERS` per call and `max_bytes` for its `HESSIAN_COPIES` Hessian-sized
+    float32 buffers. A linear with no partner is left out (the caller solves it alone, as
+    before). `opts` go to each call."""
     groups: dict[tuple, list] = {}
     for it in items:
         w = it[1]
@@ -276,7 +280,7 @@ def solve_together(items: list[tuple[str, torch.Tensor, Callable[[], torch.Tenso
     out: dict[str, GPTQResult] = {}
     for members in groups.values():
         k = members[0][1].shape[1]
-        per_call = max(1, min(MAX_MEMBERS, max_bytes // (4 * k * k)))
+        per_call = max(1, min(MAX_MEMBERS, max_bytes // (HESSIAN_COPIES * 4 * k * k)))
         for b0 in range(0, len(members), per_call):
             batch = members[b0:b0 + per_call]
             if len(batch) < 2:
