@@ -26,6 +26,15 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+class Stopped(BaseException):
+    """An interruption (`Interrupted` or Ctrl-C's KeyboardInterrupt) carried out of a verb past
+    click, which would print an empty line for a KeyboardInterrupt before the CLI's one line."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _raise(signum, frame) -> None:
     _received.append(signum)
     raise Interrupted(signum)
@@ -69,7 +78,7 @@ def received(default: int = signal.SIGINT) -> int:
 
 def signum_of(exc: BaseException) -> int:
     """The signal behind an interruption: `Interrupted`'s own, SIGINT for a plain KeyboardInterrupt."""
-    return exc.signum if isinstance(exc, Interrupted) else received()
+    return exc.signum if isinstance(exc, (Interrupted, Stopped)) else received()
 
 
 def exit_code(signum: int) -> int:
@@ -90,5 +99,5 @@ def name_of(code: int) -> str | None:
         return f"signal {-code}"
 
 
-__all__ = ["Interrupted", "install", "installed", "note", "received", "signum_of", "exit_code", "stopped_line",
+__all__ = ["Interrupted", "Stopped", "install", "installed", "note", "received", "signum_of", "exit_code", "stopped_line",
            "name_of", "STOP_SIGNALS"]

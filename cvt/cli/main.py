@@ -475,7 +475,7 @@ def _main(argv) -> None:
     except click.ClickException as exc:
         click.echo(f"cvt: error: {one_line(exc.format_message())}", err=True)
         sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt) as exc:  # click turns Ctrl-C (and `Interrupted`) into Abort
+    except (click.exceptions.Abort, KeyboardInterrupt, signals.Stopped) as exc:  # Ctrl-C, SIGTERM, SIGHUP
         sig = signals.signum_of(exc.__cause__ if isinstance(exc, click.exceptions.Abort) and exc.__cause__ else exc)
         click.echo(signals.stopped_line(sig) + ("; re-run the same command to resume" if _resumes(argv) else ""),
                    err=True)

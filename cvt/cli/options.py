@@ -32,7 +32,12 @@ def common(fn):
             level=logging.DEBUG if debug else (logging.WARNING if quiet else logging.INFO),
             format="%(levelname)s %(name)s: %(message)s" if debug else "%(message)s",
         )
-        return fn(*args, quiet=quiet, **kwargs)
+        try:
+            return fn(*args, quiet=quiet, **kwargs)
+        except KeyboardInterrupt as exc:  # past click as one exception (`signals.Stopped`): one line, no blank
+            from cvt import signals
+
+            raise signals.Stopped(signals.signum_of(exc)) from None
 
     return wrapper
 
