@@ -27,7 +27,7 @@ import pytest
 from cvt.testing.checkpoints import (kimi_int4_tensors, release_tensors, tiny_deepseek_config, tiny_kimi_k25_config,
                                      write_fp8_release, write_release, write_safetensors)
 from cvt.testing.checkpoints_v4 import write_v4_release
-from cvt.tests.test_catalog import Case, Ctx, _check
+from cvt.tests.test_catalog import Case, Ctx, _check, sources  # noqa: F401  (sources: a fixture)
 
 KV_B = "model.layers.0.self_attn.kv_b_proj.weight"
 EXPERT = "model.layers.1.mlp.experts.2.down_proj.weight"
@@ -175,21 +175,18 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def reliability_sources(tmp_path_factory, fp8_release_session):
-    from cvt.tests.conftest import run_cvt
-    from cvt.testing.checkpoints import tiny_qwen3_config, write_bf16_checkpoint
-
+def reliability_sources(tmp_path_factory, sources):
+    """The catalog's sources (FP8 release, its BF16 conversion, a Qwen3-MoE) and a V4 release, a
+    Kimi-K2.5 INT4 release and its FP8 variant."""
+    fp8, bf16, qwen = sources
     root = tmp_path_factory.mktemp("reliability-src")
-    bf16 = root / "bf16"
-    assert run_cvt("fp8-to-bf16", fp8_release_session, bf16, "--quiet").rc == 0
-    qwen = write_bf16_checkpoint(root / "qwen", tiny_qwen3_config(moe=True))
     v4 = write_v4_release(root / "v4")
     cfg = tiny_kimi_k25_config()
     kimi = write_release(root / "kimi", cfg, kimi_int4_tensors(cfg), move_scale=False)
     qc = tiny_deepseek_config()["quantization_config"]
     cfg8 = {**cfg, "quantization_config": qc, "text_config": {**cfg["text_config"], "quantization_config": qc}}
     kimi8 = write_release(root / "kimi8", cfg8, release_tensors(cfg8, seed=4), n_shards=3)
-    return dict(fp8=fp8_release_session, bf16=bf16, qwen=qwen, v4=v4, kimi=kimi, kimi8=kimi8)
+    return dict(fp8=fp8, bf16=bf16, qwen=qwen, v4=v4, kimi=kimi, kimi8=kimi8)
 
 
 @pytest.mark.slow  # (its module fixture builds five checkpoints)

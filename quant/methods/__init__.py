@@ -16,8 +16,8 @@ awq            activation-aware scales folded into the producer, clipping search
 """
 
 from cvt.quant.methods.awq import AwqScale, awq_clip, awq_search
-from cvt.quant.methods.calib import (DATA_METHODS, METHODS, CalibResult, Fallback, MethodsResult, calib_tokens,
-                                    calibrate, run_methods)
+from cvt.quant.methods.calib import DATA_METHODS, METHODS, CalibResult, Fallback, calib_tokens, calibrate
+from cvt.quant.methods.plan_run import MethodsResult, run_methods
 from cvt.quant.methods.gptq import GPTQResult, HessianAccumulator, gptq_quantize
 from cvt.quant.methods.rtn import rtn_quantize
 from cvt.quant.methods.smoothquant import scale_columns, scale_rows, smooth_scales
