@@ -191,7 +191,13 @@ def _in_parallel(write: Callable[[str, list], None], pending: list, workers: int
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cvt-write") as pool:
         futures = [pool.submit(write, rel, ts) for rel, ts in pending]
         try:
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            # in slices: a signal the kernel hands another thread only trips Python's flag, and the
+            # main thread runs its handler (SIGTERM's `cvt.signals`, Ctrl-C) when it next runs Python
+            # code -- an unbounded wait would sleep through it
+            while True:
+                done, left = wait(futures, timeout=0.2, return_when=FIRST_EXCEPTION)
+                if not left or any(fut.exception() is not None for fut in done):
+                    break
             for fut in done:
                 if fut.exception() is not None:
                     raise fut.exception()
