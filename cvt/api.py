@@ -105,6 +105,7 @@ class QuantizeOptions(_WriteOptions):
     static_attention: bool = False
     ignore: tuple[str, ...] = ()
     recipe: Optional[Path] = None
+    rotate: Optional[str] = None                      # hadamard[:SEED] (cvt.quant.rotate); None: no rotation
     workers: Optional[int] = Field(None, ge=1, le=64)
 
     _memory = field_validator("expert_memory", mode="before")(_size)
@@ -125,6 +126,15 @@ class QuantizeOptions(_WriteOptions):
         if v is not None:
             FORMATS.get(v)
         return v
+
+    @field_validator("rotate")
+    @classmethod
+    def _known_rotation(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from cvt.quant.rotate import parse  # torch: only when a rotation is asked for
+
+        return parse(v)
 
     @field_validator("method")
     @classmethod
@@ -163,7 +173,7 @@ def quantize(options: QuantizeOptions | None = None, /, **kw):
                  recipe=load_recipe(o.recipe) if o.recipe else None, revision=o.revision, workers=o.workers,
                  max_shard_size=o.max_shard_size, resume=o.resume, overwrite=o.overwrite, quiet=o.quiet,
                  target=o.target, device=device, expert_memory=o.expert_memory, target_version=o.target_version,
-                 kv_dtype=o.kv_dtype, world=w)
+                 kv_dtype=o.kv_dtype, rotate=o.rotate, world=w)
 
 
 class LayoutOptions(_Options):

@@ -29,6 +29,7 @@ from enum import Enum
 from typing import Any, Callable, Mapping
 
 from cvt.convert.arch.attention import AttentionKind, LayerAttention
+from cvt.convert.arch.rotation import Rotation
 from cvt.errors import ArchError
 
 
@@ -197,6 +198,9 @@ class ArchTable:
     # integer tensors holding ids, by parameter -> the canonical count (`config_keys`) they index:
     # each entry must be in 0..count-1 (DeepSeek-V4's hash-routing ``tid2eid``: expert ids)
     id_params: Mapping[str, str] = field(default_factory=dict)
+    # where a residual-stream rotation folds in exactly (`cvt.convert.arch.rotation`, `cvt quantize
+    # --rotate`), or why the family refuses one
+    rotation: Rotation | str = "no rotation is declared for this family"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ not TP-split (the official model keeps them as plain Linear); kv_b_proj stays fl
 quantization (msModelSlim and cann-recipes-infer agree).
 """
 
-from cvt.convert.arch import checks
+from cvt.convert.arch import checks, rotation
 from cvt.convert.arch.attention import MLA, every_layer
 from cvt.convert.arch.base import DECODER_RULES, LAYER as L, ArchTable, Block, Parallel, Role, Rule, swiglu_rules
 
@@ -84,6 +84,7 @@ TABLE = ArchTable(
     name="deepseek_v3",
     display="DeepSeek-V3 / R1 / V3.1 and Kimi-K2",
     attention=every_layer(MLA),
+    rotation=rotation.DEEPSEEK_V3,
     calib_shared_inputs=(("q_a_proj", "q_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj")),
     calib_norm_inputs={"kv_b_proj": "kv_a_layernorm"},  # the latent, normed
     param_shapes=param_shapes,

@@ -35,7 +35,7 @@ msModelSlim description (a missing entry fails its start-up), where cvt writes F
 
 from __future__ import annotations
 
-from cvt.convert.arch import checks, deepseek_v3
+from cvt.convert.arch import checks, deepseek_v3, rotation
 from cvt.convert.arch.attention import SPARSE_MLA, every_layer
 from cvt.convert.arch.base import ArchTable, Block, Parallel, Role, Rule
 
@@ -85,6 +85,7 @@ TABLE = ArchTable(
     name="deepseek_v32",
     display="DeepSeek-V3.2",
     attention=every_layer(SPARSE_MLA),  # every layer runs (and caches the key of) its own indexer
+    rotation=rotation.DEEPSEEK_V32,
     model_types=("deepseek_v32",),
     param_shapes=param_shapes,
     explicit_defaults=DEFAULTS,

@@ -103,5 +103,6 @@ TABLE = ArchTable(
     config_keys=deepseek_v32.TABLE.config_keys,
     calib_shared_inputs=deepseek_v32.TABLE.calib_shared_inputs,
     calib_norm_inputs=deepseek_v32.TABLE.calib_norm_inputs,
+    rotation=deepseek_v32.TABLE.rotation,  # a shared layer lacks the indexer: its readers are absent
     rules=deepseek_v32.TABLE.rules,
 )

@@ -126,4 +126,7 @@ def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
         text_prefix=TEXT_PREFIX,
         mtp_required=text.mtp_required,
         id_params=text.id_params,
+        # the vision projector (carried byte-identical) writes image features into the text model's
+        # residual stream: a rotation would have to turn its output too
+        rotation="its vision projector writes the residual stream and is carried unchanged",
     )

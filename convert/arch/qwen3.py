@@ -5,7 +5,7 @@ SwiGLU MLP; Qwen3-MoE replaces the MLP with a softmax router `mlp.gate` over
 `mlp.experts.{E}` (no shared experts) except in `mlp_only_layers`.
 """
 
-from cvt.convert.arch import checks
+from cvt.convert.arch import checks, rotation
 from cvt.convert.arch.attention import GQA, every_layer
 from cvt.convert.arch.base import DECODER_RULES, LAYER as L, ArchTable, Block, Parallel, Role, Rule, swiglu_rules
 
@@ -85,13 +85,14 @@ _FUSED = ((f"{L}.self_attn.q_proj", f"{L}.self_attn.k_proj", f"{L}.self_attn.v_p
 
 DENSE = ArchTable(
     name="qwen3", display="Qwen3 / Qwen2 / Llama", attention=every_layer(GQA), model_types=("qwen3", "qwen2", "llama"), rules=_COMMON, config_keys=_KEYS, param_shapes=param_shapes,
-    fused_groups=_FUSED, config_checks=checks.qwen3, calib_shared_inputs=_CALIB_INPUTS,
+    fused_groups=_FUSED, config_checks=checks.qwen3, calib_shared_inputs=_CALIB_INPUTS, rotation=rotation.QWEN3,
 )
 
 MOE = ArchTable(
     name="qwen3_moe",
     display="Qwen3-MoE",
     attention=every_layer(GQA),
+    rotation=rotation.QWEN3,
     param_shapes=param_shapes,
     model_types=("qwen3_moe",),
     config_checks=checks.qwen3,

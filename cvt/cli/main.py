@@ -116,6 +116,12 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
                    "(Ascend W8A8 with input_scale / deq_scale / quant_bias); MLPs and experts stay dynamic.")
 @click.option("--ignore", multiple=True, help="Regex of module names to keep float (repeatable).")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False), help="JSON/YAML rules: pattern -> scheme/method/group size.")
+@click.option("--rotate", default=None, metavar="hadamard[:SEED]",
+              help="Fold a randomised Hadamard rotation into the weights first (QuaRot, offline): the residual "
+                   "stream (norms folded into their readers), MLA's q / kv latents and the value heads turn, the "
+                   "float model stays the same function, and activation outlier channels spread over all channels "
+                   "(W4A8, W8A8, W4A4 gain). Same SEED, same bytes (default 0); recorded in the manifest. Refused "
+                   "where it cannot be exact (DeepSeek-V4, Kimi-K2.5, tied embeddings). SRC: BF16 or FP8 block.")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="Output files written in parallel (default: 2, or 1 on a 1-core machine).")
@@ -132,8 +138,8 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
        "which GPTQ's rounding amplifies).", old_spelling=True)
 def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method, group_size, asym, fp4_format, calib,
                  calib_tokens, device,
-                 expert_memory, static_attention, ignore, recipe, revision, workers, max_shard_size, resume, overwrite,
-                 quiet):
+                 expert_memory, static_attention, ignore, recipe, rotate, revision, workers, max_shard_size, resume,
+                 overwrite, quiet):
     """Quantize SRC (BF16, an FP8 release - dequantized on the fly; a DeepSeek-V4 release's FP4
     experts copied unchanged into the MX FP4 schemes - or compressed-tensors INT4) into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
     tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay
@@ -144,7 +150,8 @@ def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method
         src=src, dst=dst, scheme=scheme, fmt=fmt, target=target, target_version=target_version, kv_dtype=kv_dtype,
         method=method, group_size=group_size, asym=asym,
         fp4_format=fp4_format, calib=calib, calib_tokens=calib_tokens, device=device, expert_memory=expert_memory,
-        static_attention=static_attention, ignore=tuple(ignore), recipe=recipe, revision=revision, workers=workers,
+        static_attention=static_attention, ignore=tuple(ignore), recipe=recipe, rotate=rotate, revision=revision,
+        workers=workers,
         max_shard_size=max_shard_size, resume=resume, overwrite=overwrite, quiet=quiet))
     if not quiet:
         from cvt.units import plural

@@ -39,7 +39,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
              quiet: bool = False, target: str | None = None, device: str = "cpu",
              expert_memory: int | None = None, target_version: str | None = None,
-             kv_dtype: str | None = None, world: World = SINGLE) -> WriteResult:
+             kv_dtype: str | None = None, rotate: str | None = None, world: World = SINGLE) -> WriteResult:
     """Quantize SRC into DST (see the package docstring) for the serving `target` (ascend:
     vllm-ascend, the default, or mindie; `cvt.qtensor.layouts`). Returns the writer's result,
     with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
@@ -48,14 +48,16 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     cache's storage, int8 or fp8 (`cvt.qtensor.kv_tensors.kv_storage`). `calib_tokens`: the
     calibration tokens asked for, refused when the text gives fewer (None: up to
     `cvt.corpus.CALIB_TOKENS`, fewer with a warning when the text is shorter). `world`: the ranks
-    that share the work (`cvt.world`: a started torchrun world; one process by default)."""
+    that share the work (`cvt.world`: a started torchrun world; one process by default). `rotate`:
+    ``hadamard[:SEED]``, a residual-stream rotation folded into the weights first (`cvt.quant.rotate`)."""
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
     form, target, line, sch = _check_request(scheme, fmt, target, target_version, group_size, fp4_format, recipe,
                                              static_attention)
     if recipe is None:  # --method against --scheme, before anything is read (a recipe's rules: per module)
         check_method(method, sch)
+    rotate = _rotate_spec(rotate)
     req = Request(scheme, fmt, target, method, group_size, asym, getattr(sch, "fp4_format", None),
-                  static_attention, workers, max_shard_size, resume, overwrite, quiet, line, kv_dtype)
+                  static_attention, workers, max_shard_size, resume, overwrite, quiet, line, kv_dtype, rotate)
     ckpt = open_checkpoint(src, revision)
     try:
         src_fmt = _source_format(ckpt, src)
@@ -63,6 +65,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         why = form.refused_models.get(ckpt.config.get("model_type"))
         if why:  # the format's own knowledge of what its consumers load (`Format.refused_models`)
             raise FormatError(f"{ckpt.config['model_type']}: --format {fmt} is refused: {why}")
+        rotation = _rotation_table(arch, ckpt.config, src_fmt, rotate)
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
         plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         check_kv_target(ckpt.config, plan, fmt, target)
@@ -74,6 +77,12 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
             check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block, source.scale_param, fp4_experts=source.fp4))
         check_weights(ckpt, arch, "quantize", source.block or (128, 128))
+        if rotation is not None:  # from here on SRC is read as the rotated BF16 model
+            from cvt.quant.rotate import RotatedCheckpoint
+
+            ckpt = RotatedCheckpoint(ckpt, arch, rotation, rotate, arch.table.scale_param)
+            source = Source(ckpt, SourceFormat.BF16, arch.table.scale_param)
+            plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         note = _fp4_note(plan, source)
         needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
         _check_calib(calib, needs_model)
@@ -96,6 +105,25 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req, world))
     finally:
         ckpt.close()
+
+
+def _rotate_spec(rotate: str | None) -> str | None:
+    """--rotate in its canonical form (None: no rotation); OptionError before anything is read."""
+    if rotate is None:
+        return None
+    from cvt.quant.rotate import parse  # torch: only when a rotation is asked for
+
+    return parse(rotate)
+
+
+def _rotation_table(arch, config: dict, src_fmt: SourceFormat, rotate: str | None):
+    """The family's rotation table when --rotate is given (refused with one line where the rotation
+    cannot be exact), else None."""
+    if rotate is None:
+        return None
+    from cvt.quant.rotate import check
+
+    return check(arch, config, src_fmt)
 
 
 def _check_request(scheme: str, fmt: str, target: str | None, target_version: str | None,

@@ -41,6 +41,7 @@ class Request:
     quiet: bool
     line: str | None = None       # the vllm-ascend release line (ascend + vllm-ascend)
     kv_dtype: str | None = None   # --kv-dtype as given (None: the format's own)
+    rotation: str | None = None   # --rotate, canonical (`cvt.quant.rotate.parse`)
 
 
 def write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, cal: Calibrated,
@@ -107,6 +108,8 @@ def _parameters(plan: Plan, cal: Calibrated, req: Request) -> dict:
               "kv_dtype": req.kv_dtype, "method": req.method,
               "group_size": req.group_size, "asym": req.asym, "fp4_format": req.fp4_format,
               "static_attention": req.static_attention, "calibration": calib_id, "max_shard_size": req.max_shard_size}
+    if req.rotation is not None:  # absent without --rotate: manifests and plan ids as before
+        params["rotation"] = req.rotation
     params["modules"] = hashlib.sha256(json.dumps(
         {m: [s.name, s.group_size, s.symmetric, plan.methods[m]] for m, s in plan.schemes.items()}, sort_keys=True
     ).encode()).hexdigest()
