@@ -197,6 +197,10 @@ class ArchTable:
     # integer tensors holding ids, by parameter -> the canonical count (`config_keys`) they index:
     # each entry must be in 0..count-1 (DeepSeek-V4's hash-routing ``tid2eid``: expert ids)
     id_params: Mapping[str, str] = field(default_factory=dict)
+    # transformers' save_pretrained names -> the release's, where they differ for the same weight:
+    # (regex, replacement), the first whose regex matches a stored name renames it
+    # (`cvt.convert.arch.release_names`); every stage then reads the release's names
+    saved_renames: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
