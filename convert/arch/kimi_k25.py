@@ -18,11 +18,11 @@ KimiK25ForConditionalGeneration):
     mm_projector.proj.0                      weight [m*k, m*k], bias [m*k]
     mm_projector.proj.2                      weight [text hidden, m*k], bias
 
-A checkpoint transformers' save_pretrained wrote is read under these names (`SAVED_RENAMES`) and its
-vision_config under transformers' key names (`SAVED_VISION_KEYS`; m = projection_hidden_size), with,
-from ``vision_config``: h = vt_hidden_size, i = vt_intermediate_size, B < vt_num_hidden_layers,
+with, from ``vision_config``: h = vt_hidden_size, i = vt_intermediate_size, B < vt_num_hidden_layers,
 p = patch_size, H x W = init_pos_emb_height x init_pos_emb_width, m = mm_hidden_size,
 k = merge_kernel_size[0] * merge_kernel_size[1]; text hidden = text_config.hidden_size.
+A checkpoint transformers' save_pretrained wrote is read under these names (`SAVED_RENAMES`), its
+vision_config under transformers' key names (`SAVED_VISION_KEYS`; m = projection_hidden_size).
 
 Vision and projector tensors have role CARRIED: float (BF16 in the release), never quantized,
 replicated on every rank, copied byte for byte by fp8-to-bf16, quantize and shard; the runtime
