@@ -107,8 +107,8 @@ def release_names(config: Mapping[str, Any], names) -> dict[str, str]:
     a renamed tensor is also stored under its release name (a layout mixing both)."""
     try:
         renames = [(re.compile(rx), to) for rx, to in arch_for(config).table.saved_renames]
-    except ArchError:
-        return {}
+    except (ArchError, TypeError):  # a config no table reads (an unhashable model_type too): the
+        return {}                   # stages' own checks name its fault
     out: dict[str, str] = {}
     for name in names:
         for rx, to in renames:
