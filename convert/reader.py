@@ -15,6 +15,7 @@ Index rules (each violation is a CheckpointError naming file and tensor):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cvt.convert import source as source_mod
+from cvt.convert.arch import release_names
 from cvt.convert.paths import confine, relative_inside
 from cvt.convert.safetensors_io import MappedFile, TensorRef, load_json, read_header, tensor_from_view
 from cvt.errors import CheckpointError, ManifestError, validation_summary
@@ -47,6 +49,9 @@ class Checkpoint:
     config: dict
     tensors: dict[str, TensorRef]
     index_path: Path | None
+    # {release name: stored name} of the tensors read under the release's names (a layout
+    # transformers' save_pretrained wrote: `release_layout`); empty for a release layout
+    renamed: dict[str, str] = field(default_factory=dict)
     _files: dict[Path, MappedFile] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -214,7 +219,18 @@ def open_checkpoint(src, revision: str | None = None, need_config: bool = True) 
     else:
         config = {}
     tensors, index_path = index_directory(root, source.confine_root)
-    return Checkpoint(root=root, source=source, config=config, tensors=tensors, index_path=index_path)
+    renamed = release_names(config, tensors)
+    return Checkpoint(root=root, source=source, config=config, tensors=release_layout(tensors, renamed),
+                      index_path=index_path, renamed={v: k for k, v in renamed.items()})
+
+
+def release_layout(tensors: dict[str, TensorRef], renamed: dict[str, str]) -> dict[str, TensorRef]:
+    """`tensors` under the release's names, in the same order: a checkpoint transformers'
+    save_pretrained wrote (`renamed`: {stored name: release name}, `cvt.convert.arch.release_names`)
+    reads like the release; a release layout is returned as is."""
+    if not renamed:
+        return tensors
+    return {renamed.get(n, n): dataclasses.replace(ref, name=renamed.get(n, n)) for n, ref in tensors.items()}
 
 
 def check_top_level(root: Path, confine_root: Path) -> None:

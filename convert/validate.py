@@ -13,7 +13,8 @@ trip over:
 * a decoder layer without tensors, a MoE layer missing some of the config's routed experts, a
   layer holding MoE tensors that ``first_k_dense_replace`` makes dense;
 * MTP layers config.json counts (``num_nextn_predict_layers``) but the files lack: any of them
-  where the table requires them (`ArchTable.mtp_required`: DeepSeek-V4), else some but not all;
+  where the table requires them (`ArchTable.mtp_required`: DeepSeek-V4's release; not in a layout
+  transformers' save_pretrained wrote, which has none), else some but not all;
 * an id tensor with an entry outside the ids it indexes (`ArchTable.id_params`: DeepSeek-V4's
   hash-routing ``tid2eid``, expert ids; the only values read, a few MB);
 * a config.json value no model can have (`cvt.convert.arch.config_problems`: ``index_topk`` 0,
@@ -117,12 +118,13 @@ def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> 
             problems += _id_problems(ckpt, ref, arch, arch.table.id_params[info.param])
     if arch is not None:  # what is missing explains the misshapes it causes: listed first
         prefix = arch.prefix_problem(ckpt.tensors)  # (then the layers look empty: that line alone)
-        problems[:0] = out.config + ([prefix] if prefix else _missing(arch, out))
+        problems[:0] = out.config + ([prefix] if prefix else _missing(arch, out, bool(getattr(ckpt, "renamed", None))))
     return out
 
 
-def _missing(arch: ArchSpec, out: Survey) -> list[str]:
-    """Experts, decoder layers and MTP layers config.json counts that hold no tensor."""
+def _missing(arch: ArchSpec, out: Survey, saved: bool = False) -> list[str]:
+    """Experts, decoder layers and MTP layers config.json counts that hold no tensor (`saved`: a
+    layout transformers' save_pretrained wrote, which never holds MTP layers)."""
     structural: list[str] = []
     for layer, seen in sorted(out.experts_seen.items()):
         missing = sorted(set(range(arch.num_experts)) - seen)
@@ -134,15 +136,15 @@ def _missing(arch: ArchSpec, out: Survey) -> list[str]:
     if missing_layers:
         structural.append(f"{len(missing_layers)} decoder layers have no tensors (e.g. layer {missing_layers[0]}); "
                           f"config.json {arch.table.config_keys.get('layers', 'layers')} = {arch.num_layers}")
-    return structural + _mtp_problems(arch, out.layers_seen)
+    return structural + _mtp_problems(arch, out.layers_seen, arch.table.mtp_required and not saved)
 
 
-def _mtp_problems(arch: ArchSpec, seen: set[int]) -> list[str]:
-    """The MTP layers config.json counts that hold no tensor, when the table requires every one
-    (`ArchTable.mtp_required`) or some are stored (all or none otherwise)."""
+def _mtp_problems(arch: ArchSpec, seen: set[int], required: bool) -> list[str]:
+    """The MTP layers config.json counts that hold no tensor, when every one is `required`
+    (`ArchTable.mtp_required`, in a release layout) or some are stored (all or none otherwise)."""
     n, m = arch.num_layers, arch.num_mtp_layers
     missing = [j for j in range(m) if n + j not in seen]
-    if not missing or (len(missing) == m and not arch.table.mtp_required):
+    if not missing or (len(missing) == m and not required):
         return []
     key = arch.table.config_keys.get("mtp_layers", "mtp_layers")
     what = (f"MTP layer {missing[0]} (layer index {n + missing[0]}) has" if len(missing) == 1 else

@@ -8,6 +8,7 @@ export all read these tables; nothing else in cvt knows a tensor name.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Mapping, NamedTuple
 
 from cvt.convert.arch import deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa, kimi_k25, qwen3
@@ -16,7 +17,7 @@ from cvt.errors import ArchError
 from cvt.registry import Registry
 
 __all__ = ["ArchSpec", "ArchTable", "Block", "Parallel", "Role", "Rule", "TensorInfo", "arch_for", "carried_names",
-           "config_problems", "families", "register", "TABLES"]
+           "config_problems", "families", "register", "release_names", "TABLES"]
 
 TABLES: Registry[ArchTable] = Registry("model_type", ArchError)
 
@@ -97,3 +98,27 @@ def config_problems(config: Mapping[str, Any]) -> list[str]:
     mt = cfg.get("model_type")
     table = TABLES[mt] if mt in TABLES else None
     return table.config_checks(cfg) if table is not None and table.config_checks else []
+
+
+def release_names(config: Mapping[str, Any], names) -> dict[str, str]:
+    """``{stored name: release name}`` for each of `names` (a checkpoint's) that transformers'
+    save_pretrained wrote under another name than the publisher's release (the table's
+    `ArchTable.saved_renames`); {} for a release layout or a config no table reads. ArchError when
+    a renamed tensor is also stored under its release name (a layout mixing both)."""
+    try:
+        renames = [(re.compile(rx), to) for rx, to in arch_for(config).table.saved_renames]
+    except (ArchError, TypeError):  # a config no table reads (an unhashable model_type too): the
+        return {}                   # stages' own checks name its fault
+    out: dict[str, str] = {}
+    for name in names:
+        for rx, to in renames:
+            if rx.match(name):
+                out[name] = rx.sub(to, name, count=1)
+                break
+    clash = sorted(set(out.values()) & (set(names) - set(out)))
+    if clash or len(set(out.values())) < len(out):
+        both = clash[0] if clash else next(v for v in out.values() if list(out.values()).count(v) > 1)
+        stored = [k for k, v in out.items() if v == both]
+        raise ArchError(f"tensor {both} is stored twice: under the release's name and as {stored[0]} (transformers' "
+                        "save_pretrained name); a checkpoint holds one layout or the other")
+    return out

@@ -201,6 +201,10 @@ class ArchTable:
     # where a residual-stream rotation folds in exactly (`cvt.convert.arch.rotation`, `cvt quantize
     # --rotate`), or why the family refuses one
     rotation: Rotation | str = "no rotation is declared for this family"
+    # transformers' save_pretrained names -> the release's, where they differ for the same weight:
+    # (regex, replacement), the first whose regex matches a stored name renames it
+    # (`cvt.convert.arch.release_names`); every stage then reads the release's names
+    saved_renames: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

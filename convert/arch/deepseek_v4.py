@@ -233,6 +233,19 @@ def _layer_rules(L: str) -> tuple[Rule, ...]:
     )
 
 
+# transformers 5.24's save_pretrained (DeepseekV4ForCausalLM: conversion_mapping.py "deepseek_v4"
+# undone) -> the release: names under ``model.`` but for ``head``; embed / norm / hc_head keep the
+# names of transformers' modules; an attention's ``kv_norm`` comes back as ``norm`` (the load-time
+# rename ``.norm.`` -> ``.kv_norm.``, meant for the compressors, reversed for both). No MTP layer
+# (transformers builds none), so `mtp_required` does not hold for this layout (`cvt.convert.validate`).
+SAVED_RENAMES = (
+    (r"^model\.embed_tokens\.weight$", "embed.weight"),
+    (r"^model\.norm\.weight$", "norm.weight"),
+    (r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"^model\.layers\.(\d+)\.attn\.norm\.", r"layers.\1.attn.kv_norm."),
+    (r"^model\.layers\.", "layers."),
+)
+
 M = "mtp.{M}"
 TABLE = ArchTable(
     name="deepseek_v4",
@@ -252,6 +265,7 @@ TABLE = ArchTable(
     calib_shared_inputs=(("wq_a", "wkv"), ("w1", "w3")),
     ascend_copies={"mtp.{M}.emb.tok_emb.weight": "embed.weight", "mtp.{M}.head.weight": "head.weight"},  # (3)
     mtp_required=True,
+    saved_renames=SAVED_RENAMES,
     id_params={"tid2eid": "experts"},  # token id -> the experts a hash layer routes it to
     fused_groups=tuple(  # each expert's w1 / w3 (vLLM's w13), the shared experts' gate_up
         grp for L in ("layers.{L}", M) for grp in (

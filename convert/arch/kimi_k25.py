@@ -21,6 +21,8 @@ KimiK25ForConditionalGeneration):
 with, from ``vision_config``: h = vt_hidden_size, i = vt_intermediate_size, B < vt_num_hidden_layers,
 p = patch_size, H x W = init_pos_emb_height x init_pos_emb_width, m = mm_hidden_size,
 k = merge_kernel_size[0] * merge_kernel_size[1]; text hidden = text_config.hidden_size.
+A checkpoint transformers' save_pretrained wrote is read under these names (`SAVED_RENAMES`), its
+vision_config under transformers' key names (`SAVED_VISION_KEYS`; m = projection_hidden_size).
 
 Vision and projector tensors have role CARRIED: float (BF16 in the release), never quantized,
 replicated on every rank, copied byte for byte by fp8-to-bf16, quantize and shard; the runtime
@@ -50,6 +52,21 @@ CARRIED_RULES = tuple(Rule(m, Role.CARRIED, Parallel.REPLICATED, Block.CARRIED, 
                       for m in CARRIED_MODULES)
 CARRIED_PREFIXES = ("vision_tower.", "mm_projector.")
 
+# transformers 5.24's save_pretrained (Kimi_K25ForConditionalGeneration, conversion_mapping.py "kimi_k25"
+# undone) -> the release: its reversed ``blocks`` -> ``layers`` rename (meant for the vision blocks) also
+# hits the text layers; the projector's pre_norm keeps transformers' ``model.`` prefix; the patch
+# embedding lands under ``encoder.`` with the blocks. Every other name is the release's.
+SAVED_RENAMES = (
+    (r"^language_model\.model\.blocks\.(\d+)\.", r"language_model.model.layers.\1."),
+    (r"^model\.mm_projector\.pre_norm\.", "mm_projector.pre_norm."),
+    (r"^vision_tower\.encoder\.patch_embed\.proj\.", "vision_tower.patch_embed.proj."),
+)
+# the release's vision_config keys -> transformers' Kimi_K25VisionConfig names for the same size
+# (mm_hidden_size: Kimi_K25Config's top-level projection_hidden_size)
+SAVED_VISION_KEYS = {"vt_hidden_size": "hidden_size", "vt_intermediate_size": "intermediate_size",
+                     "vt_num_hidden_layers": "num_hidden_layers", "vt_num_attention_heads": "num_attention_heads",
+                     "init_pos_emb_height": "pos_emb_height", "init_pos_emb_width": "pos_emb_width"}
+
 
 def is_carried(name: str) -> bool:
     """A tensor of the vision tower or projector (by name; `CARRIED_RULES` classify it)."""
@@ -71,14 +88,18 @@ def carried_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     if not isinstance(vc, Mapping):
         raise ValueError(f"vision_config = {vc!r}: must be an object")
 
+    saved = "vt_hidden_size" not in vc  # transformers' key names (SAVED_VISION_KEYS)
+
     def get(key: str, cfg: Mapping[str, Any] = vc, where: str = "vision_config") -> int:
+        if saved and cfg is vc:
+            key = SAVED_VISION_KEYS.get(key, key)
         v = cfg.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{where}.{key} = {v!r}: must be a positive integer")
         return v
 
     h, inter, blocks, p = get("vt_hidden_size"), get("vt_intermediate_size"), get("vt_num_hidden_layers"), get("patch_size")
-    m = vc.get("mm_hidden_size", h)
+    m = config.get("projection_hidden_size", h) if saved else vc.get("mm_hidden_size", h)
     merge = vc.get("merge_kernel_size") or [2, 2]
     if not (isinstance(merge, (list, tuple)) and merge and all(isinstance(v, int) and v >= 1 for v in merge)):
         raise ValueError(f"vision_config.merge_kernel_size = {merge!r}: must be a list of positive integers")
@@ -129,4 +150,5 @@ def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
         # the vision projector (carried byte-identical) writes image features into the text model's
         # residual stream: a rotation would have to turn its output too
         rotation="its vision projector writes the residual stream and is carried unchanged",
+        saved_renames=SAVED_RENAMES,
     )

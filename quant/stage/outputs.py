@@ -144,7 +144,11 @@ class OutputPlan:
 
     def _copies(self, out: Outputs) -> None:
         """The copies the architecture table has an Ascend output hold where SRC lacks them
-        (`ArchSpec.missing_copies`: DeepSeek-V4's MTP draft embed / head), as float as the original."""
+        (`ArchSpec.missing_copies`: DeepSeek-V4's MTP draft embed / head), as float as the original;
+        none for a layout transformers' save_pretrained wrote (`Checkpoint.renamed`): it holds no MTP
+        layer, so there is no draft to feed."""
+        if getattr(self.ckpt, "renamed", None):
+            return
         source = self.source
         for copy, name in self.arch.missing_copies(self.ckpt.tensors).items():
             dt, shape = source.float_spec(name)

@@ -37,6 +37,8 @@ HARMLESS_KEYS = frozenset({
     "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", "model_type",
     "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range", "pretraining_tp",
     "output_router_logits", "router_aux_loss_coef", "aux_loss_alpha", "seq_aux", "attention_dropout",
+    # training only: transformers adds router noise only while training (DeepseekV4Config defines it)
+    "router_jitter_noise",
     "quantization_config", "tie_word_embeddings", "_name_or_path", "return_dict", "output_hidden_states",
     "output_attentions", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
     "ep_size", "moe_layer_freq", "num_nextn_predict_layers", "is_encoder_decoder", "torchscript",

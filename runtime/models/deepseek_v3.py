@@ -65,6 +65,13 @@ from cvt.runtime.kernels import Linear
 from cvt.runtime.models.base import (MLP, CausalLM, ConfigError, ModelArgs, RMSNorm, build_experts, check_room,
                                      run_experts)
 
+# eps of MLA's latent norms (q_a_layernorm, kv_a_layernorm): a constant, not rms_norm_eps, in
+# DeepSeek's official inference/model.py (RMSNorm's default), the releases' modeling_deepseek.py and
+# transformers 5 (DeepseekV3 / V32 / GlmMoeDsa RMSNorm(rank) with the default eps). Equal to
+# rms_norm_eps in the DeepSeek and Kimi releases; GLM-5's rms_norm_eps is 1e-5 (vLLM and SGLang's
+# deepseek_v2 read rms_norm_eps here, so they depart from transformers for GLM-5 only).
+LATENT_NORM_EPS = 1e-6
+
 YARN_KEYS = frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                        "mscale_all_dim", "truncate"})
 
@@ -325,12 +332,12 @@ class MLA(nn.Module):
         self.q_lora = bool(args.q_lora_rank)
         if self.q_lora:
             self.q_a_proj = Linear(h, args.q_lora_rank, **kw)
-            self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps, **kw)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS, **kw)
             self.q_b_proj = Linear(args.q_lora_rank, self.n_heads * qk, **kw)
         else:
             self.q_proj = Linear(h, self.n_heads * qk, **kw)
         self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank + self.rope, **kw)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, args.rms_norm_eps, **kw)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, **kw)
         self.kv_b_proj = Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), **kw)
         self.o_proj = Linear(self.n_heads * self.v_dim, h, **kw)
         self.softmax_scale = rope_tables(args)[2]

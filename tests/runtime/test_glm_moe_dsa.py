@@ -24,7 +24,7 @@ from cvt.runtime.models.base import ConfigError  # noqa: E402
 from cvt.runtime.models.deepseek_v3 import MLACache  # noqa: E402
 from cvt.runtime.models.glm_moe_dsa import Args, Model  # noqa: E402
 from cvt.tests.runtime.test_deepseek_v3 import (YARN, assert_logits_close, hf_model, runtime_from_hf,  # noqa: E402
-                                                tokens)
+                                                tokens, unfuse)
 from cvt.tests.runtime.test_deepseek_v32 import IndexRecorder, assert_clear_topk_edges  # noqa: E402
 
 
@@ -65,6 +65,49 @@ def test_logits_match_transformers(name, monkeypatch):
     with torch.no_grad():
         ref = hf(input_ids=t).logits
     assert_logits_close(logits, ref)
+
+
+# issue 41: GlmMoeDsaConfig's own keys, init-scale weights (activations small enough that the latent
+# norms' eps shows: transformers uses 1e-6 there, not GLM-5's rms_norm_eps 1e-5), 65-token windows
+INIT_SCALE_CONFIG = dict(vocab_size=256, hidden_size=64, moe_intermediate_size=32, intermediate_size=96,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                         num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+                         qk_nope_head_dim=32, v_head_dim=32, index_topk=6, index_n_heads=2, index_head_dim=32,
+                         first_k_dense_replace=1, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+
+
+def init_perturbed_hf(cfg: dict, seed: int = 0):
+    """transformers' GlmMoeDsaForCausalLM with its own init, every tensor moved by 0.02 N(0, 1) and a
+    random router bias (the layout and scale a transformers-built tiny model has)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    hf = transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(**cfg, attn_implementation="eager")).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in hf.named_parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    return hf
+
+
+def test_init_scale_transformers_model_matches():
+    """The transformers-written config (every key GlmMoeDsaConfig.to_dict writes) and init-scale
+    weights: logits within 1e-5 on 65-token windows (4.7e-7 measured); with rms_norm_eps (1e-5) in
+    the latent norms q_a_layernorm / kv_a_layernorm, as cvt had it, not (9.8e-5 measured)."""
+    hf = init_perturbed_hf(INIT_SCALE_CONFIG)
+    ours = build_model(hf.config.to_dict(), dtype=torch.float32)
+    missing, unexpected = ours.load_state_dict(unfuse(hf.state_dict()), strict=False)
+    assert not missing and not unexpected
+    t = tokens(2, 65, vocab=256)
+    with torch.no_grad():
+        ref = hf(input_ids=t).logits
+    assert_logits_close(ours(t), ref)
+    for layer in ours.model.layers:
+        layer.self_attn.q_a_layernorm.eps = layer.self_attn.kv_a_layernorm.eps = hf.config.rms_norm_eps
+    with pytest.raises(AssertionError):
+        assert_logits_close(ours(t), ref)
 
 
 def test_schedules_resolve_like_transformers():
