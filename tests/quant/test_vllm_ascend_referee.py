@@ -57,6 +57,11 @@ CASES = [
     # KimiK25ForConditionalGeneration's language_model. prefix; vision tower / projector carried float
     pytest.param("k25", {"scheme": "w4a16", "group_size": 32}, id="kimi-k2.5-w4a16-g32"),
     pytest.param("k25", {"scheme": "w4a8"}, id="kimi-k2.5-w4a8"),
+    # --rotate (issue 39): the rotation is folded into the weights, the norms ones; nothing online
+    pytest.param("ds", {"scheme": "w4a8", "rotate": "hadamard:1"}, id="deepseek-w4a8-rotated"),
+    pytest.param("ds", {"scheme": "w4a4_mxfp4", "rotate": "hadamard:1"}, id="deepseek-w4a4-mxfp4-rotated"),
+    pytest.param("glm", {"scheme": "w8a8", "rotate": "hadamard:1"}, id="glm5-w8a8-rotated"),
+    pytest.param("qmoe", {"scheme": "w8a8", "rotate": "hadamard:1"}, id="qwen3-moe-w8a8-rotated"),
 ]
 
 MX_METHODS = {"mxfp8": ("AscendW8A8MXFP8DynamicLinearMethod", "AscendW8A8MXFP8DynamicFusedMoEMethod"),
