@@ -98,7 +98,9 @@ class Orthogonal:
         return (y / math.sqrt(self.n)).reshape(*lead, self.n)
 
     def left_t(self, w: torch.Tensor) -> torch.Tensor:
-        """Q^T @ w for w [n, ...] (float32)."""
+        """Q^T @ w for w [n, ...] (float32; a bias [n] too)."""
+        if w.dim() == 1:
+            return self.right(w)
         return self.right(w.T).T
 
     def matrix(self) -> torch.Tensor:

@@ -19,7 +19,8 @@ from cvt.quant.rotate import RotatedCheckpoint, check, parse
 from cvt.quant.stage import quantize
 from cvt.runtime.loader import load_model
 from cvt.testing.checkpoints import (tiny_deepseek_config, tiny_deepseek_v32_config, tiny_glm_moe_dsa_config,
-                                     tiny_kimi_k25_config, tiny_qwen3_config, write_bf16_checkpoint, write_release)
+                                     tiny_kimi_k25_config, tiny_qwen3_config, random_weights, write_bf16_checkpoint,
+                                     write_release)
 from cvt.errors import FormatError, OptionError
 
 
@@ -76,6 +77,8 @@ FAMILIES = {
     "glm_moe_dsa": lambda: tiny_glm_moe_dsa_config(indexer_types=["full", "shared", "full"]),
     "qwen3": lambda: tiny_qwen3_config(moe=False),
     "qwen3_moe": tiny_qwen3_config,
+    "qwen2-bias": lambda: tiny_qwen3_config(moe=False, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                                            attention_bias=True),  # v_proj's bias turns with its rows
 }
 
 
@@ -84,7 +87,8 @@ def test_rotated_float_model_is_the_same_function(family, tmp_path):
     """Logits of the rotated float32 model within 1e-4 relative of SRC's (the acceptance), past
     DeepSeek-V3.2 / GLM-5's index_topk so the indexer's selection runs; every residual norm is ones."""
     cfg = FAMILIES[family]()
-    src = write_bf16_checkpoint(tmp_path / "src", cfg, seed=4)
+    weights = {n: t for n, t in random_weights(cfg, seed=4).items() if not n.endswith("o_proj.bias")}  # Qwen2: qkv only
+    src = write_bf16_checkpoint(tmp_path / "src", cfg, weights=weights)
     rot = _rotated_copy(src, tmp_path / "rot")
     ids = torch.randint(0, cfg["vocab_size"] - 10, (2, 40), generator=torch.Generator().manual_seed(0))
     a, b = _logits(src, ids), _logits(tmp_path / "rot", ids)
