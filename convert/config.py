@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Mapping
 
+from cvt.convert.sources import SourceFormat, precision_of  # noqa: F401  (SourceFormat: the stages import it here)
 from cvt.errors import FormatError
-
-
-class SourceFormat(str, Enum):
-    FP8_BLOCK = "fp8-block"
-    BF16 = "bf16"  # or any plain float checkpoint
-    CT_INT4 = "compressed-tensors-int4"  # Kimi-K2-Thinking / K2.5 pack-quantized
-    CT_OTHER = "compressed-tensors"
-    CVT = "cvt-artifact"
-    OTHER_QUANT = "other-quantized"
 
 
 def quantization_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -56,17 +47,11 @@ def describe_quant(qc: Mapping[str, Any] | None) -> str:
 
 
 def source_format(config: Mapping[str, Any], has_manifest: bool = False) -> SourceFormat:
+    """What a checkpoint holds: cvt's own output, else the source-precision registry's entry
+    for its quantization_config (`cvt.convert.sources.precision_of`)."""
     if has_manifest:
         return SourceFormat.CVT
-    qc = quantization_config(config)
-    if not qc:
-        return SourceFormat.BF16
-    method = qc.get("quant_method")
-    if method == "fp8":
-        return SourceFormat.FP8_BLOCK
-    if method == "compressed-tensors":
-        return SourceFormat.CT_INT4 if qc.get("format") == "pack-quantized" else SourceFormat.CT_OTHER
-    return SourceFormat.OTHER_QUANT
+    return precision_of(quantization_config(config))
 
 
 def fp8_config(config: Mapping[str, Any], where: str) -> Fp8Config:

@@ -1,4 +1,8 @@
-"""The `cvt fp8-to-bf16` stage: an FP8 block release -> a BF16 Hugging Face checkpoint.
+"""The `cvt fp8-to-bf16` stage: a quantized release -> a BF16 Hugging Face checkpoint (the verb
+keeps its first source's name; `cvt.convert.sources` lists what it reads). A compressed-tensors
+release (mxfp4 / nvfp4 / float- / int-quantized) is read by `cvt.convert.ct_source`: each
+quantized linear dequantized to BF16 as `X.weight`, its parts and activation scales dropped,
+the rest copied. An FP8 block release:
 
 Every FP8 weight `X.weight` (float8_e4m3fn) is paired with `X.weight_scale_inv` (found
 through the index, in whatever shard it lives; DeepSeek-V4 names it `X.scale`, the
@@ -21,7 +25,8 @@ from pathlib import Path
 
 from cvt.version import __version__
 from cvt.convert.arch import arch_for
-from cvt.convert.config import SourceFormat, bf16_config, fp8_config
+from cvt.convert.config import SourceFormat, bf16_config, fp8_config, quantization_config, source_format
+from cvt.convert.sources import CT_STREAMED
 from cvt.convert.fp4 import EXPERT_DTYPE_FP4, FP4_DTYPES, FP4_MAX, GROUP, dequant_fp4_experts, fp4_scale_shape
 from cvt.convert.fp8 import (dequant_fp8_block, dequant_fp8_block_np, dequant_fp8_counted_np, expected_scale_shape,
                               kernel_name, scale_to_f32_np)
@@ -146,54 +151,95 @@ def fp8_to_bf16(
     the ranks that write it (`cvt.world`)."""
     ckpt = open_checkpoint(src, revision)
     try:
-        cfg = fp8_config(ckpt.config, where=str(src))
-        block = cfg.block
-        arch = arch_for(ckpt.config)
-        for name in ckpt.tensors:
-            arch.classify(name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name)
-        scale_param = arch.table.scale_param
-        pairs = pair_fp8_weights(ckpt, block, scale_param, fp4_experts=arch.config.get("expert_dtype") == EXPERT_DTYPE_FP4)
-        check_scales_finite(ckpt, pairs)
-        check_weights(ckpt, arch, "fp8-to-bf16", block)
-
-        workers = default_workers(workers)
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        outs: list[OutTensor] = []
-        for name, ref in ckpt.tensors.items():
-            if name.rpartition(".")[2] == scale_param:
-                continue
-            pair = pairs.get(name)
-            if pair is None:
-                outs.append(_passthrough(ckpt, ref))
-            elif pair.fp4:
-                outs.append(_dequantized_fp4(ckpt, pair))
-            else:
-                outs.append(_dequantized(ckpt, pair, block, threads))
-        n_deq = len(pairs)
+        fmt = source_format(ckpt.config)
+        if fmt in CT_STREAMED:  # a compressed-tensors release (`cvt.convert.ct_source`)
+            outs, n_deq, parameters = _ct_outputs(ckpt, fmt)
+        else:
+            outs, n_deq, parameters = _fp8_outputs(ckpt, src, workers)
+        # FP8: one scale per weight; c-t: every part but the weight, and the activation scales
+        n_drop = len(ckpt.tensors) - len(outs) if fmt in CT_STREAMED else n_deq
         result = write_checkpoint(
             ckpt,
             Path(dst),
             outs,
-            stage=StageInfo(
-                name="fp8-to-bf16",
-                tool_version=__version__,
-                parameters={"weight_block_size": list(block), "scale_fmt": cfg.scale_fmt, "max_shard_size": max_shard_size},
-            ),
-            source_format=SourceFormat.FP8_BLOCK.value,
+            stage=StageInfo(name="fp8-to-bf16", tool_version=__version__,
+                            parameters={**parameters, "max_shard_size": max_shard_size}),
+            source_format=fmt.value if fmt in CT_STREAMED else SourceFormat.FP8_BLOCK.value,
             out_format="hf-bf16",
             config=bf16_config(ckpt.config),
-            summary={"dequantized": n_deq, "passed_through": len(outs) - n_deq, "scales_dropped": n_deq},
+            summary={"dequantized": n_deq, "passed_through": len(outs) - n_deq, "scales_dropped": n_drop},
             max_shard_size=max_shard_size,
-            workers=workers,
+            workers=default_workers(workers),
             resume=resume,
             overwrite=overwrite,
             quiet=quiet,
             world=world,
         )
-        result.extra.update(dequantized=n_deq, passed_through=len(outs) - n_deq, scales_dropped=n_deq)
+        result.extra.update(dequantized=n_deq, passed_through=len(outs) - n_deq, scales_dropped=n_drop)
         return result
     finally:
         ckpt.close()
+
+
+def _fp8_outputs(ckpt: Checkpoint, src, workers: int | None) -> tuple[list[OutTensor], int, dict]:
+    """An FP8 block release's output tensors (its weights dequantized, the rest copied), checked
+    first; FormatError saying what the checkpoint is when it is no FP8 block release."""
+    cfg = fp8_config(ckpt.config, where=str(src))
+    block = cfg.block
+    arch = arch_for(ckpt.config)
+    for name in ckpt.tensors:
+        arch.classify(name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name)
+    scale_param = arch.table.scale_param
+    pairs = pair_fp8_weights(ckpt, block, scale_param, fp4_experts=arch.config.get("expert_dtype") == EXPERT_DTYPE_FP4)
+    check_scales_finite(ckpt, pairs)
+    check_weights(ckpt, arch, "fp8-to-bf16", block)
+
+    threads = max(1, (os.cpu_count() or 1) // default_workers(workers))
+    outs: list[OutTensor] = []
+    for name, ref in ckpt.tensors.items():
+        if name.rpartition(".")[2] == scale_param:
+            continue
+        pair = pairs.get(name)
+        if pair is None:
+            outs.append(_passthrough(ckpt, ref))
+        elif pair.fp4:
+            outs.append(_dequantized_fp4(ckpt, pair))
+        else:
+            outs.append(_dequantized(ckpt, pair, block, threads))
+    return outs, len(pairs), {"weight_block_size": list(block), "scale_fmt": cfg.scale_fmt}
+
+
+def _ct_outputs(ckpt: Checkpoint, fmt) -> tuple[list[OutTensor], int, dict]:
+    """A compressed-tensors release's output tensors: each quantized linear's BF16 weight in its
+    packed weight's place, its other parts and the activation / KV-cache scales dropped, every
+    other tensor copied; every part and scale checked before anything is written."""
+    from cvt.convert.ct_source import DROPPED, check_ct_scales, ct_linears, dequantize_ct
+
+    qc = quantization_config(ckpt.config)
+    arch = arch_for(ckpt.config)
+    for name in ckpt.tensors:
+        arch.classify(name)
+    linears = ct_linears(ckpt.tensors, fmt, qc)
+    check_ct_scales(ckpt, linears)
+    check_weights(ckpt, arch, "fp8-to-bf16")
+    anchors = {lin.anchor: lin for lin in linears.values()}
+    parts = {n for lin in linears.values() for n in lin.parts.values()}
+    outs: list[OutTensor] = []
+    for name, ref in ckpt.tensors.items():
+        lin = anchors.get(name)
+        if lin is not None:
+            outs.append(OutTensor(spec=TensorSpec(f"{lin.module}.weight", "BF16", lin.shape), source=ref.describe(),
+                                  produce=lambda lin=lin: dequantize_ct(ckpt, lin).to(torch_bf16()),
+                                  read_bytes=sum(ckpt.tensors[n].nbytes for n in lin.parts.values())))
+        elif name not in parts and name.rpartition(".")[2] not in DROPPED:
+            outs.append(_passthrough(ckpt, ref))
+    return outs, len(linears), {"source_format": fmt.value}
+
+
+def torch_bf16():
+    from cvt.lazy import torch
+
+    return torch.bfloat16
 
 
 def _dequantized_fp4(ckpt: Checkpoint, pair: Fp8Pair) -> OutTensor:

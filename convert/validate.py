@@ -51,10 +51,10 @@ class Survey:
 
 
 def _mx_scaled(tensors, name: str) -> bool:
-    """An E4M3 ``X.weight`` with a uint8 / E8M0 ``X.weight_scale`` is an MXFP8 weight (Ascend
-    W8A8_MXFP8: one E8M0 exponent per 32 along k), not an FP8 block release's weight."""
-    s = tensors.get(name + "_scale")
-    return s is not None and s.dtype in ("U8", "F8_E8M0")
+    """An E4M3 ``X.weight`` with its own ``X.weight_scale`` is not an FP8 block release's weight:
+    uint8 / E8M0, an MXFP8 weight (Ascend W8A8_MXFP8: one E8M0 exponent per 32 along k); float,
+    a compressed-tensors float-quantized one (`cvt.convert.ct_source` checks its scale)."""
+    return name + "_scale" in tensors
 
 
 def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> Survey:

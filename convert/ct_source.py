@@ -1,0 +1,212 @@
+"""compressed-tensors releases (what llm-compressor writes) read as float, one linear at a time:
+``mxfp4-pack-quantized``, ``nvfp4-pack-quantized``, ``float-quantized`` (FP8) and
+``int-quantized`` (INT8), the `cvt.convert.sources` entries in `CT_STREAMED`.
+
+Per linear X (w [n, k]):
+
+==============  ==========================================================================
+format          tensors, and the float32 weight (BF16: that product rounded once, RNE)
+==============  ==========================================================================
+mxfp4           X.weight_packed u8 [n, k/2] (element 2j in the low nibble), X.weight_scale
+                u8 / E8M0 [n, k/32]:  e2m1(code) * 2**(s - 127)
+nvfp4           X.weight_packed u8 [n, k/2], X.weight_scale e4m3 [n, k/16],
+                X.weight_global_scale f32 [1]:  e2m1(code) * (float32(s) / global_scale)
+fp8             X.weight e4m3 [n, k], X.weight_scale f32/bf16/f16 [1] (tensor), [n, 1]
+                (channel), [n, k/G] (group) or [ceil(n/bn), ceil(k/bk)] (block, the config
+                group's block_structure):  float32(w) * float32(s)
+int8            X.weight i8 [n, k], X.weight_scale as fp8's, X.weight_zero_point (asymmetric,
+                the scale's shape):  float32(w - zero_point) * float32(s)
+==============  ==========================================================================
+
+This is the package's own decompression (compressed-tensors 0.20 ``dequantize``: the code in
+the scale's dtype times the scale, nvfp4's scale divided by the global scale first), which
+the tests run against. Activation parameters (``input_scale``, ``input_global_scale``,
+``input_zero_point``) and the KV cache's ``k_scale`` / ``v_scale`` describe the serving of a
+quantized model and are dropped from a float output. Before anything is written every part is
+checked from the headers (present, dtype, shape) and every scale read (NaN, Inf, E8M0 0xFF, a
+global scale not > 0, a scale whose largest code overflows bfloat16): TensorError naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from cvt.convert.sources import SourceFormat
+from cvt.errors import TensorError
+
+BF16_MAX = 3.3895313892515355e38
+DROPPED = ("input_scale", "input_global_scale", "input_zero_point", "k_scale", "v_scale")
+_FP4 = (SourceFormat.CT_MXFP4, SourceFormat.CT_NVFP4)
+_FLOAT_SCALES = ("F32", "BF16", "F16")
+# largest |code| of each format (int8 asymmetric: |w - zero_point| up to 255)
+_TOP = {SourceFormat.CT_MXFP4: 6.0, SourceFormat.CT_NVFP4: 6.0, SourceFormat.CT_FP8: 448.0, SourceFormat.CT_INT8: 128.0}
+
+
+@dataclass(frozen=True)
+class CtLinear:
+    """One quantized linear of a compressed-tensors source: its parts (param -> tensor name)."""
+
+    module: str
+    fmt: SourceFormat
+    parts: dict[str, str]
+    shape: tuple[int, int]
+    block: tuple[int, int] | None = None  # float-quantized / int-quantized block strategy
+
+    @property
+    def anchor(self) -> str:
+        """The stored tensor whose place the float weight ``X.weight`` takes in an output."""
+        return self.parts["weight_packed" if self.fmt in _FP4 else "weight"]
+
+
+def block_structure(qc: Mapping[str, Any] | None) -> tuple[int, int] | None:
+    """The [bn, bk] of a block-strategy config group (None: no group is block-scaled)."""
+    for g in ((qc or {}).get("config_groups") or {}).values():
+        w = (g or {}).get("weights") or {}
+        b = w.get("block_structure")
+        if w.get("strategy") == "block" and isinstance(b, list) and len(b) == 2:
+            return int(b[0]), int(b[1])
+    return None
+
+
+def ct_linears(tensors: Mapping[str, Any], fmt: SourceFormat, qc: Mapping[str, Any] | None = None) -> dict[str, CtLinear]:
+    """module -> its quantized linear, from the headers alone (`tensors`: name -> TensorRef);
+    TensorError naming the first part that is missing or of the wrong dtype / shape."""
+    packed = fmt in _FP4
+    anchor = "weight_packed" if packed else "weight"
+    block = block_structure(qc)
+    out: dict[str, CtLinear] = {}
+    for name, ref in tensors.items():
+        module, _, param = name.rpartition(".")
+        if param == "weight_scale" and f"{module}.{anchor}" not in tensors:
+            raise TensorError(f"scale {ref.describe()}: its weight {module}.{anchor} is missing")
+        if param != anchor or (not packed and f"{module}.weight_scale" not in tensors):
+            continue  # a float weight (ignored by the config, e.g. lm_head) when no scale comes with it
+        parts = {p: f"{module}.{p}" for p in ("weight_packed", "weight", "weight_scale", "weight_global_scale",
+                                              "weight_zero_point") if f"{module}.{p}" in tensors}
+        lin = CtLinear(module, fmt, parts, _shape(ref, fmt), block)
+        _check_parts(tensors, lin)
+        out[module] = lin
+    return out
+
+
+def _shape(ref, fmt: SourceFormat) -> tuple[int, int]:
+    want = {SourceFormat.CT_FP8: "F8_E4M3", SourceFormat.CT_INT8: "I8"}.get(fmt, "U8")
+    if ref.dtype != want or len(ref.shape) != 2:
+        raise TensorError(f"{ref.describe()}: a {fmt.value} weight is 2-D {want}"
+                          + (" (two E2M1 codes per byte)" if fmt in _FP4 else ""))
+    n, k = ref.shape
+    return (n, 2 * k) if fmt in _FP4 else (n, k)
+
+
+def _check_parts(tensors, lin: CtLinear) -> None:
+    n, k = lin.shape
+    x = lin.module
+    need = {SourceFormat.CT_NVFP4: ("weight_scale", "weight_global_scale")}.get(lin.fmt, ("weight_scale",))
+    for p in need:
+        if p not in lin.parts:
+            raise TensorError(f"{tensors[lin.anchor].describe()}: its {x}.{p} is missing ({lin.fmt.value})")
+    s = tensors[lin.parts["weight_scale"]]
+    if lin.fmt in _FP4:
+        g, dts = (32, ("U8", "F8_E8M0")) if lin.fmt is SourceFormat.CT_MXFP4 else (16, ("F8_E4M3",))
+        if k % g or s.dtype not in dts or tuple(s.shape) != (n, k // g):
+            raise TensorError(f"scale {s.describe()}: expected {' / '.join(dts)} {[n, k // g]} for weight "
+                              f"[{n}, {k}] (one scale per {g} inputs)")
+        if "weight_zero_point" in lin.parts:
+            raise TensorError(f"{tensors[lin.parts['weight_zero_point']].describe()}: an asymmetric {lin.fmt.value} "
+                              "weight is not read")
+        if lin.fmt is SourceFormat.CT_NVFP4:
+            gs = tensors[lin.parts["weight_global_scale"]]
+            if gs.dtype not in _FLOAT_SCALES or math.prod(gs.shape) != 1:
+                raise TensorError(f"global scale {gs.describe()}: expected one float32 value")
+        return
+    if s.dtype not in _FLOAT_SCALES or _granularity(lin, tuple(s.shape)) is None:
+        raise TensorError(f"scale {s.describe()}: expected {' / '.join(_FLOAT_SCALES)} [1] (tensor), [{n}, 1] "
+                          f"(channel), [{n}, k/G] (group) or block scales for weight [{n}, {k}]")
+    zp = lin.parts.get("weight_zero_point")
+    if zp is not None and (lin.fmt is not SourceFormat.CT_INT8 or tuple(tensors[zp].shape) != tuple(s.shape)
+                           or tensors[zp].dtype not in ("I8", "I32")):
+        raise TensorError(f"zero point {tensors[zp].describe()}: expected int8 of its scale's shape {list(s.shape)}")
+
+
+def _granularity(lin: CtLinear, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """(rows, cols) of the weight one scale covers, or None when `shape` fits no strategy."""
+    n, k = lin.shape
+    if math.prod(shape) == 1:
+        return n, k
+    if len(shape) != 2:
+        return None
+    if lin.block is not None and shape == (-(-n // lin.block[0]), -(-k // lin.block[1])):
+        return lin.block
+    if shape[0] == n and k % shape[1] == 0:
+        return 1, k // shape[1]
+    return None
+
+
+def _float_scale(t):
+    """float32 of a scale tensor (E8M0 exponents as 2**(e - 127), exactly)."""
+    from cvt.lazy import torch
+    from cvt.qtensor.primitives import e8m0_to_f32
+
+    return e8m0_to_f32(t) if t.dtype in (torch.uint8, torch.float8_e8m0fnu) else t.to(torch.float32)
+
+
+def check_ct_scales(ckpt, linears: dict[str, CtLinear]) -> None:
+    """Read every scale (the weights stay unread): TensorError naming the first that is NaN or
+    Inf (E8M0 0xFF, an e4m3 NaN code), a global scale not > 0, or one whose largest code times it
+    overflows bfloat16 (the weight would dequantize to Inf)."""
+    from cvt.lazy import torch
+
+    for lin in linears.values():
+        names = [lin.parts["weight_scale"]] + ([lin.parts["weight_global_scale"]]
+                                               if lin.fmt is SourceFormat.CT_NVFP4 else [])
+        s = [_float_scale(ckpt.read(nm)).reshape(-1) for nm in names]
+        for nm, v in zip(names, s):
+            bad = ~torch.isfinite(v)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise TensorError(f"scale {ckpt.tensors[nm].describe()}: {int(bad.sum())} non-finite value(s), "
+                                  f"first {float(v[i])} at flat index {i}")
+        if lin.fmt is SourceFormat.CT_NVFP4 and not float(s[1][0]) > 0:
+            raise TensorError(f"global scale {ckpt.tensors[names[1]].describe()}: {float(s[1][0])}, expected > 0")
+        top = _TOP[lin.fmt] * (2 if "weight_zero_point" in lin.parts else 1)
+        big = float(s[0].abs().max()) / (float(s[1][0]) if len(s) > 1 else 1.0)
+        if top * big > BF16_MAX:
+            raise TensorError(f"scale {ckpt.tensors[names[0]].describe()}: {big:g} times {top:g} (the largest code) "
+                              f"overflows bfloat16 (max {BF16_MAX:.4g}): the weight would dequantize to Inf")
+        for nm in names:
+            ckpt.release(nm)
+
+
+def dequantize_ct(ckpt, lin: CtLinear):
+    """float32 [n, k] of one linear (module docstring); its pages released after."""
+    from cvt.lazy import torch
+
+    n, k = lin.shape
+    try:
+        s = _float_scale(ckpt.read(lin.parts["weight_scale"]))
+        if lin.fmt in _FP4:
+            from cvt.qtensor.primitives import decode_e2m1, unpack_fp4
+
+            if lin.fmt is SourceFormat.CT_NVFP4:
+                s = s / ckpt.read(lin.parts["weight_global_scale"]).to(torch.float32).reshape(1)
+            v = decode_e2m1(unpack_fp4(ckpt.read(lin.parts["weight_packed"])))
+            return (v.reshape(n, s.shape[1], -1) * s[:, :, None]).reshape(n, k)
+        w = ckpt.read(lin.parts["weight"]).to(torch.float32)
+        if "weight_zero_point" in lin.parts:
+            zp = ckpt.read(lin.parts["weight_zero_point"]).to(torch.float32).reshape(s.shape)
+            w = w - _expand_scale(lin, zp)
+        return w * _expand_scale(lin, s)
+    finally:
+        for nm in lin.parts.values():
+            ckpt.release(nm)
+
+
+def _expand_scale(lin: CtLinear, s):
+    """The scale broadcast to the weight's [n, k] (tensor and channel scales by broadcasting)."""
+    n, k = lin.shape
+    rows, cols = _granularity(lin, tuple(s.shape))
+    if math.prod(s.shape) == 1:
+        return s.reshape(1, 1)
+    return s.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]

@@ -1,0 +1,119 @@
+"""Source precisions as data: what cvt reads in a released checkpoint, how it recognises it from
+the checkpoint's own config.json (``quantization_config``), which tensors make up one of its
+linears, and its exact dequantization. `source_format` takes the first entry whose rule matches;
+`cvt inspect` shows the entry, and the help and docs list `readable()` from here.
+
+The FP8 block, plain float and DeepSeek-V4 FP4 entries are read by their own stage code
+(`cvt.convert.fp8`, `cvt.convert.fp4`); the compressed-tensors ones by `cvt.convert.ct_source`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Mapping
+
+from cvt.errors import FormatError
+from cvt.registry import Registry
+
+
+class SourceFormat(str, Enum):
+    FP8_BLOCK = "fp8-block"
+    BF16 = "bf16"  # or any plain float checkpoint
+    CT_INT4 = "compressed-tensors-int4"  # Kimi-K2-Thinking / K2.5 pack-quantized
+    CT_MXFP4 = "compressed-tensors-mxfp4"
+    CT_NVFP4 = "compressed-tensors-nvfp4"
+    CT_FP8 = "compressed-tensors-fp8"
+    CT_INT8 = "compressed-tensors-int8"
+    CT_OTHER = "compressed-tensors"
+    CVT = "cvt-artifact"
+    OTHER_QUANT = "other-quantized"
+
+
+# both stages that turn a quantized release into float weights
+DEQUANT_VERBS = ("fp8-to-bf16", "quantize")
+
+
+@dataclass(frozen=True)
+class SourcePrecision:
+    """One precision a release may be stored in."""
+
+    name: str                  # the `SourceFormat` value (what manifests record), or a part's own name
+    summary: str               # one line: what it is and who writes it
+    recognised: str            # how config.json says so (the docs' words for `matches`)
+    matches: Callable[[Mapping[str, Any] | None], bool] | None  # on quantization_config; None: not a whole checkpoint
+    parts: tuple[str, ...]     # per linear X: the tensors X.<part> that make up its weight
+    dequant: str               # the exact math to float32 / BF16
+    verbs: tuple[str, ...] = DEQUANT_VERBS  # the stages that read it
+
+
+SOURCES: Registry[SourcePrecision] = Registry("source precision", FormatError, summarized=True)
+
+
+def _add(p: SourcePrecision) -> None:
+    SOURCES.add(p.name, p)
+
+
+def _ct(fmt: str) -> Callable[[Mapping[str, Any] | None], bool]:
+    """compressed-tensors' top-level ``format`` (one format for every config group; mixed
+    precision is another format and not read)."""
+    return lambda qc: bool(qc) and qc.get("quant_method") == "compressed-tensors" and qc.get("format") == fmt
+
+
+_add(SourcePrecision(
+    SourceFormat.BF16.value, "plain float weights (BF16, F16, F32): copied, or quantized as they are",
+    "no quantization_config", lambda qc: not qc, ("weight",), "none (the stored value)", ("quantize",)))
+_add(SourcePrecision(
+    SourceFormat.FP8_BLOCK.value, "FP8 e4m3 weights with block scales (DeepSeek-V3/V3.2/V4, Kimi-K2, GLM-5 releases)",
+    'quant_method "fp8" with weight_block_size [bn, bk]', lambda qc: bool(qc) and qc.get("quant_method") == "fp8",
+    ("weight", "weight_scale_inv"), "rne_bf16(float32(w) * float32(s[i // bn, j // bk]))"))
+_add(SourcePrecision(
+    "deepseek-v4-fp4-experts", "DeepSeek-V4's FP4 routed experts (E2M1 pairs in int8, E8M0 scale per 32)",
+    'within an FP8 block release whose config.json has expert_dtype "fp4"', None, ("weight", "scale"),
+    "rne_bf16(e2m1(code) * float32(s[i, j // 32]))"))
+_add(SourcePrecision(
+    SourceFormat.CT_INT4.value, "compressed-tensors pack-quantized INT4 (Kimi-K2-Thinking / K2.5, llm-compressor W4A16)",
+    'quant_method "compressed-tensors", format "pack-quantized"', _ct("pack-quantized"),
+    ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
+    "float32(int4 - zero_point) * float32(s[i, j // G]), to BF16 once", ("quantize",)))
+_add(SourcePrecision(
+    SourceFormat.CT_MXFP4.value, "compressed-tensors mxfp4-pack-quantized (E2M1 pairs, E8M0 scale per 32)",
+    'quant_method "compressed-tensors", format "mxfp4-pack-quantized"', _ct("mxfp4-pack-quantized"),
+    ("weight_packed", "weight_scale"), "rne_bf16(e2m1(code) * 2**(s[i, j // 32] - 127))"))
+_add(SourcePrecision(
+    SourceFormat.CT_NVFP4.value, "compressed-tensors nvfp4-pack-quantized (E2M1 pairs, E4M3 scale per 16, global scale)",
+    'quant_method "compressed-tensors", format "nvfp4-pack-quantized"', _ct("nvfp4-pack-quantized"),
+    ("weight_packed", "weight_scale", "weight_global_scale"),
+    "rne_bf16(e2m1(code) * (float32(s[i, j // 16]) / global_scale))"))
+_add(SourcePrecision(
+    SourceFormat.CT_FP8.value, "compressed-tensors float-quantized FP8 e4m3, per-tensor / per-channel / group scales "
+    "(llm-compressor's FP8 and FP8_DYNAMIC)", 'quant_method "compressed-tensors", format "float-quantized"',
+    _ct("float-quantized"), ("weight", "weight_scale"), "rne_bf16(float32(w) * float32(s))"))
+_add(SourcePrecision(
+    SourceFormat.CT_INT8.value, "compressed-tensors int-quantized INT8, per-tensor / per-channel / group scales "
+    "(llm-compressor's W8A8)", 'quant_method "compressed-tensors", format "int-quantized"', _ct("int-quantized"),
+    ("weight", "weight_scale", "weight_zero_point"), "rne_bf16(float32(w - zero_point) * float32(s))"))
+
+# the compressed-tensors entries cvt.convert.ct_source reads (fp8-to-bf16 and quantize, on the fly)
+CT_STREAMED = (SourceFormat.CT_MXFP4, SourceFormat.CT_NVFP4, SourceFormat.CT_FP8, SourceFormat.CT_INT8)
+
+
+def precision_of(qc: Mapping[str, Any] | None) -> SourceFormat:
+    """The format of a checkpoint with this quantization_config: the first entry that matches; a
+    compressed-tensors format no entry reads is `CT_OTHER`, any other quantization `OTHER_QUANT`."""
+    for p in SOURCES.values():
+        if p.matches is not None and p.matches(qc):
+            return SourceFormat(p.name)
+    if qc and qc.get("quant_method") == "compressed-tensors":
+        return SourceFormat.CT_OTHER
+    return SourceFormat.OTHER_QUANT
+
+
+def summary_of(fmt: SourceFormat) -> str | None:
+    """The entry's one line for a format (None: cvt's own output, or one it does not read)."""
+    return SOURCES.get(fmt.value).summary if fmt.value in SOURCES else None
+
+
+def readable(verb: str) -> list[str]:
+    """Names of the precisions `verb` reads, in registry order (the help and docs list them)."""
+    return [p.name for p in SOURCES.values() if verb in p.verbs]

@@ -1,0 +1,91 @@
+"""Tiny compressed-tensors releases written by the compressed-tensors library itself (its
+presets, its qparams and its compressors, as llm-compressor drives them), and that library's
+own decompression of them, for the source-precision tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cvt.testing.checkpoints import random_weights, tiny_qwen3_config, write_release
+
+# preset -> the c-t format it is stored in
+PRESETS = {"MXFP4": "mxfp4-pack-quantized", "NVFP4": "nvfp4-pack-quantized", "FP8": "float-quantized",
+           "FP8_DYNAMIC": "float-quantized", "FP8_BLOCK": "float-quantized", "W8A8": "int-quantized",
+           "W4A16": "pack-quantized"}
+
+
+def _minmax(w: torch.Tensor, args):
+    """c-t's observed min / max for the strategy (what llm-compressor's memoryless observer takes)."""
+    from compressed_tensors.quantization import QuantizationStrategy as S
+
+    n, k = w.shape
+    if args.strategy == S.TENSOR:
+        return w.amin().reshape(1), w.amax().reshape(1)
+    if args.strategy == S.CHANNEL:
+        return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    if args.strategy == S.BLOCK:
+        bn, bk = args.block_structure
+        b = w.reshape(n // bn, bn, k // bk, bk)
+        return b.amin((1, 3)), b.amax((1, 3))
+    g = w.reshape(n, k // args.group_size, args.group_size)
+    return g.amin(-1), g.amax(-1)
+
+
+def compress(w: torch.Tensor, preset: str) -> dict[str, torch.Tensor]:
+    """One linear's stored parts (suffix -> tensor), by the c-t compressor of `preset`'s format."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationStrategy as S, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    args = scheme.weights
+    gs = generate_gparam(w.amin(), w.amax()) if args.strategy == S.TENSOR_GROUP else None
+    lo, hi = _minmax(w, args)
+    scale, zp = calculate_qparams(lo, hi, args, global_scale=gs)
+    sd = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
+    if gs is not None:
+        sd["weight_global_scale"] = gs
+    out = BaseCompressor.get_value_from_registry(PRESETS[preset]).compress(sd, scheme)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def quantization_config(preset: str, ignore=("lm_head",)) -> dict:
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
+                            format=PRESETS[preset], quantization_status="compressed", ignore=list(ignore))
+    return json.loads(qc.model_dump_json())
+
+
+def write_ct_release(dst: Path, preset: str, seed: int = 0, moe: bool = False, **overrides) -> Path:
+    """A tiny Qwen3 release with every linear but lm_head stored in `preset` by the c-t library."""
+    pytest.importorskip("compressed_tensors")
+    config = tiny_qwen3_config(moe=moe, **overrides)
+    tensors = {}
+    for name, w in random_weights(config, seed).items():
+        module = name[: -len(".weight")]
+        if name.endswith("_proj.weight"):
+            tensors.update({f"{module}.{k}": v for k, v in compress(w.to(torch.bfloat16), preset).items()})
+        else:
+            tensors[name] = w.float() if name.endswith("e_score_correction_bias") else w.to(torch.bfloat16)
+    config["quantization_config"] = quantization_config(preset)
+    return write_release(dst, config, tensors, 2, move_scale=False)
+
+
+def ct_decompressed(src: Path, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The c-t package's model-free dequantizer's output for `src` (name -> tensor)."""
+    from compressed_tensors.entrypoints.convert import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters import CompressedTensorsDequantizer
+    from safetensors.torch import load_file
+
+    dst = src.parent / (src.name + "-ct-deq")
+    deq = CompressedTensorsDequantizer(src, ignore=["model.embed_tokens", "lm_head", "re:.*norm$"], dtype=dtype)
+    convert_checkpoint(src, dst, deq, device="cpu", max_workers=1)
+    got = {}
+    for f in dst.glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    return got
