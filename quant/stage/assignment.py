@@ -149,6 +149,9 @@ def method_kernels(method: str) -> tuple[str, ...] | None:
 def weight_shape(ckpt: Checkpoint, params: dict[str, str]) -> tuple[int, int]:
     if "weight_shape" in params:
         return tuple(int(x) for x in ckpt.read(params["weight_shape"]).tolist())
+    if "weight" not in params and "weight_packed" in params:  # c-t mxfp4 / nvfp4: two E2M1 codes per byte
+        n, half = ckpt.tensors[params["weight_packed"]].shape
+        return (n, 2 * half)
     ref = ckpt.tensors[params["weight"]]
     shape = ref.shape
     if len(shape) != 2:

@@ -18,6 +18,7 @@ from cvt.lazy import torch
 
 from cvt.convert.arch import ArchSpec, TensorInfo, arch_for, text_config
 from cvt.convert.config import SourceFormat
+from cvt.convert.ct_source import DROPPED as CT_DROPPED
 from cvt.convert.fp8 import kernel_name as fp8_kernel_name
 from cvt.convert.fp8_to_bf16 import dequantized_pieces
 from cvt.convert.safetensors_io import TensorSpec
@@ -80,6 +81,11 @@ class OutputPlan:
             elif self.src_fmt is SourceFormat.CT_INT4 and info.param in CT_PARTS:
                 if info.param == "weight_packed":  # a float module stored packed: written once, as BF16 weight
                     self._unpacked(out, info.module)
+            elif name in self.source.ct_parts:  # a compressed-tensors linear kept float: its BF16 weight, once
+                if name == self.source.ct_parts[name].anchor:
+                    self._unpacked(out, info.module)
+            elif self.source.ct_linears and info.param in CT_DROPPED:
+                continue  # the source's activation / KV-cache scales: not what the output quantizes with
             else:
                 self._float(out, name, ref, info)
         if self.form.name == ASCEND:
@@ -112,7 +118,7 @@ class OutputPlan:
             ))
 
     def _unpacked(self, out: Outputs, module: str) -> None:
-        """A float linear stored as compressed-tensors INT4: its BF16 weight."""
+        """A float linear stored as compressed-tensors INT4 (or FP4 / FP8 / INT8): its BF16 weight."""
         params = self.plan.modules[module]
         source = self.source
         out.add(OutTensor(TensorSpec(module + ".weight", "BF16", weight_shape(self.ckpt, params)),

@@ -12,7 +12,9 @@ import threading
 from cvt.qtensor import kernel_formats as KF
 from cvt.lazy import torch
 
-from cvt.convert.config import SourceFormat, fp8_config
+from cvt.convert.config import SourceFormat, fp8_config, quantization_config
+from cvt.convert.ct_source import ct_linears, dequantize_ct
+from cvt.convert.sources import CT_STREAMED
 from cvt.convert.fp8 import dequant_fp8_block, scale_to_f32_np
 from cvt.convert.fp4 import FP4_DTYPES, dequant_fp4_experts
 from cvt.convert.fp8_to_bf16 import dequantize_stored
@@ -53,6 +55,9 @@ class Source:
         self.ckpt = ckpt
         self.block = fp8_config(ckpt.config, str(ckpt.root)).block if fmt is SourceFormat.FP8_BLOCK else None
         self.ct = CompressedTensors() if fmt is SourceFormat.CT_INT4 else None
+        # a compressed-tensors release read as float (`cvt.convert.ct_source`): module -> its linear
+        self.ct_linears = ct_linears(ckpt.tensors, fmt, quantization_config(ckpt.config)) if fmt in CT_STREAMED else {}
+        self.ct_parts = {n: lin for lin in self.ct_linears.values() for n in lin.parts.values()}
         # the release's block-scale parameter (`ArchTable.scale_param`): X.weight_scale_inv, or
         # DeepSeek-V4's X.scale, which also scales its FP4 experts (`fp4_source`)
         self.scale_param = scale_param
@@ -84,10 +89,22 @@ class Source:
         ck.release(self.scale_of(name))
         return w
 
+    def ct_linear(self, params: dict[str, str]):
+        """The compressed-tensors linear (`cvt.convert.ct_source.CtLinear`) of a module's params, or None."""
+        name = params.get("weight_packed") or params.get("weight")
+        return self.ct_parts.get(name) if name is not None else None
+
+    def _dequant_ct(self, lin) -> torch.Tensor:
+        """bfloat16 [n, k], as `cvt fp8-to-bf16` writes it."""
+        return dequantize_ct(self.ckpt, lin).to(torch.bfloat16)
+
     def float_weight(self, params: dict[str, str]) -> torch.Tensor:
-        """float32 [n, k] of a linear's weight: FP8 / FP4 dequantized (to BF16 as `cvt fp8-to-bf16`
-        writes it, then widened), CT INT4 unpacked, else cast."""
+        """float32 [n, k] of a linear's weight: FP8 / FP4 / compressed-tensors FP4 / FP8 / INT8
+        dequantized (to BF16 as `cvt fp8-to-bf16` writes it, then widened), CT INT4 unpacked, else cast."""
         ck = self.ckpt
+        lin = self.ct_linear(params)
+        if lin is not None:
+            return self._dequant_ct(lin).float()
         if "weight" in params and ck.tensors[params["weight"]].dtype == "F8_E4M3":
             w = dequant_fp8_block(ck.read(params["weight"]), ck.read(self.scale_of(params["weight"])), self.block)
             ck.release(params["weight"])
@@ -108,7 +125,7 @@ class Source:
 
         name = params.get("weight")
         ref = self.ckpt.tensors[name] if name is not None else None
-        if ref is None or ref.dtype not in ("F8_E4M3", "BF16"):
+        if ref is None or ref.dtype not in ("F8_E4M3", "BF16") or self.ct_linear(params) is not None:
             return None
         if qkernel.kernel_name() == "c":  # numpy over the mmap: this process never needs torch
             if ref.dtype == "BF16":
@@ -128,6 +145,8 @@ class Source:
     def float_tensor(self, name: str):
         """A tensor kept float: FP8 ones dequantized to BF16 (with the C kernel: a numpy
         ``uint16`` array of the BF16 bits, no torch), FP4 experts to BF16, others as stored."""
+        if name in self.ct_parts:
+            return self._dequant_ct(self.ct_parts[name])
         if self.ckpt.tensors[name].dtype == "F8_E4M3":
             return dequantize_stored(self.ckpt, name, self.scale_of(name), self.block)
         if self.is_fp4(name):
@@ -138,6 +157,8 @@ class Source:
         """(dtype code, shape) of a tensor kept float in the output: FP8 / FP4 ones become BF16
         (an FP4 expert's packed ``[n, k/2]`` is ``[n, k]``)."""
         ref = self.ckpt.tensors[name]
+        if name in self.ct_parts:
+            return "BF16", self.ct_parts[name].shape
         if ref.dtype == "F8_E4M3":
             return "BF16", tuple(ref.shape)
         if self.is_fp4(name):
@@ -258,7 +279,7 @@ class Quantizer:
         method = self.plan.methods[module]
         q = self.loader(module) if module in self.precomputed else None  # calibrated (from the state folder)
         exact = False
-        if "weight_packed" in params:  # an INT4 source: read it once, as its own quantized tensor
+        if "weight_packed" in params and self.source.ct is not None:  # INT4: read once, as its own quantized tensor
             src_q = self.source.source_quantized(params)
             w = get_scheme(src_q.scheme, group_size=src_q.group_size, symmetric=src_q.symmetric).dequantize(src_q)
             k = src_q.shape[1]
@@ -269,7 +290,7 @@ class Quantizer:
                 # same int4 grid: re-emitted as is, without loss, recorded with the scheme's group
                 # size (a [n, 1] scale reads back as 0; a group of k is written in the grouped layout)
                 q, method = dataclasses.replace(src_q, group_size=scheme.group_size), "source"
-        elif self.source.is_fp4(params["weight"]):  # a DeepSeek-V4 FP4 expert (`fp4_source`)
+        elif self.source.fp4 and self.source.is_fp4(params["weight"]):  # a DeepSeek-V4 FP4 expert (`fp4_source`)
             src_q = self.source.fp4_quantized(params, scheme) if q is None else None
             if src_q is not None:  # the scheme's grid is the release's: codes and scales copied, exact
                 q, method, exact = src_q, "source", True

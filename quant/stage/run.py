@@ -10,6 +10,8 @@ from pathlib import Path
 
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, source_format
+from cvt.convert.ct_source import check_ct_scales
+from cvt.convert.sources import readable
 from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
 from cvt.convert.validate import check_weights
 from cvt.convert.reader import Checkpoint, check_manifest_files, open_checkpoint
@@ -76,6 +78,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         source = Source(ckpt, src_fmt, arch.table.scale_param)
         if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
             check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block, source.scale_param, fp4_experts=source.fp4))
+        if source.ct_linears:  # a compressed-tensors release: every scale finite, none overflowing bfloat16
+            check_ct_scales(ckpt, source.ct_linears)
         check_weights(ckpt, arch, "quantize", source.block or (128, 128))
         if rotation is not None:  # from here on SRC is read as the rotated BF16 model
             from cvt.quant.rotate import RotatedCheckpoint
@@ -156,9 +160,9 @@ def _source_format(ckpt: Checkpoint, src) -> SourceFormat:
         src_fmt = {"hf-bf16": SourceFormat.BF16}.get(m.format, source_format(ckpt.config))
         if src_fmt is SourceFormat.BF16 and m.format != "hf-bf16":
             src_fmt = SourceFormat.OTHER_QUANT
-    if src_fmt not in (SourceFormat.BF16, SourceFormat.FP8_BLOCK, SourceFormat.CT_INT4):
-        raise FormatError(f"{src}: cannot quantize {article(src_fmt.value)} checkpoint (quantize reads BF16, FP8 block "
-                          "and compressed-tensors pack-quantized INT4 checkpoints)")
+    if src_fmt.value not in readable("quantize"):
+        raise FormatError(f"{src}: cannot quantize {article(src_fmt.value)} checkpoint (quantize reads "
+                          f"{', '.join(readable('quantize'))})")
     return src_fmt
 
 
