@@ -18,6 +18,7 @@ from typing import Any
 from cvt.convert import source as source_mod
 from cvt.convert.arch import arch_for, carried_names
 from cvt.convert.config import SourceFormat, describe_quant, fp8_block, quantization_config, source_format
+from cvt.convert.sources import summary_of
 from cvt.convert.reader import (MANIFEST_NAME, file_problems, manifest_problems, open_checkpoint, sharded_manifest,
                                 unsharded_source)
 from cvt.convert.safetensors_io import load_json
@@ -41,6 +42,7 @@ class InspectReport:
     problems: list[str] = field(default_factory=list)
     layout: dict[str, Any] = field(default_factory=dict)   # a cvt shard output: its parallel degrees
     ranks: list[dict[str, Any]] = field(default_factory=list)  # ... and each rank: dir, tensors, bytes, experts
+    format_summary: str | None = None  # the source-precision registry's line (`cvt.convert.sources`)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -53,6 +55,7 @@ class InspectReport:
             f"source          {self.source}",
             f"model_type      {self.model_type}  (table: {self.architecture or '-'})",
             f"format          {self.source_format}: {self.format_detail}",
+        ] + ([f"precision       {self.format_summary}"] if self.format_summary else []) + [
             f"tensors         {self.num_tensors}, {_fmt_bytes(self.total_bytes)}",
         ]
         for key, value in self.layers.items():
@@ -163,6 +166,7 @@ def inspect_checkpoint(path, revision: str | None = None) -> InspectReport:
         architecture=arch.table.name if arch else None,
         source_format=fmt.value,
         format_detail=detail,
+        format_summary=summary_of(fmt),
         num_tensors=len(ckpt.tensors),
         total_bytes=sum(by_dtype.values()),
         layers=layers,
