@@ -37,6 +37,21 @@ class LazyHelpGroup(_LazyText, click.Group):
     """The `cvt` group: its help names the architectures (`group_help`)."""
 
 
+class LazyHelpCommand(_LazyText, click.Command):
+    """A verb whose help lists a registry (`fp8-to-bf16`: the sources it reads)."""
+
+
+def fp8_to_bf16() -> str:
+    from cvt.convert.sources import SOURCES
+
+    reads = "; ".join(f"{p.name}: {p.summary}" for p in SOURCES.values() if "fp8-to-bf16" in p.verbs)
+    return ("Dequantize a quantized release (FP8 block, compressed-tensors FP4 / FP8 / INT8) to BF16.\n\n"
+            "Bit-exact with the official math: bf16 = RNE(float32(w) * float32(scale)) per 128x128 block (partial "
+            "edge blocks included), each source's own decompression for the others. Other tensors are copied byte "
+            "for byte, scales are dropped, config.json loses quantization_config. Streams one tensor at a time; "
+            f"re-running after a crash resumes.\n\nReads: {reads}.")
+
+
 def group_help() -> str:
     return ("cvt: convert released LLM checkpoints for Ascend NPUs and any torch machine.\n\n"
             f"Models: {architectures()}.\n\nSRC may be a local directory or a Hugging Face hub repo id (owner/name; HF_HUB_OFFLINE=1 uses only "

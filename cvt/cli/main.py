@@ -38,7 +38,7 @@ def cli() -> None:
     """The `cvt` group; its help is `describe.group_help` (the models: the architecture tables')."""
 
 
-@cli.command("fp8-to-bf16")
+@cli.command("fp8-to-bf16", cls=describe.LazyHelpCommand, text=describe.fp8_to_bf16)
 @click.argument("src")
 @click.argument("dst", type=click.Path())
 @click.option("--revision", help="Hub revision (branch, tag or commit) when SRC is a repo id.")
@@ -54,13 +54,7 @@ def cli() -> None:
 @common
 @ranks("its output files", STREAMING_RANKS, old_spelling=True)
 def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwrite, quiet):
-    """Dequantize an FP8 block-scaled release (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8) to BF16.
-
-    Bit-exact with the official math: bf16 = RNE(float32(w) * float32(scale)) per 128x128
-    block (partial edge blocks included). Non-FP8 tensors are copied byte for byte, scales
-    are dropped, config.json loses quantization_config. Streams one tensor at a time;
-    re-running after a crash resumes.
-    """
+    """Its help is `describe.fp8_to_bf16` (the sources it reads: the source-precision registry's)."""
     r = api.fp8_to_bf16(api.Fp8ToBf16Options(src=src, dst=dst, revision=revision, workers=workers,
                                              max_shard_size=max_shard_size, resume=resume, overwrite=overwrite,
                                              quiet=quiet))
