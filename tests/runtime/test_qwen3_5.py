@@ -186,3 +186,29 @@ def test_release_checkpoint_loads_by_its_names_and_runs(tmp_path):
     assert_logits_close(loaded.model(x), want)
     r = run_cvt("run", src, "--input-ids", "5,6,7,8", "--max-new-tokens", "3", "--device", "cpu", "--quiet")
     assert r.rc == 0, r.err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["ascend", "compressed-tensors"])
+def test_rtn_w8a8_quantize_and_run(tmp_path, fmt):
+    """`cvt quantize --scheme w8a8` (RTN) keeps the Gated DeltaNet's small parts, the router and the
+    shared-expert gate float, quantizes the big linears, and `cvt run` runs its output."""
+    import json
+
+    from cvt.testing.checkpoints import write_bf16_checkpoint
+
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_5_config(mtp=1))
+    dst = tmp_path / "w8"
+    r = run_cvt("quantize", src, dst, "--scheme", "w8a8", "--format", fmt, "--quiet")
+    assert r.rc == 0, r.err
+    if fmt == "ascend":
+        tags = json.loads((dst / "quant_model_description.json").read_text())
+        p = "model.language_model.layers.0."
+        assert {k: tags[p + k] for k in ("linear_attn.in_proj_b.weight", "linear_attn.conv1d.weight",
+                                         "linear_attn.A_log", "mlp.shared_expert_gate.weight", "mlp.gate.weight")} \
+            == dict.fromkeys(("linear_attn.in_proj_b.weight", "linear_attn.conv1d.weight", "linear_attn.A_log",
+                              "mlp.shared_expert_gate.weight", "mlp.gate.weight"), "FLOAT")
+        assert tags[p + "linear_attn.in_proj_qkv.weight"] == tags[p + "mlp.experts.1.up_proj.weight"] == "W8A8_DYNAMIC"
+        assert tags["mtp.fc.weight"] == tags["model.visual.blocks.0.attn.qkv.weight"] == "FLOAT"
+    r = run_cvt("run", dst, "--input-ids", "5,6,7", "--max-new-tokens", "3", "--device", "cpu", "--quiet")
+    assert r.rc == 0, r.err
