@@ -77,7 +77,7 @@ def families() -> list[tuple[Any, dict[str, Any]]]:
     """(architecture table, a config.json of the family) per family: each registered table once,
     then each wrapper around its text family. The config is the table's own defaults, which are
     what the quantize stage's model rules read."""
-    from cvt.convert.arch import TABLES, WRAPPERS, kimi_k25
+    from cvt.convert.arch import TABLES, WRAPPERS
 
     out, seen = [], set()
     for mt in TABLES:  # registration order
@@ -85,10 +85,9 @@ def families() -> list[tuple[Any, dict[str, Any]]]:
         if table.name not in seen:
             seen.add(table.name)
             out.append((table, {"model_type": table.model_types[0], **table.explicit_defaults}))
-    texts = {"kimi_k25": kimi_k25.TEXT_MODEL_TYPE}
     for mt, wrapper in WRAPPERS.items():
-        text = TABLES[texts[mt]]
-        cfg = {"model_type": mt, "text_config": {"model_type": texts[mt], **text.explicit_defaults}}
+        text = TABLES[wrapper.text]
+        cfg = {"model_type": mt, "text_config": {"model_type": wrapper.text, **text.explicit_defaults}}
         out.append((wrapper.wrap(text, cfg), cfg))
     return out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Mapping, NamedTuple
 
-from cvt.convert.arch import deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa, kimi_k25, qwen3
+from cvt.convert.arch import deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa, kimi_k25, qwen3, qwen3_5, qwen3_5_wrapper
 from cvt.convert.arch.base import ArchSpec, ArchTable, Block, Parallel, Role, Rule, TensorInfo
 from cvt.errors import ArchError
 from cvt.registry import Registry
@@ -23,14 +23,17 @@ TABLES: Registry[ArchTable] = Registry("model_type", ArchError)
 
 
 class Wrapper(NamedTuple):
-    """A wrapper model_type: its display name, and (text table, whole config.json) -> the table
-    of its checkpoints' names."""
+    """A wrapper model_type: its display name, (text table, whole config.json) -> the table
+    of its checkpoints' names, and the text model_type it wraps."""
 
     display: str
     wrap: Callable[[ArchTable, Mapping[str, Any]], ArchTable]
+    text: str
 
 
-WRAPPERS = {"kimi_k25": Wrapper(kimi_k25.DISPLAY, kimi_k25.wrap)}
+WRAPPERS = {"kimi_k25": Wrapper(kimi_k25.DISPLAY, kimi_k25.wrap, kimi_k25.TEXT_MODEL_TYPE),
+            **{mt: Wrapper(qwen3_5_wrapper.DISPLAY[mt], qwen3_5_wrapper.wrap, text)
+               for mt, text in qwen3_5_wrapper.TEXT.items()}}
 
 
 def register(table: ArchTable) -> None:
@@ -42,7 +45,8 @@ def register(table: ArchTable) -> None:
         TABLES.add(mt, table)
 
 
-for _t in (deepseek_v3.TABLE, deepseek_v32.TABLE, deepseek_v4.TABLE, glm_moe_dsa.TABLE, qwen3.DENSE, qwen3.MOE):
+for _t in (deepseek_v3.TABLE, deepseek_v32.TABLE, deepseek_v4.TABLE, glm_moe_dsa.TABLE, qwen3.DENSE, qwen3.MOE,
+           qwen3_5.DENSE, qwen3_5.MOE):
     register(_t)
 
 

@@ -17,7 +17,7 @@ v4_sliding          last window K=V entries of D   V4 Cache              -      
 v4_csa              + D per 4 positions + the      V4 Cache              -           DeepSeek-V4 ratio 4
                     indexer's Di per 4
 v4_hca              + D per 128 positions          V4 Cache              -           DeepSeek-V4 ratio 128
-linear              conv state + recurrent state   (none yet)            -           (Qwen3.5, coming)
+linear              conv state + recurrent state   LinearState           -           Qwen3.5 linear layers
 =================== ============================== ===================== =========== ==================
 
 C = kv_lora_rank, dr = qk_rope_head_dim, Di = index_head_dim, D = head_dim. MTP layers are
@@ -164,7 +164,7 @@ def v4_kind(ratio: int) -> AttentionKind:
 LINEAR = AttentionKind("linear", (CacheEntry("conv_state", ("batch", "conv_channels", "linear_conv_kernel_dim")),
                                   CacheEntry("recurrent_state", ("batch", "linear_num_value_heads",
                                                                  "linear_key_head_dim", "linear_value_head_dim"))),
-                       "gated-deltanet (conv_state, recurrent_state)", "(no runtime model yet)", None,
+                       "gated-deltanet (conv_state, recurrent_state)", "LinearState (conv + recurrent state)", None,
                        heads_split=True, count_bytes=_linear_bytes)
 
 KINDS: dict[str, AttentionKind] = {k.name: k for k in (MLA, SPARSE_MLA, SPARSE_MLA_SHARED, GQA, *V4.values(), LINEAR)}

@@ -159,3 +159,25 @@ def deepseek_v4(cfg: Mapping[str, Any]) -> list[str]:
     if nh is not None and not (_is_int(nh) and 0 <= nh <= (layers if layers is not None else nh)):
         out.append(f"config.json num_hash_layers = {nh!r}: must be an integer in 0..num_hidden_layers ({layers})")
     return out
+
+
+QWEN3_5_LAYER_TYPES = ("linear_attention", "full_attention")  # transformers' Qwen3_5MoeDecoderLayer.block_type
+
+
+def qwen3_5(cfg: Mapping[str, Any]) -> list[str]:
+    """Qwen3.5 / Qwen3.5-MoE: one known token mixer per decoder layer, value heads a multiple of key
+    heads (each key head serves Hv / Hk value heads), query heads a multiple of KV heads."""
+    out = _common(cfg, "num_experts")
+    n, types = cfg.get("num_hidden_layers"), cfg.get("layer_types")
+    if types is not None:
+        bad = [t for t in types if t not in QWEN3_5_LAYER_TYPES] if isinstance(types, list) else [types]
+        if bad:
+            out.append(f"config.json layer_types has {bad[0]!r}: each must be one of {', '.join(QWEN3_5_LAYER_TYPES)}")
+        elif _is_int(n) and len(types) != n:
+            out.append(f"config.json layer_types has {len(types)} entries: must be {n} (num_hidden_layers)")
+    pairs = (("linear_num_value_heads", "linear_num_key_heads"), ("num_attention_heads", "num_key_value_heads"))
+    for many, few in pairs:
+        a, b = _count(cfg, many), _count(cfg, few)
+        if a and b and a % b:
+            out.append(f"config.json {many} = {a} is not a multiple of {few} = {b}")
+    return out

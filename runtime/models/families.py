@@ -27,6 +27,8 @@ FAMILIES = {
     "qwen3": "cvt.runtime.models.qwen3",
     "qwen2": "cvt.runtime.models.qwen3",
     "llama": "cvt.runtime.models.qwen3",
+    "qwen3_5_moe_text": "cvt.runtime.models.qwen3_5",
+    "qwen3_5_text": "cvt.runtime.models.qwen3_5",
 }
 
 

@@ -9,12 +9,15 @@ from cvt.convert.arch import TABLES, WRAPPERS, arch_for
 from cvt.convert.arch.attention import GQA, KINDS, MLA, SPARSE_MLA, SPARSE_MLA_SHARED, LayerAttention
 from cvt.testing.checkpoints import (tiny_deepseek_config, tiny_deepseek_v32_config, tiny_glm_moe_dsa_config,
                                      tiny_kimi_k25_config, tiny_qwen3_config)
+from cvt.testing.checkpoints_qwen3_5 import tiny_qwen3_5_config
 from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config
 
 CONFIGS = {"deepseek_v3": tiny_deepseek_config, "deepseek_v32": tiny_deepseek_v32_config,
            "glm_moe_dsa": lambda: tiny_glm_moe_dsa_config(indexer_types=["full", "shared", "full"]),
            "kimi_k25": tiny_kimi_k25_config, "qwen3": lambda: tiny_qwen3_config(moe=False),
-           "qwen3_moe": tiny_qwen3_config, "deepseek_v4": tiny_deepseek_v4_config}
+           "qwen3_moe": tiny_qwen3_config, "deepseek_v4": tiny_deepseek_v4_config,
+           "qwen3_5_moe": tiny_qwen3_5_config, "qwen3_5_moe_text": tiny_qwen3_5_config,
+           "qwen3_5": lambda: tiny_qwen3_5_config(moe=False), "qwen3_5_text": lambda: tiny_qwen3_5_config(moe=False)}
 
 # memory_plan(config, layout, scheme, kv_tokens=1001).ranks[0].kv_cache before the kinds existed
 # (commit 6a18535: is_mla / kv_lora_rank tests, ArchTable.indexer_layers and ArchTable.kv_cache):
@@ -77,7 +80,7 @@ def test_what_each_family_declares():
 
 
 def test_the_linear_kind_counts_a_fixed_state():
-    """Gated DeltaNet (no model uses it yet): conv state + recurrent state, whatever the tokens."""
+    """Gated DeltaNet (Qwen3.5's linear layers): conv state + recurrent state, whatever the tokens."""
     cfg = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
     state = 3 * (2 * 2 * 8 + 4 * 16) + 4 * 8 * 16
