@@ -43,8 +43,8 @@ release's fused ``mlp.experts.gate_up_proj`` [E, 2I, h] / ``down_proj`` [E, h, I
 (1) What stays float: vLLM's Qwen3.5 GatedDeltaNetAttention builds ``in_proj_ba`` (in_proj_b +
 in_proj_a) and Qwen3NextSparseMoeBlock the router ``gate`` and ``shared_expert_gate`` as
 unquantized ReplicatedLinear / quant_config=None layers (vllm/model_executor/models/qwen3_next.py),
-and the conv1d, A_log, dt_bias and norms are no linears at all; vllm-ascend's Qwen3.5 modelslim
-descriptions list the same modules FLOAT.
+and the conv1d, A_log, dt_bias and norms are no linears at all. vllm-ascend's and msModelSlim's own
+Qwen3.5 descriptions are not checked against this yet (issue 41 item 3).
 
 TP: the linear-attention projections are kept whole on every rank (vLLM splits them by value
 heads, q / k / v apart inside in_proj_qkv: not done here yet), the full attention splits by heads.
