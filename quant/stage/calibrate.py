@@ -40,6 +40,7 @@ class Calibrated:
     loader: Any = None
     float_loader: Any = None
     summary: dict | None = None
+    mixed: dict | None = None  # --kl-budget's record (`cvt.quant.stage.kl_budget.choose`)
 
 
 def calib_data(ckpt: Checkpoint, calib, calib_tokens: int | None) -> torch.Tensor:

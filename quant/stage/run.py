@@ -41,7 +41,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
              quiet: bool = False, target: str | None = None, device: str = "cpu",
              expert_memory: int | None = None, target_version: str | None = None,
-             kv_dtype: str | None = None, rotate: str | None = None, world: World = SINGLE) -> WriteResult:
+             kv_dtype: str | None = None, rotate: str | None = None, world: World = SINGLE,
+             kl_budget: float | None = None, kl_high: str | None = None) -> WriteResult:
     """Quantize SRC into DST (see the package docstring) for the serving `target` (ascend:
     vllm-ascend, the default, or mindie; `cvt.qtensor.layouts`). Returns the writer's result,
     with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
@@ -51,8 +52,15 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     calibration tokens asked for, refused when the text gives fewer (None: up to
     `cvt.corpus.CALIB_TOKENS`, fewer with a warning when the text is shorter). `world`: the ranks
     that share the work (`cvt.world`: a started torchrun world; one process by default). `rotate`:
-    ``hadamard[:SEED]``, a residual-stream rotation folded into the weights first (`cvt.quant.rotate`)."""
+    ``hadamard[:SEED]``, a residual-stream rotation folded into the weights first (`cvt.quant.rotate`).
+    `kl_budget` (or the recipe's): the fewest units kept at `kl_high` (w8a8, or float) for a measured
+    mean KL within it (`cvt.quant.stage.kl_budget`)."""
+    from cvt.quant.stage.kl_budget import check_budget
+
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
+    if recipe is not None and kl_budget is None:  # the option wins over the recipe's field
+        kl_budget, kl_high = recipe.kl_budget, kl_high or recipe.kl_high
+    high = check_budget(kl_budget, kl_high, scheme, world.size)
     form, target, line, sch = _check_request(scheme, fmt, target, target_version, group_size, fp4_format, recipe,
                                              static_attention)
     if recipe is None:  # --method against --scheme, before anything is read (a recipe's rules: per module)
@@ -88,10 +96,16 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             source = Source(ckpt, SourceFormat.BF16, arch.table.scale_param)
             plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         note = _fp4_note(plan, source)
+        mixed, tokens = None, None
+        if high is not None:  # before DST is touched: the plan with the units kept high
+            tokens = _kl_tokens(ckpt, calib, calib_tokens)
+            plan, mixed = _kl_budget(ckpt, policy, plan, tokens, high, kl_budget, device,
+                                     (form, scheme, group_size, asym, fp4_format, target, line))
         needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
-        _check_calib(calib, needs_model)
+        if tokens is None:
+            _check_calib(calib, needs_model)
         if not needs_model:
-            return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(), req, world))
+            return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(mixed=mixed), req, world))
         from cvt.runtime.models import family
 
         if static_attention and not getattr(family(ckpt.config)[0].Model, "calibrates_kv", True):
@@ -100,12 +114,14 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
                               "(--method gptq / awq / smoothquant are)")
         from cvt.convert.outdir import calibration_dir
 
-        tokens = calib_data(ckpt, calib, calib_tokens)  # before DST is touched: too few tokens are refused
+        if tokens is None:
+            tokens = calib_data(ckpt, calib, calib_tokens)  # before DST is touched: too few tokens are refused
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume, world) as state:
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
             cal = calibrate(ckpt, plan, tokens, static_attention, kv_codec, state, device, quiet,
                             expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec, source=source,
                             world=world)
+            cal.mixed = mixed
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req, world))
     finally:
         ckpt.close()
@@ -128,6 +144,30 @@ def _rotation_table(arch, config: dict, src_fmt: SourceFormat, rotate: str | Non
     from cvt.quant.rotate import check
 
     return check(arch, config, src_fmt)
+
+
+def _kl_tokens(ckpt: Checkpoint, calib: Path | None, calib_tokens: int | None):
+    """--kl-budget's calibration tokens (the calibrated methods', when the run has some)."""
+    _check_calib(calib, True)
+    return calib_data(ckpt, calib, calib_tokens)
+
+
+def _kl_budget(ckpt: Checkpoint, policy: Policy, plan: Plan, tokens, high: str, budget: float, device, plan_args):
+    """(the plan with the units `cvt.quant.stage.kl_budget` keeps at `high`, its manifest record)."""
+    from cvt.quant.methods.sensitivity import check_family
+    from cvt.quant.stage import kl_budget as KB
+
+    check_family(ckpt.config)
+    eligible = {m: "" for m in plan.schemes if not policy.choose(m).explicit}
+    high_plan = Plan() if high == KB.FLOAT else make_plan(ckpt, KB.BudgetPolicy(policy, eligible, high), *plan_args)
+    units = KB.units_of(ckpt, plan, policy, high_plan, plan_args[0].name, plan_args[5])
+    if not units:
+        raise OptionError(f"--kl-budget: no linear of the decoder layers gets --scheme {plan_args[1]} by default "
+                          "(float, ignored or a recipe's): nothing to keep higher")
+    kept, record = KB.choose(ckpt, tokens, plan, high_plan, units, budget, high, device)
+    if kept:
+        plan = make_plan(ckpt, KB.BudgetPolicy(policy, kept, high), *plan_args)
+    return plan, record
 
 
 def _check_request(scheme: str, fmt: str, target: str | None, target_version: str | None,

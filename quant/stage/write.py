@@ -58,7 +58,8 @@ def write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, ca
     quant = QuantInfo(scheme=req.scheme, format=req.fmt, target=req.target, target_version=req.line,
                       method=req.method, group_size=req.group_size,
                       symmetric=not req.asym, fp4_format=req.fp4_format, kv_cache=kv.manifest,
-                      float_modules=dict(plan.float_reasons), fallbacks=_fallbacks(plan, cal), calibration=cal.summary)
+                      float_modules=dict(plan.float_reasons), fallbacks=_fallbacks(plan, cal), calibration=cal.summary,
+                      mixed_precision=cal.mixed)
     result = write_checkpoint(
         ckpt, Path(dst), out.tensors,
         stage=StageInfo(name="quantize", tool_version=__version__, parameters=_parameters(plan, cal, req)),
