@@ -237,19 +237,26 @@ def _md(s: str) -> str:
 
 # ----------------------------------------------------------------------------- markdown
 
+def _md_side(label: str, m) -> list[str]:
+    """One compared model's lines: path, format, stages; its quantization, fallbacks and
+    --kl-budget choice (`ModelRef.mixed_precision`)."""
+    out = [f"- {label}: `{_md(m.path)}` (format: {_md(m.format or 'none')}"
+           + (f"; stages: {_md(' -> '.join(m.stages))}" if m.stages else "") + ")"]
+    q = quantization_line(m)
+    if q:
+        out += [f"  - Quantization {_md(q)}"] + [f"    - {_md(line)}" for line in m.fallbacks]
+        out += [f"  - Mixed precision: {_md(line)}" if i == 0 else f"    - {_md(line)}"
+                for i, line in enumerate(m.mixed_precision)]
+    return out
+
+
 def render_markdown(report: Report, top_k_weights: int = 20) -> str:
     """report.md: summary, per-layer table (first divergent layer marked), logits, worst SQNR, thresholds."""
     r = report
     verdict = VERDICTS[r.status][0]
     out = [f"# cvt verify report: {verdict}", ""]
     for label, m in (("Candidate", r.candidate), ("Reference", r.reference)):
-        out.append(f"- {label}: `{_md(m.path)}` (format: {_md(m.format or 'none')}"
-                   + (f"; stages: {_md(' -> '.join(m.stages))}" if m.stages else "") + ")")
-        q = quantization_line(m)
-        if q:
-            out += [f"  - Quantization {_md(q)}"] + [f"    - {_md(line)}" for line in m.fallbacks]
-            out += [f"  - Mixed precision: {_md(line)}" if i == 0 else f"    - {_md(line)}"
-                    for i, line in enumerate(m.mixed_precision)]
+        out += _md_side(label, m)
     out += [
         f"- Data: {_md(r.data.source)}" + (f" `{_md(r.data.path)}`" if r.data.path else "")
         + f", {r.data.sequences} sequences, {r.data.tokens} tokens",
