@@ -162,7 +162,7 @@ def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method
         methods = ", ".join(f"{n} {k}" for k, n in x["by_method"].items()) if len(x["by_method"]) > 1 else q.method
         click.echo(f"quantized {plural(x['quantized'], 'linear')} ({kinds}; {methods}; {q.format}), kept "
                    f"{x['float_modules']} float, {plural(x['fallbacks'], 'fallback')}; worst SQNR {x['min_sqnr_db']}\n"
-                   + "".join(f"  {line}\n" for line in x["fallback_lines"])
+                   + "".join(f"  {line}\n" for line in x["fallback_lines"] + x["mixed_lines"])
                    + (f"calibrated {c['layers']} layers on {c['tokens']} tokens ({c['device']}): "
                       f"{sum(c['seconds_per_layer']) / max(1, len(c['seconds_per_layer'])):.2f} s/layer, "
                       f"peak RSS {human(c['peak_rss_bytes'])}"

@@ -31,10 +31,12 @@ from __future__ import annotations
 import logging
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from cvt.convert.disk_bytes import DiskBytes
 from cvt.errors import OptionError
+from cvt.qtensor.schemes.w8a8 import W8A8
 from cvt.quant.recipe import RTN, Choice, Policy, method_schemes
 from cvt.quant.stage.assignment import Plan, weight_shape
 
@@ -52,7 +54,7 @@ def check_budget(kl_budget: float | None, kl_high: str | None, scheme: str, worl
         return None
     if not isinstance(kl_budget, (int, float)) or not math.isfinite(kl_budget) or kl_budget < 0:
         raise OptionError(f"--kl-budget {kl_budget}: give a mean KL, a finite number >= 0 (e.g. 0.005)")
-    high = kl_high or "w8a8"
+    high = kl_high or W8A8.name
     if high != FLOAT:
         from cvt.qtensor.schemes import SCHEMES
 
@@ -63,6 +65,22 @@ def check_budget(kl_budget: float | None, kl_high: str | None, scheme: str, worl
     if world_size > 1:
         raise OptionError("--kl-budget measures in one process: run it without --procs / torchrun")
     return high
+
+
+@contextmanager
+def plan_warnings_held(hold: bool):
+    """The plan's warnings (`make_plan`'s group fallbacks) left unsaid while `hold`: a budgeted
+    run's first plan is replaced by the one with the kept units, which says its own."""
+    if not hold:
+        yield
+        return
+    logger = logging.getLogger("cvt")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @dataclass(frozen=True)

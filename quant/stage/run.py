@@ -55,7 +55,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     ``hadamard[:SEED]``, a residual-stream rotation folded into the weights first (`cvt.quant.rotate`).
     `kl_budget` (or the recipe's): the fewest units kept at `kl_high` (w8a8, or float) for a measured
     mean KL within it (`cvt.quant.stage.kl_budget`)."""
-    from cvt.quant.stage.kl_budget import check_budget
+    from cvt.quant.stage.kl_budget import check_budget, plan_warnings_held
 
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
     if recipe is not None and kl_budget is None:  # the option wins over the recipe's field
@@ -77,7 +77,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             raise FormatError(f"{ckpt.config['model_type']}: --format {fmt} is refused: {why}")
         rotation = _rotation_table(arch, ckpt.config, src_fmt, rotate)
         policy = Policy(arch, scheme, method, group_size, ignore, recipe)
-        plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
+        with plan_warnings_held(high is not None):
+            plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         check_kv_target(ckpt.config, plan, fmt, target)
         kv_static = _kv_static(ckpt.config, plan, fmt)
         if kv_static:  # before --kv-dtype's own rules, which are about the stacks of the families that have one
@@ -94,7 +95,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
 
             ckpt = RotatedCheckpoint(ckpt, arch, rotation, rotate, arch.table.scale_param)
             source = Source(ckpt, SourceFormat.BF16, arch.table.scale_param)
-            plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
+            with plan_warnings_held(high is not None):
+                plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
         note = _fp4_note(plan, source)
         mixed, tokens = None, None
         if high is not None:  # before DST is touched: the plan with the units kept high
@@ -165,9 +167,7 @@ def _kl_budget(ckpt: Checkpoint, policy: Policy, plan: Plan, tokens, high: str, 
         raise OptionError(f"--kl-budget: no linear of the decoder layers gets --scheme {plan_args[1]} by default "
                           "(float, ignored or a recipe's): nothing to keep higher")
     kept, record = KB.choose(ckpt, tokens, plan, high_plan, units, budget, high, device)
-    if kept:
-        plan = make_plan(ckpt, KB.BudgetPolicy(policy, kept, high), *plan_args)
-    return plan, record
+    return make_plan(ckpt, KB.BudgetPolicy(policy, kept, high), *plan_args), record  # (says its warnings)
 
 
 def _check_request(scheme: str, fmt: str, target: str | None, target_version: str | None,
