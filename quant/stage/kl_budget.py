@@ -45,9 +45,17 @@ log = logging.getLogger("cvt")
 FLOAT = "float"
 
 
-def check_budget(kl_budget: float | None, kl_high: str | None, scheme: str, world_size: int) -> str | None:
-    """OptionError naming the option for a budget that is not a finite number >= 0, a high
-    precision that is not a scheme or float, or no higher than --scheme; the high precision."""
+def resolve_budget(kl_budget: float | None, kl_high: str | None, recipe, scheme: str,
+                   world_size: int) -> tuple[str | None, float | None]:
+    """(high precision, budget) of the run: the options, else the recipe's fields; None without a
+    budget. OptionError naming the option for a budget that is not a finite number >= 0, a high
+    precision that is not a scheme or float, or one that is --scheme itself."""
+    if recipe is not None and kl_budget is None:  # the option wins over the recipe's field
+        kl_budget, kl_high = recipe.kl_budget, kl_high or recipe.kl_high
+    return _check_budget(kl_budget, kl_high, scheme, world_size), kl_budget
+
+
+def _check_budget(kl_budget: float | None, kl_high: str | None, scheme: str, world_size: int) -> str | None:
     if kl_budget is None:
         if kl_high is not None:
             raise OptionError(f"--kl-high {kl_high} applies with --kl-budget")

@@ -26,6 +26,7 @@ from cvt.units import article
 from cvt.world import SINGLE, World
 from cvt.quant.stage.assignment import Plan, check_kv_target, check_method, make_plan, names_where
 from cvt.quant.stage import fp4_source
+from cvt.quant.stage import kl_budget as KB
 from cvt.quant.stage.calibrate import Calibrated, calib_data, calibrate
 from cvt.quant.stage.outputs import int8_kv, kv_static as _kv_static
 from cvt.quant.stage.quantizer import Source
@@ -53,14 +54,9 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     `cvt.corpus.CALIB_TOKENS`, fewer with a warning when the text is shorter). `world`: the ranks
     that share the work (`cvt.world`: a started torchrun world; one process by default). `rotate`:
     ``hadamard[:SEED]``, a residual-stream rotation folded into the weights first (`cvt.quant.rotate`).
-    `kl_budget` (or the recipe's): the fewest units kept at `kl_high` (w8a8, or float) for a measured
-    mean KL within it (`cvt.quant.stage.kl_budget`)."""
-    from cvt.quant.stage.kl_budget import check_budget, plan_warnings_held
-
+    `kl_budget`, `kl_high` (or the recipe's): mixed precision by a KL budget (`cvt.quant.stage.kl_budget`)."""
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
-    if recipe is not None and kl_budget is None:  # the option wins over the recipe's field
-        kl_budget, kl_high = recipe.kl_budget, kl_high or recipe.kl_high
-    high = check_budget(kl_budget, kl_high, scheme, world.size)
+    high, kl_budget = KB.resolve_budget(kl_budget, kl_high, recipe, scheme, world.size)
     form, target, line, sch = _check_request(scheme, fmt, target, target_version, group_size, fp4_format, recipe,
                                              static_attention)
     if recipe is None:  # --method against --scheme, before anything is read (a recipe's rules: per module)
@@ -76,9 +72,9 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         if why:  # the format's own knowledge of what its consumers load (`Format.refused_models`)
             raise FormatError(f"{ckpt.config['model_type']}: --format {fmt} is refused: {why}")
         rotation = _rotation_table(arch, ckpt.config, src_fmt, rotate)
-        policy = Policy(arch, scheme, method, group_size, ignore, recipe)
-        with plan_warnings_held(high is not None):
-            plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
+        policy, plan_args = Policy(arch, scheme, method, group_size, ignore, recipe), (form, scheme, group_size, asym,
+                                                                                      fp4_format, target, line)
+        plan = _first_plan(ckpt, policy, plan_args, high)
         check_kv_target(ckpt.config, plan, fmt, target)
         kv_static = _kv_static(ckpt.config, plan, fmt)
         if kv_static:  # before --kv-dtype's own rules, which are about the stacks of the families that have one
@@ -95,17 +91,11 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
 
             ckpt = RotatedCheckpoint(ckpt, arch, rotation, rotate, arch.table.scale_param)
             source = Source(ckpt, SourceFormat.BF16, arch.table.scale_param)
-            with plan_warnings_held(high is not None):
-                plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
+            plan = _first_plan(ckpt, policy, plan_args, high)
         note = _fp4_note(plan, source)
-        mixed, tokens = None, None
-        if high is not None:  # before DST is touched: the plan with the units kept high
-            tokens = _kl_tokens(ckpt, calib, calib_tokens)
-            plan, mixed = _kl_budget(ckpt, policy, plan, tokens, high, kl_budget, device,
-                                     (form, scheme, group_size, asym, fp4_format, target, line))
+        plan, mixed, tokens = _kl_budget(ckpt, policy, plan, high, kl_budget, calib, calib_tokens, device, plan_args)
         needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
-        if tokens is None:
-            _check_calib(calib, needs_model)
+        _check_calib(calib, needs_model or tokens is not None)
         if not needs_model:
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(mixed=mixed), req, world))
         from cvt.runtime.models import family
@@ -116,14 +106,12 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
                               "(--method gptq / awq / smoothquant are)")
         from cvt.convert.outdir import calibration_dir
 
-        if tokens is None:
-            tokens = calib_data(ckpt, calib, calib_tokens)  # before DST is touched: too few tokens are refused
+        tokens = calib_data(ckpt, calib, calib_tokens) if tokens is None else tokens  # too few: refused before DST
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume, world) as state:
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
             cal = calibrate(ckpt, plan, tokens, static_attention, kv_codec, state, device, quiet,
                             expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec, source=source,
-                            world=world)
-            cal.mixed = mixed
+                            world=world, mixed=mixed)
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req, world))
     finally:
         ckpt.close()
@@ -148,18 +136,24 @@ def _rotation_table(arch, config: dict, src_fmt: SourceFormat, rotate: str | Non
     return check(arch, config, src_fmt)
 
 
-def _kl_tokens(ckpt: Checkpoint, calib: Path | None, calib_tokens: int | None):
-    """--kl-budget's calibration tokens (the calibrated methods', when the run has some)."""
-    _check_calib(calib, True)
-    return calib_data(ckpt, calib, calib_tokens)
+def _first_plan(ckpt: Checkpoint, policy: Policy, plan_args: tuple, high: str | None) -> Plan:
+    """The run's plan before --kl-budget (its warnings held when a budget replaces it)."""
+    with KB.plan_warnings_held(high is not None):
+        return make_plan(ckpt, policy, *plan_args)
 
 
-def _kl_budget(ckpt: Checkpoint, policy: Policy, plan: Plan, tokens, high: str, budget: float, device, plan_args):
-    """(the plan with the units `cvt.quant.stage.kl_budget` keeps at `high`, its manifest record)."""
+def _kl_budget(ckpt: Checkpoint, policy: Policy, plan: Plan, high: str | None, budget: float | None, calib,
+               calib_tokens: int | None, device, plan_args: tuple):
+    """(the plan with the units `cvt.quant.stage.kl_budget` keeps at `high`, its manifest record,
+    the calibration tokens it measured on); (plan, None, None) without a budget. Before DST is
+    touched."""
+    if high is None:
+        return plan, None, None
     from cvt.quant.methods.sensitivity import check_family
-    from cvt.quant.stage import kl_budget as KB
 
     check_family(ckpt.config)
+    _check_calib(calib, True)
+    tokens = calib_data(ckpt, calib, calib_tokens)  # the calibrated methods' too, when the run has some
     eligible = {m: "" for m in plan.schemes if not policy.choose(m).explicit}
     high_plan = Plan() if high == KB.FLOAT else make_plan(ckpt, KB.BudgetPolicy(policy, eligible, high), *plan_args)
     units = KB.units_of(ckpt, plan, policy, high_plan, plan_args[0].name, plan_args[5])
@@ -167,7 +161,7 @@ def _kl_budget(ckpt: Checkpoint, policy: Policy, plan: Plan, tokens, high: str, 
         raise OptionError(f"--kl-budget: no linear of the decoder layers gets --scheme {plan_args[1]} by default "
                           "(float, ignored or a recipe's): nothing to keep higher")
     kept, record = KB.choose(ckpt, tokens, plan, high_plan, units, budget, high, device)
-    return make_plan(ckpt, KB.BudgetPolicy(policy, kept, high), *plan_args), record  # (says its warnings)
+    return make_plan(ckpt, KB.BudgetPolicy(policy, kept, high), *plan_args), record, tokens  # (says its warnings)
 
 
 def _check_request(scheme: str, fmt: str, target: str | None, target_version: str | None,
