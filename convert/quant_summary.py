@@ -87,3 +87,21 @@ def fallback_lines(quant, config: Mapping[str, Any] | None) -> list[str]:
         what = f"fell back from {method} to RTN" if rtn else "fell back"
         lines.append(f"{plural(len(fs), 'linear')} {what} in {where([f.module for f in fs], config)}: {reason}")
     return lines
+
+
+def mixed_lines(quant) -> list[str]:
+    """`cvt quantize --kl-budget`'s choice for people (the manifest's ``quant.mixed_precision``):
+    the budget and what was measured, then each unit kept high and why; [] without one."""
+    mp = getattr(quant, "mixed_precision", None)
+    if mp is None:
+        return []
+    by_k = {t.kept_units: t.kl_mean for t in mp.trials}
+    kept = sorted((u for u in mp.units if u.kept_high), key=lambda u: u.rank)
+    share = mp.high_bytes / mp.quantized_bytes if mp.quantized_bytes else 0.0
+    out = [f"--kl-budget {mp.kl_budget:g}: mean KL {mp.kl_mean:.5f} measured on {mp.tokens} calibration tokens "
+           f"(all {quant.scheme}: {by_k.get(0, float('nan')):.5f}, all {mp.high}: "
+           f"{by_k.get(len(mp.units), float('nan')):.5f}); {len(kept)} of {plural(len(mp.units), 'unit')} kept "
+           f"{mp.high}, {100 * share:.1f}% of the quantized bytes"]
+    out += [f"{u.unit} kept {mp.high}: its layer's output error {u.error_low:.2e} at {quant.scheme}, "
+            f"{u.error_high:.2e} at {mp.high} (rank {u.rank} by error removed per extra byte)" for u in kept]
+    return out

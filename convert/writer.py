@@ -386,7 +386,7 @@ def write_checkpoint(
     pid = run_plan_id(
         ckpt, src, stage, max_shard_size=max_shard_size, prefix=prefix, files=[(rel, len(ts)) for rel, ts in shards],
         tensors=[(t.spec.name, t.spec.dtype, t.spec.shape) for t in tensors],
-        quant=quant.model_dump(exclude={"tensors", "fallbacks", "float_modules", "calibration"})
+        quant=quant.model_dump(exclude={"tensors", "fallbacks", "float_modules", "calibration", "mixed_precision"})
         if quant is not None else None)
     total_out = sum(t.spec.nbytes for t in tensors)
     manifest = None

@@ -107,6 +107,8 @@ class QuantizeOptions(_WriteOptions):
     recipe: Optional[Path] = None
     rotate: Optional[str] = None                      # hadamard[:SEED] (cvt.quant.rotate); None: no rotation
     workers: Optional[int] = Field(None, ge=1, le=64)
+    kl_budget: Optional[float] = None                 # checked by the stage (exit 2 with one line)
+    kl_high: Optional[str] = None                     # None: w8a8
 
     _memory = field_validator("expert_memory", mode="before")(_size)
 
@@ -173,7 +175,7 @@ def quantize(options: QuantizeOptions | None = None, /, **kw):
                  recipe=load_recipe(o.recipe) if o.recipe else None, revision=o.revision, workers=o.workers,
                  max_shard_size=o.max_shard_size, resume=o.resume, overwrite=o.overwrite, quiet=o.quiet,
                  target=o.target, device=device, expert_memory=o.expert_memory, target_version=o.target_version,
-                 kv_dtype=o.kv_dtype, rotate=o.rotate, world=w)
+                 kv_dtype=o.kv_dtype, rotate=o.rotate, world=w, kl_budget=o.kl_budget, kl_high=o.kl_high)
 
 
 class LayoutOptions(_Options):

@@ -11,7 +11,8 @@ Resolution for each linear weight (first that applies wins):
 
 A recipe file is JSON or YAML: ``{"rules": [{"pattern": "mlp\\.experts\\.", "scheme": "w4a16",
 "group_size": 32}, {"pattern": "self_attn", "scheme": "w8a8"}]}`` - mixed precision such as
-"experts W4A16, attention W8A8".
+"experts W4A16, attention W8A8". ``"kl_budget": 0.005`` (and ``"kl_high": "float"``) chooses
+the units kept higher by measurement instead (`cvt.quant.stage.kl_budget`).
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rules: list[RecipeRule] = Field(default_factory=list)
+    # `cvt quantize --kl-budget` / `--kl-high` as recipe fields (the options win when given)
+    kl_budget: float | None = Field(None, ge=0, allow_inf_nan=False)
+    kl_high: str | None = None
 
 
 def load_recipe(path: Path) -> Recipe:

@@ -237,17 +237,26 @@ def _md(s: str) -> str:
 
 # ----------------------------------------------------------------------------- markdown
 
+def _md_side(label: str, m) -> list[str]:
+    """One compared model's lines: path, format, stages; its quantization, fallbacks and
+    --kl-budget choice (`ModelRef.mixed_precision`)."""
+    out = [f"- {label}: `{_md(m.path)}` (format: {_md(m.format or 'none')}"
+           + (f"; stages: {_md(' -> '.join(m.stages))}" if m.stages else "") + ")"]
+    q = quantization_line(m)
+    if q:
+        out += [f"  - Quantization {_md(q)}"] + [f"    - {_md(line)}" for line in m.fallbacks]
+        out += [f"  - Mixed precision: {_md(line)}" if i == 0 else f"    - {_md(line)}"
+                for i, line in enumerate(m.mixed_precision)]
+    return out
+
+
 def render_markdown(report: Report, top_k_weights: int = 20) -> str:
     """report.md: summary, per-layer table (first divergent layer marked), logits, worst SQNR, thresholds."""
     r = report
     verdict = VERDICTS[r.status][0]
     out = [f"# cvt verify report: {verdict}", ""]
     for label, m in (("Candidate", r.candidate), ("Reference", r.reference)):
-        out.append(f"- {label}: `{_md(m.path)}` (format: {_md(m.format or 'none')}"
-                   + (f"; stages: {_md(' -> '.join(m.stages))}" if m.stages else "") + ")")
-        q = quantization_line(m)
-        if q:
-            out += [f"  - Quantization {_md(q)}"] + [f"    - {_md(line)}" for line in m.fallbacks]
+        out += _md_side(label, m)
     out += [
         f"- Data: {_md(r.data.source)}" + (f" `{_md(r.data.path)}`" if r.data.path else "")
         + f", {r.data.sequences} sequences, {r.data.tokens} tokens",
@@ -369,6 +378,14 @@ def render_html(report: Report, kl_values=None, top_k_weights: int = 20) -> str:
     return "\n".join(out) + "\n"
 
 
+def _html_mixed(lines: list[str]) -> str:
+    """--kl-budget's lines (`ModelRef.mixed_precision`): the first, then the kept units under it."""
+    if not lines:
+        return ""
+    kept = "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in lines[1:]) + "</ul>" if lines[1:] else ""
+    return f"<li>Mixed precision: {esc(lines[0])}{kept}</li>"
+
+
 def _html_sides(r: Report) -> list[str]:
     """The compared models, the data, the tool, and a note on non-finite values."""
     def side(label: str, m) -> str:
@@ -376,7 +393,7 @@ def _html_sides(r: Report) -> list[str]:
         q = quantization_line(m)
         quant = "" if q is None else (f"<ul><li>Quantization {esc(q)}" + (
             "<ul>" + "".join(f"<li>{esc(line)}</li>" for line in m.fallbacks) + "</ul>" if m.fallbacks else "")
-            + "</li></ul>")
+            + "</li>" + _html_mixed(m.mixed_precision) + "</ul>")
         return f"<li>{esc(label)}: <code>{esc(m.path)}</code> ({esc(extra)}){quant}</li>"
 
     data = f"{r.data.source}" + (f" {r.data.path}" if r.data.path else "") + \

@@ -26,7 +26,7 @@ import torch
 
 from cvt.version import __version__
 from cvt.convert.paths import check_outside
-from cvt.convert.quant_summary import fallback_lines, method_counts
+from cvt.convert.quant_summary import fallback_lines, method_counts, mixed_lines
 from cvt.errors import CvtError
 from cvt.runtime import metrics
 from cvt.runtime.kernels import Linear
@@ -57,7 +57,8 @@ def _ref(loaded: Loaded, path) -> ModelRef:
     q = m.quant if m else None
     return ModelRef(path=str(path), format=m.format if m else None, stages=[s.name for s in m.stages] if m else [],
                     methods=method_counts(q) if q else {}, fallback_count=len(q.fallbacks) if q else 0,
-                    fallbacks=fallback_lines(q, loaded.config) if q else [])
+                    fallbacks=fallback_lines(q, loaded.config) if q else [],
+                    mixed_precision=mixed_lines(q) if q else [])
 
 
 def _batches(tokenizer, data: Path | None, seq_len: int, max_sequences: int, limit: int) -> tuple[torch.Tensor, DataInfo]:

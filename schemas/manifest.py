@@ -119,6 +119,43 @@ class Fallback(_Strict):
     tokens: int | None = None
 
 
+class MixedUnit(_Strict):
+    """One unit of `cvt quantize --kl-budget` (a decoder layer's attention, MLP or routed experts)."""
+
+    unit: str = Field(description="e.g. model.layers.1.mlp.experts")
+    linears: int = Field(ge=0)
+    low_bytes: int = Field(ge=0, description="its output bytes at --scheme")
+    high_bytes: int = Field(ge=0, description="its output bytes at the high precision")
+    error_low: float = Field(description="sum (y - y_float)^2 / sum y_float^2 of its decoder layer's output on the "
+                                         "calibration tokens, float inputs, only this unit at --scheme (RTN)")
+    error_high: float = Field(description="the same with this unit at the high precision")
+    rank: int = Field(ge=1, description="its place in the greedy order: error removed per extra high byte, largest "
+                                        "first")
+    kept_high: bool
+
+
+class MixedTrial(_Strict):
+    """One measured configuration: the first `kept_units` units of the greedy order kept high."""
+
+    kept_units: int = Field(ge=0)
+    high_bytes: int = Field(ge=0)
+    kl_mean: float = Field(description="mean KL(float || output) on the calibration tokens, runtime kernels (RTN)")
+
+
+class MixedPrecision(_Strict):
+    """`cvt quantize --kl-budget`: the budget, what was measured and what was kept high
+    (`cvt.quant.stage.kl_budget`)."""
+
+    kl_budget: float = Field(ge=0)
+    high: str = Field(description="the precision kept units get: a scheme name, or float")
+    tokens: int = Field(ge=0, description="calibration tokens measured on")
+    kl_mean: float = Field(description="the chosen configuration's measured mean KL")
+    high_bytes: int = Field(ge=0, description="bytes of the units kept high")
+    quantized_bytes: int = Field(ge=0, description="bytes of all the units in the chosen configuration")
+    units: list[MixedUnit] = Field(default_factory=list)
+    trials: list[MixedTrial] = Field(default_factory=list)
+
+
 class QuantInfo(_Strict):
     scheme: str = Field(description="the stage's --scheme")
     format: Literal["ascend", "compressed-tensors"]
@@ -136,6 +173,15 @@ class QuantInfo(_Strict):
     fallbacks: list[Fallback] = Field(default_factory=list)
     calibration: dict[str, Any] | None = Field(None, description="calibrated runs: tokens, layers, device, mean "
                                                                   "seconds per layer, peak RSS, layers resumed")
+    mixed_precision: MixedPrecision | None = Field(None, description="--kl-budget: the units kept at a higher "
+                                                                      "precision and why (absent without it)")
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_mixed(self, handler):
+        out = handler(self)
+        if out.get("mixed_precision", "") is None:  # a run without --kl-budget writes the bytes it always did
+            del out["mixed_precision"]
+        return out
 
 
 class TensorShard(_Strict):

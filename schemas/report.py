@@ -18,7 +18,8 @@ turns an invalid one into a one-line `CvtError` naming the CLI option.
 report_version 2 added `first_nonfinite_layer`, `nonfinite_layers`, `nonfinite_weights` and a
 NaN `same_top1`; report_version 3 added `status`, which tells a run without any threshold
 ("no_gates": nothing was checked) from one that passed its gates; report_version 4 added each
-side's quantization `methods` and `fallbacks` (from its manifest). Older reports still read
+side's quantization `methods` and `fallbacks` (from its manifest); report_version 5 added each side's
+`mixed_precision` (`cvt quantize --kl-budget`'s choice, from its manifest). Older reports still read
 (their status is derived from `checks` and `passed`).
 """
 
@@ -32,7 +33,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from cvt.errors import CvtError
 from cvt.schemas.manifest import ToolInfo
 
-REPORT_VERSION = 4
+REPORT_VERSION = 5
 
 Status = Literal["passed", "failed", "no_gates"]
 """A report's verdict: every applied threshold held, one failed, or no threshold was given."""
@@ -91,6 +92,9 @@ class ModelRef(_Strict):
     fallback_count: int = Field(0, ge=0, description="the manifest's quant.fallbacks entries")
     fallbacks: list[str] = Field(default_factory=list, description="the fallbacks grouped by reason, one line each "
                                                                    "(how many, what happened, where, why)")
+    mixed_precision: list[str] = Field(default_factory=list, description="cvt quantize --kl-budget: the budget and "
+                                                                         "what was measured, then each unit kept at "
+                                                                         "the higher precision and why")
 
 
 class DataInfo(_Strict):
@@ -222,7 +226,7 @@ class ThresholdCheck(_Strict):
 
 
 class Report(_Strict):
-    report_version: Literal[1, 2, 3, 4] = REPORT_VERSION
+    report_version: Literal[1, 2, 3, 4, 5] = REPORT_VERSION
     tool: ToolInfo
     candidate: ModelRef
     reference: ModelRef

@@ -116,6 +116,12 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
                    "float model stays the same function, and activation outlier channels spread over all channels "
                    "(W4A8, W8A8, W4A4 gain). Same SEED, same bytes (default 0); recorded in the manifest. Refused "
                    "where it cannot be exact (DeepSeek-V4, Kimi-K2.5, tied embeddings). SRC: BF16 or FP8 block.")
+@click.option("--kl-budget", type=float, default=None, metavar="KL",
+              help="Keep the fewest decoder-layer units (attention, MLP, routed experts) at --kl-high until the "
+                   "mean KL measured on the calibration text is at most KL; the choice and the measurements go into "
+                   "the manifest (docs/quantize.md, Mixed precision by a KL budget).")
+@click.option("--kl-high", default=None, metavar="SCHEME|float",
+              help="The precision --kl-budget keeps units at (default w8a8).")
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="Output files written in parallel (default: 2, or 1 on a 1-core machine).")
@@ -132,8 +138,8 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
        "which GPTQ's rounding amplifies).", old_spelling=True)
 def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method, group_size, asym, fp4_format, calib,
                  calib_tokens, device,
-                 expert_memory, static_attention, ignore, recipe, rotate, revision, workers, max_shard_size, resume,
-                 overwrite, quiet):
+                 expert_memory, static_attention, ignore, recipe, rotate, kl_budget, kl_high, revision, workers,
+                 max_shard_size, resume, overwrite, quiet):
     """Quantize SRC (BF16, an FP8 release - dequantized on the fly; a DeepSeek-V4 release's FP4
     experts copied unchanged into the MX FP4 schemes - or compressed-tensors INT4) into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
     tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay
@@ -145,8 +151,8 @@ def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method
         method=method, group_size=group_size, asym=asym,
         fp4_format=fp4_format, calib=calib, calib_tokens=calib_tokens, device=device, expert_memory=expert_memory,
         static_attention=static_attention, ignore=tuple(ignore), recipe=recipe, rotate=rotate, revision=revision,
-        workers=workers,
-        max_shard_size=max_shard_size, resume=resume, overwrite=overwrite, quiet=quiet))
+        workers=workers, max_shard_size=max_shard_size, resume=resume, overwrite=overwrite, quiet=quiet,
+        kl_budget=kl_budget, kl_high=kl_high))
     if not quiet:
         from cvt.units import plural
 
@@ -156,7 +162,7 @@ def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method
         methods = ", ".join(f"{n} {k}" for k, n in x["by_method"].items()) if len(x["by_method"]) > 1 else q.method
         click.echo(f"quantized {plural(x['quantized'], 'linear')} ({kinds}; {methods}; {q.format}), kept "
                    f"{x['float_modules']} float, {plural(x['fallbacks'], 'fallback')}; worst SQNR {x['min_sqnr_db']}\n"
-                   + "".join(f"  {line}\n" for line in x["fallback_lines"])
+                   + "".join(f"  {line}\n" for line in x["fallback_lines"] + x["mixed_lines"])
                    + (f"calibrated {c['layers']} layers on {c['tokens']} tokens ({c['device']}): "
                       f"{sum(c['seconds_per_layer']) / max(1, len(c['seconds_per_layer'])):.2f} s/layer, "
                       f"peak RSS {human(c['peak_rss_bytes'])}"

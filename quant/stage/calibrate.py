@@ -40,6 +40,7 @@ class Calibrated:
     loader: Any = None
     float_loader: Any = None
     summary: dict | None = None
+    mixed: dict | None = None  # --kl-budget's record (`cvt.quant.stage.kl_budget.choose`)
 
 
 def calib_data(ckpt: Checkpoint, calib, calib_tokens: int | None) -> torch.Tensor:
@@ -59,12 +60,12 @@ def calib_data(ckpt: Checkpoint, calib, calib_tokens: int | None) -> torch.Tenso
 def calibrate(ckpt: Checkpoint, plan: Plan, tokens: torch.Tensor, static_attention: bool,
               kv_codec: str, state_dir: Path, device, quiet: bool, expert_memory: int | None = None,
               kv_static: bool = True, ascend_names: bool = False, source: Source | None = None,
-              world: World = SINGLE) -> Calibrated:
+              world: World = SINGLE, mixed: dict | None = None) -> Calibrated:
     """Calibration `tokens` (`calib_data`) through the model, one decoder layer from disk at a time
     (`cvt.quant.methods.stream`): the calibrated methods, static activation scales of the
     attention projections (--static-attention: amax / 127 of what they see, after smoothing and
     with the earlier layers quantized) and KV-cache scales (w8a8c8). Resumable per layer. `world`:
-    the ranks that share the calibration sequences."""
+    the ranks that share the calibration sequences. `mixed`: --kl-budget's record, passed on."""
     import hashlib
 
     from cvt.quant.methods.stream import calibrate_streaming, kv_scales, text_prefix
@@ -76,7 +77,7 @@ def calibrate(ckpt: Checkpoint, plan: Plan, tokens: torch.Tensor, static_attenti
                               collect_stats=static_attention, frozen=frozen, world=world,
                               **({} if expert_memory is None else {"max_expert_bytes": expert_memory}))
     store = res.store
-    out = Calibrated(tokens=int(tokens.numel()), tokens_sha256=hashlib.sha256(tokens.numpy().tobytes()).hexdigest())
+    out = Calibrated(mixed=mixed, tokens=int(tokens.numel()), tokens_sha256=hashlib.sha256(tokens.numpy().tobytes()).hexdigest())
     out.quantized = {m: None for m in store.modules()}            # read from the state folder when written
     out.loader = store.quantized
     out.float_overrides = {n: None for n in store.floats()}

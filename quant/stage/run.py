@@ -26,6 +26,7 @@ from cvt.units import article
 from cvt.world import SINGLE, World
 from cvt.quant.stage.assignment import Plan, check_kv_target, check_method, make_plan, names_where
 from cvt.quant.stage import fp4_source
+from cvt.quant.stage import kl_budget as KB
 from cvt.quant.stage.calibrate import Calibrated, calib_data, calibrate
 from cvt.quant.stage.outputs import int8_kv, kv_static as _kv_static
 from cvt.quant.stage.quantizer import Source
@@ -41,7 +42,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
              max_shard_size: int = DEFAULT_MAX_SHARD, resume: bool = True, overwrite: bool = False,
              quiet: bool = False, target: str | None = None, device: str = "cpu",
              expert_memory: int | None = None, target_version: str | None = None,
-             kv_dtype: str | None = None, rotate: str | None = None, world: World = SINGLE) -> WriteResult:
+             kv_dtype: str | None = None, rotate: str | None = None, world: World = SINGLE,
+             kl_budget: float | None = None, kl_high: str | None = None) -> WriteResult:
     """Quantize SRC into DST (see the package docstring) for the serving `target` (ascend:
     vllm-ascend, the default, or mindie; `cvt.qtensor.layouts`). Returns the writer's result,
     with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
@@ -51,8 +53,10 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     calibration tokens asked for, refused when the text gives fewer (None: up to
     `cvt.corpus.CALIB_TOKENS`, fewer with a warning when the text is shorter). `world`: the ranks
     that share the work (`cvt.world`: a started torchrun world; one process by default). `rotate`:
-    ``hadamard[:SEED]``, a residual-stream rotation folded into the weights first (`cvt.quant.rotate`)."""
+    ``hadamard[:SEED]``, a residual-stream rotation folded into the weights first (`cvt.quant.rotate`).
+    `kl_budget`, `kl_high` (or the recipe's): mixed precision by a KL budget (`cvt.quant.stage.kl_budget`)."""
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
+    high, kl_budget = KB.resolve_budget(kl_budget, kl_high, recipe, scheme, world.size)
     form, target, line, sch = _check_request(scheme, fmt, target, target_version, group_size, fp4_format, recipe,
                                              static_attention)
     if recipe is None:  # --method against --scheme, before anything is read (a recipe's rules: per module)
@@ -68,8 +72,9 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         if why:  # the format's own knowledge of what its consumers load (`Format.refused_models`)
             raise FormatError(f"{ckpt.config['model_type']}: --format {fmt} is refused: {why}")
         rotation = _rotation_table(arch, ckpt.config, src_fmt, rotate)
-        policy = Policy(arch, scheme, method, group_size, ignore, recipe)
-        plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
+        policy, plan_args = Policy(arch, scheme, method, group_size, ignore, recipe), (form, scheme, group_size, asym,
+                                                                                      fp4_format, target, line)
+        plan = _first_plan(ckpt, policy, plan_args, high)
         check_kv_target(ckpt.config, plan, fmt, target)
         kv_static = _kv_static(ckpt.config, plan, fmt)
         if kv_static:  # before --kv-dtype's own rules, which are about the stacks of the families that have one
@@ -86,12 +91,13 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
 
             ckpt = RotatedCheckpoint(ckpt, arch, rotation, rotate, arch.table.scale_param)
             source = Source(ckpt, SourceFormat.BF16, arch.table.scale_param)
-            plan = make_plan(ckpt, policy, form, scheme, group_size, asym, fp4_format, target, line)
+            plan = _first_plan(ckpt, policy, plan_args, high)
         note = _fp4_note(plan, source)
+        plan, mixed, tokens = _kl_budget(ckpt, policy, plan, high, kl_budget, calib, calib_tokens, device, plan_args)
         needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
-        _check_calib(calib, needs_model)
+        _check_calib(calib, needs_model or tokens is not None)
         if not needs_model:
-            return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(), req, world))
+            return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(mixed=mixed), req, world))
         from cvt.runtime.models import family
 
         if static_attention and not getattr(family(ckpt.config)[0].Model, "calibrates_kv", True):
@@ -100,12 +106,12 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
                               "(--method gptq / awq / smoothquant are)")
         from cvt.convert.outdir import calibration_dir
 
-        tokens = calib_data(ckpt, calib, calib_tokens)  # before DST is touched: too few tokens are refused
+        tokens = calib_data(ckpt, calib, calib_tokens) if tokens is None else tokens  # too few: refused before DST
         with calibration_dir(ckpt.source.confine_root, Path(dst), overwrite, resume, world) as state:
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
             cal = calibrate(ckpt, plan, tokens, static_attention, kv_codec, state, device, quiet,
                             expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec, source=source,
-                            world=world)
+                            world=world, mixed=mixed)
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req, world))
     finally:
         ckpt.close()
@@ -128,6 +134,34 @@ def _rotation_table(arch, config: dict, src_fmt: SourceFormat, rotate: str | Non
     from cvt.quant.rotate import check
 
     return check(arch, config, src_fmt)
+
+
+def _first_plan(ckpt: Checkpoint, policy: Policy, plan_args: tuple, high: str | None) -> Plan:
+    """The run's plan before --kl-budget (its warnings held when a budget replaces it)."""
+    with KB.plan_warnings_held(high is not None):
+        return make_plan(ckpt, policy, *plan_args)
+
+
+def _kl_budget(ckpt: Checkpoint, policy: Policy, plan: Plan, high: str | None, budget: float | None, calib,
+               calib_tokens: int | None, device, plan_args: tuple):
+    """(the plan with the units `cvt.quant.stage.kl_budget` keeps at `high`, its manifest record,
+    the calibration tokens it measured on); (plan, None, None) without a budget. Before DST is
+    touched."""
+    if high is None:
+        return plan, None, None
+    from cvt.quant.methods.sensitivity import check_family
+
+    check_family(ckpt.config)
+    _check_calib(calib, True)
+    tokens = calib_data(ckpt, calib, calib_tokens)  # the calibrated methods' too, when the run has some
+    eligible = {m: "" for m in plan.schemes if not policy.choose(m).explicit}
+    high_plan = Plan() if high == KB.FLOAT else make_plan(ckpt, KB.BudgetPolicy(policy, eligible, high), *plan_args)
+    units = KB.units_of(ckpt, plan, policy, high_plan, plan_args[0].name, plan_args[5])
+    if not units:
+        raise OptionError(f"--kl-budget: no linear of the decoder layers gets --scheme {plan_args[1]} by default "
+                          "(float, ignored or a recipe's): nothing to keep higher")
+    kept, record = KB.choose(ckpt, tokens, plan, high_plan, units, budget, high, device)
+    return make_plan(ckpt, KB.BudgetPolicy(policy, kept, high), *plan_args), record, tokens  # (says its warnings)
 
 
 def _check_request(scheme: str, fmt: str, target: str | None, target_version: str | None,

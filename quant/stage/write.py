@@ -12,7 +12,7 @@ from pathlib import Path
 from cvt.version import __version__
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, bf16_config
-from cvt.convert.quant_summary import fallback_lines
+from cvt.convert.quant_summary import fallback_lines, mixed_lines
 from cvt.convert.writer import WriteResult, default_workers, write_checkpoint
 from cvt.schemas.manifest import Fallback, QuantInfo, QuantTensorInfo, StageInfo
 from cvt.quant.stage.calibrate import Calibrated
@@ -58,7 +58,8 @@ def write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, ca
     quant = QuantInfo(scheme=req.scheme, format=req.fmt, target=req.target, target_version=req.line,
                       method=req.method, group_size=req.group_size,
                       symmetric=not req.asym, fp4_format=req.fp4_format, kv_cache=kv.manifest,
-                      float_modules=dict(plan.float_reasons), fallbacks=_fallbacks(plan, cal), calibration=cal.summary)
+                      float_modules=dict(plan.float_reasons), fallbacks=_fallbacks(plan, cal), calibration=cal.summary,
+                      mixed_precision=cal.mixed)
     result = write_checkpoint(
         ckpt, Path(dst), out.tensors,
         stage=StageInfo(name="quantize", tool_version=__version__, parameters=_parameters(plan, cal, req)),
@@ -73,7 +74,8 @@ def write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, ca
     result.extra.update(quantized=len(plan.schemes), float_modules=len(plan.float_reasons),
                         by_scheme=_counts(s.name for s in plan.schemes.values()), by_method=_counts(plan.methods.values()),
                         fallbacks=len(quant.fallbacks), min_sqnr_db=f"{min(sqnrs):.1f} dB" if sqnrs else "exact",
-                        fallback_lines=fallback_lines(quant, ckpt.config))  # by reason, saying where
+                        fallback_lines=fallback_lines(quant, ckpt.config),  # by reason, saying where
+                        mixed_lines=mixed_lines(quant))  # --kl-budget's choice
     return result
 
 

@@ -244,7 +244,7 @@ def test_no_thresholds_say_no_gates_applied_not_passed(tmp_path):
     paths = write_report(report, tmp_path, kl)
     doc = json.loads(paths["json"].read_text())
     jsonschema.validate(doc, load_schema("report.schema.json"))
-    assert doc["status"] == "no_gates" and doc["report_version"] == 4
+    assert doc["status"] == "no_gates" and doc["report_version"] == 5
     md = paths["md"].read_text()
     assert md.startswith("# cvt verify report: no gates applied\n")
     assert md.rstrip().endswith("Result: **no gates applied**") and "PASSED" not in md

@@ -160,7 +160,7 @@ def test_report_files_name_the_first_non_finite_layer(tmp_path, side):
     text = paths["json"].read_text()
     doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     jsonschema.validate(doc, load_schema("report.schema.json"))
-    assert doc["report_version"] == 4 and doc["first_nonfinite_layer"] == "layer.1"
+    assert doc["report_version"] == 5 and doc["first_nonfinite_layer"] == "layer.1"
     assert doc["nonfinite_layers"][0] == {"name": "layer.1", "side": side, "nan": 1, "posinf": 0, "neginf": 0,
                                           "numel": 64}
     assert doc["logits"]["same_top1"] == "NaN" and doc["layers"][2]["Cosine"] == "NaN"
