@@ -115,6 +115,8 @@ class AttentionKind:
     heads_split:    the cache splits over TP by KV heads (so TP must divide them); otherwise
                     every TP rank holds it whole
     indexer_key:    the layer caches a lightning indexer's key beside its cache (the indexer C8's site)
+    calibrates:     cvt's layer-by-layer calibration (GPTQ, AWQ, SmoothQuant, static scales,
+                    --kl-budget's measurement) runs through a layer of this kind
     count_bytes:    (config, tokens, tp, bytes per quantizable element, indexer C8) -> cache bytes of
                     one layer holding `tokens` positions of one sequence on one TP rank
     """
@@ -127,6 +129,7 @@ class AttentionKind:
     heads_split: bool
     count_bytes: Callable[[Mapping[str, Any], int, int, int, bool], int]
     indexer_key: bool = False
+    calibrates: bool = True
 
     def cache_bytes(self, cfg: Mapping[str, Any], tokens: int, tp: int = 1, int8: bool = False,
                     index_c8: bool = False) -> int:
@@ -165,7 +168,7 @@ LINEAR = AttentionKind("linear", (CacheEntry("conv_state", ("batch", "conv_chann
                                   CacheEntry("recurrent_state", ("batch", "linear_num_value_heads",
                                                                  "linear_key_head_dim", "linear_value_head_dim"))),
                        "gated-deltanet (conv_state, recurrent_state)", "LinearState (conv + recurrent state)", None,
-                       heads_split=True, count_bytes=_linear_bytes)
+                       heads_split=True, count_bytes=_linear_bytes, calibrates=False)
 
 KINDS: dict[str, AttentionKind] = {k.name: k for k in (MLA, SPARSE_MLA, SPARSE_MLA_SHARED, GQA, *V4.values(), LINEAR)}
 

@@ -75,6 +75,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         policy, plan_args = Policy(arch, scheme, method, group_size, ignore, recipe), (form, scheme, group_size, asym,
                                                                                       fp4_format, target, line)
         plan = _first_plan(ckpt, policy, plan_args, high)
+        _check_calibrates(arch, plan, static_attention or kl_budget is not None)
         check_kv_target(ckpt.config, plan, fmt, target)
         kv_static = _kv_static(ckpt.config, plan, fmt)
         if kv_static:  # before --kv-dtype's own rules, which are about the stacks of the families that have one
@@ -115,6 +116,19 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req, world))
     finally:
         ckpt.close()
+
+
+def _check_calibrates(arch, plan, other_data: bool) -> None:
+    """FormatError (before DST) when the run calibrates and a kind of the family's layers is one
+    calibration does not run through (`AttentionKind.calibrates`: Qwen3.5's Gated DeltaNet)."""
+    methods = sorted({m for m in plan.methods.values() if m != RTN})
+    if not (methods or other_data):
+        return
+    stuck = [k.name for k in arch.table.attention.kinds if not k.calibrates]
+    if stuck:
+        what = f"--method {', '.join(methods)}" if methods else "--static-attention / --kl-budget"
+        raise FormatError(f"{arch.model_type}: {what} calibrates layer by layer, and cvt's calibration does not run "
+                          f"through its {', '.join(stuck)} attention layers yet; use --method rtn")
 
 
 def _rotate_spec(rotate: str | None) -> str | None:

@@ -155,3 +155,15 @@ def test_plan_a3b_by_hand(tmp_path):
     r = run_cvt("plan", tmp_path / "config.json", "--kv-tokens", "1000")
     assert r.rc == 0, r.err
     assert "30 x Gated DeltaNet, 10 x full attention" in r.out
+
+
+@pytest.mark.parametrize("args", [("--method", "gptq"), ("--method", "awq"), ("--method", "smoothquant"),
+                                  ("--kl-budget", "0.01")])
+def test_calibration_is_refused_before_dst(tmp_path, args):
+    """Calibration does not run through the Gated DeltaNet layers yet (`AttentionKind.calibrates`):
+    one line, exit 1, nothing written (it was an IndexError, exit 70)."""
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_5_config())
+    dst = tmp_path / "out"
+    r = run_cvt("quantize", src, dst, "--scheme", "w4a16" if args[0] == "--kl-budget" else "w8a8", *args)
+    assert r.rc == 1 and len(r.err.strip().splitlines()) == 1 and "linear attention layers" in r.err, r.err
+    assert not dst.exists()
