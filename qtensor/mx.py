@@ -30,6 +30,8 @@ Shapes: ``x [..., k]`` with k a multiple of ``BLOCK``; scales ``[..., k / 32]``.
 
 from __future__ import annotations
 
+import threading
+
 from cvt.lazy import torch
 
 from cvt.errors import TensorError
@@ -67,6 +69,25 @@ def shared_exponent(amax: torch.Tensor, elem: str) -> torch.Tensor:
         return se
     se = torch.floor(_bf16(torch.log2(_bf16(_bf16(amax / (1 - 0.5 ** 3)) + FP4_EPS)))) - FP4_EMAX
     return torch.clip(se, -E8M0_BIAS - FP4_EMAX, E8M0_BIAS - FP4_EMAX)
+
+
+_TABLES: dict = {}
+_TABLES_LOCK = threading.Lock()
+
+
+def exponent_table(elem: str):
+    """`shared_exponent` of every bfloat16 value as a block max, by its bits: numpy int16 [65536],
+    0x7fff where E8M0 cannot hold the exponent (NaN, negative, outside -127..127). The fused RTN
+    kernel (`cvt.quant.qkernel`, MX modes) looks exponents up here, so its log2 and bf16 roundings
+    are this module's. Made once under a lock and kept for the process: the kernel holds only its
+    address (the writer's threads may ask at the same time)."""
+    with _TABLES_LOCK:
+        if elem not in _TABLES:
+            amax = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+            se = shared_exponent(amax, elem)
+            ok = torch.isfinite(se) & (se >= -E8M0_BIAS) & (se <= E8M0_BIAS) & (amax >= 0)
+            _TABLES[elem] = torch.where(ok, se, 0x7FFF).to(torch.int16).numpy()
+        return _TABLES[elem]
 
 
 def quantize_elements(v: torch.Tensor, elem: str) -> torch.Tensor:

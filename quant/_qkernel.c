@@ -16,6 +16,14 @@
  *   nvfp4      s = e4m3(min(amax16 / 6 * gs, 448)), 0 -> 0.125;  mult = float(s) / gs
  *   mxfp4      e = clamp(((bits(amax32) + 2**21) >> 23 & 255) - 2, 0, 254);  mult = 2**(e - 127)
  *   fp4 codes  x = clamp(w / mult, -6, 6); index by the E2M1 thresholds; sign bit = signbit(x)
+ *   mx8 / mx4  msModelSlim's Ascend 950 MX blocks of 32 (`cvt.qtensor.mx`): se = se_lut[bf16(amax32)]
+ *              (the table is the reference's own `shared_exponent` of every bf16 value, so its log2 and
+ *              bf16 roundings are the reference's), mult = 2**se, v = w / mult; mx8: pe = max(e(|v|), -6),
+ *              val = sign * floor(|v / 2**pe * 8| + 0.5) / 8 * 2**pe clamped to 448, stored e4m3; mx4:
+ *              pe = clamp(e(|v| + 9.6e-7), 0, 2), val = sign * min(floor(|v| / 2**pe * 2 + 0.5) / 2 * 2**pe,
+ *              6), stored E2M1 (sign from the product, as torch.sign(v) * ... gives). e(x): the binary
+ *              exponent; where torch's floor(log2(x)) differs (x just under a power of two), the
+ *              rounding lands on that power either way, so the values are the same.
  *
  * rint is round-half-even (torch.round). Packings (`cvt.quant.primitives`): int8 [n, k];
  * compressed-tensors int32 [n, ceil(k/8)] (value + 8, element i of 8 at bits 4i, zero padding);
@@ -50,8 +58,10 @@
 #include "../convert/_cvt_kernel.h" /* LUT, bf16_rne, cpu_simd, fp8_scales_simd_ok, run_jobs */
 
 enum { SRC_BF16 = 0, SRC_FP8 = 1 };
-enum { MODE_AMAX = 0, MODE_SYM = 1, MODE_ASYM = 2, MODE_NVFP4 = 3, MODE_MXFP4 = 4 };
-enum { PACK_I8 = 0, PACK_CT32 = 1, PACK_NIB_K = 2, PACK_NIB_ROWS = 3, PACK_FP4 = 4 };
+enum { MODE_AMAX = 0, MODE_SYM = 1, MODE_ASYM = 2, MODE_NVFP4 = 3, MODE_MXFP4 = 4, MODE_MX8 = 5, MODE_MX4 = 6 };
+enum { PACK_I8 = 0, PACK_CT32 = 1, PACK_NIB_K = 2, PACK_NIB_ROWS = 3, PACK_FP4 = 4, PACK_E4M3 = 5 };
+#define IS_MX(mode) ((mode) == MODE_MX8 || (mode) == MODE_MX4)
+#define MX_BAD_SE 0x7fff /* se_lut: a block max whose shared exponent E8M0 cannot hold */
 
 /* Mirrors `cvt.quant.qkernel._Args` (ctypes.Structure): keep the field order in sync. */
 typedef struct {
@@ -70,6 +80,7 @@ typedef struct {
     int64_t nthreads, simd; /* simd: the highest level allowed (0 scalar, 1 AVX2 or NEON, 2 AVX-512) */
     int64_t f64_squares;    /* square in double (the caller's retry when a float32 square overflowed) */
     uint16_t *scale_bf16;   /* [n, ng] the int scales' bfloat16 bits too (or NULL) */
+    const int16_t *se_lut;  /* MODE_MX8 / MODE_MX4: shared exponent by the bf16 bits of a block's max */
 } cvt_qargs;
 
 static const float E2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
@@ -181,6 +192,44 @@ static double fp4_scalar_sq(const float *w, uint8_t *c, int64_t len, float mult,
     return err;
 }
 
+/* msModelSlim's MX elements of one block (module comment): codes c, the squared error of w against
+ * the dequantized val * mult. Bit tricks where libm calls would dominate: e(x) from the exponent
+ * field (x >= 0 finite; a subnormal, below any pe the clamps allow, reads as the clamp), 2**pe as
+ * bits (-6 <= pe <= 2 or 8), floor of a non-negative value below 2**31 as a truncating cast; v = w
+ * times 1 / mult, the same correctly rounded value as w / mult for a power of two mult (FP4_EXACT). */
+static inline int exp_field(float x) { return (int)((f2u(x) >> 23) & 0xffu) - 127; }
+static inline float pow2f(int e) { return u2f((uint32_t)(e + 127) << 23); }
+static inline float floor_pos(float x) { return (float)(int32_t)x; }
+
+static double mx_scalar_sq(const float *w, uint8_t *c, int64_t len, float mult, int fp8, int f64) {
+    double err = 0.0;
+    float r = 1.0f / mult;
+    for (int64_t j = 0; j < len; j++) {
+        float v = w[j] * r, val;
+        if (fp8) {
+            int pe = exp_field(v); /* v == 0 and subnormals: -127, clamped as torch's -6 */
+            pe = pe < -6 ? -6 : pe;
+            float p2 = pow2f(pe);
+            float a = v / p2 * 8.0f;
+            float s = (float)((a > 0.0f) - (a < 0.0f));
+            val = clampf(s * floor_pos(fabsf(a) + 0.5f) / 8.0f * p2, -448.0f, 448.0f);
+            c[j] = e4m3_from_f32(val);
+        } else {
+            float b = fabsf(v);
+            int pe = exp_field(b + 9.6e-7f);
+            pe = pe < 0 ? 0 : (pe > 2 ? 2 : pe);
+            float p2 = pow2f(pe);
+            float m = floor_pos(b / p2 * 2.0f + 0.5f);
+            float s = (float)((v > 0.0f) - (v < 0.0f));
+            val = s * clampf(m / 2.0f * p2, -6.0f, 6.0f);
+            c[j] = e2m1_code(val);
+        }
+        float d = w[j] - val * mult;
+        err += SQ(d, f64);
+    }
+    return err;
+}
+
 /* ---- fp4 codes without a division ----------------------------------------------------------------
  * The SIMD fp4 loops only need e2m1_code(w / mult), and a vector division may be their largest cost.
  * FP4_EXACT: mult is a power of two whose reciprocal is a float (every mxfp4 multiplier 2**(e-127),
@@ -285,6 +334,10 @@ static void params_scalar(const cvt_qargs *a, int64_t i, int64_t t0, const float
             a->scale8[o] = code;
             sc[t] = LUT[code] / a->global_scale;
             gb[t] = 1.0f / sc[t]; /* for the SIMD loops (fp4_kind) */
+        } else if (IS_MX(a->mode)) {
+            int se = a->se_lut[bf16_rne(ga[t])];
+            a->scale8[o] = se == MX_BAD_SE ? 255 : (uint8_t)(se + 127);
+            sc[t] = se == MX_BAD_SE ? NAN : ldexpf(1.0f, se); /* NaN: the sums say so; the caller refuses */
         } else { /* MODE_MXFP4 */
             uint32_t bits = f2u(ga[t]);
             int64_t e = (int64_t)(((bits + (1u << 21)) >> 23) & 0xffu) - 2;
@@ -293,7 +346,7 @@ static void params_scalar(const cvt_qargs *a, int64_t i, int64_t t0, const float
             sc[t] = u2f(e == 0 ? 0x00400000u : (uint32_t)e << 23);
             gb[t] = 1.0f / sc[t];
         }
-        if (!fp4) {
+        if (!fp4 && !IS_MX(a->mode)) {
             a->scale[o] = sc[t];
             if (a->scale_bf16) a->scale_bf16[o] = (uint16_t)(f2u(sc[t]) >> 16); /* a bf16 value */
             if (a->offset) a->offset[o] = off[t];
@@ -329,14 +382,22 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
                 ga[t] = PICK(amax, simd)(w + t * g, g);
         }
     int64_t t0 = 0; /* groups whose parameters the SIMD loops computed */
+    int mx = IS_MX(a->mode);
 #ifdef CVT_X86
-    if (simd == 2) t0 = params_avx512(a, i, ga, gb, sc, off);
-    else if (simd) t0 = params_avx2(a, i, ga, gb, sc, off);
+    if (simd == 2 && !mx) t0 = params_avx512(a, i, ga, gb, sc, off);
+    else if (simd && !mx) t0 = params_avx2(a, i, ga, gb, sc, off);
 #elif defined(__aarch64__)
-    if (simd) t0 = params_neon(a, i, ga, gb, sc, off);
+    if (simd && !mx) t0 = params_neon(a, i, ga, gb, sc, off);
 #endif
     params_scalar(a, i, t0, ga, gb, sc, off);
     double err = 0.0;
+    if (mx) { /* scalar elements (no SIMD piece yet); the squares of w as below */
+        for (int64_t t = 0; t < ng; t++)
+            err += mx_scalar_sq(w + t * g, (uint8_t *)q + t * g, g, sc[t], a->mode == MODE_MX8, f64);
+        jb->err += err;
+        jb->sig += f64 ? sumsq_scalar_sq(w, k, 1) : PICK(sumsq, simd)(w, k);
+        return;
+    }
 #ifdef CVT_X86
     if (row) { /* the whole-row loops add up sum w^2 too, in the same pass */
         double sig = 0.0;
@@ -394,7 +455,7 @@ static int64_t pack_rows_simd(int simd, const int8_t *q0, const int8_t *q1, uint
  * is byte i / 2's nibble i % 2, so the SIMD byte packer writes their full pairs */
 static void pack_row(const cvt_qargs *a, int64_t i, const int8_t *q, int simd) {
     int64_t k = a->k;
-    if (a->pack == PACK_I8) {
+    if (a->pack == PACK_I8 || a->pack == PACK_E4M3) {
         memcpy((int8_t *)a->q + i * k, q, (size_t)k);
     } else if (a->pack == PACK_CT32) {
         int64_t words = (k + 7) / 8;
@@ -461,9 +522,10 @@ static void *run(void *arg) {
     }
     for (int64_t i = jb->row0; i < jb->row1; i++) {
         jb->bad += decode(jb, i, jb->wbuf);
-        int8_t *q = a->pack == PACK_I8 ? (int8_t *)a->q + i * k : jb->qbuf;
+        int direct = a->pack == PACK_I8 || a->pack == PACK_E4M3; /* one code byte per element */
+        int8_t *q = direct ? (int8_t *)a->q + i * k : jb->qbuf;
         quantize_row(jb, i, jb->wbuf, q);
-        if (a->pack != PACK_I8) pack_row(a, i, q, jb->simd);
+        if (!direct) pack_row(a, i, q, jb->simd);
     }
     return NULL;
 }
@@ -480,7 +542,8 @@ int cvt_quantize(const cvt_qargs *a) {
     pthread_once(&lut_once, init_lut);
     int64_t n = a->n, k = a->k;
     if (n < 0 || k <= 0 || a->group <= 0 || k % a->group) return -1;
-    if (a->mode < MODE_AMAX || a->mode > MODE_MXFP4 || a->pack < PACK_I8 || a->pack > PACK_FP4) return -1;
+    if (a->mode < MODE_AMAX || a->mode > MODE_MX4 || a->pack < PACK_I8 || a->pack > PACK_E4M3) return -1;
+    if (IS_MX(a->mode) && (!a->se_lut || a->group != 32 || (a->pack == PACK_E4M3) != (a->mode == MODE_MX8))) return -1;
     if (a->src_kind == SRC_FP8 && (a->bn <= 0 || a->bk <= 0 || a->s_cols < (k + a->bk - 1) / a->bk)) return -1;
     if ((a->pack == PACK_NIB_ROWS && n % 2) || ((a->pack == PACK_NIB_K || a->pack == PACK_FP4) && k % 2)) return -1;
     /* SIMD level: 0 scalar, 1 AVX2, 2 AVX-512; the caller's a->simd is the highest it allows */

@@ -28,14 +28,14 @@ ascend-w4a16-int32          weight_packed i32 [n,ceil(k/8)], weight_scale bf16, 
 ct-int4                     ditto + weight_zero_point i32 [ceil(n/8),k/G] when asymmetric
 ct-nvfp4                    weight_packed u8 [n,k/2], weight_scale e4m3 [n,k/16], weight_global_scale
 ct-mxfp4, ascend-mxfp4      weight_packed / weight u8 [n,k/2], weight_scale u8 E8M0 [n,k/32]
+ascend-w8a8-mxfp8           weight e4m3 [n,k], weight_scale u8 E8M0 [n,k/32] (msModelSlim MX rules;
+ascend-w4a4-mxfp4 / -w4a8   weight u8 [n,k/2], ditto                         scalar C elements)
 ==========================  ====================================================================
 
-API: ``WeightSource(bf16)`` / ``WeightSource.fp8(codes, scale_inv, block)``;
-``supports(layout, scheme, src)``; ``quantize_to_layout(src, scheme, layout, name, global_scale=None,
-threads=None) -> Fused(tensors, sqnr_db, kernel)``; ``absmax(src)`` (nvfp4's global scale, a
-fused group's shared one); ``kernel_name()``. The C side is one entry point, ``int
-cvt_quantize(const cvt_qargs *)`` (source, mode, group, packing, output buffers; see the C file),
-plus ``cvt_pack_zero_points``.
+API: ``WeightSource(bf16)`` / ``WeightSource.fp8(codes, scale_inv, block)``; ``supports``;
+``quantize_to_layout(src, scheme, layout, name, global_scale=None, threads=None) -> Fused``;
+``absmax(src)`` (nvfp4's global scale); ``kernel_name()``. C: ``cvt_quantize(const cvt_qargs *)``
+(see the C file) and ``cvt_pack_zero_points``.
 
 Anything else (static W8A8, other source dtypes, an asymmetric int32 layout that refuses zero
 points) is not fused: `supports` says so and the caller takes the reference path, which also
@@ -60,15 +60,17 @@ from cvt.qtensor import kernel_formats as KF
 from cvt.extras import c_kernel, simd_level
 from cvt.lazy import torch
 
+from cvt.qtensor import mx as MX
 from cvt.qtensor import primitives as P
 from cvt.qtensor.layouts import fuses
 from cvt.runtime.metrics import sqnr_from_sums
 
 SRC_BF16, SRC_FP8 = 0, 1
-MODE_AMAX, MODE_SYM, MODE_ASYM, MODE_NVFP4, MODE_MXFP4 = range(5)
-PACK_I8, PACK_CT32, PACK_NIB_K, PACK_NIB_ROWS, PACK_FP4 = range(5)
+MODE_AMAX, MODE_SYM, MODE_ASYM, MODE_NVFP4, MODE_MXFP4, MODE_MX8, MODE_MX4 = range(7)
+PACK_I8, PACK_CT32, PACK_NIB_K, PACK_NIB_ROWS, PACK_FP4, PACK_E4M3 = range(6)
 # the C kernel's packing codes for the layout table's `Layout.pack` names
-_PACK = {"i8": PACK_I8, "ct32": PACK_CT32, "nib_k": PACK_NIB_K, "nib_rows": PACK_NIB_ROWS, "e2m1": PACK_FP4}
+_PACK = dict(i8=PACK_I8, ct32=PACK_CT32, nib_k=PACK_NIB_K, nib_rows=PACK_NIB_ROWS, e2m1=PACK_FP4, e4m3=PACK_E4M3)
+_MX_MODE = {KF.MXFP8: MODE_MX8, KF.W4A4_MXFP4: MODE_MX4, KF.W4A8_MXFP: MODE_MX4}  # msModelSlim MX blocks
 ROWS_PER_BLOCK = 1 << 22  # torch fallback: about this many elements per block of rows
 
 
@@ -81,7 +83,7 @@ class _Args(ctypes.Structure):
                                                  "qmin", "qmax", "pack")]
                 + [("qdiv", ctypes.c_float), ("global_scale", ctypes.c_float)]
                 + [(f, ctypes.c_int64) for f in ("nthreads", "simd", "f64_squares")]
-                + [("scale_bf16", ctypes.c_void_p)])
+                + [("scale_bf16", ctypes.c_void_p), ("se_lut", ctypes.c_void_p)])
 
 
 def _env() -> str:
@@ -231,7 +233,13 @@ def _config(layout, scheme, k: int) -> dict:
         return dict(mode=MODE_ASYM, group=g or k, qdiv=15.0, qmin=-8, qmax=7)
     if kf == KF.NVFP4:
         return dict(mode=MODE_NVFP4, group=16, qdiv=0.0, qmin=0, qmax=0)
-    return dict(mode=MODE_MXFP4, group=32, qdiv=0.0, qmin=0, qmax=0)
+    return dict(mode=_MX_MODE.get(kf, MODE_MXFP4), group=32, qdiv=0.0, qmin=0, qmax=0)  # MX: Ascend 950's
+
+
+def _mx_kw(cfg: dict) -> dict:
+    """The MX modes' shared-exponent table (kept by `cvt.qtensor.mx`: the kernel gets its address)."""
+    elem = {MODE_MX8: MX.FP8, MODE_MX4: MX.FP4}.get(cfg["mode"])
+    return {} if elem is None else {"se_lut": MX.exponent_table(elem).ctypes.data}
 
 
 @dataclass
@@ -408,7 +416,8 @@ def quantize_in_pieces(src: WeightSource, scheme, layout, name: str | None = Non
         q = OUTPUTS.array((int((r1 - r0) * qrows_per_row), qshape[1]), qdtype)
         kw = dict(group=cfg["group"], qdiv=cfg["qdiv"], qmin=cfg["qmin"], qmax=cfg["qmax"], pack=pack,
                   q=q.ctypes.data, global_scale=gs if gs is not None else 0.0,
-                  **{f: raw[f][r0:r1].ctypes.data for f in ("scale", "offset", "scale8", "scale_bf16") if f in raw})
+                  **{f: raw[f][r0:r1].ctypes.data for f in ("scale", "offset", "scale8", "scale_bf16") if f in raw},
+                  **_mx_kw(cfg))
         bad, _, s1, e1 = _call(fn, part, cfg["mode"], threads, simd, **kw)
         if bad:
             raise P.nonfinite_error(name, _desc(src.shape), _count_nonfinite(src))
@@ -431,7 +440,8 @@ _NP_BITS = {"I8": "int8", "I32": "int32", "U8": "uint8", "F32": "float32", "BF16
 def _packed_spec(layout, n: int, k: int) -> tuple[tuple[int, int], str]:
     """(shape, dtype code) of the kernel's packed weight for a linear [n, k] in `layout`."""
     return {PACK_I8: ((n, k), "I8"), PACK_CT32: ((n, -(-k // 8)), "I32"), PACK_NIB_K: ((n, k // 2), "I8"),
-            PACK_NIB_ROWS: ((n // 2, k), "I8"), PACK_FP4: ((n, k // 2), "U8")}[_PACK[layout.pack]]
+            PACK_NIB_ROWS: ((n // 2, k), "I8"), PACK_FP4: ((n, k // 2), "U8"), PACK_E4M3: ((n, k), "F8_E4M3")
+            }[_PACK[layout.pack]]
 
 
 def _outputs(layout, shape, cfg, c: bool, q: bool = True) -> dict[str, Any]:
@@ -469,7 +479,7 @@ def _c_blocks(lib, src, layout, cfg, name, gs, threads, simd):
     ptr = {k_: v.ctypes.data for k_, v in raw.items()}
     kw = dict(group=cfg["group"], qdiv=cfg["qdiv"], qmin=cfg["qmin"], qmax=cfg["qmax"], pack=_PACK[layout.pack],
               q=ptr["q"], scale=ptr.get("scale"), offset=ptr.get("offset"), scale8=ptr.get("scale8"),
-              scale_bf16=ptr.get("scale_bf16"), global_scale=gs if gs is not None else 0.0)
+              scale_bf16=ptr.get("scale_bf16"), global_scale=gs if gs is not None else 0.0, **_mx_kw(cfg))
     fn = lib.cvt_quantize
     bad, _, sig, err = _call(fn, src, cfg["mode"], threads, simd, **kw)
     if bad:
@@ -535,7 +545,7 @@ def _torch_blocks(src, scheme, layout, cfg, name, gs):
             else:
                 raw["q"][r0 // 2: r1 // 2] = P.pack_int4_ascend(qi, 0)
         else:
-            raw["q"][r0:r1] = P.pack_fp4(p["weight_fp4"])
+            raw["q"][r0:r1] = p["weight_fp8"] if "weight_fp8" in p else P.pack_fp4(p["weight_fp4"])
             raw["scale8"][r0:r1] = p["weight_scale"].view(torch.uint8)
     if pack == PACK_CT32:  # what the C kernel writes beside: the bf16 scale, the packed zero points
         raw["scale_bf16"] = raw["scale"].to(torch.bfloat16)  # bf16 values already
@@ -548,6 +558,8 @@ def _bits(t):
     """A torch tensor as the numpy array of its bits (`_NP_BITS`; zero-copy)."""
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view("uint16")
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy()
     return t.numpy()
 
 
@@ -572,7 +584,7 @@ def _assemble(layout, scheme, shape, raw, gs) -> dict[str, Any]:
         if not scheme.symmetric:
             out["weight_zero_point"] = raw["zero_point"]
         return out
-    packed = "weight" if name == "ascend-mxfp4" else "weight_packed"
+    packed = layout.tensors[0].suffix  # the codes: "weight" (Ascend) or "weight_packed" (compressed-tensors)
     if name == "ct-nvfp4":
         return {packed: raw["q"], "weight_scale": raw["scale8"], "weight_global_scale": np.array([gs], dtype=np.float32)}
     return {packed: raw["q"], "weight_scale": raw["scale8"]}

@@ -67,7 +67,7 @@ def _decoder(scheme):
 def _layout(name: str, scheme, tag: str, weight: DiskTensor, experts_only: bool) -> Layout:
     return register(Layout(name, scheme.kernel_formats[0], ASCEND, (VLLM_ASCEND,), tag, (weight, SCALE),
                            _encoder(scheme), _decoder(scheme), experts_only=experts_only,
-                           expert_k=EXPERT_K, device=DEVICE))
+                           expert_k=EXPERT_K, device=DEVICE, pack="e4m3" if scheme.elem == MX.FP8 else "e2m1"))
 
 
 FP4_WEIGHT = DiskTensor("weight", "U8", (N, ("k", 2)))

@@ -115,6 +115,8 @@ INT4 = [("ascend-w4a16-int8-grouped", True), ("ascend-w4a16-int8-grouped", False
 INT4_CHANNEL = [("ascend-w4a16-int8-channel", True), ("ascend-w4a16-int8-channel", False),
                 ("ct-int4", True), ("ct-int4", False)]
 FP4 = [("ct-nvfp4", {}), ("ct-mxfp4", {"fp4_format": "mxfp4"}), ("ascend-mxfp4", {"fp4_format": "mxfp4"})]
+# Ascend 950's MX schemes (msModelSlim's rules, `cvt.qtensor.mx`): E4M3 / E2M1 elements, E8M0 per 32
+MX = [("ascend-w8a8-mxfp8", "mxfp8"), ("ascend-w4a4-mxfp4", "w4a4_mxfp4"), ("ascend-w4a8-mxfp", "w4a8_mxfp")]
 # 80x256; 136x352: partial FP8 blocks along both dims (like V3's 576x7168 kv_a_proj), groups such
 # as 11, 22, 44 and 88 that do not fill SIMD registers
 SHAPES = [(80, 256), (136, 352)]
@@ -175,6 +177,29 @@ def test_fp4(kernel, source, shape, layout, opts):
     assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
 
 
+@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize("shape", SHAPES + [(3, 32)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("layout,scheme", MX, ids=[c[0] for c in MX])
+def test_mx(kernel, source, shape, layout, scheme):
+    src = SOURCES[source](shape)
+    sch, lo = get_scheme(scheme), LAYOUTS.get(layout)
+    assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
+def test_mx_elements_near_powers_of_two(kernel):
+    """Where torch's floor(log2(x)) and the exponent bits can differ (x just under a power of two)
+    and at the rounding ties of both grids, across block scales from 2**-60 to 2**60."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.tensor([1.0, 1.9999, 2.0, 3.9999, 4.0, 5.0, 5.9999, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 0.0,
+                         -0.0, 448.0, 15.9999, 0.015625, 0.0078, 240.0, 239.9999, 1.0625, 1.1875])
+    w = base.repeat(4, 64)[:, :1024].clone() * torch.sign(torch.randn(4, 1024, generator=g))
+    w = torch.cat([w * 2.0 ** e for e in (-60, -20, -3, 0, 3, 20, 60)])
+    src = QK.WeightSource(w.to(torch.bfloat16))
+    for layout, scheme in MX:
+        sch, lo = get_scheme(scheme), LAYOUTS.get(layout)
+        assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
 def test_nvfp4_shared_global_scale(kernel):
     """A fused group's scale (`FP4.shared_scale`), given from outside, is used as given."""
     src = bf16_weight((80, 256), seed=4)
@@ -210,8 +235,10 @@ def test_v3_kv_a_proj_shape(kernel, source, layout, scheme, opts):
 
 
 @pytest.mark.parametrize("layout,scheme,opts", [("ct-int8", "w8a8", {}), ("ct-int4", "w4a16", {"symmetric": False}),
-                                                ("ct-nvfp4", "fp4", {}), ("ct-mxfp4", "fp4", {"fp4_format": "mxfp4"})],
-                         ids=["w8a8", "w4a16-asym", "nvfp4", "mxfp4"])
+                                                ("ct-nvfp4", "fp4", {}), ("ct-mxfp4", "fp4", {"fp4_format": "mxfp4"}),
+                                                ("ascend-w8a8-mxfp8", "mxfp8", {}),
+                                                ("ascend-w4a4-mxfp4", "w4a4_mxfp4", {})],
+                         ids=["w8a8", "w4a16-asym", "nvfp4", "mxfp4", "mx-mxfp8", "mx-w4a4"])
 def test_extreme_values(kernel, layout, scheme, opts):
     """bf16's largest and smallest magnitudes: saturating scales, subnormal scales and results,
     float32 squares that overflow (the SQNR is then summed in float64, as the reference does)."""
@@ -351,7 +378,8 @@ def test_unfused_cases_are_declined():
     assert not QK.supports(LAYOUTS.get("ct-int8"), get_scheme("w4a16"), src)  # layout of another kernel format
     fused = {n for n in LAYOUTS.names() if LAYOUTS.get(n).pack is not None}
     assert fused == {"ascend-w8a8-dynamic", "ct-int8", "ascend-w4a16-int8-grouped", "ascend-w4a16-int8-channel",
-                     "ascend-w4a16-int32", "ct-int4", "ct-nvfp4", "ct-mxfp4", "ascend-mxfp4"}
+                     "ascend-w4a16-int32", "ct-int4", "ct-nvfp4", "ct-mxfp4", "ascend-mxfp4",
+                     "ascend-w8a8-mxfp8", "ascend-w4a4-mxfp4", "ascend-w4a8-mxfp"}  # Ascend 950 MX: issue 40
 
 
 def test_kernel_name_follows_the_environment(monkeypatch):
