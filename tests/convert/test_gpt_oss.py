@@ -140,3 +140,78 @@ def test_plan_gpt_oss_20b_by_hand(tmp_path):
     four = memory_plan(GPT_OSS_20B, make_layout(ep=4), "bf16", kv_tokens=1000)
     experts = 2 * 24 * ((32 * 2880 * 2 * 2880 + 32 * 2 * 2880) + (32 * 2880 * 2880 + 32 * 2880))
     assert four.ranks[0].weights["experts"] == experts // 4  # a quarter of every layer's fused experts
+
+
+def _mxfp4_release(tmp_path, edit=None, low=118, high=130):
+    cfg = tiny_gpt_oss_config(mxfp4=True)
+    tensors = mxfp4_release_tensors(random_weights(cfg), low=low, high=high)
+    if edit is not None:
+        edit(tensors)
+    return write_release(tmp_path / "go", cfg, tensors, n_shards=2, move_scale=False), tensors
+
+
+def _read_all(path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_mxfp4_dequant_is_transformers_bit_for_bit(tmp_path):
+    """fp8-to-bf16 on the MXFP4 release: every experts tensor is transformers' own
+    convert_moe_packed_tensors (the referee) bit for bit, -0.0 and subnormal scales included, in the
+    layout of its dequantized model ([E, in, out], no _blocks / _scales), every other tensor copied."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src, release = _mxfp4_release(tmp_path, low=0, high=254)   # the whole scale range a weight survives
+    dst = tmp_path / "bf16"
+    r = run_cvt("fp8-to-bf16", src, dst)
+    assert r.rc == 0, r.err
+    out = _read_all(dst)
+    assert set(out) == set(arch_for(tiny_gpt_oss_config()).shapes())
+    n = 0
+    for name, t in release.items():
+        if name.endswith("_blocks"):
+            x = name[: -len("_blocks")]
+            want = convert_moe_packed_tensors(t, release[x + "_scales"])
+            assert out[x].dtype == torch.bfloat16 and torch.equal(out[x].view(torch.int16), want.view(torch.int16)), x
+            n += 1
+        elif not name.endswith("_scales"):
+            assert torch.equal(out[name].view(torch.int16), t.view(torch.int16)), name
+    assert n == 8 and any(bool((v.view(torch.int16) == -32768).any()) for k, v in out.items() if "proj" in k)
+    cfg = json.loads((dst / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    manifest = json.loads((dst / "cvt_manifest.json").read_text())
+    assert manifest["source"]["format"] == "gpt-oss-mxfp4" and manifest["summary"]["counts"]["dequantized"] == 8
+    # transformers reads the output as its own BF16 gpt-oss
+    model = transformers.GptOssForCausalLM.from_pretrained(dst, dtype=torch.bfloat16)
+    x = "model.layers.3.mlp.experts.down_proj"
+    assert torch.equal(model.state_dict()[x].view(torch.int16), out[x].view(torch.int16))
+
+
+@pytest.mark.parametrize("case", ["nan-scale", "overflow-scale", "scale-shape", "no-scales", "experts"])
+def test_mxfp4_corrupt_parts_are_refused(tmp_path, case):
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+
+    def edit(t):
+        if case == "nan-scale":
+            t[name + "_scales"][2, 3, 1] = 255
+        elif case == "overflow-scale":
+            t[name + "_scales"][0, 0, 0] = 254
+        elif case == "scale-shape":
+            t[name + "_scales"] = t[name + "_scales"][:, :, :1].clone()
+        elif case == "no-scales":
+            del t[name + "_scales"]
+        else:
+            t[name + "_blocks"] = t[name + "_blocks"][:4].clone()
+            t[name + "_scales"] = t[name + "_scales"][:4].clone()
+
+    src, _ = _mxfp4_release(tmp_path, edit)
+    dst = tmp_path / "out"
+    r = run_cvt("fp8-to-bf16", src, dst)
+    assert r.rc == 1 and len(r.err.strip().splitlines()) == 1 and name in r.err, r.err
+    assert {"nan-scale": "0xFF", "overflow-scale": "overflows bfloat16", "scale-shape": "expected u8 (E8M0) [6, 64, 2]",
+            "no-scales": "_scales is missing", "experts": "config.json describes"}[case] in r.err
+    assert not (dst / "cvt_manifest.json").exists()
