@@ -2,7 +2,8 @@
 keeps its first source's name; `cvt.convert.sources` lists what it reads). A compressed-tensors
 release (mxfp4 / nvfp4 / float- / int-quantized) is read by `cvt.convert.ct_source`: each
 quantized linear dequantized to BF16 as `X.weight`, its parts and activation scales dropped,
-the rest copied. An FP8 block release:
+the rest copied. gpt-oss's MXFP4 release (`cvt.convert.mxfp4_source`): each fused experts pair
+``X_blocks`` / ``X_scales`` written as transformers' BF16 ``X``. An FP8 block release:
 
 Every FP8 weight `X.weight` (float8_e4m3fn) is paired with `X.weight_scale_inv` (found
 through the index, in whatever shard it lives; DeepSeek-V4 names it `X.scale`, the
@@ -154,17 +155,20 @@ def fp8_to_bf16(
         fmt = source_format(ckpt.config)
         if fmt in CT_STREAMED:  # a compressed-tensors release (`cvt.convert.ct_source`)
             outs, n_deq, parameters = _ct_outputs(ckpt, fmt)
+        elif fmt is SourceFormat.GPT_OSS_MXFP4:  # gpt-oss's experts (`cvt.convert.mxfp4_source`)
+            outs, n_deq, parameters = _mxfp4_outputs(ckpt, fmt)
         else:
             outs, n_deq, parameters = _fp8_outputs(ckpt, src, workers)
         # FP8: one scale per weight; c-t: every part but the weight, and the activation scales
-        n_drop = len(ckpt.tensors) - len(outs) if fmt in CT_STREAMED else n_deq
+        streamed = fmt in CT_STREAMED or fmt is SourceFormat.GPT_OSS_MXFP4
+        n_drop = len(ckpt.tensors) - len(outs) if streamed else n_deq
         result = write_checkpoint(
             ckpt,
             Path(dst),
             outs,
             stage=StageInfo(name="fp8-to-bf16", tool_version=__version__,
                             parameters={**parameters, "max_shard_size": max_shard_size}),
-            source_format=fmt.value if fmt in CT_STREAMED else SourceFormat.FP8_BLOCK.value,
+            source_format=fmt.value if streamed else SourceFormat.FP8_BLOCK.value,
             out_format="hf-bf16",
             config=bf16_config(ckpt.config),
             summary={"dequantized": n_deq, "passed_through": len(outs) - n_deq, "scales_dropped": n_drop},
@@ -234,6 +238,31 @@ def _ct_outputs(ckpt: Checkpoint, fmt) -> tuple[list[OutTensor], int, dict]:
         elif name not in parts and name.rpartition(".")[2] not in DROPPED:
             outs.append(_passthrough(ckpt, ref))
     return outs, len(linears), {"source_format": fmt.value}
+
+
+def _mxfp4_outputs(ckpt: Checkpoint, fmt) -> tuple[list[OutTensor], int, dict]:
+    """gpt-oss's MXFP4 release: each experts pair as transformers' BF16 ``X`` [E, K, N] in its
+    blocks' place, the scales dropped, every other tensor copied; all checked before writing."""
+    from cvt.convert.mxfp4_source import check_mxfp4_scales, dequantize_pair, mxfp4_pairs
+
+    arch = arch_for(ckpt.config)
+    for name in ckpt.tensors:
+        arch.classify(name)
+    pairs = mxfp4_pairs(ckpt.tensors, arch.shapes())
+    check_mxfp4_scales(ckpt, pairs)
+    check_weights(ckpt, arch, "fp8-to-bf16")
+    by_blocks = {p.blocks: p for p in pairs.values()}
+    scales = {p.scales for p in pairs.values()}
+    outs: list[OutTensor] = []
+    for name, ref in ckpt.tensors.items():
+        p = by_blocks.get(name)
+        if p is not None:  # finite: every E2M1 code is, and check_mxfp4_scales bounds the scales
+            outs.append(OutTensor(spec=TensorSpec(p.name, "BF16", p.out_shape), source=ref.describe(), finite=True,
+                                  produce=lambda p=p: dequantize_pair(ckpt, p),
+                                  read_bytes=ref.nbytes + ckpt.tensors[p.scales].nbytes))
+        elif name not in scales:
+            outs.append(_passthrough(ckpt, ref))
+    return outs, len(pairs), {"source_format": fmt.value}
 
 
 def torch_bf16():

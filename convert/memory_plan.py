@@ -509,7 +509,10 @@ def _weight_bytes(items: list, layout: Layout, sch, block, disk: DiskBytes | Non
         w.model[kind.category] += memo[key[:3] + (0,)]
         if kind.info.role is Role.EXPERT:
             layer = w.experts.setdefault(nums[0], {})
-            layer[nums[1]] = layer.get(nums[1], 0) + memo[key]
+            # a layer's experts fused along dim 0 (gpt-oss) count as shape[0] experts of equal share
+            for e, share in ([(nums[1], memo[key])] if len(nums) > 1 else
+                             ((e, memo[key] // shape[0]) for e in range(shape[0]))):
+                layer[e] = layer.get(e, 0) + share
         else:
             w.per_rank[kind.category] += memo[key]
     return w

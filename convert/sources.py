@@ -4,7 +4,8 @@ linears, and its exact dequantization. `source_format` takes the first entry who
 `cvt inspect` shows the entry, and the help and docs list `readable()` from here.
 
 The FP8 block, plain float and DeepSeek-V4 FP4 entries are read by their own stage code
-(`cvt.convert.fp8`, `cvt.convert.fp4`); the compressed-tensors ones by `cvt.convert.ct_source`.
+(`cvt.convert.fp8`, `cvt.convert.fp4`); the compressed-tensors ones by `cvt.convert.ct_source`;
+gpt-oss's MXFP4 by `cvt.convert.mxfp4_source` (fp8-to-bf16 and the runtime; quantize not yet).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class SourceFormat(str, Enum):
     CT_FP8 = "compressed-tensors-fp8"
     CT_INT8 = "compressed-tensors-int8"
     CT_OTHER = "compressed-tensors"
+    GPT_OSS_MXFP4 = "gpt-oss-mxfp4"  # openai/gpt-oss-20b / -120b experts
     CVT = "cvt-artifact"
     OTHER_QUANT = "other-quantized"
 
@@ -93,6 +95,12 @@ _add(SourcePrecision(
     SourceFormat.CT_INT8.value, "compressed-tensors int-quantized INT8, per-tensor / per-channel / group scales "
     "(llm-compressor's W8A8)", 'quant_method "compressed-tensors", format "int-quantized"', _ct("int-quantized"),
     ("weight", "weight_scale", "weight_zero_point"), "rne_bf16(float32(w - zero_point) * float32(s))"))
+
+_add(SourcePrecision(
+    SourceFormat.GPT_OSS_MXFP4.value, "gpt-oss's MXFP4 routed experts (X_blocks: E2M1 pairs, X_scales: E8M0 per 32; "
+    "openai/gpt-oss releases)", 'quant_method "mxfp4"', lambda qc: bool(qc) and qc.get("quant_method") == "mxfp4",
+    ("_blocks", "_scales"), "rne_bf16(e2m1(code) * 2**(s[e, n, k // 32] - 127)), as transformers' "
+    "convert_moe_packed_tensors, transposed to [E, K, N]", ("fp8-to-bf16",)))
 
 # the compressed-tensors entries cvt.convert.ct_source reads (fp8-to-bf16 and quantize, on the fly)
 CT_STREAMED = (SourceFormat.CT_MXFP4, SourceFormat.CT_NVFP4, SourceFormat.CT_FP8, SourceFormat.CT_INT8)

@@ -10,7 +10,8 @@ trip over:
   weight, a misshaped scale (a V4 FP4 expert's: ``[n, k/32]``);
 * a float or FP8 weight whose shape differs from what config.json describes
   (`ArchSpec.shapes`; packed quantized parts are checked by their formats' readers);
-* a decoder layer without tensors, a MoE layer missing some of the config's routed experts, a
+* a decoder layer without tensors, a MoE layer missing some of the config's routed experts (a
+  fused experts tensor, gpt-oss's, holds as many as its first dim), a
   layer holding MoE tensors that ``first_k_dense_replace`` makes dense;
 * MTP layers config.json counts (``num_nextn_predict_layers``) but the files lack: any of them
   where the table requires them (`ArchTable.mtp_required`: DeepSeek-V4's release; not in a layout
@@ -114,6 +115,12 @@ def survey(ckpt, arch: ArchSpec | None, block: tuple[int, int] = (128, 128)) -> 
             out.layers_seen.add(info.layer)
             if info.expert is not None:
                 out.experts_seen[info.layer].add(info.expert)
+            elif info.role is Role.EXPERT and ref.shape:  # a layer's experts fused along dim 0 (gpt-oss)
+                out.experts_seen[info.layer].update(range(ref.shape[0]))
+                if ref.shape[0] != arch.num_experts and name not in expected:  # (a float one: its shape's line)
+                    key = arch.table.config_keys.get("experts", "experts")
+                    problems.append(f"{name} ({ref.path.name}): holds {ref.shape[0]} experts (dim 0 of "
+                                    f"{list(ref.shape)}), config.json {key} = {arch.num_experts}")
         if info.param in arch.table.id_params:
             problems += _id_problems(ckpt, ref, arch, arch.table.id_params[info.param])
     if arch is not None:  # what is missing explains the misshapes it causes: listed first

@@ -1,7 +1,8 @@
 """Checkpoint -> runnable model, streaming one tensor at a time.
 
 `load_model(path)` accepts any cvt output (trusted only through its manifest) and plain
-Hugging Face BF16 or FP8 directories (FP8 block weights are dequantized on load). The model
+Hugging Face BF16 or FP8 directories (FP8 block weights are dequantized on load, as are
+gpt-oss's MXFP4 experts). The model
 is built on the meta device and each tensor is read from the mmap, converted and assigned in
 place, so the process never holds two copies of the model.
 
@@ -177,6 +178,7 @@ def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int,
     carried = set(carried_tensors(ckpt))
     local = text_names(ckpt)
     scale_param, fp4 = _scale_param(ckpt), block is not None and _fp4_experts(ckpt)
+    mx = _mxfp4_pairs(ckpt)  # gpt-oss's MXFP4 experts: X_blocks + X_scales -> X, bf16
     for module, params in _advancing(_by_module(ckpt), ckpt, progress):
         params = {p: n for p, n in params.items() if n not in carried and (skip is None or not skip(n))}
         # KV-cache scales first: on GQA models they sit on k_proj / v_proj, next to the
@@ -193,6 +195,17 @@ def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int,
             continue
         for param, name in params.items():
             if name.endswith("_scale_inv") or (block is not None and param == scale_param):
+                continue
+            pair = mx.get(name)
+            if pair is not None:
+                from cvt.convert.mxfp4_source import dequantize_pair
+
+                if pair.blocks == name:
+                    owner = _owner(model, local(pair.name))
+                    if owner is None:
+                        raise TensorError(f"tensor {name} has no place {pair.name} in the runtime model")
+                    _assign(*owner, dequantize_pair(ckpt, pair).to(device), pair.name)
+                    seen.add(local(pair.name))
                 continue
             ref = ckpt.tensors[name]
             owner = _owner(model, local(name))
@@ -219,6 +232,18 @@ def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int,
             _assign(*owner, t.to(device), name)
             seen.add(local(name))
     return seen, kv
+
+
+def _mxfp4_pairs(ckpt: Checkpoint) -> dict:
+    """{part name: its pair} of a gpt-oss MXFP4 release (`cvt.convert.mxfp4_source`), every scale
+    checked; {} for any other checkpoint."""
+    if source_format(ckpt.config, ckpt.has_manifest) is not SourceFormat.GPT_OSS_MXFP4:
+        return {}
+    from cvt.convert.mxfp4_source import check_mxfp4_scales, mxfp4_pairs
+
+    pairs = mxfp4_pairs(ckpt.tensors, arch_for(ckpt.config).shapes())
+    check_mxfp4_scales(ckpt, pairs)
+    return {n: p for p in pairs.values() for n in (p.blocks, p.scales)}
 
 
 def check_complete(model: nn.Module, root) -> None:

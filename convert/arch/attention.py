@@ -13,6 +13,8 @@ sparse_mla          mla + the indexer's key Di     MLACache + key cache  FAKQuan
 sparse_mla_shared   mla (reuses a full layer's     MLACache              FAKQuant    GLM-5 "shared" layers
                     top-k: no indexer key)
 gqa                 k and v: kv_heads x head_dim   KVCache / Int8KVCache C8          Qwen3, Qwen2, Llama
+gqa_sliding         gqa's, for the last            KVCache / Int8KVCache C8          gpt-oss sliding layers
+                    sliding_window positions only
 v4_sliding          last window K=V entries of D   V4 Cache              -           DeepSeek-V4 ratio 0
 v4_csa              + D per 4 positions + the      V4 Cache              -           DeepSeek-V4 ratio 4
                     indexer's Di per 4
@@ -79,6 +81,12 @@ def _gqa_bytes(cfg, tokens, tp, elem, index_c8):
 
 # what DeepSeek-V4's cache sizes mean when config.json omits them (`cvt.convert.arch.deepseek_v4.DEFAULTS`)
 V4_CACHE_DEFAULTS = {"sliding_window": 128, "index_head_dim": 128}
+
+
+def _gqa_sliding_bytes(cfg, tokens, tp, elem, index_c8):
+    """Sliding-window GQA: GQA's k and v for at most ``sliding_window`` positions (what a serving
+    stack keeps of such a layer; a query sees itself and the sliding_window - 1 before it)."""
+    return _gqa_bytes(cfg, min(tokens, cfg["sliding_window"]), tp, elem, index_c8)
 
 
 def _v4_bytes(ratio: int):
@@ -149,6 +157,7 @@ SPARSE_MLA_SHARED = dataclasses.replace(MLA, name="sparse_mla_shared", runtime_c
 GQA = AttentionKind("gqa", (CacheEntry("key", ("batch", "kv_heads", "{t}", "dim_head")),
                             CacheEntry("value", ("batch", "kv_heads", "{t}", "dim_head"))),
                     "gqa (key, value)", "KVCache / Int8KVCache (C8)", C8, heads_split=True, count_bytes=_gqa_bytes)
+GQA_SLIDING = dataclasses.replace(GQA, name="gqa_sliding", count_bytes=_gqa_sliding_bytes)
 _V4_CACHE = (CacheEntry("window", ("batch", "sliding_window", "head_dim")),
              CacheEntry("compressed", ("batch", "{t}", "head_dim")))
 V4_RATIOS = {0: "v4_sliding", 4: "v4_csa", 128: "v4_hca"}
@@ -170,7 +179,8 @@ LINEAR = AttentionKind("linear", (CacheEntry("conv_state", ("batch", "conv_chann
                        "gated-deltanet (conv_state, recurrent_state)", "LinearState (conv + recurrent state)", None,
                        heads_split=True, count_bytes=_linear_bytes, calibrates=False)
 
-KINDS: dict[str, AttentionKind] = {k.name: k for k in (MLA, SPARSE_MLA, SPARSE_MLA_SHARED, GQA, *V4.values(), LINEAR)}
+KINDS: dict[str, AttentionKind] = {k.name: k for k in (MLA, SPARSE_MLA, SPARSE_MLA_SHARED, GQA, GQA_SLIDING,
+                                                       *V4.values(), LINEAR)}
 
 
 @dataclass(frozen=True)

@@ -181,3 +181,30 @@ def qwen3_5(cfg: Mapping[str, Any]) -> list[str]:
         if a and b and a % b:
             out.append(f"config.json {many} = {a} is not a multiple of {few} = {b}")
     return out
+
+
+GPT_OSS_LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' GptOssModel's mask kinds
+
+
+def gpt_oss(cfg: Mapping[str, Any]) -> list[str]:
+    """gpt-oss: one known attention per decoder layer, a positive ``sliding_window`` when a layer
+    slides, query heads a multiple of KV heads, the swiglu clamp a positive number."""
+    out = _common(cfg, "num_local_experts")
+    n, types = cfg.get("num_hidden_layers"), cfg.get("layer_types")
+    if types is not None:
+        bad = [t for t in types if t not in GPT_OSS_LAYER_TYPES] if isinstance(types, list) else [types]
+        if bad:
+            out.append(f"config.json layer_types has {bad[0]!r}: each must be one of {', '.join(GPT_OSS_LAYER_TYPES)}")
+        elif _is_int(n) and len(types) != n:
+            out.append(f"config.json layer_types has {len(types)} entries: must be {n} (num_hidden_layers)")
+    slides = types is None or (isinstance(types, list) and "sliding_attention" in types)
+    w = cfg.get("sliding_window", 128)
+    if slides and not (_is_int(w) and w >= 1):
+        out.append(f"config.json sliding_window = {w!r}: must be a positive integer (sliding_attention layers)")
+    a, b = _count(cfg, "num_attention_heads"), _count(cfg, "num_key_value_heads")
+    if a and b and a % b:
+        out.append(f"config.json num_attention_heads = {a} is not a multiple of num_key_value_heads = {b}")
+    for key in ("swiglu_limit", "swiglu_alpha"):
+        if key in cfg and not (_is_number(cfg[key]) and cfg[key] > 0):
+            out.append(f"config.json {key} = {cfg[key]!r}: must be a finite number > 0")
+    return out

@@ -31,7 +31,7 @@ from cvt.lazy import torch
 
 from cvt.errors import FormatError, ShapeError
 from cvt.qtensor import layouts as L
-from cvt.qtensor.formats.base import lm_section, register, scheme_name
+from cvt.qtensor.formats.base import GPT_OSS_NOT_YET, lm_section, register, scheme_name
 from cvt.qtensor.indexer_c8 import GLOBAL_KEY as INDEXER_KEY
 from cvt.qtensor.schemes import FP4, W4A16, W8A8, W8A8C8
 from cvt.qtensor.schemes.base import QuantizedTensor
@@ -67,7 +67,7 @@ class Ascend:
     kv_codec = "int8"          # a quantized KV cache is int8 (C8 / FAKQuant), what the Ascend stacks load
     static_attention = True    # static W8A8 attention (input_scale / deq_scale / quant_bias) exists here
     default_groups = {W4A16.name: 64}  # the group MindIE and vllm-ascend both load
-    refused_models: dict[str, str] = {}
+    refused_models: dict[str, str] = {"gpt_oss": GPT_OSS_NOT_YET}
 
     # ---- what this format can hold ----------------------------------------------------------------
 

@@ -11,6 +11,11 @@ from cvt.registry import Registry
 from cvt.errors import FormatError
 from cvt.qtensor.schemes.base import QuantizedTensor
 
+# gpt-oss in every format's `refused_models`, until the quantize stage reads fused experts
+GPT_OSS_NOT_YET = ("cvt does not quantize gpt-oss yet: its routed experts are fused tensors (mlp.experts.gate_up_proj / "
+                   "down_proj, [experts, in, out]) the quantize stage does not split into linears; `cvt fp8-to-bf16` "
+                   "converts the MXFP4 release to BF16")
+
 
 @runtime_checkable
 class Format(Protocol):

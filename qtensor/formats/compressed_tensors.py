@@ -31,7 +31,7 @@ from cvt.lazy import torch
 
 from cvt.errors import FormatError
 from cvt.qtensor import layouts as L
-from cvt.qtensor.formats.base import lm_section, register, scheme_name
+from cvt.qtensor.formats.base import GPT_OSS_NOT_YET, lm_section, register, scheme_name
 from cvt.qtensor.schemes import FP4, W4A16, W8A8, W8A8C8
 from cvt.qtensor.schemes.base import QuantizedTensor
 
@@ -105,6 +105,7 @@ class CompressedTensors:
                        "scheme lookup matches experts by a Linear target or gate_proj / up_proj / down_proj names, not "
                        "V4's w1 / w2 / w3, and it fuses wq_a + wkv with no packed_modules_mapping); serve the release "
                        "(or its fp8-to-bf16 output) with vLLM, or quantize with --format ascend for vllm-ascend",
+        "gpt_oss": GPT_OSS_NOT_YET,
     }
 
     def supports(self, scheme, target: str | None = None) -> None:

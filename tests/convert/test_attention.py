@@ -9,6 +9,7 @@ from cvt.convert.arch import TABLES, WRAPPERS, arch_for
 from cvt.convert.arch.attention import GQA, KINDS, MLA, SPARSE_MLA, SPARSE_MLA_SHARED, LayerAttention
 from cvt.testing.checkpoints import (tiny_deepseek_config, tiny_deepseek_v32_config, tiny_glm_moe_dsa_config,
                                      tiny_kimi_k25_config, tiny_qwen3_config)
+from cvt.testing.checkpoints_gpt_oss import tiny_gpt_oss_config
 from cvt.testing.checkpoints_qwen3_5 import tiny_qwen3_5_config
 from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config
 
@@ -17,7 +18,8 @@ CONFIGS = {"deepseek_v3": tiny_deepseek_config, "deepseek_v32": tiny_deepseek_v3
            "kimi_k25": tiny_kimi_k25_config, "qwen3": lambda: tiny_qwen3_config(moe=False),
            "qwen3_moe": tiny_qwen3_config, "deepseek_v4": tiny_deepseek_v4_config,
            "qwen3_5_moe": tiny_qwen3_5_config, "qwen3_5_moe_text": tiny_qwen3_5_config,
-           "qwen3_5": lambda: tiny_qwen3_5_config(moe=False), "qwen3_5_text": lambda: tiny_qwen3_5_config(moe=False)}
+           "qwen3_5": lambda: tiny_qwen3_5_config(moe=False), "qwen3_5_text": lambda: tiny_qwen3_5_config(moe=False),
+           "gpt_oss": tiny_gpt_oss_config}
 
 # memory_plan(config, layout, scheme, kv_tokens=1001).ranks[0].kv_cache before the kinds existed
 # (commit 6a18535: is_mla / kv_lora_rank tests, ArchTable.indexer_layers and ArchTable.kv_cache):
@@ -73,6 +75,7 @@ def test_what_each_family_declares():
         assert arch_for(tiny_qwen3_config(moe=moe)).table.attention.kinds == (GQA,)
     v4 = arch_for(tiny_deepseek_v4_config(compress_ratios=[0, 4, 128, 4]))
     assert [k.name for k in v4.attention()] == ["v4_sliding", "v4_csa", "v4_hca", "v4_csa"]
+    assert [k.name for k in arch_for(tiny_gpt_oss_config()).attention()] == ["gqa_sliding", "gqa"] * 2
     # what the KV-cache quantization reads: FAKQuant's latent for every MLA kind, GQA's C8, none for V4
     assert [TABLES[mt].attention.latent for mt in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3", "deepseek_v4")] \
         == [True, True, True, False, False]
