@@ -14,7 +14,8 @@ closest of --size-gb; below one dense + one MoE layer (1.17 GB) it is one MoE la
 dense one (0.58 GB). Input page-cache warm for every run (just written and synced).
 
 Measured, in this one run, best of --repeat:
-  a. per RTN scheme (w8a8; w4a16 group 128; fp4 nvfp4; compressed-tensors):
+  a. per RTN scheme (w8a8; w4a16 group 128; fp4 nvfp4; compressed-tensors; then mxfp8, w4a4_mxfp4
+     and w8a8 in the ascend format):
      `python -m cvt quantize SRC DST --scheme S --quiet` in a child process: wall time
      (interpreter start and imports included) and its peak RSS (os.wait4), with the fused
      kernels (`cvt.quant.qkernel`: the C kernel when built) and, unless --no-reference, again
@@ -60,7 +61,9 @@ from common import direct_floor, load_fp8_bench, row_progress, run_cvt_cpu, scra
 
 GB = 1e9
 HERE = Path(__file__).resolve().parent
-RTN = (("w8a8", []), ("w4a16", ["--group-size", "128"]), ("fp4", ["--fp4-format", "nvfp4"]))
+RTN = (("w8a8", []), ("w4a16", ["--group-size", "128"]), ("fp4", ["--fp4-format", "nvfp4"]),
+       # Ascend 950's MX schemes straight from the FP8 release (issue 40 item 4), against ascend w8a8
+       ("mxfp8", ["--format", "ascend"]), ("w4a4_mxfp4", ["--format", "ascend"]), ("w8a8", ["--format", "ascend"]))
 # w4a16 group 32: the trained fixture's q_b_proj input is its q_lora_rank, 96
 CALIBRATED = (("gptq", "w4a16", ["--group-size", "32"]), ("awq", "w4a16", ["--group-size", "32"]),
               ("smoothquant", "w8a8", []))
@@ -126,37 +129,38 @@ def rtn_rows(fb, src: Path, root: Path, cfg: dict, repeat: int, keep: bool, refe
     rows = []
     bar = row_progress(len(RTN) * repeat, "RTN rows")
     for scheme, extra in RTN:
+        label = scheme + (" ascend" if "ascend" in extra else "")  # w8a8 in both formats
         best = None
         for r in range(repeat):
-            with fb.scratch(root / f"{scheme}-{r}", keep) as dst:
+            with fb.scratch(root / f"{label}-{r}", keep) as dst:
                 cmd = [sys.executable, "-m", "cvt", "quantize", str(src), str(dst), "--scheme", scheme, *extra,
                        "--quiet"]
                 t, rss, cpu = _run_env(fb, cmd, "")
                 sizes = [p.stat().st_size for p in sorted(dst.glob("*.safetensors"))]
-                out_files[scheme] = sizes
+                out_files[label] = sizes
                 fused = digest(dst) if reference and r == 0 else None
             t_ref = rss_ref = same = None
             if reference and r == 0:
-                with fb.scratch(root / f"{scheme}-ref", keep) as dst:
+                with fb.scratch(root / f"{label}-ref", keep) as dst:
                     t_ref, rss_ref, _ = _run_env(fb, cmd[:5] + [str(dst)] + cmd[6:], "reference")
                     same = digest(dst) == fused
-            with fb.scratch(root / f"floor-{scheme}-{r}", keep) as out:
+            with fb.scratch(root / f"floor-{label}-{r}", keep) as out:
                 t_floor = sum(fb.io_floor(src_files, out, sizes))
-            with fb.scratch(root / f"direct-{scheme}-{r}", keep) as out:
+            with fb.scratch(root / f"direct-{label}-{r}", keep) as out:
                 d = direct_floor(src_files, out, sizes)
                 t_direct = d if isinstance(d, str) else sum(d)
             if best is None:
-                best = (scheme, t, rss, t_floor, sum(sizes), cmd, t_ref, rss_ref, same, t_direct, cpu)
+                best = (label, t, rss, t_floor, sum(sizes), cmd, t_ref, rss_ref, same, t_direct, cpu)
             else:
                 if t < best[1]:
-                    best = (scheme, t, rss, best[3], sum(sizes), cmd) + best[6:]
+                    best = (label, t, rss, best[3], sum(sizes), cmd) + best[6:]
                 od = best[9]
                 best = best[:3] + (min(best[3], t_floor),) + best[4:9] + (
                     t_direct if isinstance(od, str) else min(od, t_direct), min(best[10], cpu))
-            spread.setdefault("cvt " + scheme, []).append(t)
-            spread.setdefault("floor " + scheme, []).append(t_floor)
+            spread.setdefault("cvt " + label, []).append(t)
+            spread.setdefault("floor " + label, []).append(t_floor)
             if not isinstance(t_direct, str):
-                spread.setdefault("O_DIRECT floor " + scheme, []).append(t_direct)
+                spread.setdefault("O_DIRECT floor " + label, []).append(t_direct)
             bar.update(1)
         rows.append(best)
     bar.close()

@@ -391,7 +391,15 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
 #endif
     params_scalar(a, i, t0, ga, gb, sc, off);
     double err = 0.0;
-    if (mx) { /* scalar elements (no SIMD piece yet); the squares of w as below */
+    if (mx) { /* AVX2 row pieces on x86-64 (AVX-512 machines too), else scalar; the squares of w as below */
+#ifdef CVT_X86
+        if (simd && !f64) {
+            double sig = 0.0;
+            jb->err += mx_row_avx2(w, (uint8_t *)q, k, sc, a->mode == MODE_MX8, &sig);
+            jb->sig += sig;
+            return;
+        }
+#endif
         for (int64_t t = 0; t < ng; t++)
             err += mx_scalar_sq(w + t * g, (uint8_t *)q + t * g, g, sc[t], a->mode == MODE_MX8, f64);
         jb->err += err;

@@ -477,4 +477,59 @@ AVX static double sumsq_avx2(const float *w, int64_t len) {
     return hsum4d(acc) + sumsq_scalar(w + j, len - j);
 }
 
+
+/* ---- msModelSlim's MX elements (mx_scalar_sq), 8 lanes ---------------------------------------------
+ * The same float32 operations: v = w * (1 / mult) (exact, mult a power of two), the element
+ * exponent from v's bits, scalings by powers of two as multiplications (exact: no result is
+ * subnormal or overflows), floor(|a| + 0.5) with the one rounding of the addition, the sign the
+ * scalar's sign(x) * ... leaves (negative exactly when x < 0, so -0.0 for a negative x that rounds
+ * to zero and +0.0 for x = -0.0). Returns w - val * mult for the SQNR sums. */
+AVX static inline __m256i mx_exp8(__m256 x, int lo, int hi) {
+    __m256i e = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 23), _mm256_set1_epi32(0xff)),
+                                 _mm256_set1_epi32(127));
+    return _mm256_min_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(lo)), _mm256_set1_epi32(hi));
+}
+
+AVX static inline __m256 pow2_8(__m256i e) { /* 2**e for -126 <= e <= 127 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+}
+
+AVX static inline __m256 mx8(const float *w, uint8_t *c, __m256 vm, __m256 vr, int fp8) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 signb = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u)), half = _mm256_set1_ps(0.5f);
+    __m256 x = _mm256_loadu_ps(w), v = _mm256_mul_ps(x, vr), val;
+    if (fp8) {
+        __m256i e = mx_exp8(v, -6, 127);
+        __m256 p2 = pow2_8(e), rp2 = pow2_8(_mm256_sub_epi32(_mm256_setzero_si256(), e));
+        __m256 a = _mm256_mul_ps(_mm256_mul_ps(v, rp2), _mm256_set1_ps(8.0f));
+        __m256 r = _mm256_floor_ps(_mm256_add_ps(_mm256_and_ps(a, absm), half));
+        __m256 mag = _mm256_mul_ps(_mm256_mul_ps(r, _mm256_set1_ps(0.125f)), p2);
+        __m256 neg = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
+        val = clamp8(_mm256_or_ps(mag, _mm256_and_ps(neg, signb)), _mm256_set1_ps(-448.0f), _mm256_set1_ps(448.0f));
+        store8_u8(c, e4m3_8(val));
+    } else {
+        __m256 b = _mm256_and_ps(v, absm);
+        __m256i e = mx_exp8(_mm256_add_ps(b, _mm256_set1_ps(9.6e-7f)), 0, 2);
+        __m256 p2 = pow2_8(e), rp2 = pow2_8(_mm256_sub_epi32(_mm256_setzero_si256(), e));
+        __m256 m = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(b, rp2), _mm256_set1_ps(2.0f)), half));
+        __m256 mag = _mm256_min_ps(_mm256_mul_ps(_mm256_mul_ps(m, half), p2), _mm256_set1_ps(6.0f));
+        __m256 neg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ);
+        val = _mm256_or_ps(mag, _mm256_and_ps(neg, signb));
+        __m256i code = _mm256_or_si256(e2m1_idx8(mag), _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(8)));
+        store8_u8(c, code);
+    }
+    return _mm256_sub_ps(x, _mm256_mul_ps(val, vm));
+}
+
+/* a whole row of k = ng * 32 elements: block t's multiplier mult[t] */
+AVX static double mx_row_avx2(const float *w, uint8_t *c, int64_t k, const float *mult, int fp8, double *sig) {
+    sums8_t acc = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    for (int64_t t = 0, j = 0; j < k; t++) {
+        const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(1.0f / mult[t]);
+        for (int64_t end = j + 32; j < end; j += 8)
+            sums8_add(&acc, _mm256_loadu_ps(w + j), mx8(w + j, c + j, vm, vr, fp8), j + 8);
+    }
+    return sums8_end(&acc, sig);
+}
+
 #endif

@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("cvt", "convert", "qtensor", "quant", "export", "runtime", "schemas")
 
 ALLOWED: dict[str, tuple[set[str], str]] = {
-    "convert/sources.py": ({"compressed-tensors"}, "a source config's quant_method value, the c-t library's word"),
+    "convert/sources.py": ({"compressed-tensors", "mxfp4"},
+                           "source configs' quant_method values (the c-t library's word; gpt-oss's release's)"),
+    "cvt/testing/checkpoints_gpt_oss.py": ({"mxfp4"}, "gpt-oss's release config: quant_method \"mxfp4\""),
     "convert/fp4.py": ({"fp4"}, "DeepSeek-V4's config.json expert_dtype value (the release's word)"),
     "convert/placement.py": ({"mindie"}, "the MindIE expert-placement JSON flavour, not the serving target"),
     "cvt/demo.py": ({"w8a8", "w4a16", "ascend", "compressed-tensors"},
