@@ -202,7 +202,9 @@ DENSE = ArchTable(
     attention=_ATTENTION, config_keys=_KEYS, param_shapes=param_shapes, config_checks=checks.qwen3_5,
     kv_note=kv_note, rotation=_ROTATION,
     fused_groups=_FUSED + ((f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj"),),
-    calib_shared_inputs=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
+    # the Gated DeltaNet's four input projections read the normed hidden state (b / a stay float)
+    calib_shared_inputs=(("q_proj", "k_proj", "v_proj"), ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+                         ("gate_proj", "up_proj")),
 )
 MOE = dataclasses.replace(
     DENSE, name="qwen3_5_moe_text", display="Qwen3.5-MoE (text model)", model_types=("qwen3_5_moe_text",),

@@ -55,7 +55,8 @@ class ExpertStream:
         # DeepSeek-V4's block: ffn, attn)
         self.layer, self.prefix, self.chunks, self.load, self.drop = layer, prefix, chunks, load, drop
         self.save, self.saved = save, {}
-        self.moe, self.attn = getattr(layer, moe), getattr(layer, attn)
+        # a hybrid layer names its token mixer (``mixer``: Qwen3.5's linear_attn or self_attn)
+        self.moe, self.attn = getattr(layer, moe), getattr(layer, getattr(layer, "mixer", attn))
         self.hf = moe == "mlp"  # the HF decoder layer's residual arithmetic (`_chunks_then_output`)
         self.stage = f"{prefix}.{moe}"
         self.container = f"{prefix}.{moe}.experts"
@@ -222,7 +223,7 @@ class ExpertStream:
                                    seed=zlib.crc32(key[1].encode()))
             if gptq:
                 lc.h_users[key] = lc.h_users.get(key, 0) + 1
-        shared = getattr(self.moe, "shared_experts", None)
+        shared = shared_part(self.moe)
         with self._replay(), self._stubbed([], also=[shared] if shared is not None else []):  # not needed here
             lc._collect(stage, sites, x, args, kwargs, stub_experts={(self.container, e) for e in chunk})
         lc._quantize_all(mine, sites)
@@ -250,7 +251,7 @@ class ExpertStream:
             return acc[b]
 
         hooks = []
-        shared = getattr(mlp, "shared_experts", None)
+        shared = shared_part(mlp)
         if first and shared is not None:
             hooks.append(shared.register_forward_hook(lambda m, a, out: self._shared.append(out)))
         try:
@@ -301,6 +302,12 @@ class ExpertStream:
         finally:
             for m in mods:
                 _unstub(m)
+
+
+def shared_part(moe: nn.Module) -> nn.Module | None:
+    """The MoE's module whose output is the shared part of the MoE output (``shared_experts``; a
+    family naming it otherwise says where: ``shared_name``, Qwen3.5's gated ``shared_expert``)."""
+    return getattr(moe, getattr(moe, "shared_name", "shared_experts"), None)
 
 
 def expert_bytes(layer: nn.Module, moe: str = "mlp") -> int:

@@ -118,6 +118,13 @@ class ModelArgs:
     def validate(self) -> None:
         """Family-specific checks (raise ConfigError naming the key and the supported values)."""
 
+    def arch_table(self):
+        """The family's architecture table (`cvt.convert.arch.ArchTable`), registered under `family`
+        (a family whose tables are registered per model_type gives its own)."""
+        from cvt.convert.arch import TABLES
+
+        return TABLES[self.family]
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32, returned in x's dtype."""
