@@ -101,8 +101,8 @@ def test_what_stays_float_and_carried():
     carried = carried_names(tiny_qwen3_5_config(mtp=1), arch.shapes())
     assert carried and all(n.startswith(("model.visual.", "mtp.")) for n in carried)
     assert "mtp.layers.0.mlp.experts.3.gate_proj.weight" in carried and "mtp.fc.weight" in carried
-    with pytest.raises(ArchError, match="gate_up_proj"):  # the BF16 release's fused experts: not read yet
-        arch.classify(f"{p}.mlp.experts.gate_up_proj")
+    with pytest.raises(ArchError, match="gate_up_proj"):  # the BF16 release's fused experts: no table name,
+        arch.classify(f"{p}.mlp.experts.gate_up_proj")      # the reader splits them (test_fused_experts_*)
 
 
 def test_config_checks():
@@ -285,3 +285,84 @@ def test_kl_budget(tmp_path):
     units = {u["unit"] for u in mixed["units"]}
     assert "model.language_model.layers.0.linear_attn" in units and "model.language_model.layers.3.self_attn" in units
     assert mixed["kl_mean"] <= 0.5
+
+
+def _fused_pair(tmp_path, **overrides):
+    """(per-expert, fused) checkpoints of one tiny Qwen3.5-MoE (MTP draft included): the same weights."""
+    from cvt.testing.checkpoints import random_weights
+    from cvt.testing.checkpoints_qwen3_5 import fused_experts
+
+    cfg = tiny_qwen3_5_config(mtp=1, vocab_size=300, **overrides)
+    fused, per = fused_experts(random_weights(cfg))
+    return (write_bf16_checkpoint(tmp_path / "per", cfg, weights=per),
+            write_bf16_checkpoint(tmp_path / "fused", cfg, weights=fused))
+
+
+def test_fused_experts_read_as_per_expert(tmp_path):
+    """The BF16 release's ``mlp.experts.gate_up_proj`` [E, 2I, h] (gate rows first) and ``down_proj``
+    [E, h, I], text layers and MTP draft, read as the per-expert tensors: same names, order, shapes
+    and bytes, each a byte range of the fused tensor (no copy)."""
+    from cvt.convert.reader import open_checkpoint
+
+    per, fused = _fused_pair(tmp_path)
+    a, b = open_checkpoint(per), open_checkpoint(fused)
+    assert list(a.tensors) == list(b.tensors)
+    assert all(a.tensors[n].shape == b.tensors[n].shape and bytes(a.view(n)) == bytes(b.view(n)) for n in a.tensors)
+    up = b.tensors["mtp.layers.0.mlp.experts.5.up_proj.weight"]
+    assert up.shape == (20, 48) and up.end - up.start == 20 * 48 * 2
+    stored = b.tensors                       # no fused name is left
+    assert not any(n.endswith("gate_up_proj") for n in stored)
+
+
+def test_fused_experts_refusals(tmp_path):
+    """A fused tensor whose experts are also stored one by one, or of another rank: one line, exit 1."""
+    import safetensors.torch
+
+    _, fused = _fused_pair(tmp_path)
+    index = json.loads((fused / "model.safetensors.index.json").read_text())
+    extra = {"model.language_model.layers.1.mlp.experts.2.up_proj.weight": torch.zeros(20, 48, dtype=torch.bfloat16)}
+    safetensors.torch.save_file(extra, fused / "extra.safetensors")
+    index["weight_map"].update({k: "extra.safetensors" for k in extra})
+    (fused / "model.safetensors.index.json").write_text(json.dumps(index))
+    r = run_cvt("inspect", fused)
+    assert r.rc == 1 and len(r.err.strip().splitlines()) == 1, r.err
+    assert "layers.1.mlp.experts.2.up_proj.weight is stored twice" in r.err and "experts.gate_up_proj" in r.err
+    (fused / "extra.safetensors").unlink()
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in extra}
+    name = "model.language_model.layers.2.mlp.experts.down_proj"
+    f = fused / index["weight_map"][name]
+    tensors = safetensors.torch.load_file(f)
+    tensors[name] = tensors[name].reshape(-1, tensors[name].shape[-1])       # [E * h, I]: not 3-D
+    safetensors.torch.save_file(tensors, f)
+    (fused / "model.safetensors.index.json").write_text(json.dumps(index))
+    r = run_cvt("inspect", fused)
+    assert r.rc == 1 and len(r.err.strip().splitlines()) == 1, r.err
+    assert f"{name} (BF16 [288, 20]" in r.err and "must be [experts, rows, columns]" in r.err, r.err
+
+
+def _files(folder) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != "cvt_manifest.json"}
+
+
+@pytest.mark.slow  # 2 x (quantize RTN, GPTQ, shard, run): ~1 min on 2 cores
+def test_fused_experts_give_the_per_expert_outputs(tmp_path):
+    """quantize (RTN Ascend, GPTQ compressed-tensors), shard and run of the fused layout write the
+    bytes (and tokens) the per-expert layout holding the same weights gives; inspect reads both
+    alike."""
+    per, fused = _fused_pair(tmp_path)
+    runs = {"q": ("quantize", "--scheme", "w8a8", "--format", "ascend"),
+            "g": ("quantize", "--scheme", "w4a16", "--method", "gptq", "--calib-tokens", "256"),
+            "s": ("shard", "--world-size", "2")}
+    for src in (per, fused):
+        for key, (verb, *args) in runs.items():
+            r = run_cvt(verb, src, tmp_path / f"{key}-{src.name}", *args, "--quiet")
+            assert r.rc == 0, r.err
+    for key in runs:
+        assert _files(tmp_path / f"{key}-per") == _files(tmp_path / f"{key}-fused"), key
+    outs = [run_cvt("run", src, "--input-ids", "1,2,3", "--max-new-tokens", "4", "--quiet") for src in (per, fused)]
+    assert outs[0].rc == 0 and outs[0].out == outs[1].out, outs[1].err
+    shown = [run_cvt("inspect", src).out.replace(str(src), "SRC") for src in (per, fused)]
+    assert shown[0] == shown[1]
