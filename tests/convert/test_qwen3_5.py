@@ -239,7 +239,8 @@ def test_gptq_runs_through_the_gated_deltanet(tmp_path, moe):
                 r = run_cvt("run", out, "--input-ids", "1,2,3,4", "--max-new-tokens", "3", "--quiet")
                 assert r.rc == 0, r.err
             kl[method] = _mean_kl(tmp_path, out, src)
-        # measured (512 tokens): w4a16 moe 1.63 / 2.06, dense 1.26 / 1.55; w8a8 moe 0.25 / 0.29, dense 0.102 / 0.107
+        # measured GPTQ / RTN (512 tokens): w4a16 moe 1.78 / 2.06, dense 1.28 / 1.55; w8a8 moe 0.209 / 0.291,
+        # dense 0.102 / 0.107
         assert kl["gptq"] < (0.9 if scheme == "w4a16" else 1.0) * kl["rtn"], (scheme, kl)
 
 
