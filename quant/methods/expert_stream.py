@@ -40,6 +40,7 @@ from torch import nn
 
 from cvt.quant.recipe import GPTQ
 from cvt.quant.methods.sites import _Site
+from cvt.runtime.models.base import shared_part
 
 
 class ExpertStream:
@@ -302,12 +303,6 @@ class ExpertStream:
         finally:
             for m in mods:
                 _unstub(m)
-
-
-def shared_part(moe: nn.Module) -> nn.Module | None:
-    """The MoE's module whose output is the shared part of the MoE output (``shared_experts``; a
-    family naming it otherwise says where: ``shared_name``, Qwen3.5's gated ``shared_expert``)."""
-    return getattr(moe, getattr(moe, "shared_name", "shared_experts"), None)
 
 
 def expert_bytes(layer: nn.Module, moe: str = "mlp") -> int:

@@ -156,6 +156,12 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def shared_part(moe: nn.Module) -> nn.Module | None:
+    """The MoE's module whose output is the shared part of the MoE output (``shared_experts``; a
+    family naming it otherwise says where: ``shared_name``, Qwen3.5's gated ``shared_expert``)."""
+    return getattr(moe, getattr(moe, "shared_name", "shared_experts"), None)
+
+
 def build_experts(ids: Iterable[int] | None, count: int, make: Callable[[], nn.Module]) -> nn.Module:
     """A MoE layer's routed experts: all `count` in an nn.ModuleList (ids None), or only the global
     ids `ids` in an nn.ModuleDict keyed by str(id) -- a rank of the multi-rank runtime

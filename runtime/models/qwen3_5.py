@@ -215,11 +215,15 @@ class MoE(nn.Module):
         weights, idx = probs.topk(self.top_k, dim=-1)
         return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), idx
 
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, h] -> sigmoid(shared_expert_gate(x)) * shared_expert(x) (the multi-rank MoE adds it too)."""
+        return self.shared_expert(x, self.shared_expert_gate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, idx = self.route(x)
-        shared = self.shared_expert(x, self.shared_expert_gate)
+        shared = self.shared_output(x)
         return (run_experts(x, idx, weights, self.experts) + shared).view(shape)
 
 
@@ -277,8 +281,11 @@ class Model(CausalLM):
     """Causal LM following `base.py`'s contract; parameter names = the release's text tensor names."""
 
     cache_name: ClassVar[str] = "Qwen3.5 cache"
-    parallel: ClassVar[ParallelNames] = ParallelNames(embed="model.language_model.embed_tokens",
-                                                      layers="model.language_model.layers")
+    # the shared expert has its own width, split over moe_tp with the routed experts' (held whole when
+    # the layout replicates it); the Gated DeltaNet's head counts stay global (its projections replicated)
+    parallel: ClassVar[ParallelNames] = ParallelNames(
+        embed="model.language_model.embed_tokens", layers="model.language_model.layers",
+        local_sizes=ParallelNames.local_sizes + (("shared_expert_intermediate_size", "moe_tp"),))
 
     def __init__(self, args: Args, dtype=None, device=None, experts=None):
         super().__init__()
