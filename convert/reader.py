@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cvt.convert import source as source_mod
-from cvt.convert.arch import release_names
+from cvt.convert.arch import expert_splits, release_names
 from cvt.convert.paths import confine, relative_inside
 from cvt.convert.safetensors_io import MappedFile, TensorRef, load_json, read_header, tensor_from_view
 from cvt.errors import CheckpointError, ManifestError, validation_summary
@@ -220,8 +220,37 @@ def open_checkpoint(src, revision: str | None = None, need_config: bool = True) 
         config = {}
     tensors, index_path = index_directory(root, source.confine_root)
     renamed = release_names(config, tensors)
+    tensors = split_experts(tensors, expert_splits(config, tensors))
     return Checkpoint(root=root, source=source, config=config, tensors=release_layout(tensors, renamed),
                       index_path=index_path, renamed={v: k for k, v in renamed.items()})
+
+
+def split_experts(tensors: dict[str, TensorRef], splits: dict[str, tuple[str, ...]]) -> dict[str, TensorRef]:
+    """`tensors` with each fused routed-expert tensor [E, n, k] (`splits`: {stored name: the names
+    of its row blocks, "{E}" the expert; `cvt.convert.arch.expert_splits`) replaced, in place of
+    it, by its per-expert row blocks [n / blocks, k], expert by expert: each a contiguous byte range
+    of the stored tensor, read through the same mmap. CheckpointError for a fused tensor of
+    another rank or rows its blocks do not divide."""
+    if not splits:
+        return tensors
+    out: dict[str, TensorRef] = {}
+    for name, ref in tensors.items():
+        parts = splits.get(name)
+        if parts is None:
+            out[name] = ref
+            continue
+        if len(ref.shape) != 3 or not ref.shape[0] or ref.shape[1] % len(parts):
+            blocks = f" with rows a multiple of {len(parts)} ({', '.join(p.rsplit('.', 2)[-2] for p in parts)})"
+            raise CheckpointError(f"{ref.describe()}: fused routed experts must be [experts, rows, columns]"
+                                  f"{blocks if len(parts) > 1 else ''}")
+        shape = (ref.shape[1] // len(parts), ref.shape[2])
+        size = ref.nbytes // (ref.shape[0] * len(parts))
+        for e in range(ref.shape[0]):
+            for j, part in enumerate(parts):
+                start = ref.start + (e * len(parts) + j) * size
+                piece = part.replace("{E}", str(e))
+                out[piece] = dataclasses.replace(ref, name=piece, shape=shape, start=start, end=start + size)
+    return out
 
 
 def release_layout(tensors: dict[str, TensorRef], renamed: dict[str, str]) -> dict[str, TensorRef]:

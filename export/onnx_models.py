@@ -38,7 +38,6 @@ from typing import Callable, NamedTuple
 import numpy as np
 from onnx import TensorProto
 
-from cvt.convert.arch import TABLES
 from cvt.convert.arch.attention import GQA, MLA, AttentionKind
 from cvt.errors import ArchError, CvtError
 from cvt.export.onnx_graph import Graph, LinearOptions, linear
@@ -78,7 +77,7 @@ class GraphSpec:
 
 def kind_of(model) -> AttentionKind:
     """The runtime model's attention kind, as its family's architecture table declares it."""
-    return TABLES[model.args.family].attention.main
+    return model.args.arch_table().attention.main
 
 
 def graphs(model) -> "Graphs":

@@ -73,7 +73,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from cvt.convert.arch import TABLES, arch_for, text_config
+from cvt.convert.arch import arch_for, text_config
 from cvt.convert.arch.attention import LayerAttention, kv_sites
 from cvt.errors import CvtError
 from cvt.qtensor.indexer_c8 import ROT_RE as INDEXER_ROT_RE
@@ -162,7 +162,7 @@ def attention(model_or_config: Any) -> LayerAttention:
     a runtime model or Args by its `family`, a config.json by its model_type)."""
     if isinstance(model_or_config, Mapping):
         return arch_for(model_or_config).table.attention
-    return TABLES[_args(model_or_config).family].attention
+    return _args(model_or_config).arch_table().attention
 
 
 def latent_cache(model_or_config: Any) -> bool:

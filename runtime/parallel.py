@@ -68,7 +68,7 @@ from torch import nn
 
 from cvt.convert.placement import Layout, RankCoords, coords, group
 from cvt.errors import CvtError, ManifestError
-from cvt.runtime.models.base import ParallelNames
+from cvt.runtime.models.base import ParallelNames, shared_part
 from cvt.schemas.parallel_layout import AXES
 from cvt.schemas.manifest import Manifest, RankShard
 
@@ -292,7 +292,9 @@ class ParallelMoE(nn.Module):
                 raise ManifestError(f"expert {e} is on this rank (EP rank {ep_rank}) but the placement puts it on "
                                     f"EP ranks {ranks}")
             self.slots.append((e, ranks.index(ep_rank), len(ranks)))
-        shared = getattr(moe, "shared_experts", None)
+        shared = shared_part(moe)
+        # the MoE's shared output: its shared experts', or what the family computes (Qwen3.5's gated one)
+        self.shared_output = getattr(moe, "shared_output", None) or (lambda x: shared_part(self.moe)(x))
         if shared is None:
             self.shared = False
         elif ctx.layout.shared_experts == "moe_tp":
@@ -321,7 +323,7 @@ class ParallelMoE(nn.Module):
             if tok.numel():
                 y.index_add_(0, tok, self.moe.experts[str(e)](x[tok]) * weights[tok, slot, None])
         if self.shared:
-            y = y + self.moe.shared_experts(x)
+            y = y + self.shared_output(x)
         return self.ctx.all_reduce(y, WORLD).view(shape)
 
 
@@ -484,12 +486,14 @@ def _resize(model: nn.Module, args, layout: Layout, dtype, names: ParallelNames)
         _set(model, names.head, Linear(h, V // layout.lmhead_tp, dtype=dtype))
     for layer in _get(model, names.layers)[: args.num_hidden_layers]:
         mlp = _get(layer, names.mlp)
-        shared = getattr(mlp, "shared_experts", None)
+        shared = shared_part(mlp)
         if layout.shared_experts == "replicated" and layout.moe_tp > 1 and shared is not None:
-            width = args.moe_intermediate_size * (getattr(args, "n_shared_experts", None) or 1)
+            width = (getattr(args, "shared_expert_intermediate_size", None)   # Qwen3.5's own width
+                     or args.moe_intermediate_size * (getattr(args, "n_shared_experts", None) or 1))
             # the family's own shared-expert class, built from the global args (DeepSeek-V4's
-            # Expert(args)); the HF-layout families' MLP(hidden, width)
-            mlp.shared_experts = MLP(h, width, dtype=dtype) if isinstance(shared, MLP) else type(shared)(args, dtype)
+            # Expert(args)); the HF-layout families' MLP(hidden, width) (Qwen3.5's gated subclass)
+            setattr(mlp, getattr(mlp, "shared_name", "shared_experts"),
+                    type(shared)(h, width, dtype=dtype) if isinstance(shared, MLP) else type(shared)(args, dtype))
         for path in names.gathered if layout.tp > 1 else ():
             try:
                 linear = _get(layer, path)
@@ -517,7 +521,7 @@ def _wrap(model: nn.Module, ctx: ParallelContext, holders: dict[int, dict[int, l
     layers = _get(model, names.layers)
     for i in range(model.args.num_hidden_layers):
         layer = layers[i]
-        if layout.tp > 1:
+        if layout.tp > 1 and _find(layer, names.attn_out) is not None:  # (Qwen3.5's linear layers: replicated)
             _set(layer, names.attn_out, RowParallel(_get(layer, names.attn_out), ctx, "tp"))
             for path in names.gathered:
                 try:

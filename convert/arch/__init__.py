@@ -18,7 +18,7 @@ from cvt.errors import ArchError
 from cvt.registry import Registry
 
 __all__ = ["ArchSpec", "ArchTable", "Block", "Parallel", "Role", "Rule", "TensorInfo", "arch_for", "carried_names",
-           "config_problems", "families", "register", "release_names", "TABLES"]
+           "config_problems", "expert_splits", "families", "register", "release_names", "TABLES"]
 
 TABLES: Registry[ArchTable] = Registry("model_type", ArchError)
 
@@ -103,6 +103,31 @@ def config_problems(config: Mapping[str, Any]) -> list[str]:
     mt = cfg.get("model_type")
     table = TABLES[mt] if mt in TABLES else None
     return table.config_checks(cfg) if table is not None and table.config_checks else []
+
+
+def expert_splits(config: Mapping[str, Any], names) -> dict[str, tuple[str, ...]]:
+    """``{stored name: per-expert release names, row block by row block}`` for each of `names` that
+    holds fused routed experts (the table's `ArchTable.saved_splits`; "{E}" stays in each name, the
+    caller knows the expert count from the stored shape); {} for a per-expert layout or a config
+    no table reads. ArchError when a fused tensor's experts are also stored one by one."""
+    try:
+        splits = [(re.compile(rx), tos) for rx, tos in arch_for(config).table.saved_splits]
+    except (ArchError, TypeError):  # a config no table reads: the stages' own checks name its fault
+        return {}
+    out: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        for rx, tos in splits:
+            if rx.match(name):
+                out[name] = tuple(rx.sub(to, name, count=1) for to in tos)
+                break
+    one_by_one = {k: re.compile("(?:" + "|".join(re.escape(to).replace(re.escape("{E}"), r"\d+") for to in tos) + ")$")
+                  for k, tos in out.items()}
+    for n in names:
+        fused = next((k for k, rx in one_by_one.items() if n not in out and rx.match(n)), None)
+        if fused is not None:
+            raise ArchError(f"tensor {n} is stored twice: one by one and inside {fused} (the routed experts "
+                            "fused); a checkpoint holds one layout or the other")
+    return out
 
 
 def release_names(config: Mapping[str, Any], names) -> dict[str, str]:

@@ -177,7 +177,7 @@ LINEAR = AttentionKind("linear", (CacheEntry("conv_state", ("batch", "conv_chann
                                   CacheEntry("recurrent_state", ("batch", "linear_num_value_heads",
                                                                  "linear_key_head_dim", "linear_value_head_dim"))),
                        "gated-deltanet (conv_state, recurrent_state)", "LinearState (conv + recurrent state)", None,
-                       heads_split=True, count_bytes=_linear_bytes, calibrates=False)
+                       heads_split=True, count_bytes=_linear_bytes)
 
 KINDS: dict[str, AttentionKind] = {k.name: k for k in (MLA, SPARSE_MLA, SPARSE_MLA_SHARED, GQA, GQA_SLIDING,
                                                        *V4.values(), LINEAR)}

@@ -205,6 +205,12 @@ class ArchTable:
     # (regex, replacement), the first whose regex matches a stored name renames it
     # (`cvt.convert.arch.release_names`); every stage then reads the release's names
     saved_renames: tuple[tuple[str, str], ...] = ()
+    # fused routed experts stored as one tensor [E, n, k] (transformers' 3-D expert parameters, as
+    # Qwen3.5-MoE's BF16 release stores them) -> the release's per-expert tensors: (regex of the
+    # stored name, the replacement of each of the k equal row blocks of an expert's [n, k], in
+    # order, "{E}" its expert id); every stage reads the per-expert tensors, each a contiguous byte
+    # range of the stored one (`cvt.convert.arch.expert_splits`, `cvt.convert.reader`)
+    saved_splits: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ plus ``model.language_model.embed_tokens`` / ``.norm`` and ``lm_head``. The RMSN
 gated one) scale by ``1 + weight`` (Gemma's zero-centred form): the runtime's, not a table concern.
 Routed experts are per-expert tensors here, as the FP8 block release stores them
 (Qwen/Qwen3.5-35B-A3B-FP8: ``...mlp.experts.0.gate_proj.weight`` + ``weight_scale_inv``); the BF16
-release's fused ``mlp.experts.gate_up_proj`` [E, 2I, h] / ``down_proj`` [E, h, I] are not read yet
-(refused as unmatched names).
+release's fused ``mlp.experts.gate_up_proj`` [E, 2I, h] / ``down_proj`` [E, h, I] are read as those
+per-expert tensors (`SAVED_SPLITS`: each one a contiguous byte range of the fused tensor), so every
+stage sees, and writes, the per-expert layout.
 
 (1) What stays float: vLLM's Qwen3.5 GatedDeltaNetAttention builds ``in_proj_ba`` (in_proj_b +
 in_proj_a) and Qwen3NextSparseMoeBlock the router ``gate`` and ``shared_expert_gate`` as
@@ -202,11 +203,19 @@ DENSE = ArchTable(
     attention=_ATTENTION, config_keys=_KEYS, param_shapes=param_shapes, config_checks=checks.qwen3_5,
     kv_note=kv_note, rotation=_ROTATION,
     fused_groups=_FUSED + ((f"{L}.mlp.gate_proj", f"{L}.mlp.up_proj"),),
-    calib_shared_inputs=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
+    # the Gated DeltaNet's four input projections read the normed hidden state (b / a stay float)
+    calib_shared_inputs=(("q_proj", "k_proj", "v_proj"), ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+                         ("gate_proj", "up_proj")),
 )
+# the BF16 release's fused routed experts (transformers' Qwen3_5MoeExperts: gate_up_proj [E, 2I, h], gate rows
+# first, as its forward's chunk(2) reads them; down_proj [E, h, I]), text layers and MTP draft alike
+_EXPERTS = r"^(?P<p>(?:model\.language_model|mtp)\.layers\.\d+\.mlp\.experts)\."
+SAVED_SPLITS = ((_EXPERTS + "gate_up_proj$", (r"\g<p>.{E}.gate_proj.weight", r"\g<p>.{E}.up_proj.weight")),
+                (_EXPERTS + "down_proj$", (r"\g<p>.{E}.down_proj.weight",)))
 MOE = dataclasses.replace(
     DENSE, name="qwen3_5_moe_text", display="Qwen3.5-MoE (text model)", model_types=("qwen3_5_moe_text",),
     rules=_rules(True), config_keys={**_KEYS, "experts": "num_experts", "experts_per_token": "num_experts_per_tok"},
+    saved_splits=SAVED_SPLITS,
     fused_groups=_FUSED + ((f"{L}.mlp.experts.{{E}}.gate_proj", f"{L}.mlp.experts.{{E}}.up_proj"),
                            (f"{L}.mlp.shared_expert.gate_proj", f"{L}.mlp.shared_expert.up_proj")),
 )

@@ -38,3 +38,33 @@ def tiny_qwen3_5_config(moe: bool = True, vision: bool = True, mtp: int = 0, **t
     if vision:
         cfg["vision_config"] = {"model_type": f"{mt}_vision", **VISION}
     return cfg
+
+
+def fused_experts(weights: dict) -> tuple[dict, dict]:
+    """(fused, per_expert): `weights` (name -> tensor, a Qwen3.5-MoE's per-expert layout) with each
+    layer's routed experts fused as the BF16 release stores them (``mlp.experts.gate_up_proj``
+    [E, 2I, h], gate rows first; ``mlp.experts.down_proj`` [E, h, I]) where its first expert was,
+    and the same weights per expert in the order a fused checkpoint is read (each layer's gate and
+    up expert by expert, then its downs)."""
+    import re
+
+    import torch
+
+    expert = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+    layers: dict[str, dict[tuple[int, str], object]] = {}
+    for name, t in weights.items():
+        m = expert.match(name)
+        if m:
+            layers.setdefault(m[1], {})[(int(m[2]), m[3])] = t
+    fused, per_expert = {}, {}
+    for name, t in weights.items():
+        m = expert.match(name)
+        if m is None:
+            fused[name] = per_expert[name] = t
+        elif m[1] + ".gate_up_proj" not in fused:
+            parts, n = layers[m[1]], 1 + max(e for e, _ in layers[m[1]])
+            fused[m[1] + ".gate_up_proj"] = torch.stack([torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n)])
+            fused[m[1] + ".down_proj"] = torch.stack([parts[e, "down"] for e in range(n)])
+            per_expert.update({f"{m[1]}.{e}.{w}_proj.weight": parts[e, w] for e in range(n) for w in ("gate", "up")})
+            per_expert.update({f"{m[1]}.{e}.down_proj.weight": parts[e, "down"] for e in range(n)})
+    return fused, per_expert

@@ -57,7 +57,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from cvt.convert.arch import TABLES, ArchTable
+from cvt.convert.arch import ArchTable
 from cvt.world import SINGLE, World
 from cvt.errors import CvtError
 from cvt.quant.methods import ranks
@@ -221,7 +221,7 @@ def calibrate(model: nn.Module, tokens: torch.Tensor, scheme_for: Callable[[str]
     layout = Layout.of(model)
     layers = layout.decoder_layers(model)
     n_layers = model.args.num_hidden_layers
-    table = TABLES[model.args.family]  # which linears read what (`ArchTable.calib_shared_inputs`)
+    table = model.args.arch_table()  # which linears read what (`ArchTable.calib_shared_inputs`)
     dev = next((p.device for p in model.get_submodule(layout.embed).parameters()), torch.device("cpu"))
     if on_layer_start is not None:
         on_layer_start(0, layers[0])

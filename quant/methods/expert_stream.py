@@ -40,6 +40,7 @@ from torch import nn
 
 from cvt.quant.recipe import GPTQ
 from cvt.quant.methods.sites import _Site
+from cvt.runtime.models.base import shared_part
 
 
 class ExpertStream:
@@ -55,7 +56,8 @@ class ExpertStream:
         # DeepSeek-V4's block: ffn, attn)
         self.layer, self.prefix, self.chunks, self.load, self.drop = layer, prefix, chunks, load, drop
         self.save, self.saved = save, {}
-        self.moe, self.attn = getattr(layer, moe), getattr(layer, attn)
+        # a hybrid layer names its token mixer (``mixer``: Qwen3.5's linear_attn or self_attn)
+        self.moe, self.attn = getattr(layer, moe), getattr(layer, getattr(layer, "mixer", attn))
         self.hf = moe == "mlp"  # the HF decoder layer's residual arithmetic (`_chunks_then_output`)
         self.stage = f"{prefix}.{moe}"
         self.container = f"{prefix}.{moe}.experts"
@@ -222,7 +224,7 @@ class ExpertStream:
                                    seed=zlib.crc32(key[1].encode()))
             if gptq:
                 lc.h_users[key] = lc.h_users.get(key, 0) + 1
-        shared = getattr(self.moe, "shared_experts", None)
+        shared = shared_part(self.moe)
         with self._replay(), self._stubbed([], also=[shared] if shared is not None else []):  # not needed here
             lc._collect(stage, sites, x, args, kwargs, stub_experts={(self.container, e) for e in chunk})
         lc._quantize_all(mine, sites)
@@ -250,7 +252,7 @@ class ExpertStream:
             return acc[b]
 
         hooks = []
-        shared = getattr(mlp, "shared_experts", None)
+        shared = shared_part(mlp)
         if first and shared is not None:
             hooks.append(shared.register_forward_hook(lambda m, a, out: self._shared.append(out)))
         try:

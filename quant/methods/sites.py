@@ -163,9 +163,13 @@ def _smooth_groups(layer: nn.Module, prefix: str, table: ArchTable) -> list[_Gro
     groups: list[_Group] = []
     attn = getattr(layer, "self_attn", None)
     ap = f"{prefix}.self_attn"
-    attn_inputs = table.calib_shared_inputs[0] if table.calib_shared_inputs else ()
+    lin = getattr(layer, "linear_attn", None)   # Qwen3.5's Gated DeltaNet: its input projections, b / a float
+    if isinstance(lin, nn.Module) and hasattr(layer, "input_layernorm"):
+        cons = [f"{prefix}.linear_attn.{n}" for n in _reads_input(lin, table)]
+        if cons:
+            groups.append(_Group(f"{prefix}.input_layernorm", cons))
     if attn is not None and hasattr(layer, "input_layernorm"):
-        cons = [f"{ap}.{n}" for n in attn_inputs if isinstance(getattr(attn, n, None), Linear)]
+        cons = [f"{ap}.{n}" for n in _reads_input(attn, table)]
         # DeepSeek-V3.2's lightning indexer reads the same two activations (wk, weights_proj: the
         # normed hidden state; wq_b: q_a_layernorm's output) and stays float: a fold into either norm
         # must scale its columns too, as the router's
@@ -199,13 +203,14 @@ def _smooth_groups(layer: nn.Module, prefix: str, table: ArchTable) -> list[_Gro
         if isinstance(getattr(mlp, "gate_proj", None), Linear):
             mlps.append((mp, mlp))
         else:
-            shared = getattr(mlp, "shared_experts", None)
+            shared_name = getattr(mlp, "shared_name", "shared_experts")   # Qwen3.5: shared_expert
+            shared = getattr(mlp, shared_name, None)
             if shared is not None:
-                mlps.append((f"{mp}.shared_experts", shared))
+                mlps.append((f"{mp}.{shared_name}", shared))
             for e, ex in enumerate(getattr(mlp, "experts", None) or []):
                 mlps.append((f"{mp}.experts.{e}", ex))
-            if getattr(mlp, "gate", None) is not None:
-                extras.append(f"{mp}.gate")
+            # the float linears reading the same input: the router, Qwen3.5's shared-expert gate
+            extras += [f"{mp}.{n}" for n in ("gate", "shared_expert_gate") if getattr(mlp, n, None) is not None]
         cons = [f"{p}.{n}" for p, m in mlps for n in ("gate_proj", "up_proj")
                 if isinstance(getattr(m, n, None), Linear)]
         if cons:
@@ -215,6 +220,16 @@ def _smooth_groups(layer: nn.Module, prefix: str, table: ArchTable) -> list[_Gro
                 groups.append(_Group(f"{p}.up_proj", [f"{p}.down_proj"], norm=False, awq_only=True))
     return groups
 
+
+
+def _reads_input(attn: nn.Module, table: ArchTable) -> list[str]:
+    """The linears of `attn` reading the attention input: the first of `table`'s shared-input
+    groups naming one of its linears (the group's linears present, in the group's order)."""
+    for names in table.calib_shared_inputs:
+        present = [n for n in names if isinstance(getattr(attn, n, None), Linear)]
+        if present:
+            return present
+    return []
 
 
 def _site_key(name: str, module: nn.Module, parent: nn.Module, parent_name: str,

@@ -50,13 +50,15 @@ def scale_columns(module: nn.Module, s: torch.Tensor) -> None:
 @torch.no_grad()
 def scale_rows(module: nn.Module, s: torch.Tensor, rows: torch.Tensor | None = None) -> None:
     """Divide output rows (all, or `rows` in the order of s) of a norm weight [k] or a linear
-    weight [n, k] (and its bias) by s: the producer side of a fold."""
+    weight [n, k] (and its bias) by s: the producer side of a fold. A norm scaling by
+    ``unit_offset + weight`` (Qwen3.5's zero-centred RMSNorm) has that sum divided."""
     for name in ("weight", "bias"):
         p = getattr(module, name, None)
         if p is None:
             continue
+        off = getattr(module, "unit_offset", 0.0) if name == "weight" else 0.0
         v = p.data.to(torch.float32).clone()
         idx = torch.arange(v.shape[0], device=v.device) if rows is None else rows.to(v.device)
         shape = (-1,) + (1,) * (v.dim() - 1)
-        v[idx] = v[idx] / s.to(v.device).reshape(shape)
+        v[idx] = (v[idx] + off) / s.to(v.device).reshape(shape) - off if off else v[idx] / s.to(v.device).reshape(shape)
         p.data = v.to(p.dtype)

@@ -50,7 +50,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from cvt.convert.arch import TABLES
 from cvt.world import SINGLE, World
 from cvt.errors import CvtError
 from cvt.quant.methods import ranks
@@ -152,7 +151,7 @@ def _expert_stream(model, ckpt, device, block, layer: nn.Module, i: int, plan, o
         """The widths of expert e's GPTQ Hessians: one for the linears reading the MoE input
         (gate / up, V4's w1 / w3), one per other linear (down, w2)."""
         ex, name = experts[e], f"{prefix}.{moe}.experts.{e}."
-        shared = next((names for names in TABLES[model.args.family].calib_shared_inputs
+        shared = next((names for names in model.args.arch_table().calib_shared_inputs
                        if any(hasattr(ex, n) for n in names)), ())  # the family's table: which read one input
         gptq = [n for n, mod in ex.named_children()
                 if hasattr(mod, "weight") and plan.methods.get(name + n) == GPTQ and name + n in plan.schemes]
@@ -342,7 +341,7 @@ class _Layers:
         if observer is not None:
             layer.self_attn.kv_observer = observer._observer(i)
         C._LayerCalib(layer, f"{self.tp}{layout.layers}.{i}", plan.schemes.get, lambda n: plan.methods.get(n, RTN),
-                      lres, o, TABLES[self.model.args.family], experts=es, frozen=self.frozen,
+                      lres, o, self.model.args.arch_table(), experts=es, frozen=self.frozen,
                       world=self.world).run(x, args, kwargs)
         if es is not None:
             x = es.x_next

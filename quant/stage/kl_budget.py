@@ -1,7 +1,8 @@
 """`cvt quantize --kl-budget X`: the fewest units kept at a higher precision (`--kl-high`: w8a8 by
 default, or float) so that the measured mean KL(float || output) holds X.
 
-Units: per decoder layer, its attention (``self_attn.*``), its dense MLP or shared experts
+Units: per decoder layer, its attention (``self_attn.*``; Qwen3.5's Gated DeltaNet layers:
+``linear_attn.*``), its dense MLP or shared experts
 (``mlp.*`` but the routed experts) and its routed experts (``mlp.experts.*``) -- the quantized
 linears of each that the run's own plan gives the low ``--scheme`` by default (a recipe rule's
 choice is kept as the rule says; MTP layers, which the forward does not run, stay low).
@@ -137,7 +138,7 @@ def units_of(ckpt, plan: Plan, policy: Policy, high_plan: Plan, fmt: str, target
             continue
         rest = m[hit.end():]
         part = ("experts" if rest.startswith(f"{lay.moe}.experts.") else lay.moe if rest.startswith(f"{lay.moe}.")
-                else lay.attn if rest.startswith(f"{lay.attn}.") else "other")
+                else rest.split(".", 1)[0])  # the layer's attention (Qwen3.5: self_attn or linear_attn)
         groups.setdefault(f"{hit.group(1)}.{part if part != 'experts' else lay.moe + '.experts'}", []).append(m)
     disk: dict[int, DiskBytes] = {}
 

@@ -118,6 +118,13 @@ class ModelArgs:
     def validate(self) -> None:
         """Family-specific checks (raise ConfigError naming the key and the supported values)."""
 
+    def arch_table(self):
+        """The family's architecture table (`cvt.convert.arch.ArchTable`), registered under `family`
+        (a family whose tables are registered per model_type gives its own)."""
+        from cvt.convert.arch import TABLES
+
+        return TABLES[self.family]
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32, returned in x's dtype."""
@@ -147,6 +154,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def shared_part(moe: nn.Module) -> nn.Module | None:
+    """The MoE's module whose output is the shared part of the MoE output (``shared_experts``; a
+    family naming it otherwise says where: ``shared_name``, Qwen3.5's gated ``shared_expert``)."""
+    return getattr(moe, getattr(moe, "shared_name", "shared_experts"), None)
 
 
 def build_experts(ids: Iterable[int] | None, count: int, make: Callable[[], nn.Module]) -> nn.Module:

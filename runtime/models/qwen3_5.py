@@ -87,6 +87,12 @@ class Args(ModelArgs):
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
 
+    def arch_table(self):
+        """The text model's table, registered under its model_type (qwen3_5_moe_text / qwen3_5_text)."""
+        from cvt.convert.arch import TABLES
+
+        return TABLES[self.model_type]
+
     def types(self) -> list[str]:
         return layer_types(dataclasses.asdict(self))
 
@@ -125,6 +131,8 @@ class Args(ModelArgs):
 
 class ZeroCentredRMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * (1 + weight), float32, returned in x's dtype (Gemma's form)."""
+
+    unit_offset: ClassVar[float] = 1.0   # the scale is unit_offset + weight (a smoothing fold reads it)
 
     def __init__(self, dim: int, eps: float, dtype=None, device=None):
         super().__init__()
@@ -177,8 +185,20 @@ class GatedAttention(nn.Module):
         return self.o_proj(o)
 
 
+class GatedSharedExpert(MLP):
+    """The shared expert: a SwiGLU MLP whose output the MoE scales by sigmoid(gate(x)), the gate
+    (``mlp.shared_expert_gate``, the MoE's) passed in, so that the module's output is the shared
+    part of the MoE output (calibration's expert stream records and stubs it as one module)."""
+
+    def forward(self, x: torch.Tensor, gate: nn.Module | None = None) -> torch.Tensor:
+        y = super().forward(x)
+        return y if gate is None else torch.sigmoid(gate(x)) * y
+
+
 class MoE(nn.Module):
     """Softmax top-k router over SwiGLU experts, plus a shared expert scaled by sigmoid(shared_expert_gate)."""
+
+    shared_name: ClassVar[str] = "shared_expert"   # where calibration's expert stream finds the shared part
 
     def __init__(self, args: Args, dtype=None, device=None, experts=None):
         super().__init__()
@@ -186,7 +206,7 @@ class MoE(nn.Module):
         self.top_k = args.num_experts_per_tok
         self.gate = Linear(h, args.num_experts, **kw)
         self.experts = build_experts(experts, args.num_experts, lambda: MLP(h, args.moe_intermediate_size, **kw))
-        self.shared_expert = MLP(h, args.shared_expert_intermediate_size, **kw)
+        self.shared_expert = GatedSharedExpert(h, args.shared_expert_intermediate_size, **kw)
         self.shared_expert_gate = Linear(h, 1, **kw)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,19 +215,27 @@ class MoE(nn.Module):
         weights, idx = probs.topk(self.top_k, dim=-1)
         return (weights / weights.sum(-1, keepdim=True)).to(x.dtype), idx
 
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, h] -> sigmoid(shared_expert_gate(x)) * shared_expert(x) (the multi-rank MoE adds it too)."""
+        return self.shared_expert(x, self.shared_expert_gate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, idx = self.route(x)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.shared_output(x)
         return (run_experts(x, idx, weights, self.experts) + shared).view(shape)
 
 
 class DecoderLayer(nn.Module):
+    # AWQ's clipping search skips the projections producing queries and keys (`cvt.quant.methods.calib`)
+    no_clip: ClassVar[tuple[str, ...]] = ("in_proj_qkv",)
+
     def __init__(self, args: Args, i: int, dtype=None, device=None, experts=None):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.full = args.types()[i] == FULL
+        self.mixer = "self_attn" if self.full else "linear_attn"   # the token mixer's attribute
         self.input_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps, **kw)
         if self.full:
             self.self_attn = GatedAttention(args, **kw)
@@ -253,8 +281,11 @@ class Model(CausalLM):
     """Causal LM following `base.py`'s contract; parameter names = the release's text tensor names."""
 
     cache_name: ClassVar[str] = "Qwen3.5 cache"
-    parallel: ClassVar[ParallelNames] = ParallelNames(embed="model.language_model.embed_tokens",
-                                                      layers="model.language_model.layers")
+    # the shared expert has its own width, split over moe_tp with the routed experts' (held whole when
+    # the layout replicates it); the Gated DeltaNet's head counts stay global (its projections replicated)
+    parallel: ClassVar[ParallelNames] = ParallelNames(
+        embed="model.language_model.embed_tokens", layers="model.language_model.layers",
+        local_sizes=ParallelNames.local_sizes + (("shared_expert_intermediate_size", "moe_tp"),))
 
     def __init__(self, args: Args, dtype=None, device=None, experts=None):
         super().__init__()

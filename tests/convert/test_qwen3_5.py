@@ -101,8 +101,8 @@ def test_what_stays_float_and_carried():
     carried = carried_names(tiny_qwen3_5_config(mtp=1), arch.shapes())
     assert carried and all(n.startswith(("model.visual.", "mtp.")) for n in carried)
     assert "mtp.layers.0.mlp.experts.3.gate_proj.weight" in carried and "mtp.fc.weight" in carried
-    with pytest.raises(ArchError, match="gate_up_proj"):  # the BF16 release's fused experts: not read yet
-        arch.classify(f"{p}.mlp.experts.gate_up_proj")
+    with pytest.raises(ArchError, match="gate_up_proj"):  # the BF16 release's fused experts: no table name,
+        arch.classify(f"{p}.mlp.experts.gate_up_proj")      # the reader splits them (test_fused_experts_*)
 
 
 def test_config_checks():
@@ -157,13 +157,213 @@ def test_plan_a3b_by_hand(tmp_path):
     assert "30 x Gated DeltaNet, 10 x full attention" in r.out
 
 
-@pytest.mark.parametrize("args", [("--method", "gptq"), ("--method", "awq"), ("--method", "smoothquant"),
-                                  ("--kl-budget", "0.01")])
-def test_calibration_is_refused_before_dst(tmp_path, args):
-    """Calibration does not run through the Gated DeltaNet layers yet (`AttentionKind.calibrates`):
-    one line, exit 1, nothing written (it was an IndexError, exit 70)."""
-    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_5_config())
-    dst = tmp_path / "out"
-    r = run_cvt("quantize", src, dst, "--scheme", "w4a16" if args[0] == "--kl-budget" else "w8a8", *args)
-    assert r.rc == 1 and len(r.err.strip().splitlines()) == 1 and "linear attention layers" in r.err, r.err
-    assert not dst.exists()
+def _folded(model, seed: int = 0) -> list[list[tuple[str, list[str], list[str]]]]:
+    """Every smoothing group of every decoder layer folded with random factors in [0.5, 2] (the
+    calibration driver's groups and fold helpers); the groups, per layer."""
+    from cvt.quant.methods.sites import _smooth_groups
+    from cvt.quant.methods.smoothquant import scale_columns, scale_rows
+
+    gen, out = torch.Generator().manual_seed(seed), []
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.language_model.layers.{i}"
+        mods = dict(layer.named_modules(prefix=prefix))
+        groups = _smooth_groups(layer, prefix, model.args.arch_table())
+        for g in groups:
+            s = 0.5 + 1.5 * torch.rand(mods[g.consumers[0]].weight.shape[1], generator=gen)
+            scale_rows(mods[g.producer], s, g.rows)
+            for c in g.consumers + g.extras:
+                scale_columns(mods[c], s)
+        out.append([(g.producer.removeprefix(prefix + "."), [c.removeprefix(prefix + ".") for c in g.consumers],
+                     [e.removeprefix(prefix + ".") for e in g.extras]) for g in groups if g.norm])
+    return out
+
+
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_smoothing_folds_keep_the_float_model(tmp_path, moe):
+    """AWQ / SmoothQuant's folds into Qwen3.5's layers leave the float model's logits unchanged: the
+    Gated DeltaNet's four input projections (b / a float, scaled too), the zero-centred norms
+    (1 + weight divided, not weight), the shared expert and its gate beside the routed experts."""
+    from cvt.runtime.loader import load_model
+
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_5_config(moe=moe))
+    model = load_model(src, dtype=torch.float32).model
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    want = model(tokens)
+    groups = _folded(model)
+    gdn = ("input_layernorm", [f"linear_attn.{n}" for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")], [])
+    full = ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [])
+    experts = ["shared_expert", *(f"experts.{e}" for e in range(6))]
+    mlp = (("post_attention_layernorm", [f"mlp.{m}.{n}" for m in experts for n in ("gate_proj", "up_proj")],
+            ["mlp.gate", "mlp.shared_expert_gate"]) if moe
+           else ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], []))
+    assert groups == [[gdn, mlp]] * 3 + [[full, mlp]]
+    got = model(tokens)
+    assert not torch.equal(got, want)     # the weights did change
+    # float32 rounding through 4 layers: <= 3.2e-4 on logits up to 8 (a fold that misses the norms'
+    # 1 + weight, or the shared-expert gate, is off by 8 to 10)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+
+
+def _quantized(src, dst, scheme, method, *extra):
+    r = run_cvt("quantize", src, dst, "--scheme", scheme, "--method", method, "--calib-tokens", "512", "--quiet", *extra)
+    assert r.rc == 0, r.err
+    return json.loads((dst / "cvt_manifest.json").read_text())
+
+
+def _mean_kl(tmp_path, out, src) -> float:
+    report = tmp_path / f"report-{out.name}"
+    r = run_cvt("verify", out, "--reference", src, "--report", report, "--quiet")
+    assert r.rc == 0, r.err
+    return json.loads((report / "report.json").read_text())["logits"]["kl_mean"]
+
+
+@pytest.mark.slow  # 4 calibrated quantize runs, 4 verifies: ~1.5 min on 2 cores
+@pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
+def test_gptq_runs_through_the_gated_deltanet(tmp_path, moe):
+    """GPTQ w4a16 / w8a8 on tiny Qwen3.5(-MoE): every quantizable linear of the linear-attention
+    and full layers calibrated with GPTQ (the float ones kept float), the output runs in `cvt run`,
+    and its KL to the BF16 source (`cvt verify`) is below RTN's."""
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_5_config(moe=moe, vocab_size=300))
+    for scheme in ("w4a16", "w8a8"):
+        kl = {}
+        for method in ("rtn", "gptq"):
+            out = tmp_path / f"{scheme}-{method}"
+            m = _quantized(src, out, scheme, method)
+            if method == "gptq":
+                methods = {n: t["method"] for n, t in m["quant"]["tensors"].items()}
+                gdn = "model.language_model.layers.0.linear_attn"
+                assert {methods[f"{gdn}.{n}"] for n in ("in_proj_qkv", "in_proj_z", "out_proj")} == {"gptq"}
+                assert methods["model.language_model.layers.3.self_attn.q_proj"] == "gptq"
+                assert f"{gdn}.in_proj_b" in m["quant"]["float_modules"] and f"{gdn}.in_proj_b" not in methods
+                assert set(methods.values()) == {"gptq"}, m["quant"]["fallbacks"]
+                r = run_cvt("run", out, "--input-ids", "1,2,3,4", "--max-new-tokens", "3", "--quiet")
+                assert r.rc == 0, r.err
+            kl[method] = _mean_kl(tmp_path, out, src)
+        # measured GPTQ / RTN (512 tokens): w4a16 moe 1.78 / 2.06, dense 1.28 / 1.55; w8a8 moe 0.209 / 0.291,
+        # dense 0.102 / 0.107
+        assert kl["gptq"] < (0.9 if scheme == "w4a16" else 1.0) * kl["rtn"], (scheme, kl)
+
+
+@pytest.mark.slow  # AWQ, SmoothQuant and the streamed experts: ~1.5 min on 2 cores
+def test_awq_smoothquant_and_streamed_experts(tmp_path, monkeypatch):
+    """AWQ w4a16 and SmoothQuant w8a8 run on Qwen3.5-MoE and fold into the zero-centred input norm
+    of the Gated DeltaNet layers; GPTQ with the routed experts read a chunk at a time (the gated
+    shared expert's part recorded and replayed) writes the same bytes as the whole layer."""
+    from cvt.quant.stage import quantize
+    from cvt.runtime.loader import load_model
+    from cvt.tests.quant.test_calibrate_stream import snapshot
+
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_5_config(vocab_size=300))
+    norm = "model.language_model.layers.0.input_layernorm.weight"
+    for scheme, method in (("w8a8", "smoothquant"), ("w4a16", "awq")):
+        out = tmp_path / method
+        _quantized(src, out, scheme, method)
+        assert not torch.equal(load_model(out, dtype=torch.float32).model.get_parameter(norm),
+                               load_model(src, dtype=torch.float32).model.get_parameter(norm))  # folded
+        r = run_cvt("run", out, "--input-ids", "1,2,3,4", "--max-new-tokens", "3", "--quiet")
+        assert r.rc == 0, r.err
+    args = dict(scheme="w4a16", fmt="compressed-tensors", method="gptq", calib_tokens=256, quiet=True)
+    quantize(src, tmp_path / "whole", **args)
+    from cvt.quant.methods.expert_stream import ExpertStream
+
+    streamed, real = [], ExpertStream._chunks_then_output
+    monkeypatch.setattr(ExpertStream, "_chunks_then_output", lambda self, *a, **k: streamed.append(self.prefix)
+                        or real(self, *a, **k))
+    quantize(src, tmp_path / "streamed", expert_memory=1, **args)
+    assert len(streamed) == 4  # every layer's experts a chunk at a time
+    assert snapshot(tmp_path / "whole") == snapshot(tmp_path / "streamed")
+
+
+@pytest.mark.slow  # one streamed sensitivity pass and the KL bisection: ~30 s on 2 cores
+def test_kl_budget(tmp_path):
+    """--kl-budget on Qwen3.5-MoE: units per Gated DeltaNet layer named by its ``linear_attn``, the
+    measured KL within the budget."""
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_5_config(vocab_size=300))
+    r = run_cvt("quantize", src, tmp_path / "out", "--scheme", "w4a16", "--kl-budget", "0.5", "--calib-tokens", "512",
+                "--quiet")
+    assert r.rc == 0, r.err
+    mixed = json.loads((tmp_path / "out" / "cvt_manifest.json").read_text())["quant"]["mixed_precision"]
+    units = {u["unit"] for u in mixed["units"]}
+    assert "model.language_model.layers.0.linear_attn" in units and "model.language_model.layers.3.self_attn" in units
+    assert mixed["kl_mean"] <= 0.5
+
+
+def _fused_pair(tmp_path, **overrides):
+    """(per-expert, fused) checkpoints of one tiny Qwen3.5-MoE (MTP draft included): the same weights."""
+    from cvt.testing.checkpoints import random_weights
+    from cvt.testing.checkpoints_qwen3_5 import fused_experts
+
+    cfg = tiny_qwen3_5_config(mtp=1, vocab_size=300, **overrides)
+    fused, per = fused_experts(random_weights(cfg))
+    return (write_bf16_checkpoint(tmp_path / "per", cfg, weights=per),
+            write_bf16_checkpoint(tmp_path / "fused", cfg, weights=fused))
+
+
+def test_fused_experts_read_as_per_expert(tmp_path):
+    """The BF16 release's ``mlp.experts.gate_up_proj`` [E, 2I, h] (gate rows first) and ``down_proj``
+    [E, h, I], text layers and MTP draft, read as the per-expert tensors: same names, order, shapes
+    and bytes, each a byte range of the fused tensor (no copy)."""
+    from cvt.convert.reader import open_checkpoint
+
+    per, fused = _fused_pair(tmp_path)
+    a, b = open_checkpoint(per), open_checkpoint(fused)
+    assert list(a.tensors) == list(b.tensors)
+    assert all(a.tensors[n].shape == b.tensors[n].shape and bytes(a.view(n)) == bytes(b.view(n)) for n in a.tensors)
+    up = b.tensors["mtp.layers.0.mlp.experts.5.up_proj.weight"]
+    assert up.shape == (20, 48) and up.end - up.start == 20 * 48 * 2
+    stored = b.tensors                       # no fused name is left
+    assert not any(n.endswith("gate_up_proj") for n in stored)
+
+
+def test_fused_experts_refusals(tmp_path):
+    """A fused tensor whose experts are also stored one by one, or of another rank: one line, exit 1."""
+    import safetensors.torch
+
+    _, fused = _fused_pair(tmp_path)
+    index = json.loads((fused / "model.safetensors.index.json").read_text())
+    extra = {"model.language_model.layers.1.mlp.experts.2.up_proj.weight": torch.zeros(20, 48, dtype=torch.bfloat16)}
+    safetensors.torch.save_file(extra, fused / "extra.safetensors")
+    index["weight_map"].update({k: "extra.safetensors" for k in extra})
+    (fused / "model.safetensors.index.json").write_text(json.dumps(index))
+    r = run_cvt("inspect", fused)
+    assert r.rc == 1 and len(r.err.strip().splitlines()) == 1, r.err
+    assert "layers.1.mlp.experts.2.up_proj.weight is stored twice" in r.err and "experts.gate_up_proj" in r.err
+    (fused / "extra.safetensors").unlink()
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in extra}
+    name = "model.language_model.layers.2.mlp.experts.down_proj"
+    f = fused / index["weight_map"][name]
+    tensors = safetensors.torch.load_file(f)
+    tensors[name] = tensors[name].reshape(-1, tensors[name].shape[-1])       # [E * h, I]: not 3-D
+    safetensors.torch.save_file(tensors, f)
+    (fused / "model.safetensors.index.json").write_text(json.dumps(index))
+    r = run_cvt("inspect", fused)
+    assert r.rc == 1 and len(r.err.strip().splitlines()) == 1, r.err
+    assert f"{name} (BF16 [288, 20]" in r.err and "must be [experts, rows, columns]" in r.err, r.err
+
+
+def _files(folder) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != "cvt_manifest.json"}
+
+
+@pytest.mark.slow  # 2 x (quantize RTN, GPTQ, shard, run): ~1 min on 2 cores
+def test_fused_experts_give_the_per_expert_outputs(tmp_path):
+    """quantize (RTN Ascend, GPTQ compressed-tensors), shard and run of the fused layout write the
+    bytes (and tokens) the per-expert layout holding the same weights gives; inspect reads both
+    alike."""
+    per, fused = _fused_pair(tmp_path)
+    runs = {"q": ("quantize", "--scheme", "w8a8", "--format", "ascend"),
+            "g": ("quantize", "--scheme", "w4a16", "--method", "gptq", "--calib-tokens", "256"),
+            "s": ("shard", "--world-size", "2")}
+    for src in (per, fused):
+        for key, (verb, *args) in runs.items():
+            r = run_cvt(verb, src, tmp_path / f"{key}-{src.name}", *args, "--quiet")
+            assert r.rc == 0, r.err
+    for key in runs:
+        assert _files(tmp_path / f"{key}-per") == _files(tmp_path / f"{key}-fused"), key
+    outs = [run_cvt("run", src, "--input-ids", "1,2,3", "--max-new-tokens", "4", "--quiet") for src in (per, fused)]
+    assert outs[0].rc == 0 and outs[0].out == outs[1].out, outs[1].err
+    shown = [run_cvt("inspect", src).out.replace(str(src), "SRC") for src in (per, fused)]
+    assert shown[0] == shown[1]
