@@ -75,18 +75,38 @@ _TABLES: dict = {}
 _TABLES_LOCK = threading.Lock()
 
 
+def _bf16_np(x):
+    """float32 numpy values rounded to bfloat16 (nearest even, NaN kept), as float32: `_bf16`."""
+    import numpy as np
+
+    b = x.view(np.uint32)
+    r = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return np.where(np.isnan(x), (b | np.uint32(0x00400000)) & np.uint32(0xFFFF0000), r).astype(np.uint32).view(np.float32)
+
+
 def exponent_table(elem: str):
     """`shared_exponent` of every bfloat16 value as a block max, by its bits: numpy int16 [65536],
     0x7fff where E8M0 cannot hold the exponent (NaN, negative, outside -127..127). The fused RTN
-    kernel (`cvt.quant.qkernel`, MX modes) looks exponents up here, so its log2 and bf16 roundings
-    are this module's. Made once under a lock and kept for the process: the kernel holds only its
-    address (the writer's threads may ask at the same time)."""
+    kernel (`cvt.quant.qkernel`, MX modes) looks exponents up here. The same float32 operations as
+    `shared_exponent`, in numpy (so an RTN run does not import torch); tests/quant/test_qkernel.py
+    holds the two equal on all 65536 values. Made once under a lock and kept for the process: the
+    kernel holds only its address (the writer's threads may ask at the same time)."""
+    import numpy as np
+
     with _TABLES_LOCK:
         if elem not in _TABLES:
-            amax = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-            se = shared_exponent(amax, elem)
-            ok = torch.isfinite(se) & (se >= -E8M0_BIAS) & (se <= E8M0_BIAS) & (amax >= 0)
-            _TABLES[elem] = torch.where(ok, se, 0x7FFF).to(torch.int16).numpy()
+            amax = (np.arange(65536, dtype=np.uint32) << np.uint32(16)).view(np.float32)
+            with np.errstate(all="ignore"):
+                if elem == FP8:
+                    t = _bf16_np(amax + np.float32(FP32_MIN_NORMAL) * (amax == 0).astype(np.float32))
+                    se = np.floor(_bf16_np(np.log2(t))) - np.float32(FP8_EMAX)
+                    se = np.where(se > E8M0_BIAS, np.nan, np.maximum(se, -E8M0_BIAS))
+                else:
+                    t = _bf16_np(_bf16_np(amax / np.float32(1 - 0.5 ** 3)) + np.float32(FP4_EPS))
+                    se = np.floor(_bf16_np(np.log2(t))) - np.float32(FP4_EMAX)
+                    se = np.clip(se, -E8M0_BIAS - FP4_EMAX, E8M0_BIAS - FP4_EMAX)
+                ok = np.isfinite(se) & (se >= -E8M0_BIAS) & (se <= E8M0_BIAS) & (amax >= 0)
+            _TABLES[elem] = np.where(ok, se, 0x7FFF).astype(np.int16)
         return _TABLES[elem]
 
 

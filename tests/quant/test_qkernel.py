@@ -724,3 +724,16 @@ def test_hand_built_sources_are_checked_before_the_c_kernel_reads_them():
             QK.absmax(src)
     assert QK.absmax(QK.WeightSource(w, good, (128, 128))) is not None
     assert QK.absmax(QK.WeightSource.raw(bytes_, "F8_E4M3", (64, 64), np.ones((1, 1), np.float32), (128, 128))) == 0
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e2m1"])
+def test_mx_exponent_table_is_the_reference(elem):
+    """The MX modes' shared-exponent table (numpy, so RTN imports no torch) equals the reference's
+    `shared_exponent` on every bfloat16 value a block max can take."""
+    from cvt.qtensor import mx as MX
+
+    amax = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    se = MX.shared_exponent(amax, elem)
+    ok = torch.isfinite(se) & (se >= -127) & (se <= 127) & (amax >= 0)
+    want = torch.where(ok, se, 0x7FFF).to(torch.int16)
+    assert torch.equal(torch.from_numpy(MX.exponent_table(elem)), want)
