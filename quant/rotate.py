@@ -139,7 +139,7 @@ class Rotator:
         return [], ""
 
     def kinds(self) -> dict[str, str]:
-        """{space: its matrix' kind} for the manifest (after the tensors were read)."""
+        """{space: its matrix' kind} of the spaces used so far (tests; the kinds follow from the widths)."""
         return {k: q.kind for k, q in sorted(self._spaces.items())}
 
     def _norm(self, layer: str, norm: str) -> torch.Tensor:
@@ -208,6 +208,9 @@ class RotatedCheckpoint(Checkpoint):
             if n in scales:
                 continue
             ops, _ = self.rotator.ops_of(n)
+            if n.endswith(".bias") and any(op.kind in ("ones", "cat") for op in ops):
+                # a norm's bias would add in the rotated basis; none of the tables' norms has one
+                raise FormatError(f"{n}: --rotate folds RMSNorm weights and this norm has a bias")
             if ops or r.dtype == "F8_E4M3":
                 self._made.add(n)
                 out = "F32" if r.dtype == "F32" else dtype  # a float32 tensor stays float32
