@@ -98,6 +98,15 @@ class ModelArgs:
         """rope_scaling and rope_parameters merged (a copy; rope_parameters wins), as written."""
         return {**(self.rope_scaling or {}), **(self.rope_parameters or {})}
 
+    def rope_with_theta(self, default_theta: float) -> dict[str, Any]:
+        """`rope_config` with its type under ``rope_type`` (transformers < 5 wrote ``type``; "default"
+        when absent) and ``rope_theta`` filled in (top level, else the family's `default_theta`)."""
+        p = self.rope_config()
+        p["rope_type"] = p.pop("rope_type", None) or p.pop("type", None) or "default"
+        p.pop("type", None)
+        p["rope_theta"] = float(p.get("rope_theta") or self.rope_theta or default_theta)
+        return p
+
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ModelArgs":
         fields = {f.name for f in dataclasses.fields(cls)}

@@ -82,11 +82,7 @@ class Args(ModelArgs):
         return types[i] == SLIDING
 
     def rope(self) -> dict[str, Any]:
-        p = self.rope_config()
-        p["rope_type"] = p.pop("rope_type", None) or p.pop("type", None) or "default"
-        p.pop("type", None)
-        p["rope_theta"] = float(p.get("rope_theta") or self.rope_theta or 150000.0)
-        return p
+        return self.rope_with_theta(150000.0)  # GptOssConfig's default theta
 
     def validate(self) -> None:
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

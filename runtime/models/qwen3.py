@@ -112,11 +112,7 @@ class Args(ModelArgs):
 
     def rope(self) -> dict[str, Any]:
         """rope_scaling / rope_parameters / rope_theta merged: {rope_type, rope_theta, ...}."""
-        p = self.rope_config()
-        p["rope_type"] = p.pop("rope_type", None) or p.pop("type", None) or "default"
-        p.pop("type", None)
-        p["rope_theta"] = float(p.get("rope_theta") or self.rope_theta or 10000.0)
-        return p
+        return self.rope_with_theta(10000.0)
 
     def validate(self) -> None:
         if self.num_local_experts is not None:
