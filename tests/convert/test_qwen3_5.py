@@ -367,3 +367,36 @@ def test_fused_experts_give_the_per_expert_outputs(tmp_path):
     assert outs[0].rc == 0 and outs[0].out == outs[1].out, outs[1].err
     shown = [run_cvt("inspect", src).out.replace(str(src), "SRC") for src in (per, fused)]
     assert shown[0] == shown[1]
+
+
+def test_fp8_release_to_bf16_is_the_official_dequant(tmp_path):
+    """Qwen's FP8 block release (top-level quantization_config; an MTP draft weight in FP8 too):
+    fp8-to-bf16 writes every FP8 weight as `dequant_fp8_block`'s BF16, bit for bit, drops every
+    scale and the quantization_config, and copies the rest byte for byte."""
+    from safetensors.torch import load_file
+
+    from cvt.convert.fp8 import dequant_fp8_block
+    from cvt.testing.checkpoints import quantize_fp8_block, release_tensors, write_release
+
+    cfg = tiny_qwen3_5_config(mtp=1, vocab_size=300)
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+    t = release_tensors(cfg, seed=3)
+    mtp = "mtp.layers.0.self_attn.q_proj.weight"
+    t[mtp], t[mtp + "_scale_inv"] = quantize_fp8_block(t[mtp].float(), (128, 128), "F32")
+    src = write_release(tmp_path / "src", cfg, t, n_shards=2)
+    r = run_cvt("fp8-to-bf16", src, tmp_path / "bf16", "--quiet")
+    assert r.rc == 0, r.err
+    out = {}
+    for f in sorted((tmp_path / "bf16").glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
+    fp8 = [n for n, v in t.items() if v.dtype == torch.float8_e4m3fn]
+    assert mtp in fp8 and len(fp8) > 10
+    assert set(out) == {n for n in t if not n.endswith("_scale_inv")}
+    for n, v in t.items():
+        if n in fp8:
+            assert torch.equal(out[n].view(torch.int16), dequant_fp8_block(v, t[n + "_scale_inv"], (128, 128))
+                               .view(torch.int16)), n
+        elif not n.endswith("_scale_inv"):
+            assert out[n].dtype == v.dtype and torch.equal(out[n].view(torch.uint8), v.view(torch.uint8)), n
