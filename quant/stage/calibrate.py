@@ -12,6 +12,7 @@ from typing import Any
 from cvt.lazy import torch
 
 from cvt.convert.reader import Checkpoint
+from cvt.errors import FormatError
 from cvt.quant.recipe import RTN
 from cvt.qtensor.schemes.base import QuantizedTensor
 from cvt.schemas.manifest import Fallback
@@ -52,9 +53,15 @@ def calib_data(ckpt: Checkpoint, calib, calib_tokens: int | None) -> torch.Tenso
     from cvt.runtime.tokenizer import load_tokenizer
 
     mod, cfg = family(ckpt.config)
-    return calib_tokens_of(load_tokenizer(ckpt.root, ckpt.config), calib, seq_len=256,
-                           max_sequences=max(1, (calib_tokens or CALIB_TOKENS) // 256),
-                           max_len=mod.Args.from_config(cfg).max_position_embeddings, asked=calib_tokens)
+    args = mod.Args.from_config(cfg)
+    tokens = calib_tokens_of(load_tokenizer(ckpt.root, ckpt.config), calib, seq_len=256,
+                             max_sequences=max(1, (calib_tokens or CALIB_TOKENS) // 256),
+                             max_len=args.max_position_embeddings, asked=calib_tokens)
+    top = int(tokens.max()) if tokens.numel() else -1
+    if top >= args.vocab_size:  # a tokenizer that does not fit the model (the embedding lookup would fail)
+        raise FormatError(f"{ckpt.root}: its tokenizer gives token id {top}, beyond config.json's vocab_size "
+                          f"{args.vocab_size}: calibration cannot run this tokenizer's ids through the model")
+    return tokens
 
 
 def calibrate(ckpt: Checkpoint, plan: Plan, tokens: torch.Tensor, static_attention: bool,

@@ -400,3 +400,12 @@ def test_fp8_release_to_bf16_is_the_official_dequant(tmp_path):
                                .view(torch.int16)), n
         elif not n.endswith("_scale_inv"):
             assert out[n].dtype == v.dtype and torch.equal(out[n].view(torch.uint8), v.view(torch.uint8)), n
+
+
+def test_a_tokenizer_beyond_the_vocab_is_one_line(tmp_path):
+    """Calibration on a model whose vocab_size (96 here) is below the ids its tokenizer gives (the
+    byte-level one: up to 258): one line naming both, exit 1, no DST (was IndexError, exit 70)."""
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_5_config())
+    r = run_cvt("quantize", src, tmp_path / "out", "--scheme", "w8a8", "--method", "gptq", "--calib-tokens", "256")
+    assert r.rc == 1 and len(r.err.strip().splitlines()) == 1 and "vocab_size 96" in r.err, r.err
+    assert not (tmp_path / "out").exists()
