@@ -32,10 +32,9 @@ ascend-w8a8-mxfp8           weight e4m3 [n,k], weight_scale u8 E8M0 [n,k/32] (ms
 ascend-w4a4-mxfp4 / -w4a8   weight u8 [n,k/2], ditto                         scalar C elements)
 ==========================  ====================================================================
 
-API: ``WeightSource(bf16)`` / ``WeightSource.fp8(codes, scale_inv, block)``; ``supports``;
-``quantize_to_layout(src, scheme, layout, name, global_scale=None, threads=None) -> Fused``;
-``absmax(src)`` (nvfp4's global scale); ``kernel_name()``. C: ``cvt_quantize(const cvt_qargs *)``
-(see the C file) and ``cvt_pack_zero_points``.
+API: ``WeightSource(bf16)`` / ``.fp8(codes, scale_inv, block)``; ``supports``; ``quantize_to_layout(src,
+scheme, layout, name, global_scale=None, threads=None) -> Fused``; ``absmax(src)`` (nvfp4's global
+scale); ``kernel_name()``. C: ``cvt_quantize(const cvt_qargs *)`` and ``cvt_pack_zero_points``.
 
 Anything else (static W8A8, other source dtypes, an asymmetric int32 layout that refuses zero
 points) is not fused: `supports` says so and the caller takes the reference path, which also

@@ -204,9 +204,8 @@ def calibrate(model: nn.Module, tokens: torch.Tensor, scheme_for: Callable[[str]
     if tokens.dim() != 2 or tokens.numel() == 0:
         raise CvtError(f"calibration tokens must be a non-empty [batch, seq] tensor, got {list(tokens.shape)}")
     opts = dict(min_tokens=min_tokens, batch_size=batch_size, damp=damp, act_order=act_order,
-                scale_search=scale_search, block_size=block_size,
-                static_groups=static_groups, true_sequential=true_sequential, alpha=alpha, n_grid=n_grid,
-                duo_scaling=duo_scaling,
+                scale_search=scale_search, block_size=block_size, static_groups=static_groups,
+                true_sequential=true_sequential, alpha=alpha, n_grid=n_grid, duo_scaling=duo_scaling,
                 awq_clip_search=awq_clip_search, max_samples=max_samples, max_hessian_bytes=max_hessian_bytes,
                 hessian_dtype=hessian_dtype)
     result = CalibResult()

@@ -88,9 +88,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             check_ct_scales(ckpt, source.ct_linears)
         check_weights(ckpt, arch, "quantize", source.block or (128, 128))
         if rotation is not None:  # from here on SRC is read as the rotated BF16 model
-            from cvt.quant.rotate import RotatedCheckpoint
-
-            ckpt = RotatedCheckpoint(ckpt, arch, rotation, rotate, arch.table.scale_param)
+            ckpt = _rotated(ckpt, arch, rotation, rotate)
             source = Source(ckpt, SourceFormat.BF16, arch.table.scale_param)
             plan = _first_plan(ckpt, policy, plan_args, high)
         note = _fp4_note(plan, source)
@@ -129,6 +127,12 @@ def _check_calibrates(arch, plan, other_data: bool) -> None:
         what = f"--method {', '.join(methods)}" if methods else "--static-attention / --kl-budget"
         raise FormatError(f"{arch.model_type}: {what} calibrates layer by layer, and cvt's calibration does not run "
                           f"through its {', '.join(stuck)} attention layers yet; use --method rtn")
+
+
+def _rotated(ckpt: Checkpoint, arch, rotation, rotate: str) -> Checkpoint:
+    from cvt.quant.rotate import RotatedCheckpoint  # torch: only when a rotation is asked for
+
+    return RotatedCheckpoint(ckpt, arch, rotation, rotate, arch.table.scale_param)
 
 
 def _rotate_spec(rotate: str | None) -> str | None:

@@ -45,6 +45,7 @@ from torch import nn
 from cvt.convert.arch.deepseek_v4 import DEFAULTS, compress_ratios, num_hash_layers
 from cvt.errors import CvtError
 from cvt.runtime.kernels import Linear
+from cvt.runtime.models.deepseek_v4_rope import check_nested_rope, nested_compress
 from cvt.runtime.models.base import ConfigError, ModelArgs, ParallelNames, RMSNorm, build_experts, run_experts
 
 
@@ -101,7 +102,7 @@ class Args(ModelArgs):
         def bad(key, why):
             raise ConfigError(f"config.json {key}: {why} (the deepseek_v4 runtime does not implement it)")
 
-        self._check_nested_rope(bad)
+        check_nested_rope(self, bad)
         rc = self.rope_config()
         kind = rc.get("rope_type", rc.get("type", "default")) if rc else "default"
         if kind not in ("default", "yarn") or set(rc) - YARN_KEYS:
@@ -122,37 +123,9 @@ class Args(ModelArgs):
             self.rope_theta = DEFAULTS["rope_theta"]
 
     def rope_config(self) -> dict[str, Any]:
-        """The compressed layers' rope scaling: rope_scaling / rope_parameters, or, as transformers
-        5.24 writes it, rope_parameters' ``compress`` entry (``{"main": the sliding layers' plain rope,
-        "compress": the compressed layers'}``, DeepseekV4Config.__post_init__)."""
-        rp = self.rope_parameters or {}
-        if isinstance(rp.get("compress"), dict):
-            return {**(self.rope_scaling or {}), **rp["compress"]}
-        return super().rope_config()
-
-    def _check_nested_rope(self, bad) -> None:
-        """transformers' nested rope_parameters (`rope_config`) must say what the flat keys say:
-        ``main`` plain rope at rope_theta, ``compress`` at compress_rope_theta, both rotating
-        rope_dim of head_dim, YaRN's attention_factor 1 (no cos / sin scaling: the official code's)."""
-        rp = self.rope_parameters or {}
-        if not isinstance(rp.get("compress"), dict):
-            return
-        main, comp = rp.get("main") or {}, rp["compress"]
-        if self.rope_theta is None:
-            self.rope_theta = main.get("rope_theta", DEFAULTS["rope_theta"])
-        if set(rp) - {"main", "compress"} or main.get("rope_type", "default") != "default" or set(main) - {
-                "rope_type", "rope_theta", "partial_rotary_factor"} or main.get("rope_theta", self.rope_theta) != self.rope_theta:
-            bad("rope_parameters.main", f"{main!r}: plain rope at rope_theta ({self.rope_theta}) only")
-        if comp.get("rope_theta", self.compress_rope_theta) != self.compress_rope_theta:
-            bad("rope_parameters.compress.rope_theta", f"{comp['rope_theta']!r} differs from compress_rope_theta "
-                f"({self.compress_rope_theta})")
-        if comp.get("attention_factor", 1.0) != 1.0:
-            bad("rope_parameters.compress.attention_factor", f"{comp['attention_factor']!r} (1.0 only)")
-        for where, d in (("main", main), ("compress", comp)):
-            f = d.get("partial_rotary_factor")
-            if f is not None and int(self.head_dim * f) != self.rope_dim:
-                bad(f"rope_parameters.{where}.partial_rotary_factor", f"{f!r} rotates {int(self.head_dim * f)} dims, "
-                    f"qk_rope_head_dim says {self.rope_dim}")
+        """The compressed layers' rope scaling (transformers' nested form: `deepseek_v4_rope`)."""
+        comp = nested_compress(self)
+        return {**(self.rope_scaling or {}), **comp} if comp is not None else super().rope_config()
 
     @property
     def rope_dim(self) -> int:
