@@ -506,7 +506,11 @@ AVX static inline __m256 mx8(const float *w, uint8_t *c, __m256 vm, __m256 vr, i
         __m256 mag = _mm256_mul_ps(_mm256_mul_ps(r, _mm256_set1_ps(0.125f)), p2);
         __m256 neg = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
         val = clamp8(_mm256_or_ps(mag, _mm256_and_ps(neg, signb)), _mm256_set1_ps(-448.0f), _mm256_set1_ps(448.0f));
-        store8_u8(c, e4m3_8(val));
+        /* val is r / 8 * 2**e exactly, so its E4M3 code is ((e + 6) << 3) + r (subnormal at e = -6,
+         * r < 8; r = 16 carries into the exponent), saturated at 448 = 0x7e, the sign on bit 7 */
+        __m256i mc = _mm256_min_epi32(_mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(6)), 3),
+                                                       _mm256_cvttps_epi32(r)), _mm256_set1_epi32(0x7e));
+        store8_u8(c, _mm256_or_si256(mc, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80))));
     } else {
         __m256 b = _mm256_and_ps(v, absm);
         __m256i e = mx_exp8(_mm256_add_ps(b, _mm256_set1_ps(9.6e-7f)), 0, 2);
