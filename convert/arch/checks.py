@@ -164,17 +164,24 @@ def deepseek_v4(cfg: Mapping[str, Any]) -> list[str]:
 QWEN3_5_LAYER_TYPES = ("linear_attention", "full_attention")  # transformers' Qwen3_5MoeDecoderLayer.block_type
 
 
+def _layer_types(cfg: Mapping[str, Any], known: tuple[str, ...]) -> list[str]:
+    """config.json ``layer_types``: each one of `known`, one per decoder layer (absent: fine)."""
+    n, types = cfg.get("num_hidden_layers"), cfg.get("layer_types")
+    if types is None:
+        return []
+    bad = [t for t in types if t not in known] if isinstance(types, list) else [types]
+    if bad:
+        return [f"config.json layer_types has {bad[0]!r}: each must be one of {', '.join(known)}"]
+    if _is_int(n) and len(types) != n:
+        return [f"config.json layer_types has {len(types)} entries: must be {n} (num_hidden_layers)"]
+    return []
+
+
 def qwen3_5(cfg: Mapping[str, Any]) -> list[str]:
     """Qwen3.5 / Qwen3.5-MoE: one known token mixer per decoder layer, value heads a multiple of key
     heads (each key head serves Hv / Hk value heads), query heads a multiple of KV heads."""
     out = _common(cfg, "num_experts")
-    n, types = cfg.get("num_hidden_layers"), cfg.get("layer_types")
-    if types is not None:
-        bad = [t for t in types if t not in QWEN3_5_LAYER_TYPES] if isinstance(types, list) else [types]
-        if bad:
-            out.append(f"config.json layer_types has {bad[0]!r}: each must be one of {', '.join(QWEN3_5_LAYER_TYPES)}")
-        elif _is_int(n) and len(types) != n:
-            out.append(f"config.json layer_types has {len(types)} entries: must be {n} (num_hidden_layers)")
+    out += _layer_types(cfg, QWEN3_5_LAYER_TYPES)
     pairs = (("linear_num_value_heads", "linear_num_key_heads"), ("num_attention_heads", "num_key_value_heads"))
     for many, few in pairs:
         a, b = _count(cfg, many), _count(cfg, few)
@@ -190,13 +197,8 @@ def gpt_oss(cfg: Mapping[str, Any]) -> list[str]:
     """gpt-oss: one known attention per decoder layer, a positive ``sliding_window`` when a layer
     slides, query heads a multiple of KV heads, the swiglu clamp a positive number."""
     out = _common(cfg, "num_local_experts")
-    n, types = cfg.get("num_hidden_layers"), cfg.get("layer_types")
-    if types is not None:
-        bad = [t for t in types if t not in GPT_OSS_LAYER_TYPES] if isinstance(types, list) else [types]
-        if bad:
-            out.append(f"config.json layer_types has {bad[0]!r}: each must be one of {', '.join(GPT_OSS_LAYER_TYPES)}")
-        elif _is_int(n) and len(types) != n:
-            out.append(f"config.json layer_types has {len(types)} entries: must be {n} (num_hidden_layers)")
+    types = cfg.get("layer_types")
+    out += _layer_types(cfg, GPT_OSS_LAYER_TYPES)
     slides = types is None or (isinstance(types, list) and "sliding_attention" in types)
     w = cfg.get("sliding_window", 128)
     if slides and not (_is_int(w) and w >= 1):
