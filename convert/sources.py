@@ -5,7 +5,7 @@ linears, and its exact dequantization. `source_format` takes the first entry who
 
 The FP8 block, plain float and DeepSeek-V4 FP4 entries are read by their own stage code
 (`cvt.convert.fp8`, `cvt.convert.fp4`); the compressed-tensors ones by `cvt.convert.ct_source`;
-gpt-oss's MXFP4 by `cvt.convert.mxfp4_source` (fp8-to-bf16 and the runtime; quantize not yet).
+gpt-oss's MXFP4 by `cvt.convert.mxfp4_source` (fp8-to-bf16, quantize and the runtime).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ _add(SourcePrecision(
     SourceFormat.GPT_OSS_MXFP4.value, "gpt-oss's MXFP4 routed experts (X_blocks: E2M1 pairs, X_scales: E8M0 per 32; "
     "openai/gpt-oss releases)", 'quant_method "mxfp4"', lambda qc: bool(qc) and qc.get("quant_method") == "mxfp4",
     ("_blocks", "_scales"), "rne_bf16(e2m1(code) * 2**(s[e, n, k // 32] - 127)), as transformers' "
-    "convert_moe_packed_tensors, transposed to [E, K, N]", ("fp8-to-bf16",)))
+    "convert_moe_packed_tensors, transposed to [E, K, N]"))
 
 # the compressed-tensors entries cvt.convert.ct_source reads (fp8-to-bf16 and quantize, on the fly)
 CT_STREAMED = (SourceFormat.CT_MXFP4, SourceFormat.CT_NVFP4, SourceFormat.CT_FP8, SourceFormat.CT_INT8)

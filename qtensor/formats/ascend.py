@@ -31,7 +31,7 @@ from cvt.lazy import torch
 
 from cvt.errors import FormatError, ShapeError
 from cvt.qtensor import layouts as L
-from cvt.qtensor.formats.base import GPT_OSS_NOT_YET, lm_section, register, scheme_name
+from cvt.qtensor.formats.base import lm_section, register, scheme_name
 from cvt.qtensor.indexer_c8 import GLOBAL_KEY as INDEXER_KEY
 from cvt.qtensor.schemes import FP4, W4A16, W8A8, W8A8C8
 from cvt.qtensor.schemes.base import QuantizedTensor
@@ -67,7 +67,14 @@ class Ascend:
     kv_codec = "int8"          # a quantized KV cache is int8 (C8 / FAKQuant), what the Ascend stacks load
     static_attention = True    # static W8A8 attention (input_scale / deq_scale / quant_bias) exists here
     default_groups = {W4A16.name: 64}  # the group MindIE and vllm-ascend both load
-    refused_models: dict[str, str] = {"gpt_oss": GPT_OSS_NOT_YET}
+    # vllm-ascend main (182b75ea84) has no quantized gpt-oss path: modelslim_config.py maps no gpt_oss
+    # (packed_modules_model_mapping, QUANT_MODEL_PREFIX_MAPPINGS), it runs vLLM's own GptOssForCausalLM,
+    # whose load_weights (gpt_oss.py, _load_weights_other) copies fused float experts only, and its
+    # tests serve gpt-oss in BF16 (tests/e2e/pull_request/two_card/test_gpt_oss_distributed.py)
+    refused_models: dict[str, str] = {
+        "gpt_oss": "vllm-ascend serves gpt-oss in BF16 only (its modelslim_config.py maps no gpt_oss, and vLLM's "
+                   "GptOssForCausalLM loads the fused experts as float); serve the fp8-to-bf16 output, or quantize "
+                   "with --format compressed-tensors for vLLM"}
 
     # ---- what this format can hold ----------------------------------------------------------------
 
@@ -172,11 +179,11 @@ class Ascend:
         return {"convention": KV_CONVENTION, "tensors": sorted(kv_tensors)}
 
     def write_metadata(self, config: dict, tags: dict[str, str], schemes: dict, *, float_linears: list[str],
-                       kv_cache: bool, mla: bool, target: str,
-                       extra_keys: dict[str, str] | None = None) -> list[tuple[str, bytes]]:
+                       kv_cache: bool, mla: bool, target: str, extra_keys: dict[str, str] | None = None,
+                       float_experts: list[str] = ()) -> list[tuple[str, bytes]]:
         """quant_model_description.json (returned as an extra file); a target that reads its keys
         from config.json (MindIE) gets them there too. `schemes`: module -> scheme; `extra_keys`:
-        see `description`."""
+        see `description`; `float_experts` (fused float experts): their tensors' own FLOAT tags say it."""
         groups = {s.group_size for s in schemes.values() if s.group_size}
         if len(groups) > 1:  # the stacks read one global group_size (vllm-ascend, MindIE)
             raise FormatError(f"the ascend description has one global group_size, but the recipe uses "

@@ -11,11 +11,6 @@ from cvt.registry import Registry
 from cvt.errors import FormatError
 from cvt.qtensor.schemes.base import QuantizedTensor
 
-# gpt-oss in every format's `refused_models`, until the quantize stage reads fused experts
-GPT_OSS_NOT_YET = ("cvt does not quantize gpt-oss yet: its routed experts are fused tensors (mlp.experts.gate_up_proj / "
-                   "down_proj, [experts, in, out]) the quantize stage does not split into linears; `cvt fp8-to-bf16` "
-                   "converts the MXFP4 release to BF16")
-
 
 @runtime_checkable
 class Format(Protocol):
@@ -24,7 +19,10 @@ class Format(Protocol):
     kv_codec: str
     static_attention: bool
     default_groups: dict[str, int]
-    refused_models: dict[str, str]  # model_type -> why no consumer of the format loads it (one clause)
+    # model_type -> why no consumer of the format loads that family's quantized output (one clause,
+    # citing the consumer's code): which formats serve which model, as data; `cvt quantize` refuses
+    # the pair before DST
+    refused_models: dict[str, str]
 
     def supports(self, scheme, target: str | None = None) -> None: ...
 
@@ -39,7 +37,8 @@ class Format(Protocol):
     def kv_manifest(self, kv_tensors) -> dict: ...
 
     def write_metadata(self, config: dict, tags: dict[str, str], schemes: dict, *, float_linears: list[str],
-                       kv_cache: bool, mla: bool, target: str) -> list[tuple[str, bytes]]: ...
+                       kv_cache: bool, mla: bool, target: str, float_experts: list[str] = ()
+                       ) -> list[tuple[str, bytes]]: ...
 
 
 FORMATS: Registry[type] = Registry("output format", FormatError, summarized=True)  # each: name, summary

@@ -31,7 +31,7 @@ from cvt.lazy import torch
 
 from cvt.errors import FormatError
 from cvt.qtensor import layouts as L
-from cvt.qtensor.formats.base import GPT_OSS_NOT_YET, lm_section, register, scheme_name
+from cvt.qtensor.formats.base import lm_section, register, scheme_name
 from cvt.qtensor.schemes import FP4, W4A16, W8A8, W8A8C8
 from cvt.qtensor.schemes.base import QuantizedTensor
 
@@ -80,6 +80,18 @@ def scheme_config(scheme) -> tuple[str, dict, dict | None]:
     raise FormatError(f"compressed-tensors: no configuration for scheme {name!r} (supported: {', '.join(SUPPORTED)})")
 
 
+def fused_experts_ignore(module: str) -> str:
+    """The ignore entry that keeps float the routed experts of MoE `module` stored fused over
+    [E, ...] (gpt-oss's ``mlp.experts.gate_up_proj`` / ``down_proj``). vLLM's FusedMoE takes the
+    experts' scheme from the names of their unfused linears, ``<module>.0.gate_proj`` / ``up_proj``
+    / ``down_proj`` (compressed_tensors_moe.py, ``CompressedTensorsMoEMethod.get_moe_method``:
+    ignored there -> ``UnquantizedFusedMoEMethod``), after ``apply_vllm_mapper`` renamed the ignore
+    list with the model's ``hf_to_vllm_mapper`` (gpt_oss.py maps the *suffix* ``.down_proj`` to
+    ``.w2_weight``, so an exact name would be renamed away): a regex, which no suffix rule touches,
+    matching every expert's three linears."""
+    return "re:" + re.escape(module) + r"\.\d+\.(gate_proj|up_proj|down_proj)$"
+
+
 def match_name(name: str, target: str) -> bool:
     """compressed-tensors' rule: ``re:<regex>`` is `re.match`ed, anything else is compared exactly."""
     return re.match(target[3:], name) is not None if target.startswith("re:") else name == target
@@ -105,7 +117,6 @@ class CompressedTensors:
                        "scheme lookup matches experts by a Linear target or gate_proj / up_proj / down_proj names, not "
                        "V4's w1 / w2 / w3, and it fuses wq_a + wkv with no packed_modules_mapping); serve the release "
                        "(or its fp8-to-bf16 output) with vLLM, or quantize with --format ascend for vllm-ascend",
-        "gpt_oss": GPT_OSS_NOT_YET,
     }
 
     def supports(self, scheme, target: str | None = None) -> None:
@@ -208,14 +219,16 @@ class CompressedTensors:
                 "tensors": sorted(kv_tensors)}
 
     def write_metadata(self, config: dict, tags: dict[str, str], schemes: dict, *, float_linears: list[str],
-                       kv_cache: bool, mla: bool, target: str) -> list[tuple[str, bytes]]:
+                       kv_cache: bool, mla: bool, target: str, float_experts: list[str] = ()) -> list[tuple[str, bytes]]:
         """config.json's quantization_config (one scheme: targets Linear; several: each its
-        modules); no extra files. `schemes`: module -> scheme."""
+        modules); no extra files. `schemes`: module -> scheme; `float_experts`: MoE modules whose
+        routed experts are float tensors fused over [E, ...] (`fused_experts_ignore`)."""
         used = list({id(s): s for s in schemes.values()}.values())
         if len(used) > 1:
             used = [(s, [m for m, x in schemes.items() if x is s]) for s in used]
         lm_section(config)["quantization_config"] = self.quantization_config(
-            used, ignore_list=float_linears, kv_cache_scheme=kv_cache_fp8() if kv_cache else None)
+            used, ignore_list=[*float_linears, *map(fused_experts_ignore, float_experts)],
+            kv_cache_scheme=kv_cache_fp8() if kv_cache else None)
         return []
 
     # ---- read ------------------------------------------------------------------------------------

@@ -306,9 +306,10 @@ class ExpertStream:
 
 
 def expert_bytes(layer: nn.Module, moe: str = "mlp") -> int:
-    """float32 bytes of a layer's routed experts (0 without); `moe`: the layer's MoE attribute."""
+    """float32 bytes of a layer's routed experts (0 without, or fused into [E, ...] parameters as
+    gpt-oss's, which no scheme quantizes: nothing to stream); `moe`: the layer's MoE attribute."""
     experts = getattr(getattr(layer, moe, None), "experts", None)
-    if not experts:
+    if not isinstance(experts, nn.ModuleList) or not experts:
         return 0
     return 4 * sum(p.numel() for ex in experts for p in ex.parameters())
 

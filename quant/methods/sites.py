@@ -207,7 +207,8 @@ def _smooth_groups(layer: nn.Module, prefix: str, table: ArchTable) -> list[_Gro
             shared = getattr(mlp, shared_name, None)
             if shared is not None:
                 mlps.append((f"{mp}.{shared_name}", shared))
-            for e, ex in enumerate(getattr(mlp, "experts", None) or []):
+            experts = getattr(mlp, "experts", None)  # fused [E, ...] parameters (gpt-oss): float, no linears
+            for e, ex in enumerate(experts if isinstance(experts, nn.ModuleList) else ()):
                 mlps.append((f"{mp}.experts.{e}", ex))
             # the float linears reading the same input: the router, Qwen3.5's shared-expert gate
             extras += [f"{mp}.{n}" for n in ("gate", "shared_expert_gate") if getattr(mlp, n, None) is not None]

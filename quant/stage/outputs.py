@@ -35,11 +35,13 @@ LINEAR_ROLES = ("linear", "expert", "shared_expert", "mtp_proj", "head", "router
 
 @dataclass
 class Outputs:
-    """The output's tensors in order, each one's description tag, and the linears left float."""
+    """The output's tensors in order, each one's description tag, the linears left float and the
+    MoE modules whose fused experts are (`Format.write_metadata`)."""
 
     tensors: list[OutTensor] = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
     float_linears: list[str] = field(default_factory=list)
+    float_experts: list[str] = field(default_factory=list)  # MoE modules whose fused [E, ...] experts stay float
 
     def add(self, tensor: OutTensor, tag: str = "FLOAT") -> None:
         self.tensors.append(tensor)
@@ -86,6 +88,8 @@ class OutputPlan:
                     self._unpacked(out, info.module)
             elif self.source.ct_linears and info.param in CT_DROPPED:
                 continue  # the source's activation / KV-cache scales: not what the output quantizes with
+            elif name in self.source.mxfp4_scales:
+                continue  # gpt-oss's MXFP4 scales: read with their blocks (`Source.float_tensor`)
             else:
                 self._float(out, name, ref, info)
         if self.form.name == ASCEND:
@@ -140,13 +144,16 @@ class OutputPlan:
             produce = (lambda n=name: source.float_tensor(n))
         else:
             produce = (lambda n=name: ckpt.view(n))
-        out.add(OutTensor(TensorSpec(name, dt, shape), produce=produce, release=(lambda n=name: ckpt.release(n)),
+        out.add(OutTensor(TensorSpec(source.float_name(name), dt, shape), produce=produce,
+                          release=(lambda n=name: ckpt.release(n)),
                           read_bytes=ref.nbytes, pieces=pieces, finite=pieces,
                           source=None if name in cal.float_overrides else ref.describe()))
         module = info.module
         if info.param == "weight" and len(ref.shape) == 2 and info.role.value in LINEAR_ROLES \
                 and module not in out.float_linears:
             out.float_linears.append(module)
+        elif info.role.value == "expert" and len(shape) == 3 and module not in out.float_experts:
+            out.float_experts.append(module)  # routed experts fused into [E, ...] tensors (gpt-oss), float
 
     def _copies(self, out: Outputs) -> None:
         """The copies the architecture table has an Ascend output hold where SRC lacks them

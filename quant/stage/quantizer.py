@@ -18,6 +18,7 @@ from cvt.convert.sources import CT_STREAMED
 from cvt.convert.fp8 import dequant_fp8_block, scale_to_f32_np
 from cvt.convert.fp4 import FP4_DTYPES, dequant_fp4_experts
 from cvt.convert.fp8_to_bf16 import dequantize_stored
+from cvt.convert.mxfp4_source import dequantize_pair, mxfp4_pairs
 from cvt.convert.reader import Checkpoint
 from cvt.errors import TensorError
 from cvt.quant import qkernel
@@ -62,6 +63,11 @@ class Source:
         # DeepSeek-V4's X.scale, which also scales its FP4 experts (`fp4_source`)
         self.scale_param = scale_param
         self.fp4 = self.block is not None and fp4_source.fp4_experts(ckpt.config)
+        # gpt-oss's MXFP4 release (`cvt.convert.mxfp4_source`): X_blocks -> its pair, kept float as
+        # transformers' BF16 X [E, K, N] (the consumers' layout of float fused experts); X_scales read with it
+        pairs = mxfp4_pairs(ckpt.tensors) if fmt is SourceFormat.GPT_OSS_MXFP4 else {}
+        self.mxfp4 = {p.blocks: p for p in pairs.values()}
+        self.mxfp4_scales = frozenset(p.scales for p in pairs.values())
 
     def scale_of(self, weight: str) -> str:
         """The name of an FP8 (or FP4) weight's scale."""
@@ -144,14 +150,22 @@ class Source:
 
     def float_tensor(self, name: str):
         """A tensor kept float: FP8 ones dequantized to BF16 (with the C kernel: a numpy
-        ``uint16`` array of the BF16 bits, no torch), FP4 experts to BF16, others as stored."""
+        ``uint16`` array of the BF16 bits, no torch), FP4 experts and gpt-oss's MXFP4 experts
+        (``X_blocks``: transformers' X, `cvt.convert.mxfp4_source`) to BF16, others as stored."""
         if name in self.ct_parts:
             return self._dequant_ct(self.ct_parts[name])
+        if name in self.mxfp4:
+            return dequantize_pair(self.ckpt, self.mxfp4[name])
         if self.ckpt.tensors[name].dtype == "F8_E4M3":
             return dequantize_stored(self.ckpt, name, self.scale_of(name), self.block)
         if self.is_fp4(name):
             return self._dequant_fp4(name)
         return self.ckpt.read(name)
+
+    def float_name(self, name: str) -> str:
+        """The output's name of a tensor kept float: gpt-oss's ``X_blocks`` is X, others their own."""
+        p = self.mxfp4.get(name)
+        return name if p is None else p.name
 
     def float_spec(self, name: str) -> tuple[str, tuple[int, ...]]:
         """(dtype code, shape) of a tensor kept float in the output: FP8 / FP4 ones become BF16
@@ -159,6 +173,8 @@ class Source:
         ref = self.ckpt.tensors[name]
         if name in self.ct_parts:
             return "BF16", self.ct_parts[name].shape
+        if name in self.mxfp4:
+            return "BF16", self.mxfp4[name].out_shape
         if ref.dtype == "F8_E4M3":
             return "BF16", tuple(ref.shape)
         if self.is_fp4(name):

@@ -11,6 +11,7 @@ from pathlib import Path
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, source_format
 from cvt.convert.ct_source import check_ct_scales
+from cvt.convert.mxfp4_source import check_mxfp4_scales, mxfp4_pairs
 from cvt.convert.sources import readable
 from cvt.convert.fp8_to_bf16 import check_scales_finite, pair_fp8_weights
 from cvt.convert.validate import check_weights
@@ -69,7 +70,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         src_fmt = _source_format(ckpt, src)
         arch = arch_for(ckpt.config)
         why = form.refused_models.get(ckpt.config.get("model_type"))
-        if why:  # the format's own knowledge of what its consumers load (`Format.refused_models`)
+        if why:  # which formats serve which model: the format's data (`Format.refused_models`)
             raise FormatError(f"{ckpt.config['model_type']}: --format {fmt} is refused: {why}")
         rotation = _rotation_table(arch, ckpt.config, src_fmt, rotate)
         policy, plan_args = Policy(arch, scheme, method, group_size, ignore, recipe), (form, scheme, group_size, asym,
@@ -81,12 +82,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         if kv_static:  # before --kv-dtype's own rules, which are about the stacks of the families that have one
             _check_kv_family(ckpt.config, arch, scheme, kv_dtype)
         kv_codec = _kv_codec(ckpt.config, plan, form, target, kv_dtype, kv_static)
-        source = Source(ckpt, src_fmt, arch.table.scale_param)
-        if source.block is not None:  # an FP8 release: every scale present, well shaped and finite
-            check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block, source.scale_param, fp4_experts=source.fp4))
-        if source.ct_linears:  # a compressed-tensors release: every scale finite, none overflowing bfloat16
-            check_ct_scales(ckpt, source.ct_linears)
-        check_weights(ckpt, arch, "quantize", source.block or (128, 128))
+        source = _checked_source(ckpt, src_fmt, arch)
         if rotation is not None:  # from here on SRC is read as the rotated BF16 model
             ckpt = _rotated(ckpt, arch, rotation, rotate)
             source = Source(ckpt, SourceFormat.BF16, arch.table.scale_param)
@@ -114,6 +110,21 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req, world))
     finally:
         ckpt.close()
+
+
+def _checked_source(ckpt: Checkpoint, src_fmt: SourceFormat, arch) -> Source:
+    """SRC's `Source`, its quantized parts checked before DST: an FP8 release's every scale present,
+    well shaped and finite; a compressed-tensors release's finite, none overflowing bfloat16;
+    gpt-oss's MXFP4 pairs against config.json's shapes, no scale NaN or overflowing; the weights'."""
+    source = Source(ckpt, src_fmt, arch.table.scale_param)
+    if source.block is not None:
+        check_scales_finite(ckpt, pair_fp8_weights(ckpt, source.block, source.scale_param, fp4_experts=source.fp4))
+    if source.ct_linears:
+        check_ct_scales(ckpt, source.ct_linears)
+    if source.mxfp4:
+        check_mxfp4_scales(ckpt, mxfp4_pairs(ckpt.tensors, arch.shapes()))
+    check_weights(ckpt, arch, "quantize", source.block or (128, 128))
+    return source
 
 
 def _check_calibrates(arch, plan, other_data: bool) -> None:

@@ -53,7 +53,7 @@ def write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, ca
     kv = kv_outputs(out, ckpt.config, plan, form, cal.kv_scales, req.fmt, req.kv_dtype)
     config = bf16_config(ckpt.config)
     extra_files = form.write_metadata(config, out.tags, plan.schemes, float_linears=out.float_linears,
-                                      kv_cache=kv.c8, mla=arch.table.attention.latent, target=req.target,
+                                      float_experts=out.float_experts, kv_cache=kv.c8, mla=arch.table.attention.latent, target=req.target,
                                       **kv.meta_kw)
     quant = QuantInfo(scheme=req.scheme, format=req.fmt, target=req.target, target_version=req.line,
                       method=req.method, group_size=req.group_size,

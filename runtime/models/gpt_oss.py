@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cvt.runtime import kv_cache
 from cvt.runtime.kernels import Linear
 from cvt.runtime.models.base import CausalLM, ConfigError, ModelArgs, RMSNorm
-from cvt.runtime.models.qwen3 import ROPE_KEYS, KVCache, apply_rope, rope_frequencies
+from cvt.runtime.models.qwen3 import ROPE_KEYS, Int8KVCache, KVCache, apply_rope, rope_frequencies
 
 SLIDING = "sliding_attention"
 
@@ -124,6 +125,7 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
         v = self.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        k, v = kv_cache.cache_input(self, cache is not None, k, v)       # C8 / calibration
         if cache is not None:
             k, v = cache.update(k, v, start_pos)                         # [b, K, T, D]
         if self.window is not None:                                      # keys > query - W
@@ -214,11 +216,14 @@ class Model(CausalLM):
         self.inv_freq, self.rope_scale = rope_frequencies(args)
 
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None, quant: str | None = "auto") -> list:
-        """One `KVCache` per layer, k / v [batch, kv_heads, max_len, head_dim]; no quantized cache yet."""
-        scales, _ = self.cache_scales(max_len, quant)
-        if scales is not None:
-            raise ConfigError("a quantized KV cache is not implemented for gpt-oss")
+        """One cache per layer, k / v [batch, kv_heads, max_len, head_dim] (a sliding layer's too:
+        its window is the mask's); `quant` as qwen3's `new_cache` (the C8 `Int8KVCache` when the
+        model carries KV-cache scales)."""
+        scales, codec = self.cache_scales(max_len, quant)
         w, a = self.model.embed_tokens.weight, self.args
+        if scales is not None:
+            return [Int8KVCache(batch, a.kv_heads, max_len, a.dim_head, ks, vs, device or w.device, codec)
+                    for ks, vs in scales]
         return [KVCache(batch, a.kv_heads, max_len, a.dim_head, dtype or w.dtype, device or w.device)
                 for _ in range(a.num_hidden_layers)]
 

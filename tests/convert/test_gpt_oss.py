@@ -215,13 +215,3 @@ def test_mxfp4_corrupt_parts_are_refused(tmp_path, case):
     assert {"nan-scale": "0xFF", "overflow-scale": "overflows bfloat16", "scale-shape": "expected u8 (E8M0) [6, 64, 2]",
             "no-scales": "_scales is missing", "experts": "config.json describes"}[case] in r.err
     assert not (dst / "cvt_manifest.json").exists()
-
-
-@pytest.mark.parametrize("fmt", ["ascend", "compressed-tensors"])
-def test_quantize_is_refused_before_dst(tmp_path, fmt):
-    """The quantize stage does not split fused experts yet: one line naming why, exit 1, nothing written."""
-    src = write_bf16_checkpoint(tmp_path / "src", tiny_gpt_oss_config())
-    dst = tmp_path / "out"
-    r = run_cvt("quantize", src, dst, "--scheme", "w8a8", "--format", fmt)
-    assert r.rc == 1 and len(r.err.strip().splitlines()) == 1 and "fused" in r.err, r.err
-    assert not dst.exists()
