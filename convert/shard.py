@@ -110,7 +110,8 @@ def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layo
     whose data says which on-disk dim follows the module's split axis (None: the arch table's
     rule for float / FP8 tensors)."""
     info = arch.classify(name)
-    expert = (info.layer, info.expert) if info.role is Role.EXPERT else None
+    # a routed expert's [layer, id]; experts fused over [E, ...] (gpt-oss) carry no id: kept whole on every rank
+    expert = (info.layer, info.expert) if info.role is Role.EXPERT and info.expert is not None else None
     axis = axis_of(info, layout.shared_experts)
     degree = getattr(layout, axis) if axis else 1
     disk = quant_layout.tensor(info.param) if quant_layout is not None else None
