@@ -14,7 +14,7 @@ inverse Cholesky            ``cholesky_ex`` on ``[E, k, k]``; a member that fail
                             retries at 10 d, the others keep theirs (`used_damp` per member)
 column quantization         `_BatchedGrid`: scales ``[E, n, n_groups]``, one column of every
                             member on its grid in one set of elementwise ops
-rank-1 update in a block    ``baddbmm_`` of ``err [E, n, 1]`` with a row of ``U``
+rank-1 update in a block    ``err [E, n, 1] * U[:, i, None, i:]`` subtracted (as `gptq._sweep`)
 lazy block update           ``bmm`` of ``E1 [E, n, B]`` with ``U [E, B, k - i2]``
 dynamic groups              the scheme's RTN of the group's current columns of all members
                             stacked as ``[E * n, G]`` (rows are independent in every
@@ -212,9 +212,8 @@ def _sweep_batched(W: torch.Tensor, U: torch.Tensor, grid: _BatchedGrid, G: int,
             c, q = grid.quant(wcol, p)
             Q1[:, :, i], C1[:, :, i] = q, c
             err = (wcol - q) / U1[:, i, i, None]
-            # a product with inner size 1: each element w - e*u rounded once after the exact product,
-            # as `addr_` in `gptq._sweep` (an addcmul_ there rounds differently on some CPU paths)
-            W1[:, :, i:].baddbmm_(err[:, :, None], U1[:, i:i + 1, i:], alpha=-1)
+            # w - e u, product and difference each rounded: as `gptq._sweep`, element for element
+            W1[:, :, i:] -= err[:, :, None] * U1[:, i, None, i:]
             E1[:, :, i] = err
         Q[:, :, i1:i2], codes[:, :, i1:i2] = Q1, C1
         loss += E1.double().pow(2).sum(dim=2) / 2
