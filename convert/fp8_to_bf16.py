@@ -27,7 +27,7 @@ from pathlib import Path
 from cvt.version import __version__
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat, bf16_config, fp8_config, quantization_config, source_format
-from cvt.convert.sources import CT_STREAMED
+from cvt.convert.sources import CT_STREAMED, word_of
 from cvt.convert.fp4 import EXPERT_DTYPE_FP4, FP4_DTYPES, FP4_MAX, GROUP, dequant_fp4_experts, fp4_scale_shape
 from cvt.convert.fp8 import (dequant_fp8_block, dequant_fp8_block_np, dequant_fp8_counted_np, expected_scale_shape,
                               kernel_name, scale_to_f32_np)
@@ -179,7 +179,8 @@ def fp8_to_bf16(
             quiet=quiet,
             world=world,
         )
-        result.extra.update(dequantized=n_deq, passed_through=len(outs) - n_deq, scales_dropped=n_drop)
+        result.extra.update(dequantized=n_deq, passed_through=len(outs) - n_deq, scales_dropped=n_drop,
+                            precision=word_of(fmt if streamed else SourceFormat.FP8_BLOCK))
         return result
     finally:
         ckpt.close()

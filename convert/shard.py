@@ -175,9 +175,23 @@ def weights_scheme(config, quant: dict | None, where: str = "SRC") -> tuple[str 
     if qc.get("quant_method") == "fp8":
         return None, None
     if qc:
+        _refuse_release(qc, where)
+    return "bf16", None
+
+
+def _refuse_release(qc: dict, where: str) -> None:
+    """CvtError for a quantized release shard does not split as stored: one the quantize stage
+    reads (`cvt.convert.sources`) names the way through it, any other its quant_method."""
+    from cvt.convert.sources import SourceFormat, precision_of, readable
+
+    fmt = precision_of(qc)
+    if fmt.value not in readable("quantize"):
         raise CvtError(f"{where}: {article(str(qc.get('quant_method')))} checkpoint not written by cvt quantize; "
                        "shard the bf16 / FP8 release or a cvt quantize output")
-    return "bf16", None
+    carry = {SourceFormat.CT_MXFP4: "; w4a8_mxfp, w4a4_mxfp4 and fp4 --fp4-format mxfp4 carry its FP4 codes unchanged",
+             SourceFormat.CT_NVFP4: "; fp4 --fp4-format nvfp4 carries its FP4 codes unchanged"}.get(fmt, "")
+    raise CvtError(f"{where}: cvt shard does not split {article(fmt.value)} release as stored: write it with cvt "
+                   f"quantize (or cvt fp8-to-bf16) first and shard that{carry}")
 
 
 def source_weights(src, config) -> tuple[str, int | None, dict | None]:

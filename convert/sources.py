@@ -46,6 +46,7 @@ class SourcePrecision:
     matches: Callable[[Mapping[str, Any] | None], bool] | None  # on quantization_config; None: not a whole checkpoint
     parts: tuple[str, ...]     # per linear X: the tensors X.<part> that make up its weight
     dequant: str               # the exact math to float32 / BF16
+    word: str                  # what a summary calls its stored weights ("dequantized 3 MXFP4 tensors")
     verbs: tuple[str, ...] = DEQUANT_VERBS  # the stages that read it
 
 
@@ -64,43 +65,43 @@ def _ct(fmt: str) -> Callable[[Mapping[str, Any] | None], bool]:
 
 _add(SourcePrecision(
     SourceFormat.BF16.value, "plain float weights (BF16, F16, F32): copied, or quantized as they are",
-    "no quantization_config", lambda qc: not qc, ("weight",), "none (the stored value)", ("quantize",)))
+    "no quantization_config", lambda qc: not qc, ("weight",), "none (the stored value)", "float", ("quantize",)))
 _add(SourcePrecision(
     SourceFormat.FP8_BLOCK.value, "FP8 e4m3 weights with block scales (DeepSeek-V3/V3.2/V4, Kimi-K2, GLM-5 releases)",
     'quant_method "fp8" with weight_block_size [bn, bk]', lambda qc: bool(qc) and qc.get("quant_method") == "fp8",
-    ("weight", "weight_scale_inv"), "rne_bf16(float32(w) * float32(s[i // bn, j // bk]))"))
+    ("weight", "weight_scale_inv"), "rne_bf16(float32(w) * float32(s[i // bn, j // bk]))", "FP8"))
 _add(SourcePrecision(
     "deepseek-v4-fp4-experts", "DeepSeek-V4's FP4 routed experts (E2M1 pairs in int8, E8M0 scale per 32)",
     'within an FP8 block release whose config.json has expert_dtype "fp4"', None, ("weight", "scale"),
-    "rne_bf16(e2m1(code) * float32(s[i, j // 32]))"))
+    "rne_bf16(e2m1(code) * float32(s[i, j // 32]))", "FP4"))
 _add(SourcePrecision(
     SourceFormat.CT_INT4.value, "compressed-tensors pack-quantized INT4 (Kimi-K2-Thinking / K2.5, llm-compressor W4A16)",
     'quant_method "compressed-tensors", format "pack-quantized"', _ct("pack-quantized"),
     ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
-    "float32(int4 - zero_point) * float32(s[i, j // G]), to BF16 once", ("quantize",)))
+    "float32(int4 - zero_point) * float32(s[i, j // G]), to BF16 once", "INT4", ("quantize",)))
 _add(SourcePrecision(
     SourceFormat.CT_MXFP4.value, "compressed-tensors mxfp4-pack-quantized (E2M1 pairs, E8M0 scale per 32)",
     'quant_method "compressed-tensors", format "mxfp4-pack-quantized"', _ct("mxfp4-pack-quantized"),
-    ("weight_packed", "weight_scale"), "rne_bf16(e2m1(code) * 2**(s[i, j // 32] - 127))"))
+    ("weight_packed", "weight_scale"), "rne_bf16(e2m1(code) * 2**(s[i, j // 32] - 127))", "MXFP4"))
 _add(SourcePrecision(
     SourceFormat.CT_NVFP4.value, "compressed-tensors nvfp4-pack-quantized (E2M1 pairs, E4M3 scale per 16, global scale)",
     'quant_method "compressed-tensors", format "nvfp4-pack-quantized"', _ct("nvfp4-pack-quantized"),
     ("weight_packed", "weight_scale", "weight_global_scale"),
-    "rne_bf16(e2m1(code) * (float32(s[i, j // 16]) / global_scale))"))
+    "rne_bf16(e2m1(code) * (float32(s[i, j // 16]) / global_scale))", "NVFP4"))
 _add(SourcePrecision(
     SourceFormat.CT_FP8.value, "compressed-tensors float-quantized FP8 e4m3, per-tensor / per-channel / group scales "
     "(llm-compressor's FP8 and FP8_DYNAMIC)", 'quant_method "compressed-tensors", format "float-quantized"',
-    _ct("float-quantized"), ("weight", "weight_scale"), "rne_bf16(float32(w) * float32(s))"))
+    _ct("float-quantized"), ("weight", "weight_scale"), "rne_bf16(float32(w) * float32(s))", "FP8"))
 _add(SourcePrecision(
     SourceFormat.CT_INT8.value, "compressed-tensors int-quantized INT8, per-tensor / per-channel / group scales "
     "(llm-compressor's W8A8)", 'quant_method "compressed-tensors", format "int-quantized"', _ct("int-quantized"),
-    ("weight", "weight_scale", "weight_zero_point"), "rne_bf16(float32(w - zero_point) * float32(s))"))
+    ("weight", "weight_scale", "weight_zero_point"), "rne_bf16(float32(w - zero_point) * float32(s))", "INT8"))
 
 _add(SourcePrecision(
     SourceFormat.GPT_OSS_MXFP4.value, "gpt-oss's MXFP4 routed experts (X_blocks: E2M1 pairs, X_scales: E8M0 per 32; "
     "openai/gpt-oss releases)", 'quant_method "mxfp4"', lambda qc: bool(qc) and qc.get("quant_method") == "mxfp4",
     ("_blocks", "_scales"), "rne_bf16(e2m1(code) * 2**(s[e, n, k // 32] - 127)), as transformers' "
-    "convert_moe_packed_tensors, transposed to [E, K, N]"))
+    "convert_moe_packed_tensors, transposed to [E, K, N]", "MXFP4"))
 
 # the compressed-tensors entries cvt.convert.ct_source reads (fp8-to-bf16 and quantize, on the fly)
 CT_STREAMED = (SourceFormat.CT_MXFP4, SourceFormat.CT_NVFP4, SourceFormat.CT_FP8, SourceFormat.CT_INT8)
@@ -120,6 +121,11 @@ def precision_of(qc: Mapping[str, Any] | None) -> SourceFormat:
 def summary_of(fmt: SourceFormat) -> str | None:
     """The entry's one line for a format (None: cvt's own output, or one it does not read)."""
     return SOURCES.get(fmt.value).summary if fmt.value in SOURCES else None
+
+
+def word_of(fmt: SourceFormat) -> str:
+    """What a summary calls the format's stored weights (FP8, MXFP4, NVFP4, INT8, ...)."""
+    return SOURCES.get(fmt.value).word
 
 
 def readable(verb: str) -> list[str]:

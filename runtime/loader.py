@@ -100,6 +100,10 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         if fmt is SourceFormat.OTHER_QUANT:
             raise ManifestError(f"{ckpt.root}: {fmt.value} checkpoints are not runnable (bf16, fp8-block, "
                                 "compressed-tensors and cvt outputs are)")
+        if fmt is SourceFormat.CT_FP8:  # no FP8 per-tensor / per-channel kernel in the runtime
+            raise ManifestError(f"{ckpt.root}: cvt's runtime (run, verify, export) does not load {fmt.value} "
+                                "(float-quantized) checkpoints; dequantize it with cvt fp8-to-bf16 (or cvt quantize "
+                                "it) first")
         arch = arch_for(ckpt.config)
         arch.shapes()  # sizes that describe no model: one line naming the key
         bare = arch.prefix_problem(ckpt.tensors)  # Kimi-K2.5 text names without language_model.

@@ -63,7 +63,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 
         x = r.extra
         click.echo(
-            f"dequantized {plural(x['dequantized'], 'FP8 tensor')}, passed {x['passed_through']} through, dropped "
+            f"dequantized {plural(x['dequantized'], x['precision'] + ' tensor')}, passed {x['passed_through']} through, dropped "
             f"{plural(x['scales_dropped'], 'scale')}\n"
             f"wrote {plural(r.written_files, 'weight file')} ({r.skipped_files} already done) to {r.dst}\n"
             f"read {human(r.bytes_in)}, wrote {human(r.bytes_out)} in {r.seconds:.1f} s ({human(r.throughput)}/s)"

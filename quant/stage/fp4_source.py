@@ -1,18 +1,31 @@
-"""A DeepSeek-V4 release's FP4 routed experts as a quantize source: carried over without loss
-when the target scheme's weight grid is the release's, dequantized exactly otherwise.
+"""Released FP4 weights as a quantize source: carried over without loss when the target
+scheme's weight grid is the release's, dequantized exactly (and requantized) otherwise.
 
-The release (``expert_dtype: "fp4"``; `cvt.convert.fp4`) stores an expert linear ``[n, k]`` as
-int8 ``[n, k/2]``: E2M1 codes ``sign << 3 | index`` into {0, .5, 1, 1.5, 2, 3, 4, 6}, element
-2i in the low nibble (DeepSeek's V4 ``inference/convert.py`` ``FP4_TABLE``), and ``X.scale``
-float8_e8m0fnu ``[n, k/32]``: one power of two ``2**(byte - 127)`` per 32 inputs. The MX
-schemes' weights are that grid byte for byte -- uint8 codes ``sign << 3 | index``, element 2j
-in the low nibble, uint8 E8M0 scales with bias 127 (`cvt.qtensor.layouts.entries_mx`, pinned to
-vllm-ascend main's ``w4a8_mxfp4.py``), as are ``fp4``'s mxfp4 ones (compressed-tensors
-``pack_fp4_to_uint8``, E8M0 uint8 scales). So for `CARRY_KERNELS` the codes and scale bytes
-are copied as they are (method "source" in the manifest, SQNR Infinity); every other scheme
-requantizes the exact dequantized weight (`cvt.convert.fp4.dequant_fp4_experts`), as it would
-the BF16 output of ``cvt fp8-to-bf16``. DeepSeek reads code 8 as +0.0 and the MX decoders as
--0.0: the same value, and the byte is kept.
+Two grids are carried (`GRIDS`: the source's grid -> the kernel formats whose weights are it):
+
+* **mxfp4** -- E2M1 codes ``sign << 3 | index`` into {0, .5, 1, 1.5, 2, 3, 4, 6}, element 2j in
+  the low nibble of a byte ``[n, k/2]``, one E8M0 scale (``2**(byte - 127)``) per 32 inputs
+  ``[n, k/32]``. DeepSeek-V4's FP4 routed experts (``expert_dtype: "fp4"``; `cvt.convert.fp4`:
+  int8 pairs, DeepSeek's V4 ``inference/convert.py`` ``FP4_TABLE``, float8_e8m0fnu scales) and
+  compressed-tensors ``mxfp4-pack-quantized`` linears (`cvt.convert.ct_source`: uint8 pairs by
+  its ``pack_fp4_to_uint8``, uint8 E8M0 scales by ``mx_utils.compress_mx_scale``) are on it.
+  So are the MX schemes' weights -- vllm-ascend main's ``quantization/methods/w4a4_mxfp4.py``
+  and ``w4a8_mxfp4.py`` create ``weight`` uint8 ``[n, k // 2]`` and ``weight_scale`` uint8
+  ``[n, k // 32]`` (``group_size`` 32) and hand them to ``npu_quant_matmul`` as
+  ``float4_e2m1fn_x2`` / ``float8_e8m0fnu`` (msModelSlim's ``pack_fp4_to_uint8``, element 2j
+  low) -- and ``fp4 --fp4-format mxfp4``'s (compressed-tensors ``mxfp4-pack-quantized``).
+* **nvfp4** -- the same codes, one float8_e4m3fn scale per 16 inputs and a float32 global scale
+  (``w = code * scale / global_scale``): compressed-tensors ``nvfp4-pack-quantized``
+  (``nvfp4/base.py`` NVFP4PackedCompressor), read and written as ``fp4`` (nvfp4).
+
+For those kernel formats the codes and scale bytes are copied as they are (method "source" in the
+manifest, SQNR Infinity); every other scheme requantizes the exact dequantized weight, as it
+would the BF16 output of ``cvt fp8-to-bf16``, and one note line says so. vLLM serves a fused
+group (q/k/v, gate/up) with one nvfp4 global scale, the largest of its members'
+(``compressed_tensors_w4a4_nvfp4.py`` ``weight_global_scale.max()``), so an nvfp4 group is
+carried only when its members' global scales are the same number; otherwise it is requantized
+with one shared scale (`cvt.quant.stage.assignment.Plan.shared`). DeepSeek reads code 8 as +0.0
+and the MX decoders as -0.0: the same value, and the byte is kept.
 """
 
 from __future__ import annotations
@@ -26,9 +39,15 @@ from cvt.qtensor import kernel_formats as KF
 from cvt.qtensor.layouts import kernel_fmt_of
 from cvt.qtensor.schemes.base import QuantizedTensor
 
-# kernel formats whose weight is E2M1 codes with one E8M0 scale per 32 inputs: the release's grid
-CARRY_KERNELS = (KF.W4A8_MXFP, KF.W4A4_MXFP4, KF.MXFP4)
+# a source grid -> the kernel formats whose weights are that grid (codes and scales copied)
+GRIDS = {KF.MXFP4: (KF.W4A8_MXFP, KF.W4A4_MXFP4, KF.MXFP4), KF.NVFP4: (KF.NVFP4,)}
+CARRY_KERNELS = GRIDS[KF.MXFP4]  # DeepSeek-V4's FP4 experts' grid
+NVFP4_GROUP = 16
 E8M0_BIAS = 127
+# what the note names as carrying a grid over (the schemes of `GRIDS`, as the CLI spells them)
+_CARRIED_BY = {KF.MXFP4: "w4a8_mxfp, w4a4_mxfp4 and fp4 --fp4-format mxfp4 carry them over unchanged",
+               KF.NVFP4: "fp4 --fp4-format nvfp4 carries them over unchanged, a fused group only where its "
+                         "members share one global scale"}
 
 
 def fp4_experts(config: Mapping) -> bool:
@@ -36,16 +55,17 @@ def fp4_experts(config: Mapping) -> bool:
     return config.get("expert_dtype") == EXPERT_DTYPE_FP4
 
 
-def carries(scheme) -> bool:
-    """Whether `scheme`'s weights are the release's FP4 grid (codes and scales copied as they are)."""
-    return kernel_fmt_of(scheme) in CARRY_KERNELS
+def carries(scheme, grid: str = KF.MXFP4) -> bool:
+    """Whether `scheme`'s weights are the source `grid` (codes and scales copied as they are)."""
+    return kernel_fmt_of(scheme) in GRIDS[grid]
 
 
 def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor | None:
-    """The release's scale ``[n, k/32]`` as uint8 E8M0 codes: float8_e8m0fnu as its bytes; a
-    float32 / bfloat16 scale when every value is a power of two 2**-127..2**127 (None otherwise:
-    that scale is not on the E8M0 grid, so the weight is requantized)."""
-    if scale.dtype == torch.float8_e8m0fnu:
+    """The release's scale ``[n, k/32]`` as uint8 E8M0 codes: float8_e8m0fnu and uint8 (compressed-
+    tensors' E8M0 bytes) as their bytes; a float32 / bfloat16 scale when every value is a power of
+    two 2**-127..2**127 (None otherwise: that scale is not on the E8M0 grid, so the weight is
+    requantized)."""
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
         return scale.view(torch.uint8)
     s = scale.to(torch.float32)
     if not bool(torch.isfinite(s).all()) or bool((s <= 0).any()):
@@ -58,9 +78,9 @@ def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor | None:
 
 
 def carried(packed: torch.Tensor, scale: torch.Tensor, scheme) -> QuantizedTensor | None:
-    """The release's packed codes ``[n, k/2]`` (int8 / uint8) and scale ``[n, k/32]`` as `scheme`'s
-    quantized tensor ``[n, k]``, bytes unchanged; None when the scheme's grid is another or the
-    scale is not E8M0-representable."""
+    """The release's mxfp4 packed codes ``[n, k/2]`` (int8 / uint8) and scale ``[n, k/32]`` as
+    `scheme`'s quantized tensor ``[n, k]``, bytes unchanged; None when the scheme's grid is another
+    or the scale is not E8M0-representable."""
     from cvt.qtensor import primitives as P
 
     if not carries(scheme):
@@ -75,32 +95,62 @@ def carried(packed: torch.Tensor, scale: torch.Tensor, scheme) -> QuantizedTenso
                            {"weight_fp4": codes, "weight_scale": codes_scale.contiguous()}, GROUP, True, extra)
 
 
-def requantized_note(schemes: Mapping[str, str]) -> str | None:
-    """One line for the FP4 experts a run requantizes (`schemes`: module -> scheme name, the
-    experts whose scheme does not carry them over), or None when there are none."""
+def carried_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                  scheme) -> QuantizedTensor | None:
+    """A compressed-tensors nvfp4 linear (uint8 ``[n, k/2]``, float8_e4m3fn ``[n, k/16]``, global
+    scale ``[1]``) as `scheme`'s (fp4 nvfp4) quantized tensor, codes and scale bytes unchanged, the
+    global scale as float32 (exact from any float dtype); None when the scheme's grid is another."""
+    from cvt.qtensor import primitives as P
+
+    if not carries(scheme, KF.NVFP4) or scale.dtype != torch.float8_e4m3fn:
+        return None
+    codes = P.unpack_fp4(packed.contiguous().view(torch.uint8))
+    parts = {"weight_fp4": codes, "weight_scale": scale.contiguous(),
+             "weight_global_scale": global_scale.to(torch.float32).reshape(1).clone()}
+    return QuantizedTensor(scheme.name, KF.NVFP4, tuple(codes.shape), parts, NVFP4_GROUP, True,
+                           {"fp4_format": KF.NVFP4})
+
+
+def carried_modules(plan, source) -> frozenset[str]:
+    """The quantized modules of `plan` whose stored weight is carried over (`source.carry_grid`,
+    the scheme's grid the same); an nvfp4 fused group (`plan.shared`) only when every member
+    carries and all their global scales are equal (`source.global_scale`), else none of it."""
+    out = {m for m, s in plan.schemes.items() if (g := source.carry_grid(plan.modules[m])) is not None
+           and carries(s, g)}
+    for m in list(out):
+        group = plan.shared.get(m)
+        if group is None:
+            continue
+        scales = {source.global_scale(plan.modules[x]) for x in group} if all(x in out for x in group) else None
+        if scales is None or len(scales) != 1:
+            out.discard(m)
+    return frozenset(out)
+
+
+def requantized_note(schemes: Mapping[str, str], what: str = "FP4 routed expert(s)",
+                     grid: str = KF.MXFP4) -> str | None:
+    """One line for the FP4 weights a run requantizes (`schemes`: module -> scheme name, those
+    not carried over; `what`: what they are in the release; `grid`: theirs), or None when there
+    are none."""
     if not schemes:
         return None
-    from cvt.qtensor.schemes.fp4 import FP4
-    from cvt.qtensor.schemes.mx import W4A4MXFP4, W4A8MXFP
-
     names = sorted(set(schemes.values()))
-    return (f"cvt: {len(schemes)} FP4 routed expert(s) of the release requantized to {', '.join(names)} from their "
-            f"exact dequantized values ({W4A8MXFP.name}, {W4A4MXFP4.name} and {FP4.name} --fp4-format {KF.MXFP4} "
-            "carry them over unchanged)")
+    return (f"cvt: {len(schemes)} {what} of the release requantized to {', '.join(names)} from their "
+            f"exact dequantized values ({_CARRIED_BY[grid]})")
 
 
-__all__ = ["CARRY_KERNELS", "carried", "carries", "e8m0_bytes", "fp4_experts", "requantized_note"]
+__all__ = ["CARRY_KERNELS", "GRIDS", "carried", "carried_modules", "carried_nvfp4", "carries", "e8m0_bytes",
+           "fp4_experts", "requantized_note"]
 
 
 def calibration_plan(plan, source):
-    """(the plan the calibration driver runs, the frozen linears): the FP4 experts this output
+    """(the plan the calibration driver runs, the frozen linears): the FP4 weights this output
     carries as they are (method "source") are left out of the calibrated modules -- their
     weights in the calibration forward are the exact dequant, which is what the output holds --
     and named frozen, so that no smoothing fold changes them (`cvt.quant.methods.calib`)."""
     import dataclasses
 
-    frozen = frozenset(m for m, s in plan.schemes.items()
-                       if carries(s) and "weight" in plan.modules[m] and source.is_fp4(plan.modules[m]["weight"]))
+    frozen = carried_modules(plan, source)
     if not frozen:
         return plan, frozen
     return dataclasses.replace(plan, schemes={m: s for m, s in plan.schemes.items() if m not in frozen},

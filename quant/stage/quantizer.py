@@ -78,14 +78,37 @@ class Source:
         return (self.fp4 and self.ckpt.tensors[weight].dtype in FP4_DTYPES
                 and self.scale_of(weight) in self.ckpt.tensors)
 
-    def fp4_quantized(self, params: dict[str, str], scheme: Scheme) -> QuantizedTensor | None:
-        """An FP4 expert's codes and scales as `scheme`'s tensor, unchanged (None: another grid)."""
-        ck, name = self.ckpt, params["weight"]
+    def carry_grid(self, params: dict[str, str]) -> str | None:
+        """The FP4 grid a linear's stored weight is on (`fp4_source.GRIDS`: mxfp4 for a DeepSeek-V4
+        FP4 expert or a compressed-tensors mxfp4 linear, nvfp4 for a c-t nvfp4 one), from the
+        headers; None for any other weight."""
+        if "weight" in params and self.is_fp4(params["weight"]):
+            return KF.MXFP4
+        lin = self.ct_linear(params)
+        return None if lin is None else {SourceFormat.CT_MXFP4: KF.MXFP4, SourceFormat.CT_NVFP4: KF.NVFP4}.get(lin.fmt)
+
+    def global_scale(self, params: dict[str, str]) -> bytes:
+        """A compressed-tensors nvfp4 linear's global scale, as its float32 bytes (to compare a
+        fused group's members)."""
+        name = self.ct_linear(params).parts["weight_global_scale"]
         try:
-            return fp4_source.carried(ck.read(name), ck.read(self.scale_of(name)), scheme)
+            return self.ckpt.read(name).to(torch.float32).reshape(-1).numpy().tobytes()
         finally:
-            ck.release(name)
-            ck.release(self.scale_of(name))
+            self.ckpt.release(name)
+
+    def carried(self, params: dict[str, str], scheme: Scheme) -> QuantizedTensor | None:
+        """A stored FP4 weight's codes and scales as `scheme`'s tensor, unchanged (`fp4_source`;
+        None: another grid, or a V4 scale off the E8M0 grid)."""
+        ck, lin = self.ckpt, self.ct_linear(params)
+        names = ([params["weight"], self.scale_of(params["weight"])] if lin is None else
+                 [lin.parts[p] for p in ("weight_packed", "weight_scale", "weight_global_scale") if p in lin.parts])
+        try:
+            if lin is not None and lin.fmt is SourceFormat.CT_NVFP4:
+                return fp4_source.carried_nvfp4(*(ck.read(n) for n in names), scheme)
+            return fp4_source.carried(ck.read(names[0]), ck.read(names[1]), scheme)
+        finally:
+            for n in names:
+                ck.release(n)
 
     def _dequant_fp4(self, name: str) -> torch.Tensor:
         """bfloat16 [n, k], bit-exact with DeepSeek's official dequant (`cvt.convert.fp4`)."""
@@ -198,6 +221,7 @@ class Quantizer:
         self._ready: dict[str, tuple[dict[str, torch.Tensor], int]] = {}
         self._shared: dict[tuple[str, ...], torch.Tensor] = {}
         self.info: dict[str, QuantTensorInfo] = {}
+        self.carry = fp4_source.carried_modules(plan, source)  # FP4 weights copied as they are
 
     def shared_scale(self, group: tuple[str, ...]):
         """The per-tensor scale of a fused group: from every member's weight (each read once more
@@ -306,8 +330,8 @@ class Quantizer:
                 # same int4 grid: re-emitted as is, without loss, recorded with the scheme's group
                 # size (a [n, 1] scale reads back as 0; a group of k is written in the grouped layout)
                 q, method = dataclasses.replace(src_q, group_size=scheme.group_size), "source"
-        elif self.source.fp4 and self.source.is_fp4(params["weight"]):  # a DeepSeek-V4 FP4 expert (`fp4_source`)
-            src_q = self.source.fp4_quantized(params, scheme) if q is None else None
+        elif self.source.carry_grid(params) is not None:  # V4's FP4 experts, c-t mxfp4 / nvfp4 (`fp4_source`)
+            src_q = self.source.carried(params, scheme) if q is None and module in self.carry else None
             if src_q is not None:  # the scheme's grid is the release's: codes and scales copied, exact
                 q, method, exact = src_q, "source", True
             else:

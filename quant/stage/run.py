@@ -256,12 +256,16 @@ def _kv_codec(config: dict, plan: Plan, form, target: str, kv_dtype: str | None,
 
 
 def _fp4_note(plan: Plan, source: Source) -> str | None:
-    """DeepSeek-V4's FP4 experts on another grid than the scheme's: one line says so once the
-    output is written (a refused or failed run prints its error alone)."""
-    if not source.fp4:
+    """FP4 weights of the release (DeepSeek-V4's experts, compressed-tensors mxfp4 / nvfp4 linears)
+    the run requantizes rather than carries: one line says so once the output is written (a
+    refused or failed run prints its error alone)."""
+    carried = fp4_source.carried_modules(plan, source)
+    grids = {m: g for m in plan.schemes if m not in carried and (g := source.carry_grid(plan.modules[m])) is not None}
+    if not grids:
         return None
-    return fp4_source.requantized_note({m: s.name for m, s in plan.schemes.items()
-                                        if source.is_fp4(plan.modules[m]["weight"]) and not fp4_source.carries(s)})
+    grid = next(iter(grids.values()))  # one source format, so one grid
+    what = "FP4 routed expert(s)" if source.fp4 else f"compressed-tensors {grid} linear(s)"
+    return fp4_source.requantized_note({m: plan.schemes[m].name for m in grids}, what, grid)
 
 
 def _check_calib(calib: Path | None, needs_model: bool) -> None:

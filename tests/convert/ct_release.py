@@ -35,15 +35,18 @@ def _minmax(w: torch.Tensor, args):
     return g.amin(-1), g.amax(-1)
 
 
-def compress(w: torch.Tensor, preset: str) -> dict[str, torch.Tensor]:
-    """One linear's stored parts (suffix -> tensor), by the c-t compressor of `preset`'s format."""
+def compress(w: torch.Tensor, preset: str, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """One linear's stored parts (suffix -> tensor), by the c-t compressor of `preset`'s format
+    (`global_scale`: nvfp4's, given for a fused group; default: the linear's own)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationStrategy as S, preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
     args = scheme.weights
-    gs = generate_gparam(w.amin(), w.amax()) if args.strategy == S.TENSOR_GROUP else None
+    gs = None
+    if args.strategy == S.TENSOR_GROUP:
+        gs = generate_gparam(w.amin(), w.amax()) if global_scale is None else global_scale
     lo, hi = _minmax(w, args)
     scale, zp = calculate_qparams(lo, hi, args, global_scale=gs)
     sd = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
@@ -89,3 +92,37 @@ def ct_decompressed(src: Path, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     for f in dst.glob("*.safetensors"):
         got.update(load_file(str(f)))
     return got
+
+
+def write_ct_deepseek_release(dst: Path, preset: str = "MXFP4", seed: int = 0, shared_global: bool = False,
+                              **overrides) -> Path:
+    """A tiny DeepSeek-V3-shaped release (Kimi-K3's layout: MLA, a dense layer, routed and shared
+    experts, an MTP layer) with every quantizable linear stored in `preset` by the c-t library, as
+    llm-compressor writes it (targets Linear, lm_head ignored); kv_lora_rank 64, so that every
+    in_features is a multiple of 32. `shared_global`: nvfp4's fused groups (q_a + kv_a, gate + up)
+    share one global scale, the smallest of theirs, as llm-compressor's
+    ``update_fused_layer_weight_global_scales`` sets them (else each linear has its own)."""
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    from cvt.convert.arch import arch_for
+    from cvt.testing.checkpoints import tiny_deepseek_config
+
+    pytest.importorskip("compressed_tensors")
+    config = tiny_deepseek_config(kv_lora_rank=64, **overrides)
+    arch = arch_for(config)
+    weights = {n: w.to(torch.bfloat16) for n, w in random_weights(config, seed).items()}
+    quantized = {arch.classify(n).module: w for n, w in weights.items() if arch.classify(n).rule.quantizable
+                 and arch.classify(n).param == "weight" and w.dim() == 2 and n != "lm_head.weight"}
+    tensors = {}
+    for name, w in weights.items():
+        module = name[: -len(".weight")]
+        if module not in quantized:
+            tensors[name] = w.float() if name.endswith("e_score_correction_bias") else w
+            continue
+        gs = None
+        if shared_global and arch.fused_group(module):
+            gs = min((generate_gparam(quantized[m].amin(), quantized[m].amax()) for m in arch.fused_group(module)),
+                     key=float)
+        tensors.update({f"{module}.{k}": v for k, v in compress(w, preset, gs).items()})
+    config["quantization_config"] = quantization_config(preset)
+    return write_release(dst, config, tensors, 2, move_scale=False)

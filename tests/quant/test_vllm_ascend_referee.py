@@ -24,6 +24,7 @@ from cvt.testing.checkpoints import (kimi_int4_tensors, release_tensors, tiny_gl
                                      write_release)
 from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config, write_v4_release
 from cvt.quant.stage import quantize
+from cvt.tests.convert.ct_release import write_ct_deepseek_release
 from cvt.tests.quant.vllm_ascend_referee import check_output, inspect_output
 from cvt.tests.quant.vllm_ascend_referee_v4 import check_v4_output, inspect_v4_output, process_after_loading
 
@@ -62,7 +63,14 @@ CASES = [
     pytest.param("ds", {"scheme": "w4a4_mxfp4", "rotate": "hadamard:1"}, id="deepseek-w4a4-mxfp4-rotated"),
     pytest.param("glm", {"scheme": "w8a8", "rotate": "hadamard:1"}, id="glm5-w8a8-rotated"),
     pytest.param("qmoe", {"scheme": "w8a8", "rotate": "hadamard:1"}, id="qwen3-moe-w8a8-rotated"),
+    # a compressed-tensors mxfp4-pack-quantized release (Kimi-K3's format, DeepSeek-V3-shaped) whose
+    # E2M1 codes and E8M0 scales are carried over byte for byte (issue 40; tests/quant/test_ct_fp4_carry.py)
+    pytest.param("ctmx", {"scheme": "w4a4_mxfp4"}, id="ct-mxfp4-w4a4-mxfp4-carried"),
+    pytest.param("ctmx", {"scheme": "w4a8_mxfp"}, id="ct-mxfp4-w4a8-mxfp-carried"),
 ]
+
+# sources written on first use (the compressed-tensors package writes them: skipped without it)
+LAZY_SOURCES = {"ctmx": lambda root: write_ct_deepseek_release(root / "ct-mxfp4", "MXFP4")}
 
 MX_METHODS = {"mxfp8": ("AscendW8A8MXFP8DynamicLinearMethod", "AscendW8A8MXFP8DynamicFusedMoEMethod"),
               "w4a4_mxfp4": ("AscendW4A4MXFP4DynamicLinearMethod", "AscendW4A4MXFP4DynamicFusedMoEMethod"),
@@ -102,6 +110,8 @@ def sources(fp8_release_session, tmp_path_factory):
 def build(sources, src: str, opts: dict) -> Path:
     name = src + "-" + "-".join(f"{k}={v}" for k, v in opts.items())
     dst = sources["root"] / "out" / name
+    if src not in sources:
+        sources[src] = LAZY_SOURCES[src](sources["root"])
     if not (dst / "cvt_manifest.json").exists():
         quantize(sources[src], dst, fmt="ascend", quiet=True, calib_tokens=64, **opts)
     return dst
@@ -110,7 +120,10 @@ def build(sources, src: str, opts: dict) -> Path:
 @pytest.mark.parametrize("src, opts", CASES)
 def test_vllm_ascend_loads_every_output(sources, va_src, src, opts):
     dst = build(sources, src, opts)
-    assert json.loads((dst / "cvt_manifest.json").read_text())["quant"]["target"] == "vllm-ascend"
+    quant = json.loads((dst / "cvt_manifest.json").read_text())["quant"]
+    assert quant["target"] == "vllm-ascend"
+    if src in LAZY_SOURCES:  # the release's FP4 weights are what the referee loads, as they are
+        assert {t["method"] for t in quant["tensors"].values()} == {"source"}
     problems = check_output(dst, va_src)
     assert problems == [], f"{len(problems)} problems:\n" + "\n".join(problems[:60])
 
