@@ -9,6 +9,29 @@ from typing import Any, Mapping
 from cvt.convert.sources import SourceFormat, precision_of  # noqa: F401  (SourceFormat: the stages import it here)
 from cvt.errors import FormatError
 
+# a ModelOpt export's side file, what older exports (nvidia/DeepSeek-R1-FP4) carry instead of
+# config.json's quantization_config; vLLM reads it (`ModelOptQuantConfigBase.get_config_filenames`)
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+def fold_hf_quant_config(config: dict, side: Mapping[str, Any] | None, where: str = HF_QUANT_CONFIG) -> dict:
+    """`config` with a ModelOpt hf_quant_config.json (`side`, None: there is none) as its
+    quantization_config, in the form ModelOpt writes into config.json itself (TensorRT-Model-Optimizer
+    modelopt/torch/export/convert_hf_config.py: quant_method "modelopt", the ``quantization``
+    section's keys at the top level, the producer kept): every stage then reads one form, and every
+    output rewrites it (a BF16 output drops it). A config.json with its own quantization_config
+    keeps it; a side file of another producer is not read."""
+    if side is None or quantization_config(config) is not None:
+        return config
+    producer = side.get("producer")
+    if not (isinstance(producer, Mapping) and str(producer.get("name", "")).lower() == "modelopt"):
+        return config
+    inner = side.get("quantization")
+    if not isinstance(inner, Mapping):
+        raise FormatError(f"{where}: \"quantization\" is {_short(inner)}; expected an object "
+                          '(e.g. {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]})')
+    return {**config, "quantization_config": {"quant_method": "modelopt", **inner, "producer": dict(producer)}}
+
 
 def quantization_config(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """`quantization_config` at the top level or under `text_config` (K2.5-style wrappers).
@@ -43,7 +66,9 @@ def describe_quant(qc: Mapping[str, Any] | None) -> str:
         return "no quantization_config (a plain float checkpoint)"
     method = qc.get("quant_method", "?")
     extra = qc.get("format") or qc.get("fmt")
-    return f"quantization_config.quant_method {method!r}" + (f" (format {extra!r})" if extra else "")
+    algo = qc.get("quant_algo")  # ModelOpt's
+    return f"quantization_config.quant_method {method!r}" + (
+        f" (format {extra!r})" if extra else f" (quant_algo {algo!r})" if algo else "")
 
 
 def source_format(config: Mapping[str, Any], has_manifest: bool = False) -> SourceFormat:

@@ -1,30 +1,47 @@
-"""compressed-tensors releases (what llm-compressor writes) read as float, one linear at a time:
-``mxfp4-pack-quantized``, ``nvfp4-pack-quantized``, ``float-quantized`` (FP8) and
-``int-quantized`` (INT8), the `cvt.convert.sources` entries in `CT_STREAMED`.
+"""Per-linear quantized releases read as float, one linear at a time: compressed-tensors (what
+llm-compressor writes: ``mxfp4-pack-quantized``, ``nvfp4-pack-quantized``, ``float-quantized``
+(FP8), ``int-quantized`` (INT8)) and NVIDIA ModelOpt's exports (NVFP4, FP8, MXFP8), the
+`cvt.convert.sources` entries in `CT_STREAMED`. The two producers differ in part names and in
+how nvfp4's global scale applies, which `LAYOUTS` holds as data; the reading is one code path.
 
 Per linear X (w [n, k]):
 
 ==============  ==========================================================================
 format          tensors, and the float32 weight (BF16: that product rounded once, RNE)
 ==============  ==========================================================================
-mxfp4           X.weight_packed u8 [n, k/2] (element 2j in the low nibble), X.weight_scale
+c-t mxfp4       X.weight_packed u8 [n, k/2] (element 2j in the low nibble), X.weight_scale
                 u8 / E8M0 [n, k/32]:  e2m1(code) * 2**(s - 127)
-nvfp4           X.weight_packed u8 [n, k/2], X.weight_scale e4m3 [n, k/16],
+c-t nvfp4       X.weight_packed u8 [n, k/2], X.weight_scale e4m3 [n, k/16],
                 X.weight_global_scale f32 [1]:  e2m1(code) * (float32(s) / global_scale)
-fp8             X.weight e4m3 [n, k], X.weight_scale f32/bf16/f16 [1] (tensor), [n, 1]
+c-t fp8         X.weight e4m3 [n, k], X.weight_scale f32/bf16/f16 [1] (tensor), [n, 1]
                 (channel), [n, k/G] (group) or [ceil(n/bn), ceil(k/bk)] (block, the config
                 group's block_structure):  float32(w) * float32(s)
-int8            X.weight i8 [n, k], X.weight_scale as fp8's, X.weight_zero_point (asymmetric,
+c-t int8        X.weight i8 [n, k], X.weight_scale as fp8's, X.weight_zero_point (asymmetric,
                 the scale's shape):  float32(w - zero_point) * float32(s)
+modelopt nvfp4  X.weight u8 [n, k/2] (element 2j in the low nibble), X.weight_scale e4m3
+                [n, k/16], X.weight_scale_2 f32 []:  e2m1(code) * (float32(s) * weight_scale_2)
+modelopt fp8    X.weight e4m3 [n, k], X.weight_scale f32 [] (FP8) or [n] / [n, 1]
+                (FP8_PER_CHANNEL_PER_TOKEN):  float32(w) * s
+modelopt mxfp8  X.weight e4m3 [n, k], X.weight_scale u8 / E8M0 [n, k/32]:
+                float32(w) * 2**(s - 127)
 ==============  ==========================================================================
 
-This is the package's own decompression (compressed-tensors 0.20 ``dequantize``: the code in
-the scale's dtype times the scale, nvfp4's scale divided by the global scale first), which
-the tests run against. Activation parameters (``input_scale``, ``input_global_scale``,
-``input_zero_point``) and the KV cache's ``k_scale`` / ``v_scale`` describe the serving of a
-quantized model and are dropped from a float output. Before anything is written every part is
-checked from the headers (present, dtype, shape) and every scale read (NaN, Inf, E8M0 0xFF, a
-global scale not > 0, a scale whose largest code overflows bfloat16): TensorError naming it.
+compressed-tensors: the package's own decompression (compressed-tensors 0.20 ``dequantize``: the
+code in the scale's dtype times the scale, nvfp4's scale divided by the global scale first), which
+the tests run against. ModelOpt: its own ``NVFP4QTensor.dequantize`` (TensorRT-Model-Optimizer
+modelopt/torch/quantization/qtensor/nvfp4_tensor.py: packed ``q[1::2] << 4 | q[0::2]``, so the
+low nibble first; per-block scale ``float32(s) * weight_scale_2``, then the E2M1 value times it,
+in float32) and vLLM's emulation (vllm/model_executor/layers/quantization/utils/
+nvfp4_emulation_utils.py ``dequantize_to_dtype``: the same two float32 products, weight_scale_2
+passed as the global scale unreciprocated, as modelopt.py's ModelOptNvFp4W4A16LinearMethod says);
+FP8 and MXFP8 as vLLM's ModelOptFp8LinearMethod / ModelOptMxFp8LinearMethod apply the float32
+scale to the e4m3 value (``FP8QTensor.dequantize`` in float32, rounded to BF16 once).
+
+Activation parameters (``input_scale``, ``input_global_scale``, ``input_zero_point``) and the KV
+cache's ``k_scale`` / ``v_scale`` describe the serving of a quantized model and are dropped from a
+float output. Before anything is written every part is checked from the headers (present, dtype,
+shape) and every scale read (NaN, Inf, E8M0 0xFF, a global scale not > 0, a scale whose largest
+code overflows bfloat16): TensorError naming it.
 """
 
 from __future__ import annotations
@@ -38,15 +55,45 @@ from cvt.errors import TensorError
 
 BF16_MAX = 3.3895313892515355e38
 DROPPED = ("input_scale", "input_global_scale", "input_zero_point", "k_scale", "v_scale")
-_FP4 = (SourceFormat.CT_MXFP4, SourceFormat.CT_NVFP4)
 _FLOAT_SCALES = ("F32", "BF16", "F16")
-# largest |code| of each format (int8 asymmetric: |w - zero_point| up to 255)
-_TOP = {SourceFormat.CT_MXFP4: 6.0, SourceFormat.CT_NVFP4: 6.0, SourceFormat.CT_FP8: 448.0, SourceFormat.CT_INT8: 128.0}
+_E8M0 = ("U8", "F8_E8M0")
+_ZERO_POINT = "weight_zero_point"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one producer stores one format's linear: part names, dtypes and the scale's grid."""
+
+    codes: str                  # the stored codes, in whose place the float weight X.weight is written
+    dtype: str                  # the codes' safetensors dtype
+    scale_dtypes: tuple[str, ...]
+    top: float                  # the largest |code| (int8 asymmetric: |w - zero_point| up to 2x)
+    group: int | None = None    # one scale per `group` inputs; None: tensor / channel / group / block scales
+    global_scale: str | None = None  # nvfp4's second-level scale
+    divides: bool = True        # c-t divides the block scale by the global scale, ModelOpt multiplies
+    channel_1d: bool = False    # a channel scale may be stored [n] (ModelOpt's FP8_PER_CHANNEL_PER_TOKEN)
+
+    @property
+    def packed(self) -> bool:
+        """Two E2M1 codes per byte."""
+        return self.dtype == "U8"
+
+
+_CT_FP4 = dict(codes="weight_packed", dtype="U8", top=6.0)
+LAYOUTS: dict[SourceFormat, Layout] = {
+    SourceFormat.CT_MXFP4: Layout(**_CT_FP4, scale_dtypes=_E8M0, group=32),
+    SourceFormat.CT_NVFP4: Layout(**_CT_FP4, scale_dtypes=("F8_E4M3",), group=16, global_scale="weight_global_scale"),
+    SourceFormat.CT_FP8: Layout("weight", "F8_E4M3", _FLOAT_SCALES, 448.0),
+    SourceFormat.CT_INT8: Layout("weight", "I8", _FLOAT_SCALES, 128.0),
+    SourceFormat.MODELOPT_NVFP4: Layout("weight", "U8", ("F8_E4M3",), 6.0, 16, "weight_scale_2", divides=False),
+    SourceFormat.MODELOPT_FP8: Layout("weight", "F8_E4M3", ("F32",), 448.0, channel_1d=True),
+    SourceFormat.MODELOPT_MXFP8: Layout("weight", "F8_E4M3", _E8M0, 448.0, 32),
+}
 
 
 @dataclass(frozen=True)
 class CtLinear:
-    """One quantized linear of a compressed-tensors source: its parts (param -> tensor name)."""
+    """One quantized linear of a compressed-tensors / ModelOpt source: its parts (param -> tensor name)."""
 
     module: str
     fmt: SourceFormat
@@ -55,9 +102,13 @@ class CtLinear:
     block: tuple[int, int] | None = None  # float-quantized / int-quantized block strategy
 
     @property
+    def layout(self) -> Layout:
+        return LAYOUTS[self.fmt]
+
+    @property
     def anchor(self) -> str:
         """The stored tensor whose place the float weight ``X.weight`` takes in an output."""
-        return self.parts["weight_packed" if self.fmt in _FP4 else "weight"]
+        return self.parts[self.layout.codes]
 
 
 def block_structure(qc: Mapping[str, Any] | None) -> tuple[int, int] | None:
@@ -73,18 +124,20 @@ def block_structure(qc: Mapping[str, Any] | None) -> tuple[int, int] | None:
 def ct_linears(tensors: Mapping[str, Any], fmt: SourceFormat, qc: Mapping[str, Any] | None = None) -> dict[str, CtLinear]:
     """module -> its quantized linear, from the headers alone (`tensors`: name -> TensorRef);
     TensorError naming the first part that is missing or of the wrong dtype / shape."""
-    packed = fmt in _FP4
-    anchor = "weight_packed" if packed else "weight"
+    lay = LAYOUTS[fmt]
+    anchor = lay.codes
     block = block_structure(qc)
     out: dict[str, CtLinear] = {}
     for name, ref in tensors.items():
         module, _, param = name.rpartition(".")
         if param == "weight_scale" and f"{module}.{anchor}" not in tensors:
             raise TensorError(f"scale {ref.describe()}: its weight {module}.{anchor} is missing")
-        if param != anchor or (not packed and f"{module}.weight_scale" not in tensors):
-            continue  # a float weight (ignored by the config, e.g. lm_head) when no scale comes with it
-        parts = {p: f"{module}.{p}" for p in ("weight_packed", "weight", "weight_scale", "weight_global_scale",
-                                              "weight_zero_point") if f"{module}.{p}" in tensors}
+        if param != anchor:
+            continue
+        if anchor == "weight" and f"{module}.weight_scale" not in tensors and not (lay.packed and ref.dtype == "U8"):
+            continue  # a float weight (ignored by the config, e.g. lm_head): no scale comes with it
+        parts = {p: f"{module}.{p}" for p in ("weight_packed", "weight", "weight_scale", lay.global_scale or "",
+                                              _ZERO_POINT) if p and f"{module}.{p}" in tensors}
         lin = CtLinear(module, fmt, parts, _shape(ref, fmt), block)
         _check_parts(tensors, lin)
         out[module] = lin
@@ -92,39 +145,38 @@ def ct_linears(tensors: Mapping[str, Any], fmt: SourceFormat, qc: Mapping[str, A
 
 
 def _shape(ref, fmt: SourceFormat) -> tuple[int, int]:
-    want = {SourceFormat.CT_FP8: "F8_E4M3", SourceFormat.CT_INT8: "I8"}.get(fmt, "U8")
-    if ref.dtype != want or len(ref.shape) != 2:
-        raise TensorError(f"{ref.describe()}: a {fmt.value} weight is 2-D {want}"
-                          + (" (two E2M1 codes per byte)" if fmt in _FP4 else ""))
+    lay = LAYOUTS[fmt]
+    if ref.dtype != lay.dtype or len(ref.shape) != 2:
+        raise TensorError(f"{ref.describe()}: a {fmt.value} weight is 2-D {lay.dtype}"
+                          + (" (two E2M1 codes per byte)" if lay.packed else ""))
     n, k = ref.shape
-    return (n, 2 * k) if fmt in _FP4 else (n, k)
+    return (n, 2 * k) if lay.packed else (n, k)
 
 
 def _check_parts(tensors, lin: CtLinear) -> None:
     n, k = lin.shape
-    x = lin.module
-    need = {SourceFormat.CT_NVFP4: ("weight_scale", "weight_global_scale")}.get(lin.fmt, ("weight_scale",))
-    for p in need:
-        if p not in lin.parts:
+    x, lay = lin.module, lin.layout
+    for p in ("weight_scale", lay.global_scale):
+        if p is not None and p not in lin.parts:
             raise TensorError(f"{tensors[lin.anchor].describe()}: its {x}.{p} is missing ({lin.fmt.value})")
     s = tensors[lin.parts["weight_scale"]]
-    if lin.fmt in _FP4:
-        g, dts = (32, ("U8", "F8_E8M0")) if lin.fmt is SourceFormat.CT_MXFP4 else (16, ("F8_E4M3",))
+    if lay.group is not None:
+        g, dts = lay.group, lay.scale_dtypes
         if k % g or s.dtype not in dts or tuple(s.shape) != (n, k // g):
             raise TensorError(f"scale {s.describe()}: expected {' / '.join(dts)} {[n, k // g]} for weight "
                               f"[{n}, {k}] (one scale per {g} inputs)")
-        if "weight_zero_point" in lin.parts:
-            raise TensorError(f"{tensors[lin.parts['weight_zero_point']].describe()}: an asymmetric {lin.fmt.value} "
+        if _ZERO_POINT in lin.parts:
+            raise TensorError(f"{tensors[lin.parts[_ZERO_POINT]].describe()}: an asymmetric {lin.fmt.value} "
                               "weight is not read")
-        if lin.fmt is SourceFormat.CT_NVFP4:
-            gs = tensors[lin.parts["weight_global_scale"]]
+        if lay.global_scale is not None:
+            gs = tensors[lin.parts[lay.global_scale]]
             if gs.dtype not in _FLOAT_SCALES or math.prod(gs.shape) != 1:
                 raise TensorError(f"global scale {gs.describe()}: expected one float32 value")
         return
-    if s.dtype not in _FLOAT_SCALES or _granularity(lin, tuple(s.shape)) is None:
-        raise TensorError(f"scale {s.describe()}: expected {' / '.join(_FLOAT_SCALES)} [1] (tensor), [{n}, 1] "
+    if s.dtype not in lay.scale_dtypes or _granularity(lin, tuple(s.shape)) is None:
+        raise TensorError(f"scale {s.describe()}: expected {' / '.join(lay.scale_dtypes)} [1] (tensor), [{n}, 1] "
                           f"(channel), [{n}, k/G] (group) or block scales for weight [{n}, {k}]")
-    zp = lin.parts.get("weight_zero_point")
+    zp = lin.parts.get(_ZERO_POINT)
     if zp is not None and (lin.fmt is not SourceFormat.CT_INT8 or tuple(tensors[zp].shape) != tuple(s.shape)
                            or tensors[zp].dtype not in ("I8", "I32")):
         raise TensorError(f"zero point {tensors[zp].describe()}: expected int8 of its scale's shape {list(s.shape)}")
@@ -135,6 +187,8 @@ def _granularity(lin: CtLinear, shape: tuple[int, ...]) -> tuple[int, int] | Non
     n, k = lin.shape
     if math.prod(shape) == 1:
         return n, k
+    if lin.layout.channel_1d and shape == (n,):
+        return 1, k
     if len(shape) != 2:
         return None
     if lin.block is not None and shape == (-(-n // lin.block[0]), -(-k // lin.block[1])):
@@ -159,8 +213,8 @@ def check_ct_scales(ckpt, linears: dict[str, CtLinear]) -> None:
     from cvt.lazy import torch
 
     for lin in linears.values():
-        names = [lin.parts["weight_scale"]] + ([lin.parts["weight_global_scale"]]
-                                               if lin.fmt is SourceFormat.CT_NVFP4 else [])
+        lay = lin.layout
+        names = [lin.parts["weight_scale"]] + ([lin.parts[lay.global_scale]] if lay.global_scale else [])
         s = [_float_scale(ckpt.read(nm)).reshape(-1) for nm in names]
         for nm, v in zip(names, s):
             bad = ~torch.isfinite(v)
@@ -168,12 +222,15 @@ def check_ct_scales(ckpt, linears: dict[str, CtLinear]) -> None:
                 i = int(bad.nonzero()[0, 0])
                 raise TensorError(f"scale {ckpt.tensors[nm].describe()}: {int(bad.sum())} non-finite value(s), "
                                   f"first {float(v[i])} at flat index {i}")
-        if lin.fmt is SourceFormat.CT_NVFP4 and not float(s[1][0]) > 0:
+        if lay.global_scale and not float(s[1][0]) > 0:
             raise TensorError(f"global scale {ckpt.tensors[names[1]].describe()}: {float(s[1][0])}, expected > 0")
-        top = _TOP[lin.fmt] * (2 if "weight_zero_point" in lin.parts else 1)
-        big = float(s[0].abs().max()) / (float(s[1][0]) if len(s) > 1 else 1.0)
+        top = lay.top * (2 if _ZERO_POINT in lin.parts else 1)
+        big = float(s[0].abs().max())
+        if len(s) > 1:
+            big = big / float(s[1][0]) if lay.divides else big * float(s[1][0])
         if top * big > BF16_MAX:
-            raise TensorError(f"scale {ckpt.tensors[names[0]].describe()}: {big:g} times {top:g} (the largest code) "
+            by = f" {'/' if lay.divides else '*'} global scale {names[1]} ({float(s[1][0]):g})" if len(s) > 1 else ""
+            raise TensorError(f"scale {ckpt.tensors[names[0]].describe()}{by}: {big:g} times {top:g} (the largest code) "
                               f"overflows bfloat16 (max {BF16_MAX:.4g}): the weight would dequantize to Inf")
         for nm in names:
             ckpt.release(nm)
@@ -184,18 +241,20 @@ def dequantize_ct(ckpt, lin: CtLinear):
     from cvt.lazy import torch
 
     n, k = lin.shape
+    lay = lin.layout
     try:
         s = _float_scale(ckpt.read(lin.parts["weight_scale"]))
-        if lin.fmt in _FP4:
+        if lay.packed:
             from cvt.qtensor.primitives import decode_e2m1, unpack_fp4
 
-            if lin.fmt is SourceFormat.CT_NVFP4:
-                s = s / ckpt.read(lin.parts["weight_global_scale"]).to(torch.float32).reshape(1)
-            v = decode_e2m1(unpack_fp4(ckpt.read(lin.parts["weight_packed"])))
+            if lay.global_scale:  # nvfp4: the block scale in float32 first, as both producers' own code
+                gs = ckpt.read(lin.parts[lay.global_scale]).to(torch.float32).reshape(1)
+                s = s / gs if lay.divides else s * gs
+            v = decode_e2m1(unpack_fp4(ckpt.read(lin.anchor)))
             return (v.reshape(n, s.shape[1], -1) * s[:, :, None]).reshape(n, k)
-        w = ckpt.read(lin.parts["weight"]).to(torch.float32)
-        if "weight_zero_point" in lin.parts:
-            zp = ckpt.read(lin.parts["weight_zero_point"]).to(torch.float32).reshape(s.shape)
+        w = ckpt.read(lin.anchor).to(torch.float32)
+        if _ZERO_POINT in lin.parts:
+            zp = ckpt.read(lin.parts[_ZERO_POINT]).to(torch.float32).reshape(s.shape)
             w = w - _expand_scale(lin, zp)
         return w * _expand_scale(lin, s)
     finally:
@@ -209,4 +268,6 @@ def _expand_scale(lin: CtLinear, s):
     rows, cols = _granularity(lin, tuple(s.shape))
     if math.prod(s.shape) == 1:
         return s.reshape(1, 1)
+    if s.dim() == 1:  # a channel scale stored [n]
+        return s.reshape(n, 1)
     return s.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from cvt.convert import source as source_mod
 from cvt.convert.arch import expert_splits, release_names
+from cvt.convert.config import HF_QUANT_CONFIG, fold_hf_quant_config
 from cvt.convert.paths import confine, relative_inside
 from cvt.convert.safetensors_io import MappedFile, TensorRef, load_json, read_header, tensor_from_view
 from cvt.errors import CheckpointError, ManifestError, validation_summary
@@ -90,8 +91,9 @@ class Checkpoint:
     def aux_files(self) -> list[Path]:
         """Non-weight files a converted checkpoint carries over (tokenizer, generation config,
         remote code, README...): everything at the top level except weights, indexes,
-        config.json and cvt's own files."""
-        skip = {"config.json", MANIFEST_NAME, *INDEX_NAMES}
+        config.json (and a ModelOpt hf_quant_config.json: read into `config`, which each output
+        rewrites) and cvt's own files."""
+        skip = {"config.json", HF_QUANT_CONFIG, MANIFEST_NAME, *INDEX_NAMES}
         out = []
         for p in sorted(self.root.iterdir()):
             if p.name.startswith(".") or p.name in skip or not p.is_file():
@@ -218,6 +220,8 @@ def open_checkpoint(src, revision: str | None = None, need_config: bool = True) 
         raise CheckpointError(f"{root}: no config.json")
     else:
         config = {}
+    side = root / HF_QUANT_CONFIG
+    config = fold_hf_quant_config(config, load_json(side) if side.is_file() else None, str(side))
     tensors, index_path = index_directory(root, source.confine_root)
     renamed = release_names(config, tensors)
     tensors = split_experts(tensors, expert_splits(config, tensors))

@@ -1,10 +1,12 @@
 """Source precisions as data: what cvt reads in a released checkpoint, how it recognises it from
-the checkpoint's own config.json (``quantization_config``), which tensors make up one of its
+the checkpoint's own config.json (``quantization_config``; a ModelOpt export's
+hf_quant_config.json is read as one, `cvt.convert.config.fold_hf_quant_config`), which tensors make up one of its
 linears, and its exact dequantization. `source_format` takes the first entry whose rule matches;
 `cvt inspect` shows the entry, and the help and docs list `readable()` from here.
 
 The FP8 block, plain float and DeepSeek-V4 FP4 entries are read by their own stage code
-(`cvt.convert.fp8`, `cvt.convert.fp4`); the compressed-tensors ones by `cvt.convert.ct_source`;
+(`cvt.convert.fp8`, `cvt.convert.fp4`); the compressed-tensors and ModelOpt ones by
+`cvt.convert.ct_source` (one linear at a time, the same code for both producers);
 gpt-oss's MXFP4 by `cvt.convert.mxfp4_source` (fp8-to-bf16, quantize and the runtime).
 """
 
@@ -28,6 +30,9 @@ class SourceFormat(str, Enum):
     CT_INT8 = "compressed-tensors-int8"
     CT_OTHER = "compressed-tensors"
     GPT_OSS_MXFP4 = "gpt-oss-mxfp4"  # openai/gpt-oss-20b / -120b experts
+    MODELOPT_NVFP4 = "modelopt-nvfp4"  # NVIDIA's ModelOpt exports (nvidia/*-FP4 releases)
+    MODELOPT_FP8 = "modelopt-fp8"
+    MODELOPT_MXFP8 = "modelopt-mxfp8"
     CVT = "cvt-artifact"
     OTHER_QUANT = "other-quantized"
 
@@ -103,8 +108,42 @@ _add(SourcePrecision(
     ("_blocks", "_scales"), "rne_bf16(e2m1(code) * 2**(s[e, n, k // 32] - 127)), as transformers' "
     "convert_moe_packed_tensors, transposed to [E, K, N]", "MXFP4"))
 
-# the compressed-tensors entries cvt.convert.ct_source reads (fp8-to-bf16 and quantize, on the fly)
-CT_STREAMED = (SourceFormat.CT_MXFP4, SourceFormat.CT_NVFP4, SourceFormat.CT_FP8, SourceFormat.CT_INT8)
+
+def modelopt_algo(qc: Mapping[str, Any] | None) -> str | None:
+    """A ModelOpt config's ``quant_algo``, upper-cased (None: not ModelOpt's): flat, as ModelOpt
+    writes config.json's quantization_config, or under ``quantization``, as in hf_quant_config.json
+    (vLLM's `ModelOptQuantConfigBase._extract_modelopt_quant_algo` reads both the same way)."""
+    if not qc or not str(qc.get("quant_method", "")).lower().startswith("modelopt"):
+        return None
+    inner = qc.get("quantization")
+    algo = (inner if isinstance(inner, Mapping) else qc).get("quant_algo")
+    return str(algo).upper() if algo else None
+
+
+def _modelopt(*algos: str) -> Callable[[Mapping[str, Any] | None], bool]:
+    return lambda qc: modelopt_algo(qc) in algos
+
+
+# ModelOpt's exports (TensorRT-Model-Optimizer modelopt/torch/export/unified_export_hf.py, quant_utils.py),
+# as vLLM loads them (vllm/model_executor/layers/quantization/modelopt.py: ModelOptNvFp4LinearMethod,
+# ModelOptFp8LinearMethod, ModelOptFp8PcPtLinearMethod, ModelOptMxFp8LinearMethod)
+_MODELOPT = 'quant_method "modelopt" (config.json) or producer "modelopt" (hf_quant_config.json), quant_algo'
+_add(SourcePrecision(
+    SourceFormat.MODELOPT_NVFP4.value, "NVIDIA ModelOpt NVFP4 (E2M1 pairs, E4M3 scale per 16, weight_scale_2 global; "
+    "nvidia/*-FP4 releases)", f'{_MODELOPT} "NVFP4"', _modelopt("NVFP4"),
+    ("weight", "weight_scale", "weight_scale_2"), "rne_bf16(e2m1(code) * (float32(s[i, j // 16]) * weight_scale_2))", "NVFP4"))
+_add(SourcePrecision(
+    SourceFormat.MODELOPT_FP8.value, "NVIDIA ModelOpt FP8 e4m3, per-tensor or per-channel scale",
+    f'{_MODELOPT} "FP8" or "FP8_PER_CHANNEL_PER_TOKEN"', _modelopt("FP8", "FP8_PER_CHANNEL_PER_TOKEN"),
+    ("weight", "weight_scale"), "rne_bf16(float32(w) * float32(s))", "FP8"))
+_add(SourcePrecision(
+    SourceFormat.MODELOPT_MXFP8.value, "NVIDIA ModelOpt MXFP8 (E4M3, E8M0 scale per 32; vllm-ascend main serves it)",
+    f'{_MODELOPT} "MXFP8"', _modelopt("MXFP8"),
+    ("weight", "weight_scale"), "rne_bf16(float32(w) * 2**(s[i, j // 32] - 127))", "MXFP8"))
+
+# the per-linear entries cvt.convert.ct_source reads (fp8-to-bf16 and quantize, on the fly)
+CT_STREAMED = (SourceFormat.CT_MXFP4, SourceFormat.CT_NVFP4, SourceFormat.CT_FP8, SourceFormat.CT_INT8,
+               SourceFormat.MODELOPT_NVFP4, SourceFormat.MODELOPT_FP8, SourceFormat.MODELOPT_MXFP8)
 
 
 def precision_of(qc: Mapping[str, Any] | None) -> SourceFormat:

@@ -87,6 +87,7 @@ OTHER_PARAMS = frozenset(
         "input_offset",
         "input_zero_point",
         "input_global_scale",
+        "weight_scale_2",  # ModelOpt NVFP4's global weight scale: one float32, replicated (cvt.convert.ct_source)
         "deq_scale",
         "quant_bias",
         "scale_bias",  # Ascend W4A8_DYNAMIC: 8 * sum_k(w * scale), [n, 1] or [n, 16] (cvt.qtensor.layouts)

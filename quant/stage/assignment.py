@@ -156,6 +156,8 @@ def weight_shape(ckpt: Checkpoint, params: dict[str, str]) -> tuple[int, int]:
     shape = ref.shape
     if len(shape) != 2:
         raise TensorError(f"{params['weight']}: a linear weight must be 2-D, got {list(shape)}")
+    if ref.dtype == "U8" and "weight_scale_2" in params:  # ModelOpt nvfp4: two E2M1 codes per byte
+        return (shape[0], 2 * shape[1])
     if ref.dtype in FP4_DTYPES and "scale" in params and fp4_experts(ckpt.config):
         return (shape[0], 2 * shape[1])  # a DeepSeek-V4 FP4 expert: two E2M1 codes per byte
     return shape

@@ -341,6 +341,34 @@ def test_output_loads_and_runs_with_the_mx_kernels(outputs, cls):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("cls", SCHEMES, ids=lambda c: c.name)
+def test_fp8_in_one_pass_is_byte_identical_to_going_through_bf16(outputs, fp8_release_session, tmp_path_factory, cls):
+    """Issue 40 item 4: `cvt quantize --scheme <mx>` straight from the FP8 block release (each FP8
+    weight dequantized to BF16 on the fly, never stored, then quantized by the fused kernel) writes
+    the very files `cvt fp8-to-bf16` then `cvt quantize` of that BF16 writes: every tensor's bytes,
+    the description and the config."""
+    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
+    from cvt.quant.stage import quantize
+
+    root = tmp_path_factory.mktemp("mx-via-bf16")
+    bf16 = fp8_to_bf16(fp8_release_session, root / "bf16", quiet=True).dst
+    via = quantize(bf16, root / cls.name, fmt="ascend", scheme=cls.name, quiet=True).dst
+    direct = outputs[cls.name]
+    for name in ("quant_model_description.json", "config.json"):
+        assert (direct / name).read_bytes() == (via / name).read_bytes(), name
+    a, b = _tensors(direct), _tensors(via)
+    assert set(a) == set(b) and len(a) > 50
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+
+
+def _tensors(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 def test_shard_reassembles_byte_exact(outputs, tmp_path):
     """TP 2 over the experts: gate / up split rows, down splits k in whole 32-blocks (weight bytes
     and scale columns together); every piece concatenates back to the unsharded bytes."""
