@@ -12,7 +12,7 @@ import re
 from typing import Any, Callable, Mapping, NamedTuple
 
 from cvt.convert.arch import (deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa, gpt_oss, kimi_k25, qwen3, qwen3_5,
-                              qwen3_5_wrapper)
+                              qwen3_5_wrapper, qwen3_next)
 from cvt.convert.arch.base import ArchSpec, ArchTable, Block, Parallel, Role, Rule, TensorInfo
 from cvt.errors import ArchError
 from cvt.registry import Registry
@@ -47,7 +47,7 @@ def register(table: ArchTable) -> None:
 
 
 for _t in (deepseek_v3.TABLE, deepseek_v32.TABLE, deepseek_v4.TABLE, glm_moe_dsa.TABLE, qwen3.DENSE, qwen3.MOE,
-           qwen3_5.DENSE, qwen3_5.MOE, gpt_oss.TABLE):
+           qwen3_5.DENSE, qwen3_5.MOE, gpt_oss.TABLE, qwen3_next.TABLE):
     register(_t)
 
 
