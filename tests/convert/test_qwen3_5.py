@@ -157,7 +157,7 @@ def test_plan_a3b_by_hand(tmp_path):
     assert "30 x Gated DeltaNet, 10 x full attention" in r.out
 
 
-def _folded(model, seed: int = 0) -> list[list[tuple[str, list[str], list[str]]]]:
+def _folded(model, seed: int = 0, layers: str = "model.language_model.layers") -> list[list[tuple[str, list[str], list[str]]]]:
     """Every smoothing group of every decoder layer folded with random factors in [0.5, 2] (the
     calibration driver's groups and fold helpers); the groups, per layer."""
     from cvt.quant.methods.sites import _smooth_groups
@@ -165,7 +165,7 @@ def _folded(model, seed: int = 0) -> list[list[tuple[str, list[str], list[str]]]
 
     gen, out = torch.Generator().manual_seed(seed), []
     for i, layer in enumerate(model.model.layers):
-        prefix = f"model.language_model.layers.{i}"
+        prefix = f"{layers}.{i}"
         mods = dict(layer.named_modules(prefix=prefix))
         groups = _smooth_groups(layer, prefix, model.args.arch_table())
         for g in groups:

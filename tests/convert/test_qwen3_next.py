@@ -1,7 +1,8 @@
 """Qwen3-Next's table (`cvt.convert.arch.qwen3_next`) and the linear attention's TP split (Qwen3.5's
 and Qwen3-Next's, as vLLM splits it): names and shapes against transformers' own model, what stays
 float, `cvt plan` of the published Qwen3-Next-80B-A3B config counted by hand, `cvt shard --tp 2`
-(each rank's q | k | v rows, reassembled to the source bytes) and its refusal, `cvt quantize` RTN."""
+(each rank's q | k | v rows, reassembled to the source bytes) and its refusal, `cvt quantize` RTN,
+calibration (smoothing folds, GPTQ) through the fused Gated DeltaNet."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from cvt.convert.shard import shard
 from cvt.testing.checkpoints import write_bf16_checkpoint
 from cvt.testing.checkpoints_qwen3_5 import tiny_qwen3_5_config, tiny_qwen3_next_config
 from cvt.tests.conftest import run_cvt
+from cvt.tests.convert.test_qwen3_5 import _folded
 from cvt.tests.convert.test_shard import assert_reproduces, read_all
 
 transformers = pytest.importorskip("transformers")
@@ -155,3 +157,40 @@ def test_rtn_w8a8_quantize_and_run(tmp_path):
                               "model.layers.2.mlp.experts.4.down_proj.weight")} == {"W8A8_DYNAMIC"}
     r = run_cvt("run", dst, "--input-ids", "5,6,7", "--max-new-tokens", "3", "--device", "cpu", "--quiet")
     assert r.rc == 0, r.err
+
+
+@pytest.mark.slow  # a load and the folds of 4 layers: ~13 s on 2 busy cores
+def test_smoothing_folds_keep_the_float_model(tmp_path):
+    """AWQ / SmoothQuant's folds into Qwen3-Next's layers: the fused in_proj_qkvz and the float
+    in_proj_ba read input_layernorm together; the MoE and the dense layer 1 their own; logits kept."""
+    from cvt.runtime.loader import load_model
+
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_next_config())
+    model = load_model(src, dtype=torch.float32).model
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    want = model(tokens)
+    groups = _folded(model, layers="model.layers")
+    gdn = ("input_layernorm", ["linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"], [])
+    full = ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [])
+    experts = ["shared_expert", *(f"experts.{e}" for e in range(6))]
+    moe = ("post_attention_layernorm", [f"mlp.{m}.{n}" for m in experts for n in ("gate_proj", "up_proj")],
+           ["mlp.gate", "mlp.shared_expert_gate"])
+    dense = ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], [])
+    assert groups == [[gdn, moe], [gdn, dense], [gdn, moe], [full, moe]]
+    got = model(tokens)
+    assert not torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)     # as Qwen3.5's (float32 rounding only)
+
+
+@pytest.mark.slow  # a calibrated quantize: ~10 s
+def test_gptq_runs_through_the_fused_gated_deltanet(tmp_path):
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_next_config(vocab_size=300))
+    r = run_cvt("quantize", src, tmp_path / "gptq", "--scheme", "w8a8", "--method", "gptq", "--calib-tokens", "256",
+                "--quiet")
+    assert r.rc == 0, r.err
+    q = json.loads((tmp_path / "gptq" / "cvt_manifest.json").read_text())["quant"]
+    methods = {n: t["method"] for n, t in q["tensors"].items()}
+    g = "model.layers.0.linear_attn"
+    assert methods[f"{g}.in_proj_qkvz"] == methods[f"{g}.out_proj"] == methods["model.layers.1.mlp.up_proj"] == "gptq"
+    assert set(methods.values()) == {"gptq"} and not q["fallbacks"]
+    assert f"{g}.in_proj_ba" in q["float_modules"] and f"{g}.in_proj_ba" not in methods
