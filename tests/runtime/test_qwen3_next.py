@@ -106,3 +106,21 @@ def test_saved_and_release_checkpoints_load_by_their_names_and_run(tmp_path):
     assert_logits_close(loaded.model(x), want)
     r = run_cvt("run", src, "--input-ids", "5,6,7,8", "--max-new-tokens", "3", "--device", "cpu", "--quiet")
     assert r.rc == 0, r.err
+
+
+def test_a_rank_holds_its_share_of_the_linear_heads_or_refuses():
+    """`cvt run --procs N`'s local model: key and value heads / tp (vLLM's split); a tp that does not
+    divide them is one line."""
+    from cvt.convert.placement import make_layout
+    from cvt.errors import CvtError
+    from cvt.runtime.models.qwen3_next import Model
+    from cvt.runtime.parallel import local_args
+
+    args = Args.from_config(tiny_qwen3_next_config())
+    local = local_args(args, make_layout(2, tp=2), Model.parallel)
+    assert (local.linear_num_key_heads, local.linear_num_value_heads) == (1, 2)
+    with torch.device("meta"):
+        gdn = Model(local).model.layers[0].linear_attn
+    assert tuple(gdn.in_proj_qkvz.weight.shape) == ((8 + 8 + 2 * 2 * 12), 48) and gdn.A_log.shape == (2,)
+    with pytest.raises(CvtError, match="^config.json linear_num_key_heads = 2 does not divide over tp 4$"):
+        local_args(Args.from_config(tiny_qwen3_next_config(num_key_value_heads=4)), make_layout(4, tp=4), Model.parallel)
