@@ -18,11 +18,11 @@ parts of column-parallel linears such as Ascend ``deq_scale`` / ``quant_bias``) 
 of its part of the model (`cvt.convert.memory_plan.axis_of`: tp, dense_tp, moe_tp, embed_tp,
 lmhead_tp); the holder with coordinate ``i`` on that axis gets the ``i``-th of ``degree``
 equal runs (of each part, where the table says the split dim holds several: a Gated DeltaNet's
-q | k | v rows, `Rule.parts`; the manifest records them). Parts of a split linear that are broadcast along the split dim (per-channel scales
-``[n, 1]`` of a row-parallel linear, per-tensor ``[1]`` scales, compressed-tensors
+q | k | v rows, `Rule.parts`; the manifest records them). Parts of a split linear that are
+broadcast along the split dim (per-channel scales ``[n, 1]`` of a row-parallel linear, per-tensor ``[1]`` scales, compressed-tensors
 ``weight_shape``) are copied whole. Routed-expert tensors go only to the ranks whose EP rank
 holds the expert (placement, redundant copies included). So for every tensor the manifest's
-``TensorShard`` (axis, dim, degree) says how to put it back together: concatenating the
+``TensorShard`` (axis, dim, degree, parts) says how to put it back together: concatenating the
 holders' runs in coordinate order (part by part) gives the source bytes exactly.
 
 FP8 block scales, packed int4 (two per byte / eight per int32) and group scales split

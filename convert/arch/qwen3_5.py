@@ -160,7 +160,7 @@ def kv_note(cfg: Mapping[str, Any]) -> str:
     return (f"Qwen3.5 hybrid layers ({len(kinds) - n_full} x Gated DeltaNet, {n_full} x full attention): a fixed "
             f"conv state ({conv_channels(cfg)} channels x {_get(cfg, 'linear_conv_kernel_dim') - 1}) and recurrent "
             f"state ({_get(cfg, 'linear_num_value_heads')} heads x {_get(cfg, 'linear_key_head_dim')} x "
-            f"{_get(cfg, 'linear_value_head_dim')}) per linear layer and sequence, GQA k+v "
+            f"{_get(cfg, 'linear_value_head_dim')}) per linear layer and sequence, both / tp by heads, GQA k+v "
             f"{cfg.get('num_key_value_heads')} KV heads / tp x {_get(cfg, 'head_dim')} per token per full layer")
 
 

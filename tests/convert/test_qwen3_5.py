@@ -157,7 +157,8 @@ def test_plan_a3b_by_hand(tmp_path):
     assert "30 x Gated DeltaNet, 10 x full attention" in r.out
 
 
-def _folded(model, seed: int = 0, layers: str = "model.language_model.layers") -> list[list[tuple[str, list[str], list[str]]]]:
+def _folded(model, seed: int = 0,
+            layers: str = "model.language_model.layers") -> list[list[tuple[str, list[str], list[str]]]]:
     """Every smoothing group of every decoder layer folded with random factors in [0.5, 2] (the
     calibration driver's groups and fold helpers); the groups, per layer."""
     from cvt.quant.methods.sites import _smooth_groups

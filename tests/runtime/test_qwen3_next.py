@@ -63,7 +63,8 @@ def test_cached_decode_carries_conv_and_recurrent_state(cuts):
     got = run_schedule(ours, x, cuts, cache, lambda t, p: ours(t, p, cache))
     hf_cache = transformers.DynamicCache(config=ref.config)
     with torch.no_grad():
-        want = run_schedule(ref, x, cuts, hf_cache, lambda t, p: ref(input_ids=t, cache=hf_cache, use_cache=True).logits)
+        want = run_schedule(ref, x, cuts, hf_cache,
+                            lambda t, p: ref(input_ids=t, cache=hf_cache, use_cache=True).logits)
     assert_logits_close(got, want)
     assert cache[0].pos == SEQ
 
@@ -123,4 +124,5 @@ def test_a_rank_holds_its_share_of_the_linear_heads_or_refuses():
         gdn = Model(local).model.layers[0].linear_attn
     assert tuple(gdn.in_proj_qkvz.weight.shape) == ((8 + 8 + 2 * 2 * 12), 48) and gdn.A_log.shape == (2,)
     with pytest.raises(CvtError, match="^config.json linear_num_key_heads = 2 does not divide over tp 4$"):
-        local_args(Args.from_config(tiny_qwen3_next_config(num_key_value_heads=4)), make_layout(4, tp=4), Model.parallel)
+        local_args(Args.from_config(tiny_qwen3_next_config(num_key_value_heads=4)), make_layout(4, tp=4),
+                   Model.parallel)
