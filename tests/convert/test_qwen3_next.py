@@ -194,3 +194,20 @@ def test_gptq_runs_through_the_fused_gated_deltanet(tmp_path):
     assert methods[f"{g}.in_proj_qkvz"] == methods[f"{g}.out_proj"] == methods["model.layers.1.mlp.up_proj"] == "gptq"
     assert set(methods.values()) == {"gptq"} and not q["fallbacks"]
     assert f"{g}.in_proj_ba" in q["float_modules"] and f"{g}.in_proj_ba" not in methods
+
+
+@pytest.mark.slow  # two quantize runs and their shards: ~15 s
+@pytest.mark.parametrize("fmt, scheme, group", [("ascend", "w8a8", ()),
+                                                ("compressed-tensors", "w4a16", ("--group-size", "8"))])
+def test_quantized_linear_attention_shards_by_parts(tmp_path, fmt, scheme, group):
+    """A quantized in_proj_qkv (int8 / packed int4 weight, per-channel scales, Ascend's description)
+    splits as q | k | v like the float one, and the shards give back the quantized bytes."""
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_qwen3_5_config(moe=False, intermediate_size=64))
+    q = tmp_path / "q"
+    r = run_cvt("quantize", src, q, "--scheme", scheme, "--format", fmt, *group, "--quiet")
+    assert r.rc == 0, r.err
+    dst = shard(q, tmp_path / "tp2", make_layout(2, tp=2), quiet=True).dst
+    tensors = assert_reproduces(q, dst)["shard"]["tensors"]
+    g = "model.language_model.layers.0.linear_attn.in_proj_qkv"
+    split = {n: t.get("parts") for n, t in tensors.items() if n.startswith(g + ".") and t["dim"] == 0}
+    assert split and all(p is not None and len(p) == 3 for p in split.values()), split
