@@ -129,6 +129,8 @@ def test_shard_tp2_splits_the_linear_attention_by_heads(tmp_path, make):
     assert torch.equal(ranks[1][f"{g}.A_log"], source[f"{g}.A_log"][2:])
     assert torch.equal(ranks[1][f"{g}.out_proj.weight"], source[f"{g}.out_proj.weight"][:, value // 2:])
     assert torch.equal(ranks[1][f"{g}.norm.weight"], source[f"{g}.norm.weight"])
+    plan = memory_plan(json.loads((src / "config.json").read_text()), make_layout(2, tp=2), "bf16")
+    assert [u.weight_bytes for u in plan.ranks] == [e["bytes"] for e in m["shard"]["ranks"]]   # the plan = the shard
 
 
 def test_shard_refuses_a_tp_the_linear_heads_do_not_divide(tmp_path):
