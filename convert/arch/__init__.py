@@ -18,7 +18,7 @@ from cvt.errors import ArchError
 from cvt.registry import Registry
 
 __all__ = ["ArchSpec", "ArchTable", "Block", "Parallel", "Role", "Rule", "TensorInfo", "arch_for", "carried_names",
-           "config_problems", "expert_splits", "families", "register", "release_names", "TABLES"]
+           "carried_what", "config_problems", "expert_splits", "families", "register", "release_names", "TABLES"]
 
 TABLES: Registry[ArchTable] = Registry("model_type", ArchError)
 
@@ -94,6 +94,14 @@ def carried_names(config: Mapping[str, Any], names) -> list[str]:
         except ArchError:
             pass  # the stages' survey names it
     return out
+
+
+def carried_what(names) -> str:
+    """What carried tensors `names` are, in a note's words: a vision tower / projector (Kimi-K2.5,
+    Qwen3.5), an MTP draft (``mtp.*``: Qwen3.5, Qwen3-Next), or both."""
+    mtp = [n.startswith("mtp.") for n in names]
+    return "MTP draft" if all(mtp) else "vision tower / projector / MTP draft" if any(mtp) else \
+        "vision tower / projector"
 
 
 def config_problems(config: Mapping[str, Any]) -> list[str]:

@@ -107,6 +107,7 @@ def test_saved_and_release_checkpoints_load_by_their_names_and_run(tmp_path):
     assert_logits_close(loaded.model(x), want)
     r = run_cvt("run", src, "--input-ids", "5,6,7,8", "--max-new-tokens", "3", "--device", "cpu", "--quiet")
     assert r.rc == 0, r.err
+    assert f"running the text model only (the {len(mtp)} MTP draft tensors are not loaded)" in r.err
 
 
 def test_a_rank_holds_its_share_of_the_linear_heads_or_refuses():
