@@ -201,6 +201,9 @@ def validate(layout: Layout, config: Mapping[str, Any], scheme: str | None = Non
     if any(k.heads_split for k in arch.attention()):  # GQA's KV heads; MLA's latent, V4's one K=V head: whole
         kv = cfg.get("num_key_value_heads") or heads
         out.append(_config_violation("config.num_key_value_heads", "tp", layout.tp, kv, W, "KV head"))
+    for kind in {k.name: k for k in arch.attention()}.values():  # e.g. the Gated DeltaNet's key / value heads
+        out += [_config_violation(f"config.{key}", "tp", layout.tp, cfg[key], W, unit)
+                for key, unit in kind.tp_heads if cfg.get(key) is not None]
     E, layers = arch.num_experts, moe_layers(config)
     if layers and layout.placement is None:
         key = arch.table.config_keys.get("experts", "experts")

@@ -17,12 +17,13 @@ the arch table's TP dim (`TensorInfo.split_dim`, extended below to per-output-ch
 parts of column-parallel linears such as Ascend ``deq_scale`` / ``quant_bias``) by the degree
 of its part of the model (`cvt.convert.memory_plan.axis_of`: tp, dense_tp, moe_tp, embed_tp,
 lmhead_tp); the holder with coordinate ``i`` on that axis gets the ``i``-th of ``degree``
-equal runs. Parts of a split linear that are broadcast along the split dim (per-channel scales
-``[n, 1]`` of a row-parallel linear, per-tensor ``[1]`` scales, compressed-tensors
+equal runs (of each part, where the table says the split dim holds several: a Gated DeltaNet's
+q | k | v rows, `Rule.parts`; the manifest records them). Parts of a split linear that are
+broadcast along the split dim (per-channel scales ``[n, 1]`` of a row-parallel linear, per-tensor ``[1]`` scales, compressed-tensors
 ``weight_shape``) are copied whole. Routed-expert tensors go only to the ranks whose EP rank
 holds the expert (placement, redundant copies included). So for every tensor the manifest's
-``TensorShard`` (axis, dim, degree) says how to put it back together: concatenating the
-holders' runs in coordinate order gives the source bytes exactly.
+``TensorShard`` (axis, dim, degree, parts) says how to put it back together: concatenating the
+holders' runs in coordinate order (part by part) gives the source bytes exactly.
 
 FP8 block scales, packed int4 (two per byte / eight per int32) and group scales split
 consistently with their weight because `cvt.convert.memory_plan.validate` refuses any degree that
@@ -91,17 +92,23 @@ _TWO_D_PARAMS = ("weight", "weight_scale_inv", "weight_packed", "weight_int4", "
 
 @dataclass(frozen=True)
 class Split:
-    """How one tensor is spread: along `axis` (a layout degree) at `dim` in `degree` runs."""
+    """How one tensor is spread: along `axis` (a layout degree) at `dim` in `degree` runs (of
+    each of its `parts`, when the dim holds several: `Rule.parts`)."""
 
     axis: str | None
     dim: int | None
     degree: int
     expert: tuple[int, int] | None  # (layer, global id) of a routed-expert tensor
+    parts: tuple[int, ...] | None = None  # sizes of the consecutive parts along `dim`
 
-    def run(self, size: int, index: int) -> tuple[int, int]:
-        """(start, length) along `dim` of run `index`."""
-        n = size // self.degree
-        return index * n, n
+    def runs(self, size: int, index: int) -> list[tuple[int, int]]:
+        """(start, length) along `dim` of holder `index`'s run of each part, in order."""
+        out, start = [], 0
+        for part in self.parts or (size,):
+            n = part // self.degree
+            out.append((start + index * n, n))
+            start += part
+        return out
 
 
 def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layout=None) -> Split:
@@ -120,7 +127,7 @@ def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layo
         along = disk.along(logical, 0, 0) if logical else None  # (dim, unit): the unit does not matter here
         if along is None or degree == 1:
             return Split(None, None, 1, expert)  # no dim along the split axis: every holder needs it whole
-        return Split(axis, along[0], degree, expert)
+        return Split(axis, along[0], degree, expert, arch.split_parts(info, shape[0]) if along[0] == 0 else None)
     dim = info.split_dim
     if dim is None and info.param in _PER_CHANNEL and info.rule.parallel in (Parallel.COLUMN, Parallel.VOCAB):
         dim = 0
@@ -128,7 +135,7 @@ def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layo
         return Split(None, None, 1, expert)
     if info.param not in _TWO_D_PARAMS and (dim >= len(shape) or shape[dim] == 1):
         return Split(None, None, 1, expert)  # broadcast along the split dim: every holder needs it whole
-    return Split(axis, dim, degree, expert)
+    return Split(axis, dim, degree, expert, arch.split_parts(info, shape[dim]) if dim == 0 else None)
 
 
 def quant_layouts(ckpt: Checkpoint) -> dict[str, object]:
@@ -227,14 +234,17 @@ def _layout_problems(ckpt: Checkpoint, arch, layout: Layout, splits: dict[str, S
         if sp.dim is None:
             continue
         shape = ckpt.tensors[name].shape
-        if shape[sp.dim] % sp.degree:
+        if any(p % sp.degree for p in sp.parts or (shape[sp.dim],)):
             info = arch.classify(name)
             key = (info.rule.pattern, info.param)
             if key in seen:
                 continue
             seen.add(key)
-            valid = [d for d in range(1, layout.world_size + 1) if layout.world_size % d == 0 and shape[sp.dim] % d == 0]
-            out.append(f"{name} dim {sp.dim} (size {shape[sp.dim]}, stored {ckpt.tensors[name].dtype} "
+            sizes = sp.parts or (shape[sp.dim],)
+            valid = [d for d in range(1, layout.world_size + 1) if layout.world_size % d == 0
+                     and all(p % d == 0 for p in sizes)]
+            of = f", parts {list(sp.parts)}" if sp.parts else ""
+            out.append(f"{name} dim {sp.dim} (size {shape[sp.dim]}{of}, stored {ckpt.tensors[name].dtype} "
                        f"{list(shape)}): {sp.axis} {sp.degree} does not divide it; valid {sp.axis}: "
                        f"{', '.join(map(str, valid))}")
     return out
@@ -311,15 +321,15 @@ def _slice(ckpt: Checkpoint, name: str, sp: Split, index: int, phase: int = 0):
     import numpy as np
 
     ref = ckpt.tensors[name]
-    start, n = sp.run(ref.shape[sp.dim], index)
     # raw bytes as [*shape, itemsize] uint8, whatever the dtype: a run along `dim` is a plain
     # numpy slice (a view for dim 0, one strided copy otherwise), and torch is never imported
     raw = np.frombuffer(ckpt.view(name), dtype=np.uint8).reshape(*ref.shape, DTYPES[ref.dtype][1])
-    run = raw[(slice(None),) * sp.dim + (slice(start, start + n),)]
+    runs = [raw[(slice(None),) * sp.dim + (slice(start, start + n),)] for start, n in sp.runs(ref.shape[sp.dim], index)]
+    run = runs[0] if len(runs) == 1 else np.concatenate(runs, axis=sp.dim)  # a run of each part: one copy
     if run.size == 0:
         return b""
     if sp.dim == 0:
-        return memoryview(np.ascontiguousarray(run)).cast("B")  # a view: already contiguous
+        return memoryview(np.ascontiguousarray(run)).cast("B")  # dim 0, one part: a view, already contiguous
     part = OUTPUTS.array(run.shape, np.uint8, phase=phase)
     np.copyto(part, run)
     return memoryview(part).cast("B")
@@ -457,7 +467,8 @@ def _finish(ckpt: Checkpoint, out: OutputDir, layout: Layout, splits: dict[str, 
             infos.append(out.write_small(rel, placement_json(placement, ckpt.config, fmt_name)))
     tensors = {name: TensorShard(shape=list(ckpt.tensors[name].shape), dtype=ckpt.tensors[name].dtype,
                                  axis=sp.axis, dim=sp.dim, degree=sp.degree,
-                                 expert=list(sp.expert) if sp.expert else None)
+                                 expert=list(sp.expert) if sp.expert else None,
+                                 parts=list(sp.parts) if sp.parts else None)
                for name, sp in splits.items()}
     return finish_output(
         out, ckpt, infos, src=src_info, stage=stage, pid=pid, out_format=f"sharded-{fmt}",

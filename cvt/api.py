@@ -371,8 +371,10 @@ def run(options: RunOptions | None = None, /, **kw) -> RunResult:
         tok = load_tokenizer(loaded.checkpoint_path, loaded.config)
         lm = loaded.model
         if loaded.skipped:
+            from cvt.convert.arch import carried_what
+
             notes.append(f"{loaded.config.get('model_type')}: running the text model only (the "
-                         f"{len(loaded.skipped)} vision tower / projector tensors are not loaded)")
+                         f"{len(loaded.skipped)} {carried_what(loaded.skipped)} tensors are not loaded)")
     ids = prompt_ids(tok, o.prompts, o.input_ids, lm.args.vocab_size)
     res = generate(lm, ids, o.max_new_tokens, temperature=o.temperature, top_p=o.top_p, seed=o.seed,
                    eos_id=tok.eos_id, device=dev, quiet=o.quiet)

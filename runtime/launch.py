@@ -307,12 +307,12 @@ def _run(args, pre: Preflight, rank: int, device) -> int:
     log.info("rank %d of %d loaded %s (%s)", rank, layout.world_size, pre.entry.dir, _layout_words(layout))
     model = LogitsRecorder(rm.model) if args.dump_logits else rm.model
     tok = pre.tokenizer
-    from cvt.convert.arch import carried_names
+    from cvt.convert.arch import carried_names, carried_what
 
     carried = carried_names(pre.config, pre.manifest.carried)
     if rank == 0 and carried:
         sys.stderr.write(f"cvt: note: {pre.config.get('model_type')}: running the text model only (the "
-                         f"{len(carried)} vision tower / projector tensors are not loaded)\n")
+                         f"{len(carried)} {carried_what(carried)} tensors are not loaded)\n")
     res = generate(model, pre.prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    seed=args.seed, eos_id=tok.eos_id, device=device)
     ctx.close()  # the last collective is done: what follows is local (a failure there strands nobody)

@@ -521,8 +521,10 @@ def _wrap(model: nn.Module, ctx: ParallelContext, holders: dict[int, dict[int, l
     layers = _get(model, names.layers)
     for i in range(model.args.num_hidden_layers):
         layer = layers[i]
-        if layout.tp > 1 and _find(layer, names.attn_out) is not None:  # (Qwen3.5's linear layers: replicated)
-            _set(layer, names.attn_out, RowParallel(_get(layer, names.attn_out), ctx, "tp"))
+        for out in (names.attn_out, *names.mixer_outs) if layout.tp > 1 else ():
+            if _find(layer, out) is not None:  # the layer's token mixer (Qwen3.5: self_attn or linear_attn)
+                _set(layer, out, RowParallel(_get(layer, out), ctx, "tp"))
+        if layout.tp > 1 and _find(layer, names.attn_out) is not None:
             for path in names.gathered:
                 try:
                     linear = _get(layer, path)

@@ -188,7 +188,9 @@ class TensorShard(_Strict):
     """How one source tensor is spread over the ranks of a sharded checkpoint.
 
     ``dim`` None: every holder has the whole tensor. Otherwise holder with coordinate ``i``
-    along ``axis`` has ``narrow(dim, i * shape[dim] / degree, shape[dim] / degree)``.
+    along ``axis`` has ``narrow(dim, i * shape[dim] / degree, shape[dim] / degree)``; where
+    ``parts`` is set (consecutive parts along ``dim``, e.g. a Gated DeltaNet's q | k | v rows),
+    that run of each part, concatenated in order.
     Holders: every rank, except routed-expert tensors (``expert`` set), held only by the
     ranks whose EP rank places that expert (see the rank entries' ``experts``)."""
 
@@ -198,6 +200,15 @@ class TensorShard(_Strict):
     dim: int | None = Field(None, description="split dim (null: not split)")
     degree: int = Field(1, ge=1)
     expert: list[int] | None = Field(None, description="[layer, global expert id] of a routed-expert tensor")
+    parts: list[int] | None = Field(None, description="sizes of the consecutive parts along dim, each split "
+                                                      "over degree on its own (absent: one part)")
+
+    @model_serializer(mode="wrap")
+    def _drop_one_part(self, handler):
+        out = handler(self)
+        if out.get("parts", "") is None:  # a tensor of one part writes the bytes it always did
+            del out["parts"]
+        return out
 
 
 class RankShard(_Strict):

@@ -12,13 +12,13 @@ import re
 from typing import Any, Callable, Mapping, NamedTuple
 
 from cvt.convert.arch import (deepseek_v3, deepseek_v32, deepseek_v4, glm_moe_dsa, gpt_oss, kimi_k25, qwen3, qwen3_5,
-                              qwen3_5_wrapper)
+                              qwen3_5_wrapper, qwen3_next)
 from cvt.convert.arch.base import ArchSpec, ArchTable, Block, Parallel, Role, Rule, TensorInfo
 from cvt.errors import ArchError
 from cvt.registry import Registry
 
 __all__ = ["ArchSpec", "ArchTable", "Block", "Parallel", "Role", "Rule", "TensorInfo", "arch_for", "carried_names",
-           "config_problems", "expert_splits", "families", "register", "release_names", "TABLES"]
+           "carried_what", "config_problems", "expert_splits", "families", "register", "release_names", "TABLES"]
 
 TABLES: Registry[ArchTable] = Registry("model_type", ArchError)
 
@@ -47,7 +47,7 @@ def register(table: ArchTable) -> None:
 
 
 for _t in (deepseek_v3.TABLE, deepseek_v32.TABLE, deepseek_v4.TABLE, glm_moe_dsa.TABLE, qwen3.DENSE, qwen3.MOE,
-           qwen3_5.DENSE, qwen3_5.MOE, gpt_oss.TABLE):
+           qwen3_5.DENSE, qwen3_5.MOE, gpt_oss.TABLE, qwen3_next.TABLE):
     register(_t)
 
 
@@ -94,6 +94,14 @@ def carried_names(config: Mapping[str, Any], names) -> list[str]:
         except ArchError:
             pass  # the stages' survey names it
     return out
+
+
+def carried_what(names) -> str:
+    """What carried tensors `names` are, in a note's words: a vision tower / projector (Kimi-K2.5,
+    Qwen3.5), an MTP draft (``mtp.*``: Qwen3.5, Qwen3-Next), or both."""
+    mtp = [n.startswith("mtp.") for n in names]
+    return "MTP draft" if all(mtp) else "vision tower / projector / MTP draft" if any(mtp) else \
+        "vision tower / projector"
 
 
 def config_problems(config: Mapping[str, Any]) -> list[str]:

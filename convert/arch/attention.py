@@ -19,7 +19,8 @@ v4_sliding          last window K=V entries of D   V4 Cache              -      
 v4_csa              + D per 4 positions + the      V4 Cache              -           DeepSeek-V4 ratio 4
                     indexer's Di per 4
 v4_hca              + D per 128 positions          V4 Cache              -           DeepSeek-V4 ratio 128
-linear              conv state + recurrent state   LinearState           -           Qwen3.5 linear layers
+linear              conv state (kernel - 1 inputs) LinearState           -           Qwen3.5 / Qwen3-Next
+                    + recurrent state (fixed)                                        linear layers
 =================== ============================== ===================== =========== ==================
 
 C = kv_lora_rank, dr = qk_rope_head_dim, Di = index_head_dim, D = head_dim. MTP layers are
@@ -123,6 +124,8 @@ class AttentionKind:
     heads_split:    the cache splits over TP by KV heads (so TP must divide them); otherwise
                     every TP rank holds it whole
     indexer_key:    the layer caches a lightning indexer's key beside its cache (the indexer C8's site)
+    tp_heads:       (config key, what it counts) of other head counts TP splits and so must divide
+                    (the Gated DeltaNet's key and value heads)
     calibrates:     cvt's layer-by-layer calibration (GPTQ, AWQ, SmoothQuant, static scales,
                     --kl-budget's measurement) runs through a layer of this kind
     count_bytes:    (config, tokens, tp, bytes per quantizable element, indexer C8) -> cache bytes of
@@ -138,6 +141,7 @@ class AttentionKind:
     count_bytes: Callable[[Mapping[str, Any], int, int, int, bool], int]
     indexer_key: bool = False
     calibrates: bool = True
+    tp_heads: tuple[tuple[str, str], ...] = ()
 
     def cache_bytes(self, cfg: Mapping[str, Any], tokens: int, tp: int = 1, int8: bool = False,
                     index_c8: bool = False) -> int:
@@ -173,11 +177,16 @@ def v4_kind(ratio: int) -> AttentionKind:
     return V4[ratio]
 
 
-LINEAR = AttentionKind("linear", (CacheEntry("conv_state", ("batch", "conv_channels", "linear_conv_kernel_dim")),
+# the conv state holds the last kernel - 1 inputs, as vLLM's MambaStateShapeCalculator.
+# gated_delta_net_state_shape sizes it (conv_dim / tp x conv_kernel_size - 1, mamba_utils.py) and the
+# plan counts it (`_linear_bytes`); the recurrent state is [Hv / tp, Dk, Dv]
+LINEAR = AttentionKind("linear", (CacheEntry("conv_state", ("batch", "conv_channels", "conv_state_len")),
                                   CacheEntry("recurrent_state", ("batch", "linear_num_value_heads",
                                                                  "linear_key_head_dim", "linear_value_head_dim"))),
                        "gated-deltanet (conv_state, recurrent_state)", "LinearState (conv + recurrent state)", None,
-                       heads_split=True, count_bytes=_linear_bytes)
+                       heads_split=True, count_bytes=_linear_bytes,
+                       tp_heads=(("linear_num_key_heads", "linear-attention key head"),
+                                 ("linear_num_value_heads", "linear-attention value head")))
 
 KINDS: dict[str, AttentionKind] = {k.name: k for k in (MLA, SPARSE_MLA, SPARSE_MLA_SHARED, GQA, GQA_SLIDING,
                                                        *V4.values(), LINEAR)}

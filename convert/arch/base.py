@@ -115,6 +115,10 @@ class Rule:
     mtp_only:       exists only in MTP layers (index >= num_hidden_layers)
     params:         parameter names this module carries beyond `PARAMS` (DeepSeek-V4's
                     ``attn_sink``, ``hc_attn_fn``, its block ``scale``); they split like the weight
+    parts:          config -> the sizes of the consecutive parts its split dim (0) holds, each split
+                    over the degree on its own, so a rank holds its run of every part, in order
+                    (Qwen3.5's in_proj_qkv and conv1d: q | k | v, as vLLM's MergedColumnParallelLinear
+                    output_sizes and mamba_v2_sharded_weight_loader split them); None: one part
     """
 
     pattern: str
@@ -125,6 +129,7 @@ class Rule:
     float_default: bool = False
     mtp_only: bool = False
     params: frozenset[str] = frozenset()
+    parts: Callable[[Mapping[str, Any]], tuple[int, ...]] | None = None
 
 
 # The Hugging Face decoder skeleton every family shares (the runtime's model contract,
@@ -327,6 +332,19 @@ class ArchSpec:
                 if copy not in names and name in names:
                     out[copy] = name
         return out
+
+    def split_parts(self, info: "TensorInfo", size: int) -> tuple[int, ...] | None:
+        """The sizes of `info`'s parts (`Rule.parts`) along its stored split dim of `size` (a scale
+        or a packed part: the weight's parts scaled to it); None for a tensor of one part.
+        ArchError when `size` does not hold the parts in whole rows."""
+        if info.rule.parts is None or info.split_dim != 0:
+            return None
+        logical = info.rule.parts(self.config)
+        total = sum(logical)
+        if any(p * size % total for p in logical):
+            raise ArchError(f"tensor {info.name}: its {size} rows do not hold the parts {list(logical)} of "
+                            f"{info.rule.pattern} in whole rows")
+        return tuple(p * size // total for p in logical)
 
     def attention(self) -> list[AttentionKind]:
         """Each decoder layer's attention kind (`ArchTable.attention`; MTP layers excluded)."""

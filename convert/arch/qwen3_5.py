@@ -47,8 +47,15 @@ unquantized ReplicatedLinear / quant_config=None layers (vllm/model_executor/mod
 and the conv1d, A_log, dt_bias and norms are no linears at all. vllm-ascend's and msModelSlim's own
 Qwen3.5 descriptions are not checked against this yet (issue 41 item 3).
 
-TP: the linear-attention projections are kept whole on every rank (vLLM splits them by value
-heads, q / k / v apart inside in_proj_qkv: not done here yet), the full attention splits by heads.
+(2) TP, as vLLM's QwenGatedDeltaNetAttention splits the linear attention
+(vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py): a rank holds Hk / tp key heads
+and Hv / tp value heads. in_proj_qkv is column-parallel with its q, k and v rows split apart (a
+rank's run of each, in order: `Rule.parts`, as the MergedColumnParallelLinear output_sizes
+[key_dim, key_dim, value_dim, value_dim] of its in_proj_qkvz load it), in_proj_z / in_proj_b /
+in_proj_a column-parallel, the conv1d weight split as q | k | v the same way
+(mamba_v2_sharded_weight_loader), A_log / dt_bias by value heads (sharded_weight_loader(0)), the
+gated norm whole, out_proj row-parallel. TP must divide both head counts (`cvt.convert.memory_plan`).
+The full attention splits by heads.
 The vision tower and the MTP draft are `Role.CARRIED`: copied byte for byte, never run.
 """
 
@@ -153,8 +160,26 @@ def kv_note(cfg: Mapping[str, Any]) -> str:
     return (f"Qwen3.5 hybrid layers ({len(kinds) - n_full} x Gated DeltaNet, {n_full} x full attention): a fixed "
             f"conv state ({conv_channels(cfg)} channels x {_get(cfg, 'linear_conv_kernel_dim') - 1}) and recurrent "
             f"state ({_get(cfg, 'linear_num_value_heads')} heads x {_get(cfg, 'linear_key_head_dim')} x "
-            f"{_get(cfg, 'linear_value_head_dim')}) per linear layer and sequence, GQA k+v "
+            f"{_get(cfg, 'linear_value_head_dim')}) per linear layer and sequence, both / tp by heads, GQA k+v "
             f"{cfg.get('num_key_value_heads')} KV heads / tp x {_get(cfg, 'head_dim')} per token per full layer")
+
+
+def qkv_parts(cfg: Mapping[str, Any]) -> tuple[int, int, int]:
+    """The q | k | v rows of in_proj_qkv and of the conv (key_dim, key_dim, value_dim)."""
+    key = _get(cfg, "linear_num_key_heads") * _get(cfg, "linear_key_head_dim")
+    return key, key, _get(cfg, "linear_num_value_heads") * _get(cfg, "linear_value_head_dim")
+
+
+def gdn_state_rules(g: str) -> tuple[Rule, ...]:
+    """The Gated DeltaNet's float parts at module `g` (Qwen3.5's and Qwen3-Next's alike): the conv
+    split as q | k | v per rank, A_log / dt_bias by value heads, the gated norm (over one head's
+    Dv) whole. Role LINEAR: they follow the attention's tp axis; never quantized (2)."""
+    return (Rule(f"{g}.conv1d", Role.LINEAR, C, Block.ATTN, float_default=True, parts=qkv_parts),
+            Rule(f"{g}.norm", Role.NORM, REP, Block.ATTN, float_default=True),
+            Rule(g, Role.LINEAR, C, Block.ATTN, float_default=True, params=GDN_PARAMS))
+
+
+GDN_STATE_RULES = gdn_state_rules(f"{L}.linear_attn")
 
 
 def _rules(moe: bool) -> tuple[Rule, ...]:
@@ -172,11 +197,10 @@ def _rules(moe: bool) -> tuple[Rule, ...]:
         lin(f"{a}.q_proj", C), lin(f"{a}.k_proj", C), lin(f"{a}.v_proj", C), lin(f"{a}.o_proj", R),
         Rule(f"{a}.q_norm", Role.NORM, REP, Block.ATTN, float_default=True),
         Rule(f"{a}.k_norm", Role.NORM, REP, Block.ATTN, float_default=True),
-        lin(f"{g}.in_proj_qkv", REP), lin(f"{g}.in_proj_z", REP), lin(f"{g}.out_proj", REP),
-        lin(f"{g}.in_proj_b", REP, float_default=True), lin(f"{g}.in_proj_a", REP, float_default=True),  # (1)
-        Rule(f"{g}.conv1d", Role.NORM, REP, Block.ATTN, float_default=True),
-        Rule(f"{g}.norm", Role.NORM, REP, Block.ATTN, float_default=True),
-        Rule(g, Role.NORM, REP, Block.ATTN, float_default=True, params=GDN_PARAMS),
+        Rule(f"{g}.in_proj_qkv", Role.LINEAR, C, Block.ATTN, quantizable=True, parts=qkv_parts),   # (2)
+        lin(f"{g}.in_proj_z", C), lin(f"{g}.out_proj", R),
+        lin(f"{g}.in_proj_b", C, float_default=True), lin(f"{g}.in_proj_a", C, float_default=True),  # (1)
+        *GDN_STATE_RULES,
     )
     if not moe:
         return common + swiglu_rules(f"{L}.mlp", Role.LINEAR, Block.MLP)

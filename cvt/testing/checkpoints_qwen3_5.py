@@ -3,7 +3,8 @@ qwen3_5 around a ``text_config``, a small ``vision_config``), for tests and benc
 
 Sizes are awkward on purpose: 3 linear-attention layers and 1 full one (the release's 3:1),
 value heads twice the key heads (Qwen3.5's grouped value heads), partial rotary 0.25 as the
-release, two routed experts per token over 6, and an MTP layer when asked for.
+release, two routed experts per token over 6, and an MTP layer when asked for. Qwen3-Next's
+(`tiny_qwen3_next_config`) is the same text model at the top level.
 """
 
 from __future__ import annotations
@@ -68,3 +69,14 @@ def fused_experts(weights: dict) -> tuple[dict, dict]:
             per_expert.update({f"{m[1]}.{e}.{w}_proj.weight": parts[e, w] for e in range(n) for w in ("gate", "up")})
             per_expert.update({f"{m[1]}.{e}.down_proj.weight": parts[e, "down"] for e in range(n)})
     return fused, per_expert
+
+
+def tiny_qwen3_next_config(**overrides: Any) -> dict[str, Any]:
+    """A tiny Qwen3-Next config.json (top level, as its release): Qwen3.5-MoE's tiny text model,
+    layer 1 a dense SwiGLU (``mlp_only_layers``), the rope keys as the release writes them."""
+    text = {k: v for k, v in TEXT.items() if k != "rope_parameters"}
+    cfg: dict[str, Any] = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **text, **MOE,
+                           "intermediate_size": 40, "mlp_only_layers": [1], "decoder_sparse_step": 1,
+                           "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "norm_topk_prob": True}
+    cfg.update(overrides)
+    return cfg

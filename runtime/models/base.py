@@ -64,6 +64,9 @@ class ParallelNames:
     head: str = "lm_head"
     layers: str = "model.layers"
     attn_out: str = "self_attn.o_proj"   # row-parallel over tp (from a layer)
+    # other token mixers' output projections, row-parallel over tp where a layer has one
+    # (Qwen3.5's / Qwen3-Next's Gated DeltaNet: ``linear_attn.out_proj``)
+    mixer_outs: tuple[str, ...] = ()
     mlp: str = "mlp"                     # a dense MLP (down row-parallel over dense_tp) or a MoE with `route`
     down: str = "down_proj"              # an MLP's / expert's down projection (from the MLP)
     # Args field -> the layout degree dividing it on a rank

@@ -29,6 +29,7 @@ FAMILIES = {
     "llama": "cvt.runtime.models.qwen3",
     "qwen3_5_moe_text": "cvt.runtime.models.qwen3_5",
     "qwen3_5_text": "cvt.runtime.models.qwen3_5",
+    "qwen3_next": "cvt.runtime.models.qwen3_next",
     "gpt_oss": "cvt.runtime.models.gpt_oss",
 }
 

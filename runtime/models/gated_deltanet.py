@@ -1,4 +1,4 @@
-"""Gated DeltaNet, the linear attention of Qwen3.5's linear layers: the layer, its fixed-size state
+"""Gated DeltaNet, the linear attention of Qwen3.5's and Qwen3-Next's linear layers: the layer, its fixed-size state
 and the two forms of the gated delta rule, in torch (the reference form, float32 inside).
 
 Shapes: b batch, s new tokens, h hidden_size, Hk / Hv key / value heads (each key head serves
@@ -136,16 +136,24 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv = args.linear_num_key_heads, args.linear_num_value_heads
         self.dk, self.dv, self.kernel = args.linear_key_head_dim, args.linear_value_head_dim, args.linear_conv_kernel_dim
         self.channels = 2 * self.hk * self.dk + self.hv * self.dv
-        self.in_proj_qkv = Linear(h, self.channels, **kw)
-        self.in_proj_z = Linear(h, self.hv * self.dv, **kw)
-        self.in_proj_b = Linear(h, self.hv, **kw)
-        self.in_proj_a = Linear(h, self.hv, **kw)
+        self.build_projections(h, kw)
         self.conv1d = nn.Module()   # the checkpoint's linear_attn.conv1d.weight [C, 1, k], depthwise, no bias
         self.conv1d.weight = nn.Parameter(torch.zeros(self.channels, 1, self.kernel, **kw), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.hv, **kw), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.ones(self.hv, **kw), requires_grad=False)
         self.norm = GatedRMSNorm(self.dv, args.rms_norm_eps, **kw)
         self.out_proj = Linear(self.hv * self.dv, h, **kw)
+
+    def build_projections(self, h: int, kw: dict) -> None:
+        """Qwen3.5's four input projections, one linear each."""
+        self.in_proj_qkv = Linear(h, self.channels, **kw)
+        self.in_proj_z = Linear(h, self.hv * self.dv, **kw)
+        self.in_proj_b = Linear(h, self.hv, **kw)
+        self.in_proj_a = Linear(h, self.hv, **kw)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, h] -> (qkv [b, s, C] in q | k | v order, z [b, s, Hv*Dv], b and a [b, s, Hv])."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def new_state(self, batch: int, dtype, device) -> LinearState:
         return LinearState(batch, self.channels, self.kernel, self.hv, self.dk, self.dv, dtype, device)
@@ -161,14 +169,15 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, start_pos: int, state: LinearState | None) -> torch.Tensor:
         b, s, _ = x.shape
         conv, rec = state.take(b, start_pos) if state is not None else (None, None)
-        mixed, new_conv = self._conv(self.in_proj_qkv(x).transpose(1, 2), conv)
+        qkv, z, beta, a = self.project(x)
+        mixed, new_conv = self._conv(qkv.transpose(1, 2), conv)
         q, k, v = torch.split(mixed.transpose(1, 2), [self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         rep = self.hv // self.hk
         q = q.reshape(b, s, self.hk, self.dk).repeat_interleave(rep, dim=2)
         k = k.reshape(b, s, self.hk, self.dk).repeat_interleave(rep, dim=2)
         v = v.reshape(b, s, self.hv, self.dv)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = beta.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         q, k, v, beta, g = (t.transpose(1, 2).float() for t in (q, k, v, beta, g))   # heads first, float32
         q, k = l2norm(q), l2norm(k)
         init = rec if rec is not None else q.new_zeros(b, self.hv, self.dk, self.dv)
@@ -177,5 +186,24 @@ class GatedDeltaNet(nn.Module):
         if state is not None:
             state.put(new_conv, new_rec, start_pos + s)
         o = o.transpose(1, 2).to(x.dtype)                                        # [b, s, Hv, Dv]
-        z = self.in_proj_z(x).view(b, s, self.hv, self.dv)
+        z = z.view(b, s, self.hv, self.dv)
         return self.out_proj(self.norm(o, z).reshape(b, s, -1))
+
+
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's Gated DeltaNet: the same layer with q, k, v, z fused into ``in_proj_qkvz`` and
+    b, a into ``in_proj_ba``, rows grouped per key head (`cvt.convert.arch.qwen3_next`),
+    regrouped here as transformers' Qwen3NextGatedDeltaNet.fix_query_key_value_ordering does."""
+
+    def build_projections(self, h: int, kw: dict) -> None:
+        self.in_proj_qkvz = Linear(h, 2 * self.hk * self.dk + 2 * self.hv * self.dv, **kw)
+        self.in_proj_ba = Linear(h, 2 * self.hv, **kw)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, s, _ = x.shape
+        r = self.hv // self.hk
+        qkvz = self.in_proj_qkvz(x).view(b, s, self.hk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        beta, a = torch.split(self.in_proj_ba(x).view(b, s, self.hk, 2 * r), [r, r], dim=-1)
+        qkv = torch.cat([t.reshape(b, s, -1) for t in (q, k, v)], dim=-1)
+        return qkv, z.reshape(b, s, -1), beta.reshape(b, s, -1), a.reshape(b, s, -1)

@@ -50,6 +50,7 @@ class Args(ModelArgs):
     """text_config of a qwen3_5_moe / qwen3_5 config.json (keys as in transformers' Qwen3_5MoeTextConfig)."""
 
     family = "qwen3_5"
+    model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
     # the release's keys that change no text forward math: the MTP draft's (not run here), the dtype
     ignored = frozenset({"mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "dtype"})
 
@@ -83,6 +84,27 @@ class Args(ModelArgs):
     def moe(self) -> bool:
         return self.model_type == "qwen3_5_moe_text"
 
+    def moe_layer(self, i: int) -> bool:
+        """Whether decoder layer `i` holds a MoE block (every layer of a Qwen3.5-MoE)."""
+        return self.moe
+
+    @property
+    def conv_channels(self) -> int:
+        """The causal conv's channels (q, k and v): its state's rows (`cvt.convert.arch.attention.LINEAR`)."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * \
+            self.linear_value_head_dim
+
+    @property
+    def conv_state_len(self) -> int:
+        """The conv state's length: the last kernel - 1 inputs (`cvt.convert.arch.attention.LINEAR`)."""
+        return self.linear_conv_kernel_dim - 1
+
+    def required(self) -> list[str]:
+        """The config keys this model cannot run without."""
+        return ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"] + (
+            ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"]
+            if self.moe else ["intermediate_size"])
+
     @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
@@ -103,13 +125,10 @@ class Args(ModelArgs):
         return float(p.get("rope_theta") or self.rope_theta or 10000.0), int(self.head_dim * factor)
 
     def validate(self) -> None:
-        if self.model_type not in MODEL_TYPES:
-            raise ConfigError(f"config.json model_type {self.model_type!r} is not a Qwen3.5 text model "
-                              f"(supported: {', '.join(MODEL_TYPES)})")
-        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
-        required += (["num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"]
-                     if self.moe else ["intermediate_size"])
-        missing = [k for k in required if getattr(self, k) is None]
+        if self.model_type not in self.model_types:
+            raise ConfigError(f"config.json model_type {self.model_type!r} is not a {self.family} text model "
+                              f"(supported: {', '.join(self.model_types)})")
+        missing = [k for k in self.required() if getattr(self, k) is None]
         if missing:
             raise ConfigError(f"config.json ({self.model_type}) lacks required key(s) {', '.join(missing)}")
         for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("attn_output_gate", True),
@@ -231,6 +250,8 @@ class DecoderLayer(nn.Module):
     # AWQ's clipping search skips the projections producing queries and keys (`cvt.quant.methods.calib`)
     no_clip: ClassVar[tuple[str, ...]] = ("in_proj_qkv",)
 
+    deltanet: ClassVar[type[GatedDeltaNet]] = GatedDeltaNet   # the linear layers' token mixer
+
     def __init__(self, args: Args, i: int, dtype=None, device=None, experts=None):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
@@ -240,10 +261,11 @@ class DecoderLayer(nn.Module):
         if self.full:
             self.self_attn = GatedAttention(args, **kw)
         else:
-            self.linear_attn = GatedDeltaNet(args, **kw)
+            self.linear_attn = self.deltanet(args, **kw)
             self.self_attn = None   # read by `cvt.runtime.kv_cache` (no KV-cache scales): a plain attribute
         self.post_attention_layernorm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps, **kw)
-        self.mlp = MoE(args, **kw, experts=experts) if args.moe else MLP(args.hidden_size, args.intermediate_size, **kw)
+        self.mlp = (MoE(args, **kw, experts=experts) if args.moe_layer(i)
+                    else MLP(args.hidden_size, args.intermediate_size, **kw))
 
     def forward(self, x, cos, sin, mask, start_pos, cache):
         a = self.input_layernorm(x)
@@ -255,11 +277,13 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     """The release's ``model.language_model.``: embed_tokens, layers, norm."""
 
+    layer: ClassVar[type[DecoderLayer]] = DecoderLayer
+
     def __init__(self, args: Args, dtype=None, device=None, experts=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, dtype, device, None if experts is None else experts.get(i))
+        self.layers = nn.ModuleList(self.layer(args, i, dtype, device, None if experts is None else experts.get(i))
                                     for i in range(args.num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype, device=device)
 
@@ -282,26 +306,35 @@ class Model(CausalLM):
 
     cache_name: ClassVar[str] = "Qwen3.5 cache"
     # the shared expert has its own width, split over moe_tp with the routed experts' (held whole when
-    # the layout replicates it); the Gated DeltaNet's head counts stay global (its projections replicated)
+    # the layout replicates it); the Gated DeltaNet's key and value heads split over tp as vLLM splits
+    # them (`cvt.convert.arch.qwen3_5` (2)), its out_proj row-parallel
     parallel: ClassVar[ParallelNames] = ParallelNames(
         embed="model.language_model.embed_tokens", layers="model.language_model.layers",
-        local_sizes=ParallelNames.local_sizes + (("shared_expert_intermediate_size", "moe_tp"),))
+        mixer_outs=("linear_attn.out_proj",), local_sizes=ParallelNames.local_sizes + (
+            ("shared_expert_intermediate_size", "moe_tp"), ("linear_num_key_heads", "tp"),
+            ("linear_num_value_heads", "tp")))
 
     def __init__(self, args: Args, dtype=None, device=None, experts=None):
         super().__init__()
         self.args = args
-        self.model = Wrapper(TextModel(args, dtype, device, experts))
+        self.model = self.build_text(args, dtype, device, experts)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size,
                                                                     dtype=dtype, device=device)
         theta, self.rot_dims = args.rope()
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.rot_dims, 2, dtype=torch.float, device="cpu")
                                          / self.rot_dims))
 
+    @classmethod
+    def build_text(cls, args: Args, dtype, device, experts) -> nn.Module:
+        """The module at ``model.``: the release's wrapper around its text model."""
+        return Wrapper(TextModel(args, dtype, device, experts))
+
     def new_cache(self, batch: int, max_len: int, dtype=None, device=None, quant: str | None = "auto") -> list:
         """Per layer: a `LinearState` (linear layers: fixed size) or a `KVCache` (full layers, k / v
         [batch, kv_heads, max_len, head_dim]); the cache is never quantized in this family."""
         if quant not in (None, "auto"):
-            raise CvtError(f"a {quant} KV cache is not supported for Qwen3.5 (supported: None, auto)")
+            raise CvtError(f"a {quant} KV cache is not supported for {self.cache_name.removesuffix(' cache')} "
+                           "(supported: None, auto)")
         if max_len > self.max_positions:
             raise CvtError(f"{self.cache_name} max_len {max_len} exceeds max_position_embeddings {self.max_positions}")
         w, a = self.model.embed_tokens.weight, self.args

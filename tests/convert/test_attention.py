@@ -3,6 +3,8 @@ and what their caches hold, and the declaration gives the numbers the scattered 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from cvt.convert.arch import TABLES, WRAPPERS, arch_for
@@ -10,7 +12,7 @@ from cvt.convert.arch.attention import GQA, KINDS, MLA, SPARSE_MLA, SPARSE_MLA_S
 from cvt.testing.checkpoints import (tiny_deepseek_config, tiny_deepseek_v32_config, tiny_glm_moe_dsa_config,
                                      tiny_kimi_k25_config, tiny_qwen3_config)
 from cvt.testing.checkpoints_gpt_oss import tiny_gpt_oss_config
-from cvt.testing.checkpoints_qwen3_5 import tiny_qwen3_5_config
+from cvt.testing.checkpoints_qwen3_5 import tiny_qwen3_5_config, tiny_qwen3_next_config
 from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config
 
 CONFIGS = {"deepseek_v3": tiny_deepseek_config, "deepseek_v32": tiny_deepseek_v32_config,
@@ -19,7 +21,7 @@ CONFIGS = {"deepseek_v3": tiny_deepseek_config, "deepseek_v32": tiny_deepseek_v3
            "qwen3_moe": tiny_qwen3_config, "deepseek_v4": tiny_deepseek_v4_config,
            "qwen3_5_moe": tiny_qwen3_5_config, "qwen3_5_moe_text": tiny_qwen3_5_config,
            "qwen3_5": lambda: tiny_qwen3_5_config(moe=False), "qwen3_5_text": lambda: tiny_qwen3_5_config(moe=False),
-           "gpt_oss": tiny_gpt_oss_config}
+           "gpt_oss": tiny_gpt_oss_config, "qwen3_next": tiny_qwen3_next_config}
 
 # memory_plan(config, layout, scheme, kv_tokens=1001).ranks[0].kv_cache before the kinds existed
 # (commit 6a18535: is_mla / kv_lora_rank tests, ArchTable.indexer_layers and ArchTable.kv_cache):
@@ -88,6 +90,29 @@ def test_the_linear_kind_counts_a_fixed_state():
            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
     state = 3 * (2 * 2 * 8 + 4 * 16) + 4 * 8 * 16
     assert KINDS["linear"].cache_bytes(cfg, 10) == KINDS["linear"].cache_bytes(cfg, 10_000) == state * 2
+
+
+@pytest.mark.parametrize("make", [tiny_qwen3_5_config, tiny_qwen3_next_config], ids=["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_linear_cache_entries_are_the_runtime_state_and_the_plan(make, tp):
+    """The linear kind's cache entries, read off the runtime's args as the ONNX cache I/O reads them,
+    are the shapes of the runtime's `LinearState` (the conv's last kernel - 1 inputs, as vLLM's
+    gated_delta_net_state_shape) and hold what the plan counts, on a rank of tp (heads / tp)."""
+    import torch
+
+    from cvt.convert.placement import make_layout
+    from cvt.runtime.models import family
+    from cvt.runtime.parallel import local_args
+
+    mod, cfg = family(make())
+    args = local_args(mod.Args.from_config(cfg), make_layout(tp, tp=tp), mod.Model.parallel)
+    with torch.device("meta"):
+        state = mod.Model(args).new_cache(3, 8)[0]
+    conv, rec = ([3 if d == "batch" else getattr(args, d) for d in e.dims] for e in KINDS["linear"].cache)
+    assert (list(state.conv.shape), list(state.recurrent.shape)) == (conv, rec)
+    assert conv[2] == cfg["linear_conv_kernel_dim"] - 1 and rec[1] == cfg["linear_num_value_heads"] // tp
+    numel = (math.prod(conv) + math.prod(rec)) // 3
+    assert KINDS["linear"].cache_bytes(cfg, 5, tp=tp) == numel * 2          # bf16 elements
 
 
 def test_every_architecture_declares_what_calibration_reads():

@@ -15,7 +15,7 @@ from cvt.convert.memory_plan import memory_plan
 from cvt.convert.placement import make_layout
 from cvt.errors import ArchError
 from cvt.testing.checkpoints import write_bf16_checkpoint
-from cvt.testing.checkpoints_qwen3_5 import tiny_qwen3_5_config
+from cvt.testing.checkpoints_qwen3_5 import tiny_qwen3_5_config, tiny_qwen3_next_config
 from cvt.tests.conftest import run_cvt
 
 transformers = pytest.importorskip("transformers")
@@ -157,7 +157,8 @@ def test_plan_a3b_by_hand(tmp_path):
     assert "30 x Gated DeltaNet, 10 x full attention" in r.out
 
 
-def _folded(model, seed: int = 0) -> list[list[tuple[str, list[str], list[str]]]]:
+def _folded(model, seed: int = 0,
+            layers: str = "model.language_model.layers") -> list[list[tuple[str, list[str], list[str]]]]:
     """Every smoothing group of every decoder layer folded with random factors in [0.5, 2] (the
     calibration driver's groups and fold helpers); the groups, per layer."""
     from cvt.quant.methods.sites import _smooth_groups
@@ -165,7 +166,7 @@ def _folded(model, seed: int = 0) -> list[list[tuple[str, list[str], list[str]]]
 
     gen, out = torch.Generator().manual_seed(seed), []
     for i, layer in enumerate(model.model.layers):
-        prefix = f"model.language_model.layers.{i}"
+        prefix = f"{layers}.{i}"
         mods = dict(layer.named_modules(prefix=prefix))
         groups = _smooth_groups(layer, prefix, model.args.arch_table())
         for g in groups:
@@ -369,16 +370,20 @@ def test_fused_experts_give_the_per_expert_outputs(tmp_path):
     assert shown[0] == shown[1]
 
 
-def test_fp8_release_to_bf16_is_the_official_dequant(tmp_path):
-    """Qwen's FP8 block release (top-level quantization_config; an MTP draft weight in FP8 too):
-    fp8-to-bf16 writes every FP8 weight as `dequant_fp8_block`'s BF16, bit for bit, drops every
-    scale and the quantization_config, and copies the rest byte for byte."""
+@pytest.mark.parametrize("make", [lambda: tiny_qwen3_5_config(mtp=1, vocab_size=300),
+                                  lambda: tiny_qwen3_next_config(mtp_num_hidden_layers=1, vocab_size=300)],
+                         ids=["qwen3_5", "qwen3_next"])
+def test_fp8_release_to_bf16_is_the_official_dequant(tmp_path, make):
+    """Qwen's FP8 block release (top-level quantization_config; an MTP draft weight in FP8 too), of
+    Qwen3.5 and of Qwen3-Next (Qwen/Qwen3-Next-80B-A3B-Instruct-FP8): fp8-to-bf16 writes every FP8
+    weight as `dequant_fp8_block`'s BF16, bit for bit, drops every scale and the
+    quantization_config, and copies the rest byte for byte."""
     from safetensors.torch import load_file
 
     from cvt.convert.fp8 import dequant_fp8_block
     from cvt.testing.checkpoints import quantize_fp8_block, release_tensors, write_release
 
-    cfg = tiny_qwen3_5_config(mtp=1, vocab_size=300)
+    cfg = make()
     cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                   "weight_block_size": [128, 128]}
     t = release_tensors(cfg, seed=3)

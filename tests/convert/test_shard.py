@@ -79,7 +79,13 @@ def reassemble(dst: Path) -> dict[str, torch.Tensor]:
                     assert raw(t) == raw(runs[i]), (name, r)
                 runs[i] = t
             assert sorted(runs) == list(range(ts["degree"])), name
-        whole = torch.cat([runs[i] for i in sorted(runs)], dim=ts["dim"]) if ts["dim"] is not None else runs[0]
+        if ts.get("parts"):  # each holder: its run of every part, in order (a Gated DeltaNet's q | k | v)
+            pieces = [runs[i].split([p // ts["degree"] for p in ts["parts"]], dim=ts["dim"]) for i in sorted(runs)]
+            whole = torch.cat([piece[j] for j in range(len(ts["parts"])) for piece in pieces], dim=ts["dim"])
+        elif ts["dim"] is not None:
+            whole = torch.cat([runs[i] for i in sorted(runs)], dim=ts["dim"])
+        else:
+            whole = runs[0]
         assert list(whole.shape) == ts["shape"], name
         out[name] = whole
     return out

@@ -36,7 +36,11 @@ def hf_model(cfg: dict):
         text_config=cfg["text_config"], vision_config=cfg["vision_config"])
     cls = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
     torch.manual_seed(0)
-    model = cls(conf).eval()
+    return perturb(cls(conf).eval())
+
+
+def perturb(model):
+    """`model`'s weights, of useful size (Qwen3.5's and Qwen3-Next's parameter names alike)."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("A_log"):
