@@ -217,6 +217,10 @@ class ArchTable:
     # order, "{E}" its expert id); every stage reads the per-expert tensors, each a contiguous byte
     # range of the stored one (`cvt.convert.arch.expert_splits`, `cvt.convert.reader`)
     saved_splits: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # its carried towers' linears are built with the quant config by the consumers (vLLM's Qwen3.5
+    # vision tower and MTP draft; transformers' compressed-tensors quantizer takes every nn.Linear):
+    # compressed-tensors lists their 2-D weights' modules in ``ignore``, so they load float
+    carried_linears_ignored: bool = False
 
 
 @dataclass(frozen=True)

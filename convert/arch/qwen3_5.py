@@ -44,8 +44,14 @@ stage sees, and writes, the per-expert layout.
 (1) What stays float: vLLM's Qwen3.5 GatedDeltaNetAttention builds ``in_proj_ba`` (in_proj_b +
 in_proj_a) and Qwen3NextSparseMoeBlock the router ``gate`` and ``shared_expert_gate`` as
 unquantized ReplicatedLinear / quant_config=None layers (vllm/model_executor/models/qwen3_next.py),
-and the conv1d, A_log, dt_bias and norms are no linears at all. vllm-ascend's and msModelSlim's own
-Qwen3.5 descriptions are not checked against this yet (issue 41 item 3).
+and the conv1d, A_log, dt_bias and norms are no linears at all. vllm-ascend main builds in_proj_ba
+*with* its quant config, so the description decides: its packed mapping (modelslim_config.py
+``packed_modules_model_mapping["qwen3_5" / "qwen3_5_moe"]``: in_proj_ba = in_proj_b + in_proj_a) asks
+both halves, FLOAT here, and loads them unquantized (tests/quant/vllm_ascend_referee_qwen3_5.py).
+msModelSlim's Qwen3.5 recipes (lab_practice/qwen3_5_moe/*.yaml) quantize less by default: only
+``*self_attn*`` and ``*mlp*`` (dense) or ``*self_attn*`` but o_proj and ``*mlp.experts*`` (MoE), never
+``mtp*``; so the Gated DeltaNet projections and shared experts stay float there. cvt's default
+quantizes every linear vllm-ascend can load quantized; a recipe (``--recipe``) keeps more float.
 
 (2) TP, as vLLM's QwenGatedDeltaNetAttention splits the linear attention
 (vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py): a rank holds Hk / tp key heads

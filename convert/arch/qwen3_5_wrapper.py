@@ -22,7 +22,10 @@ n = num_position_embeddings, m = d * spatial_merge_size^2, o = out_hidden_size; 
     mtp.layers.J.*                        one full-attention decoder layer (the text layer's names)
 
 All are `Role.CARRIED`: copied byte for byte by every stage, replicated, never run by cvt's text
-runtime (which runs no MTP draft).
+runtime (which runs no MTP draft). vLLM builds both with the quant config (qwen3_5.py
+``Qwen3_VisionTransformer(quant_config=...)``, qwen3_5_mtp.py), and transformers' compressed-tensors
+quantizer takes every nn.Linear, so a compressed-tensors output lists their linears in ``ignore``
+(`ArchTable.carried_linears_ignored`).
 """
 
 from __future__ import annotations
@@ -107,4 +110,4 @@ def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
 
     mt = config.get("model_type")
     return dataclasses.replace(text, name=mt, display=DISPLAY[mt], model_types=(mt,),
-                               rules=text.rules + CARRIED_RULES, param_shapes=param_shapes)
+                               rules=text.rules + CARRIED_RULES, param_shapes=param_shapes, carried_linears_ignored=True)

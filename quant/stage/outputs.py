@@ -149,8 +149,10 @@ class OutputPlan:
                           read_bytes=ref.nbytes, pieces=pieces, finite=pieces,
                           source=None if name in cal.float_overrides else ref.describe()))
         module = info.module
-        if info.param == "weight" and len(ref.shape) == 2 and info.role.value in LINEAR_ROLES \
-                and module not in out.float_linears:
+        # a carried tower's linear too where its consumers would quantize it (`ArchTable.carried_linears_ignored`)
+        linear = info.role.value in LINEAR_ROLES or (
+            info.role.value == "carried" and self.arch.table.carried_linears_ignored)
+        if info.param == "weight" and len(ref.shape) == 2 and linear and module not in out.float_linears:
             out.float_linears.append(module)
         elif info.role.value == "expert" and len(shape) == 3 and module not in out.float_experts:
             out.float_experts.append(module)  # routed experts fused into [E, ...] tensors (gpt-oss), float
