@@ -1,47 +1,57 @@
-"""Referee for Qwen3.5 / Qwen3.5-MoE: would vllm-ascend main load a cvt ``--format ascend`` output?
+"""Referee for Qwen3.5 / Qwen3.5-MoE and Qwen3-Next: would vllm-ascend main load a cvt ``--format ascend``
+output?
 
-The Qwen3.5 half of tests/quant/vllm_ascend_referee.py (same stubs, slot / dtype / shape checks and
+The hybrid-Qwen half of tests/quant/vllm_ascend_referee.py (same stubs, slot / dtype / shape checks and
 ``Report``): ``inspect_qwen3_5_output(dst, va_src)`` imports vllm-ascend's own quantization package from
 ``va_src`` and lets ``AscendModelSlimConfig`` choose every module's method and create its parameters:
 its ``apply_vllm_mapper`` (vLLM's model loader hands it the model class's ``hf_to_vllm_mapper``:
-model_loader/utils.py configure_quant_config), its ``packed_modules_model_mapping["qwen3_5" /
-"qwen3_5_moe"]`` (in_proj_qkvz = in_proj_qkv + in_proj_z, in_proj_ba = in_proj_b + in_proj_a, qkv_proj,
-gate_up_proj, experts), ``is_layer_skipped_ascend`` and ``create_scheme_for_layer``.
+model_loader/utils.py configure_quant_config), its ``packed_modules_model_mapping[model_type]``
+(``qwen3_5`` / ``qwen3_5_moe``: in_proj_qkvz = in_proj_qkv + in_proj_z, in_proj_ba = in_proj_b +
+in_proj_a, qkv_proj, gate_up_proj, experts; ``qwen3_next``: qkv_proj, gate_up_proj, experts and an
+``in_proj`` = in_proj_qkvz + in_proj_ba no vLLM module is named, so each fused projection is looked up
+as itself), ``is_layer_skipped_ascend`` and ``create_scheme_for_layer``.
 
-The model is vLLM's (main, the one vllm-ascend main patches: models/qwen3_5.py, qwen3_next.py,
-layers/mamba/gdn/qwen_gdn_linear_attn.py), written out for tp=1:
+The models are vLLM's (main, the ones vllm-ascend main patches: models/qwen3_5.py, qwen3_next.py,
+layers/mamba/gdn/qwen_gdn_linear_attn.py), written out for tp=1; what differs between the two is one
+`Model` entry each (`MODELS`):
 
 * ``Qwen3_5(Moe)ForConditionalGeneration``: ``hf_to_vllm_mapper`` (Qwen3VLForConditionalGeneration's)
   maps ``model.language_model.`` -> ``language_model.model.``, ``model.visual.`` -> ``visual.``,
   ``lm_head.`` -> ``language_model.lm_head.``; ``load_weights`` skips ``mtp.`` (the draft's).
-* ``visual`` = Qwen3_VisionTransformer built *with* quant_config: every block's attn.qkv / attn.proj /
-  mlp.linear_fc1 / linear_fc2 and the merger's linear_fc1 / linear_fc2 ask the description (must say
-  FLOAT: cvt carries the tower); patch_embed / pos_embed / norms are checked to be float only.
-* ``language_model.model.layers.{i}``: a linear-attention layer's ``linear_attn`` (QwenGatedDeltaNetAttention,
-  gqa_interleaved_layout False): ``in_proj_qkvz`` MergedColumnParallelLinear [q, k, v, z] with
-  quant_config (checkpoint in_proj_qkv loads as shards (0, 1, 2), in_proj_z as 3), ``in_proj_ba``
-  MergedColumnParallelLinear [b, a] *with* quant_config (so the description decides), ``conv1d`` a
-  ColumnParallelLinear without quant_config, weight [C, 1, k]; ``A_log`` (float32) / ``dt_bias``,
-  ``norm`` (RMSNormGated [Dv]), ``out_proj`` RowParallelLinear with quant_config.  A full-attention
-  layer's ``self_attn`` (Qwen3NextAttention): QKVParallelLinear ``qkv_proj`` whose q shard carries
-  the output gate (2 * heads * head_dim rows), ``o_proj``, q_norm / k_norm, the attention at ``attn``.
-  The MLP: Qwen2MoeMLP (dense) or Qwen3NextSparseMoeBlock: ``gate`` and ``shared_expert_gate``
-  ReplicatedLinear built with quant_config=None, ``shared_expert`` MLP, FusedMoE ``experts``.
-* ``Qwen3_5Model.load_weights``: kv-scale remap for names ending in ``scale``, its
-  stacked_params_mapping (a name no parameter takes is skipped with a warning: reported as
-  dropped), per-expert names through FusedMoE's expert mapping.
+  ``Qwen3NextForCausalLM``: the release's names (``model.``, ``lm_head.``); its mapper drops ``mtp.``.
+* ``visual`` (Qwen3.5) = Qwen3_VisionTransformer built *with* quant_config: every block's attn.qkv /
+  attn.proj / mlp.linear_fc1 / linear_fc2 and the merger's linear_fc1 / linear_fc2 ask the description
+  (must say FLOAT: cvt carries the tower); patch_embed / pos_embed / norms are checked to be float only.
+* ``{lm}.layers.{i}``: a linear-attention layer's ``linear_attn`` (QwenGatedDeltaNetAttention):
+  ``in_proj_qkvz`` MergedColumnParallelLinear with quant_config, [q, k, v, z] for Qwen3.5
+  (gqa_interleaved_layout False: checkpoint in_proj_qkv loads as shards (0, 1, 2), in_proj_z as 3),
+  one output shard for Qwen3-Next (True: the checkpoint's fused in_proj_qkvz, key-head interleaved,
+  loads whole); ``in_proj_ba`` likewise ([b, a] or one shard) *with* quant_config (so the description
+  decides); ``conv1d`` a ColumnParallelLinear without quant_config, weight [C, 1, k]; ``A_log``
+  (float32) / ``dt_bias``, ``norm`` (RMSNormGated [Dv]), ``out_proj`` RowParallelLinear with
+  quant_config.  A full-attention layer's ``self_attn`` (Qwen3NextAttention): QKVParallelLinear
+  ``qkv_proj`` whose q shard carries the output gate (2 * heads * head_dim rows), ``o_proj``,
+  q_norm / k_norm, the attention at ``attn``.  The MLP: Qwen2MoeMLP (dense; Qwen3-Next's
+  ``mlp_only_layers`` / ``decoder_sparse_step`` layers too) or Qwen3NextSparseMoeBlock: ``gate`` and
+  ``shared_expert_gate`` ReplicatedLinear built with quant_config=None, ``shared_expert`` MLP, FusedMoE
+  ``experts``.
+* ``Qwen3_5Model.load_weights`` / ``Qwen3NextModel.load_weights``: kv-scale remap for names ending in
+  ``scale``, the stacked_params_mapping (a name no parameter takes is skipped with a warning: reported
+  as dropped), per-expert names through FusedMoE's expert mapping.
 
-Beyond vllm_ascend_referee.APPROXIMATIONS: the MTP draft (Qwen3_5MTP, model_type qwen3_5_mtp) is
-not built; its ``mtp.*`` tensors are checked to be float and described FLOAT (msModelSlim's Qwen3.5
-recipes exclude ``mtp*``).  Tied embeddings: ``lm_head`` is ``embed_tokens`` and an ``lm_head.weight``
-in the checkpoint is not checked.
+Beyond vllm_ascend_referee.APPROXIMATIONS: the MTP draft (Qwen3_5MTP / Qwen3NextMTP) is not built;
+its ``mtp.*`` tensors are checked to be float and described FLOAT (msModelSlim never quantizes it).
+Tied embeddings (Qwen3.5): ``lm_head`` is ``embed_tokens`` and an ``lm_head.weight`` in the checkpoint
+is not checked.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -50,19 +60,53 @@ from cvt.tests.quant.vllm_ascend_referee import (_CFG_DTYPES, _ROTARY_UNUSED, _A
                                                 Report)
 from cvt.tests.quant.vllm_ascend_referee_v4 import _WeightsMapper
 
-MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
-# Qwen3VLForConditionalGeneration.hf_to_vllm_mapper, which Qwen3_5ForConditionalGeneration inherits
-HF_TO_VLLM = {"model.visual.": "visual.", "lm_head.": "language_model.lm_head.",
-              "model.language_model.": "language_model.model."}
-# Qwen3_5ForConditionalGeneration.packed_modules_mapping (configure_quant_config sets it; get_quant_method
-# then swaps in vllm-ascend's packed_modules_model_mapping[model_type])
-PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
-          "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"], "in_proj_ba": ["in_proj_b", "in_proj_a"]}
-# Qwen3_5Model.load_weights stacked_params_mapping (no LoRA), in its order
-STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-           ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1), ("in_proj_ba", "in_proj_b", 0),
-           ("in_proj_ba", "in_proj_a", 1), ("in_proj_qkvz", "in_proj_qkv", (0, 1, 2)), ("in_proj_qkvz", "in_proj_z", 3))
-LM = "language_model.model"
+@dataclass(frozen=True)
+class Model:
+    """One vLLM model class, as data: what differs between Qwen3.5 and Qwen3-Next (module docstring)."""
+
+    hf_to_vllm: dict          # the class's hf_to_vllm_mapper prefixes (None: the name is dropped)
+    packed: dict              # the class's packed_modules_mapping (configure_quant_config sets it)
+    stacked: tuple            # the decoder model's load_weights stacked_params_mapping, in its order
+    lm: str                   # the decoder model's vLLM prefix
+    head: str                 # lm_head's vLLM prefix
+    interleaved: bool         # gqa_interleaved_layout: in_proj_qkvz / in_proj_ba one checkpoint tensor each
+    moe_layer: Callable       # (text config, layer index) -> whether the layer holds the sparse MoE block
+
+
+_QKV_GATE_UP = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+                ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+QWEN3_5 = Model(
+    # Qwen3VLForConditionalGeneration.hf_to_vllm_mapper, which Qwen3_5ForConditionalGeneration inherits
+    hf_to_vllm={"model.visual.": "visual.", "lm_head.": "language_model.lm_head.",
+                "model.language_model.": "language_model.model."},
+    packed={"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
+            "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"], "in_proj_ba": ["in_proj_b", "in_proj_a"]},
+    stacked=(*_QKV_GATE_UP, ("in_proj_ba", "in_proj_b", 0), ("in_proj_ba", "in_proj_a", 1),
+             ("in_proj_qkvz", "in_proj_qkv", (0, 1, 2)), ("in_proj_qkvz", "in_proj_z", 3)),
+    lm="language_model.model", head="language_model.lm_head", interleaved=False,
+    moe_layer=lambda c, i: bool(c.get("num_experts")))
+QWEN3_NEXT = Model(
+    # Qwen3NextForCausalLM: hf_to_vllm_mapper drops mtp. (the draft's), packed_modules_mapping lists the
+    # two fused Gated DeltaNet projections as themselves; Qwen3NextModel.load_weights stacks qkv / gate_up
+    hf_to_vllm={"mtp.": None},
+    packed={"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"],
+            "in_proj_qkvz": ["in_proj_qkvz"], "in_proj_ba": ["in_proj_ba"]},
+    stacked=_QKV_GATE_UP, lm="model", head="lm_head", interleaved=True,
+    # Qwen3NextDecoderLayer: sparse unless in mlp_only_layers or off the decoder_sparse_step
+    moe_layer=lambda c, i: (i not in (c.get("mlp_only_layers") or []) and (c.get("num_experts") or 0) > 0
+                            and (i + 1) % (c.get("decoder_sparse_step") or 1) == 0))
+MODELS = {"qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5, "qwen3_next": QWEN3_NEXT}
+MODEL_TYPES = tuple(MODELS)
+HF_TO_VLLM = QWEN3_5.hf_to_vllm
+
+
+def model_of(config: dict) -> Model:
+    return MODELS[config["model_type"]]
+
+
+def text_of(config: dict) -> dict:
+    """The language model's config: Qwen3.5's ``text_config``, Qwen3-Next's top level."""
+    return config.get("text_config") or config
 
 
 class _Mapper(_WeightsMapper):
@@ -72,12 +116,16 @@ class _Mapper(_WeightsMapper):
         return {k: v for n, v in values.items() if (k := self._map_name(n)) is not None}
 
 
-def _linear_attention(c: dict, dt: torch.dtype, g: str) -> list:
+def _linear_attention(c: dict, dt: torch.dtype, g: str, interleaved: bool) -> list:
+    """QwenGatedDeltaNetAttention: ``interleaved`` (Qwen3-Next) makes in_proj_qkvz / in_proj_ba one output
+    shard each, loaded whole from the checkpoint's fused tensor (create_qkvz_proj / create_ba_proj)."""
     H, hk, hv = c["hidden_size"], c["linear_num_key_heads"], c["linear_num_value_heads"]
     kd, vd = hk * c["linear_key_head_dim"], hv * c["linear_value_head_dim"]
     conv = 2 * kd + vd
-    return [_Lin(f"{g}.in_proj_qkvz", "merged", H, [(f"{g}.in_proj_qkv", (0, 1, 2), conv), (f"{g}.in_proj_z", 3, vd)]),
-            _Lin(f"{g}.in_proj_ba", "merged", H, [(f"{g}.in_proj_b", 0, hv), (f"{g}.in_proj_a", 1, hv)]),
+    qkvz = [(f"{g}.in_proj_qkvz", None, conv + vd)] if interleaved else [(f"{g}.in_proj_qkv", (0, 1, 2), conv),
+                                                                         (f"{g}.in_proj_z", 3, vd)]
+    ba = [(f"{g}.in_proj_ba", None, 2 * hv)] if interleaved else [(f"{g}.in_proj_b", 0, hv), (f"{g}.in_proj_a", 1, hv)]
+    return [_Lin(f"{g}.in_proj_qkvz", "merged", H, qkvz), _Lin(f"{g}.in_proj_ba", "merged", H, ba),
             _Plain(f"{g}.conv1d.weight", (conv, 1, c["linear_conv_kernel_dim"]), dt),
             _Plain(f"{g}.A_log", (hv,), torch.float32), _Plain(f"{g}.dt_bias", (hv,), dt),
             _Plain(f"{g}.norm.weight", (c["linear_value_head_dim"],), dt),
@@ -117,51 +165,61 @@ def _vision(v: dict) -> list:
                    _Lin("visual.merger.linear_fc2", "row", m, [("visual.merger.linear_fc2", None, o)], bias=True)]
 
 
+def _layer_types(c: dict) -> list[str]:
+    """``layer_types``, else every ``full_attention_interval``-th layer full (Qwen3NextConfig's rule)."""
+    every = c.get("full_attention_interval") or 4
+    return c.get("layer_types") or ["linear_attention" if (i + 1) % every else "full_attention"
+                                    for i in range(c["num_hidden_layers"])]
+
+
 def layout(config: dict, dt: torch.dtype) -> list:
-    """Every module vLLM's Qwen3_5(Moe)ForConditionalGeneration builds (module docstring), vLLM prefixes."""
-    c = config["text_config"]
+    """Every module vLLM's Qwen3_5(Moe)ForConditionalGeneration / Qwen3NextForCausalLM builds (module
+    docstring), vLLM prefixes."""
+    m, c = model_of(config), text_of(config)
     H, V = c["hidden_size"], c["vocab_size"]
-    tied = bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
-    mods: list = [_Embed(f"{LM}.embed_tokens", V, H), _Plain(f"{LM}.norm.weight", (H,), dt)]
-    if not tied:
-        mods.append(_Embed("language_model.lm_head", V, H))
-    types = c["layer_types"]
+    tied = m is QWEN3_5 and bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    mods: list = [_Embed(f"{m.lm}.embed_tokens", V, H), _Plain(f"{m.lm}.norm.weight", (H,), dt)]
+    if not tied:  # Qwen3NextForCausalLM builds its lm_head whatever the config says
+        mods.append(_Embed(m.head, V, H))
+    types = _layer_types(c)
     for i in range(c["num_hidden_layers"]):
-        p = f"{LM}.layers.{i}"
+        p = f"{m.lm}.layers.{i}"
         mods += [_Plain(f"{p}.input_layernorm.weight", (H,), dt), _Plain(f"{p}.post_attention_layernorm.weight", (H,), dt)]
-        mods += (_linear_attention(c, dt, f"{p}.linear_attn") if types[i] == "linear_attention"
+        mods += (_linear_attention(c, dt, f"{p}.linear_attn", m.interleaved) if types[i] == "linear_attention"
                  else _full_attention(c, dt, f"{p}.self_attn"))
-        mods += _moe(c, f"{p}.mlp") if c.get("num_experts") else _mlp(f"{p}.mlp", H, c["intermediate_size"])
+        mods += _moe(c, f"{p}.mlp") if m.moe_layer(c, i) else _mlp(f"{p}.mlp", H, c["intermediate_size"])
     if config.get("vision_config"):
         mods += _vision(config["vision_config"])
     return mods
 
 
-def _map(name: str) -> str:
-    for old, new in HF_TO_VLLM.items():
+def _map(name: str, m: Model = QWEN3_5) -> str | None:
+    for old, new in m.hf_to_vllm.items():
         if name.startswith(old):
-            return new + name[len(old):]
+            return None if new is None else new + name[len(old):]
     return name
 
 
 def route(name: str, params: set[str], c: dict, cfg):
-    """Qwen3_5ForConditionalGeneration.load_weights: AutoWeightsLoader(skip_prefixes=["mtp."]) with the
-    mapper, then Qwen3_5Model.load_weights (the language model) or the vision tower's parameters."""
+    """Qwen3_5ForConditionalGeneration.load_weights (AutoWeightsLoader(skip_prefixes=["mtp."]) with the
+    mapper, then Qwen3_5Model.load_weights for the language model or the vision tower's parameters), or
+    Qwen3NextForCausalLM.load_weights (its mapper drops mtp., then Qwen3NextModel.load_weights)."""
+    m = model_of(c)
     if any(s in name for s in _ROTARY_UNUSED) or name.startswith("mtp."):
         return ("carried", name) if name.startswith("mtp.") else ("skip", None)
-    name = _map(name)
+    name = _map(name, m)
     if name.startswith("visual."):
         return ("load", (name, None, None)) if name in params else ("carried", name)
-    if name.startswith("language_model.lm_head."):
+    if name.startswith(f"{m.head}."):
         return ("load", (name, None, None)) if name in params else ("valueerror", name)
-    if not name.startswith(f"{LM}."):
+    if not name.startswith(f"{m.lm}."):
         return "valueerror", name
     if name.endswith("scale"):
         r = _vllm_remap_kv_scale(name, params)
         if r is None:
             return "drop", name
         name = r
-    for pn, wn, sid in STACKED:
+    for pn, wn, sid in m.stacked:
         if wn not in name or "mlp.experts" in name:
             continue
         name = name.replace(wn, pn)
@@ -170,7 +228,7 @@ def route(name: str, params: set[str], c: dict, cfg):
         if name not in params:
             continue  # vLLM: `continue` with the renamed name, which the default branch then drops
         return "load", (name, sid, None)
-    ex = _experts(name, params, c["text_config"].get("num_experts") or 0)
+    ex = _experts(name, params, text_of(c).get("num_experts") or 0)
     if ex is not None:
         mapped, sid, e = ex
         if mapped.endswith((".bias", "_bias")) and mapped not in params:
@@ -186,14 +244,17 @@ _DRAFT_FLOAT = re.compile(r"^mtp\.")
 
 def _draft_problems(desc: dict, tensors: dict) -> list[str]:
     """The MTP draft is not built here: its tensors must be float and described FLOAT."""
-    out = [f"[MTP draft] {k}: described {v!r}, not FLOAT (msModelSlim's Qwen3.5 recipes exclude mtp*; the "
-           "draft is not modelled by the referee)" for k, v in desc.items() if _DRAFT_FLOAT.match(k) and v != "FLOAT"]
+    # msModelSlim never quantizes the draft: its Qwen3.5 recipes exclude mtp*, its Qwen3-Next adapter
+    # (msmodelslim/model/qwen3_next) loads transformers' Qwen3NextForCausalLM, which has no mtp.* modules
+    out = [f"[MTP draft] {k}: described {v!r}, not FLOAT (msModelSlim does not quantize mtp*; the draft is "
+           "not modelled by the referee)" for k, v in desc.items() if _DRAFT_FLOAT.match(k) and v != "FLOAT"]
     return out + [f"[MTP draft] {k}: described FLOAT but the tensor is missing" for k, v in desc.items()
                   if _DRAFT_FLOAT.match(k) and v == "FLOAT" and k not in tensors]
 
 
 def inspect_qwen3_5_output(dst: Path, va_src: Path) -> Report:
-    """vllm-ascend main's view of the cvt ascend output ``dst`` of a Qwen3.5 / Qwen3.5-MoE (module docstring)."""
+    """vllm-ascend main's view of the cvt ascend output ``dst`` of a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next
+    (module docstring)."""
     dst, va_src = Path(dst), Path(va_src)
     config = json.loads((dst / "config.json").read_text())
     if config.get("model_type") not in MODEL_TYPES:
@@ -207,7 +268,7 @@ def inspect_qwen3_5_output(dst: Path, va_src: Path) -> Report:
         problems.append("config.json: quantization_config present: vLLM would pick that method, not vllm-ascend's "
                         "'ascend' (msModelSlim strips it)")
     desc = json.loads(desc_path.read_text())
-    dt_name = str(config["text_config"].get("dtype") or config.get("torch_dtype") or config.get("dtype")
+    dt_name = str(text_of(config).get("dtype") or config.get("torch_dtype") or config.get("dtype")
                   or "bfloat16").replace("torch.", "")
     dtype = _CFG_DTYPES.get(dt_name, torch.bfloat16)
     dtype = torch.bfloat16 if dtype == torch.float32 else dtype
@@ -215,8 +276,8 @@ def inspect_qwen3_5_output(dst: Path, va_src: Path) -> Report:
     problems += hp
     with _vllm_ascend(va_src, config, dtype) as env:
         cfg = env.mc.AscendModelSlimConfig(json.loads(json.dumps(desc)))
-        cfg.packed_modules_mapping = dict(PACKED)
-        cfg.apply_vllm_mapper(_Mapper(orig_to_new_prefix=dict(HF_TO_VLLM)))
+        cfg.packed_modules_mapping = dict(model_of(config).packed)
+        cfg.apply_vllm_mapper(_Mapper(orig_to_new_prefix=dict(model_of(config).hf_to_vllm)))
         env.holder.quant_config = cfg
         report.slots = _run_pass(env, cfg, layout(config, dtype), route, tensors, config, dtype, problems,
                                  report.schemes, config["model_type"], label="")
