@@ -33,6 +33,10 @@ q | k | v, A_log / dt_bias by value heads, out_proj row-parallel (`cvt.convert.a
 
 MTP: the release's ``mtp.*`` draft (vLLM's Qwen3NextMultiTokenPredictor: ``mtp.fc``, its norms
 and full-attention MoE layers ``mtp.layers.J``) is `Role.CARRIED`, copied byte for byte, never run.
+vLLM builds the draft's ``mtp.fc`` and its layers' linears with the quant config (qwen3_next_mtp.py,
+prefix ``mtp``), so a compressed-tensors output lists them in ``ignore``
+(`ArchTable.carried_linears_ignored`), or the draft would expect quantized parts the float weights
+do not hold.
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ def kv_note(cfg: Mapping[str, Any]) -> str:
 TABLE = ArchTable(
     name="qwen3_next", display="Qwen3-Next (MTP carried)", model_types=("qwen3_next",), rules=_rules(),
     attention=qwen3_5.MOE.attention, param_shapes=param_shapes, config_checks=checks.qwen3_5, kv_note=kv_note,
-    rotation=qwen3_5.MOE.rotation,
+    rotation=qwen3_5.MOE.rotation, carried_linears_ignored=True,  # the MTP draft's linears (module docstring)
     config_keys={"layers": "num_hidden_layers", "vocab": "vocab_size", "hidden": "hidden_size",
                  "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "experts": "num_experts",
                  "experts_per_token": "num_experts_per_tok"},

@@ -1,11 +1,14 @@
-"""Qwen3.5 / Qwen3.5-MoE as ``--format compressed-tensors`` (issue 41 item 3): the names and the ``ignore``
-list as vLLM's qwen3_5 loader reads them, and transformers 5.24 ``from_pretrained`` (compressed-tensors
-0.20) loading the output with logits equal to cvt's runtime on it.
+"""Qwen3.5 / Qwen3.5-MoE and Qwen3-Next as ``--format compressed-tensors`` (issue 41 item 3): the names and
+the ``ignore`` list as vLLM's qwen3_5 / qwen3_next loaders (and their MTP drafts) read them, and
+transformers 5.24 ``from_pretrained`` (compressed-tensors 0.20) loading the output with logits equal to
+cvt's runtime on it.
 
 vLLM is not installed here: its side is the model layout and ``load_weights`` routing written out in
-tests/quant/vllm_ascend_referee_qwen3_5.py (``layout``, ``route``, ``HF_TO_VLLM``), with vLLM's
-compressed-tensors rule for a fused layer (``should_ignore_layer``: all of a fused layer's shards in
-``ignore`` or none, else a ValueError) and ``apply_vllm_mapper`` mapping the ignore list.
+tests/quant/vllm_ascend_referee_qwen3_5.py (``layout``, ``draft_layout``, ``route``, the model's
+``hf_to_vllm`` mapper), with vLLM's compressed-tensors rule for a fused layer (``should_ignore_layer``:
+all of a fused layer's shards in ``ignore`` or none, else a ValueError), for a FusedMoE (expert 0's
+linears decide: ``CompressedTensorsMoEMethod.get_moe_method``) and ``apply_vllm_mapper`` mapping the
+ignore list.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import torch
 from cvt.quant.stage import quantize
 from cvt.runtime.loader import load_model
 from cvt.testing.checkpoints import write_bf16_checkpoint
-from cvt.testing.checkpoints_qwen3_5 import tiny_qwen3_5_config
+from cvt.testing.checkpoints_qwen3_5 import tiny_qwen3_5_config, tiny_qwen3_next_config
 from cvt.tests.quant.test_stage import weight_only
 from cvt.tests.quant.vllm_ascend_referee import _Embed, _Lin, _MoE, _Plain, read_headers
-from cvt.tests.quant.vllm_ascend_referee_qwen3_5 import _map, layout, route
+from cvt.tests.quant.vllm_ascend_referee_qwen3_5 import _map, draft_layout, layout, model_of, route
 
+KINDS = ("moe", "dense", "next")
 SIZES = dict(hidden_size=64, linear_value_head_dim=16, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 TOKENS = torch.tensor([[5, 35, 15, 11, 9, 18, 17, 10, 11, 32, 60, 18]])
 SUFFIXES = ("weight", "weight_scale", "weight_packed", "weight_shape", "weight_zero_point", "bias")
@@ -31,9 +35,13 @@ SUFFIXES = ("weight", "weight_scale", "weight_packed", "weight_shape", "weight_z
 def ct_outputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ct-qwen3.5")
     out = {}
-    for kind in ("moe", "dense"):
-        cfg = tiny_qwen3_5_config(moe=kind == "moe", mtp=1, **SIZES, **({} if kind == "moe" else {"intermediate_size": 64}))
-        cfg["vision_config"]["out_hidden_size"] = 64
+    for kind in KINDS:
+        if kind == "next":
+            cfg = tiny_qwen3_next_config(mtp_num_hidden_layers=1, **SIZES, intermediate_size=64)
+        else:
+            cfg = tiny_qwen3_5_config(moe=kind == "moe", mtp=1, **SIZES,
+                                      **({} if kind == "moe" else {"intermediate_size": 64}))
+            cfg["vision_config"]["out_hidden_size"] = 64
         src = write_bf16_checkpoint(root / kind, cfg)
         for scheme in ("w8a8", "w4a16"):
             dst = root / f"{kind}-{scheme}"
@@ -57,33 +65,53 @@ def _vllm_params(mods: list) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("kind, scheme", [("moe", "w8a8"), ("moe", "w4a16"), ("dense", "w8a8"), ("dense", "w4a16")])
+def _vllm_name(name: str, model) -> str | None:
+    """A checkpoint name as vLLM's model looks it up: the main model's through its mapper, the MTP
+    draft's (its own model, prefix ``mtp``) as stored."""
+    return name if name.startswith("mtp.") else _map(name, model)
+
+
+def _check_fused_ignore(m: _Lin, ignore: set[str], stored: dict[str, str]) -> None:
+    """vLLM: a fused layer's shards all in ``ignore`` (float weights) or none (quantized parts), else a
+    ValueError; the vision tower's, in_proj_ba's and the MTP draft's all ignored."""
+    shards = [ck for ck, _, _ in m.shards]
+    hit = [ck in ignore for ck in shards]
+    assert all(hit) or not any(hit), (m.prefix, hit)
+    for ck in shards:
+        if all(hit):
+            assert stored[f"{ck}.weight"] in ("BF16", "F32"), ck
+        else:
+            assert f"{ck}.weight_scale" in stored, ck
+            assert stored.get(f"{ck}.weight", stored.get(f"{ck}.weight_packed")) in ("I8", "I32"), ck
+    if m.prefix.startswith(("visual.", "mtp.")) or m.prefix.endswith("in_proj_ba"):
+        assert all(hit), m.prefix
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
 def test_vllm_qwen3_5_reads_the_names_and_the_ignore_list(ct_outputs, kind, scheme):
-    """Mapped as vLLM maps them, cvt's ignore entries cover whole fused layers (in_proj_ba: b and a;
-    never half of qkv_proj / in_proj_qkvz / gate_up_proj), every vision-tower linear (vLLM builds the
-    tower with the quant config) and the routers; every other linear holds quantized parts,
-    an ignored one a float weight; every tensor routes to a parameter (the MTP draft's aside)."""
+    """Mapped as vLLM maps them, cvt's ignore entries cover whole fused layers (in_proj_ba: b and a, or
+    Qwen3-Next's one fused tensor; never half of qkv_proj / in_proj_qkvz / gate_up_proj), every
+    vision-tower linear (vLLM builds the tower with the quant config), every linear of the MTP draft
+    (vLLM's draft model builds them with it too; its experts through expert 0) and the routers; every
+    other linear holds quantized parts, an ignored one a float weight; every tensor routes to a
+    parameter (the MTP draft's aside)."""
     dst = ct_outputs[kind, scheme]
     config = json.loads((dst / "config.json").read_text())
+    model = model_of(config)
     qc = config.get("quantization_config") or config["text_config"]["quantization_config"]
-    ignore = {_map(i) for i in qc["ignore"]}
+    ignore = {_vllm_name(i, model) for i in qc["ignore"]}
     assert not any(i.startswith("re:") for i in qc["ignore"])  # a regex would not be mapped to vLLM's names
     tensors, _ = read_headers(dst)
-    stored = {_map(n): v[0] for n, v in tensors.items()}
+    stored = {_vllm_name(n, model): v[0] for n, v in tensors.items()}
     mods = layout(config, torch.bfloat16)
-    for m in mods:
+    draft = draft_layout(config, torch.bfloat16)
+    assert draft, "the tiny release has an MTP layer"
+    for m in mods + draft:
         if isinstance(m, _Lin) and m.quant:
-            shards = [ck for ck, _, _ in m.shards]
-            hit = [ck in ignore for ck in shards]
-            assert all(hit) or not any(hit), (m.prefix, hit)  # vLLM: ValueError on a half-ignored fused layer
-            for ck in shards:
-                if all(hit):
-                    assert stored[f"{ck}.weight"] in ("BF16", "F32"), ck
-                else:
-                    assert f"{ck}.weight_scale" in stored, ck
-                    assert stored.get(f"{ck}.weight", stored.get(f"{ck}.weight_packed")) in ("I8", "I32"), ck
-            if m.prefix.startswith("visual.") or m.prefix.endswith("in_proj_ba"):
-                assert all(hit), m.prefix
+            _check_fused_ignore(m, ignore, stored)
+        elif isinstance(m, _MoE) and m.prefix.startswith("mtp."):
+            assert all(f"{m.prefix}.0.{w}_proj" in ignore for w in ("gate", "up", "down")), m.prefix
     params = _vllm_params(mods)
     for name, (dt, _, _) in tensors.items():
         verdict, _ = route(name, params, config, None)
@@ -92,7 +120,7 @@ def test_vllm_qwen3_5_reads_the_names_and_the_ignore_list(ct_outputs, kind, sche
             assert dt in ("BF16", "F32"), name
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_transformers_loads_qwen3_5_and_logits_match(ct_outputs, kind):
     """transformers' from_pretrained loads the W4A16 output with no missing or unexpected key (the vision
     tower stays float: before cvt listed its linears in ``ignore``, transformers made them W4A16 modules
@@ -101,8 +129,8 @@ def test_transformers_loads_qwen3_5_and_logits_match(ct_outputs, kind):
     with those experts run in float32 the logits are cvt's within 1e-5 of their range."""
     transformers = pytest.importorskip("transformers")
     dst = ct_outputs[kind, "w4a16"]
-    hf, info = transformers.AutoModelForImageTextToText.from_pretrained(dst, dtype=torch.float32,
-                                                                        output_loading_info=True)
+    auto = transformers.AutoModelForCausalLM if kind == "next" else transformers.AutoModelForImageTextToText
+    hf, info = auto.from_pretrained(dst, dtype=torch.float32, output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     ours = load_model(dst, dtype=torch.float32).model
     theirs = {n: m for n, m in hf.named_modules() if getattr(m, "quantization_scheme", None) is not None}

@@ -2,8 +2,8 @@
 ``--format ascend`` outputs (issue 41 item 3): W8A8, W4A8 (MoE: experts-only), W8A8_MXFP8 and W4A4_MXFP4,
 dense, MoE and Qwen3-Next (fused in_proj_qkvz / in_proj_ba, a dense ``mlp_only_layers`` layer), through
 tests/quant/vllm_ascend_referee_qwen3_5.py. Skipped unless ``CVT_VLLM_ASCEND_SRC`` names a vllm-ascend
-source tree; a case is skipped where that tree has no packed-modules mapping for its model type
-(v0.23.0 has Qwen3-Next's, not Qwen3.5's).
+source tree; a case is skipped where that tree has no packed-modules mapping for its model type (main
+and v0.23.0 have all three).
 """
 
 from __future__ import annotations

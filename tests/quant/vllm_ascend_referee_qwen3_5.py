@@ -193,6 +193,21 @@ def layout(config: dict, dt: torch.dtype) -> list:
     return mods
 
 
+def draft_layout(config: dict, dt: torch.dtype) -> list:
+    """The MTP draft's modules as vLLM's Qwen3_5MTP / Qwen3NextMTP build them, prefix ``mtp``, with the
+    quant config (qwen3_5_mtp.py / qwen3_next_mtp.py: ``fc`` and one full-attention decoder layer per
+    ``mtp_num_hidden_layers``, numbered from 0).  Not run by the Ascend referee (the draft is not
+    built there); the compressed-tensors test checks their ``ignore`` entries with it."""
+    m, c = model_of(config), text_of(config)
+    H = c["hidden_size"]
+    mods: list = [_Lin("mtp.fc", "column", 2 * H, [("mtp.fc", None, H)])]
+    for j in range(c.get("mtp_num_hidden_layers") or c.get("num_nextn_predict_layers") or 0):
+        p = f"mtp.layers.{j}"
+        mods += _full_attention(c, dt, f"{p}.self_attn")
+        mods += _moe(c, f"{p}.mlp") if m.moe_layer(c, j) else _mlp(f"{p}.mlp", H, c["intermediate_size"])
+    return mods
+
+
 def _map(name: str, m: Model = QWEN3_5) -> str | None:
     for old, new in m.hf_to_vllm.items():
         if name.startswith(old):
