@@ -60,6 +60,7 @@ from cvt.tests.quant.vllm_ascend_referee import (_CFG_DTYPES, _ROTARY_UNUSED, _A
                                                 Report)
 from cvt.tests.quant.vllm_ascend_referee_v4 import _WeightsMapper
 
+
 @dataclass(frozen=True)
 class Model:
     """One vLLM model class, as data: what differs between Qwen3.5 and Qwen3-Next (module docstring)."""
@@ -97,7 +98,6 @@ QWEN3_NEXT = Model(
                             and (i + 1) % (c.get("decoder_sparse_step") or 1) == 0))
 MODELS = {"qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5, "qwen3_next": QWEN3_NEXT}
 MODEL_TYPES = tuple(MODELS)
-HF_TO_VLLM = QWEN3_5.hf_to_vllm
 
 
 def model_of(config: dict) -> Model:
