@@ -38,6 +38,9 @@ Rules (and where they come from):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 from cvt.lazy import torch
 
 from cvt.errors import CvtError, TensorError
@@ -55,8 +58,25 @@ def _desc(t: torch.Tensor) -> str:
 
 # ---- checks and grouping --------------------------------------------------------------------------
 
+# set by `finite_known`: the weights quantized in that block derive from one already checked
+_FINITE_KNOWN = contextvars.ContextVar("cvt_finite_known", default=False)
+
+
+@contextlib.contextmanager
+def finite_known():
+    """Within the block `check_finite` passes without reading its tensor: for a caller that checked
+    a weight once and quantizes many finite variants of it (GPTQ's scale search: clipped copies)."""
+    token = _FINITE_KNOWN.set(True)
+    try:
+        yield
+    finally:
+        _FINITE_KNOWN.reset(token)
+
+
 def check_finite(w: torch.Tensor, name: str | None = None) -> None:
     """Raise TensorError on NaN/Inf in a weight (naming it when `name` is given)."""
+    if _FINITE_KNOWN.get():
+        return
     bad = ~torch.isfinite(w)
     if bool(bad.any()):
         raise nonfinite_error(name, _desc(w), int(bad.sum()))

@@ -51,6 +51,7 @@ chose, exactly).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ import torch
 
 from cvt.qtensor import kernel_formats as KF
 from cvt.qtensor import mx as MX
-from cvt.qtensor.primitives import encode_e2m1
+from cvt.qtensor.primitives import encode_e2m1, finite_known
 from cvt.errors import CvtError
 from cvt.quant.recipe import GPTQ, METHOD_TABLE
 from cvt.qtensor.schemes.base import QuantizedTensor, Scheme
@@ -191,23 +192,28 @@ class _Grid:
 
     def fake(self, W: torch.Tensor) -> torch.Tensor:
         """Every column of ``W [n, n_groups * G]`` on its group's grid (column j in group j // G),
-        dequantized: the values `quant` gives column by column, computed at once."""
+        dequantized: the values `quant` gives column by column, computed at once (the group's
+        scale broadcast over its G columns: the same elementwise arithmetic, no expanded copies)."""
         n, k = W.shape
-        G = k // self.n_groups
-        s = self.scale.repeat_interleave(G, dim=1)
+        w = W.reshape(n, self.n_groups, k // self.n_groups)
+        s = self.scale[:, :, None]
         if self.elem is not None:
-            return MX.quantize_elements(W / s, self.elem) * s
-        zero = s == 0
-        safe = torch.where(zero, torch.ones_like(s), s)
+            return (MX.quantize_elements(w / s, self.elem) * s).reshape(n, k)
+        zero = self.scale == 0
+        fix = bool(zero.any())          # an all-zero group's scale (the schemes store 1.0 there: rare)
+        safe = torch.where(zero, torch.ones_like(self.scale), self.scale)[:, :, None] if fix else s
         if self.offset is not None:
-            off = self.offset.repeat_interleave(G, dim=1)
-            q = torch.round(W / safe + off).clamp_(self.qmin, self.qmax)
-            q = torch.where(zero, torch.round(off).clamp(self.qmin, self.qmax), q)
-            return (q - off) * s
-        v = torch.where(zero, torch.zeros_like(W), W / safe)
+            off = self.offset[:, :, None]
+            q = torch.round(w / safe + off).clamp_(self.qmin, self.qmax)
+            if fix:
+                q = torch.where(zero[:, :, None], torch.round(off).clamp(self.qmin, self.qmax), q)
+            return ((q - off) * s).reshape(n, k)
+        v = w / safe
+        if fix:
+            v = torch.where(zero[:, :, None], torch.zeros_like(v), v)
         idx = torch.bucketize(v.abs(), self._mids)          # #(MIDS < |v|), as `quant`
         mag = self._e2m1[idx]
-        return torch.where((v < 0) & (idx > 0), -mag, mag) * s
+        return (torch.where((v < 0) & (idx > 0), -mag, mag) * s).reshape(n, k)
 
     def parts(self, rtn: QuantizedTensor, codes: torch.Tensor) -> dict[str, torch.Tensor]:
         """`rtn`'s parts with the codes replaced and, for dynamic groups, the group scales."""
@@ -276,7 +282,8 @@ def search_scales(W: torch.Tensor, H: torch.Tensor | None, scheme: Scheme, G: in
     base = best_loss = None
     best: dict[str, torch.Tensor] = {}
     for r in shrinks:
-        qt = scheme.quantize(_clip(W, G, r) if r != 1.0 else W)
+        with finite_known() if base is not None else contextlib.nullcontext():  # W checked by the first (r = 1)
+            qt = scheme.quantize(_clip(W, G, r) if r != 1.0 else W)
         loss = _group_loss(W - _Grid(qt, ng).fake(W), H, G, metric, hd)
         per_group = {key: v.reshape(n, -1) for key, v in qt.parts.items() if v.numel() == n * ng}
         if base is None:
@@ -450,6 +457,19 @@ def _packed(rtn: QuantizedTensor, grid: "_Grid", codes: torch.Tensor, dyn_parts:
     return qt, out, exact
 
 
+def inverse_upper_factor(Hd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, info) for ``Hd [..., k, k]`` positive definite: U upper triangular with
+    ``Hd^-1 = U^T U``, the factor GPTQ's sweep reads (info != 0 where Hd is not positive definite).
+
+    With J the reversal, ``J Hd J = L L^T`` (Cholesky) gives ``Hd = R R^T``, R = J L J upper, so
+    ``Hd^-1 = (R^-1)^T R^-1`` and U = R^-1 = J L^-1 J: one Cholesky and one triangular inverse,
+    half the work of the reference's Cholesky, inverse from it, then Cholesky of the inverse
+    (the same factor up to float rounding; both sweeps, per linear and batched, use this one)."""
+    L, info = torch.linalg.cholesky_ex(Hd.flip(-2, -1))
+    eye = torch.eye(Hd.shape[-1], dtype=Hd.dtype, device=Hd.device)
+    return torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False).flip(-2, -1), info
+
+
 def _inverse_cholesky(H: torch.Tensor, damp: float, name: str) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of (H + damp*mean(diag H)*I)^-1; retries with 10x dampening."""
     mean_diag = torch.diag(H).mean().item()
@@ -459,12 +479,8 @@ def _inverse_cholesky(H: torch.Tensor, damp: float, name: str) -> tuple[torch.Te
         d = damp * 10 ** attempt
         Hd = H.clone()
         Hd[eye, eye] += d * mean_diag
-        L, info = torch.linalg.cholesky_ex(Hd)
+        U, info = inverse_upper_factor(Hd)
         if info == 0:
-            # cholesky_solve(I, L) == cholesky_inverse(L), many times faster on CPU builds
-            Hinv = torch.cholesky_solve(torch.eye(k, dtype=L.dtype, device=L.device), L)
-            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if info == 0:
-                return U, d
+            return U, d
     raise CvtError(f"GPTQ {name}: the input Hessian [{k}, {k}] is not positive definite even with dampening "
                    f"{damp * 1000:g} x mean(diag H); the calibration inputs may hold non-finite values")

@@ -46,7 +46,7 @@ from cvt.qtensor import mx as MX
 from cvt.qtensor.primitives import encode_e2m1
 from cvt.qtensor.schemes.base import QuantizedTensor, Scheme
 from cvt.quant.methods.gptq import (E2M1, E2M1_MIDS, SHRINKS, GPTQResult, _dynamic_parts, _Grid, _packed, _settings,
-                                    search_scales)
+                                    inverse_upper_factor, search_scales)
 
 
 class _BatchedGrid:
@@ -231,7 +231,6 @@ def _inverse_cholesky_batched(H: torch.Tensor, damp: float, names: list[str]) ->
     U = torch.empty_like(H)
     used: list[float] = [0.0] * E
     todo = list(range(E))
-    eye = torch.eye(k, dtype=H.dtype, device=H.device)
     for attempt in range(4):
         d = damp * 10 ** attempt
         idx = torch.tensor(todo, device=H.device)
@@ -239,10 +238,8 @@ def _inverse_cholesky_batched(H: torch.Tensor, damp: float, names: list[str]) ->
         # the shift rounded to float32 from the float64 product, as `Hd[eye, eye] += d * mean_diag`
         shift = torch.tensor([d * mean_diag[e] for e in todo], dtype=torch.float64, device=H.device)
         torch.diagonal(Hd, dim1=1, dim2=2).add_(shift.to(H.dtype)[:, None])
-        L, info = torch.linalg.cholesky_ex(Hd)
-        Hinv = torch.cholesky_solve(eye.expand_as(Hd), L)
-        Ui, info2 = torch.linalg.cholesky_ex(Hinv, upper=True)
-        ok = ((info == 0) & (info2 == 0)).tolist()
+        Ui, info = inverse_upper_factor(Hd)
+        ok = (info == 0).tolist()
         done = [i for i, good in enumerate(ok) if good]
         if done:
             U[idx[done]] = Ui[done]
