@@ -93,7 +93,8 @@ def run_flatquant(va_src: Path, disk: dict[str, torch.Tensor], x: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """vllm-ascend's W4A4_FLATQUANT_DYNAMIC ``apply`` on one linear's on-disk tensors (suffix ->
     tensor: weight, weight_scale, weight_offset, left_trans, right_trans, clip_ratio) for ``x``."""
-    with _vllm_ascend(Path(va_src), {"model_type": "qwen3"}, x.dtype), _npu_tensor_method():
+    # vLLM runs the model under inference mode (the method's new Parameters would track gradients)
+    with _vllm_ascend(Path(va_src), {"model_type": "qwen3"}, x.dtype), _npu_tensor_method(), torch.no_grad():
         import importlib
 
         mod = importlib.import_module(METHOD)
