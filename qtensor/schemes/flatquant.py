@@ -142,6 +142,7 @@ class W4A4FlatQuant(SchemeBase):
         return KF.W4A4_FLATQUANT
 
     def check(self, name: str, shape: tuple[int, int]) -> None:
+        P.check_group(name, tuple(shape), 0, self.name)
         why = self.shape_problem(shape)
         if why is not None:
             raise ShapeError(f"{name} {list(shape)}: {why}")
