@@ -4,6 +4,8 @@ identity transforms (plain per-token int4 W4A4), and the quantize page's rows ar
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from cvt.quant.stage import quantize
 from cvt.qtensor.schemes import flatquant
 from cvt.tests.quant.test_methods_e2e import assert_readme_row, kl_and_ppl, with_activation_outliers
 
-pytestmark = pytest.mark.slow  # six quantize + verify runs on the trained fixture
+pytestmark = pytest.mark.slow  # seven quantize + verify runs on the trained fixture
 
 EXPERTS_FLOAT = Recipe.model_validate({"rules": [{"pattern": r"mlp\.experts\.", "scheme": "float"}]})
 
@@ -39,10 +41,18 @@ def _rows(src, tmp_path, monkeypatch, tag: str) -> dict[str, tuple[float, float]
 
 def test_online_hadamard_beats_plain_int4_w4a4(trained_fixture, tmp_path, monkeypatch):
     kl = _rows(trained_fixture, tmp_path, monkeypatch, "fixture")
+    floats = json.loads((tmp_path / "fixture-fq-hadamard" / "cvt_manifest.json").read_text())["quant"]["float_modules"]
+    assert "96 = 8 x 12" in floats["model.layers.0.self_attn.q_b_proj"]  # the op cannot take it: float
+    assert "linears only" in floats["model.layers.1.mlp.experts.0.up_proj"]
     assert kl["hadamard"][0] <= 0.6 * kl["identity"][0], kl
     assert_readme_row("w4a4_flatquant, Hadamard transforms", kl["hadamard"])
     assert_readme_row("w4a4_flatquant, identity transforms", kl["identity"])
     assert_readme_row("w4a4_mxfp4, experts float", kl["mx"])
+    dst = tmp_path / "fixture-fq-awq"
+    quantize(trained_fixture, dst, scheme="w4a4_flatquant", fmt="ascend", quiet=True, method="awq", calib_tokens=2048)
+    awq = kl_and_ppl(dst, trained_fixture, tmp_path)
+    assert awq[0] < kl["hadamard"][0], (awq, kl)
+    assert_readme_row("w4a4_flatquant, Hadamard transforms, awq (--calib-tokens 2048)", awq, rel=0.15, ppl_abs=5e-3)
     src = with_activation_outliers(trained_fixture, tmp_path / "outliers")
     kl = _rows(src, tmp_path, monkeypatch, "outliers")
     assert kl["hadamard"][0] <= 0.2 * kl["identity"][0], kl
