@@ -72,7 +72,13 @@ class DiskBytes:
         form.supports(scheme, self.target)
         self.layouts = DiskLayouts(form, self.target)
         self.float_reason = L.experts_only_reason(fmt, kf, self.target)
+        self.expert_float_reason = L.linears_only_reason(fmt, kf, self.target)
         self._channel = None
+
+    def stays_float(self, expert: bool) -> bool:
+        """Whether a module of this kind stays float by default (the target loads the layout for
+        experts only, or for linears only)."""
+        return (self.expert_float_reason if expert else self.float_reason) is not None
 
     def group_fit(self, module: str, shape: tuple, expert: bool) -> str | None:
         """As cvt quantize decides for a whole linear [n, k] (`cvt.qtensor.formats.group_fallback`):
@@ -80,14 +86,14 @@ class DiskBytes:
         per channel; FormatError where the format refuses it."""
         from cvt.qtensor.formats import group_fallback
 
-        if self.float_reason is not None and not expert:
+        if self.stays_float(expert):
             return None
         return group_fallback(self.form, module, self.scheme, tuple(shape), self.target)
 
     def __call__(self, module: str, shape: tuple, expert: bool, per_channel: bool = False) -> int | None:
         from cvt.dtypes import DTYPES
 
-        if self.float_reason is not None and not expert:
+        if self.stays_float(expert):
             return None
         scheme = self.scheme
         if per_channel:  # a group_fit fallback: the scheme per channel, as quantize writes it

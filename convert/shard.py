@@ -77,7 +77,7 @@ from cvt.convert.writer import (
     together,
 )
 from cvt.world import SINGLE, World
-from cvt.errors import CvtError
+from cvt.errors import CvtError, ShapeError
 from cvt.progress import make_progress
 from cvt.units import article
 from cvt.schemas.manifest import FileInfo, Manifest, RankShard, ShardInfo, StageInfo, TensorShard
@@ -124,6 +124,10 @@ def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layo
     disk = quant_layout.tensor(info.param) if quant_layout is not None else None
     if disk is not None:
         logical = {Parallel.COLUMN: "n", Parallel.VOCAB: "n", Parallel.ROW: "k"}.get(info.rule.parallel)
+        if logical == "k" and degree > 1 and not quant_layout.splits_k:
+            raise ShapeError(f"{name}: {quant_layout.tag or quant_layout.name} ({quant_layout.name}) cannot be split "
+                             f"along in_features ({axis} {degree}): its transforms are sized for the whole k and "
+                             f"the consumer loads them whole on every rank; shard with {axis} 1")
         along = disk.along(logical, 0, 0) if logical else None  # (dim, unit): the unit does not matter here
         if along is None or degree == 1:
             return Split(None, None, 1, expert)  # no dim along the split axis: every holder needs it whole

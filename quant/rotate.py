@@ -1,5 +1,5 @@
 """`cvt quantize --rotate hadamard[:SEED]`: SRC seen through a QuaRot-style rotation folded into
-its weights (the family's `cvt.convert.arch.rotation` table says where; `cvt.quant.hadamard` gives
+its weights (the family's `cvt.convert.arch.rotation` table says where; `cvt.qtensor.hadamard` gives
 the orthogonal matrices), so that every scheme and method then quantizes weights and activations
 without the outlier channels the residual stream carries.
 
@@ -25,7 +25,7 @@ from cvt.convert.fp8 import dequant_fp8_block
 from cvt.convert.reader import Checkpoint
 from cvt.convert.safetensors_io import TensorRef, torch_dtype
 from cvt.errors import FormatError, OptionError
-from cvt.quant.hadamard import Orthogonal
+from cvt.qtensor.hadamard import Orthogonal
 
 SPEC = re.compile(r"hadamard(?::(\d{1,9}))?")
 ROWS = 4096  # rows of an embedding / head rotated at once (V3's embedding: 129280 x 7168)

@@ -23,7 +23,7 @@ ALLOWED: dict[str, tuple[set[str], str]] = {
     "cvt/demo.py": ({"w8a8", "w4a16", "ascend", "compressed-tensors"},
                     "the demo's own pipeline: which schemes and formats it shows, as a user would type them"),
     "qtensor/formats/ascend.py": ({"w8a8", "w4a16"}, "MindIE's config.json `quantize` values (atb_llm's words)"),
-    "qtensor/kernel_formats.py": ({"w4a16", "nvfp4", "mxfp4", "mxfp8", "w4a4_mxfp4", "w4a8_mxfp"},
+    "qtensor/kernel_formats.py": ({"w4a16", "nvfp4", "mxfp4", "mxfp8", "w4a4_mxfp4", "w4a8_mxfp", "w4a4_flatquant"},
                                   "kernel formats that share a word with a scheme or fp4 format"),
     "schemas/manifest.py": ({"ascend", "compressed-tensors"},
                             "the manifest schema's enum (schemas sit below the registries; held equal below)"),

@@ -91,6 +91,9 @@ OTHER_PARAMS = frozenset(
         "deq_scale",
         "quant_bias",
         "scale_bias",  # Ascend W4A8_DYNAMIC: 8 * sum_k(w * scale), [n, 1] or [n, 16] (cvt.qtensor.layouts)
+        "left_trans",  # Ascend W4A4_FLATQUANT_DYNAMIC: the online Kronecker transforms and the clip
+        "right_trans",
+        "clip_ratio",
         "kv_cache_scale",  # C8 (Ascend GQA naming, per cached channel)
         "kv_cache_offset",
         "scale",  # FAKQuant (Ascend MLA): self_attn.fa_{q,k,v}.scale / .offset

@@ -11,6 +11,7 @@ loader all read these entries; adding a layout is one entry in `entries` (or `en
 base        DiskTensor, Layout, the LAYOUTS registry, the formats and targets, shared helpers
 entries     the W8A8, W4A16, FP4 and W4A8_DYNAMIC entries (Ascend and compressed-tensors)
 entries_mx  the Ascend 950 MX entries (W8A8_MXFP8, W4A4_MXFP4, W4A8_MXFP)
+entries_flatquant  the Ascend W4A4_FLATQUANT_DYNAMIC entry (linears; online Kronecker transforms)
 selection   kernel_fmt_of, fuses, targets, `select` and `read_layout` over the registry
 
 This package imports the entry modules in that order (the registry's order, which `select`
@@ -23,7 +24,8 @@ The entries, their tensors and the consumers' code each follows are tabled in do
 Dims: per on-disk dim, ``("n", u)`` / ``("k", u)`` -- that dim runs along the weight's output /
 input features, one on-disk element per ``u`` logical elements (``u`` may be ``"G"``, the
 group size, per channel k; or ``"K/16"``, a sixteenth of k: W4A8's row ``scale_bias``) -- or
-a fixed size (an int). `cvt shard` splits a tensor along the dim that follows the module's TP
+a fixed size (an int), or ``KL`` / ``KR``: a whole dim the size of k's left / right Kronecker
+factor (FlatQuant's transforms). `cvt shard` splits a tensor along the dim that follows the module's TP
 axis (a tensor without one is whole on every holder); `cvt plan` counts bytes and the units a
 split must keep whole from the same data. A layout whose ``parallel`` is "column" / "row" holds
 only the modules of that role (`scale_bias_role`, from the module name); `select` picks by it.
@@ -34,11 +36,13 @@ from __future__ import annotations
 from cvt.qtensor.layouts.base import (ASCEND, ASCEND_TARGETS, COMPRESSED_TENSORS, CONFIG_KEY_TARGETS, CT_TARGET, TARGET_SUMMARIES,
                                       DEFAULT_TARGET, FLOATS, FORMAT_TARGETS, K16, LAYOUTS, MINDIE, STACKS,
                                       SCALE_BIAS_COLUMN, SCALE_BIAS_ROW, SCALE_BIAS_RUNS, VLLM_ASCEND, DiskTensor,
-                                      G, K, Layout, N, register, scale_bias_role)
-from cvt.qtensor.layouts import entries, entries_mx  # noqa: F401  (register the entries, in this order)
+                                      G, K, KL, KR, Layout, N, register, scale_bias_role)
+from cvt.qtensor.layouts import entries, entries_mx, entries_flatquant  # noqa: F401  (register the entries, in this order)
 from cvt.qtensor.layouts.selection import (candidates, check_target, experts_only_reason, fuses, kernel_fmt_of,
+                                           linears_only_reason,
                                            kernel_formats, read_layout, select, targets_for)
 
 __all__ = ["ASCEND", "COMPRESSED_TENSORS", "ASCEND_TARGETS", "CONFIG_KEY_TARGETS", "TARGET_SUMMARIES", "DEFAULT_TARGET", "CT_TARGET", "FORMAT_TARGETS", "MINDIE", "STACKS", "VLLM_ASCEND", "DiskTensor", "Layout", "LAYOUTS", "register",
            "select", "candidates", "check_target", "targets_for", "read_layout", "kernel_fmt_of", "kernel_formats", "experts_only_reason",
+           "linears_only_reason", "KL", "KR",
            "scale_bias_role", "K16"]

@@ -39,7 +39,7 @@ TARGET_SUMMARIES = {
 class DiskTensor:
     suffix: str
     dtype: str                # safetensors dtype code as written
-    dims: tuple               # per dim: ("n" | "k", unit) or a fixed int; unit an int or "G"
+    dims: tuple               # per dim: ("n" | "k", unit), a fixed int, or KL / KR (a factor of k); unit an int or "G"
     optional: bool = False    # written only for some tensors (asymmetric zero points, ...)
 
     def shape(self, n: int, k: int, g: int) -> tuple[int, ...]:
@@ -47,6 +47,11 @@ class DiskTensor:
         for d in self.dims:
             if isinstance(d, int):
                 out.append(d)
+                continue
+            if isinstance(d, str):  # KL / KR: a factor of k's Kronecker decomposition (FlatQuant)
+                from cvt.qtensor.schemes.flatquant import decompose_dim
+
+                out.append(decompose_dim(k)[d == KR])
                 continue
             axis, unit = d
             u = _unit(unit, g, k)
@@ -58,7 +63,7 @@ class DiskTensor:
         written, or None: a unit packs that many elements; ``K/16`` sums k in 16 runs, so k must be
         a multiple of 16 (not of k/16, the split unit `along` gives)."""
         for d in self.dims:
-            if not isinstance(d, int) and d[0] == axis:
+            if isinstance(d, tuple) and d[0] == axis:
                 if d[1] == K16:
                     return 16, f"sums {'out' if axis == 'n' else 'in'}_features in 16 runs"
                 u = _unit(d[1], g, k)
@@ -68,11 +73,12 @@ class DiskTensor:
     def along(self, axis: str, g: int, k: int) -> tuple[int, int] | None:
         """(on-disk dim, logical unit) of the dim that follows `axis` ("n" / "k"), or None."""
         for i, d in enumerate(self.dims):
-            if not isinstance(d, int) and d[0] == axis:
+            if isinstance(d, tuple) and d[0] == axis:
                 return i, _unit(d[1], g, k)
         return None
 
 
+KL, KR = "KL", "KR"  # a whole dim: the left / right factor of k (FlatQuant's get_decompose_dim)
 K16 = "K/16"  # a dim unit: one on-disk element per k/16 logical ones, i.e. 16 elements along k
 
 
@@ -101,6 +107,8 @@ class Layout:
     pack: str | None = None         # how the fused RTN kernel (`cvt.quant.qkernel`) packs it; None: not fused
     expert_k: int = 0               # routed experts' in_features must be a multiple of this (0: any; MX: 64)
     device: str = ""                # the only hardware whose kernels run it ("": every device of the target)
+    linears_only: bool = False      # the stack loads this layout for linears only, not routed experts
+    splits_k: bool = True           # False: a TP split along in_features cannot be loaded (FlatQuant's transforms)
 
     def holds(self, group_size: int, k: int) -> bool:
         # a group of k is one group, not per channel: the stacks read one global group_size, and a

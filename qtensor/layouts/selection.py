@@ -85,6 +85,9 @@ def select(fmt: str, kernel_fmt: str, target: str, *, expert: bool, group_size: 
     if lo.experts_only and not expert:
         raise FormatError(f"{where}{target} loads {lo.tag or kernel_fmt} ({lo.name}) for MoE experts only (no "
                           "linear method loads it); keep this module float or give it another scheme in a recipe")
+    if lo.linears_only and expert:
+        raise FormatError(f"{where}{target} loads {lo.tag or kernel_fmt} ({lo.name}) for linears only (no MoE method "
+                          "loads it); keep the routed experts float or give them another scheme in a recipe")
     if any(x.parallel != "any" for x in fit):  # e.g. W4A8_DYNAMIC: scale_bias by the module's role
         role = scale_bias_role(module)
         lo = next((x for x in fit if x.parallel in ("any", role)), None)
@@ -100,6 +103,16 @@ def experts_only_reason(fmt: str, kernel_fmt: str, target: str) -> str | None:
     if found and all(lo.experts_only for lo in found):
         return (f"{target} loads {found[0].tag} ({kernel_fmt}) for MoE experts only (no linear method loads "
                 "it): kept float; a recipe can give it another scheme")
+    return None
+
+
+def linears_only_reason(fmt: str, kernel_fmt: str, target: str) -> str | None:
+    """Why a routed expert stays float by default under this target (None: it need not): every
+    layout the target has for `kernel_fmt` is loaded for linears only (W4A4_FLATQUANT_DYNAMIC)."""
+    found = candidates(fmt, kernel_fmt, target)
+    if found and all(lo.linears_only for lo in found):
+        return (f"{target} loads {found[0].tag} ({kernel_fmt}) for linears only (no MoE method loads it): kept "
+                "float; a recipe can give the experts another scheme (w4a8)")
     return None
 
 

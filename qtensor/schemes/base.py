@@ -61,6 +61,9 @@ class Scheme(Protocol):
         """Raise CvtError naming the tensor when the scheme cannot quantize this shape
         (e.g. a group size that does not divide k)."""
 
+    def shape_problem(self, shape: tuple[int, int]) -> str | None:
+        """Why the consumer cannot run the scheme on a linear of `shape` (None: it can)."""
+
     def quantize(self, w: torch.Tensor) -> QuantizedTensor:
         """w float [n, k] -> parts (RTN). Refuses non-finite weights."""
 
@@ -82,6 +85,11 @@ class SchemeBase:
 
     def check(self, name: str, shape: tuple[int, int]) -> None:
         P.check_group(name, tuple(shape), self.group_size, self.name)
+
+    def shape_problem(self, shape: tuple[int, int]) -> str | None:
+        """Why the consumer cannot run this scheme on a linear of `shape` though the weight itself
+        quantizes (None: it can); the plan keeps such a linear float unless a recipe asked for it."""
+        return None
 
     def checked_weight(self, w: torch.Tensor, name: str | None = None) -> torch.Tensor:
         """`w` as float32 once `check` (its shape) and `check_finite` pass; both name `name`."""

@@ -82,14 +82,15 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
                 raise FormatError(f"{module}: {why}")
         scheme = scheme_for(choice.scheme, fmt.name, choice.group_size, asym, fp4_format, cache)
         fmt.supports(scheme, target)
-        why = None if expert or choice.explicit else layouts.experts_only_reason(
+        why = None if choice.explicit else (layouts.linears_only_reason if expert else layouts.experts_only_reason)(
             fmt.name, layouts.kernel_fmt_of(scheme), target)
-        if why is not None:  # the stack has this layout for MoE experts only
+        if why is not None:  # the stack has this layout for MoE experts (or for linears) only
             plan.float_reasons[module] = why
             continue
         shape = weight_shape(ckpt, params)
-        why = shape_problem(line, layouts.kernel_fmt_of(scheme), expert=expert, k=shape[1])
-        if why is not None:  # the line cannot load this shape: float, unless a recipe asked for it
+        why = (shape_problem(line, layouts.kernel_fmt_of(scheme), expert=expert, k=shape[1])
+               or scheme.shape_problem(shape))
+        if why is not None:  # the consumer cannot load this shape: float, unless a recipe asked for it
             if choice.explicit:
                 raise FormatError(f"{module}: {why}")
             plan.float_reasons[module] = f"{why}: kept float"

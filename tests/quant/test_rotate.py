@@ -14,7 +14,7 @@ import torch
 from cvt.convert.arch import arch_for
 from cvt.convert.config import SourceFormat
 from cvt.convert.reader import open_checkpoint
-from cvt.quant.hadamard import Orthogonal, _paley, hadamard_factors, sylvester
+from cvt.qtensor.hadamard import Orthogonal, _paley, hadamard_factors, sylvester
 from cvt.quant.rotate import RotatedCheckpoint, check, parse
 from cvt.quant.stage import quantize
 from cvt.runtime.loader import load_model

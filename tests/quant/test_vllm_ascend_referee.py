@@ -25,7 +25,8 @@ from cvt.testing.checkpoints import (kimi_int4_tensors, release_tensors, tiny_gl
 from cvt.testing.checkpoints_v4 import tiny_deepseek_v4_config, write_v4_release
 from cvt.quant.stage import quantize
 from cvt.tests.convert.ct_release import write_ct_deepseek_release
-from cvt.tests.quant.vllm_ascend_referee import check_output, inspect_output
+from cvt.tests.quant.vllm_ascend_referee import check_output, inspect_output, read_headers
+from cvt.tests.quant.vllm_ascend_referee_flatquant import run_flatquant
 from cvt.tests.quant.vllm_ascend_referee_v4 import check_v4_output, inspect_v4_output, process_after_loading
 
 _ENV = os.environ.get("CVT_VLLM_ASCEND_SRC", "")
@@ -67,6 +68,9 @@ CASES = [
     # E2M1 codes and E8M0 scales are carried over byte for byte (issue 40; tests/quant/test_ct_fp4_carry.py)
     pytest.param("ctmx", {"scheme": "w4a4_mxfp4"}, id="ct-mxfp4-w4a4-mxfp4-carried"),
     pytest.param("ctmx", {"scheme": "w4a8_mxfp"}, id="ct-mxfp4-w4a8-mxfp-carried"),
+    # online rotation (issue 39 item 2): W4A4_FLATQUANT_DYNAMIC linears (routed experts float or W4A8_DYNAMIC)
+    pytest.param("qmoe", {"scheme": "w4a4_flatquant"}, id="qwen3-moe-w4a4-flatquant"),
+    pytest.param("ds", {"scheme": "w4a4_flatquant"}, id="deepseek-w4a4-flatquant"),
 ]
 
 # sources written on first use (the compressed-tensors package writes them: skipped without it)
@@ -472,3 +476,51 @@ def test_the_v4_routing_copies_vllm_ascends_renames(va_src):
         pytest.skip(f"{va_src}: this vllm-ascend has no DeepSeek-V4 model")
     assert name_renames(model) == MODEL_RENAMES
     assert name_renames(mtp) == MTP_RENAMES
+
+
+# ---- W4A4_FLATQUANT_DYNAMIC (issue 39 item 2) ---------------------------------------------------------
+
+def test_flatquant_output_gets_vllm_ascends_flatquant_method(sources, va_src):
+    """vllm-ascend's dispatch picks AscendW4A4FlatQuantDynamicLinearMethod for every linear cvt wrote
+    (the fused qkv / gate_up shards share one left_trans), and its FusedMoE stays unquantized."""
+    r = inspect_output(build(sources, "qmoe", {"scheme": "w4a4_flatquant"}), va_src)
+    assert r.problems == []
+    for m in ("self_attn.qkv_proj", "self_attn.o_proj"):
+        assert r.schemes[f"model.layers.1.{m}"] == "AscendW4A4FlatQuantDynamicLinearMethod"
+    assert r.schemes["model.layers.1.mlp.experts"] == "unquantized FusedMoE"
+    s = r.slots[("model.layers.1.self_attn.qkv_proj.left_trans", "k", None)]
+    assert s.shape == (8, 8) and s.filled_by == ["model.layers.1.self_attn.k_proj.left_trans"]
+
+
+def _disk(dst: Path, module: str) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    tensors, _ = read_headers(dst)
+    out = {}
+    for name, (_, _, path) in tensors.items():
+        if name.startswith(module + "."):
+            with safe_open(path, "pt") as f:
+                out[name[len(module) + 1:]] = f.get_tensor(name)
+    return out
+
+
+def test_flatquant_runtime_is_vllm_ascends_apply(sources, va_src):
+    """vllm-ascend's own process_weights_after_loading + apply (its NPU ops as documented, in torch:
+    vllm_ascend_referee_flatquant) on cvt's tensors give cvt's runtime kernel's output bit for bit,
+    with a clip below 1 too; a left_trans written the other way round would not."""
+    from cvt.qtensor import layouts as L
+    from cvt.runtime import kernels
+
+    dst = build(sources, "qmoe", {"scheme": "w4a4_flatquant"})
+    disk = _disk(dst, "model.layers.1.self_attn.o_proj")
+    lo = L.LAYOUTS.get("ascend-w4a4-flatquant")
+    x = torch.randn(2, 3, disk["weight"].shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    outs = {}
+    for clip in (1.0, 0.8):
+        d = dict(disk, clip_ratio=torch.tensor([clip]))
+        q = lo.decode("o_proj", d)
+        outs[clip] = kernels.get(q.kernel_fmt).from_parts(q.parts)(x)
+        assert torch.equal(run_flatquant(va_src, d, x), outs[clip])
+    assert not torch.equal(outs[1.0], outs[0.8])
+    flipped = run_flatquant(va_src, dict(disk, left_trans=disk["left_trans"].T.contiguous()), x)
+    assert float((flipped.float() - outs[1.0].float()).abs().max()) > 0.1 * float(outs[1.0].float().abs().max())

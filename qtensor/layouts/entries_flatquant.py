@@ -1,0 +1,83 @@
+"""The Ascend W4A4_FLATQUANT_DYNAMIC layout entry of `cvt.qtensor.layouts` (registered on import,
+after `entries_mx`).
+
+On disk, pinned to vllm-ascend main (182b75ea84) ``quantization/methods/w4a4_flatquant.py``
+(get_weight / get_pertensor_param / get_perchannel_param), for a linear ``[n, k]`` with ``(a, b)
+= get_decompose_dim(k)``:
+
+=============  =====  ========  ==========================================================
+suffix         dtype  shape     note
+=============  =====  ========  ==========================================================
+weight         I8     [n, k]    int4 values -8..7, one per byte (packed to int32 on load)
+weight_scale   F32    [n, 1]
+weight_offset  F32    [n, 1]    zeros (declared by the method, never read: symmetric)
+left_trans     BF16   [a, a]    the params dtype; transposed on load (kronecker_p1)
+right_trans    BF16   [b, b]
+clip_ratio     F32    [1]
+=============  =====  ========  ==========================================================
+
+The scheme is registered for ``"linear"`` only (``@register_scheme("W4A4_FLATQUANT_DYNAMIC",
+"linear")``; no ``"moe"`` entry): a routed expert cannot be in it (`Layout.linears_only`). The
+transform params are per-tensor params built from the partition's ``input_size``, and vLLM loads
+a per-tensor param whole on every rank: a row-parallel linear split along k under TP would need
+transforms of ``get_decompose_dim(k / tp)``, which a single checkpoint cannot hold for every TP
+(`Layout.splits_k` False: `cvt shard` refuses the split). Column-parallel linears keep their k,
+so any TP loads them. A fused linear (gate / up, q_a / kv_a) has one parameter for its shards, so
+they must carry the same transforms (the scheme's come from k alone).
+"""
+
+from __future__ import annotations
+
+from cvt.lazy import torch
+
+from cvt.errors import FormatError
+from cvt.qtensor import kernel_formats as KF
+from cvt.qtensor import primitives as P
+from cvt.qtensor.layouts.base import (ASCEND, FLOATS, KL, KR, VLLM_ASCEND, DiskTensor, K, Layout, N, _expect, _take,
+                                      register)
+from cvt.qtensor.schemes.base import QuantizedTensor
+from cvt.qtensor.schemes.flatquant import W4A4FlatQuant, decompose_dim
+
+TAG = "W4A4_FLATQUANT_DYNAMIC"
+SUFFIXES = ("weight", "weight_scale", "weight_offset", "left_trans", "right_trans", "clip_ratio")
+
+
+def _encode(q: QuantizedTensor) -> dict[str, torch.Tensor]:
+    p, n = q.parts, q.shape[0]
+    sc = p["weight_scale"].to(torch.float32).reshape(n, 1)
+    return {"weight": p["weight_int4"].to(torch.int8), "weight_scale": sc, "weight_offset": torch.zeros_like(sc),
+            "left_trans": p["left_trans"].to(torch.bfloat16), "right_trans": p["right_trans"].to(torch.bfloat16),
+            "clip_ratio": p["clip_ratio"].to(torch.float32).reshape(1)}
+
+
+def _decode(module: str, d: dict) -> QuantizedTensor:
+    t = _take(module, d, SUFFIXES)
+    w = _expect(f"{module}.weight", t["weight"], (torch.int8,))
+    if w.dim() != 2:
+        raise FormatError(f"{module}.weight is {list(w.shape)}: expected 2-D [n, k]")
+    n, k = w.shape
+    if bool(((w < -8) | (w > 7)).any()):
+        raise FormatError(f"{module}.weight holds values outside the int4 range -8..7 (W4A4_FLATQUANT_DYNAMIC "
+                          "stores one int4 value per int8)")
+    a, b = decompose_dim(k)
+    sc = _expect(f"{module}.weight_scale", t["weight_scale"], FLOATS)
+    if sc.numel() != n:
+        raise FormatError(f"{module}.weight_scale is {list(sc.shape)}: expected [{n}, 1]")
+    left = _expect(f"{module}.left_trans", t["left_trans"], FLOATS, (a, a))
+    right = _expect(f"{module}.right_trans", t["right_trans"], FLOATS, (b, b))
+    clip = _expect(f"{module}.clip_ratio", t["clip_ratio"], FLOATS).to(torch.float32).reshape(-1)
+    if clip.numel() != 1 or not 0 < float(clip[0]) <= 1:
+        raise FormatError(f"{module}.clip_ratio is {clip.tolist()}: expected one value in (0, 1]")
+    P.check_finite(left, f"{module}.left_trans")
+    P.check_finite(right, f"{module}.right_trans")
+    parts = {"weight_int4": w, "weight_scale": sc.to(torch.float32).reshape(n, 1), "left_trans": left,
+             "right_trans": right, "clip_ratio": clip}
+    return QuantizedTensor(W4A4FlatQuant.name, KF.W4A4_FLATQUANT, (n, k), parts)
+
+
+FLATQUANT_LAYOUT = register(Layout(
+    "ascend-w4a4-flatquant", KF.W4A4_FLATQUANT, ASCEND, (VLLM_ASCEND,), TAG,
+    (DiskTensor("weight", "I8", (N, K)), DiskTensor("weight_scale", "F32", (N, 1)),
+     DiskTensor("weight_offset", "F32", (N, 1)), DiskTensor("left_trans", "BF16", (KL, KL)),
+     DiskTensor("right_trans", "BF16", (KR, KR)), DiskTensor("clip_ratio", "F32", (1,))),
+    _encode, _decode, grouping="channel", linears_only=True, splits_k=False))
