@@ -1,8 +1,10 @@
 """msModelSlim as a peer: quantize the trained DeepSeek-V3 fixture to W8A8 mixed (static attention,
-dynamic MLP) with msModelSlim 26.1 on CPU and with cvt, then compare layout and accuracy.
+dynamic MLP; `--suite w8a8`, the default) or to W4A8 with and without QuaRot (`--suite w4a8-quarot`:
+bench/msmodelslim_quarot.py says what it runs) with msModelSlim 26.1 on CPU and with cvt, then compare
+layout and accuracy.
 
 Usage: .venv/bin/python bench/msmodelslim_peer.py --msmodelslim-venv VENV --fixture DIR
-       [--cvt .venv/bin/cvt] [--dir DIR] [--keep] [--calib-sequences 8]
+       [--suite w8a8|w4a8-quarot] [--cvt .venv/bin/cvt] [--dir DIR] [--keep] [--calib-sequences 8]
        [--eval-sequences 32] [--seq-len 256]
 
 msModelSlim lives in its own venv (it pins neither torch nor transformers, but its DeepSeek-V3 path
@@ -25,8 +27,8 @@ What runs, in one process tree (CPU):
      and adds nothing), so both calibrate on the same token ids (default 8 x 256: cvt's default
      --calib-tokens 2048).
   2. msModelSlim: `msmodelslim quant --model_path FIXTURE_COPY --save_path OUT --device cpu
-     --model_type DeepSeek-V3 --config_path RECIPE --trust_remote_code False`, run by this file in
-     the msModelSlim venv (the `--_msmodelslim-inner` mode: patch the adapter, then msModelSlim's own
+     --model_type DeepSeek-V3 --config_path RECIPE --trust_remote_code False`, run by
+     bench/msmodelslim_inner.py in the msModelSlim venv (patch the adapter, then msModelSlim's own
      CLI `main()`), for two recipes in bench/msmodelslim/:
        flexsmooth  lab_practice/deepseek_v3_2/deepseek_w8a8.yaml as shipped: flex_smooth_quant
                    (norm-linear, ov) + W8A8 per-tensor asymmetric static attention (kv_b_proj float)
@@ -72,6 +74,10 @@ Workarounds needed to run msModelSlim 26.1 here (each also stated in the output)
      would for the real model.
   d. The recipe's `dataset:` is replaced by the absolute path of the bench's calibration .jsonl
      (msModelSlim accepts absolute paths; its lab_calib sets are not this model's domain).
+  e. QuaRot only (bench/msmodelslim_inner.py `_patch_quarot_maps`): model/deepseek_v3/quarot.py's
+     norm-fold and rotation maps take the adapter's last layer for the MTP layer (its enorm / hnorm /
+     eh_proj / embed_tokens / shared_head); built for num_hidden_layers + 1 layers with that absent
+     layer's entries dropped, so every real layer is rotated as in the 671B release.
 Nothing else is changed: processors, quantizers and the AscendV1 saver are msModelSlim's.
 
 A report, not a test: exit 0 when everything ran (a loader refusal of an msModelSlim output that the
@@ -84,240 +90,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from common import scratch_dir  # bench/common.py
+from msmodelslim_run import (CALIB_SEQ, HEADERS, HERE, INNER, REPO, copy_source, fail, grouped, layout_diff,
+                             make_data, pattern, quantize_cvt, quantize_msmodelslim, read_output, verify)
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-HEADERS = Path("/usr/include/linux")
 RECIPES = {"flexsmooth": HERE / "msmodelslim" / "w8a8_mixed_flexsmooth.yaml",
            "nosmooth": HERE / "msmodelslim" / "w8a8_mixed_nosmooth.yaml"}
 CVT_METHODS = ("rtn", "smoothquant")
-CALIB_SEQ = 256     # cvt quantize cuts calibration text into sequences of 256 tokens (quant/stage/__init__.py)
-INNER = "--_msmodelslim-inner"
+SUITES = ("w8a8", "w4a8-quarot")
 
 
-# --------------------------------------------------------------------------------------------
-# inner mode: runs in the msModelSlim venv (stdlib + torch + msmodelslim imports only here)
-# --------------------------------------------------------------------------------------------
-
-def _patch_deepseek_v3_adapter() -> None:
-    """Workarounds b and c of the module docstring, applied to msModelSlim's DeepSeekV3ModelAdapter."""
-    import torch
-    from torch import nn
-    from msmodelslim.core.base.protocol import ProcessRequest
-    from msmodelslim.model.common.layer_wise_forward import TransformersForwardBreak
-    from msmodelslim.model.deepseek_v3 import model_adapter as ma
-    from msmodelslim.utils.exception import InvalidModelError
-    from msmodelslim.utils.security.model import SafeGenerator
-
-    adapter = ma.DeepSeekV3ModelAdapter
-
-    def init_model(self, device=None):
-        with ma.default_dtype(torch.bfloat16):
-            model = SafeGenerator.get_model_from_pretrained(
-                model_path=str(self.model_path), config=self.config, trust_remote_code=self.trust_remote_code,
-                device_map="cpu", torch_dtype="auto", attn_implementation="eager")
-        for name, mod in model.named_modules():
-            experts = getattr(mod, "experts", None)
-            if experts is not None and not isinstance(experts, nn.ModuleList):
-                raise SystemExit(
-                    f"BLOCKER: {name}.experts is {type(experts).__name__}, not a ModuleList of nn.Linear MLPs: "
-                    "this transformers fuses DeepSeek-V3 experts into 3-D parameters, which msModelSlim's "
-                    "linear_quant cannot quantize. Use transformers 4.51-4.57 in the msModelSlim venv.")
-            if "e_score_correction_bias" in getattr(mod, "_buffers", {}):
-                bias = mod._buffers.pop("e_score_correction_bias")
-                mod.e_score_correction_bias = nn.Parameter(bias.float(), requires_grad=False)
-        model.eval()
-        return model
-
-    def generate_decoder_layer(self, model):
-        for idx, layer in enumerate(model.model.layers):
-            yield f"model.layers.{idx}", layer
-
-    def generate_model_forward(self, model, inputs):
-        first = None
-
-        def break_hook(module, args, kwargs):
-            nonlocal first
-            first = (args, kwargs)
-            raise TransformersForwardBreak()
-
-        handle = model.model.layers[0].register_forward_pre_hook(break_hook, with_kwargs=True, prepend=True)
-        try:
-            if isinstance(inputs, (list, tuple)):
-                model(inputs[0])
-            elif isinstance(inputs, dict):
-                model(**inputs)
-            else:
-                model(inputs)
-        except TransformersForwardBreak:
-            pass
-        finally:
-            handle.remove()
-        if first is None:
-            raise InvalidModelError("Can't get first block input.", action="Please check the model and input")
-        current = first
-        for name, block in self.generate_decoder_layer(model):
-            args, kwargs = current
-            outputs = yield ProcessRequest(name, block, args, kwargs)
-            hidden = outputs[0] if isinstance(outputs, tuple) else outputs
-            current = ((hidden,), current[1])
-
-    original_subgraphs = adapter.get_adapter_config_for_subgraph
-
-    def get_adapter_config_for_subgraph(self):
-        self.config.num_hidden_layers += 1          # the original skips its last layer (MTP)
-        try:
-            return original_subgraphs(self)
-        finally:
-            self.config.num_hidden_layers -= 1
-
-    adapter.init_model = init_model
-    adapter.generate_decoder_layer = generate_decoder_layer
-    adapter.generate_model_forward = generate_model_forward
-    adapter.get_adapter_config_for_subgraph = get_adapter_config_for_subgraph
-
-
-def msmodelslim_inner(argv: list[str]) -> None:
-    if argv and argv[0] == "--versions":
-        from importlib.metadata import version
-        print(json.dumps({p: version(p) for p in ("msmodelslim", "transformers", "torch")}))
-        return
-    _patch_deepseek_v3_adapter()
-    from msmodelslim.cli.__main__ import main as msmodelslim_main
-    sys.argv = ["msmodelslim", *argv]
-    msmodelslim_main()
-
-
-# --------------------------------------------------------------------------------------------
-# outer mode: runs in cvt's venv
-# --------------------------------------------------------------------------------------------
-
-def fail(msg: str, code: int = 1) -> None:
-    print(f"\nmsmodelslim_peer: {msg}", file=sys.stderr)
-    sys.exit(code)
-
-
-def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    with open(log, "w") as fh:
-        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
-    return time.perf_counter() - t0, rc
-
-
-def tail(log: Path, n: int = 25) -> str:
-    lines = log.read_text(errors="replace").splitlines()
-    return "\n".join("    " + ln for ln in lines[-n:])
-
-
-def make_data(root: Path, headers: Path, n_calib: int) -> dict:
-    files = sorted(headers.glob("*.h"))
-    if not files:
-        fail(f"{headers}: no *.h files (the Linux UAPI headers the fixture was trained on; "
-             "Debian: linux-libc-dev)")
-    blob = lambda fs: bytes(c for f in fs for c in f.read_bytes() if c < 128).decode("ascii")  # noqa: E731
-    train = blob([f for f in files if f.name[0].lower() <= "t"])
-    held = blob([f for f in files if f.name[0].lower() >= "u"])
-    width = CALIB_SEQ - 1                                      # + <bos> = CALIB_SEQ tokens
-    step = len(train) // n_calib
-    chunks = [train[i * step:i * step + width] for i in range(n_calib)]
-    cvt_calib, ms_calib, held_out = root / "calib_cvt.jsonl", root / "calib_msmodelslim.jsonl", root / "heldout.txt"
-    cvt_calib.write_text("".join(json.dumps({"text": c}) + "\n" for c in chunks))
-    ms_calib.write_text("".join(json.dumps({"inputs_pretokenized": "<bos>" + c}) + "\n" for c in chunks))
-    held_out.write_text(held)
-    return {"cvt_calib": cvt_calib, "ms_calib": ms_calib, "held_out": held_out,
-            "calib_tokens": n_calib * CALIB_SEQ, "held_out_bytes": len(held)}
-
-
-# ---- layout ----
-
-def read_output(d: Path) -> dict:
-    from safetensors import safe_open
-
-    tensors, header_meta = {}, {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            header_meta[f.name] = sf.metadata()
-            for k in sf.keys():
-                sl = sf.get_slice(k)
-                tensors[k] = (sl.get_dtype(), tuple(sl.get_shape()))
-    desc = json.loads((d / "quant_model_description.json").read_text())
-    index = json.loads(next(d.glob("*.safetensors.index.json")).read_text())
-    return {"tensors": tensors, "tags": {k: v for k, v in desc.items() if k in tensors},
-            "globals": {k: v for k, v in desc.items() if k not in tensors},
-            "desc_order": list(desc), "files": sorted(p.name for p in d.iterdir() if p.is_file()),
-            "config": json.loads((d / "config.json").read_text()), "index_keys": sorted(index),
-            "index_meta": index.get("metadata", {}), "header_meta": header_meta}
-
-
-def pattern(name: str) -> str:
-    return re.sub(r"\.experts\.\d+\.", ".experts.E.", re.sub(r"\.layers\.\d+\.", ".layers.N.", name))
-
-
-def grouped(names) -> list[str]:
-    return [g for g, _ in grouped_examples(names)]
-
-
-def grouped_examples(names) -> list[tuple[str, str]]:
-    """[(pattern with its count, one name it stands for)], names grouped by layer / expert index."""
-    groups: dict[str, list[str]] = {}
-    for n in sorted(names):
-        groups.setdefault(pattern(n), []).append(n)
-    return [(f"{p} x{len(ns)}" if len(ns) > 1 else p, ns[0]) for p, ns in groups.items()]
-
-
-def layout_diff(a: dict, b: dict, an: str, bn: str) -> list[str]:
-    """Every difference of tensor names / dtypes / shapes / tags, description globals, files, config,
-    index and safetensors header metadata between two outputs, one line per difference group."""
-    out = []
-    ta, tb = a["tensors"], b["tensors"]
-    for only, who in ((set(ta) - set(tb), an), (set(tb) - set(ta), bn)):
-        if only:
-            out.append(f"tensors only in {who} ({len(only)}): " + "; ".join(
-                f"{g} {(ta.get(n) or tb.get(n))[0]} {list((ta.get(n) or tb.get(n))[1])} "
-                f"[{a['tags'].get(n) or b['tags'].get(n)}]" for g, n in grouped_examples(only)))
-    common = set(ta) & set(tb)
-    dt = [n for n in common if ta[n][0] != tb[n][0]]
-    sh = [n for n in common if ta[n][1] != tb[n][1]]
-    tg = [n for n in common if a["tags"].get(n) != b["tags"].get(n)]
-    for what, names, show in (("dtype", dt, lambda n: f"{ta[n][0]} vs {tb[n][0]}"),
-                              ("shape", sh, lambda n: f"{list(ta[n][1])} vs {list(tb[n][1])}"),
-                              ("tag", tg, lambda n: f"{a['tags'].get(n)} vs {b['tags'].get(n)}")):
-        if names:
-            out.append(f"{what} differs ({len(names)}): " + "; ".join(
-                f"{g} ({show(n)})" for g, n in grouped_examples(names)))
-    ga, gb = a["globals"], b["globals"]
-    for k in sorted(set(ga) | set(gb)):
-        if ga.get(k, "<absent>") != gb.get(k, "<absent>"):
-            out.append(f"description key {k!r}: {json.dumps(ga.get(k, '<absent>'))} ({an}) vs "
-                       f"{json.dumps(gb.get(k, '<absent>'))} ({bn})")
-    if [k for k in a["desc_order"] if k in tb] != [k for k in b["desc_order"] if k in ta]:
-        out.append("description key order differs")
-    fa, fb = set(a["files"]), set(b["files"])
-    for only, who in ((fa - fb, an), (fb - fa, bn)):
-        if only:
-            out.append(f"files only in {who}: {', '.join(sorted(only))}")
-    ca, cb = a["config"], b["config"]
-    for k in sorted(set(ca) | set(cb)):
-        if ca.get(k, "<absent>") != cb.get(k, "<absent>"):
-            out.append(f"config.json {k!r}: {json.dumps(ca.get(k, '<absent>'))} ({an}) vs "
-                       f"{json.dumps(cb.get(k, '<absent>'))} ({bn})")
-    if a["index_keys"] != b["index_keys"] or set(a["index_meta"]) != set(b["index_meta"]):
-        out.append(f"index keys {a['index_keys']}/{sorted(a['index_meta'])} vs {b['index_keys']}/{sorted(b['index_meta'])}")
-    ha, hb = list(a["header_meta"].values()), list(b["header_meta"].values())
-    if ha != hb:
-        out.append(f"safetensors __metadata__ {ha} ({an}) vs {hb} ({bn})")
-    return out
-
+# ---- W8A8 values ----
 
 def value_checks(outs: dict[str, Path], fixture: Path, labels: dict[str, str]) -> tuple[list[str], dict]:
     import torch
@@ -406,32 +196,16 @@ def derive_weight_scale(src: Path, dst: Path) -> int:
     return added
 
 
-def verify(cvt: str, cand: Path, fixture: Path, data: dict, rep: Path, args) -> dict:
-    cmd = [cvt, "verify", str(cand), "--reference", str(fixture), "--report", str(rep), "--data",
-           str(data["held_out"]), "--seq-len", str(args.seq_len), "--max-sequences", str(args.eval_sequences),
-           "--device", "cpu", "--quiet"]
-    rep.mkdir(parents=True, exist_ok=True)
-    wall, rc = run(cmd, rep.with_suffix(".log"))
-    res = {"cmd": cmd, "wall_s": wall, "rc": rc}
-    if not (rep / "report.json").is_file():
-        res["error"] = rep.with_suffix(".log").read_text(errors="replace").strip().splitlines()[-1:] or ["?"]
-        res["error"] = res["error"][0]
-        return res
-    r = json.loads((rep / "report.json").read_text())
-    lg = r["logits"]
-    res.update(kl=lg["kl_mean"], ppl_ratio=lg["ppl_ratio"], top1=lg["same_top1"], tokens=lg["tokens"],
-               min_cos=min(x["Cosine"] for x in r["layers"]))
-    return res
-
+# ---- main ----
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == INNER:
-        msmodelslim_inner(sys.argv[2:])
-        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # no defaults: both live outside the clone, wherever whoever runs the bench put them
     ap.add_argument("--msmodelslim-venv", required=True, help="venv with msmodelslim 26.1 (see docstring)")
     ap.add_argument("--fixture", required=True, help="a trained BF16 DeepSeek-V3 checkpoint directory")
+    ap.add_argument("--suite", choices=SUITES, default="w8a8",
+                    help="w8a8: W8A8 mixed, static attention (the default); w4a8-quarot: W4A8 with and without "
+                         "QuaRot / --rotate hadamard (bench/msmodelslim_quarot.py)")
     ap.add_argument("--cvt", default=str(REPO / ".venv" / "bin" / "cvt"), help="cvt executable")
     ap.add_argument("--headers", default=str(HEADERS), help="Linux UAPI headers (calibration a-t, evaluation u-z)")
     ap.add_argument("--calib-sequences", type=int, default=8, help=f"calibration sequences of {CALIB_SEQ} tokens")
@@ -445,7 +219,7 @@ def main() -> None:
     if not venv_py.is_file():
         fail(f"no msModelSlim venv at {args.msmodelslim_venv} ({venv_py} missing); build it as the docstring "
              "says or pass --msmodelslim-venv PATH", 2)
-    probe = subprocess.run([str(venv_py), __file__, INNER, "--versions"], capture_output=True, text=True)
+    probe = subprocess.run([str(venv_py), str(INNER), "--versions"], capture_output=True, text=True)
     if probe.returncode != 0:
         fail(f"{venv_py} cannot import msmodelslim / transformers / torch:\n{probe.stderr[-2000:]}", 2)
     versions = json.loads(probe.stdout.strip().splitlines()[-1])
@@ -457,7 +231,11 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="cvt-bench-msmodelslim-", dir=args.dir))
     try:
-        report(args, root, fixture, cvt, venv_py, versions)
+        if args.suite == "w8a8":
+            report(args, root, fixture, cvt, venv_py, versions)
+        else:
+            import msmodelslim_quarot  # bench/msmodelslim_quarot.py
+            msmodelslim_quarot.report(args, root, fixture, cvt, venv_py, versions)
     finally:
         if args.keep:
             print(f"\nwork dir kept: {root}")
@@ -467,41 +245,19 @@ def main() -> None:
 
 def report(args, root: Path, fixture: Path, cvt: str, venv_py: Path, versions: dict) -> None:
     data = make_data(root, Path(args.headers), args.calib_sequences)
-    src_copy = root / "fixture"                     # the fixture is read-only; msModelSlim gets a copy
-    shutil.copytree(fixture, src_copy)
-    for p in [src_copy, *src_copy.iterdir()]:
-        p.chmod(p.stat().st_mode | 0o200)
-
-    outs: dict[str, Path] = {}
+    src_copy = copy_source(fixture, root)
     labels = {"msms-flexsmooth": "msModelSlim flex_smooth_quant", "msms-nosmooth": "msModelSlim min-max",
               "cvt-rtn": "cvt rtn", "cvt-smoothquant": "cvt smoothquant"}
     quant: dict[str, dict] = {}
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     for name, recipe in RECIPES.items():
-        cfg = root / f"{name}.yaml"
-        cfg.write_text(re.sub(r"(?m)^(\s*dataset:).*$", lambda m: f"{m.group(1)} {data['ms_calib']}",
-                              recipe.read_text()))
-        out = root / f"msms-{name}"
-        cmd = [str(venv_py), __file__, INNER, "quant", "--model_path", str(src_copy), "--save_path", str(out),
-               "--device", "cpu", "--model_type", "DeepSeek-V3", "--config_path", str(cfg),
-               "--trust_remote_code", "False"]
-        log = root / f"msms-{name}.log"
-        wall, rc = run(cmd, log, env)
-        if rc != 0 or not (out / "quant_model_description.json").is_file():
-            print(f"msModelSlim ({name}) failed, rc {rc}: {shlex.join(cmd)}\n{tail(log)}")
-            fail(f"BLOCKER: msModelSlim {versions} could not quantize {fixture} ({name}); log above")
-        outs[f"msms-{name}"], quant[f"msms-{name}"] = out, {"wall_s": wall, "cmd": cmd}
+        quant[f"msms-{name}"] = quantize_msmodelslim(name, recipe, root, src_copy, data, venv_py, versions, fixture)
     for method in CVT_METHODS:
         out = root / f"cvt-{method}"
         cmd = [cvt, "quantize", str(fixture), str(out), "--scheme", "w8a8", "--format", "ascend",
                "--static-attention", "--method", method, "--calib", str(data["cvt_calib"]),
                "--calib-tokens", str(data["calib_tokens"]), "--device", "cpu", "--quiet"]
-        log = root / f"cvt-{method}.log"
-        wall, rc = run(cmd, log)
-        if rc != 0:
-            print(f"cvt ({method}) failed, rc {rc}: {shlex.join(cmd)}\n{tail(log)}")
-            fail(f"cvt quantize --method {method} failed; log above")
-        outs[f"cvt-{method}"], quant[f"cvt-{method}"] = out, {"wall_s": wall, "cmd": cmd}
+        quant[f"cvt-{method}"] = quantize_cvt(f"cvt-{method}", cmd, root)
+    outs = {k: q["out"] for k, q in quant.items()}
 
     # ---- layout ----
     lay = {k: read_output(d) for k, d in outs.items()}
@@ -527,15 +283,18 @@ def report(args, root: Path, fixture: Path, cvt: str, venv_py: Path, versions: d
         acc[key] = res
     (root / "results.json").write_text(json.dumps({"versions": versions, "quantize": quant, "verify": acc,
                                                    "facts": facts, "layout_diff": main_diff}, indent=1, default=str))
+    print_report(args, fixture, cvt, versions, data, quant, acc, labels, lay, main_diff, sib, values, facts)
 
-    # ---- print ----
+
+def print_report(args, fixture, cvt, versions, data, quant, acc, labels, lay, main_diff, sib, values, facts) -> None:
     import torch
+
     n_tensors = {k: len(v["tensors"]) for k, v in lay.items()}
     print(f"\nmsModelSlim as a peer: W8A8 mixed (static attention, dynamic MLP) on {fixture}")
     print(f"command:      {shlex.join([sys.executable, *sys.argv])}")
     print(f"msModelSlim:  {versions['msmodelslim']} (transformers {versions['transformers']}, torch "
-          f"{versions['torch']}), `msmodelslim quant --device cpu --model_type DeepSeek-V3`, run through this "
-          "file's adapter patches (docstring a-d: built-in DeepseekV3 classes, no MTP layer, tensor layer "
+          f"{versions['torch']}), `msmodelslim quant --device cpu --model_type DeepSeek-V3`, run through "
+          "bench/msmodelslim_inner.py's adapter patches (docstring a-d: built-in DeepseekV3 classes, no MTP layer, tensor layer "
           "outputs, router bias as a Parameter)")
     print(f"cvt:          {cvt} (torch {torch.__version__}); CPU: {os.cpu_count()} cores")
     print(f"calibration:  {args.calib_sequences} x {CALIB_SEQ} tokens (<bos> + ASCII bytes of {args.headers} a-t, "
