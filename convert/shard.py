@@ -22,7 +22,8 @@ q | k | v rows, `Rule.parts`; the manifest records them). Parts of a split linea
 broadcast along the split dim (per-channel scales ``[n, 1]`` of a row-parallel linear, per-tensor ``[1]`` scales, compressed-tensors
 ``weight_shape``) are copied whole. Routed-expert tensors go only to the ranks whose EP rank
 holds the expert (placement, redundant copies included). So for every tensor the manifest's
-``TensorShard`` (axis, dim, degree, parts) says how to put it back together: concatenating the
+``TensorShard`` (axis, dim, degree, parts) says how to put it back together (a layer's experts
+fused over dim 0, gpt-oss's, split there over ep: contiguous id ranges): concatenating the
 holders' runs in coordinate order (part by part) gives the source bytes exactly.
 
 FP8 block scales, packed int4 (two per byte / eight per int32) and group scales split
@@ -117,8 +118,11 @@ def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layo
     whose data says which on-disk dim follows the module's split axis (None: the arch table's
     rule for float / FP8 tensors)."""
     info = arch.classify(name)
-    # a routed expert's [layer, id]; experts fused over [E, ...] (gpt-oss) carry no id: kept whole on every rank
-    expert = (info.layer, info.expert) if info.role is Role.EXPERT and info.expert is not None else None
+    if info.role is Role.EXPERT and info.expert is None:
+        # a layer's experts fused over [E, ...] (gpt-oss): EP rank i holds experts [i E/ep, (i+1) E/ep)
+        # of every such tensor, as vLLM's EP loader slices them (`cvt.convert.arch.gpt_oss`)
+        return Split("ep", 0, layout.ep, None) if layout.ep > 1 else Split(None, None, 1, None)
+    expert = (info.layer, info.expert) if info.role is Role.EXPERT else None  # a routed expert's [layer, id]
     axis = axis_of(info, layout.shared_experts)
     degree = getattr(layout, axis) if axis else 1
     disk = quant_layout.tensor(info.param) if quant_layout is not None else None
@@ -254,6 +258,26 @@ def _layout_problems(ckpt: Checkpoint, arch, layout: Layout, splits: dict[str, S
     return out
 
 
+def _fused_problems(ckpt: Checkpoint, arch, layout: Layout) -> list[str]:
+    """What keeps the fused experts (`split_of`) from splitting: only contiguous EP id ranges, whole
+    along the expert width (moe_tp 1), with no redundant copies, are expressed by a dim-0 run."""
+    name = next((n for n in ckpt.tensors if (i := arch.classify(n)).role is Role.EXPERT and i.expert is None), None)
+    if name is None:
+        return []
+    out = []
+    if layout.moe_tp > 1:
+        out.append(f"{name} (experts fused over dim 0): moe_tp {layout.moe_tp} would split each expert's width, "
+                   "which cvt does not do for fused experts; valid moe_tp: 1 (split them over ep)")
+    placement = expert_placement(layout, ckpt.config)
+    contiguous = contiguous_placement(arch.num_experts, layout.ep) if arch.num_experts % layout.ep == 0 else None
+    if placement is not None and contiguous is not None and any(
+            [list(r) for r in placement.for_layer(L)] != [list(r) for r in contiguous.for_layer(L)]
+            for L in moe_layers(ckpt.config)):
+        out.append(f"{name} (experts fused over dim 0): the placement ({placement.source}) is not contiguous expert "
+                   "id ranges over ep, the only split of fused experts; shard without --placement or --redundant")
+    return out
+
+
 def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], list[list[_Holding]], list[str]]:
     """Every tensor's split, every rank's holdings and the visiting order (`_visit_order`; each
     rank's holdings are in it); CvtError naming each divisibility problem when the layout
@@ -267,7 +291,7 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
     layouts = quant_layouts(ckpt)
     splits = {name: split_of(arch, layout, name, ref.shape, layouts.get(name.rpartition(".")[0]))
               for name, ref in ckpt.tensors.items()}
-    problems = _layout_problems(ckpt, arch, layout, splits)
+    problems = _layout_problems(ckpt, arch, layout, splits) + _fused_problems(ckpt, arch, layout)
     if problems:
         raise CvtError("the layout cannot shard these tensors:\n  " + "\n  ".join(problems))
     holders = expert_holders(layout, ckpt.config)

@@ -9,7 +9,8 @@ back; nccl / hccl reduce in the tensor's dtype.
 
 The local model is the same model class built with the rank's sizes (`local_args`), only
 the rank's routed experts instantiated (`experts.{global id}`, the router still scores all
-experts), loaded from the rank's directory alone by tensor name, then wrapped where the
+experts; gpt-oss's fused ``[E, ...]`` experts: the rank's contiguous id range, as `cvt shard`
+split them), loaded from the rank's directory alone by tensor name, then wrapped where the
 communication happens:
 
 ==================  =======================================================================

@@ -34,8 +34,17 @@ head) for MXFP4; cvt's schemes keep the router, the sinks, norms, embeddings and
 
 Layer i's attention is ``layer_types[i]`` (default, transformers' GptOssConfig: sliding at even i,
 full at odd i): "sliding_attention" sees the last ``sliding_window`` positions (`GQA_SLIDING`),
-"full_attention" all (`GQA`). TP splits attention by heads (the sinks with them); the fused experts
-are kept whole on every rank (expert parallelism over the fused tensors is not done yet).
+"full_attention" all (`GQA`).
+
+Parallel layout, as vLLM's gpt-oss loader splits it (vllm/model_executor/models/gpt_oss.py,
+``GptOssModel.load_weights``): TP splits attention by heads, the sinks with them (``sinks.narrow(0,
+head_start, heads_per_rank)``; role LINEAR here, as DeepSeek-V4's ``attn_sink``: the attention's tp
+axis, never quantized); the router is replicated; the fused experts split over EP by contiguous
+expert id ranges along their dim 0 (vLLM's ``use_ep`` branch, ``weight[ep_rank_start:ep_rank_end,
+...]``), every ``[E, ...]`` tensor of the layer (biases included) alike (`cvt.convert.shard.split_of`:
+a routed-expert tensor with no expert id in its name). vLLM's other branch (TP over the expert
+width, gate / up interleaved) is not taken: moe_tp > 1 is refused for fused experts, and so is a
+placement other than contiguous ranges (EPLB / redundant copies).
 """
 
 from __future__ import annotations
@@ -114,7 +123,7 @@ RULES = DECODER_RULES + (
     Rule(f"{_A}.v_proj", Role.LINEAR, C, Block.ATTN, quantizable=True),
     Rule(f"{_A}.o_proj", Role.LINEAR, R, Block.ATTN, quantizable=True),
     Rule(_A, Role.KV_CACHE, REP, Block.ATTN, float_default=True),  # C8 k_scale / v_scale (before the sinks)
-    Rule(_A, Role.NORM, C, Block.ATTN, float_default=True, params=SINKS),  # one per head: split with them
+    Rule(_A, Role.LINEAR, C, Block.ATTN, float_default=True, params=SINKS),  # one per head: split with them
     Rule(f"{L}.mlp.router", Role.ROUTER, REP, Block.MOE, float_default=True),
     Rule(f"{L}.mlp.experts", Role.EXPERT, REP, Block.MOE, params=EXPERT_PARAMS),
 )

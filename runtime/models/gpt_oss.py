@@ -29,6 +29,7 @@ mask reads only the window.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from torch import nn
 
 from cvt.runtime import kv_cache
 from cvt.runtime.kernels import Linear
-from cvt.runtime.models.base import CausalLM, ConfigError, ModelArgs, RMSNorm
+from cvt.runtime.models.base import CausalLM, ConfigError, ModelArgs, ParallelNames, RMSNorm
 from cvt.runtime.models.qwen3 import ROPE_KEYS, Int8KVCache, KVCache, apply_rope, rope_frequencies
 
 SLIDING = "sliding_attention"
@@ -142,11 +143,19 @@ class Attention(nn.Module):
 
 
 class Experts(nn.Module):
-    """transformers' fused GptOssExperts parameters (module docstring)."""
+    """transformers' fused GptOssExperts parameters (module docstring), of the global experts `ids`
+    (a contiguous range, `[E, ...]` rows ``e - ids[0]``; all E in one process, a rank's share of
+    them in `cvt.runtime.parallel`, where the sharder split the fused tensors along dim 0).
 
-    def __init__(self, args: Args, dtype=None, device=None):
+    Seen as the per-expert containers of the other families: ``experts[str(e)](x)`` runs expert
+    e (global id) and ``keys()`` lists the ids held, which `cvt.runtime.parallel.ParallelMoE` reads."""
+
+    def __init__(self, args: Args, ids: list[int], dtype=None, device=None):
         super().__init__()
-        e, h, i = args.num_local_experts, args.hidden_size, args.intermediate_size
+        e, h, i = len(ids), args.hidden_size, args.intermediate_size
+        if not ids or ids != list(range(ids[0], ids[0] + e)):
+            raise ConfigError(f"gpt-oss's fused experts are held as one contiguous id range per rank, not {ids}")
+        self.first = ids[0]
         kw = dict(dtype=dtype, device=device)
         self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i, **kw), requires_grad=False)
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i, **kw), requires_grad=False)
@@ -154,24 +163,36 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h, **kw), requires_grad=False)
         self.alpha, self.limit = args.swiglu_alpha, args.swiglu_limit
 
+    def keys(self) -> list[str]:
+        return [str(self.first + j) for j in range(self.gate_up_proj.shape[0])]
+
+    def __getitem__(self, key: str):
+        return functools.partial(self.expert, int(key))
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        g = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        """Expert `e` (global id) on x [n, h] -> [n, h]."""
+        j = e - self.first
+        g = x @ self.gate_up_proj[j] + self.gate_up_proj_bias[j]
         gate, up = g[..., ::2].clamp(max=self.limit), g[..., 1::2].clamp(-self.limit, self.limit)
-        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[e] + self.down_proj_bias[e]
+        return ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[j] + self.down_proj_bias[j]
 
 
 class MoE(nn.Module):
-    def __init__(self, args: Args, dtype=None, device=None):
+    def __init__(self, args: Args, ids: list[int] | None = None, dtype=None, device=None):
         super().__init__()
         self.top_k = args.num_experts_per_tok
         self.router = Linear(args.hidden_size, args.num_local_experts, bias=True, dtype=dtype, device=device)
-        self.experts = Experts(args, dtype, device)
+        self.experts = Experts(args, list(range(args.num_local_experts)) if ids is None else list(ids), dtype, device)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, h] -> (weights [n, k], global expert ids [n, k]): the top k router logits, softmaxed."""
+        top, idx = self.router(x).topk(self.top_k, dim=-1)
+        return top.softmax(-1), idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        top, idx = self.router(x).topk(self.top_k, dim=-1)              # [n, k]
-        w = top.softmax(-1)
+        w, idx = self.route(x)                                           # [n, k]
         y = torch.zeros_like(x)
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
@@ -180,13 +201,13 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: Args, i: int, dtype=None, device=None):
+    def __init__(self, args: Args, i: int, dtype=None, device=None, experts: list[int] | None = None):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **kw)
         self.self_attn = Attention(args, args.sliding(i), **kw)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **kw)
-        self.mlp = MoE(args, **kw)
+        self.mlp = MoE(args, experts, **kw)
 
     def forward(self, x, cos, sin, mask, start_pos, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, start_pos, cache)
@@ -194,23 +215,27 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, args: Args, dtype=None, device=None):
+    def __init__(self, args: Args, dtype=None, device=None, experts: dict[int, list[int]] | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, dtype, device) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i, dtype, device, None if experts is None else experts[i])
+                                    for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype, device=device)
 
 
 class Model(CausalLM):
     """Causal LM following the contract in `base.py`; parameter names = HF checkpoint names."""
 
-    def __init__(self, args: Args, dtype=None, device=None, experts=None):
+    # a rank's share (`cvt.runtime.parallel`): heads and KV heads / tp; intermediate_size is the
+    # experts' width, whole (fused experts split over ep only, `cvt.convert.arch.gpt_oss`)
+    parallel = ParallelNames(local_sizes=(("num_attention_heads", "tp"), ("num_key_value_heads", "tp")))
+
+    def __init__(self, args: Args, dtype=None, device=None, experts: dict[int, list[int]] | None = None):
+        """`experts`: layer -> the global expert ids this rank holds (None: all)."""
         super().__init__()
-        if experts is not None:
-            raise ConfigError("gpt-oss's fused experts are not split over ranks yet (multi-rank runs refused)")
         self.args = args
-        self.model = Backbone(args, dtype, device)
+        self.model = Backbone(args, dtype, device, experts)
         self.lm_head = (None if args.tie_word_embeddings
                         else Linear(args.hidden_size, args.vocab_size, dtype=dtype, device=device))
         self.inv_freq, self.rope_scale = rope_frequencies(args)

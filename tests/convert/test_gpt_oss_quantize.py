@@ -161,20 +161,29 @@ def test_w8a8c8_calibrates_the_kv_cache_and_decodes_on_it(tmp_path):
 
 @pytest.mark.parametrize("axis", ["tp", "ep"])
 def test_shard_reassembles(tmp_path, axis):
-    """`cvt shard` (TP 2 / EP 2): the attention linears split by heads (and the vocab-parallel
-    embedding / head under TP) concatenate back to the source; the fused experts (no expert
-    parallelism over them yet), the sinks and every other tensor are whole, byte for byte, on both
-    ranks."""
+    """`cvt shard` (--tp 2 / --ep 2, in a world of 2: ep is 2 either way) as vLLM's gpt-oss loader
+    splits it (`cvt.convert.arch.gpt_oss`): under TP the attention linears and the sinks by heads
+    (and the vocab-parallel embedding / head), every fused experts tensor by expert id ranges along
+    dim 0 (rank 0 experts 0-2, rank 1 experts 3-5); each concatenates back to the source, byte for
+    byte; the router and every other tensor are whole on both ranks."""
     src = write_bf16_checkpoint(tmp_path / "src", tiny_gpt_oss_config())
     dst = tmp_path / "sh"
     r = run_cvt("shard", src, dst, "--world-size", "2", f"--{axis}", "2", "--quiet")
     assert r.rc == 0, r.err
     want, ranks = _read_all(src), [_read_all(dst / f"rank-0000{i}") for i in range(2)]
-    splits = json.loads((dst / "cvt_manifest.json").read_text())["shard"]["tensors"]
+    manifest = json.loads((dst / "cvt_manifest.json").read_text())["shard"]
+    splits = manifest["tensors"]
     split = {n for n, t in splits.items() if t["dim"] is not None}
-    heads = {n for n in want if n.endswith(("q_proj.weight", "k_proj.bias", "v_proj.weight", "o_proj.weight"))}
+    heads = {n for n in want if n.endswith(("q_proj.weight", "k_proj.bias", "v_proj.weight", "o_proj.weight",
+                                            "self_attn.sinks"))}
+    experts = {n for n in want if ".mlp.experts." in n}
+    assert len(heads) == 5 * 4 and len(experts) == 4 * 4
     assert heads <= split if axis == "tp" else not split & heads
-    assert not any(".mlp." in n for n in split)
+    assert experts <= split and all(splits[n]["axis"] == "ep" and splits[n]["dim"] == 0 for n in experts)
+    assert not any(".mlp.router." in n for n in split)
+    assert [rk["experts"]["1"] for rk in manifest["ranks"]] == [[0, 1, 2], [3, 4, 5]]
+    x = "model.layers.1.mlp.experts.down_proj"
+    assert torch.equal(ranks[1][x], want[x][3:])   # rank 1's slice is experts 3-5
     for name, t in want.items():
         parts = [rk[name] for rk in ranks]
         if name in split:
@@ -183,3 +192,15 @@ def test_shard_reassembles(tmp_path, axis):
             assert torch.equal(parts[0].view(torch.uint8), parts[1].view(torch.uint8)), name
             got = parts[0]
         assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("extra, culprit", [(("--ep", "1", "--moe-tp", "2"), "moe_tp 2 would split each expert's "
+                                             "width"), (("--ep", "2", "--redundant", "2"), "is not contiguous")],
+                         ids=["moe-tp", "redundant"])
+def test_shard_refuses_what_fused_experts_cannot_split_into(tmp_path, extra, culprit):
+    """Fused experts split only into contiguous id ranges over ep: one line naming a fused tensor, no DST."""
+    src = write_bf16_checkpoint(tmp_path / "src", tiny_gpt_oss_config())
+    r = run_cvt("shard", src, tmp_path / "sh", "--world-size", "2", "--tp", "1", *extra, "--quiet")
+    assert r.rc == 1, r.err
+    assert "mlp.experts." in r.err and culprit in r.err
+    assert not (tmp_path / "sh").exists()
