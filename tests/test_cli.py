@@ -49,11 +49,11 @@ def test_demo_runs_the_pipeline(tmp_path, demo_weights):
     # the sharded 4-rank run agreed with one process; the ONNX export with the torch runtime
     assert "4 ranks vs 1 process" in r.out and "greedy tokens identical" in r.out
     assert "greedy tokens agree: yes: PASS" in r.out and "atc --framework=5" in r.out
-    assert "[9/11] DeepSeek-V3.2" in r.out and "the indexer kept float" in r.out
-    assert "[10/11] DeepSeek-V4" in r.out and "FP4 experts" in r.out
+    assert "[9/13] DeepSeek-V3.2" in r.out and "the indexer kept float" in r.out
+    assert "[10/13] DeepSeek-V4" in r.out and "FP4 experts" in r.out
     # GLM-5 and Kimi-K2.5 (issue 27): the indexer float in GLM's W8A8 description; every Kimi expert the
     # INT4 release's own codes (method "source"), the vision tower carried
-    assert "[11/11] GLM-5" in r.out and "copied byte for byte" in r.out
+    assert "[11/13] GLM-5" in r.out and "copied byte for byte" in r.out
     desc = json.loads((tmp_path / "demo" / "glm5-w8a8-ascend" / "quant_model_description.json").read_text())
     assert desc["model.layers.2.self_attn.indexer.wq_b.weight"] == "FLOAT"
     assert desc["model.layers.2.mlp.experts.0.down_proj.weight"] == "W8A8_DYNAMIC"
@@ -61,6 +61,16 @@ def test_demo_runs_the_pipeline(tmp_path, demo_weights):
     experts = {n: t["method"] for n, t in k25["quant"]["tensors"].items() if ".experts." in n}
     assert experts and set(experts.values()) == {"source"} and k25["carried"]
     assert (tmp_path / "demo" / "verify-v32-w8a8" / "report.json").is_file()
+    # gpt-oss (issue 40) and Qwen3.5-MoE (issue 41): released precision in, quantized, verified; gpt-oss sharded
+    # with its fused experts split over ep (rank 1 holds experts 3-5 of 6) and its sinks over tp
+    assert "[12/13] gpt-oss" in r.out and "8 MXFP4 expert tensors dequantized" in r.out
+    assert "[13/13] Qwen3.5-MoE" in r.out and "vision tower tensors carried" in r.out
+    for report in ("verify-gpt-oss-w8a8", "verify-qwen3.5-moe-w8a8"):  # W8A8 of random weights: ~0.97 measured
+        layers = json.loads((tmp_path / "demo" / report / "report.json").read_text())["layers"]
+        assert len(layers) > 4 and min(row["Cosine"] for row in layers) > 0.9, report
+    gpt = json.loads((tmp_path / "demo" / "gpt-oss-bf16-tp2-ep2" / "cvt_manifest.json").read_text())["shard"]
+    assert gpt["tensors"]["model.layers.0.mlp.experts.down_proj"]["axis"] == "ep"
+    assert gpt["tensors"]["model.layers.0.self_attn.sinks"]["axis"] == "tp" and gpt["ranks"][1]["experts"]["0"] == [3, 4, 5]
     manifest = json.loads((tmp_path / "demo" / "bf16" / "cvt_manifest.json").read_text())
     assert manifest["format"] == "hf-bf16"
     # an unrelated directory is refused (a demo directory is replaced: cvt.demo checks its marker)
