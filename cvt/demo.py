@@ -300,7 +300,7 @@ def step_gpt_oss(root: Path, out: dict[str, Path], say) -> None:
 
     cfg = tiny_gpt_oss_config(mxfp4=True, vocab_size=300)
     for k, d in (("gpt-oss-mxfp4", "gpt-oss-source-mxfp4"), ("gpt-oss-bf16", "gpt-oss-bf16"),
-                 ("gpt-oss-w8a8", "gpt-oss-w8a8-compressed-tensors"), ("gpt-oss-shards", "gpt-oss-bf16-tp2-ep2")):
+                 ("gpt-oss-w8a8", "gpt-oss-w8a8-compressed-tensors"), ("gpt-oss-tp2", "gpt-oss-bf16-tp2-ep2")):
         out[k] = root / d
     say(f"\n[12/13] gpt-oss (MXFP4 experts, sliding window {cfg['sliding_window']}, attention sinks): cvt fp8-to-bf16 "
         f"{out['gpt-oss-mxfp4']} {out['gpt-oss-bf16']}; cvt quantize {out['gpt-oss-mxfp4']} {out['gpt-oss-w8a8']} "
@@ -308,9 +308,9 @@ def step_gpt_oss(root: Path, out: dict[str, Path], say) -> None:
     write_release(out["gpt-oss-mxfp4"], cfg, mxfp4_release_tensors(random_weights(cfg)), n_shards=2, move_scale=False)
     d = fp8_to_bf16(out["gpt-oss-mxfp4"], out["gpt-oss-bf16"], quiet=True)
     q = quantize(out["gpt-oss-mxfp4"], out["gpt-oss-w8a8"], scheme="w8a8", fmt="compressed-tensors", quiet=True)
-    out["report-gpt-oss"] = root / "verify-gpt-oss-w8a8"
-    v = verify(out["gpt-oss-w8a8"], out["gpt-oss-bf16"], out["report-gpt-oss"], seq_len=32, max_sequences=2).report
-    r = shard(out["gpt-oss-bf16"], out["gpt-oss-shards"], make_layout(2, tp=2, ep=2), quiet=True)
+    out["report-gptoss"] = root / "verify-gpt-oss-w8a8"
+    v = verify(out["gpt-oss-w8a8"], out["gpt-oss-bf16"], out["report-gptoss"], seq_len=32, max_sequences=2).report
+    r = shard(out["gpt-oss-bf16"], out["gpt-oss-tp2"], make_layout(2, tp=2, ep=2), quiet=True)
     say(f"{d.extra['dequantized']} MXFP4 expert tensors dequantized; {q.extra['quantized']} attention linears "
         f"quantized, the fused experts float; min layer cosine {min(x.cosine for x in v.layers):.4f}, mean KL "
         f"{v.logits.kl_mean:.3g}; 2 rank directories, {sum(t.dim is not None for t in r.manifest.shard.tensors.values())} tensors split")
@@ -339,8 +339,8 @@ def step_qwen3_5(root: Path, out: dict[str, Path], say) -> None:
     write_release(out["qwen3.5-fp8"], cfg, release_tensors(cfg, seed=3), n_shards=2)
     d = fp8_to_bf16(out["qwen3.5-fp8"], out["qwen3.5-bf16"], quiet=True)
     q = quantize(out["qwen3.5-bf16"], out["qwen3.5-w8a8"], scheme="w8a8", fmt="ascend", quiet=True)
-    out["report-qwen3.5"] = root / "verify-qwen3.5-moe-w8a8"
-    v = verify(out["qwen3.5-w8a8"], out["qwen3.5-bf16"], out["report-qwen3.5"], seq_len=32, max_sequences=2).report
+    out["report-qwen35"] = root / "verify-qwen3.5-moe-w8a8"
+    v = verify(out["qwen3.5-w8a8"], out["qwen3.5-bf16"], out["report-qwen35"], seq_len=32, max_sequences=2).report
     say(f"{d.extra['dequantized']} FP8 linears dequantized; {q.extra['quantized']} linears quantized, "
         f"{len(q.manifest.carried)} vision tower tensors carried; min layer cosine "
         f"{min(x.cosine for x in v.layers):.4f}, mean KL {v.logits.kl_mean:.3g}")
