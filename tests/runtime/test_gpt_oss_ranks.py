@@ -9,12 +9,16 @@ the world all-reduce sums them). The harness is test_distributed's.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cvt.convert.placement import make_layout
 from cvt.convert.shard import shard
 from cvt.testing.checkpoints import write_bf16_checkpoint
 from cvt.testing.checkpoints_gpt_oss import tiny_gpt_oss_config
+from cvt.runtime.tokenizer import load_tokenizer
+from cvt.tests.conftest import run_cvt
 from cvt.tests.runtime.test_distributed import _check_dumps, _reference, _spawn
 
 PROMPTS = ["def __init__(self, config): return self.forward(x)", "MoE!"]  # 51 positions: past the window of 5
@@ -22,7 +26,7 @@ ARGV = [a for p in PROMPTS for a in ("--prompt", p)] + ["--max-new-tokens", "4",
                                                         "cpu", "--quiet"]
 
 
-@pytest.mark.slow  # a 2-rank gloo world of 3 cases, a w4a16 quantize and the references: ~40 s on 2 cores
+@pytest.mark.slow  # a 2-rank gloo world of 3 cases, a w4a16 quantize, the references, a torchrun: ~1 min
 def test_two_ranks_match_one_process(tmp_path):
     from cvt.quant.stage import quantize
 
@@ -46,3 +50,26 @@ def test_two_ranks_match_one_process(tmp_path):
         # to 2.5e-6 (6.7e-7 of the largest logit) over the greedy steps
         top = max(float(t.abs().max()) for t in refs[s][1])
         _check_dumps(tmp_path / "out-2", name, 2, refs[s], PROMPTS, atol=1e-5 * top)
+    # the command line: `cvt run --procs 2` (torchrun) prints the single process's text
+    tok = load_tokenizer(src, json.loads((src / "config.json").read_text()))
+    r = run_cvt("run", cases["gptoss-tp2-ep2"][1], "--procs", 2, "--prompt", PROMPTS[1], "--max-new-tokens", 4,
+                "--dtype", "fp32", "--device", "cpu", "--quiet", subprocess_=True)  # the ranks print to fd 1
+    assert r.rc == 0, r.err
+    assert r.out == tok.decode(refs[src][0][1]) + "\n"
+
+
+def test_a_rank_holds_one_contiguous_range_of_the_fused_experts():
+    """The local model's fused tensors are the rank's id range (rows e - first); any other set of
+    ids (what a non-contiguous placement would give) is refused in one line."""
+    import torch
+
+    from cvt.runtime.models.base import ConfigError
+    from cvt.runtime.models.gpt_oss import Args, Model
+
+    args = Args.from_config(tiny_gpt_oss_config())
+    with torch.device("meta"):
+        moe = Model(args, experts={i: [3, 4, 5] for i in range(4)}).model.layers[1].mlp
+    assert moe.experts.down_proj.shape == (3, 32, 64) and moe.experts.keys() == ["3", "4", "5"]
+    with pytest.raises(ConfigError, match=r"^gpt-oss's fused experts are held as one contiguous id range per "
+                                          r"rank, not \[0, 2, 4\]$"):
+        Model(args, experts={i: [0, 2, 4] for i in range(4)}, device="meta")
