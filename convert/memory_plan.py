@@ -187,6 +187,26 @@ def _config_violation(subject, axis, degree, size, world, unit_name, extra="") -
                             f"{world}; {size}'s divisors: {_some(divisors(size))}){extra}")
 
 
+def _fused_violations(arch, layout: Layout, layers: list[int]) -> list[Violation]:
+    """Experts fused over dim 0 (gpt-oss's ``[E, ...]``) split only as contiguous id ranges over ep,
+    whole along their width (`cvt.convert.shard.split_of`): moe_tp > 1 and any other placement
+    (EPLB, redundant copies) are violations."""
+    name = next((n for n in arch.shapes() if (i := arch.classify(n)).role is Role.EXPERT and i.expert is None), None)
+    if name is None:
+        return []
+    out, E = [], arch.num_experts
+    if layout.moe_tp > 1:
+        out.append(Violation(name, "moe_tp", layout.moe_tp, E, reason=f"{name} (experts fused over dim 0): moe_tp "
+                             f"{layout.moe_tp} would split each expert's width, which cvt does not do for fused "
+                             "experts; valid moe_tp: 1 (split them over ep)"))
+    if layout.placement is not None and E % layout.ep == 0 and any(
+            layout.placement.for_layer(L) != contiguous_placement(E, layout.ep).default for L in layers):
+        out.append(Violation(name, "ep", layout.ep, E, reason=f"{name} (experts fused over dim 0): the placement "
+                             f"({layout.placement.source}) is not contiguous expert id ranges over ep, the only "
+                             "split of fused experts; shard without --placement or --redundant"))
+    return out
+
+
 def validate(layout: Layout, config: Mapping[str, Any], scheme: str | None = None,
              group_size: int | None = None, _items: list | None = None) -> list[Violation]:
     """Every divisibility problem of `layout` for this model (empty: the layout can be written).
@@ -217,7 +237,7 @@ def validate(layout: Layout, config: Mapping[str, Any], scheme: str | None = Non
                                         f"config has {E}"))
         out += [Violation("placement", "ep", layout.ep, E, reason=p)
                 for p in placement_problems(layout.placement, layers)]
-    out = [v for v in out if v is not None]
+    out = [v for v in out if v is not None] + _fused_violations(arch, layout, layers)
     seen: dict[tuple, list] = {}
     for name, shape, kind, _ in _items if _items is not None else tensors(config, layout.shared_experts):
         if kind.axis is None or getattr(layout, kind.axis) == 1:

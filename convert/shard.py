@@ -258,26 +258,6 @@ def _layout_problems(ckpt: Checkpoint, arch, layout: Layout, splits: dict[str, S
     return out
 
 
-def _fused_problems(ckpt: Checkpoint, arch, layout: Layout) -> list[str]:
-    """What keeps the fused experts (`split_of`) from splitting: only contiguous EP id ranges, whole
-    along the expert width (moe_tp 1), with no redundant copies, are expressed by a dim-0 run."""
-    name = next((n for n in ckpt.tensors if (i := arch.classify(n)).role is Role.EXPERT and i.expert is None), None)
-    if name is None:
-        return []
-    out = []
-    if layout.moe_tp > 1:
-        out.append(f"{name} (experts fused over dim 0): moe_tp {layout.moe_tp} would split each expert's width, "
-                   "which cvt does not do for fused experts; valid moe_tp: 1 (split them over ep)")
-    placement = expert_placement(layout, ckpt.config)
-    contiguous = contiguous_placement(arch.num_experts, layout.ep) if arch.num_experts % layout.ep == 0 else None
-    if placement is not None and contiguous is not None and any(
-            [list(r) for r in placement.for_layer(L)] != [list(r) for r in contiguous.for_layer(L)]
-            for L in moe_layers(ckpt.config)):
-        out.append(f"{name} (experts fused over dim 0): the placement ({placement.source}) is not contiguous expert "
-                   "id ranges over ep, the only split of fused experts; shard without --placement or --redundant")
-    return out
-
-
 def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], list[list[_Holding]], list[str]]:
     """Every tensor's split, every rank's holdings and the visiting order (`_visit_order`; each
     rank's holdings are in it); CvtError naming each divisibility problem when the layout
@@ -291,7 +271,7 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
     layouts = quant_layouts(ckpt)
     splits = {name: split_of(arch, layout, name, ref.shape, layouts.get(name.rpartition(".")[0]))
               for name, ref in ckpt.tensors.items()}
-    problems = _layout_problems(ckpt, arch, layout, splits) + _fused_problems(ckpt, arch, layout)
+    problems = _layout_problems(ckpt, arch, layout, splits)
     if problems:
         raise CvtError("the layout cannot shard these tensors:\n  " + "\n  ".join(problems))
     holders = expert_holders(layout, ckpt.config)

@@ -198,9 +198,12 @@ def test_shard_reassembles(tmp_path, axis):
                                              "width"), (("--ep", "2", "--redundant", "2"), "is not contiguous")],
                          ids=["moe-tp", "redundant"])
 def test_shard_refuses_what_fused_experts_cannot_split_into(tmp_path, extra, culprit):
-    """Fused experts split only into contiguous id ranges over ep: one line naming a fused tensor, no DST."""
+    """Fused experts split only into contiguous id ranges over ep: `cvt shard` refuses in one line naming a
+    fused tensor, writing nothing; `cvt plan` lists the same violation (exit 3, problems found)."""
     src = write_bf16_checkpoint(tmp_path / "src", tiny_gpt_oss_config())
     r = run_cvt("shard", src, tmp_path / "sh", "--world-size", "2", "--tp", "1", *extra, "--quiet")
     assert r.rc == 1, r.err
-    assert "mlp.experts." in r.err and culprit in r.err
-    assert not (tmp_path / "sh").exists()
+    assert r.err.count("\n") == 1 and "model.layers.0.mlp.experts.gate_up_proj (experts fused" in r.err
+    assert culprit in r.err and not (tmp_path / "sh").exists()
+    r = run_cvt("plan", src, "--world-size", "2", "--tp", "1", *extra)
+    assert r.rc == 3 and culprit in r.out.split("layout violations (cvt shard refuses this layout):", 1)[1]
