@@ -44,7 +44,8 @@ expert id ranges along their dim 0 (vLLM's ``use_ep`` branch, ``weight[ep_rank_s
 ...]``), every ``[E, ...]`` tensor of the layer (biases included) alike (`cvt.convert.shard.split_of`:
 a routed-expert tensor with no expert id in its name). vLLM's other branch (TP over the expert
 width, gate / up interleaved) is not taken: moe_tp > 1 is refused for fused experts, and so is a
-placement other than contiguous ranges (EPLB / redundant copies).
+placement other than contiguous ranges (EPLB / redundant copies) (`cvt.convert.memory_plan.validate`:
+`cvt plan` lists it, `cvt shard` and the multi-rank runtime refuse it).
 """
 
 from __future__ import annotations
