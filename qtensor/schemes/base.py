@@ -100,6 +100,11 @@ class SchemeBase:
     def fake_quant(self, w: torch.Tensor) -> torch.Tensor:
         return self.dequantize(self.quantize(w))
 
+    def grid(self, w: torch.Tensor, name: str | None = None) -> QuantizedTensor:
+        """`quantize(w)`'s tensor for its per-group parts (scales, offsets) only: a scheme may leave
+        the codes out (GPTQ's scale search reads grids of many candidates and no codes)."""
+        return self.quantize(w, name)
+
 
 SCHEMES: Registry[type] = Registry("scheme", summarized=True)  # each class: name, summary (one line)
 register = SCHEMES.register

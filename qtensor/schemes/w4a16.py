@@ -70,18 +70,22 @@ class W4A16(SchemeBase):
                 "weight_offset": (s, torch.float32)}
 
     def quantize(self, w: torch.Tensor, name: str | None = None) -> QuantizedTensor:
+        qt = self.grid(w, name)
+        scale, offset = qt.parts["weight_scale"], qt.parts["weight_offset"]
+        q = P.quantize_int(w.to(torch.float32), scale, None if self.symmetric else offset, QMIN, QMAX)
+        qt.parts = {"weight_int4": q, "weight_scale": scale, "weight_offset": offset}
+        return qt
+
+    def grid(self, w: torch.Tensor, name: str | None = None) -> QuantizedTensor:
         w = self.checked_weight(w, name)
         n, k = w.shape
         g = 0 if self.group_size in (0, k) else self.group_size
         if self.symmetric:
             scale = P.symmetric_scale(w, g, P.INT4_QDIV, P.round_to_bf16)
             offset = torch.zeros_like(scale)
-            q = P.quantize_int(w, scale, None, QMIN, QMAX)
         else:
             scale, offset = P.asymmetric_scale_offset(w, g, QMIN, QMAX, P.round_to_bf16)
-            q = P.quantize_int(w, scale, offset, QMIN, QMAX)
-        return QuantizedTensor(self.name, KF.W4A16, (n, k),
-                               {"weight_int4": q, "weight_scale": scale, "weight_offset": offset},
+        return QuantizedTensor(self.name, KF.W4A16, (n, k), {"weight_scale": scale, "weight_offset": offset},
                                self.group_size, self.symmetric)
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:

@@ -51,7 +51,6 @@ chose, exactly).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -147,7 +146,7 @@ class _Grid:
         if self.scale.shape[1] != n_groups:
             raise CvtError(f"GPTQ: scheme {qt.scheme!r} returned {self.scale.shape[1]} scale groups for a weight "
                            f"{list(qt.shape)}, expected {n_groups}")
-        self.code_dtype = qt.parts[self.code].dtype
+        self.code_dtype = qt.parts[self.code].dtype if self.code in qt.parts else None  # a `Scheme.grid`: none
         self._cache: dict[int, tuple] = {}
         self._mids, self._e2m1 = E2M1_MIDS.to(self.scale.device), E2M1.to(self.scale.device)
 
@@ -204,6 +203,10 @@ class _Grid:
         safe = torch.where(zero, torch.ones_like(self.scale), self.scale)[:, :, None] if fix else s
         if self.offset is not None:
             off = self.offset[:, :, None]
+            if not fix and not bool(self.offset.any()):
+                # symmetric grids: + 0 and - 0 change no value but the sign of a zero, which the
+                # loss squares away
+                return (torch.round(w / safe).clamp_(self.qmin, self.qmax) * s).reshape(n, k)
             q = torch.round(w / safe + off).clamp_(self.qmin, self.qmax)
             if fix:
                 q = torch.where(zero[:, :, None], torch.round(off).clamp(self.qmin, self.qmax), q)
@@ -244,27 +247,34 @@ def _dynamic_parts(fmt: str, parts: dict, n: int, n_groups: int) -> dict[str, to
             and k not in ("weight", "weight_int4", "weight_fp4")}
 
 
-def _clip(W: torch.Tensor, G: int, r: float) -> torch.Tensor:
-    """W with every group's range shrunk by r: clamp to [r * min(w, 0), r * max(w, 0)] per row and group."""
+def _bounds(W: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``W [n, k]`` as groups ``[n, k/G, G]`` with each row and group's min(w, 0) and max(w, 0)."""
     n, k = W.shape
     g = W.reshape(n, k // G, G)
-    lo = g.amin(dim=-1, keepdim=True).clamp(max=0.0) * r
-    hi = g.amax(dim=-1, keepdim=True).clamp(min=0.0) * r
-    return torch.maximum(torch.minimum(g, hi), lo).reshape(n, k)
+    return g, g.amin(dim=-1, keepdim=True).clamp(max=0.0), g.amax(dim=-1, keepdim=True).clamp(min=0.0)
+
+
+def _clip(W: torch.Tensor, G: int, r: float, bounds=None) -> torch.Tensor:
+    """W with every group's range shrunk by r: clamp to [r * min(w, 0), r * max(w, 0)] per row and
+    group (`bounds`: `_bounds(W, G)`, when the caller clips W by several r)."""
+    g, lo, hi = bounds or _bounds(W, G)
+    return torch.maximum(torch.minimum(g, hi * r), lo * r).reshape(W.shape)
 
 
 def _group_loss(err: torch.Tensor, H: torch.Tensor | None, G: int, metric: str,
-                hd: torch.Tensor | None = None) -> torch.Tensor:
+                hd: torch.Tensor | None = None, inplace: bool = False) -> torch.Tensor:
     """[n, k/G] loss of the error ``err [n, k]`` per row and group: "mse" sum e^2; "hdiag" sum
     e^2 diag(H) (each column's error weighted by its input's energy: the output error a column
     causes when the inputs are uncorrelated). `hd` ``[n, k]``, when given, replaces diag(H) per
-    row (the rows of several linears stacked, each with its own Hessian: `gptq_batched`)."""
+    row (the rows of several linears stacked, each with its own Hessian: `gptq_batched`).
+    `inplace`: err is the caller's scratch, overwritten (the same values, no new [n, k] buffers)."""
     n, k = err.shape
     e = err.reshape(n, k // G, G)
+    e2 = e.square_() if inplace else e.pow(2)
     if metric == "mse":
-        return e.pow(2).sum(-1)
+        return e2.sum(-1)
     w = torch.diagonal(H).reshape(1, k // G, G) if hd is None else hd.reshape(n, k // G, G)
-    return (e.pow(2) * w).sum(-1)
+    return (e2.mul_(w) if inplace else e2 * w).sum(-1)
 
 
 def search_scales(W: torch.Tensor, H: torch.Tensor | None, scheme: Scheme, G: int, shrinks, metric: str,
@@ -275,16 +285,21 @@ def search_scales(W: torch.Tensor, H: torch.Tensor | None, scheme: Scheme, G: in
     ties keep the earlier candidate, so the chosen grid is never worse than it on the metric.
     The loss is that of W on each grid (`_Grid.fake`: codes of the unclipped weight, as GPTQ picks
     them); the returned per-element parts (codes) are the absmax RTN's, which GPTQ replaces.
-    One candidate is alive at a time: memory is one quantization of W plus the per-group best.
-    `hd` ``[n, k]`` replaces diag(H) per row (`_group_loss`)."""
+    The candidates after the first are the scheme's grids only (`Scheme.grid`: no codes) of a W
+    already checked finite. One candidate is alive at a time: memory is one quantization of W
+    plus the per-group best. `hd` ``[n, k]`` replaces diag(H) per row (`_group_loss`)."""
     n, k = W.shape
     ng = k // G
     base = best_loss = None
     best: dict[str, torch.Tensor] = {}
+    bounds = _bounds(W, G)
     for r in shrinks:
-        with finite_known() if base is not None else contextlib.nullcontext():  # W checked by the first (r = 1)
-            qt = scheme.quantize(_clip(W, G, r) if r != 1.0 else W)
-        loss = _group_loss(W - _Grid(qt, ng).fake(W), H, G, metric, hd)
+        if base is None:
+            qt = scheme.quantize(_clip(W, G, r, bounds) if r != 1.0 else W)
+        else:
+            with finite_known():                                    # W was checked by the first candidate
+                qt = scheme.grid(_clip(W, G, r, bounds) if r != 1.0 else W)
+        loss = _group_loss(W - _Grid(qt, ng).fake(W), H, G, metric, hd, inplace=True)
         per_group = {key: v.reshape(n, -1) for key, v in qt.parts.items() if v.numel() == n * ng}
         if base is None:
             base, best_loss, best = qt, loss, {key: v.clone() for key, v in per_group.items()}
