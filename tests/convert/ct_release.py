@@ -126,3 +126,34 @@ def write_ct_deepseek_release(dst: Path, preset: str = "MXFP4", seed: int = 0, s
         tensors.update({f"{module}.{k}": v for k, v in compress(w, preset, gs).items()})
     config["quantization_config"] = quantization_config(preset)
     return write_release(dst, config, tensors, 2, move_scale=False)
+
+
+def corrupt_tensor(src: Path, name: str, fn) -> None:
+    """Rewrite one tensor of the release `src` in the shard that holds it (`fn` returns None:
+    remove it, from the index too)."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    f = src / index["weight_map"][name]
+    tensors = load_file(str(f))
+    new = fn(tensors[name])
+    if new is None:
+        del tensors[name], index["weight_map"][name]
+        (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        tensors[name] = new
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def assert_corrupt_refused(src: Path, dst: Path, verb: str, name: str, fn, why: str) -> None:
+    """After `corrupt_tensor(src, name, fn)`, `cvt VERB SRC DST` (quantize: w8a8) exits 1 with one
+    line naming `name` and saying `why`, and writes no DST."""
+    from tests.conftest import run_cvt
+
+    corrupt_tensor(src, name, fn)
+    args = ("--scheme", "w8a8") if verb == "quantize" else ()
+    r = run_cvt(verb, str(src), str(dst), *args, "--quiet")
+    assert r.rc == 1, r.err
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cvt: error: ") and name in lines[0] and why in lines[0], r.err
+    assert not dst.exists()

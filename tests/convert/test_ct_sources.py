@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from cvt.convert.config import SourceFormat, source_format
 from cvt.convert.sources import SOURCES, readable
 from tests.conftest import run_cvt
-from tests.convert.ct_release import ct_decompressed, write_ct_release
+from tests.convert.ct_release import assert_corrupt_refused, ct_decompressed, write_ct_release
 
 pytest.importorskip("compressed_tensors")
 
@@ -85,15 +85,6 @@ def test_quantize_dequantizes_on_the_fly(tmp_path, preset):
         assert ra.manifest.source.format == CASES[preset].value
 
 
-def _corrupt(src, name: str, fn) -> None:
-    """Rewrite one tensor of `src` in the shard that holds it."""
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    f = src / index["weight_map"][name]
-    tensors = load_file(str(f))
-    tensors[name] = fn(tensors[name])
-    save_file(tensors, str(f), metadata={"format": "pt"})
-
-
 SCALE = "model.layers.1.self_attn.o_proj.weight_scale"
 BAD = [
     ("MXFP4", SCALE, lambda t: t.index_fill(1, torch.tensor([0]), 0xFF), "non-finite"),  # E8M0 NaN
@@ -110,15 +101,7 @@ BAD = [
 @pytest.mark.parametrize("preset,name,fn,why", BAD, ids=[f"{p}-{w}" for p, _, _, w in BAD])
 @pytest.mark.parametrize("verb", ["fp8-to-bf16", "quantize"])
 def test_corrupt_scale_refused(tmp_path, preset, name, fn, why, verb):
-    src = write_ct_release(tmp_path / "src", preset)
-    _corrupt(src, name, fn)
-    dst = tmp_path / "dst"
-    args = ("--scheme", "w8a8") if verb == "quantize" else ()
-    r = run_cvt(verb, str(src), str(dst), *args, "--quiet")
-    assert r.rc == 1, r.err
-    lines = r.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("cvt: error: ") and name in lines[0] and why in lines[0], r.err
-    assert not dst.exists()
+    assert_corrupt_refused(write_ct_release(tmp_path / "src", preset), tmp_path / "dst", verb, name, fn, why)
 
 
 def test_registry_is_what_the_stages_read():

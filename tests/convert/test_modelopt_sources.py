@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from cvt.convert.config import SourceFormat, fold_hf_quant_config, source_format
 from cvt.convert.sources import SOURCES, readable
 from tests.conftest import run_cvt
+from tests.convert.ct_release import assert_corrupt_refused
 from tests.convert.modelopt_release import (ALGOS, WRITERS, hf_quant_config, reference_dequant,
                                              write_modelopt_release)
 
@@ -96,20 +97,6 @@ def test_quantize_dequantizes_on_the_fly(tmp_path):
             assert not (a / "hf_quant_config.json").exists()
 
 
-def _corrupt(src, name: str, fn) -> None:
-    """Rewrite (fn returns None: remove) one tensor of `src` in the shard that holds it."""
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    f = src / index["weight_map"][name]
-    tensors = load_file(str(f))
-    new = fn(tensors[name])
-    if new is None:
-        del tensors[name], index["weight_map"][name]
-        (src / "model.safetensors.index.json").write_text(json.dumps(index))
-    else:
-        tensors[name] = new
-    save_file(tensors, str(f), metadata={"format": "pt"})
-
-
 X = "model.layers.1.self_attn.o_proj"
 BAD = [
     ("NVFP4", f"{X}.weight_scale", lambda t: t.view(torch.uint8).index_fill(1, torch.tensor([2]), 0x7F).view(t.dtype),
@@ -130,15 +117,7 @@ BAD = [
 @pytest.mark.parametrize("algo,name,fn,why", BAD, ids=[f"{a}-{n.rpartition('.')[2]}-{w}" for a, n, _, w in BAD])
 @pytest.mark.parametrize("verb", ["fp8-to-bf16", "quantize"])
 def test_corrupt_scale_refused(tmp_path, algo, name, fn, why, verb):
-    src = write_modelopt_release(tmp_path / "src", algo)
-    _corrupt(src, name, fn)
-    dst = tmp_path / "dst"
-    args = ("--scheme", "w8a8") if verb == "quantize" else ()
-    r = run_cvt(verb, str(src), str(dst), *args, "--quiet")
-    assert r.rc == 1, r.err
-    lines = r.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("cvt: error: ") and name in lines[0] and why in lines[0], r.err
-    assert not dst.exists()
+    assert_corrupt_refused(write_modelopt_release(tmp_path / "src", algo), tmp_path / "dst", verb, name, fn, why)
 
 
 def test_registry_and_config_forms():
