@@ -647,6 +647,24 @@ class Report:
     notes: list[str] = field(default_factory=list)  # what was checked beyond the main model / skipped
 
 
+def open_output(dst: Path, model_types: tuple[str, ...], why_qc: str) -> tuple[dict, dict, list[str]] | Report:
+    """(config.json, quant_model_description.json, problems so far) of the cvt ascend output `dst`
+    of one of `model_types`, or the Report that ends the check there (another model type, no
+    description); a quantization_config present is a problem: vLLM would pick that method
+    (`why_qc` says which), not vllm-ascend's 'ascend'."""
+    config = json.loads((Path(dst) / "config.json").read_text())
+    if config.get("model_type") not in model_types:
+        return Report([f"config.json: model_type {config.get('model_type')!r} is not one of {model_types}"])
+    desc_path = Path(dst) / "quant_model_description.json"
+    if not desc_path.exists():
+        return Report([f"{dst}: no quant_model_description.json (vllm-ascend would not pick its 'ascend' method)"])
+    problems = []
+    if "quantization_config" in config:
+        problems.append(f"config.json: quantization_config present: vLLM would pick {why_qc}, not vllm-ascend's "
+                        "'ascend'")
+    return config, json.loads(desc_path.read_text()), problems
+
+
 def inspect_output(dst: Path, va_src: Path) -> Report:
     """``check_output`` with what the referee saw: every parameter slot and each module's scheme."""
     dst, va_src = Path(dst), Path(va_src)

@@ -56,7 +56,7 @@ from typing import Callable
 import torch
 
 from cvt.tests.quant.vllm_ascend_referee import (_CFG_DTYPES, _ROTARY_UNUSED, _Attn, _Embed, _experts, _Lin, _mlp, _MoE,
-                                                _Plain, _run_pass, _vllm_ascend, _vllm_remap_kv_scale, read_headers,
+                                                _Plain, _run_pass, _vllm_ascend, _vllm_remap_kv_scale, open_output, read_headers,
                                                 Report)
 from cvt.tests.quant.vllm_ascend_referee_v4 import _WeightsMapper
 
@@ -271,18 +271,11 @@ def inspect_qwen3_5_output(dst: Path, va_src: Path) -> Report:
     """vllm-ascend main's view of the cvt ascend output ``dst`` of a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next
     (module docstring)."""
     dst, va_src = Path(dst), Path(va_src)
-    config = json.loads((dst / "config.json").read_text())
-    if config.get("model_type") not in MODEL_TYPES:
-        return Report([f"config.json: model_type {config.get('model_type')!r} is not one of {MODEL_TYPES}"])
-    desc_path = dst / "quant_model_description.json"
-    if not desc_path.exists():
-        return Report([f"{dst}: no quant_model_description.json (vllm-ascend would not pick its 'ascend' method)"])
-    problems: list[str] = []
+    opened = open_output(dst, MODEL_TYPES, "that method (msModelSlim strips it)")
+    if isinstance(opened, Report):
+        return opened
+    config, desc, problems = opened
     report = Report(problems)
-    if "quantization_config" in config:
-        problems.append("config.json: quantization_config present: vLLM would pick that method, not vllm-ascend's "
-                        "'ascend' (msModelSlim strips it)")
-    desc = json.loads(desc_path.read_text())
     dt_name = str(text_of(config).get("dtype") or config.get("torch_dtype") or config.get("dtype")
                   or "bfloat16").replace("torch.", "")
     dtype = _CFG_DTYPES.get(dt_name, torch.bfloat16)

@@ -55,7 +55,7 @@ import torch
 
 from cvt.tests.quant.vllm_ascend_referee import (_CFG_DTYPES, _ROTARY_UNUSED, _Attn, _Embed, _experts, _fake, _Lin,
                                                 _mlp, _MoE, _Plain, _run_pass, _vllm_ascend, _vllm_remap_kv_scale,
-                                                read_headers, Report)
+                                                open_output, read_headers, Report)
 
 F32 = torch.float32
 
@@ -333,18 +333,11 @@ def _tid2eid_ok(problem: str) -> bool:
 def inspect_v4_output(dst: Path, va_src: Path) -> Report:
     """vllm-ascend's view of the cvt ascend output ``dst`` of a DeepSeek-V4 release (module docstring)."""
     dst, va_src = Path(dst), Path(va_src)
-    config = json.loads((dst / "config.json").read_text())
-    if config.get("model_type") != "deepseek_v4":
-        return Report([f"config.json: model_type {config.get('model_type')!r} is not deepseek_v4"])
-    desc_path = dst / "quant_model_description.json"
-    if not desc_path.exists():
-        return Report([f"{dst}: no quant_model_description.json (vllm-ascend would not pick its 'ascend' method)"])
-    problems: list[str] = []
+    opened = open_output(dst, ("deepseek_v4",), "its method (deepseek_v4_fp8 for the release's fp8)")
+    if isinstance(opened, Report):
+        return opened
+    config, desc, problems = opened
     report = Report(problems)
-    if "quantization_config" in config:
-        problems.append("config.json: quantization_config present: vLLM would pick its method (deepseek_v4_fp8 for "
-                        "the release's fp8), not vllm-ascend's 'ascend'")
-    desc = json.loads(desc_path.read_text())
     if "hc_head_fn" not in desc:
         problems.append("quant_model_description.json: no 'hc_head_fn' key, so AscendModelSlimConfig does not "
                         "normalise the release's names (_apply_extra_quant_adaptations) and no module is found")
