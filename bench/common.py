@@ -61,6 +61,15 @@ _WRAP = ("import os, resource, subprocess, sys, time; t = time.perf_counter(); r
          "print(rc, dt, u.ru_maxrss, u.ru_utime + u.ru_stime)")
 
 
+def run_logged(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, int]:
+    """Run `cmd` with its stdout and stderr into `log`: (wall seconds, exit code). The peers'
+    child runs (llm-compressor, msModelSlim, cvt) are kept as logs to show on failure."""
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+    return time.perf_counter() - t0, rc
+
+
 def run_cvt_cpu(cmd: list[str], cwd: str | Path | None = None) -> tuple[float, int, float]:
     """(wall seconds, peak RSS bytes, user + sys CPU seconds) of this one child, run in `cwd`
     (``python -m`` puts its working directory first on sys.path, before PYTHONPATH)."""

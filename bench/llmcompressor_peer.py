@@ -99,7 +99,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import scratch_dir  # bench/common.py
+from common import run_logged as run, scratch_dir  # bench/common.py
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -194,13 +194,6 @@ def llmc_inner(argv: list[str]) -> None:
 def fail(msg: str, code: int = 1) -> None:
     print(f"\nllmcompressor_peer: {msg}", file=sys.stderr)
     sys.exit(code)
-
-
-def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    with open(log, "w") as fh:
-        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
-    return time.perf_counter() - t0, rc
 
 
 def tail(log: Path, n: int = 25) -> str:

@@ -12,10 +12,10 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from common import run_logged as run  # bench/common.py
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -27,13 +27,6 @@ CALIB_SEQ = 256     # cvt quantize cuts calibration text into sequences of 256 t
 def fail(msg: str, code: int = 1) -> None:
     print(f"\nmsmodelslim_peer: {msg}", file=sys.stderr)
     sys.exit(code)
-
-
-def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    with open(log, "w") as fh:
-        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
-    return time.perf_counter() - t0, rc
 
 
 def tail(log: Path, n: int = 25) -> str:
