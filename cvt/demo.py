@@ -212,10 +212,7 @@ def step_export(root: Path, out: dict[str, Path], say) -> None:
 def step_v32(root: Path, out: dict[str, Path], say) -> None:
     """A tiny DeepSeek-V3.2 FP8 release (indexer included) -> BF16 -> W8A8 Ascend (indexer kept
     float), verified against the BF16 model on sequences longer than its index_topk."""
-    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
     from cvt.testing.checkpoints import tiny_deepseek_v32_config, write_fp8_release
-    from cvt.quant.stage import quantize
-    from cvt.runtime.verify import verify
 
     cfg = tiny_deepseek_v32_config()
     out["v32-fp8"], out["v32-bf16"], out["v32-w8a8"] = (root / "v32-source-fp8", root / "v32-bf16",
@@ -223,13 +220,24 @@ def step_v32(root: Path, out: dict[str, Path], say) -> None:
     say(f"\n[9/13] DeepSeek-V3.2 (index_topk {cfg['index_topk']}): cvt fp8-to-bf16 {out['v32-fp8']} {out['v32-bf16']}; "
         f"cvt quantize ... {out['v32-w8a8']} --scheme w8a8 --format ascend; cvt verify")
     write_fp8_release(out["v32-fp8"], cfg)
-    fp8_to_bf16(out["v32-fp8"], out["v32-bf16"], quiet=True)
-    q = quantize(out["v32-bf16"], out["v32-w8a8"], scheme="w8a8", fmt="ascend", quiet=True)
-    out["report-v32"] = root / "verify-v32-w8a8"
-    v = verify(out["v32-w8a8"], out["v32-bf16"], out["report-v32"], seq_len=32, max_sequences=2).report
+    _, q, v = _w8a8_ascend_verified(out, "v32", root / "verify-v32-w8a8")
     say(f"{q.extra['quantized']} linears quantized, the indexer kept float; 32-token sequences (sparse past "
         f"{cfg['index_topk']} keys): min layer cosine {min(r.cosine for r in v.layers):.4f}, "
         f"mean KL {v.logits.kl_mean:.3g}")
+
+
+def _w8a8_ascend_verified(out: dict[str, Path], key: str, report: Path, report_key: str | None = None):
+    """out[KEY-fp8] -> out[KEY-bf16] -> W8A8 Ascend out[KEY-w8a8], verified against the BF16 model on
+    2 sequences of 32 tokens into `report` (recorded as out[report_key], default report-KEY):
+    (the fp8-to-bf16 result, the quantize result, the verify report)."""
+    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
+    from cvt.quant.stage import quantize
+    from cvt.runtime.verify import verify
+
+    d = fp8_to_bf16(out[f"{key}-fp8"], out[f"{key}-bf16"], quiet=True)
+    q = quantize(out[f"{key}-bf16"], out[f"{key}-w8a8"], scheme="w8a8", fmt="ascend", quiet=True)
+    out[report_key or f"report-{key}"] = report
+    return d, q, verify(out[f"{key}-w8a8"], out[f"{key}-bf16"], report, seq_len=32, max_sequences=2).report
 
 
 def step_v4(root: Path, out: dict[str, Path], say) -> None:
@@ -321,9 +329,6 @@ def step_qwen3_5(root: Path, out: dict[str, Path], say) -> None:
     routed + gated shared experts, a vision tower; random weights) -> BF16 -> W8A8 Ascend (conv1d,
     A_log, dt_bias, in_proj_b / in_proj_a, router and shared-expert gate float; the vision tower
     carried), verified against the BF16 model through the recurrent layers."""
-    from cvt.convert.fp8_to_bf16 import fp8_to_bf16
-    from cvt.quant.stage import quantize
-    from cvt.runtime.verify import verify
     from cvt.testing.checkpoints import release_tensors, write_release
     from cvt.testing.checkpoints_qwen3_5 import tiny_qwen3_5_config
 
@@ -337,10 +342,7 @@ def step_qwen3_5(root: Path, out: dict[str, Path], say) -> None:
         f"{out['qwen3.5-fp8']} {out['qwen3.5-bf16']}; cvt quantize ... {out['qwen3.5-w8a8']} --scheme w8a8 "
         f"--format ascend; cvt verify")
     write_release(out["qwen3.5-fp8"], cfg, release_tensors(cfg, seed=3), n_shards=2)
-    d = fp8_to_bf16(out["qwen3.5-fp8"], out["qwen3.5-bf16"], quiet=True)
-    q = quantize(out["qwen3.5-bf16"], out["qwen3.5-w8a8"], scheme="w8a8", fmt="ascend", quiet=True)
-    out["report-qwen35"] = root / "verify-qwen3.5-moe-w8a8"
-    v = verify(out["qwen3.5-w8a8"], out["qwen3.5-bf16"], out["report-qwen35"], seq_len=32, max_sequences=2).report
+    d, q, v = _w8a8_ascend_verified(out, "qwen3.5", root / "verify-qwen3.5-moe-w8a8", report_key="report-qwen35")
     say(f"{d.extra['dequantized']} FP8 linears dequantized; {q.extra['quantized']} linears quantized, "
         f"{len(q.manifest.carried)} vision tower tensors carried; min layer cosine "
         f"{min(x.cosine for x in v.layers):.4f}, mean KL {v.logits.kl_mean:.3g}")
