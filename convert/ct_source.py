@@ -173,7 +173,7 @@ def _check_parts(tensors, lin: CtLinear) -> None:
             if gs.dtype not in _FLOAT_SCALES or math.prod(gs.shape) != 1:
                 raise TensorError(f"global scale {gs.describe()}: expected one float32 value")
         return
-    if s.dtype not in lay.scale_dtypes or _granularity(lin, tuple(s.shape)) is None:
+    if s.dtype not in lay.scale_dtypes or scale_granularity(lin, tuple(s.shape)) is None:
         raise TensorError(f"scale {s.describe()}: expected {' / '.join(lay.scale_dtypes)} [1] (tensor), [{n}, 1] "
                           f"(channel), [{n}, k/G] (group) or block scales for weight [{n}, {k}]")
     zp = lin.parts.get(_ZERO_POINT)
@@ -182,7 +182,7 @@ def _check_parts(tensors, lin: CtLinear) -> None:
         raise TensorError(f"zero point {tensors[zp].describe()}: expected int8 of its scale's shape {list(s.shape)}")
 
 
-def _granularity(lin: CtLinear, shape: tuple[int, ...]) -> tuple[int, int] | None:
+def scale_granularity(lin: CtLinear, shape: tuple[int, ...]) -> tuple[int, int] | None:
     """(rows, cols) of the weight one scale covers, or None when `shape` fits no strategy."""
     n, k = lin.shape
     if math.prod(shape) == 1:
@@ -265,7 +265,7 @@ def dequantize_ct(ckpt, lin: CtLinear):
 def _expand_scale(lin: CtLinear, s):
     """The scale broadcast to the weight's [n, k] (tensor and channel scales by broadcasting)."""
     n, k = lin.shape
-    rows, cols = _granularity(lin, tuple(s.shape))
+    rows, cols = scale_granularity(lin, tuple(s.shape))
     if math.prod(s.shape) == 1:
         return s.reshape(1, 1)
     if s.dim() == 1:  # a channel scale stored [n]

@@ -182,8 +182,9 @@ def expert_holders(layout: Layout, config) -> dict[int, dict[int, list[int]]]:
 def weights_scheme(config, quant: dict | None, where: str = "SRC") -> tuple[str | None, int | None]:
     """(scheme, group size) stored weights follow, for `cvt.convert.memory_plan.check` / `memory_plan`:
     a cvt quantize output's (`quant`: its manifest's quant section); None for an FP8 release
-    (plan reads its blocks from config.json); bf16 for a float checkpoint. CvtError for other
-    quantized checkpoints."""
+    (plan reads its blocks from config.json); bf16 for a float checkpoint and for a quantized
+    release shard carries as stored (`cvt.convert.release_split`: its own units are checked per
+    tensor). CvtError for other quantized checkpoints."""
     if quant and quant.get("scheme"):
         return quant["scheme"], quant.get("group_size")
     qc = quantization_config(config) or {}  # wrapper configs keep it under text_config
@@ -197,16 +198,17 @@ def weights_scheme(config, quant: dict | None, where: str = "SRC") -> tuple[str 
 def _refuse_release(qc: dict, where: str) -> None:
     """CvtError for a quantized release shard does not split as stored: one the quantize stage
     reads (`cvt.convert.sources`) names the way through it, any other its quant_method."""
-    from cvt.convert.sources import SourceFormat, precision_of, readable
+    from cvt.convert.release_split import SHARDED_RELEASES
+    from cvt.convert.sources import precision_of, readable
 
     fmt = precision_of(qc)
+    if fmt in SHARDED_RELEASES:
+        return
     if fmt.value not in readable("quantize"):
         raise CvtError(f"{where}: {article(str(qc.get('quant_method')))} checkpoint not written by cvt quantize; "
                        "shard the bf16 / FP8 release or a cvt quantize output")
-    carry = {SourceFormat.CT_MXFP4: "; w4a8_mxfp, w4a4_mxfp4 and fp4 --fp4-format mxfp4 carry its FP4 codes unchanged",
-             SourceFormat.CT_NVFP4: "; fp4 --fp4-format nvfp4 carries its FP4 codes unchanged"}.get(fmt, "")
     raise CvtError(f"{where}: cvt shard does not split {article(fmt.value)} release as stored: write it with cvt "
-                   f"quantize (or cvt fp8-to-bf16) first and shard that{carry}")
+                   f"quantize (or cvt fp8-to-bf16) first and shard that")
 
 
 def source_weights(src, config) -> tuple[str, int | None, dict | None]:
@@ -258,6 +260,30 @@ def _layout_problems(ckpt: Checkpoint, arch, layout: Layout, splits: dict[str, S
     return out
 
 
+def _check_release_units(ckpt: Checkpoint, splits: dict[str, Split], world: int) -> None:
+    """A compressed-tensors / ModelOpt release carried as stored (`cvt.convert.release_split`):
+    its scales read as the other stages read them (a NaN / Inf / E8M0 0xFF scale, one line), and
+    CvtError naming the first part the layout would cut (a group, an int32 of packed codes)."""
+    from cvt.convert.release_split import SHARDED_RELEASES, release_units, unit_problem
+    from cvt.convert.sources import CT_STREAMED, SourceFormat
+
+    fmt = source_format(ckpt.config, ckpt.has_manifest)
+    if fmt not in SHARDED_RELEASES:
+        return
+    qc = quantization_config(ckpt.config)
+    if fmt in CT_STREAMED:
+        from cvt.convert.ct_source import check_ct_scales, ct_linears
+
+        check_ct_scales(ckpt, ct_linears(ckpt.tensors, fmt, qc))
+    elif fmt is SourceFormat.GPT_OSS_MXFP4:
+        from cvt.convert.mxfp4_source import check_mxfp4_scales, mxfp4_pairs
+
+        check_mxfp4_scales(ckpt, mxfp4_pairs(ckpt.tensors, arch_for(ckpt.config).shapes()))
+    bad = unit_problem(ckpt, release_units(ckpt, fmt, qc), splits, world)
+    if bad is not None:
+        raise CvtError(f"{ckpt.root}: the layout cannot shard this {fmt.value} release as stored: {bad}")
+
+
 def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], list[list[_Holding]], list[str]]:
     """Every tensor's split, every rank's holdings and the visiting order (`_visit_order`; each
     rank's holdings are in it); CvtError naming each divisibility problem when the layout
@@ -271,6 +297,7 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
     layouts = quant_layouts(ckpt)
     splits = {name: split_of(arch, layout, name, ref.shape, layouts.get(name.rpartition(".")[0]))
               for name, ref in ckpt.tensors.items()}
+    _check_release_units(ckpt, splits, layout.world_size)
     problems = _layout_problems(ckpt, arch, layout, splits)
     if problems:
         raise CvtError("the layout cannot shard these tensors:\n  " + "\n  ".join(problems))

@@ -97,13 +97,7 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
     try:
         manifest = check_manifest(ckpt, verify_files)
         fmt = source_format(ckpt.config, manifest is not None)
-        if fmt is SourceFormat.OTHER_QUANT:
-            raise ManifestError(f"{ckpt.root}: {fmt.value} checkpoints are not runnable (bf16, fp8-block, "
-                                "compressed-tensors and cvt outputs are)")
-        if fmt is SourceFormat.CT_FP8:  # no FP8 per-tensor / per-channel kernel in the runtime
-            raise ManifestError(f"{ckpt.root}: cvt's runtime (run, verify, export) does not load {fmt.value} "
-                                "(float-quantized) checkpoints; dequantize it with cvt fp8-to-bf16 (or cvt quantize "
-                                "it) first")
+        refuse_unloadable(fmt, ckpt.root)
         arch = arch_for(ckpt.config)
         arch.shapes()  # sizes that describe no model: one line naming the key
         bare = arch.prefix_problem(ckpt.tensors)  # Kimi-K2.5 text names without language_model.
@@ -127,6 +121,25 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
         return Loaded(model, ckpt.root, ckpt.config, manifest, fmt.value, device, dtype, carried_tensors(ckpt))
     finally:
         ckpt.close()
+
+
+# releases the runtime has no kernel for: FP8 per-tensor / per-channel, ModelOpt's (its NVFP4 /
+# MXFP8 as stored, not the compressed-tensors parts `_QuantReader` reads)
+_UNLOADED = {SourceFormat.CT_FP8: "float-quantized", SourceFormat.MODELOPT_NVFP4: "ModelOpt",
+             SourceFormat.MODELOPT_FP8: "ModelOpt", SourceFormat.MODELOPT_MXFP8: "ModelOpt"}
+
+
+def refuse_unloadable(fmt: SourceFormat, root, sharded: bool = False) -> None:
+    """ManifestError, one line, for a checkpoint (or a `cvt shard` output of one: `sharded`)
+    whose format the runtime does not load."""
+    if fmt is SourceFormat.OTHER_QUANT:
+        raise ManifestError(f"{root}: {fmt.value} checkpoints are not runnable (bf16, fp8-block, "
+                            "compressed-tensors and cvt outputs are)")
+    if fmt in _UNLOADED:
+        way = ("dequantize the release with cvt fp8-to-bf16 (or cvt quantize it) and shard that" if sharded else
+               "dequantize it with cvt fp8-to-bf16 (or cvt quantize it) first")
+        raise ManifestError(f"{root}: cvt's runtime (run, verify, export) does not load {fmt.value} "
+                            f"({_UNLOADED[fmt]}) {'shards' if sharded else 'checkpoints'}; {way}")
 
 
 def _refuse_sharded(path) -> None:
@@ -168,21 +181,23 @@ def _fp4_experts(ckpt: Checkpoint) -> bool:
 def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int, int] | None, *,
                    skip: Callable[[str], bool] | None = None,
                    adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-                   progress=None) -> tuple[set[str], dict[str, torch.Tensor]]:
+                   progress=None, rank_local: bool = False) -> tuple[set[str], dict[str, torch.Tensor]]:
     """Assign every tensor of `ckpt` to `model` (built on meta) by name, one at a time: plain
     tensors in place (FP8 dequantized with `block`), quantized linears replaced by their kernel
     format. Returns (model tensor names assigned, KV-cache scale tensors by name) -- the caller
     attaches the latter. `skip(name)`: tensors left unread (the multi-rank runtime skips MTP
     layers it does not build); `adjust(name, t)`: applied to each quantized part as read (it
     turns compressed-tensors' global ``weight_shape`` into a rank's local shape); `progress`: a
-    bar advanced by each module's tensor bytes (skipped ones included) once it is done."""
+    bar advanced by each module's tensor bytes (skipped ones included) once it is done;
+    `rank_local`: a `cvt shard` rank's directory, whose fused MXFP4 experts hold the rank's expert
+    range (their dequantized shape is checked against the local model, not config.json)."""
     quant = _quant_reader(ckpt)
     seen: set[str] = set()
     kv: dict[str, torch.Tensor] = {}
     carried = set(carried_tensors(ckpt))
     local = text_names(ckpt)
     scale_param, fp4 = _scale_param(ckpt), block is not None and _fp4_experts(ckpt)
-    mx = _mxfp4_pairs(ckpt)  # gpt-oss's MXFP4 experts: X_blocks + X_scales -> X, bf16
+    mx = _mxfp4_pairs(ckpt, rank_local)  # gpt-oss's MXFP4 experts: X_blocks + X_scales -> X, bf16
     for module, params in _advancing(_by_module(ckpt), ckpt, progress):
         params = {p: n for p, n in params.items() if n not in carried and (skip is None or not skip(n))}
         # KV-cache scales first: on GQA models they sit on k_proj / v_proj, next to the
@@ -238,14 +253,15 @@ def assign_tensors(model: nn.Module, ckpt: Checkpoint, device, block: tuple[int,
     return seen, kv
 
 
-def _mxfp4_pairs(ckpt: Checkpoint) -> dict:
-    """{part name: its pair} of a gpt-oss MXFP4 release (`cvt.convert.mxfp4_source`), every scale
-    checked; {} for any other checkpoint."""
+def _mxfp4_pairs(ckpt: Checkpoint, rank_local: bool = False) -> dict:
+    """{part name: its pair} of a gpt-oss MXFP4 release or a rank of its shards
+    (`cvt.convert.mxfp4_source`; `rank_local`: shapes not checked against config.json), every
+    scale checked; {} for any other checkpoint."""
     if source_format(ckpt.config, ckpt.has_manifest) is not SourceFormat.GPT_OSS_MXFP4:
         return {}
     from cvt.convert.mxfp4_source import check_mxfp4_scales, mxfp4_pairs
 
-    pairs = mxfp4_pairs(ckpt.tensors, arch_for(ckpt.config).shapes())
+    pairs = mxfp4_pairs(ckpt.tensors, None if rank_local else arch_for(ckpt.config).shapes())
     check_mxfp4_scales(ckpt, pairs)
     return {n: p for p in pairs.values() for n in (p.blocks, p.scales)}
 

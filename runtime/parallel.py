@@ -381,11 +381,11 @@ def _local_kv(kv: dict[str, torch.Tensor], ctx: ParallelContext) -> dict[str, to
 def load_rank(root, manifest: Manifest, config: dict, ctx: ParallelContext, *, dtype: torch.dtype) -> RankModel:
     """Build the rank's local model on meta, load its directory (only), wrap it for the layout."""
     from cvt.convert.arch import arch_for
-    from cvt.convert.config import SourceFormat, source_format
+    from cvt.convert.config import source_format
     from cvt.convert.reader import open_checkpoint
     from cvt.convert.shard import expert_holders
     from cvt.runtime import kv_cache
-    from cvt.runtime.loader import assign_tensors, check_complete, fp8_block
+    from cvt.runtime.loader import assign_tensors, check_complete, fp8_block, refuse_unloadable
     from cvt.runtime.models import family
 
     root = Path(root)
@@ -410,12 +410,12 @@ def load_rank(root, manifest: Manifest, config: dict, ctx: ParallelContext, *, d
         if len(ckpt.tensors) != entry.tensors or nbytes != entry.bytes:
             raise ManifestError(f"{root / entry.dir}: the manifest records {entry.tensors} tensors / {entry.bytes} "
                                 f"bytes for rank {ctx.rank}, the files hold {len(ckpt.tensors)} / {nbytes}")
+        # a shard of a cvt quantize output (its manifest has a quant section) is cvt's own format
+        refuse_unloadable(source_format(config, manifest.quant is not None), root, sharded=True)
         fmt = source_format(config)
-        if fmt is SourceFormat.OTHER_QUANT:
-            raise ManifestError(f"{root}: {fmt.value} checkpoints are not runnable")
         block = fp8_block(ckpt, fmt)
         _, kv = assign_tensors(model, ckpt, ctx.device, block, skip=lambda name: arch.classify(name).is_mtp,
-                               adjust=_local_shape(shard.tensors))
+                               adjust=_local_shape(shard.tensors), rank_local=True)
     finally:
         ckpt.close()
     if kv:

@@ -35,14 +35,28 @@ def _minmax(w: torch.Tensor, args):
     return g.amin(-1), g.amax(-1)
 
 
-def compress(w: torch.Tensor, preset: str, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """One linear's stored parts (suffix -> tensor), by the c-t compressor of `preset`'s format
-    (`global_scale`: nvfp4's, given for a fused group; default: the linear's own)."""
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationStrategy as S, preset_name_to_scheme
-    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+def scheme_of(preset: str, group_size: int | None = None):
+    """c-t's scheme for `preset` (targets Linear); `group_size`: another group than the preset's
+    (0: per channel), for tiny layers narrower than its 128."""
+    from compressed_tensors.quantization import preset_name_to_scheme
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
+    if group_size is not None:
+        update = {"group_size": group_size} if group_size else {"group_size": None, "strategy": "channel"}
+        scheme = scheme.model_copy(update={"weights": scheme.weights.model_copy(update=update)})
+    return scheme
+
+
+def compress(w: torch.Tensor, preset: str, global_scale: torch.Tensor | None = None,
+             group_size: int | None = None) -> dict[str, torch.Tensor]:
+    """One linear's stored parts (suffix -> tensor), by the c-t compressor of `preset`'s format
+    (`global_scale`: nvfp4's, given for a fused group; default: the linear's own; `group_size`:
+    `scheme_of`'s)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationStrategy as S
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    scheme = scheme_of(preset, group_size)
     args = scheme.weights
     gs = None
     if args.strategy == S.TENSOR_GROUP:
@@ -56,26 +70,29 @@ def compress(w: torch.Tensor, preset: str, global_scale: torch.Tensor | None = N
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def quantization_config(preset: str, ignore=("lm_head",)) -> dict:
-    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+def quantization_config(preset: str, ignore=("lm_head",), group_size: int | None = None) -> dict:
+    from compressed_tensors.quantization import QuantizationConfig
 
-    qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])},
+    qc = QuantizationConfig(config_groups={"group_0": scheme_of(preset, group_size)},
                             format=PRESETS[preset], quantization_status="compressed", ignore=list(ignore))
     return json.loads(qc.model_dump_json())
 
 
-def write_ct_release(dst: Path, preset: str, seed: int = 0, moe: bool = False, **overrides) -> Path:
-    """A tiny Qwen3 release with every linear but lm_head stored in `preset` by the c-t library."""
+def write_ct_release(dst: Path, preset: str, seed: int = 0, moe: bool = False, group_size: int | None = None,
+                     **overrides) -> Path:
+    """A tiny Qwen3 release with every linear but lm_head stored in `preset` by the c-t library
+    (`group_size`: `scheme_of`'s)."""
     pytest.importorskip("compressed_tensors")
     config = tiny_qwen3_config(moe=moe, **overrides)
     tensors = {}
     for name, w in random_weights(config, seed).items():
         module = name[: -len(".weight")]
         if name.endswith("_proj.weight"):
-            tensors.update({f"{module}.{k}": v for k, v in compress(w.to(torch.bfloat16), preset).items()})
+            parts = compress(w.to(torch.bfloat16), preset, group_size=group_size)
+            tensors.update({f"{module}.{k}": v for k, v in parts.items()})
         else:
             tensors[name] = w.float() if name.endswith("e_score_correction_bias") else w.to(torch.bfloat16)
-    config["quantization_config"] = quantization_config(preset)
+    config["quantization_config"] = quantization_config(preset, group_size=group_size)
     return write_release(dst, config, tensors, 2, move_scale=False)
 
 
@@ -146,12 +163,12 @@ def corrupt_tensor(src: Path, name: str, fn) -> None:
 
 
 def assert_corrupt_refused(src: Path, dst: Path, verb: str, name: str, fn, why: str) -> None:
-    """After `corrupt_tensor(src, name, fn)`, `cvt VERB SRC DST` (quantize: w8a8) exits 1 with one
-    line naming `name` and saying `why`, and writes no DST."""
+    """After `corrupt_tensor(src, name, fn)`, `cvt VERB SRC DST` (quantize: w8a8; shard: one rank)
+    exits 1 with one line naming `name` and saying `why`, and writes no DST."""
     from tests.conftest import run_cvt
 
     corrupt_tensor(src, name, fn)
-    args = ("--scheme", "w8a8") if verb == "quantize" else ()
+    args = {"quantize": ("--scheme", "w8a8"), "shard": ("--world-size", "1")}.get(verb, ())
     r = run_cvt(verb, str(src), str(dst), *args, "--quiet")
     assert r.rc == 1, r.err
     lines = r.err.strip().splitlines()

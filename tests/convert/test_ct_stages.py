@@ -1,7 +1,7 @@
 """The later stages on a compressed-tensors release as stored (issue 40 item 2): `cvt run` /
 `verify` (the runtime) compute with the package's own decompression of mxfp4 / nvfp4 / int8;
-`cvt plan` plans it; `cvt shard` and the runtime refuse what they do not read with one line
-naming the stage and the way through."""
+`cvt plan` plans it; the runtime refuses what it does not read with one line naming the stage
+and the way through (`cvt shard` carries the release as stored: test_ct_shard.py)."""
 
 from __future__ import annotations
 
@@ -31,18 +31,13 @@ def test_the_runtime_reads_the_release_as_the_package_decompresses_it(tmp_path, 
 
 
 @pytest.mark.parametrize("preset, verb, words", [
-    ("MXFP4", "shard", "cvt shard does not split a compressed-tensors-mxfp4 release as stored: write it with cvt "
-                       "quantize (or cvt fp8-to-bf16) first and shard that; w4a8_mxfp, w4a4_mxfp4 and fp4 "
-                       "--fp4-format mxfp4 carry its FP4 codes unchanged"),
-    ("FP8", "shard", "cvt shard does not split a compressed-tensors-fp8 release as stored"),
     ("FP8", "run", "cvt's runtime (run, verify, export) does not load compressed-tensors-fp8 (float-quantized) "
                    "checkpoints; dequantize it with cvt fp8-to-bf16 (or cvt quantize it) first"),
     ("FP8", "verify", "cvt's runtime (run, verify, export) does not load compressed-tensors-fp8"),
-], ids=["mxfp4-shard", "fp8-shard", "fp8-run", "fp8-verify"])
+], ids=["fp8-run", "fp8-verify"])
 def test_what_a_stage_does_not_read_is_one_line(tmp_path, preset, verb, words):
     src = write_ct_release(tmp_path / "src", preset)
-    args = {"shard": (tmp_path / "out", "--world-size", "2", "--tp", "2"),
-            "run": ("--prompt", "hi", "--max-new-tokens", "1"),
+    args = {"run": ("--prompt", "hi", "--max-new-tokens", "1"),
             "verify": ("--reference", src, "--report", tmp_path / "rep")}[verb]
     r = run_cvt(verb, src, *args)
     assert r.rc == 1 and r.err.startswith("cvt: error: ") and words in r.err, r.err
