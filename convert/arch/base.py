@@ -224,6 +224,11 @@ class ArchTable:
     # vision tower and MTP draft; transformers' compressed-tensors quantizer takes every nn.Linear):
     # compressed-tensors lists their 2-D weights' modules in ``ignore``, so they load float
     carried_linears_ignored: bool = False
+    # compressed-tensors ``ignore`` entries (``re:`` patterns) for carried towers a consumer builds
+    # under other module names than the release's: transformers' Kimi_K25 renames the vision tower
+    # and projector (conversion_mapping.py "kimi_k25") and its compressed-tensors quantizer matches
+    # ``ignore`` against its own names, unmapped, taking every other nn.Linear
+    carried_ignore: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,11 @@ CARRIED_MODULES = (f"{VT}.patch_embed.proj", f"{VT}.patch_embed.pos_emb", f"{BLK
 CARRIED_RULES = tuple(Rule(m, Role.CARRIED, Parallel.REPLICATED, Block.CARRIED, float_default=True)
                       for m in CARRIED_MODULES)
 CARRIED_PREFIXES = ("vision_tower.", "mm_projector.")
+# the towers' modules in compressed-tensors ``ignore``, under the release's names (vision_tower.encoder.
+# blocks.B.wqkv, mm_projector.proj.0) and transformers 5's (model.vision_tower.layers.B.attn.q_proj,
+# model.mm_projector.in_proj, all nn.Linear); vLLM builds both towers without the quant config
+# (vllm/model_executor/models/kimi_k25.py: MoonViT3dPretrainedModel, KimiK25MultiModalProjector)
+CARRIED_IGNORE = ("re:^(model\\.)?(" + "|".join(p.rstrip(".") for p in CARRIED_PREFIXES) + ")\\.",)
 
 # transformers 5.24's save_pretrained (Kimi_K25ForConditionalGeneration, conversion_mapping.py "kimi_k25"
 # undone) -> the release: its reversed ``blocks`` -> ``layers`` rename (meant for the vision blocks) also
@@ -151,4 +156,5 @@ def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
         # residual stream: a rotation would have to turn its output too
         rotation="its vision projector writes the residual stream and is carried unchanged",
         saved_renames=SAVED_RENAMES,
+        carried_ignore=CARRIED_IGNORE,
     )

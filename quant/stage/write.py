@@ -52,7 +52,9 @@ def write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, ca
     out = OutputPlan(ckpt, arch, plan, form, source, src_fmt, cal, req.target).build()
     kv = kv_outputs(out, ckpt.config, plan, form, cal.kv_scales, req.fmt, req.kv_dtype)
     config = bf16_config(ckpt.config)
-    extra_files = form.write_metadata(config, out.tags, plan.schemes, float_linears=out.float_linears,
+    # (a carried tower's ``re:`` entries: compressed-tensors reads them, the Ascend description has none)
+    extra_files = form.write_metadata(config, out.tags, plan.schemes,
+                                      float_linears=[*out.float_linears, *arch.table.carried_ignore],
                                       float_experts=out.float_experts, kv_cache=kv.c8, mla=arch.table.attention.latent, target=req.target,
                                       **kv.meta_kw)
     quant = QuantInfo(scheme=req.scheme, format=req.fmt, target=req.target, target_version=req.line,
