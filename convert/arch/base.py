@@ -229,6 +229,17 @@ class ArchTable:
     # and projector (conversion_mapping.py "kimi_k25") and its compressed-tensors quantizer matches
     # ``ignore`` against its own names, unmapped, taking every other nn.Linear
     carried_ignore: tuple[str, ...] = ()
+    # the other module-name prefixes the consumers build a release module under: (release prefix,
+    # (prefix, ...)), first match wins. compressed-tensors' ``ignore`` is matched against each
+    # consumer's own module names with no mapping where the model class declares none (Kimi-K2.5:
+    # vLLM's ``language_model.layers.L`` / ``lm_head``, transformers' ``model.language_model.layers.L``
+    # / ``lm_head``), so `ignore_entries` writes a float module under one as a ``re:`` pattern
+    # matching every spelling
+    consumer_prefixes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # fused linears a consumer matches ``ignore`` against by the fused module's own name, having no
+    # packed_modules_mapping that names its members: (fused leaf, (member leaf, ...)); a module under
+    # `consumer_prefixes` whose whole group is float has that name in its pattern too
+    consumer_fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -291,6 +302,33 @@ def _compile(pattern: str) -> re.Pattern:
     rx = rx.replace(r"\{B\}", r"\d+")
     rx = rx.replace(r"\{M\}", r"(?P<mtp>\d+)")
     return re.compile(rx)
+
+
+def ignore_entries(table: ArchTable, modules: list[str]) -> list[str]:
+    """compressed-tensors ``ignore`` entries that keep `modules` (float linears, release names) float
+    for every consumer, then the table's `carried_ignore`: a module under one of the table's
+    `consumer_prefixes` as one ``re:`` pattern matching its name under the release's prefix and each
+    consumer's (with a `consumer_fused` module's name where the module leads a wholly float group),
+    any other module as its name. E.g. ``language_model.model.layers.1.mlp.gate`` ->
+    ``re:^(language_model\\.model\\.|language_model\\.|model\\.language_model\\.)layers\\.1\\.mlp\\.gate$``."""
+    floats = set(modules)
+    out: list[str] = []
+    for module in modules:
+        hit = next(((p, alts) for p, alts in table.consumer_prefixes if module.startswith(p)), None)
+        if hit is None:
+            out.append(module)
+            continue
+        prefix, alts = hit
+        parent, dot, leaf = module.rpartition(".")
+        leaves = [leaf]
+        for fused, members in table.consumer_fused:
+            if leaf == members[0] and all(f"{parent}{dot}{m}" in floats for m in members):
+                leaves.append(fused)
+        rest = module[len(prefix):]
+        tail = re.escape(rest) if len(leaves) == 1 else (
+            re.escape(rest[: len(rest) - len(leaf)]) + "(" + "|".join(map(re.escape, leaves)) + ")")
+        out.append("re:^(" + "|".join(map(re.escape, (prefix, *alts))) + ")" + tail + "$")
+    return [*out, *table.carried_ignore]
 
 
 class ArchSpec:

@@ -56,6 +56,20 @@ CARRIED_PREFIXES = ("vision_tower.", "mm_projector.")
 # model.mm_projector.in_proj, all nn.Linear); vLLM builds both towers without the quant config
 # (vllm/model_executor/models/kimi_k25.py: MoonViT3dPretrainedModel, KimiK25MultiModalProjector)
 CARRIED_IGNORE = ("re:^(model\\.)?(" + "|".join(p.rstrip(".") for p in CARRIED_PREFIXES) + ")\\.",)
+# the text model's modules as the consumers build them, for compressed-tensors ``ignore`` (matched
+# against these names, unmapped): vLLM's KimiK25ForConditionalGeneration builds DeepseekV2Model(prefix
+# "language_model") and a top-level lm_head, with no hf_to_vllm_mapper (its load_weights renames
+# ``language_model.model`` -> ``language_model``, ``language_model.lm_head`` -> ``lm_head``:
+# vllm/model_executor/models/kimi_k25.py at vllm-project/vllm 009dff45 / dd4ad005); transformers 5's
+# Kimi_K25ForConditionalGeneration holds ``model.language_model.layers.L`` and ``lm_head``
+# (conversion_mapping.py "kimi_k25"). Moonshot's INT4 release sidesteps this with prefix-free
+# patterns (``lm_head``, ``re:.*self_attn.*``, ...: tests/data/configs/kimi-k2.5.json)
+CONSUMER_PREFIXES = ((f"{TEXT_PREFIX}model.", (TEXT_PREFIX, "model.language_model.")),
+                     (f"{TEXT_PREFIX}lm_head", ("lm_head",)))
+# ... and that class declares no packed_modules_mapping, so vLLM matches its fused linears by their own
+# names (deepseek_v2.py: fused_qkv_a_proj = q_a_proj + kv_a_proj_with_mqa, gate_up_proj = gate + up;
+# compressed_tensors/utils.py should_ignore_layer)
+CONSUMER_FUSED = (("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa")), ("gate_up_proj", ("gate_proj", "up_proj")))
 
 # transformers 5.24's save_pretrained (Kimi_K25ForConditionalGeneration, conversion_mapping.py "kimi_k25"
 # undone) -> the release: its reversed ``blocks`` -> ``layers`` rename (meant for the vision blocks) also
@@ -157,4 +171,6 @@ def wrap(text: ArchTable, config: Mapping[str, Any]) -> ArchTable:
         rotation="its vision projector writes the residual stream and is carried unchanged",
         saved_renames=SAVED_RENAMES,
         carried_ignore=CARRIED_IGNORE,
+        consumer_prefixes=CONSUMER_PREFIXES,
+        consumer_fused=CONSUMER_FUSED,
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cvt.version import __version__
 from cvt.convert.arch import arch_for
+from cvt.convert.arch.base import ignore_entries
 from cvt.convert.config import SourceFormat, bf16_config
 from cvt.convert.quant_summary import fallback_lines, mixed_lines
 from cvt.convert.writer import WriteResult, default_workers, write_checkpoint
@@ -52,9 +53,10 @@ def write(ckpt, dst, plan: Plan, form, source: Source, src_fmt: SourceFormat, ca
     out = OutputPlan(ckpt, arch, plan, form, source, src_fmt, cal, req.target).build()
     kv = kv_outputs(out, ckpt.config, plan, form, cal.kv_scales, req.fmt, req.kv_dtype)
     config = bf16_config(ckpt.config)
-    # (a carried tower's ``re:`` entries: compressed-tensors reads them, the Ascend description has none)
+    # (``re:`` entries for the consumers' own module names and carried towers: compressed-tensors
+    # reads them, the Ascend description has none)
     extra_files = form.write_metadata(config, out.tags, plan.schemes,
-                                      float_linears=[*out.float_linears, *arch.table.carried_ignore],
+                                      float_linears=ignore_entries(arch.table, out.float_linears),
                                       float_experts=out.float_experts, kv_cache=kv.c8, mla=arch.table.attention.latent, target=req.target,
                                       **kv.meta_kw)
     quant = QuantInfo(scheme=req.scheme, format=req.fmt, target=req.target, target_version=req.line,
