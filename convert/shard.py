@@ -204,7 +204,8 @@ def _refuse_release(qc: dict, where: str) -> None:
         raise CvtError(f"{where}: {article(str(qc.get('quant_method')))} checkpoint not written by cvt quantize; "
                        "shard the bf16 / FP8 release or a cvt quantize output")
     carry = {SourceFormat.CT_MXFP4: "; w4a8_mxfp, w4a4_mxfp4 and fp4 --fp4-format mxfp4 carry its FP4 codes unchanged",
-             SourceFormat.CT_NVFP4: "; fp4 --fp4-format nvfp4 carries its FP4 codes unchanged"}.get(fmt, "")
+             SourceFormat.CT_NVFP4: "; fp4 --fp4-format nvfp4 carries its FP4 codes unchanged",
+             SourceFormat.MODELOPT_NVFP4: "; fp4 --fp4-format nvfp4 carries its FP4 codes unchanged"}.get(fmt, "")
     raise CvtError(f"{where}: cvt shard does not split {article(fmt.value)} release as stored: write it with cvt "
                    f"quantize (or cvt fp8-to-bf16) first and shard that{carry}")
 
