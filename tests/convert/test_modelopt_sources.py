@@ -93,6 +93,8 @@ def test_quantize_dequantizes_on_the_fly(tmp_path):
             assert set(A) == set(B) and len(ra.manifest.quant.tensors) == 39
             carried = {m for m, t in ra.manifest.quant.tensors.items() if t.method == "source"}
             assert len(carried) < 39 and (not carried or (algo, scheme) == ("NVFP4", "fp4"))
+            # each linear has its own weight_scale_2 here: no fused group (q/k/v, gate/up) is carried
+            assert not [m for m in carried if m.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))]
             for n in A:
                 if n.rpartition(".")[0] in carried:
                     continue
