@@ -27,6 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cvt.quant.stage.fp4_source import MODELOPT_CARRIED_BY
 from tests.conftest import run_cvt
 from tests.convert.ct_release import corrupt_tensor, ct_decompressed
 from tests.convert.modelopt_release import E2M1, _e4m3, reference_dequant, write_modelopt_release
@@ -181,3 +182,16 @@ def test_corrupt_scale_refused_before_the_carry(tmp_path, part, fn, why):
     assert r.rc == 1 and len(lines) == 1 and lines[0].startswith("cvt: error: "), r.err
     assert name in lines[0] and why in lines[0], r.err
     assert not dst.exists()
+
+
+def test_another_grid_is_requantized_saying_so(tmp_path, caplog):
+    """Into w8a8 every NVFP4 linear is requantized from its exact values (method rtn), one line."""
+    src = write_modelopt_release(tmp_path / "src", "NVFP4", scale_2=scale_2)
+    with caplog.at_level(logging.WARNING, logger="cvt"):
+        r = run_cvt("quantize", src, tmp_path / "q", "--scheme", "w8a8", "--format", "ascend", "--quiet")
+    assert r.rc == 0, r.err
+    quant = json.loads((tmp_path / "q" / "cvt_manifest.json").read_text())["quant"]["tensors"]
+    assert len(quant) == 39 and {v["method"] for v in quant.values()} == {"rtn"}
+    assert [rec.getMessage() for rec in caplog.records] == [
+        "cvt: 39 ModelOpt nvfp4 linear(s) of the release requantized to w8a8 from their exact dequantized values "
+        f"({MODELOPT_CARRIED_BY})"]
