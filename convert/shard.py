@@ -208,7 +208,7 @@ def _refuse_release(qc: dict, where: str) -> None:
         raise CvtError(f"{where}: {article(str(qc.get('quant_method')))} checkpoint not written by cvt quantize; "
                        "shard the bf16 / FP8 release or a cvt quantize output")
     raise CvtError(f"{where}: cvt shard does not split {article(fmt.value)} release as stored: write it with cvt "
-                   f"quantize (or cvt fp8-to-bf16) first and shard that")
+                   "quantize (or cvt fp8-to-bf16) first and shard that")
 
 
 def source_weights(src, config) -> tuple[str, int | None, dict | None]:

@@ -16,7 +16,12 @@ Two grids are carried (`GRIDS`: the source's grid -> the kernel formats whose we
   low) -- and ``fp4 --fp4-format mxfp4``'s (compressed-tensors ``mxfp4-pack-quantized``).
 * **nvfp4** -- the same codes, one float8_e4m3fn scale per 16 inputs and a float32 global scale
   (``w = code * scale / global_scale``): compressed-tensors ``nvfp4-pack-quantized``
-  (``nvfp4/base.py`` NVFP4PackedCompressor), read and written as ``fp4`` (nvfp4).
+  (``nvfp4/base.py`` NVFP4PackedCompressor), read and written as ``fp4`` (nvfp4). NVIDIA
+  ModelOpt's NVFP4 stores the same codes and block scales with ``weight_scale_2``, which
+  multiplies (``w = code * scale * weight_scale_2``): carried as ``weight_global_scale = 1 /
+  weight_scale_2`` in float32, the mapping compressed-tensors' own converter writes
+  (``entrypoints/convert/converters/modelopt_nvfp4.py`` ``ModelOptNvfp4Converter``), where that
+  is exact for every reader (`modelopt_global_scale`), requantized otherwise.
 
 For those kernel formats the codes and scale bytes are copied as they are (method "source" in the
 manifest, SQNR Infinity); every other scheme requantizes the exact dequantized weight, as it
@@ -44,6 +49,9 @@ GRIDS = {KF.MXFP4: (KF.W4A8_MXFP, KF.W4A4_MXFP4, KF.MXFP4), KF.NVFP4: (KF.NVFP4,
 CARRY_KERNELS = GRIDS[KF.MXFP4]  # DeepSeek-V4's FP4 experts' grid
 NVFP4_GROUP = 16
 E8M0_BIAS = 127
+# what the note names as carrying a ModelOpt NVFP4 linear over (`modelopt_global_scale`)
+MODELOPT_CARRIED_BY = ("fp4 --fp4-format nvfp4 carries them over unchanged where 1 / weight_scale_2 gives every "
+                       "element the same value in float32, a fused group only where its members share one global scale")
 # what the note names as carrying a grid over (the schemes of `GRIDS`, as the CLI spells them)
 _CARRIED_BY = {KF.MXFP4: "w4a8_mxfp, w4a4_mxfp4 and fp4 --fp4-format mxfp4 carry them over unchanged",
                KF.NVFP4: "fp4 --fp4-format nvfp4 carries them over unchanged, a fused group only where its "
@@ -111,36 +119,69 @@ def carried_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch
                            {"fp4_format": KF.NVFP4})
 
 
+def modelopt_global_scale(scale_2: torch.Tensor) -> torch.Tensor | None:
+    """compressed-tensors' ``weight_global_scale`` float32 ``[1]`` for a ModelOpt NVFP4 linear's
+    ``weight_scale_2`` `scale_2`: ``1 / scale_2`` in float32, as compressed-tensors' own
+    ``ModelOptNvfp4Converter.process`` writes it; None unless every reader of the output gets
+    ModelOpt's value ``code * (float32(s) * scale_2)`` exactly:
+
+    * vLLM takes the reciprocal back (``compressed_tensors_w4a16_nvfp4.py`` /
+      ``compressed_tensors_w4a4_nvfp4.py`` ``process_weights_after_loading``: ``1.0 /
+      weight_global_scale``) and multiplies the block scale by it as for ModelOpt
+      (``nvfp4_emulation_utils.py`` ``dequantize_to_dtype``), so ``1 / (1 / scale_2)`` must be
+      ``scale_2`` again, bit for bit;
+    * compressed-tensors' decompression and cvt's runtime divide the block scale by it, so
+      ``float32(s) / global_scale == float32(s) * scale_2`` for each of the 254 finite E4M3
+      values ``s`` (then each code times that factor is the same float32 product too).
+
+    Both hold for a power-of-two ``scale_2``; for others they are checked, not assumed."""
+    s2 = scale_2.to(torch.float32).reshape(1)
+    gs = 1.0 / s2
+    if not (bool(torch.isfinite(gs).all()) and torch.equal(1.0 / gs, s2)):
+        return None
+    e4m3 = _e4m3_values()
+    return gs.clone() if torch.equal(e4m3 / gs, e4m3 * s2) else None
+
+
+def _e4m3_values() -> torch.Tensor:
+    """float32 of every finite float8_e4m3fn byte (254: 0x7F and 0xFF are NaN)."""
+    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    return v[torch.isfinite(v)]
+
+
 def carried_modules(plan, source) -> frozenset[str]:
     """The quantized modules of `plan` whose stored weight is carried over (`source.carry_grid`,
-    the scheme's grid the same); an nvfp4 fused group (`plan.shared`) only when every member
-    carries and all their global scales are equal (`source.global_scale`), else none of it."""
+    the scheme's grid the same); an nvfp4 linear only when it has a global scale that converts
+    exactly (`source.global_scale`: None for a ModelOpt one that does not), and a fused group
+    (`plan.shared`) only when every member carries and all their global scales are equal, else
+    none of it."""
     out = {m for m, s in plan.schemes.items() if (g := source.carry_grid(plan.modules[m])) is not None
            and carries(s, g)}
-    for m in list(out):
+    scales = {m: source.global_scale(plan.modules[m]) for m in out
+              if source.carry_grid(plan.modules[m]) == KF.NVFP4}
+    base = frozenset(m for m in out if scales.get(m, b"") is not None)
+    out = set(base)
+    for m in base:
         group = plan.shared.get(m)
-        if group is None:
-            continue
-        scales = {source.global_scale(plan.modules[x]) for x in group} if all(x in out for x in group) else None
-        if scales is None or len(scales) != 1:
+        if group is not None and not (all(x in base for x in group) and len({scales[x] for x in group}) == 1):
             out.discard(m)
     return frozenset(out)
 
 
 def requantized_note(schemes: Mapping[str, str], what: str = "FP4 routed expert(s)",
-                     grid: str = KF.MXFP4) -> str | None:
+                     grid: str = KF.MXFP4, carried_by: str | None = None) -> str | None:
     """One line for the FP4 weights a run requantizes (`schemes`: module -> scheme name, those
-    not carried over; `what`: what they are in the release; `grid`: theirs), or None when there
-    are none."""
+    not carried over; `what`: what they are in the release; `grid`: theirs; `carried_by`: what
+    would carry them, default the grid's words), or None when there are none."""
     if not schemes:
         return None
     names = sorted(set(schemes.values()))
     return (f"cvt: {len(schemes)} {what} of the release requantized to {', '.join(names)} from their "
-            f"exact dequantized values ({_CARRIED_BY[grid]})")
+            f"exact dequantized values ({carried_by or _CARRIED_BY[grid]})")
 
 
-__all__ = ["CARRY_KERNELS", "GRIDS", "carried", "carried_modules", "carried_nvfp4", "carries", "e8m0_bytes",
-           "fp4_experts", "requantized_note"]
+__all__ = ["CARRY_KERNELS", "GRIDS", "MODELOPT_CARRIED_BY", "carried", "carried_modules", "carried_nvfp4", "carries",
+           "e8m0_bytes", "fp4_experts", "modelopt_global_scale", "requantized_note"]
 
 
 def calibration_plan(plan, source):

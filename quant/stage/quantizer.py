@@ -34,6 +34,10 @@ from cvt.quant.stage import fp4_source
 from cvt.quant.stage.assignment import CT_PARTS, FP8_SCALE, Plan
 
 
+# the release formats whose stored linears are on a carried FP4 grid (`fp4_source.GRIDS`)
+_CARRY_GRIDS = {SourceFormat.CT_MXFP4: KF.MXFP4, SourceFormat.CT_NVFP4: KF.NVFP4, SourceFormat.MODELOPT_NVFP4: KF.NVFP4}
+
+
 def sqnr_value(v: float | None, module: str = "", scheme: str = "") -> float | str | None:
     """The manifest's sqnr_db: "Infinity" for an exact quantization; TensorError naming the weight
     when it is NaN or -inf (the finite weight's dequantized form holds Inf: a value past what the
@@ -54,6 +58,7 @@ class Source:
 
     def __init__(self, ckpt: Checkpoint, fmt: SourceFormat, scale_param: str = "weight" + FP8_SCALE):
         self.ckpt = ckpt
+        self.fmt = fmt
         self.block = fp8_config(ckpt.config, str(ckpt.root)).block if fmt is SourceFormat.FP8_BLOCK else None
         self.ct = CompressedTensors() if fmt is SourceFormat.CT_INT4 else None
         # a compressed-tensors release read as float (`cvt.convert.ct_source`): module -> its linear
@@ -80,29 +85,39 @@ class Source:
 
     def carry_grid(self, params: dict[str, str]) -> str | None:
         """The FP4 grid a linear's stored weight is on (`fp4_source.GRIDS`: mxfp4 for a DeepSeek-V4
-        FP4 expert or a compressed-tensors mxfp4 linear, nvfp4 for a c-t nvfp4 one), from the
-        headers; None for any other weight."""
+        FP4 expert or a compressed-tensors mxfp4 linear, nvfp4 for a c-t or ModelOpt nvfp4 one),
+        from the headers; None for any other weight."""
         if "weight" in params and self.is_fp4(params["weight"]):
             return KF.MXFP4
         lin = self.ct_linear(params)
-        return None if lin is None else {SourceFormat.CT_MXFP4: KF.MXFP4, SourceFormat.CT_NVFP4: KF.NVFP4}.get(lin.fmt)
+        return None if lin is None else _CARRY_GRIDS.get(lin.fmt)
 
-    def global_scale(self, params: dict[str, str]) -> bytes:
-        """A compressed-tensors nvfp4 linear's global scale, as its float32 bytes (to compare a
-        fused group's members)."""
-        name = self.ct_linear(params).parts["weight_global_scale"]
+    def global_scale(self, params: dict[str, str]) -> bytes | None:
+        """An nvfp4 linear's compressed-tensors global scale, as its float32 bytes (to compare a
+        fused group's members): a c-t one's as stored, a ModelOpt one's converted from
+        weight_scale_2 (`fp4_source.modelopt_global_scale`; None where that is not exact)."""
+        lin = self.ct_linear(params)
+        name = lin.parts[lin.layout.global_scale]
         try:
-            return self.ckpt.read(name).to(torch.float32).reshape(-1).numpy().tobytes()
+            gs = self.ckpt.read(name).to(torch.float32).reshape(-1)
+            if lin.fmt is SourceFormat.MODELOPT_NVFP4:
+                gs = fp4_source.modelopt_global_scale(gs)
+            return None if gs is None else gs.numpy().tobytes()
         finally:
             self.ckpt.release(name)
 
     def carried(self, params: dict[str, str], scheme: Scheme) -> QuantizedTensor | None:
         """A stored FP4 weight's codes and scales as `scheme`'s tensor, unchanged (`fp4_source`;
-        None: another grid, or a V4 scale off the E8M0 grid)."""
+        None: another grid, a V4 scale off the E8M0 grid, or a ModelOpt weight_scale_2 whose
+        reciprocal is not exact)."""
         ck, lin = self.ckpt, self.ct_linear(params)
         names = ([params["weight"], self.scale_of(params["weight"])] if lin is None else
-                 [lin.parts[p] for p in ("weight_packed", "weight_scale", "weight_global_scale") if p in lin.parts])
+                 [lin.parts[p] for p in (lin.layout.codes, "weight_scale", lin.layout.global_scale) if p])
         try:
+            if lin is not None and lin.fmt is SourceFormat.MODELOPT_NVFP4:  # weight_scale_2 -> 1 / it
+                gs = fp4_source.modelopt_global_scale(ck.read(names[2]))
+                return None if gs is None else fp4_source.carried_nvfp4(ck.read(names[0]), ck.read(names[1]), gs,
+                                                                        scheme)
             if lin is not None and lin.fmt is SourceFormat.CT_NVFP4:
                 return fp4_source.carried_nvfp4(*(ck.read(n) for n in names), scheme)
             return fp4_source.carried(ck.read(names[0]), ck.read(names[1]), scheme)
@@ -330,7 +345,7 @@ class Quantizer:
                 # same int4 grid: re-emitted as is, without loss, recorded with the scheme's group
                 # size (a [n, 1] scale reads back as 0; a group of k is written in the grouped layout)
                 q, method = dataclasses.replace(src_q, group_size=scheme.group_size), "source"
-        elif self.source.carry_grid(params) is not None:  # V4's FP4 experts, c-t mxfp4 / nvfp4 (`fp4_source`)
+        elif self.source.carry_grid(params) is not None:  # V4's FP4 experts, c-t mxfp4 / nvfp4, ModelOpt nvfp4
             src_q = self.source.carried(params, scheme) if q is None and module in self.carry else None
             if src_q is not None:  # the scheme's grid is the release's: codes and scales copied, exact
                 q, method, exact = src_q, "source", True

@@ -256,7 +256,7 @@ def _kv_codec(config: dict, plan: Plan, form, target: str, kv_dtype: str | None,
 
 
 def _fp4_note(plan: Plan, source: Source) -> str | None:
-    """FP4 weights of the release (DeepSeek-V4's experts, compressed-tensors mxfp4 / nvfp4 linears)
+    """FP4 weights of the release (DeepSeek-V4's experts, compressed-tensors mxfp4 / nvfp4 or ModelOpt nvfp4 linears)
     the run requantizes rather than carries: one line says so once the output is written (a
     refused or failed run prints its error alone)."""
     carried = fp4_source.carried_modules(plan, source)
@@ -264,6 +264,9 @@ def _fp4_note(plan: Plan, source: Source) -> str | None:
     if not grids:
         return None
     grid = next(iter(grids.values()))  # one source format, so one grid
+    if source.fmt is SourceFormat.MODELOPT_NVFP4:
+        return fp4_source.requantized_note({m: plan.schemes[m].name for m in grids}, "ModelOpt nvfp4 linear(s)",
+                                           grid, fp4_source.MODELOPT_CARRIED_BY)
     what = "FP4 routed expert(s)" if source.fp4 else f"compressed-tensors {grid} linear(s)"
     return fp4_source.requantized_note({m: plan.schemes[m].name for m in grids}, what, grid)
 

@@ -39,10 +39,11 @@ def _cast_fp4(x: torch.Tensor) -> torch.Tensor:
     return (sign << 3) + ordinal + odd
 
 
-def nvfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One linear as ModelOpt NVFP4 (`w` float32 [n, k], k % 16 == 0)."""
+def nvfp4(w: torch.Tensor, s2: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """One linear as ModelOpt NVFP4 (`w` float32 [n, k], k % 16 == 0; `s2`: its weight_scale_2,
+    default amax / (6 * 448), given for a fused group from the group's amax)."""
     n, k = w.shape
-    s2 = w.abs().amax().float() / (6.0 * 448.0)
+    s2 = w.abs().amax().float() / (6.0 * 448.0) if s2 is None else s2.float()
     amax = w.reshape(n, k // 16, 16).abs().amax(-1).float()
     s = amax / (6.0 * s2)
     s[s == 0] = 1.0
@@ -90,16 +91,32 @@ def config_json_form(algo: str) -> dict:
     return out
 
 
-def write_modelopt_release(dst: Path, algo: str, seed: int = 0, side_only: bool = True, **overrides) -> Path:
+def write_modelopt_release(dst: Path, algo: str, seed: int = 0, side_only: bool = True, scale_2=None,
+                           **overrides) -> Path:
     """A tiny Qwen3-MoE release with every ``*_proj`` linear in ModelOpt `algo`, the rest BF16;
     `side_only`: the quantization described by hf_quant_config.json alone (older exports, e.g.
-    nvidia/DeepSeek-R1-FP4), else also in config.json (newer ones write both)."""
+    nvidia/DeepSeek-R1-FP4), else also in config.json (newer ones write both). `scale_2` (NVFP4):
+    ``f(module, s2) -> s2``; given, the linears vLLM fuses (q/k/v, gate/up) share one
+    weight_scale_2 from their largest amax, as ModelOpt's export unifies them
+    (modelopt/torch/export/quant_utils.py ``preprocess_linear_fusion``), which `f` may then move
+    (upward, so that no block scale overflows E4M3)."""
+    from cvt.convert.arch import arch_for
+
     config = tiny_qwen3_config(**{"moe_intermediate_size": 64, **overrides})  # k % 32 for MXFP8
+    raw = random_weights(config, seed)
+    weights = {n: w.to(torch.bfloat16).float() for n, w in raw.items()}
+    arch = arch_for(config)
     tensors = {}
-    for name, w in random_weights(config, seed).items():
+    for name, w in raw.items():
         module = name[: -len(".weight")]
         if name.endswith("_proj.weight"):
-            parts = WRITERS[algo](w.to(torch.bfloat16).float())
+            w = weights[name]
+            if scale_2 is None:
+                parts = WRITERS[algo](w)
+            else:
+                group = arch.fused_group(module) or (module,)
+                amax = max(float(weights[f"{m}.weight"].abs().amax()) for m in group)
+                parts = nvfp4(w, scale_2(module, torch.tensor(amax, dtype=torch.float32) / (6.0 * 448.0)))
             tensors.update({f"{module}.{k}": v.contiguous() for k, v in parts.items()})
             tensors[f"{module}.input_scale"] = torch.tensor(0.0125, dtype=torch.float32)
             if algo == "FP8" and name.endswith(("k_proj.weight", "v_proj.weight")):

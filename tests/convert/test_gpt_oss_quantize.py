@@ -99,6 +99,34 @@ def test_mxfp4_release_quantizes_as_its_bf16(tmp_path):
     assert r.rc == 0, r.err
 
 
+def test_mxfp4_experts_are_not_carried_even_onto_their_own_grid(tmp_path, caplog):
+    """`fp4 --fp4-format mxfp4` is the experts' own grid, yet they come out as their BF16
+    dequantization (transformers' own, via `cvt fp8-to-bf16`), ignored, with no note line: no
+    consumer loads a carried form. vLLM reads ``*_blocks`` / ``*_scales`` only under
+    ``quant_method: "mxfp4"`` (gpt_oss.py ``load_weights`` -> ``_load_weights_mxfp4``), the
+    release's own layout and config; under compressed-tensors ``_load_weights_other`` copies the
+    fused experts as float tensors."""
+    import logging
+
+    src = _mxfp4_release(tmp_path / "mx")
+    bf16 = tmp_path / "bf16"
+    assert run_cvt("fp8-to-bf16", src, bf16, "--quiet").rc == 0
+    out = tmp_path / "q"
+    with caplog.at_level(logging.WARNING, logger="cvt"):
+        qc = _quantize(src, out, "fp4", "--fp4-format", "mxfp4")
+    assert caplog.records == []
+    got, want = _read_all(out), _read_all(bf16)
+    experts = [n for n in want if ".mlp.experts." in n]
+    assert len(experts) == 16 and not [n for n in got if n.endswith(("_blocks", "_scales"))]
+    for n in experts:
+        assert got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]), n
+    quant = json.loads((out / "cvt_manifest.json").read_text())["quant"]["tensors"]
+    assert quant and not [m for m in quant if ".mlp.experts" in m]
+    assert qc["format"] == "mxfp4-pack-quantized"
+    assert all(any(match_name(f"model.layers.{i}.mlp.experts.0.{p}", x) for x in qc["ignore"])
+               for i in range(4) for p in ("gate_proj", "up_proj", "down_proj"))
+
+
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
 def test_ascend_is_refused_before_dst(tmp_path, mxfp4):
     """vllm-ascend has no quantized gpt-oss path (`Format.refused_models`): one line, exit 1,
