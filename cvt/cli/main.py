@@ -139,7 +139,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @common
 @ranks("the calibration samples, the layers' linears and experts (by cost) and the output files",
        "they talk over gloo on CPU, nccl / hccl for --device cuda / npu. Without calibration the bytes are those "
-       "of one process; calibrated (gptq, awq, smoothquant, --static-attention, w8a8c8's KV ranges) they depend "
+       "of one process; calibrated (gptq, awq, smoothquant, flatquant, --static-attention, w8a8c8's KV ranges) they depend "
        "on N, not on timing: the same N writes the same bytes, one process other bytes (sums in another order, "
        "which GPTQ's rounding amplifies).", old_spelling=True)
 def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method, group_size, asym, fp4_format, calib,

