@@ -27,7 +27,8 @@ from cvt.tests.conftest import run_cvt
 def _layer(seed: int = 0, k: int = 64, n: int = 48, m: int = 256):
     """Rows with a few outlier channels (what FlatQuant flattens) and a weight, float32."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.exp(torch.randn(k, generator=g))
+    channel = torch.exp(torch.randn(k, generator=g))
+    x = torch.randn(m, k, generator=g) * channel   # the first rows of a larger m are the same rows
     x[:, :3] *= 15
     return x, torch.randn(n, k, generator=g) * 0.05
 
@@ -39,23 +40,24 @@ def _output_mse(x, w, left, right, clip) -> float:
     return float((y - x @ w.T).pow(2).mean())
 
 
+@pytest.mark.slow  # ~0.5 s on 2 busy cores
 def test_fit_lowers_the_layer_output_error_below_the_hadamard_start():
     x, w = _layer()
-    f = FQ.fit(x, [w], steps=30, lr=1e-2)
+    f = FQ.fit(x, [w], steps=15, lr=2e-2)
     start = _output_mse(x, w, *init_transforms(x.shape[1]), 1.0)
     fitted = _output_mse(x, w, f.left, f.right, f.clip)
-    assert f.fitted and fitted < 0.85 * start, (fitted, start)
+    assert f.fitted and fitted < 0.6 * start, (fitted, start)   # measured 0.23x
     assert f.left.dtype == f.right.dtype == torch.bfloat16 and 0 < f.clip < 1
     assert not torch.equal(f.left, init_transforms(x.shape[1])[0])
     # held-out rows of the same distribution gain too (not only the rows fitted on)
-    xh, _ = _layer(seed=0, m=512)
-    xh = xh[256:]
-    assert _output_mse(xh, w, f.left, f.right, f.clip) < _output_mse(xh, w, *init_transforms(x.shape[1]), 1.0)
+    xh = _layer(seed=0, m=512)[0][256:]
+    held = _output_mse(xh, w, f.left, f.right, f.clip), _output_mse(xh, w, *init_transforms(x.shape[1]), 1.0)
+    assert held[0] < 0.8 * held[1], held
 
 
 def test_fit_is_the_same_bits_for_a_seed_and_another_for_another_seed():
-    x, w = _layer(1)
-    a, b, c = (FQ.fit(x, [w], steps=5, lr=1e-2, seed=s) for s in (3, 3, 4))
+    x, w = _layer(1, m=64)
+    a, b, c = (FQ.fit(x, [w], steps=3, lr=1e-2, seed=s) for s in (3, 3, 4))
     assert torch.equal(a.left, b.left) and torch.equal(a.right, b.right) and a.clip == b.clip
     assert not torch.equal(a.left, c.left)
 
