@@ -185,34 +185,31 @@ def calibrate(model: nn.Module, tokens: torch.Tensor, scheme_for: Callable[[str]
               on_layer_end: Callable[[int, nn.Module, CalibResult], None] | None = None) -> CalibResult:
     """Quantize every linear `scheme_for(name)` selects, layer by layer (see the module doc).
 
-    model: a runtime model (weights in float32 recommended), modified in place: folded scales
-        and quantized (dequantized) weights. tokens: [b, s] int64 calibration batch.
-    scheme_for(linear module name) -> Scheme, or None to keep the linear float.
+    model: a runtime model (weights in float32 recommended), modified in place: folded scales and quantized
+        (dequantized) weights. tokens: [b, s] int64 calibration batch. scheme_for(linear module name) ->
+        Scheme, or None to keep the linear float.
     method: one of METHODS, or a function of the linear name giving one (recipes).
     min_tokens: linears (MoE experts) that saw fewer rows fall back to RTN.
-    gptq: damp, act_order, scale_search, block_size, static_groups (see `gptq.gptq_quantize`; the
-        defaults act_order + static groups + the "hdiag" clip search measured best on the trained
-        fixture, README), hessian_dtype,
-        max_hessian_bytes (budget for the Hessians of routed experts collected in one pass).
-    smoothquant: alpha. awq: n_grid, awq_clip_search, max_samples (rows kept per input site).
-    flatquant: flatquant_steps, flatquant_lr, flatquant_seed (`cvt.quant.methods.flatquant.fit`), max_samples.
+    gptq: damp, act_order, scale_search, block_size, static_groups (see `gptq.gptq_quantize`; the defaults
+        act_order + static groups + the "hdiag" clip search measured best on the trained fixture, README),
+        hessian_dtype, max_hessian_bytes (budget for the Hessians of routed experts collected in one pass).
+    smoothquant: alpha. awq: n_grid, awq_clip_search, max_samples (rows kept per input site). flatquant:
+        flatquant_steps, flatquant_lr, flatquant_seed (`cvt.quant.methods.flatquant.fit`), max_samples.
     quantize_rest: RTN for selected linears outside the decoder layers (reported as fallbacks).
-    on_layer_start / on_layer_end: see the module doc; `on_layer_end` gets a CalibResult holding
-        only that layer's tensors. keep_tensors=False: the returned result keeps no tensors
-        (quantized / float_weights stay empty; methods, fallbacks, stats, smoothing are kept), for
-        callers that write each layer from `on_layer_end` and must not hold the whole model.
+    on_layer_start / on_layer_end: see the module doc; `on_layer_end` gets a CalibResult holding only that layer's
+        tensors. keep_tensors=False: the returned result keeps no tensors (quantized / float_weights stay empty;
+        methods, fallbacks, stats, smoothing are kept), for callers that write each layer from `on_layer_end`.
     """
     method_for = method if callable(method) else (lambda _n, m=method: m)
     if not callable(method) and method not in METHODS:
         raise CvtError(f"unknown calibration method {method!r} (known: {', '.join(METHODS)})")
     if tokens.dim() != 2 or tokens.numel() == 0:
         raise CvtError(f"calibration tokens must be a non-empty [batch, seq] tensor, got {list(tokens.shape)}")
-    opts = dict(min_tokens=min_tokens, batch_size=batch_size, damp=damp, act_order=act_order,
-                scale_search=scale_search, block_size=block_size, static_groups=static_groups,
-                true_sequential=true_sequential, alpha=alpha, n_grid=n_grid, duo_scaling=duo_scaling,
-                awq_clip_search=awq_clip_search, max_samples=max_samples, max_hessian_bytes=max_hessian_bytes,
-                hessian_dtype=hessian_dtype, flatquant_steps=flatquant_steps, flatquant_lr=flatquant_lr,
-                flatquant_seed=flatquant_seed)
+    opts = dict(min_tokens=min_tokens, batch_size=batch_size, damp=damp, act_order=act_order, scale_search=scale_search,
+                block_size=block_size, static_groups=static_groups, true_sequential=true_sequential, alpha=alpha,
+                n_grid=n_grid, duo_scaling=duo_scaling, awq_clip_search=awq_clip_search, max_samples=max_samples,
+                max_hessian_bytes=max_hessian_bytes, hessian_dtype=hessian_dtype, flatquant_steps=flatquant_steps,
+                flatquant_lr=flatquant_lr, flatquant_seed=flatquant_seed)
     result = CalibResult()
     for name, mod in model.named_modules():   # refuse impossible shapes / methods before any work
         if isinstance(mod, Linear):
