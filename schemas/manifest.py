@@ -172,7 +172,8 @@ class QuantInfo(_Strict):
     float_modules: dict[str, str] = Field(default_factory=dict, description="module -> why it stayed float")
     fallbacks: list[Fallback] = Field(default_factory=list)
     calibration: dict[str, Any] | None = Field(None, description="calibrated runs: tokens, layers, device, mean "
-                                                                  "seconds per layer, peak RSS, layers resumed")
+                                                                  "seconds per layer, peak RSS, layers resumed; --method flatquant: "
+                                                                  "its fit's settings and mean site loss")
     mixed_precision: MixedPrecision | None = Field(None, description="--kl-budget: the units kept at a higher "
                                                                       "precision and why (absent without it)")
 
