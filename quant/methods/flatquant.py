@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cvt.errors import CvtError
+from cvt.errors import CvtError, OptionError
 from cvt.qtensor.schemes.flatquant import decompose_dim, init_transforms
 from cvt.qtensor.schemes.w4a8 import QDIV, QMAX, QMIN
 from cvt.quant.recipe import FLATQUANT_FIT
@@ -183,6 +183,12 @@ def flatquant_site(lc, name: str, site, stats: dict) -> None:
     found = lc.flat_fits.get(key)
     if found is None:
         peers = [t for t in lc.schemes if lc.site_of[t] == key and lc.method[t] == FLATQUANT]
+        other = [t for t in lc.schemes if lc.site_of[t] == key and t not in peers
+                 and lc.schemes[t].kernel_fmt() == lc.schemes[name].kernel_fmt()]
+        if other:  # vLLM fuses the linears of one input: one left_trans / right_trans / clip_ratio for them
+            raise OptionError(f"{other[0]} reads the same input as {name} and is {lc.schemes[other[0]].name} too, "
+                              f"but --method {lc.method[other[0]]}: vLLM fuses them into one layer with one set of "
+                              "transforms, so give them the same method")
         found = fit(site.samples(), [lc.linears[t].weight for t in peers], steps=o["flatquant_steps"],
                     lr=o["flatquant_lr"], seed=o["flatquant_seed"])
         lc.flat_fits[key] = found

@@ -125,3 +125,19 @@ def test_method_refuses_other_schemes_with_one_line(trained_fixture, tmp_path):
     line, = r.err.strip().splitlines()
     assert r.rc == 2 and line.startswith("cvt: error: --method flatquant does not apply to --scheme w4a8"), r.err
     assert "applies to --scheme w4a4_flatquant" in line
+
+
+@pytest.mark.slow  # a tiny Qwen3's first calibrated layer (~2 s)
+def test_fused_shards_with_another_method_are_refused(tmp_path):
+    """q / k / v read one input and vLLM fuses them (one left_trans): a recipe giving k_proj RTN's
+    Hadamard transforms while q / v are fitted would write shards the fused layer cannot hold."""
+    from cvt.errors import OptionError
+    from cvt.quant.recipe import Recipe
+
+    src = write_bf16_checkpoint(tmp_path / "q", tiny_qwen3_config(moe=False, hidden_size=128, head_dim=32,
+                                                                   intermediate_size=256))
+    recipe = Recipe.model_validate({"rules": [{"pattern": r"k_proj", "scheme": "w4a4_flatquant", "method": "rtn"}]})
+    with pytest.raises(OptionError, match=r"self_attn\.k_proj reads the same input as .*self_attn\.q_proj and is "
+                                          r"w4a4_flatquant too, but --method rtn"):
+        quantize(src, tmp_path / "out", scheme="w4a4_flatquant", fmt="ascend", method="flatquant", calib_tokens=256,
+                 quiet=True, recipe=recipe, fit={"flatquant_steps": 2})
