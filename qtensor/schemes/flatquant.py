@@ -171,21 +171,30 @@ class W4A4FlatQuant(SchemeBase):
         return self._quantize(w, *init_transforms(w.shape[1]), 1.0)
 
     def quantize_with(self, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, clip: float,
-                      name: str | None = None) -> QuantizedTensor:
+                      name: str | None = None, weight_clip: torch.Tensor | None = None) -> QuantizedTensor:
         """The parts of `w` behind the given transforms (bfloat16 [a, a] / [b, b], as stored) and
-        clip ratio in (0, 1]: `quantize` with Hadamard's, `--method flatquant` with fitted ones."""
+        clip ratio in (0, 1]: `quantize` with Hadamard's, `--method flatquant` with fitted ones.
+        `weight_clip` [n, 1] in (0, 1]: each row's scale is ``amax * weight_clip / 7`` (FlatQuant's
+        learnable weight clip, kept in ``weight_scale``; values past it clamp to -8..7)."""
         w = self.checked_weight(w, name)
         a, b = decompose_dim(w.shape[1])
         if tuple(left.shape) != (a, a) or tuple(right.shape) != (b, b) or not 0 < clip <= 1:
             raise CvtError(f"{name or self.name}: transforms {list(left.shape)} / {list(right.shape)} and clip {clip} "
                            f"do not fit in_features {w.shape[1]} = {a} x {b} with a clip in (0, 1]")
-        return self._quantize(w, left, right, clip)
+        if weight_clip is not None and (weight_clip.numel() != w.shape[0] or not bool(
+                ((weight_clip > 0) & (weight_clip <= 1)).all())):
+            raise CvtError(f"{name or self.name}: weight_clip {list(weight_clip.shape)} must be {w.shape[0]} values "
+                           "in (0, 1]")
+        return self._quantize(w, left, right, clip, weight_clip)
 
-    def _quantize(self, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, clip: float) -> QuantizedTensor:
+    def _quantize(self, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, clip: float,
+                  weight_clip: torch.Tensor | None = None) -> QuantizedTensor:
         left, right = left.to(torch.bfloat16), right.to(torch.bfloat16)
         wf = fold(w, left, right)
         P.check_finite(wf, f"{self.name} folded weight (are the transforms invertible?)")
         amax = wf.abs().amax(dim=1, keepdim=True)
+        if weight_clip is not None:
+            amax = amax * weight_clip.to(torch.float32).reshape(-1, 1)
         scale = torch.clamp(P.round_to_bf16(amax / QDIV), min=SCALE_FLOOR)
         q = torch.clamp(torch.round(P.round_to_bf16(wf / scale)), QMIN, QMAX).to(torch.int8)
         parts = {"weight_int4": q, "weight_scale": scale, "left_trans": left, "right_trans": right,

@@ -3,7 +3,8 @@ Kronecker transforms of `w4a4_flatquant` fitted on calibration data.
 
 The scheme (`cvt.qtensor.schemes.flatquant`) computes, per linear ``[n, k]`` with ``k = a * b``,
 ``y = Q(L^T X R) Q(W')^T`` with ``W' = W T^-1`` (per row ``L^-1 W_r R^-T``) and a per-token
-activation scale ``amax * clip / 7``. `fit` learns L [a, a], R [b, b] and the clip ratio of one
+activation scale ``amax * clip / 7``. `fit` learns L [a, a], R [b, b], the clip ratio and a
+per-row weight clip (the weight scale ``amax * c_r / 7``, written into ``weight_scale``) of one
 input site -- every `--method flatquant` linear reading the same activation (q / k / v, q_a / kv_a,
 gate / up: the shards vLLM fuses into one layer with one ``left_trans`` / ``right_trans`` /
 ``clip_ratio``) -- by minimising the MSE between their quantized outputs and the float outputs
@@ -11,15 +12,15 @@ gate / up: the shards vLLM fuses into one layer with one ``left_trans`` / ``righ
 (``msmodelslim/processor/flat_quant``: trainer.py LayerTrainer.train_layer, MSE loss, cosine
 schedule; trans_matrix.py InvSingleTransMatrix, the transform itself the parameter and its
 inverse computed for the weight; fake_clip_quantizer.py ActivationQuantizer ``lac``, the clip a
-sigmoid of a parameter initialised at 4.0 with ten times the learning rate; round with a
-straight-through gradient). Differences, on purpose: the loss is the site's linears' outputs (not
-the decoder layer's, as msModelSlim's layer trainer), no learnable diagonal smoothing (FlatQuant
-folds it into the producer norm; vllm-ascend's layout has no place for it, and the scheme's AWQ
-covers that fold), no learnable weight clip, full-batch Adam (no weight decay) over the sampled
-rows.
+sigmoid of a parameter initialised at 4.0 with ten times the learning rate, and WeightQuantizer
+``lwc``, the weight clip likewise; round with a straight-through gradient). Differences, on
+purpose: the loss is the site's linears' outputs (not the decoder layer's, as msModelSlim's layer
+trainer), no learnable diagonal smoothing (FlatQuant folds it into the producer norm;
+vllm-ascend's layout has no place for it, and the scheme's AWQ covers that fold), full-batch Adam
+(no weight decay) over the sampled rows.
 
 Start: the scheme's randomised Hadamard pair for `seed` (seed 0 = what `--method rtn` writes) and
-clip 1. After `steps` the transforms are rounded to bfloat16 (what is stored and multiplied by) and
+clips 1. After `steps` the transforms are rounded to bfloat16 (what is stored and multiplied by) and
 the site's loss is measured with the runtime kernel's exact arithmetic
 (`cvt.runtime.kernels.flatquant`); the start is kept when the fit did not beat it, so a fitted
 site never does worse than the Hadamard start on its rows. Deterministic: same rows, steps, lr and
@@ -47,12 +48,13 @@ CLIP_INIT = 4.0  # the clip parameter's start, sigmoid(4) = 0.982 (msModelSlim's
 @dataclass
 class FlatFit:
     """One site's fitted transforms: ``left`` [a, a] / ``right`` [b, b] bfloat16 as stored,
-    ``clip`` in (0, 1]; ``loss`` the output MSE at them, ``loss_init`` at the Hadamard start
+    ``clip`` in (0, 1], ``weight_clips`` per linear; ``loss`` the output MSE at them, ``loss_init`` at the Hadamard start
     (clip 1); ``fitted`` False when the start was kept."""
 
     left: torch.Tensor
     right: torch.Tensor
     clip: float
+    weight_clips: list  # per linear of the site, float32 [n_i, 1] in (0, 1], or None: 1 (the scheme's amax / 7)
     loss: float
     loss_init: float
     fitted: bool
@@ -109,16 +111,16 @@ def _fake_quant_rows(x: torch.Tensor, clip: torch.Tensor | float) -> torch.Tenso
 
 
 def _fake_output(x: torch.Tensor, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
-                 clip: torch.Tensor) -> torch.Tensor:
+                 clip: torch.Tensor, wclip: torch.Tensor) -> torch.Tensor:
     """The differentiable stand-in of the quantized layer: x [m, k], w [n, k] -> [m, n]."""
     a, b = left.shape[0], right.shape[0]
     xt = (left.T @ (x.reshape(-1, a, b) @ right)).reshape(x.shape[0], a * b)
     wf = (torch.linalg.inv(left) @ w.reshape(-1, a, b) @ torch.linalg.inv(right).T).reshape(w.shape)
-    return _fake_quant_rows(xt, clip) @ _fake_quant_rows(wf, 1.0).T
+    return _fake_quant_rows(xt, clip) @ _fake_quant_rows(wf, wclip).T
 
 
 def site_loss(x: torch.Tensor, weights: list[torch.Tensor], left: torch.Tensor, right: torch.Tensor,
-              clip: float) -> float:
+              clip: float, weight_clips: list | None = None) -> float:
     """sum_i |y_i - X W_i^T|^2 / sum_i numel of the linears quantized with these transforms, run
     through the runtime kernel (`cvt.runtime.kernels.flatquant`), x [m, k] float32."""
     from cvt.qtensor.schemes.flatquant import W4A4FlatQuant
@@ -126,8 +128,8 @@ def site_loss(x: torch.Tensor, weights: list[torch.Tensor], left: torch.Tensor, 
 
     scheme, err, total = W4A4FlatQuant(), 0.0, 0
     with torch.no_grad():
-        for w in weights:
-            q = scheme.quantize_with(w, left, right, clip)
+        for i, w in enumerate(weights):
+            q = scheme.quantize_with(w, left, right, clip, weight_clip=None if weight_clips is None else weight_clips[i])
             y = W4A4FlatQuantLinear.from_parts(q.parts).reference(x)
             err += float((y - x @ w.T).pow(2).sum(dtype=torch.float64))
             total += y.numel()
@@ -144,7 +146,7 @@ def fit(x: torch.Tensor, weights: list[torch.Tensor], *, steps: int = STEPS, lr:
     left0, right0 = init_transforms(k, seed)
     loss_init = site_loss(x, ws, left0, right0, 1.0)
     if steps == 0 or x.shape[0] == 0:
-        return FlatFit(left0, right0, 1.0, loss_init, loss_init, False)
+        return FlatFit(left0, right0, 1.0, None, loss_init, loss_init, False)
     a, b = decompose_dim(k)
     w = torch.cat(ws)
     ref = x @ w.T
@@ -152,22 +154,24 @@ def fit(x: torch.Tensor, weights: list[torch.Tensor], *, steps: int = STEPS, lr:
     left = left0.to(torch.float32).clone().requires_grad_(True)
     right = right0.to(torch.float32).clone().requires_grad_(True)
     c = torch.full((1,), CLIP_INIT, requires_grad=True)
-    adam = _Adam([(left, lr), (right, lr), (c, lr * 10)], steps)
+    cw = torch.full((w.shape[0], 1), CLIP_INIT, requires_grad=True)
+    adam = _Adam([(left, lr), (right, lr), (c, lr * 10), (cw, lr * 10)], steps)
     with torch.enable_grad(), _threads_for(6 * x.shape[0] * k * w.shape[0]):
         for _ in range(steps):
-            loss = (_fake_output(x, w, left, right, torch.sigmoid(c)) - ref).pow(2).mean() / norm
-            left.grad = right.grad = c.grad = None
+            loss = (_fake_output(x, w, left, right, torch.sigmoid(c), torch.sigmoid(cw)) - ref).pow(2).mean() / norm
+            left.grad = right.grad = c.grad = cw.grad = None
             loss.backward()
             adam.step()
     left_b, right_b = left.detach().to(torch.bfloat16), right.detach().to(torch.bfloat16)
     clip = float(torch.sigmoid(c.detach()).to(torch.float32))
+    wclips = list(torch.sigmoid(cw.detach()).split([wi.shape[0] for wi in ws]))
     try:  # a fit that left a transform singular in bfloat16 (or a clip of 0) is not kept
-        loss = site_loss(x, ws, left_b, right_b, clip)
+        loss = site_loss(x, ws, left_b, right_b, clip, wclips)
     except (CvtError, torch.linalg.LinAlgError):
         loss = float("inf")
     if not loss < loss_init:
-        return FlatFit(left0, right0, 1.0, loss_init, loss_init, False)
-    return FlatFit(left_b, right_b, clip, loss, loss_init, True)
+        return FlatFit(left0, right0, 1.0, None, loss_init, loss_init, False)
+    return FlatFit(left_b, right_b, clip, wclips, loss, loss_init, True)
 
 
 def flatquant_site(lc, name: str, site, stats: dict) -> None:
@@ -191,10 +195,12 @@ def flatquant_site(lc, name: str, site, stats: dict) -> None:
                               "transforms, so give them the same method")
         found = fit(site.samples(), [lc.linears[t].weight for t in peers], steps=o["flatquant_steps"],
                     lr=o["flatquant_lr"], seed=o["flatquant_seed"])
-        lc.flat_fits[key] = found
+        lc.flat_fits[key] = (found, peers)
+    found, peers = lc.flat_fits[key]
     mod, scheme = lc.linears[name], lc.schemes[name]
     w = mod.weight.detach().to(torch.float32)
-    qt = scheme.quantize_with(w, found.left, found.right, found.clip, name=name)
+    qt = scheme.quantize_with(w, found.left, found.right, found.clip, name=name,
+                              weight_clip=None if found.weight_clips is None else found.weight_clips[peers.index(name)])
     deq = scheme.dequantize(qt)
     lc.res.quantized[name] = qt
     lc.res.methods[name] = FLATQUANT

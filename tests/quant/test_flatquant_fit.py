@@ -48,6 +48,8 @@ def test_fit_lowers_the_layer_output_error_below_the_hadamard_start():
     fitted = _output_mse(x, w, f.left, f.right, f.clip)
     assert f.fitted and fitted < 0.6 * start, (fitted, start)   # measured 0.23x
     assert f.left.dtype == f.right.dtype == torch.bfloat16 and 0 < f.clip < 1
+    (wc,) = f.weight_clips   # the rows' weight clips, one [n, 1] per linear of the site
+    assert wc.shape == (w.shape[0], 1) and bool((wc > 0).all() and (wc <= 1).all()) and float(wc.min()) < 1
     assert not torch.equal(f.left, init_transforms(x.shape[1])[0])
     # held-out rows of the same distribution gain too (not only the rows fitted on)
     xh = _layer(seed=0, m=512)[0][256:]
@@ -141,3 +143,18 @@ def test_fused_shards_with_another_method_are_refused(tmp_path):
                                           r"w4a4_flatquant too, but --method rtn"):
         quantize(src, tmp_path / "out", scheme="w4a4_flatquant", fmt="ascend", method="flatquant", calib_tokens=256,
                  quiet=True, recipe=recipe, fit={"flatquant_steps": 2})
+
+
+def test_weight_clip_scales_the_rows_and_bad_clips_are_refused():
+    from cvt.errors import CvtError
+
+    x, w = _layer(3, m=8)
+    left, right = init_transforms(w.shape[1])
+    clip = torch.full((w.shape[0], 1), 0.5)
+    full, half = (W4A4FlatQuant().quantize_with(w, left, right, 1.0, weight_clip=c) for c in (None, clip))
+    # the scale is bf16(amax * c / 7): half the rows' range, so the codes reach the clamp
+    ratio = half.parts["weight_scale"] / full.parts["weight_scale"]
+    assert bool(((ratio - 0.5).abs() <= 2 ** -8).all()) and int(half.parts["weight_int4"].abs().max()) >= 8
+    for bad in (torch.zeros(w.shape[0], 1), torch.full((w.shape[0], 1), 1.5), torch.ones(3, 1)):
+        with pytest.raises(CvtError, match="weight_clip"):
+            W4A4FlatQuant().quantize_with(w, left, right, 1.0, weight_clip=bad)
