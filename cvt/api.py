@@ -109,6 +109,10 @@ class QuantizeOptions(_WriteOptions):
     workers: Optional[int] = Field(None, ge=1, le=64)
     kl_budget: Optional[float] = None                 # checked by the stage (exit 2 with one line)
     kl_high: Optional[str] = None                     # None: w8a8
+    # --method flatquant's fit (cvt.quant.methods.flatquant; None: its defaults); refused without that method
+    flatquant_steps: Optional[int] = Field(None, ge=1, le=100000)
+    flatquant_lr: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
+    flatquant_seed: Optional[int] = Field(None, ge=0, le=2**31 - 1)
 
     _memory = field_validator("expert_memory", mode="before")(_size)
 
@@ -175,7 +179,9 @@ def quantize(options: QuantizeOptions | None = None, /, **kw):
                  recipe=load_recipe(o.recipe) if o.recipe else None, revision=o.revision, workers=o.workers,
                  max_shard_size=o.max_shard_size, resume=o.resume, overwrite=o.overwrite, quiet=o.quiet,
                  target=o.target, device=device, expert_memory=o.expert_memory, target_version=o.target_version,
-                 kv_dtype=o.kv_dtype, rotate=o.rotate, world=w, kl_budget=o.kl_budget, kl_high=o.kl_high)
+                 kv_dtype=o.kv_dtype, rotate=o.rotate, world=w, kl_budget=o.kl_budget, kl_high=o.kl_high,
+                 fit={k: v for k in ("flatquant_steps", "flatquant_lr", "flatquant_seed")
+                      if (v := getattr(o, k)) is not None})
 
 
 class LayoutOptions(_Options):

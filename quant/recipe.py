@@ -55,7 +55,11 @@ def method_schemes(method: str) -> list[str] | None:
     return [s for s in scheme_names() if kernel_formats(get_scheme(s)) & set(kernels)]
 
 
-RTN, SMOOTHQUANT, GPTQ, AWQ = "rtn", "smoothquant", "gptq", "awq"  # the methods' names, defined here
+RTN, SMOOTHQUANT, GPTQ, AWQ, FLATQUANT = "rtn", "smoothquant", "gptq", "awq", "flatquant"  # the methods' names
+# --method flatquant's fit (`cvt.quant.methods.flatquant`): Adam steps per input site (a CPU-sized fit;
+# FlatQuant trains 15 epochs of 128 sequences), the transforms' rate (the clip's is 10x), the Hadamard
+# start's seed (0: the transforms --method rtn writes). `--flatquant-steps` / `-lr` / `-seed` override them.
+FLATQUANT_FIT = {"steps": 100, "lr": 1e-2, "seed": 0}
 METHOD_TABLE: Registry[Method] = Registry("method", summarized=True)
 for _m in (
     Method(RTN, "round to nearest with the scheme's own scales", data=False),
@@ -69,6 +73,11 @@ for _m in (
            kernels=(KF.W4A16, KF.W8A8_DYNAMIC, KF.NVFP4, KF.MXFP4, KF.MXFP8, KF.W4A4_MXFP4, KF.W4A8_MXFP),
            why_not="its error feedback is written for int4, int8 per-channel, fp4 and MX weights"),
     Method(AWQ, "activation-aware scales folded into the producer and a clipping search, then RTN", data=True),
+    Method(FLATQUANT, "the online Kronecker transforms and activation clip fitted per input site on calibration "
+                      "rows (output MSE, Adam from the Hadamard start), then RTN behind them", data=True,
+           kernels=(KF.W4A4_FLATQUANT,),
+           why_not="it fits the online Kronecker transforms (left_trans / right_trans / clip_ratio) that only "
+                   "w4a4_flatquant carries"),
 ):
     METHOD_TABLE.add(_m.name, _m)
 METHODS = tuple(METHOD_TABLE)                 # registration order: rtn first, the default

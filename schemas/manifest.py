@@ -102,7 +102,7 @@ class QuantTensorInfo(_Strict):
     scheme: str
     kernel_fmt: str = Field(description="the runtime kernel format, e.g. w8a8_dynamic, w4a16, nvfp4")
     layout: str | None = Field(None, description="the on-disk layout (cvt.qtensor.layouts), e.g. ascend-w4a16-int32")
-    method: str = Field(description="rtn, smoothquant, gptq, awq, or rtn-fallback")
+    method: str = Field(description="rtn, smoothquant, gptq, awq, flatquant, or rtn-fallback")
     group_size: int = Field(ge=0, description="0: per output channel")
     symmetric: bool = True
     sqnr_db: float | str = Field(description="20 log10(|w| / |w - dequant(q)|); 'Infinity' when exact")
@@ -172,7 +172,8 @@ class QuantInfo(_Strict):
     float_modules: dict[str, str] = Field(default_factory=dict, description="module -> why it stayed float")
     fallbacks: list[Fallback] = Field(default_factory=list)
     calibration: dict[str, Any] | None = Field(None, description="calibrated runs: tokens, layers, device, mean "
-                                                                  "seconds per layer, peak RSS, layers resumed")
+                                                                  "seconds per layer, peak RSS, layers resumed; --method flatquant: "
+                                                                  "its fit's settings and mean site loss")
     mixed_precision: MixedPrecision | None = Field(None, description="--kl-budget: the units kept at a higher "
                                                                       "precision and why (absent without it)")
 

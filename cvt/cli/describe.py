@@ -94,6 +94,16 @@ def methods() -> str:
             "--calib text; a recipe can give modules other methods.")
 
 
+def flatquant_fit(what: str) -> str:
+    """The help of `--flatquant-steps` / `-lr` / `-seed`, with the fit's defaults."""
+    from cvt.quant.recipe import FLATQUANT_FIT
+
+    text = {"steps": "Adam steps of each input site's fit",
+            "lr": "the transforms' learning rate (the clip's is ten times it)",
+            "seed": "the randomised Hadamard start (0: the transforms --method rtn writes); same seed, same bytes"}
+    return f"--method flatquant: {text[what]} (default {FLATQUANT_FIT[what]})."
+
+
 def architectures() -> str:
     """The supported families, as the architecture tables name them (`ArchTable.display`)."""
     from cvt.convert.arch import families

@@ -122,6 +122,12 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
                    "the manifest (docs/quantize.md, Mixed precision by a KL budget).")
 @click.option("--kl-high", default=None, metavar="SCHEME|float",
               help="The precision --kl-budget keeps units at (default w8a8).")
+@click.option("--flatquant-steps", type=click.IntRange(1, 100000), default=None, metavar="N", cls=LazyHelp,
+              text=lambda: describe.flatquant_fit("steps"))
+@click.option("--flatquant-lr", type=FiniteFloat(min=0, min_open=True, max=1), default=None, metavar="LR",
+              cls=LazyHelp, text=lambda: describe.flatquant_fit("lr"))
+@click.option("--flatquant-seed", type=click.IntRange(0, 2**31 - 1), default=None, metavar="SEED", cls=LazyHelp,
+              text=lambda: describe.flatquant_fit("seed"))
 @click.option("--revision", help="Hub revision when SRC is a repo id.")
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="Output files written in parallel (default: 2, or 1 on a 1-core machine).")
@@ -133,12 +139,13 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 @common
 @ranks("the calibration samples, the layers' linears and experts (by cost) and the output files",
        "they talk over gloo on CPU, nccl / hccl for --device cuda / npu. Without calibration the bytes are those "
-       "of one process; calibrated (gptq, awq, smoothquant, --static-attention, w8a8c8's KV ranges) they depend "
+       "of one process; calibrated (gptq, awq, smoothquant, flatquant, --static-attention, w8a8c8's KV ranges) they depend "
        "on N, not on timing: the same N writes the same bytes, one process other bytes (sums in another order, "
        "which GPTQ's rounding amplifies).", old_spelling=True)
 def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method, group_size, asym, fp4_format, calib,
                  calib_tokens, device,
-                 expert_memory, static_attention, ignore, recipe, rotate, kl_budget, kl_high, revision, workers,
+                 expert_memory, static_attention, ignore, recipe, rotate, kl_budget, kl_high, flatquant_steps,
+                 flatquant_lr, flatquant_seed, revision, workers,
                  max_shard_size, resume, overwrite, quiet):
     """Quantize SRC (BF16, an FP8 release - dequantized on the fly; a DeepSeek-V4 release's FP4
     experts copied unchanged into the MX FP4 schemes - or compressed-tensors INT4) into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
@@ -152,7 +159,8 @@ def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method
         fp4_format=fp4_format, calib=calib, calib_tokens=calib_tokens, device=device, expert_memory=expert_memory,
         static_attention=static_attention, ignore=tuple(ignore), recipe=recipe, rotate=rotate, revision=revision,
         workers=workers, max_shard_size=max_shard_size, resume=resume, overwrite=overwrite, quiet=quiet,
-        kl_budget=kl_budget, kl_high=kl_high))
+        kl_budget=kl_budget, kl_high=kl_high, flatquant_steps=flatquant_steps, flatquant_lr=flatquant_lr,
+        flatquant_seed=flatquant_seed))
     if not quiet:
         from cvt.units import plural
 

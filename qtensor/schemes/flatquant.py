@@ -27,10 +27,11 @@ x W^T`` in float. ``dequantize`` returns the weight in the original basis, ``deq
 row ``L deq(W')_r R^T``, `unfold`): what the layer computes when the activations are not
 rounded. The inverses are of the bf16 matrices the consumer multiplies by, in float64.
 
-The transforms are FlatQuant's initialisation: randomised Hadamard matrices
+`quantize` writes FlatQuant's initialisation: randomised Hadamard matrices
 (`cvt.qtensor.hadamard`, seed 0, one per size, so the shards of a fused linear -- gate / up,
 q_a / kv_a -- share them, as vLLM's one parameter per fused layer needs) and ``clip_ratio`` 1.0.
-FlatQuant's layer-wise fitting of L, R and the clip on calibration data is not implemented.
+`quantize_with` takes other transforms: ``--method flatquant`` fits L, R and the clip per input
+site on calibration data (`cvt.quant.methods.flatquant`), the same for a fused linear's shards.
 """
 
 from __future__ import annotations
@@ -167,13 +168,37 @@ class W4A4FlatQuant(SchemeBase):
 
     def quantize(self, w: torch.Tensor, name: str | None = None) -> QuantizedTensor:
         w = self.checked_weight(w, name)
-        left, right = init_transforms(w.shape[1])
+        return self._quantize(w, *init_transforms(w.shape[1]), 1.0)
+
+    def quantize_with(self, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, clip: float,
+                      name: str | None = None, weight_clip: torch.Tensor | None = None) -> QuantizedTensor:
+        """The parts of `w` behind the given transforms (bfloat16 [a, a] / [b, b], as stored) and
+        clip ratio in (0, 1]: `quantize` with Hadamard's, `--method flatquant` with fitted ones.
+        `weight_clip` [n, 1] in (0, 1]: each row's scale is ``amax * weight_clip / 7`` (FlatQuant's
+        learnable weight clip, kept in ``weight_scale``; values past it clamp to -8..7)."""
+        w = self.checked_weight(w, name)
+        a, b = decompose_dim(w.shape[1])
+        if tuple(left.shape) != (a, a) or tuple(right.shape) != (b, b) or not 0 < clip <= 1:
+            raise CvtError(f"{name or self.name}: transforms {list(left.shape)} / {list(right.shape)} and clip {clip} "
+                           f"do not fit in_features {w.shape[1]} = {a} x {b} with a clip in (0, 1]")
+        if weight_clip is not None and (weight_clip.numel() != w.shape[0] or not bool(
+                ((weight_clip > 0) & (weight_clip <= 1)).all())):
+            raise CvtError(f"{name or self.name}: weight_clip {list(weight_clip.shape)} must be {w.shape[0]} values "
+                           "in (0, 1]")
+        return self._quantize(w, left, right, clip, weight_clip)
+
+    def _quantize(self, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, clip: float,
+                  weight_clip: torch.Tensor | None = None) -> QuantizedTensor:
+        left, right = left.to(torch.bfloat16), right.to(torch.bfloat16)
         wf = fold(w, left, right)
+        P.check_finite(wf, f"{self.name} folded weight (are the transforms invertible?)")
         amax = wf.abs().amax(dim=1, keepdim=True)
+        if weight_clip is not None:
+            amax = amax * weight_clip.to(torch.float32).reshape(-1, 1)
         scale = torch.clamp(P.round_to_bf16(amax / QDIV), min=SCALE_FLOOR)
         q = torch.clamp(torch.round(P.round_to_bf16(wf / scale)), QMIN, QMAX).to(torch.int8)
         parts = {"weight_int4": q, "weight_scale": scale, "left_trans": left, "right_trans": right,
-                 "clip_ratio": torch.ones(1, dtype=torch.float32)}
+                 "clip_ratio": torch.tensor([clip], dtype=torch.float32)}
         return QuantizedTensor(self.name, KF.W4A4_FLATQUANT, tuple(w.shape), parts)
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:

@@ -9,10 +9,13 @@ smoothquant    per-channel factors folded from the RMSNorm into its consumers, t
 gptq           column-wise quantization with inverse-Hessian error feedback           H = X^T X
 awq            activation-aware scales folded into the producer, clipping search,     mean|x|,
                then RTN (W4A16 / FP4)                                                 samples
+flatquant      w4a4_flatquant's online Kronecker transforms and activation clip       samples
+               fitted per input site (Adam on the output MSE), then RTN behind them
 =============  ====================================================================  ==========
 
 `calibrate` (calib.py) drives the data-driven ones layer by layer through a runtime model;
-`gptq_quantize`, `awq_search` / `awq_clip` and `smooth_scales` are the per-linear algorithms.
+`gptq_quantize`, `awq_search` / `awq_clip`, `smooth_scales` and `flatquant.fit` are the per-linear
+(per-site) algorithms.
 """
 
 from cvt.quant.methods.awq import AwqScale, awq_clip, awq_search

@@ -19,7 +19,7 @@ layer plus the calibration activations:
    "true-sequential"):
    * forward hooks on every input site accumulate what the methods need: the token count
      and per-channel min / max (always), H = 2/N sum x x^T (gptq), mean |x| and a reservoir
-     sample of `max_samples` rows (awq); RMSNorm outputs give the statistics of the smoothing
+     sample of `max_samples` rows (awq, flatquant); RMSNorm outputs give the statistics of the smoothing
      groups (awq, smoothquant). Linears with identical inputs (q/k/v, gate/up) share one
      site; MLA's ``kv_b_proj``, which the absorbed attention never calls, reads
      ``kv_a_layernorm``'s output. Later stages' modules are stubbed out during these passes.
@@ -27,6 +27,7 @@ layer plus the calibration activations:
      `scale_columns`); the statistics already captured are rescaled to the new inputs;
    * each target linear is quantized: gptq -> `gptq.gptq_quantize(w, H)` (routed experts of
      one shape: one `gptq_batched` call for many), awq -> optional clipping search then RTN,
+     flatquant -> the site's fitted transforms (`flatquant.flatquant_site`, once per input site),
      smoothquant / rtn -> RTN (`scheme.quantize`), and its weight in the model is replaced by
      the dequantized weight, so later layers see quantized outputs.
    * MoE experts: hooks see only the tokens routed to each expert. An expert linear with fewer
@@ -63,7 +64,8 @@ from cvt.errors import CvtError
 from cvt.quant.methods import ranks
 from cvt.quant.methods.awq import awq_clip, awq_search
 from cvt.quant.methods.data import calib_tokens  # noqa: F401  (re-exported)
-from cvt.quant.recipe import AWQ, DATA_METHODS, GPTQ, METHODS, RTN, SMOOTHQUANT  # noqa: F401  (METHODS re-exported)
+from cvt.quant.recipe import AWQ, DATA_METHODS, FLATQUANT, GPTQ, METHODS, RTN, SMOOTHQUANT  # noqa: F401  (METHODS re-exported)
+from cvt.quant.methods import flatquant as FQ
 from cvt.quant.methods.gptq import gptq_quantize
 from cvt.quant.methods.gptq_batched import solve_together
 from cvt.quant.methods.phases import Phases
@@ -177,37 +179,37 @@ def calibrate(model: nn.Module, tokens: torch.Tensor, scheme_for: Callable[[str]
               static_groups: bool | None = None, true_sequential: bool = True, alpha: float = 0.5,
               n_grid: int = 20, duo_scaling: bool = True, awq_clip_search: bool = True, max_samples: int = 512,
               max_hessian_bytes: int = 4 << 30, hessian_dtype: torch.dtype = torch.float32,
+              flatquant_steps: int = FQ.STEPS, flatquant_lr: float = FQ.LR, flatquant_seed: int = FQ.SEED,
               quantize_rest: bool = True, keep_tensors: bool = True,
               on_layer_start: Callable[[int, nn.Module], None] | None = None,
               on_layer_end: Callable[[int, nn.Module, CalibResult], None] | None = None) -> CalibResult:
     """Quantize every linear `scheme_for(name)` selects, layer by layer (see the module doc).
 
-    model: a runtime model (weights in float32 recommended), modified in place: folded scales
-        and quantized (dequantized) weights. tokens: [b, s] int64 calibration batch.
-    scheme_for(linear module name) -> Scheme, or None to keep the linear float.
+    model: a runtime model (weights in float32 recommended), modified in place: folded scales and quantized
+        (dequantized) weights. tokens: [b, s] int64 calibration batch. scheme_for(linear module name) ->
+        Scheme, or None to keep the linear float.
     method: one of METHODS, or a function of the linear name giving one (recipes).
     min_tokens: linears (MoE experts) that saw fewer rows fall back to RTN.
-    gptq: damp, act_order, scale_search, block_size, static_groups (see `gptq.gptq_quantize`; the
-        defaults act_order + static groups + the "hdiag" clip search measured best on the trained
-        fixture, README), hessian_dtype,
-        max_hessian_bytes (budget for the Hessians of routed experts collected in one pass).
-    smoothquant: alpha. awq: n_grid, awq_clip_search, max_samples (rows kept per input site).
+    gptq: damp, act_order, scale_search, block_size, static_groups (see `gptq.gptq_quantize`; the defaults
+        act_order + static groups + the "hdiag" clip search measured best on the trained fixture, README),
+        hessian_dtype, max_hessian_bytes (budget for the Hessians of routed experts collected in one pass).
+    smoothquant: alpha. awq: n_grid, awq_clip_search, max_samples (rows kept per input site). flatquant:
+        flatquant_steps, flatquant_lr, flatquant_seed (`cvt.quant.methods.flatquant.fit`), max_samples.
     quantize_rest: RTN for selected linears outside the decoder layers (reported as fallbacks).
-    on_layer_start / on_layer_end: see the module doc; `on_layer_end` gets a CalibResult holding
-        only that layer's tensors. keep_tensors=False: the returned result keeps no tensors
-        (quantized / float_weights stay empty; methods, fallbacks, stats, smoothing are kept), for
-        callers that write each layer from `on_layer_end` and must not hold the whole model.
+    on_layer_start / on_layer_end: see the module doc; `on_layer_end` gets a CalibResult holding only that layer's
+        tensors. keep_tensors=False: the returned result keeps no tensors (quantized / float_weights stay empty;
+        methods, fallbacks, stats, smoothing are kept), for callers that write each layer from `on_layer_end`.
     """
     method_for = method if callable(method) else (lambda _n, m=method: m)
     if not callable(method) and method not in METHODS:
         raise CvtError(f"unknown calibration method {method!r} (known: {', '.join(METHODS)})")
     if tokens.dim() != 2 or tokens.numel() == 0:
         raise CvtError(f"calibration tokens must be a non-empty [batch, seq] tensor, got {list(tokens.shape)}")
-    opts = dict(min_tokens=min_tokens, batch_size=batch_size, damp=damp, act_order=act_order,
-                scale_search=scale_search, block_size=block_size, static_groups=static_groups,
-                true_sequential=true_sequential, alpha=alpha, n_grid=n_grid, duo_scaling=duo_scaling,
-                awq_clip_search=awq_clip_search, max_samples=max_samples, max_hessian_bytes=max_hessian_bytes,
-                hessian_dtype=hessian_dtype)
+    opts = dict(min_tokens=min_tokens, batch_size=batch_size, damp=damp, act_order=act_order, scale_search=scale_search,
+                block_size=block_size, static_groups=static_groups, true_sequential=true_sequential, alpha=alpha,
+                n_grid=n_grid, duo_scaling=duo_scaling, awq_clip_search=awq_clip_search, max_samples=max_samples,
+                max_hessian_bytes=max_hessian_bytes, hessian_dtype=hessian_dtype, flatquant_steps=flatquant_steps,
+                flatquant_lr=flatquant_lr, flatquant_seed=flatquant_seed)
     result = CalibResult()
     for name, mod in model.named_modules():   # refuse impossible shapes / methods before any work
         if isinstance(mod, Linear):
@@ -310,6 +312,7 @@ class _LayerCalib:
         self.changed: set[str] = set()      # float params changed by folds
         self.site_owner: dict[tuple, int] = {}  # GPTQ site -> the rank holding its Hessian (`ranks`)
         self.solved: dict = {}                  # linear -> GPTQResult of a batched call (`_solve_experts`)
+        self.flat_fits: dict = {}               # input site -> its FlatQuant transforms (`flatquant_site`)
 
     def _refresh(self) -> None:
         """Module maps (again after an expert chunk is loaded: a quantized source's linears are
@@ -380,7 +383,7 @@ class _LayerCalib:
         for t in targets:
             key = self.site_of[t]
             need_h[key] = need_h.get(key, False) or self.method[t] == GPTQ
-            need_s[key] = need_s.get(key, False) or self.method[t] == AWQ
+            need_s[key] = need_s.get(key, False) or self.method[t] in (AWQ, FLATQUANT)
         for g in groups:
             if self._group_method(g) == AWQ:
                 for c in g.consumers:
@@ -567,7 +570,7 @@ class _LayerCalib:
         if site is not None and site.n:
             stats["act_min"], stats["act_max"] = site.act_range()
         self.res.stats[name] = stats
-        if meth in (GPTQ, AWQ) and n < o["min_tokens"]:
+        if meth in (GPTQ, AWQ, FLATQUANT) and n < o["min_tokens"]:
             self.res.fallbacks.append(Fallback(name, n, f"{n} calibration tokens < min_tokens {o['min_tokens']}"))
             _quantize_rtn(mod, name, scheme, self.res)
             return
@@ -584,6 +587,8 @@ class _LayerCalib:
             if self.h_users[key] == 0:
                 site.hess, site.factor = None, {}  # every linear of this site is done: free the Hessian
             return
+        if meth == FLATQUANT:
+            return FQ.flatquant_site(self, name, site, stats)
         w = None
         if meth == AWQ and o["awq_clip_search"] and name.rsplit(".", 1)[-1] not in self.no_clip:
             w = awq_clip(site.samples(), mod.weight, scheme, n_grid=o["n_grid"])

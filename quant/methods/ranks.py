@@ -9,7 +9,8 @@ Hessian ``H = 2/N sum x x^T`` is summed on its owner rank alone (``sum_r n_r H_r
 rank chosen by cost (`site_owners`: ``k^2 x rows + k^3`` per input site plus a per-column cost,
 bin-packed) that then
 runs GPTQ for every linear reading that site. `exchange` quantizes each rank's share of a
-stage's linears (the other linears by cost, ``rows x k``) and shares the results -- quantized
+stage's linears (the other linears by cost, ``rows x k``; a FlatQuant site's linears on one rank,
+which fits their transforms once: the AWQ samples' rows, so they fit the same) and shares the results -- quantized
 parts, statistics, method, fallback -- so every rank sets the same dequantized weights before
 it computes the next inputs. A smoothing fold is searched on one rank and broadcast
 (`decided`): its float search must not differ between two machines' SIMD kernels.
@@ -24,7 +25,7 @@ from typing import Callable
 import torch
 
 from cvt.world import World
-from cvt.quant.recipe import GPTQ
+from cvt.quant.recipe import FLATQUANT, GPTQ
 
 
 # GPTQ visits the columns one by one: a fixed cost per column (measured ~50 us on a CPU core,
@@ -105,6 +106,10 @@ def exchange(lc, names: list[str], sites: dict, quantize: Callable[[str], None],
     free = [t for t in names if t not in fixed]
     costs = [lc.linears[t].weight.shape[0] * lc.linears[t].weight.shape[1] for t in free]
     owner = {**fixed, **dict(zip(free, w.owners(costs)))}
+    first: dict = {}  # a FlatQuant site's linears on one rank: it fits their one set of transforms
+    for t in names:
+        if lc.method[t] == FLATQUANT:
+            owner[t] = owner[first.setdefault(lc.site_of[t], t)]
     res = lc.res
     n_fb = len(res.fallbacks)
     mine = [t for t in names if owner[t] == w.rank]

@@ -53,7 +53,8 @@ from torch import nn
 from cvt.world import SINGLE, World
 from cvt.errors import CvtError
 from cvt.quant.methods import ranks
-from cvt.quant.recipe import AWQ, GPTQ, RTN, SMOOTHQUANT
+from cvt.quant.methods import flatquant as FQ
+from cvt.quant.recipe import AWQ, FLATQUANT, GPTQ, RTN, SMOOTHQUANT
 from cvt.quant.methods.layer_store import LayerStore, _unreadable, check_resumed
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict, source:
     """The calibration's identity: a resumed run continues only the same one. `source`: SRC's
     content identity (`Checkpoint.content_identity` when not given); `frozen`: modules kept as
     the source has them (a fold may not change them: it changes what is calibrated)."""
+    # the FlatQuant fit's options only where a module is fitted: every other run's identity is unchanged
+    fits = FLATQUANT in plan.methods.values()
     ident = {
         "source": source if source is not None else ckpt.content_identity,
         "modules": sorted((m, s.name, s.group_size, s.symmetric, getattr(s, "fp4_format", None),
@@ -113,7 +116,8 @@ def stream_plan_id(ckpt, plan, tokens: torch.Tensor, device, opts: dict, source:
         # max_expert_bytes changes how much is read at once, not a byte of the result: a run killed
         # for memory may resume with a smaller --expert-memory
         # the device kind, not its index: rank r of a torchrun world computes on cuda:r
-        "device": torch.device(device).type, "opts": {k: str(v) for k, v in sorted(opts.items()) if k != "max_expert_bytes"},
+        "device": torch.device(device).type, "opts": {k: str(v) for k, v in sorted(opts.items()) if k != "max_expert_bytes"
+                                                      and (fits or not k.startswith("flatquant_"))},
     }
     if frozen:  # (absent otherwise: the identity of every run without carried experts is unchanged)
         ident["frozen"] = sorted(frozen)
@@ -260,7 +264,7 @@ def _options(opts: dict) -> dict:
              static_groups=None,
              true_sequential=True, alpha=0.5, n_grid=20, duo_scaling=True, awq_clip_search=True, max_samples=512,
              max_hessian_bytes=4 << 30, hessian_dtype=torch.float32, collect_stats=False,
-             max_expert_bytes=MAX_EXPERT_BYTES)
+             max_expert_bytes=MAX_EXPERT_BYTES, flatquant_steps=FQ.STEPS, flatquant_lr=FQ.LR, flatquant_seed=FQ.SEED)
     unknown = set(opts) - set(o)
     if unknown:
         raise CvtError(f"unknown calibration option(s) {sorted(unknown)}")

@@ -16,7 +16,7 @@ when its module is quantized (one pass over the weights, not two), and so is a f
 written with one (a float-kept FP8 weight's NaN codes, counted by the kernel as it dequantizes; a
 copied norm's NaN: `cvt.convert.finite`); like any failure, it leaves no index, config or manifest behind. Which
 linears are quantized, and how, is `cvt.quant.recipe.Policy`. Calibrated methods (gptq, awq,
-smoothquant) first run the runtime model layer by layer on calibration text
+smoothquant, flatquant) first run the runtime model layer by layer on calibration text
 (`cvt.quant.methods`); their results replace RTN for the modules they cover, and every
 fallback to RTN is recorded in the manifest. What the architecture table adds to an Ascend output
 (`ArchTable.ascend_copies`: DeepSeek-V4's MTP draft copies of embed / head, which vllm-ascend's

@@ -13,7 +13,7 @@ from cvt.lazy import torch
 
 from cvt.convert.reader import Checkpoint
 from cvt.errors import FormatError
-from cvt.quant.recipe import RTN
+from cvt.quant.recipe import FLATQUANT, RTN
 from cvt.qtensor.schemes.base import QuantizedTensor
 from cvt.schemas.manifest import Fallback
 from cvt.quant.stage.assignment import Plan
@@ -67,12 +67,13 @@ def calib_data(ckpt: Checkpoint, calib, calib_tokens: int | None) -> torch.Tenso
 def calibrate(ckpt: Checkpoint, plan: Plan, tokens: torch.Tensor, static_attention: bool,
               kv_codec: str, state_dir: Path, device, quiet: bool, expert_memory: int | None = None,
               kv_static: bool = True, ascend_names: bool = False, source: Source | None = None,
-              world: World = SINGLE, mixed: dict | None = None) -> Calibrated:
+              world: World = SINGLE, mixed: dict | None = None, fit: dict | None = None) -> Calibrated:
     """Calibration `tokens` (`calib_data`) through the model, one decoder layer from disk at a time
     (`cvt.quant.methods.stream`): the calibrated methods, static activation scales of the
     attention projections (--static-attention: amax / 127 of what they see, after smoothing and
     with the earlier layers quantized) and KV-cache scales (w8a8c8). Resumable per layer. `world`:
-    the ranks that share the calibration sequences. `mixed`: --kl-budget's record, passed on."""
+    the ranks that share the calibration sequences. `mixed`: --kl-budget's record, passed on. `fit`:
+    --method flatquant's options (`cvt.quant.methods.flatquant`), recorded in the summary."""
     import hashlib
 
     from cvt.quant.methods.stream import calibrate_streaming, kv_scales, text_prefix
@@ -81,7 +82,7 @@ def calibrate(ckpt: Checkpoint, plan: Plan, tokens: torch.Tensor, static_attenti
     c8 = kv_static and int8_kv(plan)
     plan, frozen = fp4_source.calibration_plan(plan, source) if source is not None else (plan, frozenset())
     res = calibrate_streaming(ckpt, plan, tokens, state_dir, device=device, observe_kv=c8, quiet=quiet,
-                              collect_stats=static_attention, frozen=frozen, world=world,
+                              collect_stats=static_attention, frozen=frozen, world=world, **(fit or {}),
                               **({} if expert_memory is None else {"max_expert_bytes": expert_memory}))
     store = res.store
     out = Calibrated(mixed=mixed, tokens=int(tokens.numel()), tokens_sha256=hashlib.sha256(tokens.numpy().tobytes()).hexdigest())
@@ -105,6 +106,21 @@ def calibrate(ckpt: Checkpoint, plan: Plan, tokens: torch.Tensor, static_attenti
                    # per layer: its forward passes, solve and reads (`cvt.quant.methods.phases`)
                    "phase_seconds": res.phase_table(),
                    "peak_rss_bytes": max(res.peak_rss_per_rank or [res.peak_rss]), "resumed_layers": res.resumed_layers}
+    if FLATQUANT in plan.methods.values():
+        out.summary[FLATQUANT] = flatquant_summary(res.stats, fit or {})
     if len(res.peak_rss_per_rank) > 1:  # a torchrun world: its size and each rank's peak
         out.summary.update(ranks=len(res.peak_rss_per_rank), peak_rss_per_rank=res.peak_rss_per_rank)
     return out
+
+
+def flatquant_summary(stats: dict[str, dict], fit: dict) -> dict:
+    """The manifest's record of --method flatquant: the fit's settings (its defaults where not
+    given) and, over the fitted linears, the mean output MSE at the Hadamard start and after."""
+    from cvt.quant.methods import flatquant as FQ
+
+    fitted = [st for st in stats.values() if "flatquant_loss" in st]
+    n = max(1, len(fitted))
+    return {"steps": fit.get("flatquant_steps", FQ.STEPS), "lr": fit.get("flatquant_lr", FQ.LR),
+            "seed": fit.get("flatquant_seed", FQ.SEED), "linears": len(fitted),
+            "loss_start": sum(st["flatquant_loss_init"] for st in fitted) / n,
+            "loss": sum(st["flatquant_loss"] for st in fitted) / n}

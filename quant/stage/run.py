@@ -21,7 +21,7 @@ from cvt.errors import FormatError, OptionError
 from cvt.qtensor.formats import DEFAULT_FORMAT, get_format
 from cvt.qtensor.layouts import check_target, kernel_fmt_of
 from cvt.qtensor.stack_versions import check_line, line_problem
-from cvt.quant.recipe import RTN, Policy, Recipe
+from cvt.quant.recipe import FLATQUANT, RTN, Policy, Recipe
 from cvt.qtensor.schemes import scheme_from_options
 from cvt.units import article
 from cvt.world import SINGLE, World
@@ -44,7 +44,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
              quiet: bool = False, target: str | None = None, device: str = "cpu",
              expert_memory: int | None = None, target_version: str | None = None,
              kv_dtype: str | None = None, rotate: str | None = None, world: World = SINGLE,
-             kl_budget: float | None = None, kl_high: str | None = None) -> WriteResult:
+             kl_budget: float | None = None, kl_high: str | None = None, fit: dict | None = None) -> WriteResult:
     """Quantize SRC into DST (see the package docstring) for the serving `target` (ascend:
     vllm-ascend, the default, or mindie; `cvt.qtensor.layouts`). Returns the writer's result,
     with counts in `.extra`. `expert_memory`: bytes of a MoE layer's routed experts calibration
@@ -55,7 +55,9 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
     `cvt.corpus.CALIB_TOKENS`, fewer with a warning when the text is shorter). `world`: the ranks
     that share the work (`cvt.world`: a started torchrun world; one process by default). `rotate`:
     ``hadamard[:SEED]``, a residual-stream rotation folded into the weights first (`cvt.quant.rotate`).
-    `kl_budget`, `kl_high` (or the recipe's): mixed precision by a KL budget (`cvt.quant.stage.kl_budget`)."""
+    `kl_budget`, `kl_high` (or the recipe's): mixed precision by a KL budget (`cvt.quant.stage.kl_budget`).
+    `fit`: ``flatquant_steps`` / ``flatquant_lr`` / ``flatquant_seed`` of ``--method flatquant``'s fit
+    (`cvt.quant.methods.flatquant`), refused when no module is fitted."""
     fmt, method = fmt or DEFAULT_FORMAT, method or RTN
     high, kl_budget = KB.resolve_budget(kl_budget, kl_high, recipe, scheme, world.size)
     form, target, line, sch = _check_request(scheme, fmt, target, target_version, group_size, fp4_format, recipe,
@@ -91,6 +93,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         plan, mixed, tokens = _kl_budget(ckpt, policy, plan, high, kl_budget, calib, calib_tokens, device, plan_args)
         needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
         _check_calib(calib, needs_model or tokens is not None)
+        _check_fit(fit or {}, plan)
         if not needs_model:
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(mixed=mixed), req, world))
         from cvt.runtime.models import family
@@ -106,7 +109,7 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
             # the KV cache in the form the format's stacks load (`Format.kv_codec`)
             cal = calibrate(ckpt, plan, tokens, static_attention, kv_codec, state, device, quiet,
                             expert_memory, kv_static, ascend_names=form.kv_codec != kv_codec, source=source,
-                            world=world, mixed=mixed)
+                            world=world, mixed=mixed, fit=fit)
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, cal, req, world))
     finally:
         ckpt.close()
@@ -280,6 +283,14 @@ def _check_calib(calib: Path | None, needs_model: bool) -> None:
     if calib is not None and not needs_model:
         raise OptionError(f"--calib {calib}: nothing in this run calibrates (RTN needs no data); give --method "
                           "gptq / awq / smoothquant, --static-attention or an int8 KV cache, or drop --calib")
+
+
+def _check_fit(fit: dict, plan: Plan) -> None:
+    """--flatquant-* refused when no module is fitted (they would change nothing), before DST."""
+    if fit and FLATQUANT not in plan.methods.values():
+        opts = " / ".join("--" + k.replace("_", "-") for k in fit)
+        raise OptionError(f"{opts}: no module is quantized with --method flatquant in this run (they set its fit); "
+                          "give --method flatquant (--scheme w4a4_flatquant) or drop them")
 
 
 def _note(note: str | None, result: WriteResult) -> WriteResult:

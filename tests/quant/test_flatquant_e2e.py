@@ -60,3 +60,19 @@ def test_online_hadamard_beats_plain_int4_w4a4(trained_fixture, tmp_path, monkey
     assert_readme_row("w4a4_flatquant with injected activation outliers, identity transforms", kl["identity"],
                       ppl_abs=0.02)
     assert_readme_row("w4a4_mxfp4 with injected activation outliers, experts float", kl["mx"])
+
+
+def test_fitted_transforms_beat_the_hadamard_start(trained_fixture, tmp_path):
+    """`--method flatquant` (the transforms and clip fitted per input site, default steps and lr) on
+    the quantize page's 2048 calibration tokens: mean KL below the Hadamard-initialised output's,
+    and the page's row is this run's."""
+    kl = {}
+    for method in ("rtn", "flatquant"):
+        dst = tmp_path / f"fq-{method}"
+        quantize(trained_fixture, dst, scheme="w4a4_flatquant", fmt="ascend", quiet=True, method=method,
+                 calib_tokens=2048 if method != "rtn" else None)
+        kl[method] = kl_and_ppl(dst, trained_fixture, tmp_path)
+    assert kl["flatquant"][0] <= 0.85 * kl["rtn"][0], kl
+    assert_readme_row("w4a4_flatquant, Hadamard transforms", kl["rtn"])
+    assert_readme_row("w4a4_flatquant, fitted transforms (--method flatquant, --calib-tokens 2048)", kl["flatquant"],
+                      rel=0.15, ppl_abs=0.02)  # an Adam fit on calibration sums: the CPU's summation order shows

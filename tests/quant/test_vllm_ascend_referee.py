@@ -34,6 +34,7 @@ pytestmark = pytest.mark.skipif(not _ENV or not Path(_ENV).exists(),
                                 reason="set CVT_VLLM_ASCEND_SRC to a local vllm-ascend source tree (the directory "
                                        "holding vllm_ascend/) to run vllm-ascend's own quantization package")
 
+FITTED = {"scheme": "w4a4_flatquant", "method": "flatquant"}  # --method flatquant (issue 39 item 2)
 CASES = [
     pytest.param("ds", {"scheme": "w8a8"}, id="deepseek-w8a8"),
     pytest.param("ds", {"scheme": "w8a8", "static_attention": True}, id="deepseek-w8a8-static-attention"),
@@ -71,6 +72,9 @@ CASES = [
     # online rotation (issue 39 item 2): W4A4_FLATQUANT_DYNAMIC linears (routed experts float or W4A8_DYNAMIC)
     pytest.param("qmoe", {"scheme": "w4a4_flatquant"}, id="qwen3-moe-w4a4-flatquant"),
     pytest.param("ds", {"scheme": "w4a4_flatquant"}, id="deepseek-w4a4-flatquant"),
+    # ... with the transforms and clip fitted on calibration rows (--method flatquant)
+    pytest.param("qmoe", FITTED, id="qwen3-moe-w4a4-flatquant-fitted"),
+    pytest.param("ds", FITTED, id="deepseek-w4a4-flatquant-fitted"),
 ]
 
 # sources written on first use (the compressed-tensors package writes them: skipped without it)
@@ -480,10 +484,11 @@ def test_the_v4_routing_copies_vllm_ascends_renames(va_src):
 
 # ---- W4A4_FLATQUANT_DYNAMIC (issue 39 item 2) ---------------------------------------------------------
 
-def test_flatquant_output_gets_vllm_ascends_flatquant_method(sources, va_src):
+@pytest.mark.parametrize("opts", [{"scheme": "w4a4_flatquant"}, FITTED], ids=["hadamard", "fitted"])
+def test_flatquant_output_gets_vllm_ascends_flatquant_method(sources, va_src, opts):
     """vllm-ascend's dispatch picks AscendW4A4FlatQuantDynamicLinearMethod for every linear cvt wrote
     (the fused qkv / gate_up shards share one left_trans), and its FusedMoE stays unquantized."""
-    r = inspect_output(build(sources, "qmoe", {"scheme": "w4a4_flatquant"}), va_src)
+    r = inspect_output(build(sources, "qmoe", opts), va_src)
     assert r.problems == []
     for m in ("self_attn.qkv_proj", "self_attn.o_proj"):
         assert r.schemes[f"model.layers.1.{m}"] == "AscendW4A4FlatQuantDynamicLinearMethod"
@@ -504,15 +509,21 @@ def _disk(dst: Path, module: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_flatquant_runtime_is_vllm_ascends_apply(sources, va_src):
+@pytest.mark.parametrize("opts", [{"scheme": "w4a4_flatquant"}, FITTED], ids=["hadamard", "fitted"])
+def test_flatquant_runtime_is_vllm_ascends_apply(sources, va_src, opts):
     """vllm-ascend's own process_weights_after_loading + apply (its NPU ops as documented, in torch:
     vllm_ascend_referee_flatquant) on cvt's tensors give cvt's runtime kernel's output bit for bit,
-    with a clip below 1 too; a left_trans written the other way round would not."""
+    with a clip below 1 too; a left_trans written the other way round would not. Fitted: the
+    transforms are not Hadamard's (nor orthogonal) and the clip is below 1 as written."""
     from cvt.qtensor import layouts as L
+    from cvt.qtensor.schemes.flatquant import init_transforms
     from cvt.runtime import kernels
 
-    dst = build(sources, "qmoe", {"scheme": "w4a4_flatquant"})
+    dst = build(sources, "qmoe", opts)
     disk = _disk(dst, "model.layers.1.self_attn.o_proj")
+    if opts is FITTED:
+        assert not torch.equal(disk["left_trans"], init_transforms(disk["weight"].shape[1])[0])
+        assert 0 < float(disk["clip_ratio"]) < 1
     lo = L.LAYOUTS.get("ascend-w4a4-flatquant")
     x = torch.randn(2, 3, disk["weight"].shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     outs = {}
