@@ -367,7 +367,7 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, scheme: Scheme, *, damp: flo
     perm = None
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True)
-        W, H = W[:, perm], H[perm][:, perm]
+        W, H = W[:, perm], H.index_select(0, perm).index_select(1, perm)
     if factor is not None and factor.get("key") == (act_order, damp):
         U, used_damp = factor["U"], factor["damp"]
     else:
