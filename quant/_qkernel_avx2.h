@@ -479,61 +479,77 @@ AVX static double sumsq_avx2(const float *w, int64_t len) {
 
 
 /* ---- msModelSlim's MX elements (mx_scalar_sq), 8 lanes ---------------------------------------------
- * The same float32 operations: v = w * (1 / mult) (exact, mult a power of two), the element
- * exponent from v's bits, scalings by powers of two as multiplications (exact: no result is
- * subnormal or overflows), floor(|a| + 0.5) with the one rounding of the addition, the sign the
- * scalar's sign(x) * ... leaves (negative exactly when x < 0, so -0.0 for a negative x that rounds
- * to zero and +0.0 for x = -0.0). Returns w - val * mult for the SQNR sums. */
-AVX static inline __m256i mx_exp8(__m256 x, int lo, int hi) {
-    __m256i e = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 23), _mm256_set1_epi32(0xff)),
-                                 _mm256_set1_epi32(127));
-    return _mm256_min_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(lo)), _mm256_set1_epi32(hi));
-}
-
-AVX static inline __m256 pow2_8(__m256i e) { /* 2**e for -126 <= e <= 127 */
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
-}
-
-AVX static inline __m256 mx8(const float *w, uint8_t *c, __m256 vm, __m256 vr, int fp8) {
+ * The same values as the scalar's float32 operations, by fewer vector ones: v = w * (1 / mult) (exact,
+ * mult a power of two), the element exponent from v's bits, every scaling by a power of two one exact
+ * multiplication (no result is subnormal or overflows), floor(|a| + 0.5) as the truncating
+ * conversion of that one rounded sum (non-negative). The code is made from the clamped exponent and
+ * that integer instead of from the value: E4M3 ((pe + 6) << 3) + r (subnormal at pe = -6, r < 8;
+ * r = 16 carries into the exponent) saturated at 448 = 0x7e; E2M1 min(m + 2 pe, 7) (pe 0: m 0..4
+ * = 0, 0.5 .. 2; pe 1: m 2..4 = 2, 3, 4; pe 2: m >= 2 = 4, 6, then 6). The sign: negative exactly
+ * where v < 0 (a negative v that rounds to zero keeps it, v = -0.0 does not), as the scalar's
+ * sign(x) * ... leaves it. The SQNR difference as |w| - |w_hat| (w_hat = val * mult has w's sign
+ * or is zero, and rounding is symmetric: the same square as w - w_hat). The codes of a block of 32
+ * are packed and stored at once. */
+AVX static inline __m256 mx8_el(__m256 x, __m256 vm, __m256 vr, __m256i *code) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 signb = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u)), half = _mm256_set1_ps(0.5f);
-    __m256 x = _mm256_loadu_ps(w), v = _mm256_mul_ps(x, vr), val;
-    if (fp8) {
-        __m256i e = mx_exp8(v, -6, 127);
-        __m256 p2 = pow2_8(e), rp2 = pow2_8(_mm256_sub_epi32(_mm256_setzero_si256(), e));
-        __m256 a = _mm256_mul_ps(_mm256_mul_ps(v, rp2), _mm256_set1_ps(8.0f));
-        __m256 r = _mm256_floor_ps(_mm256_add_ps(_mm256_and_ps(a, absm), half));
-        __m256 mag = _mm256_mul_ps(_mm256_mul_ps(r, _mm256_set1_ps(0.125f)), p2);
-        __m256 neg = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
-        val = clamp8(_mm256_or_ps(mag, _mm256_and_ps(neg, signb)), _mm256_set1_ps(-448.0f), _mm256_set1_ps(448.0f));
-        /* val is r / 8 * 2**e exactly, so its E4M3 code is ((e + 6) << 3) + r (subnormal at e = -6,
-         * r < 8; r = 16 carries into the exponent), saturated at 448 = 0x7e, the sign on bit 7 */
-        __m256i mc = _mm256_min_epi32(_mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(6)), 3),
-                                                       _mm256_cvttps_epi32(r)), _mm256_set1_epi32(0x7e));
-        store8_u8(c, _mm256_or_si256(mc, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80))));
-    } else {
-        __m256 b = _mm256_and_ps(v, absm);
-        __m256i e = mx_exp8(_mm256_add_ps(b, _mm256_set1_ps(9.6e-7f)), 0, 2);
-        __m256 p2 = pow2_8(e), rp2 = pow2_8(_mm256_sub_epi32(_mm256_setzero_si256(), e));
-        __m256 m = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(b, rp2), _mm256_set1_ps(2.0f)), half));
-        __m256 mag = _mm256_min_ps(_mm256_mul_ps(_mm256_mul_ps(m, half), p2), _mm256_set1_ps(6.0f));
-        __m256 neg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ);
-        val = _mm256_or_ps(mag, _mm256_and_ps(neg, signb));
-        __m256i code = _mm256_or_si256(e2m1_idx8(mag), _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(8)));
-        store8_u8(c, code);
-    }
-    return _mm256_sub_ps(x, _mm256_mul_ps(val, vm));
+    __m256 v = _mm256_mul_ps(x, vr), b = _mm256_and_ps(v, absm);
+    /* biased max(e(|v|), -6); |v| < 2**9 here (finite weights: the block max sets mult) */
+    __m256i eb = _mm256_max_epi32(_mm256_srli_epi32(_mm256_castps_si256(b), 23), _mm256_set1_epi32(121));
+    __m256 s8 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(257), eb), 23)); /* 2**(3-pe) */
+    __m256i r = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s8), _mm256_set1_ps(0.5f)));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(eb, _mm256_set1_epi32(3)), 23)); /* 2**(pe-3) */
+    __m256 mag = _mm256_min_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r), p2), _mm256_set1_ps(448.0f));
+    __m256i mc = _mm256_min_epi32(_mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(eb, 3), r), _mm256_set1_epi32(121 * 8)),
+                                  _mm256_set1_epi32(0x7e));
+    __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+    *code = _mm256_or_si256(mc, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
+    return _mm256_sub_ps(_mm256_and_ps(x, absm), _mm256_mul_ps(mag, vm));
 }
 
-/* a whole row of k = ng * 32 elements: block t's multiplier mult[t] */
-AVX static double mx_row_avx2(const float *w, uint8_t *c, int64_t k, const float *mult, int fp8, double *sig) {
-    sums8_t acc = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_pd(), _mm256_setzero_pd()};
-    for (int64_t t = 0, j = 0; j < k; t++) {
-        const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(1.0f / mult[t]);
-        for (int64_t end = j + 32; j < end; j += 8)
-            sums8_add(&acc, _mm256_loadu_ps(w + j), mx8(w + j, c + j, vm, vr, fp8), j + 8);
-    }
-    return sums8_end(&acc, sig);
+AVX static inline __m256 mx4_el(__m256 x, __m256 vm, __m256 vr, __m256i *code) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v = _mm256_mul_ps(x, vr), b = _mm256_and_ps(v, absm);
+    __m256i eb = _mm256_srli_epi32(_mm256_castps_si256(_mm256_add_ps(b, _mm256_set1_ps(9.6e-7f))), 23);
+    eb = _mm256_min_epi32(_mm256_max_epi32(eb, _mm256_set1_epi32(127)), _mm256_set1_epi32(129)); /* biased pe 0..2 */
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(255), eb), 23)); /* 2**(1-pe) */
+    __m256i m = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s2), _mm256_set1_ps(0.5f)));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(eb, _mm256_set1_epi32(1)), 23)); /* 2**(pe-1) */
+    __m256 mag = _mm256_min_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(m), p2), _mm256_set1_ps(6.0f));
+    __m256i idx = _mm256_min_epi32(_mm256_add_epi32(m, _mm256_sub_epi32(_mm256_slli_epi32(eb, 1), _mm256_set1_epi32(254))),
+                                   _mm256_set1_epi32(7));
+    __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+    *code = _mm256_or_si256(idx, _mm256_and_si256(neg, _mm256_set1_epi32(8)));
+    return _mm256_sub_ps(_mm256_and_ps(x, absm), _mm256_mul_ps(mag, vm));
 }
+
+/* 4 x 8 lanes of 0..255 -> 32 bytes in order */
+AVX static inline void store32_u8(uint8_t *p, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+    __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+    _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* a whole row of k = ng * 32 elements: block t's multiplier mult[t], its reciprocal rcp[t] (exact);
+ * the sums as sums8_add adds them, vector after vector (a span ends only after a block's last) */
+#define MX_ROW_AVX2(name, el)                                                                                      \
+    AVX static double name(const float *w, uint8_t *c, int64_t k, const float *mult, const float *rcp, double *sig) { \
+        sums8_t acc = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_pd(), _mm256_setzero_pd()};      \
+        for (int64_t t = 0, j = 0; j < k; t++, j += 32) {                                                          \
+            const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(rcp[t]);                                \
+            __m256 x0 = _mm256_loadu_ps(w + j), x1 = _mm256_loadu_ps(w + j + 8);                                   \
+            __m256 x2 = _mm256_loadu_ps(w + j + 16), x3 = _mm256_loadu_ps(w + j + 24);                             \
+            __m256i c0, c1, c2, c3;                                                                                \
+            __m256 d0 = el(x0, vm, vr, &c0), d1 = el(x1, vm, vr, &c1), d2 = el(x2, vm, vr, &c2),                   \
+                   d3 = el(x3, vm, vr, &c3);                                                                       \
+            store32_u8(c + j, c0, c1, c2, c3);                                                                     \
+            sums8_add(&acc, x0, d0, 1);                                                                            \
+            sums8_add(&acc, x1, d1, 1);                                                                            \
+            sums8_add(&acc, x2, d2, 1);                                                                            \
+            sums8_add(&acc, x3, d3, j + 32);                                                                       \
+        }                                                                                                          \
+        return sums8_end(&acc, sig);                                                                               \
+    }
+MX_ROW_AVX2(mx8_row_avx2, mx8_el)
+MX_ROW_AVX2(mx4_row_avx2, mx4_el)
+#undef MX_ROW_AVX2
 
 #endif
