@@ -390,6 +390,7 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
 #ifdef CVT_X86
     if (simd == 2 && !mx) t0 = params_avx512(a, i, ga, gb, sc, off);
     else if (simd && !mx) t0 = params_avx2(a, i, ga, gb, sc, off);
+    else if (simd) t0 = params_mx_avx2(a, i, ga, gb, sc);
 #elif defined(__aarch64__)
     if (simd && !mx) t0 = params_neon(a, i, ga, gb, sc, off);
 #endif

@@ -522,6 +522,36 @@ AVX static inline __m256 mx4_el(__m256 x, __m256 vm, __m256 vr, __m256i *code) {
     return _mm256_sub_ps(_mm256_and_ps(x, absm), _mm256_mul_ps(mag, vm));
 }
 
+/* params_scalar's MX groups, 8 at a time: the shared exponent looked up by each block max's bf16
+ * bits (bf16_rne, NaN too), its E8M0 code (255 where E8M0 cannot hold it), 2**se into sc and
+ * 2**-se into gb as bits (se = -127 or 127: the subnormal 2**-127; NaN for 255). Returns the
+ * groups done; params_scalar does the rest. */
+AVX static int64_t params_mx_avx2(const cvt_qargs *a, int64_t i, const float *ga, float *gb, float *sc) {
+    int64_t ng = a->k / a->group, t = 0;
+    const __m256i one = _mm256_set1_epi32(1), nan = _mm256_set1_epi32(0x7fc00000), sub = _mm256_set1_epi32(0x00400000);
+    for (; t + 8 <= ng; t += 8) {
+        __m256i b = _mm256_castps_si256(_mm256_loadu_ps(ga + t));
+        __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+        __m256i rne = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)),
+                                                         _mm256_and_si256(_mm256_srli_epi32(b, 16), one)), 16);
+        __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
+        __m256i idx = _mm256_and_si256(_mm256_blendv_epi8(rne, quiet, isnan), _mm256_set1_epi32(0xffff));
+        uint32_t ix[8];
+        _mm256_storeu_si256((__m256i *)ix, idx);
+        const int16_t *lut = a->se_lut;
+        __m256i se = _mm256_setr_epi32(lut[ix[0]], lut[ix[1]], lut[ix[2]], lut[ix[3]], lut[ix[4]], lut[ix[5]], lut[ix[6]],
+                                       lut[ix[7]]);
+        __m256i bad = _mm256_cmpeq_epi32(se, _mm256_set1_epi32(MX_BAD_SE)), e = _mm256_add_epi32(se, _mm256_set1_epi32(127));
+        store8_u8(a->scale8 + i * ng + t, _mm256_or_si256(e, _mm256_and_si256(bad, _mm256_set1_epi32(255))));
+        __m256i m = _mm256_blendv_epi8(_mm256_slli_epi32(e, 23), sub, _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+        __m256i r = _mm256_sub_epi32(_mm256_set1_epi32(254), e);
+        r = _mm256_blendv_epi8(_mm256_slli_epi32(r, 23), sub, _mm256_cmpeq_epi32(r, _mm256_setzero_si256()));
+        _mm256_storeu_si256((__m256i *)(sc + t), _mm256_blendv_epi8(m, nan, bad));
+        _mm256_storeu_si256((__m256i *)(gb + t), _mm256_blendv_epi8(r, nan, bad));
+    }
+    return t;
+}
+
 /* 4 x 8 lanes of 0..255 -> 32 bytes in order */
 AVX static inline void store32_u8(uint8_t *p, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
     __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
