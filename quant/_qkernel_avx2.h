@@ -493,13 +493,14 @@ AVX static double sumsq_avx2(const float *w, int64_t len) {
 AVX static inline __m256 mx8_el(__m256 x, __m256 vm, __m256 vr, __m256i *code) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 v = _mm256_mul_ps(x, vr), b = _mm256_and_ps(v, absm);
-    /* biased max(e(|v|), -6); |v| < 2**9 here (finite weights: the block max sets mult) */
-    __m256i eb = _mm256_max_epi32(_mm256_srli_epi32(_mm256_castps_si256(b), 23), _mm256_set1_epi32(121));
-    __m256 s8 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(257), eb), 23)); /* 2**(3-pe) */
+    /* max(e(|v|), -6) + 127, in the exponent field; |v| < 2**9 here (finite weights: the block max sets mult) */
+    __m256i ef = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7f800000)),
+                                  _mm256_set1_epi32(121 << 23));
+    __m256 s8 = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(257 << 23), ef)); /* 2**(3-pe) */
     __m256i r = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s8), _mm256_set1_ps(0.5f)));
-    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(eb, _mm256_set1_epi32(3)), 23)); /* 2**(pe-3) */
+    __m256 p2 = _mm256_castsi256_ps(_mm256_sub_epi32(ef, _mm256_set1_epi32(3 << 23))); /* 2**(pe-3) */
     __m256 mag = _mm256_min_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r), p2), _mm256_set1_ps(448.0f));
-    __m256i mc = _mm256_min_epi32(_mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(eb, 3), r), _mm256_set1_epi32(121 * 8)),
+    __m256i mc = _mm256_min_epi32(_mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_set1_epi32(121 << 23)), 20), r),
                                   _mm256_set1_epi32(0x7e));
     __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
     *code = _mm256_or_si256(mc, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
@@ -509,14 +510,14 @@ AVX static inline __m256 mx8_el(__m256 x, __m256 vm, __m256 vr, __m256i *code) {
 AVX static inline __m256 mx4_el(__m256 x, __m256 vm, __m256 vr, __m256i *code) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 v = _mm256_mul_ps(x, vr), b = _mm256_and_ps(v, absm);
-    __m256i eb = _mm256_srli_epi32(_mm256_castps_si256(_mm256_add_ps(b, _mm256_set1_ps(9.6e-7f))), 23);
-    eb = _mm256_min_epi32(_mm256_max_epi32(eb, _mm256_set1_epi32(127)), _mm256_set1_epi32(129)); /* biased pe 0..2 */
-    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(255), eb), 23)); /* 2**(1-pe) */
+    __m256i ef = _mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(b, _mm256_set1_ps(9.6e-7f))), _mm256_set1_epi32(0x7f800000));
+    ef = _mm256_min_epi32(_mm256_max_epi32(ef, _mm256_set1_epi32(127 << 23)), _mm256_set1_epi32(129 << 23)); /* pe 0..2 */
+    __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(255 << 23), ef)); /* 2**(1-pe) */
     __m256i m = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s2), _mm256_set1_ps(0.5f)));
-    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(eb, _mm256_set1_epi32(1)), 23)); /* 2**(pe-1) */
+    __m256 p2 = _mm256_castsi256_ps(_mm256_sub_epi32(ef, _mm256_set1_epi32(1 << 23))); /* 2**(pe-1) */
     __m256 mag = _mm256_min_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(m), p2), _mm256_set1_ps(6.0f));
-    __m256i idx = _mm256_min_epi32(_mm256_add_epi32(m, _mm256_sub_epi32(_mm256_slli_epi32(eb, 1), _mm256_set1_epi32(254))),
-                                   _mm256_set1_epi32(7));
+    __m256i idx = _mm256_min_epi32(_mm256_add_epi32(m, _mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_set1_epi32(127 << 23)), 22)),
+                                   _mm256_set1_epi32(7)); /* m + 2 pe */
     __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
     *code = _mm256_or_si256(idx, _mm256_and_si256(neg, _mm256_set1_epi32(8)));
     return _mm256_sub_ps(_mm256_and_ps(x, absm), _mm256_mul_ps(mag, vm));
