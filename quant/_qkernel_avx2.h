@@ -480,46 +480,44 @@ AVX static double sumsq_avx2(const float *w, int64_t len) {
 
 /* ---- msModelSlim's MX elements (mx_scalar_sq), 8 lanes ---------------------------------------------
  * The same values as the scalar's float32 operations, by fewer vector ones: v = w * (1 / mult) (exact,
- * mult a power of two), the element exponent from v's bits, every scaling by a power of two one exact
- * multiplication (no result is subnormal or overflows), floor(|a| + 0.5) as the truncating
- * conversion of that one rounded sum (non-negative). The code is made from the clamped exponent and
- * that integer instead of from the value: E4M3 ((pe + 6) << 3) + r (subnormal at pe = -6, r < 8;
- * r = 16 carries into the exponent) saturated at 448 = 0x7e; E2M1 min(m + 2 pe, 7) (pe 0: m 0..4
- * = 0, 0.5 .. 2; pe 1: m 2..4 = 2, 3, 4; pe 2: m >= 2 = 4, 6, then 6). The sign: negative exactly
- * where v < 0 (a negative v that rounds to zero keeps it, v = -0.0 does not), as the scalar's
- * sign(x) * ... leaves it. The SQNR difference as |w| - |w_hat| (w_hat = val * mult has w's sign
- * or is zero, and rounding is symmetric: the same square as w - w_hat). The codes of a block of 32
- * are packed and stored at once. */
-AVX static inline __m256 mx8_el(__m256 x, __m256 vm, __m256 vr, __m256i *code) {
+ * mult a power of two), the element exponent from v's exponent field, every scaling by a power of two
+ * one exact multiplication (no result is subnormal or overflows), floor(|a| + 0.5) as the truncating
+ * conversion of that one rounded sum (non-negative). The clamp at the largest element (448, 6) is
+ * taken on |v| first: every |v| above it rounds to a value above it in the scalar too, and the
+ * largest element rounds to itself, so the value is the same and no code needs clamping after.
+ * The code is made from the clamped exponent and that integer instead of from the value: E4M3
+ * ((pe + 6) << 3) + r (subnormal at pe = -6, r < 8; r = 16 carries into the exponent); E2M1 m + 2 pe
+ * (pe 0: m 0..4 = 0, 0.5 .. 2; pe 1: m 2..4 = 2, 3, 4; pe 2: m 2..3 = 4, 6). The sign, on the codes
+ * of a block of 32 at once: negative exactly where v < 0 (a negative v that rounds to zero keeps it,
+ * v = -0.0 does not), as the scalar's sign(x) * ... leaves it. The SQNR difference as
+ * |w| - |w_hat| (w_hat = val * mult has w's sign or is zero, and rounding is symmetric: the same
+ * square as w - w_hat). *neg: the lanes where v < 0. */
+AVX static inline __m256 mx8_el(__m256 x, __m256 vm, __m256 vr, __m256i *code, __m256i *neg) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 v = _mm256_mul_ps(x, vr), b = _mm256_and_ps(v, absm);
-    /* max(e(|v|), -6) + 127, in the exponent field; |v| < 2**9 here (finite weights: the block max sets mult) */
-    __m256i ef = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7f800000)),
+    __m256 v = _mm256_mul_ps(x, vr), b = _mm256_min_ps(_mm256_and_ps(v, absm), _mm256_set1_ps(448.0f));
+    /* max(e(|v|), -6) + 127 in the exponent field (b <= 448: pe <= 8) */
+    __m256i ef = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(b), _mm256_set1_epi32(0x7f800000)),
                                   _mm256_set1_epi32(121 << 23));
     __m256 s8 = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(257 << 23), ef)); /* 2**(3-pe) */
     __m256i r = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s8), _mm256_set1_ps(0.5f)));
     __m256 p2 = _mm256_castsi256_ps(_mm256_sub_epi32(ef, _mm256_set1_epi32(3 << 23))); /* 2**(pe-3) */
-    __m256 mag = _mm256_min_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(r), p2), _mm256_set1_ps(448.0f));
-    __m256i mc = _mm256_min_epi32(_mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_set1_epi32(121 << 23)), 20), r),
-                                  _mm256_set1_epi32(0x7e));
-    __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
-    *code = _mm256_or_si256(mc, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
+    __m256 mag = _mm256_mul_ps(_mm256_cvtepi32_ps(r), p2);
+    *code = _mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_set1_epi32(121 << 23)), 20), r);
+    *neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
     return _mm256_sub_ps(_mm256_and_ps(x, absm), _mm256_mul_ps(mag, vm));
 }
 
-AVX static inline __m256 mx4_el(__m256 x, __m256 vm, __m256 vr, __m256i *code) {
+AVX static inline __m256 mx4_el(__m256 x, __m256 vm, __m256 vr, __m256i *code, __m256i *neg) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 v = _mm256_mul_ps(x, vr), b = _mm256_and_ps(v, absm);
+    __m256 v = _mm256_mul_ps(x, vr), b = _mm256_min_ps(_mm256_and_ps(v, absm), _mm256_set1_ps(6.0f));
     __m256i ef = _mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(b, _mm256_set1_ps(9.6e-7f))), _mm256_set1_epi32(0x7f800000));
-    ef = _mm256_min_epi32(_mm256_max_epi32(ef, _mm256_set1_epi32(127 << 23)), _mm256_set1_epi32(129 << 23)); /* pe 0..2 */
+    ef = _mm256_max_epi32(ef, _mm256_set1_epi32(127 << 23)); /* pe 0..2 (b <= 6) */
     __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(255 << 23), ef)); /* 2**(1-pe) */
     __m256i m = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s2), _mm256_set1_ps(0.5f)));
     __m256 p2 = _mm256_castsi256_ps(_mm256_sub_epi32(ef, _mm256_set1_epi32(1 << 23))); /* 2**(pe-1) */
-    __m256 mag = _mm256_min_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(m), p2), _mm256_set1_ps(6.0f));
-    __m256i idx = _mm256_min_epi32(_mm256_add_epi32(m, _mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_set1_epi32(127 << 23)), 22)),
-                                   _mm256_set1_epi32(7)); /* m + 2 pe */
-    __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
-    *code = _mm256_or_si256(idx, _mm256_and_si256(neg, _mm256_set1_epi32(8)));
+    __m256 mag = _mm256_mul_ps(_mm256_cvtepi32_ps(m), p2);
+    *code = _mm256_add_epi32(m, _mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_set1_epi32(127 << 23)), 22)); /* m + 2 pe */
+    *neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
     return _mm256_sub_ps(_mm256_and_ps(x, absm), _mm256_mul_ps(mag, vm));
 }
 
@@ -553,34 +551,34 @@ AVX static int64_t params_mx_avx2(const cvt_qargs *a, int64_t i, const float *ga
     return t;
 }
 
-/* 4 x 8 lanes of 0..255 -> 32 bytes in order */
-AVX static inline void store32_u8(uint8_t *p, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
-    __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+/* 4 x 8 codes (0..127) and their sign masks -> 32 bytes in order, the sign on bit `sbit` */
+AVX static inline void store32_signed(uint8_t *p, const __m256i *c, const __m256i *n, int sbit) {
+    __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    __m256i s = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])); /* 0 / -1 */
+    b = _mm256_or_si256(b, _mm256_and_si256(s, _mm256_set1_epi8((char)sbit)));
     _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
 /* a whole row of k = ng * 32 elements: block t's multiplier mult[t], its reciprocal rcp[t] (exact);
  * the sums as sums8_add adds them, vector after vector (a span ends only after a block's last) */
-#define MX_ROW_AVX2(name, el)                                                                                      \
+#define MX_ROW_AVX2(name, el, sbit)                                                                                \
     AVX static double name(const float *w, uint8_t *c, int64_t k, const float *mult, const float *rcp, double *sig) { \
         sums8_t acc = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_pd(), _mm256_setzero_pd()};      \
         for (int64_t t = 0, j = 0; j < k; t++, j += 32) {                                                          \
             const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(rcp[t]);                                \
-            __m256 x0 = _mm256_loadu_ps(w + j), x1 = _mm256_loadu_ps(w + j + 8);                                   \
-            __m256 x2 = _mm256_loadu_ps(w + j + 16), x3 = _mm256_loadu_ps(w + j + 24);                             \
-            __m256i c0, c1, c2, c3;                                                                                \
-            __m256 d0 = el(x0, vm, vr, &c0), d1 = el(x1, vm, vr, &c1), d2 = el(x2, vm, vr, &c2),                   \
-                   d3 = el(x3, vm, vr, &c3);                                                                       \
-            store32_u8(c + j, c0, c1, c2, c3);                                                                     \
-            sums8_add(&acc, x0, d0, 1);                                                                            \
-            sums8_add(&acc, x1, d1, 1);                                                                            \
-            sums8_add(&acc, x2, d2, 1);                                                                            \
-            sums8_add(&acc, x3, d3, j + 32);                                                                       \
+            __m256 x[4], d[4];                                                                                     \
+            __m256i cd[4], ng[4];                                                                                  \
+            for (int u = 0; u < 4; u++) {                                                                          \
+                x[u] = _mm256_loadu_ps(w + j + 8 * u);                                                             \
+                d[u] = el(x[u], vm, vr, cd + u, ng + u);                                                           \
+            }                                                                                                      \
+            store32_signed(c + j, cd, ng, sbit);                                                                   \
+            for (int u = 0; u < 4; u++) sums8_add(&acc, x[u], d[u], u == 3 ? j + 32 : 1);                          \
         }                                                                                                          \
         return sums8_end(&acc, sig);                                                                               \
     }
-MX_ROW_AVX2(mx8_row_avx2, mx8_el)
-MX_ROW_AVX2(mx4_row_avx2, mx4_el)
+MX_ROW_AVX2(mx8_row_avx2, mx8_el, 0x80)
+MX_ROW_AVX2(mx4_row_avx2, mx4_el, 0x08)
 #undef MX_ROW_AVX2
 
 #endif
