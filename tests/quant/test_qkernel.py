@@ -200,6 +200,29 @@ def test_mx_elements_near_powers_of_two(kernel):
         assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
 
 
+def test_mx_every_bf16_value(kernel):
+    """Every finite bfloat16 value as an MX element, bit for bit with the reference: sorted by
+    magnitude (blocks of like values: every shared exponent down to E8M0's -127, whose multiplier
+    and its reciprocal are subnormal) and shuffled (blocks spanning the whole range: elements that
+    underflow once divided, subnormal and zero elements under a large block max). The AVX2 MX rows
+    take the element clamp on |v| first and build codes from the exponent field (_qkernel_avx2.h),
+    so blocks whose elements lie between the largest element and the next power of two (448..512
+    for E4M3, 6..7 for E2M1 under its rounded-up shared exponent) come last."""
+    b = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    v = b.view(torch.bfloat16).float()
+    v = v[torch.isfinite(v)]
+    v = v[torch.argsort(v.abs(), stable=True)]
+    g = torch.Generator().manual_seed(9)
+    top = torch.tensor([448.0, 460.0, 480.0, 496.0, 504.0, 6.0, 6.5, 6.75, 6.9, 7.0]).repeat_interleave(32)
+    top = top * torch.where(torch.rand(top.shape, generator=g) < 0.5, -1.0, 1.0)
+    rows = torch.cat([v, v[torch.randperm(v.numel(), generator=g)], top])
+    rows = rows[: rows.numel() // 256 * 256].view(-1, 256)
+    src = QK.WeightSource(rows.to(torch.bfloat16))
+    for layout, scheme in MX:
+        sch, lo = get_scheme(scheme), LAYOUTS.get(layout)
+        assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
 def test_nvfp4_shared_global_scale(kernel):
     """A fused group's scale (`FP4.shared_scale`), given from outside, is used as given."""
     src = bf16_weight((80, 256), seed=4)
