@@ -551,34 +551,50 @@ AVX static int64_t params_mx_avx2(const cvt_qargs *a, int64_t i, const float *ga
     return t;
 }
 
-/* 4 x 8 codes (0..127) and their sign masks -> 32 bytes in order, the sign on bit `sbit` */
-AVX static inline void store32_signed(uint8_t *p, const __m256i *c, const __m256i *n, int sbit) {
-    __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-    __m256i s = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])); /* 0 / -1 */
+/* the codes (0..127) and sign masks of 4 x 8 lanes, packed by pairs as made (packs_epi32 of lanes
+ * 0-1 and 2-3) -> 32 bytes in order, the sign on bit `sbit` */
+AVX static inline void store32_signed(uint8_t *p, __m256i c01, __m256i c23, __m256i n01, __m256i n23, int sbit) {
+    __m256i b = _mm256_packus_epi16(c01, c23), s = _mm256_packs_epi16(n01, n23); /* s: 0 / -1 */
     b = _mm256_or_si256(b, _mm256_and_si256(s, _mm256_set1_epi8((char)sbit)));
     _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
 /* a whole row of k = ng * 32 elements: block t's multiplier mult[t], its reciprocal rcp[t] (exact);
- * the sums as sums8_add adds them, vector after vector (a span ends only after a block's last) */
+ * the sums as sums8_add adds them, vector after vector (a span ends only after a block's last), in
+ * local accumulators (registers: through sums8_t GCC keeps them on the stack, a store and a load
+ * on their dependency chain), each vector's added as soon as made and its codes packed by pairs
+ * (few registers live) */
+#define MX_SQ(x, d)                                                                                                \
+    (s = _mm256_add_ps(s, _mm256_mul_ps(x, x)), e = _mm256_add_ps(e, _mm256_mul_ps(d, d)))
 #define MX_ROW_AVX2(name, el, sbit)                                                                                \
     AVX static double name(const float *w, uint8_t *c, int64_t k, const float *mult, const float *rcp, double *sig) { \
-        sums8_t acc = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_pd(), _mm256_setzero_pd()};      \
+        __m256 s = _mm256_setzero_ps(), e = s, d;                                                                  \
+        __m256d sd = _mm256_setzero_pd(), ed = sd;                                                                 \
         for (int64_t t = 0, j = 0; j < k; t++, j += 32) {                                                          \
             const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(rcp[t]);                                \
-            __m256 x[4], d[4];                                                                                     \
-            __m256i cd[4], ng[4];                                                                                  \
-            for (int u = 0; u < 4; u++) {                                                                          \
-                x[u] = _mm256_loadu_ps(w + j + 8 * u);                                                             \
-                d[u] = el(x[u], vm, vr, cd + u, ng + u);                                                           \
+            __m256i ca, na, cb, nb, c01, n01, c23, n23;                                                            \
+            __m256 x = _mm256_loadu_ps(w + j);                                                                     \
+            d = el(x, vm, vr, &ca, &na), MX_SQ(x, d);                                                              \
+            x = _mm256_loadu_ps(w + j + 8);                                                                        \
+            d = el(x, vm, vr, &cb, &nb), MX_SQ(x, d);                                                              \
+            c01 = _mm256_packs_epi32(ca, cb), n01 = _mm256_packs_epi32(na, nb);                                    \
+            x = _mm256_loadu_ps(w + j + 16);                                                                       \
+            d = el(x, vm, vr, &ca, &na), MX_SQ(x, d);                                                              \
+            x = _mm256_loadu_ps(w + j + 24);                                                                       \
+            d = el(x, vm, vr, &cb, &nb), MX_SQ(x, d);                                                              \
+            c23 = _mm256_packs_epi32(ca, cb), n23 = _mm256_packs_epi32(na, nb);                                    \
+            store32_signed(c + j, c01, c23, n01, n23, sbit);                                                       \
+            if ((j + 32) % SQ_SPAN == 0) {                                                                         \
+                sd = _mm256_add_pd(sd, wide4(s)), ed = _mm256_add_pd(ed, wide4(e));                                \
+                s = e = _mm256_setzero_ps();                                                                       \
             }                                                                                                      \
-            store32_signed(c + j, cd, ng, sbit);                                                                   \
-            for (int u = 0; u < 4; u++) sums8_add(&acc, x[u], d[u], u == 3 ? j + 32 : 1);                          \
         }                                                                                                          \
-        return sums8_end(&acc, sig);                                                                               \
+        *sig = hsum4d(_mm256_add_pd(sd, wide4(s)));                                                                \
+        return hsum4d(_mm256_add_pd(ed, wide4(e)));                                                                \
     }
 MX_ROW_AVX2(mx8_row_avx2, mx8_el, 0x80)
 MX_ROW_AVX2(mx4_row_avx2, mx4_el, 0x08)
 #undef MX_ROW_AVX2
+#undef MX_SQ
 
 #endif
