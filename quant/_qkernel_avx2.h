@@ -492,7 +492,8 @@ AVX static double sumsq_avx2(const float *w, int64_t len) {
  * v = -0.0 does not), as the scalar's sign(x) * ... leaves it. The SQNR difference as
  * |w| - |w_hat| (w_hat = val * mult has w's sign or is zero, and rounding is symmetric: the same
  * square as w - w_hat). *neg: the lanes where v < 0. */
-AVX static inline __m256 mx8_el(__m256 x, __m256 vm, __m256 vr, __m256i *code, __m256i *neg) {
+AVX static inline __m256 mx8_el(__m256 x, __m256 vm, __m256 vr, __m256 unused, __m256i *code, __m256i *neg) {
+    (void)unused;
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 v = _mm256_mul_ps(x, vr), b = _mm256_min_ps(_mm256_and_ps(v, absm), _mm256_set1_ps(448.0f));
     /* max(e(|v|), -6) + 127 in the exponent field (b <= 448: pe <= 8) */
@@ -507,7 +508,8 @@ AVX static inline __m256 mx8_el(__m256 x, __m256 vm, __m256 vr, __m256i *code, _
     return _mm256_sub_ps(_mm256_and_ps(x, absm), _mm256_mul_ps(mag, vm));
 }
 
-AVX static inline __m256 mx4_el(__m256 x, __m256 vm, __m256 vr, __m256i *code, __m256i *neg) {
+AVX static inline __m256 mx4_el(__m256 x, __m256 vm, __m256 vr, __m256 unused, __m256i *code, __m256i *neg) {
+    (void)unused;
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 v = _mm256_mul_ps(x, vr), b = _mm256_min_ps(_mm256_and_ps(v, absm), _mm256_set1_ps(6.0f));
     __m256i ef = _mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(b, _mm256_set1_ps(9.6e-7f))), _mm256_set1_epi32(0x7f800000));
@@ -519,6 +521,40 @@ AVX static inline __m256 mx4_el(__m256 x, __m256 vm, __m256 vr, __m256i *code, _
     *code = _mm256_add_epi32(m, _mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_set1_epi32(127 << 23)), 22)); /* m + 2 pe */
     *neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
     return _mm256_sub_ps(_mm256_and_ps(x, absm), _mm256_mul_ps(mag, vm));
+}
+
+/* The same elements without v (the common case: a block's shared exponent se in -117..16 for E4M3,
+ * -106..16 for E2M1; other blocks take the functions above). There v = w * 2**-se is exact and zero
+ * only where w is (w is bfloat16: no bit below 2**-133, so v keeps every bit down to 2**-149) and
+ * every power of two below is a normal float, so each step is the one above scaled by 2**se, which
+ * changes no rounding: the clamp at cmax = 448 * 2**se (6 * 2**se), the exponent field of
+ * |w| (plus 9.6e-7 * 2**se, c) floored at cf = (121 + se) << 23 ((127 + se) << 23), the element
+ * integer from |w| * 2**(3-pe-se) (2**(1-pe-se)), w_hat as that integer times 2**(pe+se-3)
+ * (2**(pe+se-1)): two multiplications less a vector. */
+AVX static inline __m256 mx8x_el(__m256 x, __m256 cmax, __m256 cf, __m256 unused, __m256i *code, __m256i *neg) {
+    (void)unused;
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 ax = _mm256_and_ps(x, absm), b = _mm256_min_ps(ax, cmax);
+    __m256i ef = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(b), _mm256_set1_epi32(0x7f800000)), _mm256_castps_si256(cf));
+    __m256 s8 = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(257 << 23), ef)); /* 2**(3-pe-se) */
+    __m256i r = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s8), _mm256_set1_ps(0.5f)));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_sub_epi32(ef, _mm256_set1_epi32(3 << 23))); /* 2**(pe+se-3) */
+    *code = _mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_castps_si256(cf)), 20), r);
+    *neg = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_sub_ps(ax, _mm256_mul_ps(_mm256_cvtepi32_ps(r), p2));
+}
+
+AVX static inline __m256 mx4x_el(__m256 x, __m256 cmax, __m256 cf, __m256 c, __m256i *code, __m256i *neg) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 ax = _mm256_and_ps(x, absm), b = _mm256_min_ps(ax, cmax);
+    __m256i ef = _mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(b, c)), _mm256_set1_epi32(0x7f800000));
+    ef = _mm256_max_epi32(ef, _mm256_castps_si256(cf));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(255 << 23), ef)); /* 2**(1-pe-se) */
+    __m256i m = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s2), _mm256_set1_ps(0.5f)));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_sub_epi32(ef, _mm256_set1_epi32(1 << 23))); /* 2**(pe+se-1) */
+    *code = _mm256_add_epi32(m, _mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_castps_si256(cf)), 22));
+    *neg = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_sub_ps(ax, _mm256_mul_ps(_mm256_cvtepi32_ps(m), p2));
 }
 
 /* params_scalar's MX groups, 8 at a time: the shared exponent looked up by each block max's bf16
@@ -559,31 +595,40 @@ AVX static inline void store32_signed(uint8_t *p, __m256i c01, __m256i c23, __m2
     _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-/* a whole row of k = ng * 32 elements: block t's multiplier mult[t], its reciprocal rcp[t] (exact);
- * the sums as sums8_add adds them, vector after vector (a span ends only after a block's last), in
- * local accumulators (registers: through sums8_t GCC keeps them on the stack, a store and a load
- * on their dependency chain), each vector's added as soon as made and its codes packed by pairs
- * (few registers live) */
+/* a whole row of k = ng * 32 elements: block t's multiplier mult[t], its reciprocal rcp[t] (exact),
+ * its E8M0 code e8[t] (se + 127); the sums as sums8_add adds them, vector after vector (a span ends
+ * only after a block's last), in local accumulators (registers: through sums8_t GCC keeps them on
+ * the stack, a store and a load on their dependency chain), each vector's added as soon as made
+ * and its codes packed by pairs (few registers live) */
 #define MX_SQ(x, d)                                                                                                \
     (s = _mm256_add_ps(s, _mm256_mul_ps(x, x)), e = _mm256_add_ps(e, _mm256_mul_ps(d, d)))
-#define MX_ROW_AVX2(name, el, sbit)                                                                                \
-    AVX static double name(const float *w, uint8_t *c, int64_t k, const float *mult, const float *rcp, double *sig) { \
-        __m256 s = _mm256_setzero_ps(), e = s, d;                                                                  \
+#define MX_GROUP(el, sbit)                                                                                         \
+    do {                                                                                                           \
+        __m256i ca, na, cb, nb, c01, n01;                                                                          \
+        __m256 x = _mm256_loadu_ps(w + j), d = el(x, kp, kq, kr, &ca, &na);                                        \
+        MX_SQ(x, d);                                                                                               \
+        x = _mm256_loadu_ps(w + j + 8), d = el(x, kp, kq, kr, &cb, &nb), MX_SQ(x, d);                              \
+        c01 = _mm256_packs_epi32(ca, cb), n01 = _mm256_packs_epi32(na, nb);                                        \
+        x = _mm256_loadu_ps(w + j + 16), d = el(x, kp, kq, kr, &ca, &na), MX_SQ(x, d);                             \
+        x = _mm256_loadu_ps(w + j + 24), d = el(x, kp, kq, kr, &cb, &nb), MX_SQ(x, d);                             \
+        store32_signed(c + j, c01, _mm256_packs_epi32(ca, cb), n01, _mm256_packs_epi32(na, nb), sbit);             \
+    } while (0)
+/* setx: the fast path's constants (kp, kq, kr) of block t, whose shared exponent is se */
+#define MX_ROW_AVX2(name, el, elx, sbit, se_lo, setx)                                                              \
+    AVX static double name(const float *w, uint8_t *c, int64_t k, const float *mult, const float *rcp,              \
+                           const uint8_t *e8, double *sig) {                                                       \
+        __m256 s = _mm256_setzero_ps(), e = s;                                                                     \
         __m256d sd = _mm256_setzero_pd(), ed = sd;                                                                 \
         for (int64_t t = 0, j = 0; j < k; t++, j += 32) {                                                          \
-            const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(rcp[t]);                                \
-            __m256i ca, na, cb, nb, c01, n01, c23, n23;                                                            \
-            __m256 x = _mm256_loadu_ps(w + j);                                                                     \
-            d = el(x, vm, vr, &ca, &na), MX_SQ(x, d);                                                              \
-            x = _mm256_loadu_ps(w + j + 8);                                                                        \
-            d = el(x, vm, vr, &cb, &nb), MX_SQ(x, d);                                                              \
-            c01 = _mm256_packs_epi32(ca, cb), n01 = _mm256_packs_epi32(na, nb);                                    \
-            x = _mm256_loadu_ps(w + j + 16);                                                                       \
-            d = el(x, vm, vr, &ca, &na), MX_SQ(x, d);                                                              \
-            x = _mm256_loadu_ps(w + j + 24);                                                                       \
-            d = el(x, vm, vr, &cb, &nb), MX_SQ(x, d);                                                              \
-            c23 = _mm256_packs_epi32(ca, cb), n23 = _mm256_packs_epi32(na, nb);                                    \
-            store32_signed(c + j, c01, c23, n01, n23, sbit);                                                       \
+            int se = (int)e8[t] - 127;                                                                             \
+            if (se >= (se_lo) && se <= 16) {                                                                       \
+                const float m = mult[t];                                                                           \
+                setx;                                                                                              \
+                MX_GROUP(elx, sbit);                                                                               \
+            } else {                                                                                               \
+                const __m256 kp = _mm256_set1_ps(mult[t]), kq = _mm256_set1_ps(rcp[t]), kr = kp;                   \
+                MX_GROUP(el, sbit);                                                                                \
+            }                                                                                                      \
             if ((j + 32) % SQ_SPAN == 0) {                                                                         \
                 sd = _mm256_add_pd(sd, wide4(s)), ed = _mm256_add_pd(ed, wide4(e));                                \
                 s = e = _mm256_setzero_ps();                                                                       \
@@ -592,9 +637,14 @@ AVX static inline void store32_signed(uint8_t *p, __m256i c01, __m256i c23, __m2
         *sig = hsum4d(_mm256_add_pd(sd, wide4(s)));                                                                \
         return hsum4d(_mm256_add_pd(ed, wide4(e)));                                                                \
     }
-MX_ROW_AVX2(mx8_row_avx2, mx8_el, 0x80)
-MX_ROW_AVX2(mx4_row_avx2, mx4_el, 0x08)
+#define CF(base) _mm256_castsi256_ps(_mm256_set1_epi32(((base) + se) << 23))
+MX_ROW_AVX2(mx8_row_avx2, mx8_el, mx8x_el, 0x80, -117,
+            const __m256 kp = _mm256_set1_ps(448.0f * m); const __m256 kq = CF(121); const __m256 kr = kp)
+MX_ROW_AVX2(mx4_row_avx2, mx4_el, mx4x_el, 0x08, -106,
+            const __m256 kp = _mm256_set1_ps(6.0f * m); const __m256 kq = CF(127); const __m256 kr = _mm256_set1_ps(9.6e-7f * m))
+#undef CF
 #undef MX_ROW_AVX2
+#undef MX_GROUP
 #undef MX_SQ
 
 #endif
