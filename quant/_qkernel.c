@@ -400,7 +400,8 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
 #ifdef CVT_X86
         if (simd && !f64) {
             double sig = 0.0;
-            jb->err += (a->mode == MODE_MX8 ? mx8_row_avx2 : mx4_row_avx2)(w, (uint8_t *)q, k, sc, gb, a->scale8 + i * ng, &sig);
+            jb->err += (a->mode == MODE_MX8 ? mx8_row_avx2 : mx4_row_avx2)(w, (uint8_t *)q, k, sc, gb,
+                                                                          a->scale8 + i * ng, &sig);
             jb->sig += sig;
             return;
         }
