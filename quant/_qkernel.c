@@ -200,6 +200,7 @@ static double fp4_scalar_sq(const float *w, uint8_t *c, int64_t len, float mult,
 static inline int exp_field(float x) { return (int)((f2u(x) >> 23) & 0xffu) - 127; }
 static inline float pow2f(int e) { return u2f((uint32_t)(e + 127) << 23); }
 static inline float floor_pos(float x) { return (float)(int32_t)x; }
+static inline float pow2_e8m0(int e) { return e == -127 ? u2f(0x00400000u) : pow2f(e); } /* -127 <= e <= 127 */
 
 static double mx_scalar_sq(const float *w, uint8_t *c, int64_t len, float mult, int fp8, int f64) {
     double err = 0.0;
@@ -337,7 +338,10 @@ static void params_scalar(const cvt_qargs *a, int64_t i, int64_t t0, const float
         } else if (IS_MX(a->mode)) {
             int se = a->se_lut[bf16_rne(ga[t])];
             a->scale8[o] = se == MX_BAD_SE ? 255 : (uint8_t)(se + 127);
-            sc[t] = se == MX_BAD_SE ? NAN : ldexpf(1.0f, se); /* NaN: the sums say so; the caller refuses */
+            /* 2**se and 2**-se (ldexpf's values and 1.0f / 2**se's; se = -127 or 127 gives the subnormal
+             * 2**-127); NaN: the sums say so, the caller refuses */
+            sc[t] = se == MX_BAD_SE ? NAN : pow2_e8m0(se);
+            gb[t] = se == MX_BAD_SE ? NAN : pow2_e8m0(-se); /* for the SIMD row loops */
         } else { /* MODE_MXFP4 */
             uint32_t bits = f2u(ga[t]);
             int64_t e = (int64_t)(((bits + (1u << 21)) >> 23) & 0xffu) - 2;
@@ -386,6 +390,7 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
 #ifdef CVT_X86
     if (simd == 2 && !mx) t0 = params_avx512(a, i, ga, gb, sc, off);
     else if (simd && !mx) t0 = params_avx2(a, i, ga, gb, sc, off);
+    else if (simd) t0 = params_mx_avx2(a, i, ga, gb, sc);
 #elif defined(__aarch64__)
     if (simd && !mx) t0 = params_neon(a, i, ga, gb, sc, off);
 #endif
@@ -395,7 +400,8 @@ static void quantize_row(job_t *jb, int64_t i, const float *w, int8_t *q) {
 #ifdef CVT_X86
         if (simd && !f64) {
             double sig = 0.0;
-            jb->err += mx_row_avx2(w, (uint8_t *)q, k, sc, a->mode == MODE_MX8, &sig);
+            jb->err += (a->mode == MODE_MX8 ? mx8_row_avx2 : mx4_row_avx2)(w, (uint8_t *)q, k, sc, gb,
+                                                                          a->scale8 + i * ng, &sig);
             jb->sig += sig;
             return;
         }

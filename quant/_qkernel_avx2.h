@@ -479,61 +479,172 @@ AVX static double sumsq_avx2(const float *w, int64_t len) {
 
 
 /* ---- msModelSlim's MX elements (mx_scalar_sq), 8 lanes ---------------------------------------------
- * The same float32 operations: v = w * (1 / mult) (exact, mult a power of two), the element
- * exponent from v's bits, scalings by powers of two as multiplications (exact: no result is
- * subnormal or overflows), floor(|a| + 0.5) with the one rounding of the addition, the sign the
- * scalar's sign(x) * ... leaves (negative exactly when x < 0, so -0.0 for a negative x that rounds
- * to zero and +0.0 for x = -0.0). Returns w - val * mult for the SQNR sums. */
-AVX static inline __m256i mx_exp8(__m256 x, int lo, int hi) {
-    __m256i e = _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 23), _mm256_set1_epi32(0xff)),
-                                 _mm256_set1_epi32(127));
-    return _mm256_min_epi32(_mm256_max_epi32(e, _mm256_set1_epi32(lo)), _mm256_set1_epi32(hi));
-}
-
-AVX static inline __m256 pow2_8(__m256i e) { /* 2**e for -126 <= e <= 127 */
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
-}
-
-AVX static inline __m256 mx8(const float *w, uint8_t *c, __m256 vm, __m256 vr, int fp8) {
+ * The same values as the scalar's float32 operations, by fewer vector ones: v = w * (1 / mult) (exact,
+ * mult a power of two), the element exponent from v's exponent field, every scaling by a power of two
+ * one exact multiplication (no result is subnormal or overflows), floor(|a| + 0.5) as the truncating
+ * conversion of that one rounded sum (non-negative). The clamp at the largest element (448, 6) is
+ * taken on |v| first: every |v| above it rounds to a value above it in the scalar too, and the
+ * largest element rounds to itself, so the value is the same and no code needs clamping after.
+ * The code is made from the clamped exponent and that integer instead of from the value: E4M3
+ * ((pe + 6) << 3) + r (subnormal at pe = -6, r < 8; r = 16 carries into the exponent); E2M1 m + 2 pe
+ * (pe 0: m 0..4 = 0, 0.5 .. 2; pe 1: m 2..4 = 2, 3, 4; pe 2: m 2..3 = 4, 6). The sign, on the codes
+ * of a block of 32 at once: negative exactly where v < 0 (a negative v that rounds to zero keeps it,
+ * v = -0.0 does not), as the scalar's sign(x) * ... leaves it. The SQNR difference as
+ * |w| - |w_hat| (w_hat = val * mult has w's sign or is zero, and rounding is symmetric: the same
+ * square as w - w_hat). *neg: the lanes where v < 0. */
+AVX static inline __m256 mx8_el(__m256 x, __m256 vm, __m256 vr, __m256 unused, __m256i *code, __m256i *neg) {
+    (void)unused;
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 signb = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u)), half = _mm256_set1_ps(0.5f);
-    __m256 x = _mm256_loadu_ps(w), v = _mm256_mul_ps(x, vr), val;
-    if (fp8) {
-        __m256i e = mx_exp8(v, -6, 127);
-        __m256 p2 = pow2_8(e), rp2 = pow2_8(_mm256_sub_epi32(_mm256_setzero_si256(), e));
-        __m256 a = _mm256_mul_ps(_mm256_mul_ps(v, rp2), _mm256_set1_ps(8.0f));
-        __m256 r = _mm256_floor_ps(_mm256_add_ps(_mm256_and_ps(a, absm), half));
-        __m256 mag = _mm256_mul_ps(_mm256_mul_ps(r, _mm256_set1_ps(0.125f)), p2);
-        __m256 neg = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
-        val = clamp8(_mm256_or_ps(mag, _mm256_and_ps(neg, signb)), _mm256_set1_ps(-448.0f), _mm256_set1_ps(448.0f));
-        /* val is r / 8 * 2**e exactly, so its E4M3 code is ((e + 6) << 3) + r (subnormal at e = -6,
-         * r < 8; r = 16 carries into the exponent), saturated at 448 = 0x7e, the sign on bit 7 */
-        __m256i mc = _mm256_min_epi32(_mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(6)), 3),
-                                                       _mm256_cvttps_epi32(r)), _mm256_set1_epi32(0x7e));
-        store8_u8(c, _mm256_or_si256(mc, _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(0x80))));
-    } else {
-        __m256 b = _mm256_and_ps(v, absm);
-        __m256i e = mx_exp8(_mm256_add_ps(b, _mm256_set1_ps(9.6e-7f)), 0, 2);
-        __m256 p2 = pow2_8(e), rp2 = pow2_8(_mm256_sub_epi32(_mm256_setzero_si256(), e));
-        __m256 m = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(b, rp2), _mm256_set1_ps(2.0f)), half));
-        __m256 mag = _mm256_min_ps(_mm256_mul_ps(_mm256_mul_ps(m, half), p2), _mm256_set1_ps(6.0f));
-        __m256 neg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ);
-        val = _mm256_or_ps(mag, _mm256_and_ps(neg, signb));
-        __m256i code = _mm256_or_si256(e2m1_idx8(mag), _mm256_and_si256(_mm256_castps_si256(neg), _mm256_set1_epi32(8)));
-        store8_u8(c, code);
-    }
-    return _mm256_sub_ps(x, _mm256_mul_ps(val, vm));
+    __m256 v = _mm256_mul_ps(x, vr), b = _mm256_min_ps(_mm256_and_ps(v, absm), _mm256_set1_ps(448.0f));
+    /* max(e(|v|), -6) + 127 in the exponent field (b <= 448: pe <= 8) */
+    __m256i ef = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(b), _mm256_set1_epi32(0x7f800000)),
+                                  _mm256_set1_epi32(121 << 23));
+    __m256 s8 = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(257 << 23), ef)); /* 2**(3-pe) */
+    __m256i r = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s8), _mm256_set1_ps(0.5f)));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_sub_epi32(ef, _mm256_set1_epi32(3 << 23))); /* 2**(pe-3) */
+    __m256 mag = _mm256_mul_ps(_mm256_cvtepi32_ps(r), p2);
+    *code = _mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_set1_epi32(121 << 23)), 20), r);
+    *neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_sub_ps(_mm256_and_ps(x, absm), _mm256_mul_ps(mag, vm));
 }
 
-/* a whole row of k = ng * 32 elements: block t's multiplier mult[t] */
-AVX static double mx_row_avx2(const float *w, uint8_t *c, int64_t k, const float *mult, int fp8, double *sig) {
-    sums8_t acc = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_pd(), _mm256_setzero_pd()};
-    for (int64_t t = 0, j = 0; j < k; t++) {
-        const __m256 vm = _mm256_set1_ps(mult[t]), vr = _mm256_set1_ps(1.0f / mult[t]);
-        for (int64_t end = j + 32; j < end; j += 8)
-            sums8_add(&acc, _mm256_loadu_ps(w + j), mx8(w + j, c + j, vm, vr, fp8), j + 8);
-    }
-    return sums8_end(&acc, sig);
+AVX static inline __m256 mx4_el(__m256 x, __m256 vm, __m256 vr, __m256 unused, __m256i *code, __m256i *neg) {
+    (void)unused;
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v = _mm256_mul_ps(x, vr), b = _mm256_min_ps(_mm256_and_ps(v, absm), _mm256_set1_ps(6.0f));
+    __m256i ef = _mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(b, _mm256_set1_ps(9.6e-7f))), _mm256_set1_epi32(0x7f800000));
+    ef = _mm256_max_epi32(ef, _mm256_set1_epi32(127 << 23)); /* pe 0..2 (b <= 6) */
+    __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(255 << 23), ef)); /* 2**(1-pe) */
+    __m256i m = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s2), _mm256_set1_ps(0.5f)));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_sub_epi32(ef, _mm256_set1_epi32(1 << 23))); /* 2**(pe-1) */
+    __m256 mag = _mm256_mul_ps(_mm256_cvtepi32_ps(m), p2);
+    *code = _mm256_add_epi32(m, _mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_set1_epi32(127 << 23)), 22)); /* m + 2 pe */
+    *neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_sub_ps(_mm256_and_ps(x, absm), _mm256_mul_ps(mag, vm));
 }
+
+/* The same elements without v (the common case: a block's shared exponent se in -117..16 for E4M3,
+ * -106..16 for E2M1; other blocks take the functions above). There v = w * 2**-se is exact and zero
+ * only where w is (w is bfloat16: no bit below 2**-133, so v keeps every bit down to 2**-149) and
+ * every power of two below is a normal float, so each step is the one above scaled by 2**se, which
+ * changes no rounding: the clamp at cmax = 448 * 2**se (6 * 2**se), the exponent field of
+ * |w| (plus 9.6e-7 * 2**se, c) floored at cf = (121 + se) << 23 ((127 + se) << 23), the element
+ * integer from |w| * 2**(3-pe-se) (2**(1-pe-se)), w_hat as that integer times 2**(pe+se-3)
+ * (2**(pe+se-1)): two multiplications less a vector. */
+AVX static inline __m256 mx8x_el(__m256 x, __m256 cmax, __m256 cf, __m256 unused, __m256i *code, __m256i *neg) {
+    (void)unused;
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 ax = _mm256_and_ps(x, absm), b = _mm256_min_ps(ax, cmax);
+    __m256i ef = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(b), _mm256_set1_epi32(0x7f800000)), _mm256_castps_si256(cf));
+    __m256 s8 = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(257 << 23), ef)); /* 2**(3-pe-se) */
+    __m256i r = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s8), _mm256_set1_ps(0.5f)));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_sub_epi32(ef, _mm256_set1_epi32(3 << 23))); /* 2**(pe+se-3) */
+    *code = _mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_castps_si256(cf)), 20), r);
+    *neg = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_sub_ps(ax, _mm256_mul_ps(_mm256_cvtepi32_ps(r), p2));
+}
+
+AVX static inline __m256 mx4x_el(__m256 x, __m256 cmax, __m256 cf, __m256 c, __m256i *code, __m256i *neg) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 ax = _mm256_and_ps(x, absm), b = _mm256_min_ps(ax, cmax);
+    __m256i ef = _mm256_and_si256(_mm256_castps_si256(_mm256_add_ps(b, c)), _mm256_set1_epi32(0x7f800000));
+    ef = _mm256_max_epi32(ef, _mm256_castps_si256(cf));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_set1_epi32(255 << 23), ef)); /* 2**(1-pe-se) */
+    __m256i m = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(b, s2), _mm256_set1_ps(0.5f)));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_sub_epi32(ef, _mm256_set1_epi32(1 << 23))); /* 2**(pe+se-1) */
+    *code = _mm256_add_epi32(m, _mm256_srli_epi32(_mm256_sub_epi32(ef, _mm256_castps_si256(cf)), 22));
+    *neg = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_sub_ps(ax, _mm256_mul_ps(_mm256_cvtepi32_ps(m), p2));
+}
+
+/* params_scalar's MX groups, 8 at a time: the shared exponent looked up by each block max's bf16
+ * bits (bf16_rne, NaN too), its E8M0 code (255 where E8M0 cannot hold it), 2**se into sc and
+ * 2**-se into gb as bits (se = -127 or 127: the subnormal 2**-127; NaN for 255). Returns the
+ * groups done; params_scalar does the rest. */
+AVX static int64_t params_mx_avx2(const cvt_qargs *a, int64_t i, const float *ga, float *gb, float *sc) {
+    int64_t ng = a->k / a->group, t = 0;
+    const __m256i one = _mm256_set1_epi32(1), nan = _mm256_set1_epi32(0x7fc00000), sub = _mm256_set1_epi32(0x00400000);
+    for (; t + 8 <= ng; t += 8) {
+        __m256i b = _mm256_castps_si256(_mm256_loadu_ps(ga + t));
+        __m256i isnan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+        __m256i rne = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)),
+                                                         _mm256_and_si256(_mm256_srli_epi32(b, 16), one)), 16);
+        __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
+        __m256i idx = _mm256_and_si256(_mm256_blendv_epi8(rne, quiet, isnan), _mm256_set1_epi32(0xffff));
+        uint32_t ix[8];
+        _mm256_storeu_si256((__m256i *)ix, idx);
+        const int16_t *lut = a->se_lut;
+        __m256i se = _mm256_setr_epi32(lut[ix[0]], lut[ix[1]], lut[ix[2]], lut[ix[3]], lut[ix[4]], lut[ix[5]], lut[ix[6]],
+                                       lut[ix[7]]);
+        __m256i bad = _mm256_cmpeq_epi32(se, _mm256_set1_epi32(MX_BAD_SE)), e = _mm256_add_epi32(se, _mm256_set1_epi32(127));
+        store8_u8(a->scale8 + i * ng + t, _mm256_or_si256(e, _mm256_and_si256(bad, _mm256_set1_epi32(255))));
+        __m256i m = _mm256_blendv_epi8(_mm256_slli_epi32(e, 23), sub, _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
+        __m256i r = _mm256_sub_epi32(_mm256_set1_epi32(254), e);
+        r = _mm256_blendv_epi8(_mm256_slli_epi32(r, 23), sub, _mm256_cmpeq_epi32(r, _mm256_setzero_si256()));
+        _mm256_storeu_si256((__m256i *)(sc + t), _mm256_blendv_epi8(m, nan, bad));
+        _mm256_storeu_si256((__m256i *)(gb + t), _mm256_blendv_epi8(r, nan, bad));
+    }
+    return t;
+}
+
+/* the codes (0..127) and sign masks of 4 x 8 lanes, packed by pairs as made (packs_epi32 of lanes
+ * 0-1 and 2-3) -> 32 bytes in order, the sign on bit `sbit` */
+AVX static inline void store32_signed(uint8_t *p, __m256i c01, __m256i c23, __m256i n01, __m256i n23, int sbit) {
+    __m256i b = _mm256_packus_epi16(c01, c23), s = _mm256_packs_epi16(n01, n23); /* s: 0 / -1 */
+    b = _mm256_or_si256(b, _mm256_and_si256(s, _mm256_set1_epi8((char)sbit)));
+    _mm256_storeu_si256((__m256i *)p, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* a whole row of k = ng * 32 elements: block t's multiplier mult[t], its reciprocal rcp[t] (exact),
+ * its E8M0 code e8[t] (se + 127); the sums as sums8_add adds them, vector after vector (a span ends
+ * only after a block's last), in local accumulators (registers: through sums8_t GCC keeps them on
+ * the stack, a store and a load on their dependency chain), each vector's added as soon as made
+ * and its codes packed by pairs (few registers live) */
+#define MX_SQ(x, d)                                                                                                \
+    (s = _mm256_add_ps(s, _mm256_mul_ps(x, x)), e = _mm256_add_ps(e, _mm256_mul_ps(d, d)))
+#define MX_GROUP(el, sbit)                                                                                         \
+    do {                                                                                                           \
+        __m256i ca, na, cb, nb, c01, n01;                                                                          \
+        __m256 x = _mm256_loadu_ps(w + j), d = el(x, kp, kq, kr, &ca, &na);                                        \
+        MX_SQ(x, d);                                                                                               \
+        x = _mm256_loadu_ps(w + j + 8), d = el(x, kp, kq, kr, &cb, &nb), MX_SQ(x, d);                              \
+        c01 = _mm256_packs_epi32(ca, cb), n01 = _mm256_packs_epi32(na, nb);                                        \
+        x = _mm256_loadu_ps(w + j + 16), d = el(x, kp, kq, kr, &ca, &na), MX_SQ(x, d);                             \
+        x = _mm256_loadu_ps(w + j + 24), d = el(x, kp, kq, kr, &cb, &nb), MX_SQ(x, d);                             \
+        store32_signed(c + j, c01, _mm256_packs_epi32(ca, cb), n01, _mm256_packs_epi32(na, nb), sbit);             \
+    } while (0)
+/* setx: the fast path's constants (kp, kq, kr) of block t, whose shared exponent is se */
+#define MX_ROW_AVX2(name, el, elx, sbit, se_lo, setx)                                                              \
+    AVX static double name(const float *w, uint8_t *c, int64_t k, const float *mult, const float *rcp,              \
+                           const uint8_t *e8, double *sig) {                                                       \
+        __m256 s = _mm256_setzero_ps(), e = s;                                                                     \
+        __m256d sd = _mm256_setzero_pd(), ed = sd;                                                                 \
+        for (int64_t t = 0, j = 0; j < k; t++, j += 32) {                                                          \
+            int se = (int)e8[t] - 127;                                                                             \
+            if (se >= (se_lo) && se <= 16) {                                                                       \
+                const float m = mult[t];                                                                           \
+                setx;                                                                                              \
+                MX_GROUP(elx, sbit);                                                                               \
+            } else {                                                                                               \
+                const __m256 kp = _mm256_set1_ps(mult[t]), kq = _mm256_set1_ps(rcp[t]), kr = kp;                   \
+                MX_GROUP(el, sbit);                                                                                \
+            }                                                                                                      \
+            if ((j + 32) % SQ_SPAN == 0) {                                                                         \
+                sd = _mm256_add_pd(sd, wide4(s)), ed = _mm256_add_pd(ed, wide4(e));                                \
+                s = e = _mm256_setzero_ps();                                                                       \
+            }                                                                                                      \
+        }                                                                                                          \
+        *sig = hsum4d(_mm256_add_pd(sd, wide4(s)));                                                                \
+        return hsum4d(_mm256_add_pd(ed, wide4(e)));                                                                \
+    }
+#define CF(base) _mm256_castsi256_ps(_mm256_set1_epi32(((base) + se) << 23))
+MX_ROW_AVX2(mx8_row_avx2, mx8_el, mx8x_el, 0x80, -117,
+            const __m256 kp = _mm256_set1_ps(448.0f * m); const __m256 kq = CF(121); const __m256 kr = kp)
+MX_ROW_AVX2(mx4_row_avx2, mx4_el, mx4x_el, 0x08, -106,
+            const __m256 kp = _mm256_set1_ps(6.0f * m); const __m256 kq = CF(127); const __m256 kr = _mm256_set1_ps(9.6e-7f * m))
+#undef CF
+#undef MX_ROW_AVX2
+#undef MX_GROUP
+#undef MX_SQ
 
 #endif

@@ -29,7 +29,7 @@ ct-int4                     ditto + weight_zero_point i32 [ceil(n/8),k/G] when a
 ct-nvfp4                    weight_packed u8 [n,k/2], weight_scale e4m3 [n,k/16], weight_global_scale
 ct-mxfp4, ascend-mxfp4      weight_packed / weight u8 [n,k/2], weight_scale u8 E8M0 [n,k/32]
 ascend-w8a8-mxfp8           weight e4m3 [n,k], weight_scale u8 E8M0 [n,k/32] (msModelSlim MX rules;
-ascend-w4a4-mxfp4 / -w4a8   weight u8 [n,k/2], ditto                         scalar C elements)
+ascend-w4a4-mxfp4 / -w4a8   weight u8 [n,k/2], ditto                         AVX2 or scalar C)
 ==========================  ====================================================================
 
 API: ``WeightSource(bf16)`` / ``.fp8(codes, scale_inv, block)``; ``supports``; ``quantize_to_layout(src,

@@ -200,6 +200,51 @@ def test_mx_elements_near_powers_of_two(kernel):
         assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
 
 
+def test_mx_every_bf16_value(kernel):
+    """Every finite bfloat16 value as an MX element, bit for bit with the reference: sorted by
+    magnitude (blocks of like values: every shared exponent down to E8M0's -127, whose multiplier
+    and its reciprocal are subnormal) and shuffled (blocks spanning the whole range: elements that
+    underflow once divided, subnormal and zero elements under a large block max). The AVX2 MX rows
+    take the element clamp on |v| first and build codes from the exponent field (_qkernel_avx2.h),
+    so blocks whose elements lie between the largest element and the next power of two (448..512
+    for E4M3, 6..7 for E2M1 under its rounded-up shared exponent) come last."""
+    b = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    v = b.view(torch.bfloat16).float()
+    v = v[torch.isfinite(v)]
+    v = v[torch.argsort(v.abs(), stable=True)]
+    g = torch.Generator().manual_seed(9)
+    top = torch.tensor([448.0, 460.0, 480.0, 496.0, 504.0, 6.0, 6.5, 6.75, 6.9, 7.0]).repeat_interleave(32)
+    top = top * torch.where(torch.rand(top.shape, generator=g) < 0.5, -1.0, 1.0)
+    rows = torch.cat([v, v[torch.randperm(v.numel(), generator=g)], top])
+    rows = rows[: rows.numel() // 256 * 256].view(-1, 256)
+    src = QK.WeightSource(rows.to(torch.bfloat16))
+    for layout, scheme in MX:
+        sch, lo = get_scheme(scheme), LAYOUTS.get(layout)
+        assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
+@pytest.mark.parametrize("se", [-128, -127, -119, -118, -117, -116, -108, -107, -106, -105, 15, 16, 17, 18, 60],
+                         ids=lambda s: f"se{s}")
+def test_mx_shared_exponents_at_the_fast_paths_edges(kernel, se):
+    """The AVX2 MX rows skip v = w / 2**se where that is exact and every power of two they use is a
+    normal float (shared exponents -117..16 for E4M3, -106..16 for E2M1; _qkernel_avx2.h mx8x_el),
+    else they divide as the scalar does. One weight per shared exponent (its error sums are then
+    not drowned by larger blocks'): blocks whose max sets se for E4M3 (2**(se + 8)) or for E2M1
+    (2**(se + 2)), the rest of each block small (the subnormal grid of the elements, where w_hat
+    uses the smallest power of two) and the smallest bfloat16 values (+-2**-133: once divided by
+    2**17 and more, v rounds to zero and loses w's sign). At the low edges the error squares
+    underflow in float32 whatever w_hat is, so there only the codes and scales tell."""
+    g = torch.Generator().manual_seed(11 + se)
+    tiny = torch.tensor([2.0 ** -133, -(2.0 ** -133), 2.0 ** -132, -(2.0 ** -132)]).repeat(16, 1)
+    for top, schemes in ((se + 8, MX[:1]), (se + 2, MX[1:])):
+        small = torch.rand(16, 27, generator=g) * 2.0 ** (se - 6) * torch.where(torch.rand(16, 27, generator=g) < 0.5, -1.0, 1.0)
+        w = torch.cat([torch.full((16, 1), 2.0 ** min(top, 127)), small, tiny], 1).reshape(2, 256)
+        src = QK.WeightSource(w.to(torch.bfloat16))
+        for layout, scheme in schemes:
+            sch, lo = get_scheme(scheme), LAYOUTS.get(layout)
+            assert_same(run(kernel, src, sch, lo), reference(src, sch, lo))
+
+
 def test_nvfp4_shared_global_scale(kernel):
     """A fused group's scale (`FP4.shared_scale`), given from outside, is used as given."""
     src = bf16_weight((80, 256), seed=4)
