@@ -22,7 +22,8 @@ from cvt.runtime.loader import load_model
 from cvt.testing.checkpoints import write_bf16_checkpoint
 from cvt.testing.checkpoints_qwen3_5 import tiny_qwen3_5_config, tiny_qwen3_next_config
 from cvt.tests.quant.test_stage import weight_only
-from cvt.tests.quant.vllm_ascend_referee import _Embed, _Lin, _MoE, _Plain, read_headers
+from cvt.tests.quant.vllm_ascend_referee import read_headers
+from cvt.tests.quant.vllm_ascend_referee_layouts import _Embed, _Lin, _MoE, _Plain
 from cvt.tests.quant.vllm_ascend_referee_qwen3_5 import _map, draft_layout, layout, model_of, route
 
 KINDS = ("moe", "dense", "next")

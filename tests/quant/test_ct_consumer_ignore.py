@@ -30,8 +30,8 @@ import torch
 from cvt.quant.stage import quantize
 from cvt.testing.checkpoints import (kimi_int4_tensors, tiny_deepseek_config, tiny_kimi_k25_config, write_bf16_checkpoint,
                                      write_release)
-from cvt.tests.quant.vllm_ascend_referee import (_Lin, _MoE, _class_packed_mapping, _deepseek_layout, _kimi_k25_layout,
-                                                 read_headers)
+from cvt.tests.quant.vllm_ascend_referee import read_headers
+from cvt.tests.quant.vllm_ascend_referee_layouts import _class_packed_mapping, _deepseek_layout, _kimi_k25_layout, _Lin, _MoE
 
 pytest.importorskip("compressed_tensors")
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from cvt.tests.quant.vllm_ascend_referee import _vllm_ascend
+from cvt.tests.quant.vllm_ascend_referee_stubs import _vllm_ascend
 
 METHOD = "vllm_ascend.quantization.methods.w4a4_flatquant"
 

@@ -53,9 +53,11 @@ from pathlib import Path
 
 import torch
 
-from cvt.tests.quant.vllm_ascend_referee import (_CFG_DTYPES, _ROTARY_UNUSED, _Attn, _Embed, _experts, _fake, _Lin,
-                                                _mlp, _MoE, _Plain, _run_pass, _vllm_ascend, _vllm_remap_kv_scale,
-                                                open_output, read_headers, Report)
+from cvt.tests.quant.vllm_ascend_referee import _CFG_DTYPES, _run_pass, open_output, read_headers, Report
+from cvt.tests.quant.vllm_ascend_referee_layouts import _Attn, _Embed, _Lin, _mlp, _MoE, _Plain
+from cvt.tests.quant.vllm_ascend_referee_routes import _ROTARY_UNUSED, _experts, _vllm_remap_kv_scale
+from cvt.tests.quant.vllm_ascend_referee_slots import _fake
+from cvt.tests.quant.vllm_ascend_referee_stubs import _vllm_ascend
 
 F32 = torch.float32
 

@@ -204,7 +204,9 @@ def test_vllm_ascend_main_declares_what_the_output_holds(outputs):
     ``…self_attn.mla_attn.mla_attn`` and load from ``…self_attn.{local}`` (get_cache_scale_mapper)."""
     from pathlib import Path
 
-    from cvt.tests.quant.vllm_ascend_referee import _Attn, _declare_attention, _vllm_ascend
+    from cvt.tests.quant.vllm_ascend_referee_layouts import _Attn
+    from cvt.tests.quant.vllm_ascend_referee_slots import _declare_attention
+    from cvt.tests.quant.vllm_ascend_referee_stubs import _vllm_ascend
 
     src = Path(os.environ["CVT_VLLM_ASCEND_SRC"])
     src = src.parent if src.name == "vllm_ascend" else src
