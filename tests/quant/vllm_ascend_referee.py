@@ -37,7 +37,10 @@ Problems reported (an empty list = it loads):
 DeepSeek MTP layers are skipped by the main model (as vLLM does) and checked as vLLM's
 DeepSeekMTP draft model loads them; their problems start with ``[MTP draft]``.
 
-Approximations are listed in ``APPROXIMATIONS``. Nothing here is imported by cvt.
+Approximations are listed in ``APPROXIMATIONS``. Nothing here is imported by cvt. The parts live
+beside this driver: ``vllm_ascend_referee_stubs`` (the stubs, ``_vllm_ascend``), ``_layouts`` (vLLM's
+model layouts), ``_slots`` (parameters declared through vllm-ascend, the loaders' dtype / shape
+rules), ``_routes`` (load_weights name routing).
 """
 
 from __future__ import annotations

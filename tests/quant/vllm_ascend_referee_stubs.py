@@ -118,6 +118,55 @@ class _Env:
     moe_bases: tuple = ()      # main: what _is_fused_moe_layer checks (MoERunner, RoutedExperts)
 
 
+def _patch_stubs(hf_config: dict, dtype: torch.dtype) -> NS:
+    """Give the stubs what vllm-ascend's quantization code calls at import and create time (tp=1, no
+    EP / EPLB / MC2, the 0.23 version checks); returns the stub VllmConfig."""
+    import vllm.config as vc
+    import vllm.distributed as vd
+    import vllm.model_executor.layers.fused_moe as vfm
+    import vllm.model_executor.layers.quantization as vq
+    import vllm.model_executor.layers.quantization.base_config as vqb
+    import vllm.model_executor.parameter as vp
+    import vllm.model_executor.utils as vmu
+    import vllm.utils.math_utils as vmath
+    import vllm_ascend.ascend_config as ac
+    import vllm_ascend.distributed.parallel_state as ps
+    import vllm_ascend.utils as vu
+
+    holder = NS(
+        quant_config=None,
+        compilation_config=NS(mode=0),
+        model_config=NS(enforce_eager=True, dtype=dtype, hf_config=NS(**hf_config),
+                        use_mla="kv_lora_rank" in hf_config.get("text_config", hf_config)),
+        parallel_config=NS(enable_expert_parallel=False, tensor_parallel_size=1, enable_eplb=False),
+        kv_transfer_config=None,
+        use_v2_model_runner=False,  # main's MoE schemes read it
+    )
+    vc.get_current_vllm_config = lambda: holder
+    vc.get_current_vllm_config_or_none = lambda: holder
+    vd.get_tensor_model_parallel_world_size = lambda: 1
+    vd.get_tensor_model_parallel_rank = lambda: 0
+    vq.register_quantization_config = lambda name: (lambda cls: cls)
+    vqb.QuantizationConfig = _QuantizationConfig
+    vp.PerTensorScaleParameter = _PerTensorScaleParameter
+    vmu.set_weight_attrs = _set_weight_attrs
+    vmath.cdiv = lambda a, b: -(-a // b)  # main's MX linear methods size scales with it
+    vfm.FusedMoeWeightScaleSupported = enum.Enum(
+        "FusedMoeWeightScaleSupported", {"TENSOR": "tensor", "CHANNEL": "channel", "GROUP": "group",
+                                         "BLOCK": "block"})
+    ac.get_ascend_config = lambda: NS(eplb_config=NS(dynamic_eplb=False), multistream_overlap_gate=False,
+                                      enable_fused_mc2=0)
+    vu.vllm_version_is = lambda v: v == "0.23.0"
+    vu.COMPRESSED_TENSORS_METHOD = "compressed-tensors"
+    vu.ASCEND_QUANTIZATION_METHOD = "ascend"
+
+    def _no_mc2():  # the MoE schemes catch exactly this off-device
+        raise AttributeError("no mc2 group off-device")
+
+    ps.get_mc2_group = _no_mc2
+    return holder
+
+
 @contextlib.contextmanager
 def _vllm_ascend(va_src: Path, hf_config: dict, dtype: torch.dtype):
     """Import vllm-ascend's quantization package from ``va_src`` on stubs; undo everything after."""
@@ -139,51 +188,10 @@ def _vllm_ascend(va_src: Path, hf_config: dict, dtype: torch.dtype):
         pkg.__path__ = [str(Path(va_src) / "vllm_ascend")]
         sys.modules["vllm_ascend"] = pkg
 
-        import vllm.config as vc
-        import vllm.distributed as vd
-        import vllm.model_executor.layers.fused_moe as vfm
-        import vllm.model_executor.layers.quantization as vq
-        import vllm.model_executor.layers.quantization.base_config as vqb
-        import vllm.model_executor.parameter as vp
-        import vllm.model_executor.utils as vmu
-        import vllm.utils.math_utils as vmath
-        import vllm_ascend.ascend_config as ac
-        import vllm_ascend.distributed.parallel_state as ps
-        import vllm_ascend.utils as vu
-
-        holder = NS(
-            quant_config=None,
-            compilation_config=NS(mode=0),
-            model_config=NS(enforce_eager=True, dtype=dtype, hf_config=NS(**hf_config),
-                            use_mla="kv_lora_rank" in hf_config.get("text_config", hf_config)),
-            parallel_config=NS(enable_expert_parallel=False, tensor_parallel_size=1, enable_eplb=False),
-            kv_transfer_config=None,
-            use_v2_model_runner=False,  # main's MoE schemes read it
-        )
-        vc.get_current_vllm_config = lambda: holder
-        vc.get_current_vllm_config_or_none = lambda: holder
-        vd.get_tensor_model_parallel_world_size = lambda: 1
-        vd.get_tensor_model_parallel_rank = lambda: 0
-        vq.register_quantization_config = lambda name: (lambda cls: cls)
-        vqb.QuantizationConfig = _QuantizationConfig
-        vp.PerTensorScaleParameter = _PerTensorScaleParameter
-        vmu.set_weight_attrs = _set_weight_attrs
-        vmath.cdiv = lambda a, b: -(-a // b)  # main's MX linear methods size scales with it
-        vfm.FusedMoeWeightScaleSupported = enum.Enum(
-            "FusedMoeWeightScaleSupported", {"TENSOR": "tensor", "CHANNEL": "channel", "GROUP": "group",
-                                             "BLOCK": "block"})
-        ac.get_ascend_config = lambda: NS(eplb_config=NS(dynamic_eplb=False), multistream_overlap_gate=False,
-                                          enable_fused_mc2=0)
-        vu.vllm_version_is = lambda v: v == "0.23.0"
-        vu.COMPRESSED_TENSORS_METHOD = "compressed-tensors"
-        vu.ASCEND_QUANTIZATION_METHOD = "ascend"
-
-        def _no_mc2():  # the MoE schemes catch exactly this off-device
-            raise AttributeError("no mc2 group off-device")
-
-        ps.get_mc2_group = _no_mc2
+        holder = _patch_stubs(hf_config, dtype)
 
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        from vllm.model_executor.layers.fused_moe import FusedMoE
         from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
         from vllm.model_executor.layers.vocab_parallel_embedding import (
             VocabParallelEmbedding,
@@ -195,7 +203,7 @@ def _vllm_ascend(va_src: Path, hf_config: dict, dtype: torch.dtype):
         moe = getattr(modelslim_config, "_is_fused_moe_layer", None)  # main: isinstance of these
         bases = tuple(getattr(modelslim_config, n) for n in ("MoERunner", "RoutedExperts")
                       if moe is not None and isinstance(getattr(modelslim_config, n, None), type))
-        yield _Env(modelslim_config, method_adapters, kv_c8, LinearBase, RowParallelLinear, vfm.FusedMoE,
+        yield _Env(modelslim_config, method_adapters, kv_c8, LinearBase, RowParallelLinear, FusedMoE,
                    AttentionLayerBase, VocabParallelEmbedding, holder, bases)
     finally:
         torch.set_default_dtype(default_dtype)
