@@ -197,6 +197,20 @@ def _c8_cache_name(cfg, name: str) -> str | None:
     return None
 
 
+def _stacked_rename(name: str, params: set[str], ignore: tuple[str, ...]):
+    """A Qwen3 / Qwen3-MoE checkpoint name just renamed to its fused (stacked) parameter: ("drop", name)
+    where vLLM drops it (an ``ignore`` suffix with no such parameter, or a scale that
+    maybe_remap_kv_scale_name maps to nothing), else (None, the name to look up)."""
+    if name.endswith(ignore) and name not in params:
+        return "drop", name
+    if name.endswith("scale"):
+        r = _vllm_remap_kv_scale(name, params)
+        if r is None:
+            return "drop", name
+        name = r
+    return None, name
+
+
 def _route_qwen3(name: str, params: set[str], c: dict, cfg):
     """Qwen3ForCausalLM.load_weights as patched by vllm-ascend (patch_gqa_c8: C8 scales through
     get_cache_scale first), then Qwen2Model.load_weights (qwen2.py)."""
@@ -209,14 +223,9 @@ def _route_qwen3(name: str, params: set[str], c: dict, cfg):
     for pn, wn, sid in _QWEN3_STACKED:
         if wn not in name:
             continue
-        name = name.replace(wn, pn)
-        if name.endswith(".bias") and name not in params:
-            return "drop", name
-        if name.endswith("scale"):
-            r = _vllm_remap_kv_scale(name, params)
-            if r is None:
-                return "drop", name
-            name = r
+        verdict, name = _stacked_rename(name.replace(wn, pn), params, (".bias",))
+        if verdict is not None:
+            return verdict, name
         if name not in params:
             return "keyerror", name
         return "load", (name, sid, None)
@@ -246,14 +255,9 @@ def _route_qwen3_moe(name: str, params: set[str], c: dict, cfg):
             continue
         if "mlp.experts" in name:
             continue
-        name = name.replace(wn, pn)
-        if name.endswith(_QWEN3_MOE_IGNORE) and name not in params:
-            return "drop", name
-        if name.endswith("scale"):
-            r = _vllm_remap_kv_scale(name, params)
-            if r is None:
-                return "drop", name
-            name = r
+        verdict, name = _stacked_rename(name.replace(wn, pn), params, _QWEN3_MOE_IGNORE)
+        if verdict is not None:
+            return verdict, name
         if name not in params:
             continue  # vLLM: `continue` with the renamed name (it ends up dropped below)
         return "load", (name, sid, None)
