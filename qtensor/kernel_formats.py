@@ -12,5 +12,6 @@ MXFP8 = "mxfp8"                # E4M3 weights, block 32, E8M0 scales; MXFP8 acti
 W4A4_MXFP4 = "w4a4_mxfp4"      # E2M1 weights, block 32, E8M0 scales; MXFP4 activations (Ascend W4A4_MXFP4)
 W4A8_MXFP = "w4a8_mxfp"        # E2M1 weights, block 32, E8M0 scales; MXFP8 activations (Ascend W4A8_MXFP)
 W4A4_FLATQUANT = "w4a4_flatquant"  # int4 weights per channel, online Kronecker transform, int4 activations
+W4A4_MXFP4_FLATQUANT = "w4a4_mxfp4_flatquant"  # MXFP4 weights, online Kronecker transform, MXFP4 activations
 FP8_BLOCK = "fp8_block"        # an FP8 release's e4m3 weights with 128x128 block scales
 DENSE = "dense"                # a float weight

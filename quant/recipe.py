@@ -75,9 +75,9 @@ for _m in (
     Method(AWQ, "activation-aware scales folded into the producer and a clipping search, then RTN", data=True),
     Method(FLATQUANT, "the online Kronecker transforms and activation clip fitted per input site on calibration "
                       "rows (output MSE, Adam from the Hadamard start), then RTN behind them", data=True,
-           kernels=(KF.W4A4_FLATQUANT,),
+           kernels=(KF.W4A4_FLATQUANT, KF.W4A4_MXFP4_FLATQUANT),
            why_not="it fits the online Kronecker transforms (left_trans / right_trans / clip_ratio) that only "
-                   "w4a4_flatquant carries"),
+                   "w4a4_flatquant and w4a4_mxfp4_flatquant carry"),
 ):
     METHOD_TABLE.add(_m.name, _m)
 METHODS = tuple(METHOD_TABLE)                 # registration order: rtn first, the default

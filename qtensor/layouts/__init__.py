@@ -11,7 +11,8 @@ loader all read these entries; adding a layout is one entry in `entries` (or `en
 base        DiskTensor, Layout, the LAYOUTS registry, the formats and targets, shared helpers
 entries     the W8A8, W4A16, FP4 and W4A8_DYNAMIC entries (Ascend and compressed-tensors)
 entries_mx  the Ascend 950 MX entries (W8A8_MXFP8, W4A4_MXFP4, W4A8_MXFP)
-entries_flatquant  the Ascend W4A4_FLATQUANT_DYNAMIC entry (linears; online Kronecker transforms)
+entries_flatquant  the Ascend W4A4_FLATQUANT_DYNAMIC and W4A4_MXFP4_FLATQUANT entries (linears; online Kronecker
+                   transforms)
 selection   kernel_fmt_of, fuses, targets, `select` and `read_layout` over the registry
 
 This package imports the entry modules in that order (the registry's order, which `select`

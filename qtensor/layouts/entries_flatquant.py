@@ -81,3 +81,56 @@ FLATQUANT_LAYOUT = register(Layout(
      DiskTensor("weight_offset", "F32", (N, 1)), DiskTensor("left_trans", "BF16", (KL, KL)),
      DiskTensor("right_trans", "BF16", (KR, KR)), DiskTensor("clip_ratio", "F32", (1,))),
     _encode, _decode, grouping="channel", linears_only=True, splits_k=False))
+
+
+# ---- W4A4_MXFP4_FLATQUANT (Ascend 950) ------------------------------------------------------------
+# vllm-ascend main (182b75ea84) ``quantization/methods/w4a4_mxfp4_flatquant.py`` get_weight /
+# get_pertensor_param / get_pergroup_param: weight U8 [n, k/2] (E2M1 two per byte, element 2j in the
+# low nibble: the W4A4_MXFP4 packing), weight_scale U8 [n, k/32] (E8M0), left_trans / right_trans in
+# the params dtype with the sizes of `cvt.qtensor.schemes.flatquant_mx.trans_dims` (a RowParallelLinear's
+# differ from the others'), clip_ratio F32 [1]; no weight_offset. Registered for "linear" only; the
+# description's group_size is 32 (the method's default). A row layer's transforms are sized for the
+# whole k with max_supported_tp diagonal blocks; cvt writes dense ones, so a TP split along k is refused.
+MX_TAG = "W4A4_MXFP4_FLATQUANT"
+MX_SUFFIXES = ("weight", "weight_scale", "left_trans", "right_trans", "clip_ratio")
+
+
+def _encode_mx(q: QuantizedTensor) -> dict[str, torch.Tensor]:
+    p = q.parts
+    return {"weight": P.pack_fp4(p["weight_fp4"]), "weight_scale": p["weight_scale"].view(torch.uint8),
+            "left_trans": p["left_trans"].to(torch.bfloat16), "right_trans": p["right_trans"].to(torch.bfloat16),
+            "clip_ratio": p["clip_ratio"].to(torch.float32).reshape(1)}
+
+
+def _decode_mx(module: str, d: dict) -> QuantizedTensor:
+    from cvt.qtensor import mx as MX
+    from cvt.qtensor.schemes.flatquant_mx import W4A4MXFP4FlatQuant, trans_dims
+
+    t = _take(module, d, MX_SUFFIXES)
+    codes = P.unpack_fp4(_expect(f"{module}.weight", t["weight"], (torch.uint8,)))
+    if codes.dim() != 2 or codes.shape[1] % MX.BLOCK:
+        raise FormatError(f"{module}.weight unpacks to {list(codes.shape)}: expected 2-D [n, k], k a multiple of 32")
+    n, k = codes.shape
+    dims = trans_dims(k, False)
+    if dims is None:
+        raise FormatError(f"{module}: in_features {k} has no W4A4_MXFP4_FLATQUANT Kronecker factors")
+    a, b = dims
+    sc = _expect(f"{module}.weight_scale", t["weight_scale"], (torch.uint8, torch.float8_e8m0fnu), (n, k // MX.BLOCK))
+    left = _expect(f"{module}.left_trans", t["left_trans"], FLOATS, (a, a))
+    right = _expect(f"{module}.right_trans", t["right_trans"], FLOATS, (b, b))
+    clip = _expect(f"{module}.clip_ratio", t["clip_ratio"], FLOATS).to(torch.float32).reshape(-1)
+    if clip.numel() != 1 or not 0 < float(clip[0]) <= 1:
+        raise FormatError(f"{module}.clip_ratio is {clip.tolist()}: expected one value in (0, 1]")
+    P.check_finite(left, f"{module}.left_trans")
+    P.check_finite(right, f"{module}.right_trans")
+    parts = {"weight_fp4": codes, "weight_scale": sc.view(torch.uint8), "left_trans": left, "right_trans": right,
+             "clip_ratio": clip}
+    return QuantizedTensor(W4A4MXFP4FlatQuant.name, KF.W4A4_MXFP4_FLATQUANT, (n, k), parts, 32, True)
+
+
+MXFP4_FLATQUANT_LAYOUT = register(Layout(
+    "ascend-w4a4-mxfp4-flatquant", KF.W4A4_MXFP4_FLATQUANT, ASCEND, (VLLM_ASCEND,), MX_TAG,
+    (DiskTensor("weight", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "U8", (N, ("k", 32))),
+     DiskTensor("left_trans", "BF16", (KL, KL)), DiskTensor("right_trans", "BF16", (KR, KR)),
+     DiskTensor("clip_ratio", "F32", (1,))),
+    _encode_mx, _decode_mx, linears_only=True, splits_k=False, device="Ascend 950"))

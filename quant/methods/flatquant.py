@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from cvt.errors import CvtError, OptionError
-from cvt.qtensor.schemes.flatquant import decompose_dim, init_transforms
+from cvt.qtensor.schemes.flatquant import init_transforms
 from cvt.qtensor.schemes.w4a8 import QDIV, QMAX, QMIN
 from cvt.quant.recipe import FLATQUANT_FIT
 
@@ -110,44 +110,66 @@ def _fake_quant_rows(x: torch.Tensor, clip: torch.Tensor | float) -> torch.Tenso
     return torch.clamp(_round_ste(x / scale), QMIN, QMAX) * scale
 
 
+def _fake_mx(x: torch.Tensor) -> torch.Tensor:
+    """MXFP4 per block of 32 along each row (`cvt.qtensor.mx`: exponents from the detached block
+    max, E2M1 elements with a straight-through gradient): `w4a4_mxfp4_flatquant`'s quantizer."""
+    from cvt.qtensor import mx as MX
+
+    g = x.reshape(x.shape[0], -1, MX.BLOCK)
+    s = (2 ** MX.shared_exponent(g.detach().abs().amax(dim=-1), MX.FP4))[..., None]
+    v = g / s
+    return (((MX.quantize_elements(v.detach(), MX.FP4) - v).detach() + v) * s).reshape(x.shape)
+
+
 def _fake_output(x: torch.Tensor, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
-                 clip: torch.Tensor, wclip: torch.Tensor) -> torch.Tensor:
-    """The differentiable stand-in of the quantized layer: x [m, k], w [n, k] -> [m, n]."""
+                 clip: torch.Tensor, wclip: torch.Tensor | None, mx: bool = False) -> torch.Tensor:
+    """The differentiable stand-in of the quantized layer: x [m, k], w [n, k] -> [m, n] (`mx`:
+    MXFP4 for both, no clips)."""
     a, b = left.shape[0], right.shape[0]
     xt = (left.T @ (x.reshape(-1, a, b) @ right)).reshape(x.shape[0], a * b)
     wf = (torch.linalg.inv(left) @ w.reshape(-1, a, b) @ torch.linalg.inv(right).T).reshape(w.shape)
+    if mx:
+        return _fake_mx(xt) @ _fake_mx(wf).T
     return _fake_quant_rows(xt, clip) @ _fake_quant_rows(wf, wclip).T
 
 
 def site_loss(x: torch.Tensor, weights: list[torch.Tensor], left: torch.Tensor, right: torch.Tensor,
-              clip: float, weight_clips: list | None = None) -> float:
+              clip: float, weight_clips: list | None = None, scheme=None, names: list | None = None) -> float:
     """sum_i |y_i - X W_i^T|^2 / sum_i numel of the linears quantized with these transforms, run
-    through the runtime kernel (`cvt.runtime.kernels.flatquant`), x [m, k] float32."""
+    through the scheme's runtime kernel (`cvt.runtime.kernels.flatquant`), x [m, k] float32.
+    `scheme`: w4a4_flatquant (None) or w4a4_mxfp4_flatquant; `names` the linears' (its row rule)."""
     from cvt.qtensor.schemes.flatquant import W4A4FlatQuant
-    from cvt.runtime.kernels.flatquant import W4A4FlatQuantLinear
+    from cvt.runtime.kernels import get as kernel
 
-    scheme, err, total = W4A4FlatQuant(), 0.0, 0
+    scheme = scheme or W4A4FlatQuant()
+    linear, err, total = kernel(scheme.kernel_fmt()), 0.0, 0
     with torch.no_grad():
         for i, w in enumerate(weights):
-            q = scheme.quantize_with(w, left, right, clip, weight_clip=None if weight_clips is None else weight_clips[i])
-            y = W4A4FlatQuantLinear.from_parts(q.parts).reference(x)
+            q = scheme.quantize_with(w, left, right, clip, name=names[i] if names else None,
+                                     weight_clip=None if weight_clips is None else weight_clips[i])
+            y = linear.from_parts(q.parts).reference(x)
             err += float((y - x @ w.T).pow(2).sum(dtype=torch.float64))
             total += y.numel()
     return err / max(total, 1)
 
 
 def fit(x: torch.Tensor, weights: list[torch.Tensor], *, steps: int = STEPS, lr: float = LR,
-        seed: int = SEED) -> FlatFit:
+        seed: int = SEED, scheme=None, names: list | None = None) -> FlatFit:
     """Fit L, R and the clip of one input site (module doc): x [m, k] its calibration rows,
-    `weights` [n_i, k] the float weights of the linears reading it."""
+    `weights` [n_i, k] the float weights of the linears reading it, `names` theirs. `scheme`:
+    w4a4_flatquant (None) or w4a4_mxfp4_flatquant, whose MXFP4 quantizer the fit then uses (its
+    transform sizes and start too; E8M0 block exponents leave no clip to learn: clips stay 1)."""
+    from cvt.qtensor import kernel_formats as KF
+
+    mx = scheme is not None and scheme.kernel_fmt() == KF.W4A4_MXFP4_FLATQUANT
     x = x.detach().to(torch.float32)
     ws = [w.detach().to(torch.float32) for w in weights]
     k = x.shape[1]
-    left0, right0 = init_transforms(k, seed)
-    loss_init = site_loss(x, ws, left0, right0, 1.0)
+    name0 = names[0] if names else None
+    left0, right0 = scheme.init_transforms(k, name0, seed) if mx else init_transforms(k, seed)
+    loss_init = site_loss(x, ws, left0, right0, 1.0, scheme=scheme, names=names)
     if steps == 0 or x.shape[0] == 0:
         return FlatFit(left0, right0, 1.0, None, loss_init, loss_init, False)
-    a, b = decompose_dim(k)
     w = torch.cat(ws)
     ref = x @ w.T
     norm = ref.pow(2).mean().clamp(min=1e-30)   # the loss in units of the output's power: lr means the same anywhere
@@ -155,18 +177,18 @@ def fit(x: torch.Tensor, weights: list[torch.Tensor], *, steps: int = STEPS, lr:
     right = right0.to(torch.float32).clone().requires_grad_(True)
     c = torch.full((1,), CLIP_INIT, requires_grad=True)
     cw = torch.full((w.shape[0], 1), CLIP_INIT, requires_grad=True)
-    adam = _Adam([(left, lr), (right, lr), (c, lr * 10), (cw, lr * 10)], steps)
+    adam = _Adam([(left, lr), (right, lr)] + ([] if mx else [(c, lr * 10), (cw, lr * 10)]), steps)
     with torch.enable_grad(), _threads_for(6 * x.shape[0] * k * w.shape[0]):
         for _ in range(steps):
-            loss = (_fake_output(x, w, left, right, torch.sigmoid(c), torch.sigmoid(cw)) - ref).pow(2).mean() / norm
+            loss = (_fake_output(x, w, left, right, torch.sigmoid(c), torch.sigmoid(cw), mx) - ref).pow(2).mean() / norm
             left.grad = right.grad = c.grad = cw.grad = None
             loss.backward()
             adam.step()
     left_b, right_b = left.detach().to(torch.bfloat16), right.detach().to(torch.bfloat16)
-    clip = float(torch.sigmoid(c.detach()).to(torch.float32))
-    wclips = list(torch.sigmoid(cw.detach()).split([wi.shape[0] for wi in ws]))
+    clip = 1.0 if mx else float(torch.sigmoid(c.detach()).to(torch.float32))
+    wclips = None if mx else list(torch.sigmoid(cw.detach()).split([wi.shape[0] for wi in ws]))
     try:  # a fit that left a transform singular in bfloat16 (or a clip of 0) is not kept
-        loss = site_loss(x, ws, left_b, right_b, clip, wclips)
+        loss = site_loss(x, ws, left_b, right_b, clip, wclips, scheme=scheme, names=names)
     except (CvtError, torch.linalg.LinAlgError):
         loss = float("inf")
     if not loss < loss_init:
@@ -194,7 +216,7 @@ def flatquant_site(lc, name: str, site, stats: dict) -> None:
                               f"but --method {lc.method[other[0]]}: vLLM fuses them into one layer with one set of "
                               "transforms, so give them the same method")
         found = fit(site.samples(), [lc.linears[t].weight for t in peers], steps=o["flatquant_steps"],
-                    lr=o["flatquant_lr"], seed=o["flatquant_seed"])
+                    lr=o["flatquant_lr"], seed=o["flatquant_seed"], scheme=lc.schemes[name], names=peers)
         lc.flat_fits[key] = (found, peers)
     found, peers = lc.flat_fits[key]
     mod, scheme = lc.linears[name], lc.schemes[name]

@@ -89,7 +89,8 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
             continue
         shape = weight_shape(ckpt, params)
         why = (shape_problem(line, layouts.kernel_fmt_of(scheme), expert=expert, k=shape[1])
-               or scheme.shape_problem(shape))
+               or (scheme.shape_problem(shape, module) if getattr(scheme, "row_sensitive", False)
+                   else scheme.shape_problem(shape)))
         if why is not None:  # the consumer cannot load this shape: float, unless a recipe asked for it
             if choice.explicit:
                 raise FormatError(f"{module}: {why}")

@@ -34,6 +34,8 @@ Formats (canonical in-memory parts; `cvt.qtensor.layouts` reads every packed on-
                 parts: the loader picks by the manifest's kernel_fmt)                (mx.py)
   w4a4_flatquant  weight_int4 i8 [n,k], weight_scale [n,1], left_trans [a,a], right_trans
                 [b,b], clip_ratio [1]; Kronecker transform, int4 per-token acts     (flatquant.py)
+  w4a4_mxfp4_flatquant  weight_fp4 u8 codes [n,k], weight_scale u8 E8M0 [n,k/32], left_trans,
+                right_trans, clip_ratio; Kronecker transform, MXFP4 acts             (flatquant.py)
 
 The Ascend fast path (w8a8_dynamic, w8a8_static, w4a16) lives in npu.py: `prepare_for_npu()`
 once at load, then `forward` uses torch_npu when `npu.enabled(x.device)`.
@@ -45,7 +47,7 @@ from cvt.runtime.kernels.linear import FORMATS, Linear, for_parts, get, register
 
 # Importing a format module registers its class (registration order = for_parts search order).
 from cvt.runtime.kernels import fp8_block, int8, int4, w4a8, fp4, mx, flatquant, npu  # noqa: E402,F401  isort: skip
-from cvt.runtime.kernels.flatquant import W4A4FlatQuantLinear  # noqa: E402
+from cvt.runtime.kernels.flatquant import W4A4FlatQuantLinear, W4A4MxFp4FlatQuantLinear  # noqa: E402
 from cvt.runtime.kernels.fp4 import MxFp4Linear, NvFp4Linear  # noqa: E402
 from cvt.runtime.kernels.fp8_block import Fp8BlockLinear  # noqa: E402
 from cvt.runtime.kernels.int4 import W4A16Linear  # noqa: E402
@@ -55,4 +57,5 @@ from cvt.runtime.kernels.w4a8 import W4A8DynamicLinear  # noqa: E402
 
 __all__ = ["FORMATS", "Linear", "for_parts", "get", "register", "Fp8BlockLinear", "W8A8DynamicLinear",
            "W8A8StaticLinear", "W4A16Linear", "W4A8DynamicLinear", "NvFp4Linear", "MxFp4Linear",
-           "MxFp8Linear", "W4A4MxFp4Linear", "W4A8MxFpLinear", "W4A4FlatQuantLinear"]
+           "MxFp8Linear", "W4A4MxFp4Linear", "W4A8MxFpLinear", "W4A4FlatQuantLinear",
+           "W4A4MxFp4FlatQuantLinear"]

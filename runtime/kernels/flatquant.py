@@ -89,3 +89,80 @@ class W4A4FlatQuantLinear(FusedOrReference, Linear):
         """The weight in the activations' original basis (`cvt.qtensor.schemes.flatquant.unfold`)."""
         wq = self.weight_int4.to(torch.float32) * self.weight_scale.to(torch.float32)
         return unfold(wq, self.left_trans, self.right_trans)
+
+
+@register
+class W4A4MxFp4FlatQuantLinear(FusedOrReference, Linear):
+    """Ascend 950 W4A4_MXFP4_FLATQUANT (vllm-ascend main 182b75ea84 ``quantization/methods/
+    w4a4_mxfp4_flatquant.py``). process_weights_after_loading: ``left_trans`` transposed (kronecker_p1),
+    the row-parallel diagonal block of this rank (the whole matrix at TP 1), ``aclnn_clip_ratio =
+    clip_ratio.item()``. apply: ``x.view(-1, a, b)``; ``npu_kronecker_quant(x, left^T, right, clip,
+    dst_dtype=float4_e2m1fn_x2)`` -- the transform ``p1 @ (x @ p2)`` of aclnnFlatQuant, here in
+    float32 after the transforms are cast to x's dtype, then MXFP4 per block of 32 along the token
+    with E8M0 scales (`cvt.qtensor.schemes.flatquant_mx.quantize_activations_mx`: msModelSlim's MXFP4
+    rules with the block max times clip_ratio; CANN documents only the int4 mode's clip, so the MX
+    mode's is cvt's reading); then ``npu_quant_matmul`` of the two MXFP4 operands with both E8M0
+    scale sets, group_sizes [1, 1, 32], the bias inside, one cast to x's dtype (aclnnQuantMatmulV5,
+    FLOAT4_E2M1 x FLOAT4_E2M1 with FLOAT8_E8M0 scales). The products of MX values are exact in
+    float32; the sum order is torch's. No fused Ascend path."""
+
+    fmt = KF.W4A4_MXFP4_FLATQUANT
+    parts = ("weight_fp4", "weight_scale", "left_trans", "right_trans", "clip_ratio")
+
+    @classmethod
+    def from_parts(cls, parts, bias=None) -> "W4A4MxFp4FlatQuantLinear":
+        from cvt.qtensor import mx as MX
+
+        p = take(cls.fmt, cls.parts, parts)
+        codes = p["weight_fp4"]
+        n, k = check_2d(cls.fmt, "weight_fp4", codes, (torch.uint8,))
+        if k % MX.BLOCK or bool((codes > 15).any()):
+            raise TensorError(f"{cls.fmt} part 'weight_fp4' ({desc(codes)}) must be unpacked E2M1 codes 0..15 with "
+                              f"in_features a multiple of {MX.BLOCK}")
+        s = check(cls.fmt, "weight_scale", p["weight_scale"], (torch.uint8, torch.float8_e8m0fnu), (n, k // MX.BLOCK),
+                  "E8M0 exponents, one per 32 elements")
+        left, right = p["left_trans"], p["right_trans"]
+        a, b = left.shape[0], right.shape[0]
+        check(cls.fmt, "left_trans", left, FLOATS, (a, a), "square")
+        check(cls.fmt, "right_trans", right, FLOATS, (b, b), f"square, {a} x its size = in_features {k}")
+        if a * b != k:
+            raise TensorError(f"{cls.fmt}: left_trans {a} x right_trans {b} != in_features {k} (the method's "
+                              "dimension mismatch)")
+        check_finite(cls.fmt, "left_trans", left)
+        check_finite(cls.fmt, "right_trans", right)
+        clip = check(cls.fmt, "clip_ratio", p["clip_ratio"], FLOATS).float().reshape(-1)
+        if clip.numel() != 1 or not 0 < float(clip[0]) <= 1:
+            raise TensorError(f"{cls.fmt} part 'clip_ratio' is {clip.tolist()}: expected one value in (0, 1]")
+        mod = new_module(cls, n, k, bias)
+        mod.register_buffer("weight_fp4", codes)
+        mod.register_buffer("weight_scale", s.view(torch.uint8))
+        mod.register_buffer("left_trans", left)
+        mod.register_buffer("right_trans", right)
+        mod.clip = float(clip[0])
+        return mod
+
+    def prepare_for_npu(self) -> None:
+        """Nothing to lay out: no fused Ascend path for this format (class docstring)."""
+
+    def transformed(self, x2: torch.Tensor) -> torch.Tensor:
+        dt = x2.dtype if x2.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        return transform(x2, self.left_trans.to(dt), self.right_trans.to(dt))
+
+    def folded_weight(self) -> torch.Tensor:
+        """deq(W'), float32 [n, k] (exact): the weight the GEMM multiplies the transformed tokens by."""
+        from cvt.qtensor import mx as MX
+        from cvt.qtensor.primitives import decode_e2m1
+
+        return MX.mx_dequantize(decode_e2m1(self.weight_fp4), MX.e8m0_exponents(self.weight_scale))
+
+    def reference(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [m, k]`` -> ``[m, n]`` in x2's dtype (class docstring)."""
+        from cvt.qtensor.schemes.flatquant_mx import quantize_activations_mx
+
+        y = quantize_activations_mx(self.transformed(x2), self.clip) @ self.folded_weight().t()
+        if self.bias is not None:
+            y = y + self.bias.to(torch.float32)
+        return y.to(x2.dtype)
+
+    def dense_weight(self) -> torch.Tensor:
+        return unfold(self.folded_weight(), self.left_trans, self.right_trans)

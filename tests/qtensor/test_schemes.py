@@ -104,9 +104,10 @@ def reference(name, opts, w):
 # ---- the protocol ---------------------------------------------------------------------------------
 
 def test_registry():
-    assert scheme_names() == ["fp4", "mxfp8", "w4a16", "w4a4_flatquant", "w4a4_mxfp4", "w4a8", "w4a8_mxfp", "w8a8",
+    assert scheme_names() == ["fp4", "mxfp8", "w4a16", "w4a4_flatquant", "w4a4_mxfp4", "w4a4_mxfp4_flatquant", "w4a8", "w4a8_mxfp", "w8a8",
                               "w8a8c8"]
     with pytest.raises(CvtError, match=r"unknown scheme 'w3'.*known: fp4, mxfp8, w4a16, w4a4_flatquant, w4a4_mxfp4, "
+                                       r"w4a4_mxfp4_flatquant, "
                                        r"w4a8, w4a8_mxfp, "
                                        r"w8a8, w8a8c8"):
         get_scheme("w3")

@@ -1,0 +1,196 @@
+"""`w4a4_mxfp4_flatquant`: MXFP4 weights behind an online Kronecker transform of the activations,
+MXFP4 activations (Ascend 950 W4A4_MXFP4_FLATQUANT; the MX twin of `cvt.qtensor.schemes.flatquant`).
+
+Pinned to vllm-ascend main (182b75ea84) ``quantization/methods/w4a4_mxfp4_flatquant.py``
+AscendW4A4MXFP4FlatQuantDynamicLinearMethod: per linear ``[n, k]``::
+
+    weight_fp4    uint8    [n, k]     E2M1 codes (unpacked; on disk two per byte) of W' = W T^-1
+    weight_scale  uint8    [n, k/32]  E8M0 block exponents (+127)
+    left_trans    bfloat16 [a, a]     L as stored (transposed on load: kronecker_p1)
+    right_trans   bfloat16 [b, b]     R
+    clip_ratio    float32  [1]        in (0, 1]
+
+``(a, b)`` is the method's ``get_pertensor_param``: ``get_decompose_dim(k, 1)`` for a layer that is
+not a RowParallelLinear; for one that is, ``b = get_decompose_dim(k / max_tp, max_tp)[1]`` and ``a
+= k / b`` (max_tp = the description's ``max_supported_tp``, default 4, which cvt leaves unset) --
+so the left factor splits into max_tp diagonal blocks, one per rank (process_weights_after_loading).
+cvt's layout table sizes transforms by k alone, so it writes the non-row sizes, and a row layer
+whose sizes differ is kept float (`shape_problem`, the reason in the manifest).
+Its ``get_decompose_dim(n, m)`` returns ``(256, m n / 256)`` when the closest pair's left factor
+times m passes 256 and refuses factors summing past 256. cvt tells row layers by name
+(`ROW_NAMES`: vLLM's RowParallelLinear modules in cvt's architectures).
+
+The transform and its fold are `cvt.qtensor.schemes.flatquant`'s (``X~ = L^T X R``, ``W' = W T^-1``);
+the weight elements and exponents are msModelSlim's MXFP4 rules (`cvt.qtensor.mx`, the `w4a4_mxfp4`
+scheme's) on W'. `quantize` writes the randomised Hadamard start and clip 1; ``--method flatquant``
+fits L, R and the clip with this scheme's quantizer (`cvt.quant.methods.flatquant`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from cvt.lazy import torch
+
+from cvt.errors import CvtError, ShapeError
+from cvt.qtensor import kernel_formats as KF
+from cvt.qtensor import mx as MX
+from cvt.qtensor import primitives as P
+from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, register
+from cvt.qtensor.schemes.flatquant import MAX_DIM, SEED, fold, unfold
+
+MAX_TP = 4  # vllm-ascend: quant_description.get("max_supported_tp", 4)
+# vLLM's RowParallelLinear modules of cvt's architectures (attention / MLP / MoE shared-expert outputs)
+ROW_NAMES = ("o_proj", "down_proj", "out_proj", "wo", "w2")
+PARTS = ("weight_fp4", "weight_scale", "left_trans", "right_trans", "clip_ratio")
+
+
+def get_decompose_dim(n: int, m: int) -> tuple[int, int] | None:
+    """vllm-ascend ``w4a4_mxfp4_flatquant.get_decompose_dim(n, m)``; None where it raises."""
+    a = math.isqrt(n)
+    if a * a < n:
+        a += 1
+    while True:
+        b = math.isqrt(a * a - n)
+        if b * b == a * a - n:
+            break
+        a += 1
+    if a + b > MAX_DIM:
+        return None
+    if (a - b) * m > MAX_DIM:
+        return MAX_DIM, m * n // MAX_DIM
+    return a - b, a + b
+
+
+def is_row(module: str | None) -> bool:
+    """Whether vLLM builds `module` as a RowParallelLinear (`ROW_NAMES`, on its own name)."""
+    return bool(module) and module.rsplit(".", 1)[-1] in ROW_NAMES
+
+
+def trans_dims(k: int, row: bool, max_tp: int = MAX_TP) -> tuple[int, int] | None:
+    """(left, right) factor sizes vllm-ascend declares for in_features k at TP 1 (module docstring)."""
+    if not row:
+        return get_decompose_dim(k, 1)
+    if k % max_tp:
+        return None
+    d = get_decompose_dim(k // max_tp, max_tp)
+    if d is None or k % d[1]:
+        return None
+    return k // d[1], d[1]
+
+
+def init_transforms_mx(k: int, row: bool, seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
+    """Randomised Hadamard (left, right) in bfloat16 for `trans_dims(k, row)`."""
+    from cvt.qtensor.hadamard import Orthogonal
+
+    a, b = trans_dims(k, row)
+    left = Orthogonal(a, seed, "flatquant-left").matrix()
+    right = Orthogonal(b, seed, "flatquant-right").matrix()
+    return left.to(torch.bfloat16), right.to(torch.bfloat16)
+
+
+def quantize_activations_mx(xt: torch.Tensor, clip: float) -> torch.Tensor:
+    """MXFP4 fake quantization of transformed tokens xt [m, k] (float32): per block of 32, the
+    shared exponent of ``amax * clip`` and the E2M1 elements clamped to +-6 (`cvt.qtensor.mx`)."""
+    g = xt.to(torch.float32).reshape(xt.shape[0], -1, MX.BLOCK)
+    se = MX.shared_exponent(g.abs().amax(dim=-1) * clip, MX.FP4)
+    vals = MX.quantize_elements(g / (2 ** se)[..., None], MX.FP4)
+    return (vals * (2 ** se)[..., None]).reshape(xt.shape)
+
+
+@register
+class W4A4MXFP4FlatQuant(SchemeBase):
+    """MXFP4 weights folded with an online Kronecker transform; MXFP4 activations."""
+
+    name = "w4a4_mxfp4_flatquant"
+    summary = ("E2M1 weights in blocks of 32 with E8M0 scales behind Hadamard-initialised Kronecker transforms "
+               "applied online, MXFP4 activations (Ascend 950 W4A4_MXFP4_FLATQUANT, linears)")
+    kv_cache = None
+    static_activations = False
+    options = ("group_size",)  # --group-size: 32 only
+    kernel_formats = (KF.W4A4_MXFP4_FLATQUANT,)
+    group_size = MX.BLOCK
+    symmetric = True
+    row_sensitive = True  # the plan passes the module name to `shape_problem` (a row layer may be refused)
+
+    def __init__(self, group_size=None, symmetric=None, fp4_format=None, static_activations=None):
+        if group_size not in (None, MX.BLOCK):
+            raise CvtError(f"scheme {self.name!r} has a fixed block of {MX.BLOCK} along in_features (E8M0 scales): "
+                           f"group_size={group_size} is not supported")
+        if symmetric not in (None, True):
+            raise CvtError(f"scheme {self.name!r} is symmetric only (E8M0 scales, no offsets)")
+        if fp4_format is not None:
+            raise CvtError(f"scheme {self.name!r} takes no fp4_format (got {fp4_format!r}; that option is for 'fp4')")
+        if static_activations:
+            raise CvtError(f"scheme {self.name!r} quantizes activations per block at run time: static_activations "
+                           "is not supported")
+
+    def __repr__(self) -> str:
+        return "W4A4MXFP4FlatQuant()"
+
+    def kernel_fmt(self, static: bool = False) -> str:
+        return KF.W4A4_MXFP4_FLATQUANT
+
+    def check(self, name: str, shape: tuple[int, int]) -> None:
+        P.check_group(name, tuple(shape), MX.BLOCK, self.name)
+        why = self.shape_problem(shape, name)
+        if why is not None:
+            raise ShapeError(f"{name} {list(shape)}: {why}")
+
+    def shape_problem(self, shape: tuple[int, int], name: str | None = None) -> str | None:
+        k = shape[1]
+        if k % MX.BLOCK:
+            return f"{self.name} needs in_features a multiple of {MX.BLOCK} (MX blocks), got {k}"
+        if trans_dims(k, False) is None:
+            return (f"in_features {k} has no Kronecker factors vllm-ascend's W4A4_MXFP4_FLATQUANT get_decompose_dim "
+                    f"accepts (factors of at most {MAX_DIM})")
+        if is_row(name) and trans_dims(k, True) != trans_dims(k, False):
+            return (f"a RowParallelLinear's transforms are {trans_dims(k, True)} for in_features {k} (vllm-ascend "
+                    f"sizes them for max_supported_tp {MAX_TP}), not {trans_dims(k, False)}, and cvt's layout table "
+                    "sizes them by k alone")
+        return None
+
+    def dims(self, k: int, name: str | None = None) -> tuple[int, int]:
+        """The transforms' sizes cvt writes: the non-row ones (a row layer whose differ is kept float)."""
+        return trans_dims(k, False)
+
+    def param_info(self, shape):
+        n, k = shape
+        a, b = trans_dims(k, False)
+        return {"weight_fp4": ((n, k), torch.uint8), "weight_scale": ((n, k // MX.BLOCK), torch.uint8),
+                "left_trans": ((a, a), torch.bfloat16), "right_trans": ((b, b), torch.bfloat16),
+                "clip_ratio": ((1,), torch.float32)}
+
+    def init_transforms(self, k: int, name: str | None = None, seed: int = SEED):
+        return init_transforms_mx(k, False, seed)
+
+    def quantize(self, w: torch.Tensor, name: str | None = None) -> QuantizedTensor:
+        w = self.checked_weight(w, name)
+        return self._quantize(w, *self.init_transforms(w.shape[1], name), 1.0)
+
+    def quantize_with(self, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, clip: float,
+                      name: str | None = None, weight_clip: torch.Tensor | None = None) -> QuantizedTensor:
+        """The parts of `w` behind the given transforms and clip ratio (`--method flatquant`);
+        `weight_clip` must be None (E8M0 block exponents have no per-row clip)."""
+        w = self.checked_weight(w, name)
+        a, b = left.shape[0], right.shape[0]
+        if (a, b) != self.dims(w.shape[1], name) or tuple(left.shape) != (a, a) or tuple(right.shape) != (b, b) \
+                or not 0 < clip <= 1 or weight_clip is not None:
+            raise CvtError(f"{name or self.name}: transforms {list(left.shape)} / {list(right.shape)}, clip {clip} "
+                           f"do not fit in_features {w.shape[1]} = {self.dims(w.shape[1], name)} with a clip in "
+                           "(0, 1] and no weight clip")
+        return self._quantize(w, left, right, clip)
+
+    def _quantize(self, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, clip: float) -> QuantizedTensor:
+        left, right = left.to(torch.bfloat16), right.to(torch.bfloat16)
+        wf = fold(w, left, right)
+        P.check_finite(wf, f"{self.name} folded weight (are the transforms invertible?)")
+        vals, se = MX.mx_quantize(wf, MX.FP4)
+        parts = {"weight_fp4": P.encode_e2m1(vals), "weight_scale": MX.e8m0_codes(se), "left_trans": left,
+                 "right_trans": right, "clip_ratio": torch.tensor([clip], dtype=torch.float32)}
+        return QuantizedTensor(self.name, KF.W4A4_MXFP4_FLATQUANT, tuple(w.shape), parts, MX.BLOCK, True)
+
+    def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
+        p = q.parts
+        wq = MX.mx_dequantize(P.decode_e2m1(p["weight_fp4"]), MX.e8m0_exponents(p["weight_scale"]))
+        return unfold(wq, p["left_trans"], p["right_trans"])
