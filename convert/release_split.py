@@ -88,7 +88,7 @@ def _scale_words(part: str, rows: int, cols: int, n: int, k: int) -> str:
     what = "zero point" if part == "weight_zero_point" else "scale"
     if rows >= n and cols >= k:
         return f"per-tensor {what}"
-    if cols >= k:
+    if cols >= k and rows <= 1:
         return f"per-channel {what}"
     return f"{what} per {rows}x{cols} block" if rows > 1 else f"{what} per group of {cols}"
 

@@ -61,6 +61,8 @@ def test_dequantized_byte_for_byte(tmp_path, algo, side_only):
     shown = run_cvt("inspect", str(src))
     assert shown.rc == 0 and f"format          {FORMATS[algo].value}:" in shown.out, shown.out
     assert f"precision       {SOURCES.get(FORMATS[algo].value).summary}" in shown.out
+    if algo == MIXED:  # FP8: 11 attention linears and layer 0's down_proj; NVFP4 experts of layers 1 / 2
+        assert "quant_algo 'MIXED_PRECISION', quantized_layers 12 FP8, 12 NVFP4, 12 W4A16_NVFP4" in shown.out, shown.out
 
 
 def test_pb_wo_block_grid_by_hand(tmp_path):
