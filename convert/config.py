@@ -67,8 +67,16 @@ def describe_quant(qc: Mapping[str, Any] | None) -> str:
     method = qc.get("quant_method", "?")
     extra = qc.get("format") or qc.get("fmt")
     algo = qc.get("quant_algo")  # ModelOpt's
+    layers = qc.get("quantized_layers")  # ModelOpt's MIXED_PRECISION: layer -> {"quant_algo": ...}
+    mix = ""
+    if isinstance(layers, Mapping) and layers:
+        counts: dict[str, int] = {}
+        for info in layers.values():
+            a = str(info.get("quant_algo") if isinstance(info, Mapping) else None).upper()
+            counts[a] = counts.get(a, 0) + 1
+        mix = ", quantized_layers " + ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
     return f"quantization_config.quant_method {method!r}" + (
-        f" (format {extra!r})" if extra else f" (quant_algo {algo!r})" if algo else "")
+        f" (format {extra!r})" if extra else f" (quant_algo {algo!r}{mix})" if algo else "")
 
 
 def source_format(config: Mapping[str, Any], has_manifest: bool = False) -> SourceFormat:

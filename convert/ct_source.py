@@ -24,6 +24,10 @@ modelopt fp8    X.weight e4m3 [n, k], X.weight_scale f32 [] (FP8) or [n] / [n, 1
                 (FP8_PER_CHANNEL_PER_TOKEN):  float32(w) * s
 modelopt mxfp8  X.weight e4m3 [n, k], X.weight_scale u8 / E8M0 [n, k/32]:
                 float32(w) * 2**(s - 127)
+modelopt        X.weight e4m3 [n, k], X.weight_scale f32 [ceil(n/128), 1, ceil(k/128), 1]
+fp8-pb-wo       (or that grid 2-D):  float32(w) * s[i // 128, 0, j // 128, 0]
+modelopt mixed  per linear, the layout of its ``quantized_layers`` entry's quant_algo (FP8:
+                modelopt fp8, NVFP4 / W4A16_NVFP4: modelopt nvfp4); a linear not listed is float
 ==============  ==========================================================================
 
 compressed-tensors: the package's own decompression (compressed-tensors 0.20 ``dequantize``: the
@@ -36,6 +40,20 @@ nvfp4_emulation_utils.py ``dequantize_to_dtype``: the same two float32 products,
 passed as the global scale unreciprocated, as modelopt.py's ModelOptNvFp4W4A16LinearMethod says);
 FP8 and MXFP8 as vLLM's ModelOptFp8LinearMethod / ModelOptMxFp8LinearMethod apply the float32
 scale to the e4m3 value (``FP8QTensor.dequantize`` in float32, rounded to BF16 once).
+
+FP8_PB_WO and MIXED_PRECISION as vLLM reads them (vllm/model_executor/layers/quantization/
+modelopt.py at commit 00155cdecca722d98e34234c3d172725b7720b7d): ``ModelOptFp8PbWoLinearMethod``
+takes a fixed 128x128 block, the float32 ``weight_scale`` as ModelOpt exports it, [out_blk, 1,
+in_blk, 1] (squeezed to [out_blk, in_blk]; a 2-D one is taken as is), multiplying the e4m3 value
+(the exporter's ``to_quantized_weight`` divides the weight by it per block: modelopt/torch/export/
+quant_utils.py). ``ModelOptMixedPrecisionConfig`` reads ``quantized_layers`` (under
+``quantization`` in hf_quant_config.json, at the top of config.json's quantization_config):
+layer -> {"quant_algo": FP8 | NVFP4 | W4A16_NVFP4, "group_size"}; FP8 is the per-tensor method,
+both NVFP4 kinds store the same parts; a linear it does not list is loaded unquantized (what
+quant_utils.py ``process_layer_quant_config`` writes: every quantized layer listed, the rest
+float). cvt reads vLLM's fixed 128 block with partial edge blocks allowed (vLLM itself
+asks n and k per rank to be multiples of 128), and refuses a quantized weight the list does not
+name, a listed layer that stores no quantized weight, and any other per-layer algorithm.
 
 Activation parameters (``input_scale``, ``input_global_scale``, ``input_zero_point``) and the KV
 cache's ``k_scale`` / ``v_scale`` describe the serving of a quantized model and are dropped from a
@@ -51,7 +69,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from cvt.convert.sources import SourceFormat
-from cvt.errors import TensorError
+from cvt.errors import FormatError, TensorError
 
 BF16_MAX = 3.3895313892515355e38
 DROPPED = ("input_scale", "input_global_scale", "input_zero_point", "k_scale", "v_scale")
@@ -72,6 +90,7 @@ class Layout:
     global_scale: str | None = None  # nvfp4's second-level scale
     divides: bool = True        # c-t divides the block scale by the global scale, ModelOpt multiplies
     channel_1d: bool = False    # a channel scale may be stored [n] (ModelOpt's FP8_PER_CHANNEL_PER_TOKEN)
+    block: tuple[int, int] | None = None  # a fixed block grid (ModelOpt's FP8_PB_WO), scales [bn, 1, bk, 1]
 
     @property
     def packed(self) -> bool:
@@ -88,7 +107,12 @@ LAYOUTS: dict[SourceFormat, Layout] = {
     SourceFormat.MODELOPT_NVFP4: Layout("weight", "U8", ("F8_E4M3",), 6.0, 16, "weight_scale_2", divides=False),
     SourceFormat.MODELOPT_FP8: Layout("weight", "F8_E4M3", ("F32",), 448.0, channel_1d=True),
     SourceFormat.MODELOPT_MXFP8: Layout("weight", "F8_E4M3", _E8M0, 448.0, 32),
+    SourceFormat.MODELOPT_FP8_PB_WO: Layout("weight", "F8_E4M3", ("F32",), 448.0, block=(128, 128)),
 }
+# MIXED_PRECISION: a quantized_layers entry's quant_algo -> the layout its linear is stored in
+# (the algorithms vLLM's ModelOptMixedPrecisionConfig.get_quant_method loads)
+MIXED_ALGOS: dict[str, SourceFormat] = {"FP8": SourceFormat.MODELOPT_FP8, "NVFP4": SourceFormat.MODELOPT_NVFP4,
+                                        "W4A16_NVFP4": SourceFormat.MODELOPT_NVFP4}
 
 
 @dataclass(frozen=True)
@@ -124,9 +148,11 @@ def block_structure(qc: Mapping[str, Any] | None) -> tuple[int, int] | None:
 def ct_linears(tensors: Mapping[str, Any], fmt: SourceFormat, qc: Mapping[str, Any] | None = None) -> dict[str, CtLinear]:
     """module -> its quantized linear, from the headers alone (`tensors`: name -> TensorRef);
     TensorError naming the first part that is missing or of the wrong dtype / shape."""
+    if fmt is SourceFormat.MODELOPT_MIXED:
+        return _mixed_linears(tensors, qc)
     lay = LAYOUTS[fmt]
     anchor = lay.codes
-    block = block_structure(qc)
+    block = lay.block or block_structure(qc)
     out: dict[str, CtLinear] = {}
     for name, ref in tensors.items():
         module, _, param = name.rpartition(".")
@@ -141,6 +167,51 @@ def ct_linears(tensors: Mapping[str, Any], fmt: SourceFormat, qc: Mapping[str, A
         lin = CtLinear(module, fmt, parts, _shape(ref, fmt), block)
         _check_parts(tensors, lin)
         out[module] = lin
+    return out
+
+
+def mixed_layers(qc: Mapping[str, Any] | None) -> dict[str, SourceFormat]:
+    """A MIXED_PRECISION export's quantized_layers as layer -> the format its linear is stored in;
+    FormatError, one line, for an empty list, an algorithm cvt does not read or an NVFP4 group
+    size other than 16."""
+    layers = (qc or {}).get("quantized_layers")
+    if not isinstance(layers, Mapping) or not layers:
+        raise FormatError("quantization_config: quant_algo MIXED_PRECISION needs a non-empty quantized_layers "
+                          f"object (layer -> {{\"quant_algo\": ...}}), got {str(layers)[:40]!r}")
+    out: dict[str, SourceFormat] = {}
+    for layer, info in layers.items():
+        algo = str((info or {}).get("quant_algo", "") if isinstance(info, Mapping) else "").upper()
+        if algo not in MIXED_ALGOS:
+            raise FormatError(f"quantization_config.quantized_layers[{layer!r}]: quant_algo {algo or None!r} is not read "
+                              f"(MIXED_PRECISION layers cvt and vLLM read: {', '.join(MIXED_ALGOS)})")
+        group = info.get("group_size")
+        if MIXED_ALGOS[algo] is SourceFormat.MODELOPT_NVFP4 and group not in (None, 16):
+            raise FormatError(f"quantization_config.quantized_layers[{layer!r}]: {algo} group_size {group!r}, "
+                              "expected 16")
+        out[str(layer)] = MIXED_ALGOS[algo]
+    return out
+
+
+def _mixed_linears(tensors: Mapping[str, Any], qc: Mapping[str, Any] | None) -> dict[str, CtLinear]:
+    """Each listed layer read in its own format's layout; a stored quantized weight (codes not
+    float, or a weight_scale) of a layer the list leaves out, or a listed layer with none, is a
+    TensorError naming it (vLLM would load the one as float, fail on the other)."""
+    layers = mixed_layers(qc)
+    for name, ref in tensors.items():
+        module, _, param = name.rpartition(".")
+        if module in layers:
+            continue
+        if param == "weight_scale" or (param == "weight" and ref.dtype not in _FLOAT_SCALES):
+            raise TensorError(f"{ref.describe()}: quantized, but quantization_config.quantized_layers does not list "
+                              f"{module} (MIXED_PRECISION reads a layer not listed as float)")
+    out: dict[str, CtLinear] = {}
+    for fmt in dict.fromkeys(layers.values()):
+        mine = {n: r for n, r in tensors.items() if layers.get(n.rpartition(".")[0]) is fmt}
+        out.update(ct_linears(mine, fmt))
+    for layer, fmt in layers.items():
+        if layer not in out:
+            raise TensorError(f"quantization_config.quantized_layers lists {layer} as {fmt.value}, but the checkpoint "
+                              f"has no quantized {layer}.weight with its {layer}.weight_scale")
     return out
 
 
@@ -173,6 +244,10 @@ def _check_parts(tensors, lin: CtLinear) -> None:
             if gs.dtype not in _FLOAT_SCALES or math.prod(gs.shape) != 1:
                 raise TensorError(f"global scale {gs.describe()}: expected one float32 value")
         return
+    if lay.block is not None and (s.dtype not in lay.scale_dtypes or scale_granularity(lin, tuple(s.shape)) is None):
+        a, b = -(-n // lay.block[0]), -(-k // lay.block[1])
+        raise TensorError(f"scale {s.describe()}: expected {' / '.join(lay.scale_dtypes)} [{a}, 1, {b}, 1] (one per "
+                          f"{lay.block[0]}x{lay.block[1]} block, as ModelOpt exports it) or [{a}, {b}] for weight [{n}, {k}]")
     if s.dtype not in lay.scale_dtypes or scale_granularity(lin, tuple(s.shape)) is None:
         raise TensorError(f"scale {s.describe()}: expected {' / '.join(lay.scale_dtypes)} [1] (tensor), [{n}, 1] "
                           f"(channel), [{n}, k/G] (group) or block scales for weight [{n}, {k}]")
@@ -185,6 +260,9 @@ def _check_parts(tensors, lin: CtLinear) -> None:
 def scale_granularity(lin: CtLinear, shape: tuple[int, ...]) -> tuple[int, int] | None:
     """(rows, cols) of the weight one scale covers, or None when `shape` fits no strategy."""
     n, k = lin.shape
+    if lin.layout.block is not None:  # a fixed block grid, 4-D as ModelOpt exports it or 2-D
+        a, b = -(-n // lin.block[0]), -(-k // lin.block[1])
+        return lin.block if shape in ((a, 1, b, 1), (a, b)) else None
     if math.prod(shape) == 1:
         return n, k
     if lin.layout.channel_1d and shape == (n,):
@@ -270,4 +348,6 @@ def _expand_scale(lin: CtLinear, s):
         return s.reshape(1, 1)
     if s.dim() == 1:  # a channel scale stored [n]
         return s.reshape(n, 1)
+    if s.dim() == 4:  # FP8_PB_WO's [out_blk, 1, in_blk, 1], squeezed as vLLM does
+        s = s.reshape(s.shape[0], s.shape[2])
     return s.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]

@@ -14,7 +14,8 @@ packed int4         X.weight_packed int32 [n, ceil(k/8)]: (1, 8)    (c-t pack-qu
 packed FP4          X.weight_packed / ModelOpt X.weight u8 [n, k/2]: (1, 2)
 FP8 / INT8 codes    X.weight [n, k]: (1, 1)
 scale, zero point   group [n, k/G]: (1, G); channel [n, 1] / [n]: (1, whole k); tensor [1] / []:
-                    whole; block [ceil(n/bn), ceil(k/bk)]: (bn, bk); int4's packed zero point
+                    whole; block [ceil(n/bn), ceil(k/bk)]: (bn, bk) (ModelOpt FP8_PB_WO's
+                    [ceil(n/bn), 1, ceil(k/bk), 1]: (bn, -, bk, -)); int4's packed zero point
                     [ceil(n/8), k/G]: (8, G)
 global scales       weight_global_scale, weight_scale_2, input_*: whole on every holder
 weight_shape        the global [n, k], whole (the multi-rank loader makes it the rank's)
@@ -78,6 +79,8 @@ def release_units(ckpt, fmt: SourceFormat, qc: Mapping[str, Any] | None) -> dict
 def _scale_units(shape: tuple[int, ...], rows: int, cols: int, n: int, k: int) -> tuple[int | None, ...]:
     if len(shape) == 1:  # ModelOpt's per-channel [n] (or a tensor scale [1])
         return (None,) if math.prod(shape) == 1 else (rows,)
+    if len(shape) == 4:  # ModelOpt FP8_PB_WO's [ceil(n/bn), 1, ceil(k/bk), 1]: k's blocks on dim 2
+        return (None if rows >= n else rows, None, None if cols >= k else cols, None)
     return (None if rows >= n else rows, None if cols >= k else cols)
 
 
@@ -85,7 +88,7 @@ def _scale_words(part: str, rows: int, cols: int, n: int, k: int) -> str:
     what = "zero point" if part == "weight_zero_point" else "scale"
     if rows >= n and cols >= k:
         return f"per-tensor {what}"
-    if cols >= k:
+    if cols >= k and rows <= 1:
         return f"per-channel {what}"
     return f"{what} per {rows}x{cols} block" if rows > 1 else f"{what} per group of {cols}"
 

@@ -33,6 +33,8 @@ class SourceFormat(str, Enum):
     MODELOPT_NVFP4 = "modelopt-nvfp4"  # NVIDIA's ModelOpt exports (nvidia/*-FP4 releases)
     MODELOPT_FP8 = "modelopt-fp8"
     MODELOPT_MXFP8 = "modelopt-mxfp8"
+    MODELOPT_FP8_PB_WO = "modelopt-fp8-pb-wo"
+    MODELOPT_MIXED = "modelopt-mixed"
     CVT = "cvt-artifact"
     OTHER_QUANT = "other-quantized"
 
@@ -126,7 +128,8 @@ def _modelopt(*algos: str) -> Callable[[Mapping[str, Any] | None], bool]:
 
 # ModelOpt's exports (TensorRT-Model-Optimizer modelopt/torch/export/unified_export_hf.py, quant_utils.py),
 # as vLLM loads them (vllm/model_executor/layers/quantization/modelopt.py: ModelOptNvFp4LinearMethod,
-# ModelOptFp8LinearMethod, ModelOptFp8PcPtLinearMethod, ModelOptMxFp8LinearMethod)
+# ModelOptFp8LinearMethod, ModelOptFp8PcPtLinearMethod, ModelOptMxFp8LinearMethod,
+# ModelOptFp8PbWoLinearMethod, ModelOptMixedPrecisionConfig; read at vLLM commit 00155cdecca7)
 _MODELOPT = 'quant_method "modelopt" (config.json) or producer "modelopt" (hf_quant_config.json), quant_algo'
 _add(SourcePrecision(
     SourceFormat.MODELOPT_NVFP4.value, "NVIDIA ModelOpt NVFP4 (E2M1 pairs, E4M3 scale per 16, weight_scale_2 global; "
@@ -141,9 +144,20 @@ _add(SourcePrecision(
     f'{_MODELOPT} "MXFP8"', _modelopt("MXFP8"),
     ("weight", "weight_scale"), "rne_bf16(float32(w) * 2**(s[i, j // 32] - 127))", "MXFP8"))
 
+_add(SourcePrecision(
+    SourceFormat.MODELOPT_FP8_PB_WO.value, "NVIDIA ModelOpt FP8_PB_WO: FP8 e4m3 weight-only, a float32 scale per "
+    "128x128 block (nvidia/Kimi-K3-NVFP4's attention projections)", f'{_MODELOPT} "FP8_PB_WO"', _modelopt("FP8_PB_WO"),
+    ("weight", "weight_scale"), "rne_bf16(float32(w) * s[i // 128, 0, j // 128, 0])", "FP8"))
+_add(SourcePrecision(
+    SourceFormat.MODELOPT_MIXED.value, "NVIDIA ModelOpt MIXED_PRECISION: each layer its own quant_algo (FP8, NVFP4 "
+    "or W4A16_NVFP4) in quantized_layers, a layer not listed float", f'{_MODELOPT} "MIXED_PRECISION"',
+    _modelopt("MIXED_PRECISION"), ("weight", "weight_scale", "weight_scale_2"),
+    "per layer, its quantized_layers entry's: modelopt-fp8's or modelopt-nvfp4's", "FP8 / NVFP4"))
+
 # the per-linear entries cvt.convert.ct_source reads (fp8-to-bf16 and quantize, on the fly)
 CT_STREAMED = (SourceFormat.CT_MXFP4, SourceFormat.CT_NVFP4, SourceFormat.CT_FP8, SourceFormat.CT_INT8,
-               SourceFormat.MODELOPT_NVFP4, SourceFormat.MODELOPT_FP8, SourceFormat.MODELOPT_MXFP8)
+               SourceFormat.MODELOPT_NVFP4, SourceFormat.MODELOPT_FP8, SourceFormat.MODELOPT_MXFP8,
+               SourceFormat.MODELOPT_FP8_PB_WO, SourceFormat.MODELOPT_MIXED)
 
 
 def precision_of(qc: Mapping[str, Any] | None) -> SourceFormat:

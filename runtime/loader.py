@@ -126,7 +126,8 @@ def load_model(path, *, device: str | torch.device = "cpu", dtype: torch.dtype =
 # releases the runtime has no kernel for: FP8 per-tensor / per-channel, ModelOpt's (its NVFP4 /
 # MXFP8 as stored, not the compressed-tensors parts `_QuantReader` reads)
 _UNLOADED = {SourceFormat.CT_FP8: "float-quantized", SourceFormat.MODELOPT_NVFP4: "ModelOpt",
-             SourceFormat.MODELOPT_FP8: "ModelOpt", SourceFormat.MODELOPT_MXFP8: "ModelOpt"}
+             SourceFormat.MODELOPT_FP8: "ModelOpt", SourceFormat.MODELOPT_MXFP8: "ModelOpt",
+             SourceFormat.MODELOPT_FP8_PB_WO: "ModelOpt", SourceFormat.MODELOPT_MIXED: "ModelOpt"}
 
 
 def refuse_unloadable(fmt: SourceFormat, root, sharded: bool = False) -> None:

@@ -267,7 +267,7 @@ def _fp4_note(plan: Plan, source: Source) -> str | None:
     if not grids:
         return None
     grid = next(iter(grids.values()))  # one source format, so one grid
-    if source.fmt is SourceFormat.MODELOPT_NVFP4:
+    if source.fmt in (SourceFormat.MODELOPT_NVFP4, SourceFormat.MODELOPT_MIXED):
         return fp4_source.requantized_note({m: plan.schemes[m].name for m in grids}, "ModelOpt nvfp4 linear(s)",
                                            grid, fp4_source.MODELOPT_CARRIED_BY)
     what = "FP4 routed expert(s)" if source.fp4 else f"compressed-tensors {grid} linear(s)"

@@ -128,8 +128,8 @@ def test_corrupt_scale_refused(tmp_path, algo, name, fn, why, verb):
 
 
 def test_registry_and_config_forms():
-    """Both config forms name the same entry; a mixed-precision or other-producer export stays
-    refused; the entries are read by both stages."""
+    """Both config forms name the same entry; an other-producer export is not read as ModelOpt's
+    (MIXED_PRECISION and FP8_PB_WO: test_modelopt_pbwo_mixed.py); the entries are read by both stages."""
     for algo, fmt in FORMATS.items():
         assert fmt.value in readable("fp8-to-bf16") and fmt.value in readable("quantize")
         folded = fold_hf_quant_config({"model_type": "qwen3"}, hf_quant_config(algo))
@@ -137,8 +137,8 @@ def test_registry_and_config_forms():
         assert source_format({"quantization_config": {"quant_method": "modelopt", "quant_algo": algo.lower()}}) is fmt
     assert source_format({"quantization_config": {"quant_method": "modelopt", "quantization": {
         "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}}}) is SourceFormat.MODELOPT_FP8
-    mixed = fold_hf_quant_config({}, {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "MIXED_PRECISION"}})
-    assert source_format(mixed) is SourceFormat.OTHER_QUANT
+    w4a8 = fold_hf_quant_config({}, {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "W4A8_AWQ"}})
+    assert source_format(w4a8) is SourceFormat.OTHER_QUANT
     other = {"producer": {"name": "someone"}, "quantization": {"quant_algo": "NVFP4"}}
     assert fold_hf_quant_config({}, other) == {}
     own = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
