@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from cvt.tests.quant.vllm_ascend_referee import _vllm_ascend
+from cvt.tests.quant.vllm_ascend_referee_stubs import _vllm_ascend
 from cvt.tests.quant.vllm_ascend_referee_flatquant import _npu_tensor_method
 
 METHOD = "vllm_ascend.quantization.methods.w4a4_mxfp4_flatquant"
