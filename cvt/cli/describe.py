@@ -45,11 +45,23 @@ def fp8_to_bf16() -> str:
     from cvt.convert.sources import SOURCES
 
     reads = "; ".join(f"{p.name}: {p.summary}" for p in SOURCES.values() if "fp8-to-bf16" in p.verbs)
-    return ("Dequantize a quantized release (FP8 block, compressed-tensors FP4 / FP8 / INT8) to BF16.\n\n"
+    return ("Dequantize a quantized release (any precision under Reads) to BF16.\n\n"
             "Bit-exact with the official math: bf16 = RNE(float32(w) * float32(scale)) per 128x128 block (partial "
             "edge blocks included), each source's own decompression for the others. Other tensors are copied byte "
             "for byte, scales are dropped, config.json loses quantization_config. Streams one tensor at a time; "
             f"re-running after a crash resumes.\n\nReads: {reads}.")
+
+
+def quantize() -> str:
+    from cvt.convert.sources import SourceFormat, readable
+
+    quantized = [name for name in readable("quantize") if name != SourceFormat.BF16.value]
+    return ("Quantize SRC into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every "
+            "tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay float by "
+            "default.\n\nSRC: BF16, or a quantized release dequantized on the fly, one tensor at a time ("
+            f"{', '.join(quantized)}); FP4 codes already on the target's grid (DeepSeek-V4's experts, "
+            "compressed-tensors MXFP4 / NVFP4, ModelOpt NVFP4 where its global scale converts exactly) are carried "
+            "unchanged.")
 
 
 def group_help() -> str:

@@ -72,7 +72,7 @@ def fp8_to_bf16_cmd(src, dst, revision, workers, max_shard_size, resume, overwri
 
 
 
-@cli.command("quantize")
+@cli.command("quantize", cls=describe.LazyHelpCommand, text=describe.quantize)
 @click.argument("src")
 @click.argument("dst", type=click.Path())
 @click.option("--scheme", type=SCHEMES, required=True, cls=LazyHelp, text=describe.schemes)
@@ -147,10 +147,7 @@ def quantize_cmd(src, dst, scheme, fmt, target, target_version, kv_dtype, method
                  expert_memory, static_attention, ignore, recipe, rotate, kl_budget, kl_high, flatquant_steps,
                  flatquant_lr, flatquant_seed, revision, workers,
                  max_shard_size, resume, overwrite, quiet):
-    """Quantize SRC (BF16, an FP8 release - dequantized on the fly; a DeepSeek-V4 release's FP4
-    experts copied unchanged into the MX FP4 schemes - or compressed-tensors INT4) into DST in the Ascend or compressed-tensors format, with cvt_manifest.json recording every
-    tensor's scheme, method and SQNR. Router, lm_head, embeddings, norms and MLA kv_b_proj stay
-    float by default."""
+    """Its help is `describe.quantize` (the sources it reads: the source-precision registry's)."""
     if click.get_current_context().get_parameter_source("calib_tokens") is click.core.ParameterSource.DEFAULT:
         calib_tokens = None  # the default is a bound (a shorter text is used whole), a given count a demand
     r = api.quantize(api.QuantizeOptions(
