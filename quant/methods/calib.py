@@ -52,6 +52,7 @@ import logging
 import re
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -489,15 +490,31 @@ class _LayerCalib:
     def _solve_experts(self, names: list[str], sites) -> None:
         """GPTQ of the routed experts' linears among `names` that share a shape and scheme, in
         batched calls (`gptq_batched.solve_together`: one column sweep for many experts); `_quantize`
-        takes their results from ``self.solved`` in `names` order, so the bookkeeping is unchanged."""
+        takes their results from ``self.solved`` in `names` order, so the bookkeeping is unchanged.
+        On a CPU the other GPTQ linears (attention, shared experts) are solved beside the batched
+        call in a second thread: their column loops leave the other cores idle."""
         o = self.o
-        items = []
+        items, alone = [], []
         for t in names:
             site = sites.get(self.site_of[t])
-            if (self.method[t] == GPTQ and EXPERT_RE.match(t + ".") and site is not None and site.hess is not None
-                    and site.n >= o["min_tokens"]):
-                items.append((t, self.linears[t].weight, site.hessian, self.schemes[t]))
-        self.solved = solve_together(items, o["max_hessian_bytes"], **self._gptq_opts()) if len(items) > 1 else {}
+            if self.method[t] == GPTQ and site is not None and site.hess is not None and site.n >= o["min_tokens"]:
+                if EXPERT_RE.match(t + "."):
+                    items.append((t, self.linears[t].weight, site.hessian, self.schemes[t]))
+                else:
+                    alone.append((t, site))
+        if len(items) < 2:
+            self.solved = {}
+            return
+        pool = ThreadPoolExecutor(max_workers=1)
+        opts = self._gptq_opts()
+        side = pool.submit(lambda: {t: gptq_quantize(self.linears[t].weight, site.hessian(), self.schemes[t], name=t,
+                                                     factor=site.factor, **opts)
+                                    for t, site in (alone if items[0][1].device.type == "cpu" else [])})
+        try:
+            self.solved = solve_together(items, o["max_hessian_bytes"], **opts)
+            self.solved.update(side.result())
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _gptq_opts(self) -> dict:
         o = self.o
