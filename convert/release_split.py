@@ -141,7 +141,7 @@ def unit_problem(ckpt, units: Mapping[str, Units], splits: Mapping[str, Any], wo
         u = units.get(name)
         if sp.dim is None or u is None or sp.dim >= len(u.units) or u.units[sp.dim] is None:
             continue
-        size, unit = u.logical[sp.dim], u.units[sp.dim]
+        size, unit = u.logical[min(sp.dim, 1)], u.units[sp.dim]  # a 4-D block scale's dim 2: k
         if size % (sp.degree * unit) == 0:
             continue
         axis = "out_features" if sp.dim == 0 else "in_features"

@@ -141,6 +141,10 @@ def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layo
         dim = 0
     if dim is None or degree == 1:
         return Split(None, None, 1, expert)
+    if dim == 1 and len(shape) == 4:
+        # ModelOpt FP8_PB_WO's block scale [ceil(n/bn), 1, ceil(k/bk), 1]: k's blocks are on dim 2,
+        # where vLLM's ModelOptFp8PbWoLinearMethod slices it (input_dim=2; `cvt.convert.release_split`)
+        dim = 2
     if info.param not in _TWO_D_PARAMS and (dim >= len(shape) or shape[dim] == 1):
         return Split(None, None, 1, expert)  # broadcast along the split dim: every holder needs it whole
     return Split(axis, dim, degree, expert, arch.split_parts(info, shape[dim]) if dim == 0 else None)

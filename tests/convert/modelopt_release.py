@@ -153,7 +153,7 @@ def write_modelopt_release(dst: Path, algo: str, seed: int = 0, side_only: bool 
         layer_algo = mixed_algo(module) if algo == MIXED else algo
         if name.endswith("_proj.weight") and layer_algo is not None:
             w = weights[name]
-            if scale_2 is None:
+            if scale_2 is None or "NVFP4" not in layer_algo:  # `scale_2`: the NVFP4 linears' only
                 parts = WRITERS[layer_algo](w)
             else:
                 group = arch.fused_group(module) or (module,)

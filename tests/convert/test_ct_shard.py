@@ -5,7 +5,10 @@ and zero points split along the arch table's dim with their weight, per-channel 
 output channels, global / per-tensor scales and ``weight_shape`` whole; the ranks' runs put back
 together give the release byte for byte; 2 ranks give the single process's tokens and logits;
 a layout that would cut a group or an int32 of packed codes, and a corrupt scale, are refused
-in one line naming the tensor before anything is written."""
+in one line naming the tensor before anything is written. ModelOpt FP8_PB_WO's 4-D block scale
+[ceil(n/128), 1, ceil(k/128), 1] splits along dim 0 with out_features and dim 2 with in_features
+(vLLM's ``ModelOptFp8PbWoLinearMethod``: output_dim=0, input_dim=2); cvt's runtime refuses the
+ModelOpt shards in one line (it has no kernel for them)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from cvt.convert.placement import make_layout
 from cvt.convert.shard import shard
 from tests.conftest import run_cvt
 from tests.convert.ct_release import assert_corrupt_refused, write_ct_release
-from tests.convert.modelopt_release import write_modelopt_release
+from tests.convert.modelopt_release import MIXED, write_modelopt_release
 from tests.convert.test_shard import assert_reproduces
 
 pytest.importorskip("compressed_tensors")
@@ -24,6 +27,9 @@ pytestmark = pytest.mark.slow  # each case writes a release with the compressed-
 
 Q, O = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"  # column / row parallel
 GO = "model.layers.0.mlp.experts"
+X = "model.layers.1.self_attn.o_proj"
+ED, EG = "model.layers.1.mlp.experts.0.down_proj", "model.layers.1.mlp.experts.0.gate_proj"  # row / column
+PB_WIDE = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, head_dim=64, num_key_value_heads=4)
 
 
 def write_gpt_oss_mxfp4(dst):
@@ -50,6 +56,19 @@ CASES = {
         f"{Q}.weight": 0, f"{Q}.weight_scale": 0}),
     "modelopt-fp8": (lambda d: write_modelopt_release(d, "FP8"), "modelopt-fp8", dict(tp=2, ep=2), {
         f"{O}.weight": 1, f"{O}.weight_scale": None, f"{Q}.weight": 0, f"{Q}.weight_scale": None}),
+    # FP8_PB_WO, every linear a whole number of 128-blocks per rank (256 wide): the scale
+    # [ceil(n/128), 1, ceil(k/128), 1] splits along dim 0 with n and along dim 2 with k, as vLLM's
+    # ModelOptFp8PbWoLinearMethod creates it per rank (output_dim=0, input_dim=2)
+    "modelopt-fp8-pb-wo": (lambda d: write_modelopt_release(d, "FP8_PB_WO", **PB_WIDE), "modelopt-fp8-pb-wo",
+                           dict(tp=2, ep=1, moe_tp=2), {
+        f"{O}.weight": 1, f"{O}.weight_scale": 2, f"{O}.input_scale": None, f"{Q}.weight": 0, f"{Q}.weight_scale": 0,
+        f"{ED}.weight": 1, f"{ED}.weight_scale": 2, f"{EG}.weight": 0, f"{EG}.weight_scale": 0}),
+    # MIXED_PRECISION: layer 1's attention FP8 (per-tensor scale whole), its experts NVFP4 (block
+    # scales with their codes, weight_scale_2 whole), layer 0's o_proj float
+    "modelopt-mixed": (lambda d: write_modelopt_release(d, MIXED), "modelopt-mixed", dict(tp=2, ep=1, moe_tp=2), {
+        f"{X}.weight": 1, f"{X}.weight_scale": None, f"{X}.input_scale": None, f"{O}.weight": 1,
+        f"{ED}.weight": 1, f"{ED}.weight_scale": 1, f"{ED}.weight_scale_2": None,
+        f"{EG}.weight": 0, f"{EG}.weight_scale": 0, f"{EG}.weight_scale_2": None}),
     # the fused experts [E, ...]: over ep along E, as their BF16 form (vLLM's gpt_oss.py EP split)
     "gpt-oss-mxfp4": (write_gpt_oss_mxfp4, "gpt-oss-mxfp4", dict(tp=2, ep=2), {
         f"{GO}.gate_up_proj_blocks": 0, f"{GO}.gate_up_proj_scales": 0, f"{GO}.down_proj_blocks": 0,
@@ -102,7 +121,19 @@ def test_a_cut_unit_is_refused_in_one_line(tmp_path, preset, overrides, degrees,
     assert not (tmp_path / "out").exists()
 
 
-X = "model.layers.1.self_attn.o_proj"
+def test_a_straddling_block_is_refused_in_one_line(tmp_path):
+    """FP8_PB_WO at the tiny sizes: dense_tp 2 gives gate_proj / up_proj 80 of their 160 rows and
+    down_proj 80 of its 160 columns (its scale's dim 2), not whole 128-blocks."""
+    src = write_modelopt_release(tmp_path / "src", "FP8_PB_WO")
+    r = run_cvt("shard", src, tmp_path / "out", "--world-size", "2", "--tp", "2", "--quiet")
+    assert r.rc == 1, r.err
+    line, = r.err.strip().splitlines()
+    assert line.startswith("cvt: error: ") and "cannot shard this modelopt-fp8-pb-wo release as stored" in line, line
+    assert ("model.layers.0.mlp.gate_proj.weight_scale (F32 [2, 1, 1, 1], " in line and "(scale per 128x128 block): "
+            "dense_tp 2 gives each rank 80 of its 160 out_features, not whole units of 128: one would straddle two "
+            "ranks; valid dense_tp: 1 (and 2 more tensors)" in line), line
+    assert not (tmp_path / "out").exists()
+
 
 
 @pytest.mark.parametrize("write, name, fn, why", [
@@ -118,10 +149,14 @@ def test_corrupt_scale_refused(tmp_path, write, name, fn, why):
     assert_corrupt_refused(write(tmp_path / "src"), tmp_path / "dst", "shard", name, fn, why)
 
 
-def test_the_runtime_refuses_shards_it_has_no_kernel_for(tmp_path):
-    src = write_modelopt_release(tmp_path / "src", "FP8")
+@pytest.mark.parametrize("algo, fmt, sizes", [("FP8", "modelopt-fp8", {}), (MIXED, "modelopt-mixed", {}),
+                                              ("FP8_PB_WO", "modelopt-fp8-pb-wo", PB_WIDE)],
+                         ids=["fp8", "mixed", "fp8-pb-wo"])
+def test_the_runtime_refuses_shards_it_has_no_kernel_for(tmp_path, algo, fmt, sizes):
+    src = write_modelopt_release(tmp_path / "src", algo, **sizes)
     shard(src, tmp_path / "out", make_layout(2, tp=2, ep=2), quiet=True)
     r = run_cvt("run", tmp_path / "out", "--procs", "2", "--input-ids", "1,2", "--max-new-tokens", "1",
                 "--device", "cpu", "--quiet", subprocess_=True)
-    assert r.rc == 1 and "does not load modelopt-fp8 (ModelOpt) shards; dequantize the release with cvt " \
-                          "fp8-to-bf16 (or cvt quantize it) and shard that" in r.err, r.err
+    line, = r.err.strip().splitlines()
+    assert r.rc == 1 and line.startswith("cvt: error: ") and f"does not load {fmt} (ModelOpt) shards; dequantize " \
+        "the release with cvt fp8-to-bf16 (or cvt quantize it) and shard that" in line, r.err

@@ -61,6 +61,9 @@ def test_dequantized_byte_for_byte(tmp_path, algo, side_only):
     shown = run_cvt("inspect", str(src))
     assert shown.rc == 0 and f"format          {FORMATS[algo].value}:" in shown.out, shown.out
     assert f"precision       {SOURCES.get(FORMATS[algo].value).summary}" in shown.out
+    if algo == PB:  # no quantized_layers: the one algorithm named
+        assert "format          modelopt-fp8-pb-wo: quantization_config.quant_method 'modelopt' (quant_algo " \
+               "'FP8_PB_WO')\n" in shown.out, shown.out
     if algo == MIXED:  # FP8: 11 attention linears and layer 0's down_proj; NVFP4 experts of layers 1 / 2
         assert "quant_algo 'MIXED_PRECISION', quantized_layers 12 FP8, 12 NVFP4, 12 W4A16_NVFP4" in shown.out, shown.out
 

@@ -195,3 +195,37 @@ def test_another_grid_is_requantized_saying_so(tmp_path, caplog):
     assert [rec.getMessage() for rec in caplog.records] == [
         "cvt: 39 ModelOpt nvfp4 linear(s) of the release requantized to w8a8 from their exact dequantized values "
         f"({MODELOPT_CARRIED_BY})"]
+
+
+@pytest.mark.slow
+def test_mixed_precision_carries_its_nvfp4_layers(tmp_path, caplog):
+    """A MIXED_PRECISION release into c-t nvfp4: layer 2's W4A16_NVFP4 experts (power-of-two
+    weight_scale_2) carried, codes and block-scale bytes the release's and the global scale 1 /
+    weight_scale_2; layer 1's NVFP4 experts (a weight_scale_2 whose reciprocal does not survive
+    float32) requantized under the one note line; the FP8 and float linears requantized without
+    one (dequantizing FP8 is the ordinary path)."""
+    from tests.convert.modelopt_release import MIXED, mixed_algo
+
+    src_dir = write_modelopt_release(tmp_path / "src", MIXED, scale_2=scale_2)
+    src = _load(src_dir)
+    dst = tmp_path / "q"
+    with caplog.at_level(logging.WARNING, logger="cvt"):
+        r = run_cvt("quantize", src_dir, dst, "--scheme", "fp4", "--fp4-format", "nvfp4", "--format",
+                    "compressed-tensors", "--quiet")
+    assert r.rc == 0, r.err
+    out = _load(dst)
+    quant = json.loads((dst / "cvt_manifest.json").read_text())["quant"]["tensors"]
+    algo = {m: mixed_algo(m) for m in quant}
+    carried = sorted(m for m, a in algo.items() if a == "W4A16_NVFP4")
+    assert len(quant) == 39 and len(carried) == 12 and sum(a == "NVFP4" for a in algo.values()) == 12
+    assert sum(a == "FP8" for a in algo.values()) == 12 and sum(a is None for a in algo.values()) == 3
+    assert sorted(m for m, v in quant.items() if v["method"] == "source") == carried
+    assert {v["method"] for m, v in quant.items() if m not in carried} == {"rtn"}
+    for m in carried:
+        assert quant[m]["sqnr_db"] == "Infinity", m
+        assert torch.equal(out[f"{m}.weight_packed"], src[f"{m}.weight"]), m
+        assert torch.equal(out[f"{m}.weight_scale"].view(torch.uint8), src[f"{m}.weight_scale"].view(torch.uint8)), m
+        assert float(out[f"{m}.weight_global_scale"]) * float(src[f"{m}.weight_scale_2"]) == 1.0, m
+    assert [rec.getMessage() for rec in caplog.records] == [
+        f"cvt: 12 ModelOpt nvfp4 linear(s) of the release requantized to fp4 from their exact dequantized values "
+        f"({MODELOPT_CARRIED_BY})"]
