@@ -52,7 +52,6 @@ import logging
 import re
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -505,16 +504,10 @@ class _LayerCalib:
         if len(items) < 2:
             self.solved = {}
             return
-        pool = ThreadPoolExecutor(max_workers=1)
         opts = self._gptq_opts()
-        side = pool.submit(lambda: {t: gptq_quantize(self.linears[t].weight, site.hessian(), self.schemes[t], name=t,
-                                                     factor=site.factor, **opts)
-                                    for t, site in (alone if items[0][1].device.type == "cpu" else [])})
-        try:
-            self.solved = solve_together(items, o["max_hessian_bytes"], **opts)
-            self.solved.update(side.result())
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        beside = [(t, lambda t=t, site=site: gptq_quantize(self.linears[t].weight, site.hessian(), self.schemes[t],
+                                                           name=t, factor=site.factor, **opts)) for t, site in alone]
+        self.solved = solve_together(items, o["max_hessian_bytes"], beside=beside, **opts)
 
     def _gptq_opts(self) -> dict:
         o = self.o
