@@ -191,7 +191,14 @@ def _fused_violations(arch, layout: Layout, layers: list[int]) -> list[Violation
     """Experts fused over dim 0 (gpt-oss's ``[E, ...]``) split only as contiguous id ranges over ep,
     whole along their width (`cvt.convert.shard.split_of`): moe_tp > 1 and any other placement
     (EPLB, redundant copies) are violations."""
-    name = next((n for n in arch.shapes() if (i := arch.classify(n)).role is Role.EXPERT and i.expert is None), None)
+    name, seen = None, set()
+    for n in arch.shapes():  # one name per pattern (numbers erased, as `tensors`): DeepSeek-V3 has 46k names
+        key = _NUM.sub("#", n)
+        if key not in seen:
+            seen.add(key)
+            if (i := arch.classify(n)).role is Role.EXPERT and i.expert is None:
+                name = n
+                break
     if name is None:
         return []
     out, E = [], arch.num_experts

@@ -121,9 +121,11 @@ def test_a_stop_signal_to_the_group_stops_every_rank(sig, fp8_release_session, c
     proc = _start(fp8_release_session, dst, tmp, "--procs", "2", env={
         "CVT_TEST_PAUSE_AT_BYTE": PAUSE_AT, "CVT_TEST_PAUSE_FILE": str(marker), "CVT_TEST_KILL_RANK": "1"})
     _paused(proc, marker)
+    t0 = time.monotonic()
     os.killpg(proc.pid, sig)
     rc, lines, err = _end(proc, dst, tmp)
     assert rc == 128 + sig, err
+    assert time.monotonic() - t0 < 25  # every rank left on the signal, none on torchrun's SIGKILL 30 s later
     said = "cvt: interrupted" if sig == signal.SIGINT else f"cvt: stopped by {sig.name}"
     assert lines == [f"{said}; re-run the same command to resume"], err
     assert "Traceback" not in err
