@@ -156,12 +156,12 @@ def test_a_peer_that_never_comes_is_one_line_naming_the_address(fp8_release_sess
     t0 = time.monotonic()
     proc = _start(fp8_release_session, dst, tmp, env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
                                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                              "CVT_RENDEZVOUS_TIMEOUT": "3"})
+                                              "CVT_RENDEZVOUS_TIMEOUT": "1"})
     rc, lines, err = _end(proc, dst, tmp)
     assert time.monotonic() - t0 < 90
     assert rc == 1 and len(lines) == 1, err
     assert lines[0].startswith("cvt: error: rank 0: the 2 ranks did not all meet at MASTER_ADDR:MASTER_PORT "
-                               f"127.0.0.1:{port} within 3 s"), err
+                               f"127.0.0.1:{port} within 1 s"), err
     assert "CVT_RENDEZVOUS_TIMEOUT" in lines[0]
     assert not dst.exists()  # the peers meet before DST is made
 
