@@ -187,11 +187,11 @@ def _config_violation(subject, axis, degree, size, world, unit_name, extra="") -
                             f"{world}; {size}'s divisors: {_some(divisors(size))}){extra}")
 
 
-def _fused_violations(arch, layout: Layout, layers: list[int]) -> list[Violation]:
+def _fused_violations(arch, layout: Layout, layers: list[int], items: list) -> list[Violation]:
     """Experts fused over dim 0 (gpt-oss's ``[E, ...]``) split only as contiguous id ranges over ep,
     whole along their width (`cvt.convert.shard.split_of`): moe_tp > 1 and any other placement
-    (EPLB, redundant copies) are violations."""
-    name = next((n for n in arch.shapes() if (i := arch.classify(n)).role is Role.EXPERT and i.expert is None), None)
+    (EPLB, redundant copies) are violations. `items`: `tensors`'s, each pattern classified once."""
+    name = next((n for n, _, kind, _ in items if kind.info.role is Role.EXPERT and kind.info.expert is None), None)
     if name is None:
         return []
     out, E = [], arch.num_experts
@@ -237,9 +237,10 @@ def validate(layout: Layout, config: Mapping[str, Any], scheme: str | None = Non
                                         f"config has {E}"))
         out += [Violation("placement", "ep", layout.ep, E, reason=p)
                 for p in placement_problems(layout.placement, layers)]
-    out = [v for v in out if v is not None] + _fused_violations(arch, layout, layers)
+    items = _items if _items is not None else list(tensors(config, layout.shared_experts))
+    out = [v for v in out if v is not None] + _fused_violations(arch, layout, layers, items)
     seen: dict[tuple, list] = {}
-    for name, shape, kind, _ in _items if _items is not None else tensors(config, layout.shared_experts):
+    for name, shape, kind, _ in items:
         if kind.axis is None or getattr(layout, kind.axis) == 1:
             continue
         d, dim = getattr(layout, kind.axis), kind.info.split_dim

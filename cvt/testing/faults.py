@@ -89,7 +89,19 @@ def after_layer(i: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def _sigint(signum, frame) -> None:
+    """Python's SIGINT handler, which also records the signal (`signals.note`) for `_wait_here`."""
+    signals.note(signum)
+    raise KeyboardInterrupt
+
+
 def install() -> None:
-    """Route the library's seams (`cvt.hooks`) through this module's kill switches."""
+    """Route the library's seams (`cvt.hooks`) through this module's kill switches. Where the
+    pause is armed, SIGINT is also recorded as it arrives: a writer thread paused in `_wait_here`
+    sees SIGTERM / SIGHUP through `cvt.signals` but would not see a KeyboardInterrupt, and the
+    main thread's cleanup waits for it, until torchrun SIGKILLs the rank 30 s later."""
     hooks.write = write
     hooks.after_layer = after_layer
+    if (_pause and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):  # an ignored SIGINT stays so
+        signal.signal(signal.SIGINT, _sigint)

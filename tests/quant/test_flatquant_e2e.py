@@ -24,9 +24,20 @@ def _identity(k: int, seed: int = flatquant.SEED):
     return torch.eye(a, dtype=torch.bfloat16), torch.eye(b, dtype=torch.bfloat16)
 
 
-def _rows(src, tmp_path, monkeypatch, tag: str) -> dict[str, tuple[float, float]]:
-    kl = {}
-    for name, transforms in (("hadamard", None), ("identity", _identity)):
+@pytest.fixture(scope="module")
+def fixture_hadamard(trained_fixture, tmp_path_factory) -> tuple:
+    """(the output, its (KL, PPL ratio)) of `--scheme w4a4_flatquant` (RTN, the Hadamard start) on
+    the trained fixture: the row both tests below compare with, quantized and verified once."""
+    tmp = tmp_path_factory.mktemp("flatquant")
+    dst = tmp / "fixture-fq-hadamard"
+    quantize(trained_fixture, dst, scheme="w4a4_flatquant", fmt="ascend", quiet=True)
+    return dst, kl_and_ppl(dst, trained_fixture, tmp)
+
+
+def _rows(src, tmp_path, monkeypatch, tag: str, hadamard: tuple | None = None) -> dict[str, tuple[float, float]]:
+    """KL rows of the Hadamard start (`hadamard` when already measured), identity transforms and MXFP4."""
+    kl = {} if hadamard is None else {"hadamard": hadamard}
+    for name, transforms in (("hadamard", None), ("identity", _identity))[hadamard is not None:]:
         with monkeypatch.context() as m:
             if transforms is not None:
                 m.setattr(flatquant, "init_transforms", transforms)
@@ -39,9 +50,9 @@ def _rows(src, tmp_path, monkeypatch, tag: str) -> dict[str, tuple[float, float]
     return kl
 
 
-def test_online_hadamard_beats_plain_int4_w4a4(trained_fixture, tmp_path, monkeypatch):
-    kl = _rows(trained_fixture, tmp_path, monkeypatch, "fixture")
-    floats = json.loads((tmp_path / "fixture-fq-hadamard" / "cvt_manifest.json").read_text())["quant"]["float_modules"]
+def test_online_hadamard_beats_plain_int4_w4a4(trained_fixture, fixture_hadamard, tmp_path, monkeypatch):
+    kl = _rows(trained_fixture, tmp_path, monkeypatch, "fixture", hadamard=fixture_hadamard[1])
+    floats = json.loads((fixture_hadamard[0] / "cvt_manifest.json").read_text())["quant"]["float_modules"]
     assert "96 = 8 x 12" in floats["model.layers.0.self_attn.q_b_proj"]  # the op cannot take it: float
     assert "linears only" in floats["model.layers.1.mlp.experts.0.up_proj"]
     assert kl["hadamard"][0] <= 0.6 * kl["identity"][0], kl
@@ -62,16 +73,15 @@ def test_online_hadamard_beats_plain_int4_w4a4(trained_fixture, tmp_path, monkey
     assert_readme_row("w4a4_mxfp4 with injected activation outliers, experts float", kl["mx"])
 
 
-def test_fitted_transforms_beat_the_hadamard_start(trained_fixture, tmp_path):
+def test_fitted_transforms_beat_the_hadamard_start(trained_fixture, fixture_hadamard, tmp_path):
     """`--method flatquant` (the transforms and clip fitted per input site, default steps and lr) on
-    the quantize page's 2048 calibration tokens: mean KL below the Hadamard-initialised output's,
-    and the page's row is this run's."""
-    kl = {}
-    for method in ("rtn", "flatquant"):
-        dst = tmp_path / f"fq-{method}"
-        quantize(trained_fixture, dst, scheme="w4a4_flatquant", fmt="ascend", quiet=True, method=method,
-                 calib_tokens=2048 if method != "rtn" else None)
-        kl[method] = kl_and_ppl(dst, trained_fixture, tmp_path)
+    the quantize page's 2048 calibration tokens: mean KL below the Hadamard-initialised output's
+    (`--method rtn`, the default: `fixture_hadamard`), and the page's row is this run's."""
+    kl = {"rtn": fixture_hadamard[1]}
+    dst = tmp_path / "fq-flatquant"
+    quantize(trained_fixture, dst, scheme="w4a4_flatquant", fmt="ascend", quiet=True, method="flatquant",
+             calib_tokens=2048)
+    kl["flatquant"] = kl_and_ppl(dst, trained_fixture, tmp_path)
     assert kl["flatquant"][0] <= 0.85 * kl["rtn"][0], kl
     assert_readme_row("w4a4_flatquant, Hadamard transforms", kl["rtn"])
     assert_readme_row("w4a4_flatquant, fitted transforms (--method flatquant, --calib-tokens 2048)", kl["flatquant"],

@@ -430,14 +430,15 @@ def test_bad_fp8_scales_refused_before_writing(fp8_release, tmp_path, what):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["ascend", "compressed-tensors"])
-def test_c8_outputs_load_with_their_kv_scales(fp8_release_session, dense_qwen, tmp_path, fmt):
+def test_c8_outputs_load_with_their_kv_scales(outputs, dense_qwen, tmp_path, fmt):
     """w8a8c8 of an MLA and a GQA model, both formats: the runtime attaches the KV-cache scales
-    (so generation uses the int8 cache)."""
+    (so generation uses the int8 cache). The MLA one is the module's own `outputs` case."""
     from cvt.runtime.kv_cache import has_kv_cache_scales
 
-    for name, src in (("mla", fp8_release_session), ("gqa", dense_qwen)):
-        dst = tmp_path / f"{name}-{fmt}"
-        quantize(src, dst, scheme="w8a8c8", fmt=fmt, quiet=True)
+    for name in ("mla", "gqa"):
+        dst = outputs[f"{fmt}-w8a8c8"][0] if name == "mla" else tmp_path / f"{name}-{fmt}"
+        if name == "gqa":
+            quantize(dense_qwen, dst, scheme="w8a8c8", fmt=fmt, quiet=True)
         model = load_model(dst, dtype=torch.float32).model
         assert has_kv_cache_scales(model), (name, fmt)
         assert model.new_cache(1, 8)[0].__class__.__name__.startswith("Int8"), (name, fmt)
