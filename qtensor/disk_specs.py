@@ -14,6 +14,12 @@ from cvt.qtensor.layouts import fuses, kernel_fmt_of
 from cvt.qtensor.schemes.base import QuantizedTensor, Scheme
 
 
+def _role(scheme: Scheme) -> dict:
+    """The extra a scheme's tensors carry for the layout choice: ``{"parallel": "row"}`` for a
+    scheme sized for a RowParallelLinear (`cvt.qtensor.schemes.flatquant_mx`), else nothing."""
+    return {"parallel": "row"} if getattr(scheme, "row", False) else {}
+
+
 def probe_q(scheme: Scheme, shape: tuple[int, int], static: bool) -> QuantizedTensor:
     """A QuantizedTensor of zeros with the scheme's part shapes and dtypes, for planning the
     on-disk layout (formats validate values, so meta tensors will not do)."""
@@ -23,7 +29,7 @@ def probe_q(scheme: Scheme, shape: tuple[int, int], static: bool) -> QuantizedTe
         parts["weight_scale"] = torch.ones_like(parts["weight_scale"])
     if "weight_global_scale" in parts:
         parts["weight_global_scale"] = torch.ones_like(parts["weight_global_scale"])
-    extra = {}
+    extra = _role(scheme)
     if static:
         n = shape[0]
         parts = {"weight": parts["weight"], "input_scale": torch.ones(1), "input_offset": z((1,), torch.float32),
@@ -38,7 +44,7 @@ def shell_q(scheme: Scheme, shape: tuple[int, int], static: bool = False) -> Qua
     group size, symmetry), so the layout is chosen before anything is quantized."""
     kf = kernel_fmt_of(scheme, static)
     return QuantizedTensor(scheme.name, kf, tuple(shape), {}, scheme.group_size,
-                           scheme.symmetric, {"fp4_format": kf} if getattr(scheme, "fp4_format", None) else {})
+                           scheme.symmetric, {"fp4_format": kf} if getattr(scheme, "fp4_format", None) else _role(scheme))
 
 
 def data_planned(layout, scheme, shape: tuple[int, int], static: bool, bias: bool) -> bool:

@@ -132,7 +132,7 @@ class Ascend:
         """The layout `disk_tensors` writes `q` in for this target and module."""
         target = L.check_target(self.name, target)
         return L.select(self.name, q.kernel_fmt, target, expert=expert, group_size=q.group_size, k=q.shape[1],
-                        module=module)
+                        module=module, parallel=q.extra.get("parallel"))
 
     def tags(self, module: str, q: QuantizedTensor, bias: bool = False, *, target: str | None = None,
              expert: bool = False) -> dict[str, str]:

@@ -48,6 +48,11 @@ class DiskTensor:
             if isinstance(d, int):
                 out.append(d)
                 continue
+            if d in (RKL, RKR):  # a RowParallelLinear's factors (W4A4_MXFP4_FLATQUANT, max_supported_tp)
+                from cvt.qtensor.schemes.flatquant_mx import trans_dims
+
+                out.append((trans_dims(k, True) or (0, 0))[d == RKR])
+                continue
             if isinstance(d, str):  # KL / KR: a factor of k's Kronecker decomposition (FlatQuant)
                 from cvt.qtensor.schemes.flatquant import decompose_dim
 
@@ -79,6 +84,7 @@ class DiskTensor:
 
 
 KL, KR = "KL", "KR"  # a whole dim: the left / right factor of k (FlatQuant's get_decompose_dim)
+RKL, RKR = "RKL", "RKR"  # ... of a RowParallelLinear's k (`cvt.qtensor.schemes.flatquant_mx.trans_dims`)
 K16 = "K/16"  # a dim unit: one on-disk element per k/16 logical ones, i.e. 16 elements along k
 
 
@@ -103,7 +109,8 @@ class Layout:
     experts_only: bool = False      # the stack loads this layout for routed experts only
     grouping: str = "any"           # "any" | "grouped" | "channel": which group sizes this entry holds
     groups: tuple[int, ...] = ()    # the group sizes the stack accepts (empty: any)
-    parallel: str = "any"           # "any" | "column" | "row": the modules it holds (`scale_bias_role`)
+    parallel: str = "any"           # "any" | "column" | "row": the modules it holds (`scale_bias_role`, or
+                                    # the quantized tensor's extra["parallel"] where its scheme knows the role)
     pack: str | None = None         # how the fused RTN kernel (`cvt.quant.qkernel`) packs it; None: not fused
     expert_k: int = 0               # routed experts' in_features must be a multiple of this (0: any; MX: 64)
     device: str = ""                # the only hardware whose kernels run it ("": every device of the target)

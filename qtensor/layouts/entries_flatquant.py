@@ -33,8 +33,8 @@ from cvt.lazy import torch
 from cvt.errors import FormatError
 from cvt.qtensor import kernel_formats as KF
 from cvt.qtensor import primitives as P
-from cvt.qtensor.layouts.base import (ASCEND, FLOATS, KL, KR, VLLM_ASCEND, DiskTensor, K, Layout, N, _expect, _take,
-                                      register)
+from cvt.qtensor.layouts.base import (ASCEND, FLOATS, KL, KR, RKL, RKR, VLLM_ASCEND, DiskTensor, K, Layout, N,
+                                      _expect, _take, register)
 from cvt.qtensor.schemes.base import QuantizedTensor
 from cvt.qtensor.schemes.flatquant import W4A4FlatQuant, decompose_dim
 
@@ -88,9 +88,11 @@ FLATQUANT_LAYOUT = register(Layout(
 # get_pertensor_param / get_pergroup_param: weight U8 [n, k/2] (E2M1 two per byte, element 2j in the
 # low nibble: the W4A4_MXFP4 packing), weight_scale U8 [n, k/32] (E8M0), left_trans / right_trans in
 # the params dtype with the sizes of `cvt.qtensor.schemes.flatquant_mx.trans_dims` (a RowParallelLinear's
-# differ from the others'), clip_ratio F32 [1]; no weight_offset. Registered for "linear" only; the
-# description's group_size is 32 (the method's default). A row layer's transforms are sized for the
-# whole k with max_supported_tp diagonal blocks; cvt writes dense ones, so a TP split along k is refused.
+# differ from the others': its own entry, `parallel="row"`, picked by the tensor's extra["parallel"]),
+# clip_ratio F32 [1]; no weight_offset. Registered for "linear" only; the description's group_size is
+# 32 (the method's default). A row layer's transforms are sized for the whole k with max_supported_tp
+# diagonal blocks; cvt writes dense ones, so a TP split along k is refused. Read back, either entry
+# decodes either size pair (the two hold the same tensors; the consumer declares the sizes by role).
 MX_TAG = "W4A4_MXFP4_FLATQUANT"
 MX_SUFFIXES = ("weight", "weight_scale", "left_trans", "right_trans", "clip_ratio")
 
@@ -104,17 +106,18 @@ def _encode_mx(q: QuantizedTensor) -> dict[str, torch.Tensor]:
 
 def _decode_mx(module: str, d: dict) -> QuantizedTensor:
     from cvt.qtensor import mx as MX
-    from cvt.qtensor.schemes.flatquant_mx import W4A4MXFP4FlatQuant, trans_dims
+    from cvt.qtensor.schemes.flatquant_mx import ROW, W4A4MXFP4FlatQuant, trans_dims
 
     t = _take(module, d, MX_SUFFIXES)
     codes = P.unpack_fp4(_expect(f"{module}.weight", t["weight"], (torch.uint8,)))
     if codes.dim() != 2 or codes.shape[1] % MX.BLOCK:
         raise FormatError(f"{module}.weight unpacks to {list(codes.shape)}: expected 2-D [n, k], k a multiple of 32")
     n, k = codes.shape
-    dims = trans_dims(k, False)
-    if dims is None:
+    pairs = [d for d in (trans_dims(k, False), trans_dims(k, True)) if d is not None]
+    have = (t["left_trans"].shape[0], t["right_trans"].shape[0]) if t["left_trans"].dim() == 2 else None
+    if not pairs:
         raise FormatError(f"{module}: in_features {k} has no W4A4_MXFP4_FLATQUANT Kronecker factors")
-    a, b = dims
+    a, b = have if have in pairs else pairs[0]  # a row layer's (trans_dims(k, True)) or another's
     sc = _expect(f"{module}.weight_scale", t["weight_scale"], (torch.uint8, torch.float8_e8m0fnu), (n, k // MX.BLOCK))
     left = _expect(f"{module}.left_trans", t["left_trans"], FLOATS, (a, a))
     right = _expect(f"{module}.right_trans", t["right_trans"], FLOATS, (b, b))
@@ -125,7 +128,9 @@ def _decode_mx(module: str, d: dict) -> QuantizedTensor:
     P.check_finite(right, f"{module}.right_trans")
     parts = {"weight_fp4": codes, "weight_scale": sc.view(torch.uint8), "left_trans": left, "right_trans": right,
              "clip_ratio": clip}
-    return QuantizedTensor(W4A4MXFP4FlatQuant.name, KF.W4A4_MXFP4_FLATQUANT, (n, k), parts, 32, True)
+    row = (a, b) != trans_dims(k, False)
+    return QuantizedTensor(W4A4MXFP4FlatQuant.name, KF.W4A4_MXFP4_FLATQUANT, (n, k), parts, 32, True,
+                           {"parallel": ROW} if row else {})
 
 
 MXFP4_FLATQUANT_LAYOUT = register(Layout(
@@ -134,3 +139,9 @@ MXFP4_FLATQUANT_LAYOUT = register(Layout(
      DiskTensor("left_trans", "BF16", (KL, KL)), DiskTensor("right_trans", "BF16", (KR, KR)),
      DiskTensor("clip_ratio", "F32", (1,))),
     _encode_mx, _decode_mx, linears_only=True, splits_k=False, device="Ascend 950"))
+MXFP4_FLATQUANT_ROW_LAYOUT = register(Layout(
+    "ascend-w4a4-mxfp4-flatquant-row", KF.W4A4_MXFP4_FLATQUANT, ASCEND, (VLLM_ASCEND,), MX_TAG,
+    (DiskTensor("weight", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "U8", (N, ("k", 32))),
+     DiskTensor("left_trans", "BF16", (RKL, RKL)), DiskTensor("right_trans", "BF16", (RKR, RKR)),
+     DiskTensor("clip_ratio", "F32", (1,))),
+    _encode_mx, _decode_mx, linears_only=True, splits_k=False, device="Ascend 950", parallel="row"))

@@ -62,9 +62,10 @@ def candidates(fmt: str, kernel_fmt: str, target: str) -> list[Layout]:
 
 
 def select(fmt: str, kernel_fmt: str, target: str, *, expert: bool, group_size: int, k: int,
-           module: str = "") -> Layout:
+           module: str = "", parallel: str | None = None) -> Layout:
     """The layout `target` loads for a linear of `kernel_fmt` (routed expert or not); FormatError
-    saying why there is none (with what the stack does accept)."""
+    saying why there is none (with what the stack does accept). `parallel`: the module's role where
+    the quantized tensor carries it (``extra["parallel"]``; W4A4_MXFP4_FLATQUANT's row layers)."""
     where = f"{module}: " if module else ""
     found = candidates(fmt, kernel_fmt, target)
     if not found:
@@ -89,8 +90,10 @@ def select(fmt: str, kernel_fmt: str, target: str, *, expert: bool, group_size: 
         raise FormatError(f"{where}{target} loads {lo.tag or kernel_fmt} ({lo.name}) for linears only (no MoE method "
                           "loads it); keep the routed experts float or give them another scheme in a recipe")
     if any(x.parallel != "any" for x in fit):  # e.g. W4A8_DYNAMIC: scale_bias by the module's role
-        role = scale_bias_role(module)
-        lo = next((x for x in fit if x.parallel in ("any", role)), None)
+        # the role the scheme was given (the architecture table's); else the "any" entry where there
+        # is one (a W4A4_MXFP4_FLATQUANT linear that is not row-parallel), else msModelSlim's name rule
+        role = parallel or ("any" if any(x.parallel == "any" for x in fit) else scale_bias_role(module))
+        lo = next((x for x in fit if x.parallel == role), None) or next((x for x in fit if x.parallel == "any"), None)
         if lo is None:
             raise FormatError(f"{where}{target} has no {kernel_fmt} layout for {role}-parallel modules")
     return lo

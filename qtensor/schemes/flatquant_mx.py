@@ -14,11 +14,11 @@ AscendW4A4MXFP4FlatQuantDynamicLinearMethod: per linear ``[n, k]``::
 not a RowParallelLinear; for one that is, ``b = get_decompose_dim(k / max_tp, max_tp)[1]`` and ``a
 = k / b`` (max_tp = the description's ``max_supported_tp``, default 4, which cvt leaves unset) --
 so the left factor splits into max_tp diagonal blocks, one per rank (process_weights_after_loading).
-cvt's layout table sizes transforms by k alone, so it writes the non-row sizes, and a row layer
-whose sizes differ is kept float (`shape_problem`, the reason in the manifest).
 Its ``get_decompose_dim(n, m)`` returns ``(256, m n / 256)`` when the closest pair's left factor
-times m passes 256 and refuses factors summing past 256. cvt tells row layers by name
-(`ROW_NAMES`: vLLM's RowParallelLinear modules in cvt's architectures).
+times m passes 256 and refuses factors summing past 256. Which linears are RowParallelLinear is the
+architecture table's (`cvt.convert.arch`, a rule's ``Parallel.ROW``): the quantize plan asks the scheme
+for its row twin (`for_parallel`) for those, which sizes, fits and writes the row transforms (and
+its quantized tensors say ``extra["parallel"] = "row"``, which picks the row layout entry).
 
 The transform and its fold are `cvt.qtensor.schemes.flatquant`'s (``X~ = L^T X R``, ``W' = W T^-1``);
 the weight elements and exponents are msModelSlim's MXFP4 rules (`cvt.qtensor.mx`, the `w4a4_mxfp4`
@@ -40,8 +40,7 @@ from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, register
 from cvt.qtensor.schemes.flatquant import MAX_DIM, SEED, fold, unfold
 
 MAX_TP = 4  # vllm-ascend: quant_description.get("max_supported_tp", 4)
-# vLLM's RowParallelLinear modules of cvt's architectures (attention / MLP / MoE shared-expert outputs)
-ROW_NAMES = ("o_proj", "down_proj", "out_proj", "wo", "w2")
+ROW = "row"  # QuantizedTensor.extra["parallel"] of a RowParallelLinear's tensors (`cvt.qtensor.layouts`)
 PARTS = ("weight_fp4", "weight_scale", "left_trans", "right_trans", "clip_ratio")
 
 
@@ -60,11 +59,6 @@ def get_decompose_dim(n: int, m: int) -> tuple[int, int] | None:
     if (a - b) * m > MAX_DIM:
         return MAX_DIM, m * n // MAX_DIM
     return a - b, a + b
-
-
-def is_row(module: str | None) -> bool:
-    """Whether vLLM builds `module` as a RowParallelLinear (`ROW_NAMES`, on its own name)."""
-    return bool(module) and module.rsplit(".", 1)[-1] in ROW_NAMES
 
 
 def trans_dims(k: int, row: bool, max_tp: int = MAX_TP) -> tuple[int, int] | None:
@@ -111,9 +105,9 @@ class W4A4MXFP4FlatQuant(SchemeBase):
     kernel_formats = (KF.W4A4_MXFP4_FLATQUANT,)
     group_size = MX.BLOCK
     symmetric = True
-    row_sensitive = True  # the plan passes the module name to `shape_problem` (a row layer may be refused)
+    row_sensitive = True  # the plan takes `for_parallel(row)` for each module (the architecture table's role)
 
-    def __init__(self, group_size=None, symmetric=None, fp4_format=None, static_activations=None):
+    def __init__(self, group_size=None, symmetric=None, fp4_format=None, static_activations=None, row: bool = False):
         if group_size not in (None, MX.BLOCK):
             raise CvtError(f"scheme {self.name!r} has a fixed block of {MX.BLOCK} along in_features (E8M0 scales): "
                            f"group_size={group_size} is not supported")
@@ -124,9 +118,21 @@ class W4A4MXFP4FlatQuant(SchemeBase):
         if static_activations:
             raise CvtError(f"scheme {self.name!r} quantizes activations per block at run time: static_activations "
                            "is not supported")
+        self.row = row
+        self._twin = None
 
     def __repr__(self) -> str:
-        return "W4A4MXFP4FlatQuant()"
+        return "W4A4MXFP4FlatQuant(row=True)" if self.row else "W4A4MXFP4FlatQuant()"
+
+    def for_parallel(self, row: bool) -> "W4A4MXFP4FlatQuant":
+        """This scheme for a RowParallelLinear (`row`) or another linear: one twin per instance, so
+        the plan's modules of one role share an instance (the plan groups by identity)."""
+        if row == self.row:
+            return self
+        if self._twin is None:
+            self._twin = W4A4MXFP4FlatQuant(row=row)
+            self._twin._twin = self
+        return self._twin
 
     def kernel_fmt(self, static: bool = False) -> str:
         return KF.W4A4_MXFP4_FLATQUANT
@@ -141,28 +147,25 @@ class W4A4MXFP4FlatQuant(SchemeBase):
         k = shape[1]
         if k % MX.BLOCK:
             return f"{self.name} needs in_features a multiple of {MX.BLOCK} (MX blocks), got {k}"
-        if trans_dims(k, False) is None:
+        if trans_dims(k, self.row) is None:
             return (f"in_features {k} has no Kronecker factors vllm-ascend's W4A4_MXFP4_FLATQUANT get_decompose_dim "
-                    f"accepts (factors of at most {MAX_DIM})")
-        if is_row(name) and trans_dims(k, True) != trans_dims(k, False):
-            return (f"a RowParallelLinear's transforms are {trans_dims(k, True)} for in_features {k} (vllm-ascend "
-                    f"sizes them for max_supported_tp {MAX_TP}), not {trans_dims(k, False)}, and cvt's layout table "
-                    "sizes them by k alone")
+                    f"accepts (factors of at most {MAX_DIM}" + (f", a RowParallelLinear's sized for "
+                                                                f"max_supported_tp {MAX_TP})" if self.row else ")"))
         return None
 
     def dims(self, k: int, name: str | None = None) -> tuple[int, int]:
-        """The transforms' sizes cvt writes: the non-row ones (a row layer whose differ is kept float)."""
-        return trans_dims(k, False)
+        """The transforms' sizes vllm-ascend declares for this linear (`trans_dims` of its role)."""
+        return trans_dims(k, self.row)
 
     def param_info(self, shape):
         n, k = shape
-        a, b = trans_dims(k, False)
+        a, b = self.dims(k)
         return {"weight_fp4": ((n, k), torch.uint8), "weight_scale": ((n, k // MX.BLOCK), torch.uint8),
                 "left_trans": ((a, a), torch.bfloat16), "right_trans": ((b, b), torch.bfloat16),
                 "clip_ratio": ((1,), torch.float32)}
 
     def init_transforms(self, k: int, name: str | None = None, seed: int = SEED):
-        return init_transforms_mx(k, False, seed)
+        return init_transforms_mx(k, self.row, seed)
 
     def quantize(self, w: torch.Tensor, name: str | None = None) -> QuantizedTensor:
         w = self.checked_weight(w, name)
@@ -188,7 +191,8 @@ class W4A4MXFP4FlatQuant(SchemeBase):
         vals, se = MX.mx_quantize(wf, MX.FP4)
         parts = {"weight_fp4": P.encode_e2m1(vals), "weight_scale": MX.e8m0_codes(se), "left_trans": left,
                  "right_trans": right, "clip_ratio": torch.tensor([clip], dtype=torch.float32)}
-        return QuantizedTensor(self.name, KF.W4A4_MXFP4_FLATQUANT, tuple(w.shape), parts, MX.BLOCK, True)
+        return QuantizedTensor(self.name, KF.W4A4_MXFP4_FLATQUANT, tuple(w.shape), parts, MX.BLOCK, True,
+                               {"parallel": ROW} if self.row else {})
 
     def dequantize(self, q: QuantizedTensor) -> torch.Tensor:
         p = q.parts

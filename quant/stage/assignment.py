@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass, field
 
 
-from cvt.convert.arch import Role, arch_for, text_config
+from cvt.convert.arch import Parallel, Role, arch_for, text_config
 from cvt.convert.arch.attention import SPARSE_MLA
 from cvt.convert.fp4 import FP4_DTYPES
 from cvt.convert.reader import Checkpoint
@@ -81,6 +81,8 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
             if why is not None:
                 raise FormatError(f"{module}: {why}")
         scheme = scheme_for(choice.scheme, fmt.name, choice.group_size, asym, fp4_format, cache)
+        if getattr(scheme, "row_sensitive", False):  # sized by the module's TP role (the architecture table's)
+            scheme = scheme.for_parallel(arch.classify(module + ".weight").rule.parallel is Parallel.ROW)
         fmt.supports(scheme, target)
         why = None if choice.explicit else (layouts.linears_only_reason if expert else layouts.experts_only_reason)(
             fmt.name, layouts.kernel_fmt_of(scheme), target)
@@ -89,8 +91,7 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
             continue
         shape = weight_shape(ckpt, params)
         why = (shape_problem(line, layouts.kernel_fmt_of(scheme), expert=expert, k=shape[1])
-               or (scheme.shape_problem(shape, module) if getattr(scheme, "row_sensitive", False)
-                   else scheme.shape_problem(shape)))
+               or scheme.shape_problem(shape))
         if why is not None:  # the consumer cannot load this shape: float, unless a recipe asked for it
             if choice.explicit:
                 raise FormatError(f"{module}: {why}")

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.skipif(not _ENV or not Path(_ENV).exists(),
                                        "holding vllm_ascend/) to run vllm-ascend's own quantization package")
 
 FITTED = {"scheme": "w4a4_flatquant", "method": "flatquant"}  # --method flatquant (issue 39 item 2)
+MX_FITTED = {"scheme": "w4a4_mxfp4_flatquant", "method": "flatquant"}
 CASES = [
     pytest.param("ds", {"scheme": "w8a8"}, id="deepseek-w8a8"),
     pytest.param("ds", {"scheme": "w8a8", "static_attention": True}, id="deepseek-w8a8-static-attention"),
@@ -75,6 +76,11 @@ CASES = [
     # ... with the transforms and clip fitted on calibration rows (--method flatquant)
     pytest.param("qmoe", FITTED, id="qwen3-moe-w4a4-flatquant-fitted"),
     pytest.param("ds", FITTED, id="deepseek-w4a4-flatquant-fitted"),
+    # ... its Ascend 950 MX twin: row-parallel linears with vllm-ascend's row-sized transforms
+    pytest.param("qmoe", {"scheme": "w4a4_mxfp4_flatquant"}, id="qwen3-moe-w4a4-mxfp4-flatquant"),
+    pytest.param("qdense", {"scheme": "w4a4_mxfp4_flatquant"}, id="qwen3-w4a4-mxfp4-flatquant"),
+    pytest.param("ds", {"scheme": "w4a4_mxfp4_flatquant"}, id="deepseek-w4a4-mxfp4-flatquant"),
+    pytest.param("ds", MX_FITTED, id="deepseek-w4a4-mxfp4-flatquant-fitted"),
 ]
 
 # sources written on first use (the compressed-tensors package writes them: skipped without it)
@@ -535,3 +541,37 @@ def test_flatquant_runtime_is_vllm_ascends_apply(sources, va_src, opts):
     assert not torch.equal(outs[1.0], outs[0.8])
     flipped = run_flatquant(va_src, dict(disk, left_trans=disk["left_trans"].T.contiguous()), x)
     assert float((flipped.float() - outs[1.0].float()).abs().max()) > 0.1 * float(outs[1.0].float().abs().max())
+
+
+# ---- W4A4_MXFP4_FLATQUANT: row-parallel linears sized as vllm-ascend declares them -------------------
+
+@pytest.mark.parametrize("src, opts", [("qmoe", {"scheme": "w4a4_mxfp4_flatquant"}), ("ds", MX_FITTED)],
+                         ids=["qwen3-moe-hadamard", "deepseek-fitted"])
+def test_mxflatquant_row_layers_are_quantized_with_row_sizes(sources, va_src, src, opts):
+    """Every RowParallelLinear (o_proj, down_proj) is W4A4_MXFP4_FLATQUANT, none kept float, and its
+    transforms are the ones vllm-ascend declares for a row layer (layer_type "row", max_supported_tp
+    4), which differ from a column layer's of the same k; vllm-ascend's apply on them is cvt's kernel."""
+    from cvt.qtensor import layouts as L
+    from cvt.qtensor.schemes.flatquant_mx import get_decompose_dim
+    from cvt.runtime import kernels
+    from cvt.tests.quant.vllm_ascend_referee_mxflatquant import run_mxflatquant
+
+    dst = build(sources, src, opts)
+    r = inspect_output(dst, va_src)
+    assert r.problems == []
+    quant = json.loads((dst / "cvt_manifest.json").read_text())["quant"]
+    rows = [m for m, s in r.schemes.items() if m.endswith(("o_proj", "down_proj")) and "experts" not in m]
+    assert rows and all(r.schemes[m] == "AscendW4A4MXFP4FlatQuantDynamicLinearMethod" for m in rows)
+    floats = quant["float_modules"]  # module -> reason
+    assert not [f for f in floats if f.endswith(("o_proj", "down_proj")) and "experts" not in f], floats
+    m = "model.layers.1.self_attn.o_proj"
+    s = r.slots[(m + ".left_trans", None, None)]
+    k = 2 * _disk(dst, m)["weight"].shape[1]
+    assert s.shape[0] * r.slots[(m + ".right_trans", None, None)].shape[0] == k
+    assert s.shape[0] != get_decompose_dim(k, 1)[0]  # not the non-row size: the row rule is in play
+    disk = _disk(dst, m)
+    assert disk["left_trans"].shape == s.shape
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    q = L.LAYOUTS.get("ascend-w4a4-mxfp4-flatquant-row").decode(m, disk)
+    mine = kernels.get(q.kernel_fmt).from_parts(q.parts)(x)
+    assert torch.equal(run_mxflatquant(va_src, disk, x, row=True), mine)

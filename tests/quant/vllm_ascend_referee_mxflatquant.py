@@ -1,6 +1,8 @@
 """Referee for W4A4_MXFP4_FLATQUANT: vllm-ascend's own method (``quantization/methods/
 w4a4_mxfp4_flatquant.py`` AscendW4A4MXFP4FlatQuantDynamicLinearMethod), run on a cvt output's tensors
-as vLLM would for one non-row linear, with its NPU ops replaced by torch stand-ins:
+as vLLM would for one linear (a RowParallelLinear at TP 1 with ``row``: ``layer_type="row"`` sizes
+the transforms for max_supported_tp, process_weights_after_loading takes rank 0's diagonal block of
+the whole left_trans), with its NPU ops replaced by torch stand-ins:
 
 * ``npu_kronecker_quant(x [K, M, N], p1, p2, clip_ratio, dst_dtype=float4_e2m1fn_x2)``: ``p1 @ (x @
   p2)`` (aclnnFlatQuant), then MXFP4 per 32 along the token, written here from msModelSlim's rules
@@ -57,8 +59,9 @@ def _quant_matmul(x1, x2, scale, *, pertoken_scale=None, bias=None, output_dtype
 
 
 def run_mxflatquant(va_src: Path, disk: dict[str, torch.Tensor], x: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """vllm-ascend's W4A4_MXFP4_FLATQUANT ``apply`` on one linear's on-disk tensors for ``x``."""
+                    bias: torch.Tensor | None = None, row: bool = False) -> torch.Tensor:
+    """vllm-ascend's W4A4_MXFP4_FLATQUANT ``apply`` on one linear's on-disk tensors for ``x``
+    (``row``: the linear is a RowParallelLinear, at TP 1)."""
     with _vllm_ascend(Path(va_src), {"model_type": "qwen3"}, x.dtype), _npu_tensor_method(), torch.no_grad():
         import importlib
 
@@ -75,8 +78,12 @@ def run_mxflatquant(va_src: Path, disk: dict[str, torch.Tensor], x: torch.Tensor
         meth = mod.AscendW4A4MXFP4FlatQuantDynamicLinearMethod()
         n, k2 = disk["weight"].shape
         k = 2 * k2
-        layer = torch.nn.Module()
-        params = {**meth.get_weight(k, n, x.dtype), **meth.get_pertensor_param(x.dtype, layer_type="others"),
+        cls = type("Layer", (torch.nn.Module, mod.RowParallelLinear) if row else (torch.nn.Module,), {})
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.tp_size, layer.tp_rank = 1, 0
+        kind = "row" if row else "others"
+        params = {**meth.get_weight(k, n, x.dtype), **meth.get_pertensor_param(x.dtype, layer_type=kind),
                   **meth.get_pergroup_param(k, n, x.dtype)}
         for name, p in params.items():
             t = disk[name]

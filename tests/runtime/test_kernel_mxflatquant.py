@@ -13,9 +13,10 @@ from cvt.qtensor.schemes.flatquant_mx import get_decompose_dim, trans_dims
 from cvt.runtime import kernels as K
 
 
-def _q(n=48, k=256, seed=0, name="m.q_proj"):
+def _q(n=48, k=256, seed=0, name="m.q_proj", row=False):
     g = torch.Generator().manual_seed(seed)
-    return get_scheme("w4a4_mxfp4_flatquant").quantize(torch.randn(n, k, generator=g) * 0.05, name)
+    s = get_scheme("w4a4_mxfp4_flatquant").for_parallel(row)
+    return s.quantize(torch.randn(n, k, generator=g) * 0.05, name)
 
 
 def test_decompose_dim_is_vllm_ascends():
@@ -36,27 +37,49 @@ def test_layout_round_trip_and_dense_weight():
     assert torch.equal(mod.dense_weight(), get_scheme("w4a4_mxfp4_flatquant").dequantize(q))
 
 
-def test_row_layer_with_other_sizes_is_refused():
+def test_row_layer_gets_vllm_ascends_row_sizes():
+    """A RowParallelLinear (the plan's `for_parallel(True)`) is sized for max_supported_tp 4: k=512
+    -> 32 x 16 (16 x 32 otherwise), written in the row layout entry, read back with its sizes."""
     s = get_scheme("w4a4_mxfp4_flatquant")
-    assert s.shape_problem((8, 512), "m.o_proj") is not None and s.shape_problem((8, 512), "m.q_proj") is None
+    r = s.for_parallel(True)
+    assert r.row and not s.row and r.for_parallel(False) is s and s.for_parallel(True) is r
+    assert r.dims(512) == (32, 16) and s.dims(512) == (16, 32) and r.shape_problem((8, 512)) is None
+    q = _q(n=16, k=512, row=True)
+    assert q.parts["left_trans"].shape == (32, 32) and q.parts["right_trans"].shape == (16, 16)
+    assert q.extra == {"parallel": "row"} and _q(n=16, k=512).extra == {}
+    lo = L.select("ascend", q.kernel_fmt, "vllm-ascend", expert=False, group_size=32, k=512, module="m.o_proj",
+                  parallel="row")
+    assert lo.name == "ascend-w4a4-mxfp4-flatquant-row" and lo.shapes(16, 512, 32)["left_trans"] == ((32, 32), "BF16")
+    assert L.select("ascend", q.kernel_fmt, "vllm-ascend", expert=False, group_size=32, k=512,
+                    module="m.q_a_proj").name == "ascend-w4a4-mxfp4-flatquant"
+    q2 = lo.decode("m.o_proj", lo.encode(q))
+    assert q2.extra == {"parallel": "row"} and all(torch.equal(q.parts[p], q2.parts[p]) for p in q.parts)
+    with pytest.raises(Exception, match="do not fit"):  # a fit sized for the other role is refused
+        r.quantize_with(torch.zeros(16, 512), *s.init_transforms(512), 1.0)
 
 
 @pytest.mark.skipif(not os.environ.get("CVT_VLLM_ASCEND_SRC"), reason="needs CVT_VLLM_ASCEND_SRC")
-@pytest.mark.parametrize("clip", [1.0, 0.8])
-def test_runtime_is_vllm_ascends_apply(clip):
+@pytest.mark.parametrize("clip,k,row", [(1.0, 256, False), (0.8, 256, False), (1.0, 512, True), (0.8, 512, True)])
+def test_runtime_is_vllm_ascends_apply(clip, k, row):
+    """Bit for bit, a row layer too (vllm-ascend declares its 32 x 16 transforms, process_weights_
+    after_loading takes the TP-1 block); a transposed left_trans gives another output."""
     from cvt.tests.quant.vllm_ascend_referee_mxflatquant import run_mxflatquant
 
-    q = _q()
+    q = _q(k=k, row=row)
     q.parts["clip_ratio"] = torch.tensor([clip])
-    disk = L.LAYOUTS.get("ascend-w4a4-mxfp4-flatquant").encode(q)
-    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    disk = L.LAYOUTS.get("ascend-w4a4-mxfp4-flatquant-row" if row else "ascend-w4a4-mxfp4-flatquant").encode(q)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     bias = torch.randn(48).to(torch.bfloat16)
     mine = K.get("w4a4_mxfp4_flatquant").from_parts(dict(q.parts), bias).reference(x)
-    theirs = run_mxflatquant(Path(os.environ["CVT_VLLM_ASCEND_SRC"]), disk, x, bias)
+    theirs = run_mxflatquant(Path(os.environ["CVT_VLLM_ASCEND_SRC"]), disk, x, bias, row=row)
     assert torch.equal(mine, theirs)
     flipped = run_mxflatquant(Path(os.environ["CVT_VLLM_ASCEND_SRC"]),
-                              dict(disk, left_trans=disk["left_trans"].T.contiguous()), x, bias)
+                              dict(disk, left_trans=disk["left_trans"].T.contiguous()), x, bias, row=row)
     assert not torch.equal(flipped, mine)
+    if row:  # vllm-ascend declares the row sizes: the other role's would not load
+        with pytest.raises(ValueError, match="vllm-ascend declares"):
+            run_mxflatquant(Path(os.environ["CVT_VLLM_ASCEND_SRC"]), L.LAYOUTS.get("ascend-w4a4-mxfp4-flatquant")
+                            .encode(_q(k=k)), x, bias, row=True)
 
 
 def test_fit_uses_the_mxfp4_quantizer():
