@@ -489,25 +489,15 @@ class _LayerCalib:
     def _solve_experts(self, names: list[str], sites) -> None:
         """GPTQ of the routed experts' linears among `names` that share a shape and scheme, in
         batched calls (`gptq_batched.solve_together`: one column sweep for many experts); `_quantize`
-        takes their results from ``self.solved`` in `names` order, so the bookkeeping is unchanged.
-        On a CPU the other GPTQ linears (attention, shared experts) are solved beside the batched
-        call in a second thread: their column loops leave the other cores idle."""
+        takes their results from ``self.solved`` in `names` order, so the bookkeeping is unchanged."""
         o = self.o
-        items, alone = [], []
+        items = []
         for t in names:
             site = sites.get(self.site_of[t])
-            if self.method[t] == GPTQ and site is not None and site.hess is not None and site.n >= o["min_tokens"]:
-                if EXPERT_RE.match(t + "."):
-                    items.append((t, self.linears[t].weight, site.hessian, self.schemes[t]))
-                else:
-                    alone.append((t, site))
-        if len(items) < 2:
-            self.solved = {}
-            return
-        opts = self._gptq_opts()
-        beside = [(t, lambda t=t, site=site: gptq_quantize(self.linears[t].weight, site.hessian(), self.schemes[t],
-                                                           name=t, factor=site.factor, **opts)) for t, site in alone]
-        self.solved = solve_together(items, o["max_hessian_bytes"], beside=beside, **opts)
+            if (self.method[t] == GPTQ and EXPERT_RE.match(t + ".") and site is not None and site.hess is not None
+                    and site.n >= o["min_tokens"]):
+                items.append((t, self.linears[t].weight, site.hessian, self.schemes[t]))
+        self.solved = solve_together(items, o["max_hessian_bytes"], **self._gptq_opts()) if len(items) > 1 else {}
 
     def _gptq_opts(self) -> dict:
         o = self.o

@@ -37,7 +37,6 @@ batched GEMM need not.
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 import torch
@@ -274,38 +273,12 @@ HESSIAN_COPIES = 6
 
 
 def solve_together(items: list[tuple[str, torch.Tensor, Callable[[], torch.Tensor], Scheme]], max_bytes: int,
-                   beside: list[tuple[str, Callable[[], GPTQResult]]] = (), **opts) -> dict[str, GPTQResult]:
+                   **opts) -> dict[str, GPTQResult]:
     """`gptq_quantize_batched` over `items` ``(name, weight [n, k], hessian(), scheme)``: those
     with the same weight shape, dtype, device and scheme object are solved together, in `items`
     order, at most `MAX_MEMBERS` per call and `max_bytes` for its `HESSIAN_COPIES` Hessian-sized
     float32 buffers. A linear with no partner is left out (the caller solves it alone, as
-    before). `opts` go to each call. `beside` ``(name, solve())``: other linears' solves, run in
-    a second thread meanwhile when the weights are on the CPU (their column loops are small
-    single-threaded ops that leave the other cores idle; a result depends on its inputs only),
-    their results returned too."""
-    side: dict = {}
-
-    def run_beside() -> None:  # a daemon thread: an interrupted run exits without waiting for it
-        try:
-            for name, solve in beside:
-                side[name] = solve()
-        except BaseException as e:  # noqa: BLE001  (raised again in the calling thread)
-            side["error"] = e
-    thread = None
-    if beside and items and items[0][1].device.type == "cpu":
-        thread = threading.Thread(target=run_beside, name="cvt-gptq-beside", daemon=True)
-        thread.start()
-    out = _solve_batches(items, max_bytes, **opts)
-    if thread is not None:
-        thread.join()
-        if "error" in side:
-            raise side["error"]
-        out.update(side)
-    return out
-
-
-def _solve_batches(items: list, max_bytes: int, **opts) -> dict[str, GPTQResult]:
-    """`solve_together`'s batched calls."""
+    before). `opts` go to each call."""
     groups: dict[tuple, list] = {}
     for it in items:
         w = it[1]

@@ -220,31 +220,3 @@ def test_members_of_one_hessian_share_its_factor(monkeypatch):
         assert a.damp == b.damp
         code = next(k for k, t in b.qtensor.parts.items() if not t.is_floating_point())
         assert (a.qtensor.parts[code] == b.qtensor.parts[code]).float().mean() >= 0.995
-
-
-def test_solves_beside_the_batch_run_in_another_thread_and_return_their_results():
-    """`solve_together(beside=)`: on the CPU the other linears' solves run in a second thread
-    while the batched call runs; their results come back under their names, equal to solving
-    them in the caller's thread (same function of the same inputs: codes and loss exact), and a
-    refusal raised there reaches the caller as the same error."""
-    import threading
-
-    W, H = members(e=2, seed=3)
-    scheme = get_scheme("w4a16", group_size=32)
-    items = [(f"e{i}", W[i], lambda i=i: H[i], scheme) for i in range(2)]
-    Wo, Ho = members(e=1, seed=4)
-    threads = []
-
-    def other():
-        threads.append(threading.current_thread())
-        return gptq_quantize(Wo[0], Ho[0], scheme, name="attn")
-
-    got = gb.solve_together(items, 1 << 30, beside=[("attn", other)], act_order=True)
-    assert set(got) == {"e0", "e1", "attn"} and threads and threads[0] is not threading.main_thread()
-    alone = gptq_quantize(Wo[0], Ho[0], scheme, name="attn")
-    assert torch.equal(got["attn"].qtensor.parts["weight_int4"], alone.qtensor.parts["weight_int4"])
-    assert got["attn"].loss == alone.loss
-    bad = Wo[0].clone()
-    bad[0, 0] = float("nan")
-    with pytest.raises(CvtError, match="bad.*non-finite"):
-        gb.solve_together(items, 1 << 30, beside=[("bad", lambda: gptq_quantize(bad, Ho[0], scheme, name="bad"))])
