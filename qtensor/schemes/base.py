@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 from cvt.lazy import torch
 
-from cvt.errors import OptionError
+from cvt.errors import CvtError, OptionError
 from cvt.qtensor import primitives as P
 from cvt.registry import Registry
 
@@ -104,6 +104,22 @@ class SchemeBase:
         """`quantize(w)`'s tensor for its per-group parts (scales, offsets) only: a scheme may leave
         the codes out (GPTQ's scale search reads grids of many candidates and no codes)."""
         return self.quantize(w, name)
+
+
+def refuse_fixed(name: str, *, group_size, groups: tuple, group_why: str, symmetric, sym_why: str, fp4_format,
+                 static_activations, act_why: str) -> None:
+    """The one-line refusals of the options a scheme fixes: a group size not in `groups` (the
+    `group_why` says what it has), asymmetric (`sym_why`), an fp4 format, static activations
+    (`act_why`: how it quantizes them)."""
+    if group_size not in (None, *groups):
+        raise CvtError(f"scheme {name!r} {group_why}: group_size={group_size} is not supported")
+    if symmetric not in (None, True):
+        raise CvtError(f"scheme {name!r} is symmetric only ({sym_why})")
+    if fp4_format is not None:
+        raise CvtError(f"scheme {name!r} takes no fp4_format (got {fp4_format!r}; that option is for 'fp4')")
+    if static_activations:
+        raise CvtError(f"scheme {name!r} quantizes activations {act_why} at run time: static_activations is not "
+                       "supported")
 
 
 SCHEMES: Registry[type] = Registry("scheme", summarized=True)  # each class: name, summary (one line)

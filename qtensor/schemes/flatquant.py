@@ -43,7 +43,7 @@ from cvt.lazy import torch
 from cvt.errors import CvtError, ShapeError
 from cvt.qtensor import kernel_formats as KF
 from cvt.qtensor import primitives as P
-from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, register
+from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, refuse_fixed, register
 from cvt.qtensor.schemes.w4a8 import QDIV, QMAX, QMIN, SCALE_FLOOR
 
 MAX_DIM = 256   # CANN aclnnFlatQuant: M and N (the two factors) at most 256 (8.5 / ops-nn master)
@@ -125,16 +125,10 @@ class W4A4FlatQuant(SchemeBase):
     symmetric = True
 
     def __init__(self, group_size=None, symmetric=None, fp4_format=None, static_activations=None):
-        if group_size not in (None, 0):
-            raise CvtError(f"scheme {self.name!r} is per output channel only (vllm-ascend's W4A4_FLATQUANT_DYNAMIC "
-                           f"weight_scale [n, 1]): group_size={group_size} is not supported")
-        if symmetric not in (None, True):
-            raise CvtError(f"scheme {self.name!r} is symmetric only (vllm-ascend's method ignores weight_offset)")
-        if fp4_format is not None:
-            raise CvtError(f"scheme {self.name!r} takes no fp4_format (got {fp4_format!r}; that option is for 'fp4')")
-        if static_activations:
-            raise CvtError(f"scheme {self.name!r} quantizes activations per token at run time: static_activations "
-                           "is not supported")
+        refuse_fixed(self.name, group_size=group_size, groups=(0,),
+                     group_why="is per output channel only (vllm-ascend's W4A4_FLATQUANT_DYNAMIC weight_scale [n, 1])",
+                     symmetric=symmetric, sym_why="vllm-ascend's method ignores weight_offset", fp4_format=fp4_format,
+                     static_activations=static_activations, act_why="per token")
 
     def __repr__(self) -> str:
         return "W4A4FlatQuant()"

@@ -36,7 +36,7 @@ from cvt.errors import CvtError, ShapeError
 from cvt.qtensor import kernel_formats as KF
 from cvt.qtensor import mx as MX
 from cvt.qtensor import primitives as P
-from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, register
+from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, refuse_fixed, register
 from cvt.qtensor.schemes.flatquant import MAX_DIM, SEED, fold, unfold
 
 MAX_TP = 4  # vllm-ascend: quant_description.get("max_supported_tp", 4)
@@ -108,16 +108,10 @@ class W4A4MXFP4FlatQuant(SchemeBase):
     row_sensitive = True  # the plan takes `for_parallel(row)` for each module (the architecture table's role)
 
     def __init__(self, group_size=None, symmetric=None, fp4_format=None, static_activations=None, row: bool = False):
-        if group_size not in (None, MX.BLOCK):
-            raise CvtError(f"scheme {self.name!r} has a fixed block of {MX.BLOCK} along in_features (E8M0 scales): "
-                           f"group_size={group_size} is not supported")
-        if symmetric not in (None, True):
-            raise CvtError(f"scheme {self.name!r} is symmetric only (E8M0 scales, no offsets)")
-        if fp4_format is not None:
-            raise CvtError(f"scheme {self.name!r} takes no fp4_format (got {fp4_format!r}; that option is for 'fp4')")
-        if static_activations:
-            raise CvtError(f"scheme {self.name!r} quantizes activations per block at run time: static_activations "
-                           "is not supported")
+        refuse_fixed(self.name, group_size=group_size, groups=(MX.BLOCK,),
+                     group_why=f"has a fixed block of {MX.BLOCK} along in_features (E8M0 scales)", symmetric=symmetric,
+                     sym_why="E8M0 scales, no offsets", fp4_format=fp4_format, static_activations=static_activations,
+                     act_why="per block")
         self.row = row
         self._twin = None
 

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 from cvt.lazy import torch
 
-from cvt.errors import CvtError
 from cvt.qtensor import kernel_formats as KF
 from cvt.qtensor import mx as MX
 from cvt.qtensor import primitives as P
-from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, register
+from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, refuse_fixed, register
 
 
 class _MX(SchemeBase):
@@ -49,16 +48,10 @@ class _MX(SchemeBase):
     code_part = ""
 
     def __init__(self, group_size=None, symmetric=None, fp4_format=None, static_activations=None):
-        if group_size not in (None, MX.BLOCK):
-            raise CvtError(f"scheme {self.name!r} has a fixed block of {MX.BLOCK} along in_features (E8M0 scales, "
-                           f"msModelSlim's AscendV1 group_size 32): group_size={group_size} is not supported")
-        if symmetric not in (None, True):
-            raise CvtError(f"scheme {self.name!r} is symmetric only (E8M0 scales, no offsets)")
-        if fp4_format is not None:
-            raise CvtError(f"scheme {self.name!r} takes no fp4_format (got {fp4_format!r}; that option is for 'fp4')")
-        if static_activations:
-            raise CvtError(f"scheme {self.name!r} quantizes activations per block at run time: static_activations "
-                           "is not supported")
+        refuse_fixed(self.name, group_size=group_size, groups=(MX.BLOCK,),
+                     group_why=f"has a fixed block of {MX.BLOCK} along in_features (E8M0 scales, msModelSlim's "
+                     "AscendV1 group_size 32)", symmetric=symmetric, sym_why="E8M0 scales, no offsets",
+                     fp4_format=fp4_format, static_activations=static_activations, act_why="per block")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
