@@ -42,6 +42,18 @@ TAG = "W4A4_FLATQUANT_DYNAMIC"
 SUFFIXES = ("weight", "weight_scale", "weight_offset", "left_trans", "right_trans", "clip_ratio")
 
 
+def _transforms(module: str, t: dict, a: int, b: int) -> tuple:
+    """(left_trans [a, a], right_trans [b, b], clip_ratio [1] float32) of both FLATQUANT layouts,
+    checked: float, those shapes, finite; one clip in (0, 1]."""
+    left = _expect(f"{module}.left_trans", t["left_trans"], FLOATS, (a, a))
+    right = _expect(f"{module}.right_trans", t["right_trans"], FLOATS, (b, b))
+    clip = _expect(f"{module}.clip_ratio", t["clip_ratio"], FLOATS).to(torch.float32).reshape(-1)
+    if clip.numel() != 1 or not 0 < float(clip[0]) <= 1:
+        raise FormatError(f"{module}.clip_ratio is {clip.tolist()}: expected one value in (0, 1]")
+    P.check_finite(left, f"{module}.left_trans")
+    P.check_finite(right, f"{module}.right_trans")
+    return left, right, clip
+
 def _encode(q: QuantizedTensor) -> dict[str, torch.Tensor]:
     p, n = q.parts, q.shape[0]
     sc = p["weight_scale"].to(torch.float32).reshape(n, 1)
@@ -63,13 +75,7 @@ def _decode(module: str, d: dict) -> QuantizedTensor:
     sc = _expect(f"{module}.weight_scale", t["weight_scale"], FLOATS)
     if sc.numel() != n:
         raise FormatError(f"{module}.weight_scale is {list(sc.shape)}: expected [{n}, 1]")
-    left = _expect(f"{module}.left_trans", t["left_trans"], FLOATS, (a, a))
-    right = _expect(f"{module}.right_trans", t["right_trans"], FLOATS, (b, b))
-    clip = _expect(f"{module}.clip_ratio", t["clip_ratio"], FLOATS).to(torch.float32).reshape(-1)
-    if clip.numel() != 1 or not 0 < float(clip[0]) <= 1:
-        raise FormatError(f"{module}.clip_ratio is {clip.tolist()}: expected one value in (0, 1]")
-    P.check_finite(left, f"{module}.left_trans")
-    P.check_finite(right, f"{module}.right_trans")
+    left, right, clip = _transforms(module, t, a, b)
     parts = {"weight_int4": w, "weight_scale": sc.to(torch.float32).reshape(n, 1), "left_trans": left,
              "right_trans": right, "clip_ratio": clip}
     return QuantizedTensor(W4A4FlatQuant.name, KF.W4A4_FLATQUANT, (n, k), parts)
@@ -119,13 +125,7 @@ def _decode_mx(module: str, d: dict) -> QuantizedTensor:
         raise FormatError(f"{module}: in_features {k} has no W4A4_MXFP4_FLATQUANT Kronecker factors")
     a, b = have if have in pairs else pairs[0]  # a row layer's (trans_dims(k, True)) or another's
     sc = _expect(f"{module}.weight_scale", t["weight_scale"], (torch.uint8, torch.float8_e8m0fnu), (n, k // MX.BLOCK))
-    left = _expect(f"{module}.left_trans", t["left_trans"], FLOATS, (a, a))
-    right = _expect(f"{module}.right_trans", t["right_trans"], FLOATS, (b, b))
-    clip = _expect(f"{module}.clip_ratio", t["clip_ratio"], FLOATS).to(torch.float32).reshape(-1)
-    if clip.numel() != 1 or not 0 < float(clip[0]) <= 1:
-        raise FormatError(f"{module}.clip_ratio is {clip.tolist()}: expected one value in (0, 1]")
-    P.check_finite(left, f"{module}.left_trans")
-    P.check_finite(right, f"{module}.right_trans")
+    left, right, clip = _transforms(module, t, a, b)
     parts = {"weight_fp4": codes, "weight_scale": sc.view(torch.uint8), "left_trans": left, "right_trans": right,
              "clip_ratio": clip}
     row = (a, b) != trans_dims(k, False)

@@ -28,8 +28,6 @@ fits L, R and the clip with this scheme's quantizer (`cvt.quant.methods.flatquan
 
 from __future__ import annotations
 
-import math
-
 from cvt.lazy import torch
 
 from cvt.errors import CvtError, ShapeError
@@ -37,7 +35,7 @@ from cvt.qtensor import kernel_formats as KF
 from cvt.qtensor import mx as MX
 from cvt.qtensor import primitives as P
 from cvt.qtensor.schemes.base import QuantizedTensor, SchemeBase, refuse_fixed, register
-from cvt.qtensor.schemes.flatquant import MAX_DIM, SEED, fold, unfold
+from cvt.qtensor.schemes.flatquant import MAX_DIM, SEED, decompose_dim, fold, unfold
 
 MAX_TP = 4  # vllm-ascend: quant_description.get("max_supported_tp", 4)
 ROW = "row"  # QuantizedTensor.extra["parallel"] of a RowParallelLinear's tensors (`cvt.qtensor.layouts`)
@@ -45,20 +43,15 @@ PARTS = ("weight_fp4", "weight_scale", "left_trans", "right_trans", "clip_ratio"
 
 
 def get_decompose_dim(n: int, m: int) -> tuple[int, int] | None:
-    """vllm-ascend ``w4a4_mxfp4_flatquant.get_decompose_dim(n, m)``; None where it raises."""
-    a = math.isqrt(n)
-    if a * a < n:
-        a += 1
-    while True:
-        b = math.isqrt(a * a - n)
-        if b * b == a * a - n:
-            break
-        a += 1
-    if a + b > MAX_DIM:
+    """vllm-ascend ``w4a4_mxfp4_flatquant.get_decompose_dim(n, m)``; None where it raises. Its
+    search is the W4A4_FLATQUANT one (`decompose_dim`: n's factor pair closest to a square), then
+    the caps at `MAX_DIM`."""
+    lo, hi = decompose_dim(n)
+    if hi > MAX_DIM:
         return None
-    if (a - b) * m > MAX_DIM:
+    if lo * m > MAX_DIM:
         return MAX_DIM, m * n // MAX_DIM
-    return a - b, a + b
+    return lo, hi
 
 
 def trans_dims(k: int, row: bool, max_tp: int = MAX_TP) -> tuple[int, int] | None:

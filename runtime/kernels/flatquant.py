@@ -37,6 +37,16 @@ from cvt.runtime.kernels._common import (FLOATS, FusedOrReference, check, check_
 from cvt.runtime.kernels.linear import Linear, register
 
 
+def _finite_transforms_and_clip(fmt: str, left: torch.Tensor, right: torch.Tensor, clip: torch.Tensor) -> torch.Tensor:
+    """Both FLATQUANT formats: the transforms finite, one clip_ratio in (0, 1] (float32 [1])."""
+    check_finite(fmt, "left_trans", left)
+    check_finite(fmt, "right_trans", right)
+    clip = check(fmt, "clip_ratio", clip, FLOATS).float().reshape(-1)
+    if clip.numel() != 1 or not 0 < float(clip[0]) <= 1:
+        raise TensorError(f"{fmt} part 'clip_ratio' is {clip.tolist()}: expected one value in (0, 1]")
+    return clip
+
+
 @register
 class W4A4FlatQuantLinear(FusedOrReference, Linear):
     fmt = KF.W4A4_FLATQUANT
@@ -55,11 +65,7 @@ class W4A4FlatQuantLinear(FusedOrReference, Linear):
         why = f"vllm-ascend's get_decompose_dim({k}) = ({a}, {b})"
         left = check(cls.fmt, "left_trans", p["left_trans"], FLOATS, (a, a), why)
         right = check(cls.fmt, "right_trans", p["right_trans"], FLOATS, (b, b), why)
-        check_finite(cls.fmt, "left_trans", left)
-        check_finite(cls.fmt, "right_trans", right)
-        clip = check(cls.fmt, "clip_ratio", p["clip_ratio"], FLOATS).float().reshape(-1)
-        if clip.numel() != 1 or not 0 < float(clip[0]) <= 1:
-            raise TensorError(f"{cls.fmt} part 'clip_ratio' is {clip.tolist()}: expected one value in (0, 1]")
+        clip = _finite_transforms_and_clip(cls.fmt, left, right, p["clip_ratio"])
         mod = new_module(cls, n, k, bias)
         mod.register_buffer("weight_int4", q)
         mod.register_buffer("weight_scale", p["weight_scale"].reshape(n, 1))
@@ -128,11 +134,7 @@ class W4A4MxFp4FlatQuantLinear(FusedOrReference, Linear):
         if a * b != k:
             raise TensorError(f"{cls.fmt}: left_trans {a} x right_trans {b} != in_features {k} (the method's "
                               "dimension mismatch)")
-        check_finite(cls.fmt, "left_trans", left)
-        check_finite(cls.fmt, "right_trans", right)
-        clip = check(cls.fmt, "clip_ratio", p["clip_ratio"], FLOATS).float().reshape(-1)
-        if clip.numel() != 1 or not 0 < float(clip[0]) <= 1:
-            raise TensorError(f"{cls.fmt} part 'clip_ratio' is {clip.tolist()}: expected one value in (0, 1]")
+        clip = _finite_transforms_and_clip(cls.fmt, left, right, p["clip_ratio"])
         mod = new_module(cls, n, k, bias)
         mod.register_buffer("weight_fp4", codes)
         mod.register_buffer("weight_scale", s.view(torch.uint8))
