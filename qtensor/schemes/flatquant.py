@@ -54,7 +54,12 @@ PARTS = ("weight_int4", "weight_scale", "left_trans", "right_trans", "clip_ratio
 
 def decompose_dim(n: int) -> tuple[int, int]:
     """vllm-ascend ``w4a4_flatquant.get_decompose_dim``: (a - b, a + b) for the smallest a >=
-    sqrt(n) with a*a - n a perfect square b*b, i.e. the factor pair of n closest to a square."""
+    sqrt(n) with a*a - n a perfect square b*b, i.e. the factor pair of n closest to a square.
+    n = 2 mod 4 is no difference of two squares: vllm-ascend's loop never ends there, this one
+    raises ShapeError (odd n ends at (1, n), n = 0 mod 4 by (2, n / 2) at the latest)."""
+    if n < 1 or n % 4 == 2:
+        raise ShapeError(f"in_features {n} has no Kronecker factor pair (a - b, a + b) as vllm-ascend's "
+                         "get_decompose_dim searches for one (n = 2 mod 4 is no difference of two squares)")
     a = math.isqrt(n)
     if a * a < n:
         a += 1

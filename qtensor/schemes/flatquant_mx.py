@@ -46,6 +46,8 @@ def get_decompose_dim(n: int, m: int) -> tuple[int, int] | None:
     """vllm-ascend ``w4a4_mxfp4_flatquant.get_decompose_dim(n, m)``; None where it raises. Its
     search is the W4A4_FLATQUANT one (`decompose_dim`: n's factor pair closest to a square), then
     the caps at `MAX_DIM`."""
+    if n < 1 or n % 4 == 2:  # vllm-ascend's search never ends there (`decompose_dim`)
+        return None
     lo, hi = decompose_dim(n)
     if hi > MAX_DIM:
         return None

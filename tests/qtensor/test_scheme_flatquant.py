@@ -24,6 +24,19 @@ def test_decompose_dim_is_vllm_ascends():
     assert decompose_dim(18432) == (128, 144)  # 136^2 - 18432 = 8^2
 
 
+def test_decompose_dim_refuses_what_has_no_pair():
+    """n = 2 mod 4 is no difference of two squares: vllm-ascend's search never ends there, cvt's
+    refuses in one line (the layout reader meets such a k in a lying header) and the MX variant
+    says None (where vllm-ascend raises)."""
+    from cvt.qtensor.schemes.flatquant_mx import get_decompose_dim
+
+    for n in (2, 6, 18, 4098):
+        with pytest.raises(ShapeError, match=f"in_features {n} has no Kronecker factor pair"):
+            decompose_dim(n)
+        assert get_decompose_dim(n, 1) is None
+    assert decompose_dim(4100) == (50, 82) and get_decompose_dim(4100, 1) == (50, 82)  # 66^2 - 4100 = 16^2
+
+
 @pytest.mark.parametrize("k", [256, 768, 7168])
 def test_the_transformed_linear_is_the_linear_in_float(k):
     """(L^T X R) . W'^T == x . W^T with W' the folded weight, in float32 within 1e-5."""
