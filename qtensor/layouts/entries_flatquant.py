@@ -97,8 +97,10 @@ FLATQUANT_LAYOUT = register(Layout(
 # differ from the others': its own entry, `parallel="row"`, picked by the tensor's extra["parallel"]),
 # clip_ratio F32 [1]; no weight_offset. Registered for "linear" only; the description's group_size is
 # 32 (the method's default). A row layer's transforms are sized for the whole k with max_supported_tp
-# diagonal blocks; cvt writes dense ones, so a TP split along k is refused. Read back, either entry
-# decodes either size pair (the two hold the same tensors; the consumer declares the sizes by role).
+# diagonal blocks, of which each vllm-ascend rank keeps its own (cvt writes L block-diagonal, so TP 1,
+# 2 and 4 compute the same layer: `cvt.qtensor.schemes.flatquant_mx`); `cvt shard` still refuses a TP
+# split along k (its shards would hold each rank's diagonal block: not written yet). Read back, either
+# entry decodes either size pair (the two hold the same tensors; the consumer declares the sizes by role).
 MX_TAG = "W4A4_MXFP4_FLATQUANT"
 MX_SUFFIXES = ("weight", "weight_scale", "left_trans", "right_trans", "clip_ratio")
 

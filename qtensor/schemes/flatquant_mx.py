@@ -13,7 +13,13 @@ AscendW4A4MXFP4FlatQuantDynamicLinearMethod: per linear ``[n, k]``::
 ``(a, b)`` is the method's ``get_pertensor_param``: ``get_decompose_dim(k, 1)`` for a layer that is
 not a RowParallelLinear; for one that is, ``b = get_decompose_dim(k / max_tp, max_tp)[1]`` and ``a
 = k / b`` (max_tp = the description's ``max_supported_tp``, default 4, which cvt leaves unset) --
-so the left factor splits into max_tp diagonal blocks, one per rank (process_weights_after_loading).
+so the left factor splits into max_tp diagonal blocks, one per rank: process_weights_after_loading
+keeps rank r's diagonal block ``left_trans[r a/tp : (r+1) a/tp, same]`` of the whole matrix and drops
+the rest. The rank's slice of the tokens (columns ``r k/tp ...``, the row-parallel split) is exactly
+rows ``r a/tp ...`` of ``X [a, b]``, so TP t computes the TP-1 layer only when L is block-diagonal
+in t blocks; cvt writes a RowParallelLinear's L block-diagonal in max_tp blocks (`left_blocks`: the
+start is one Hadamard block per rank, the fit keeps the other entries at zero), which serves TP 1, 2
+and 4 alike; a dense L would be silently wrong at TP > 1.
 Its ``get_decompose_dim(n, m)`` returns ``(256, m n / 256)`` when the closest pair's left factor
 times m passes 256 and refuses factors summing past 256. Which linears are RowParallelLinear is the
 architecture table's (`cvt.convert.arch`, a rule's ``Parallel.ROW``): the quantize plan asks the scheme
@@ -68,12 +74,29 @@ def trans_dims(k: int, row: bool, max_tp: int = MAX_TP) -> tuple[int, int] | Non
     return k // d[1], d[1]
 
 
+def left_blocks(row: bool) -> int:
+    """Diagonal blocks of a linear's left transform: max_tp for a RowParallelLinear (module docstring)."""
+    return MAX_TP if row else 1
+
+
+def block_mask(a: int, blocks: int) -> torch.Tensor:
+    """float32 [a, a]: 1 inside the `blocks` diagonal blocks, 0 elsewhere."""
+    return torch.block_diag(*[torch.ones(a // blocks, a // blocks)] * blocks)
+
+
+def off_block(left: torch.Tensor, blocks: int) -> bool:
+    """Whether `left` has a non-zero entry outside its `blocks` diagonal blocks."""
+    return blocks > 1 and bool((left.to(torch.float32) * (1 - block_mask(left.shape[0], blocks))).ne(0).any())
+
+
 def init_transforms_mx(k: int, row: bool, seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
-    """Randomised Hadamard (left, right) in bfloat16 for `trans_dims(k, row)`."""
+    """Randomised Hadamard (left, right) in bfloat16 for `trans_dims(k, row)`; a row layer's left
+    is one Hadamard block repeated along the diagonal (`left_blocks`)."""
     from cvt.qtensor.hadamard import Orthogonal
 
     a, b = trans_dims(k, row)
-    left = Orthogonal(a, seed, "flatquant-left").matrix()
+    blocks = left_blocks(row)
+    left = torch.block_diag(*[Orthogonal(a // blocks, seed, "flatquant-left").matrix()] * blocks)
     right = Orthogonal(b, seed, "flatquant-right").matrix()
     return left.to(torch.bfloat16), right.to(torch.bfloat16)
 
@@ -108,6 +131,7 @@ class W4A4MXFP4FlatQuant(SchemeBase):
                      sym_why="E8M0 scales, no offsets", fp4_format=fp4_format, static_activations=static_activations,
                      act_why="per block")
         self.row = row
+        self.left_blocks = left_blocks(row)  # the fit keeps L block-diagonal in these (module docstring)
         self._twin = None
 
     def __repr__(self) -> str:
@@ -163,7 +187,8 @@ class W4A4MXFP4FlatQuant(SchemeBase):
     def quantize_with(self, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, clip: float,
                       name: str | None = None, weight_clip: torch.Tensor | None = None) -> QuantizedTensor:
         """The parts of `w` behind the given transforms and clip ratio (`--method flatquant`);
-        `weight_clip` must be None (E8M0 block exponents have no per-row clip)."""
+        `weight_clip` must be None (E8M0 block exponents have no per-row clip), a row layer's left
+        block-diagonal (`left_blocks`)."""
         w = self.checked_weight(w, name)
         a, b = left.shape[0], right.shape[0]
         if (a, b) != self.dims(w.shape[1], name) or tuple(left.shape) != (a, a) or tuple(right.shape) != (b, b) \
@@ -171,6 +196,10 @@ class W4A4MXFP4FlatQuant(SchemeBase):
             raise CvtError(f"{name or self.name}: transforms {list(left.shape)} / {list(right.shape)}, clip {clip} "
                            f"do not fit in_features {w.shape[1]} = {self.dims(w.shape[1], name)} with a clip in "
                            "(0, 1] and no weight clip")
+        if off_block(left, self.left_blocks):
+            raise CvtError(f"{name or self.name}: left_trans {list(left.shape)} of a RowParallelLinear must be "
+                           f"block-diagonal in {self.left_blocks} blocks (vllm-ascend keeps only rank r's diagonal "
+                           "block at TP > 1)")
         return self._quantize(w, left, right, clip)
 
     def _quantize(self, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, clip: float) -> QuantizedTensor:

@@ -20,7 +20,8 @@ vllm-ascend's layout has no place for it, and the scheme's AWQ covers that fold)
 (no weight decay) over the sampled rows.
 
 Start: the scheme's randomised Hadamard pair for `seed` (seed 0 = what `--method rtn` writes) and
-clips 1. After `steps` the transforms are rounded to bfloat16 (what is stored and multiplied by) and
+clips 1; a RowParallelLinear's left transform in `w4a4_mxfp4_flatquant` stays block-diagonal (its
+gradient masked: vllm-ascend's ranks each keep one diagonal block, `cvt.qtensor.schemes.flatquant_mx`). After `steps` the transforms are rounded to bfloat16 (what is stored and multiplied by) and
 the site's loss is measured with the runtime kernel's exact arithmetic
 (`cvt.runtime.kernels.flatquant`); the start is kept when the fit did not beat it, so a fitted
 site never does worse than the Hadamard start on its rows. Deterministic: same rows, steps, lr and
@@ -37,6 +38,7 @@ import torch
 
 from cvt.errors import CvtError, OptionError
 from cvt.qtensor.schemes.flatquant import init_transforms
+from cvt.qtensor.schemes.flatquant_mx import block_mask
 from cvt.qtensor.schemes.w4a8 import QDIV, QMAX, QMIN
 from cvt.quant.recipe import FLATQUANT_FIT
 
@@ -174,6 +176,9 @@ def fit(x: torch.Tensor, weights: list[torch.Tensor], *, steps: int = STEPS, lr:
     ref = x @ w.T
     norm = ref.pow(2).mean().clamp(min=1e-30)   # the loss in units of the output's power: lr means the same anywhere
     left = left0.to(torch.float32).clone().requires_grad_(True)
+    # a RowParallelLinear's L stays block-diagonal (`cvt.qtensor.schemes.flatquant_mx.left_blocks`):
+    # no gradient outside the blocks, so Adam never moves those entries off zero
+    mask = block_mask(left.shape[0], scheme.left_blocks) if mx and scheme.left_blocks > 1 else None
     right = right0.to(torch.float32).clone().requires_grad_(True)
     c = torch.full((1,), CLIP_INIT, requires_grad=True)
     cw = torch.full((w.shape[0], 1), CLIP_INIT, requires_grad=True)
@@ -183,6 +188,8 @@ def fit(x: torch.Tensor, weights: list[torch.Tensor], *, steps: int = STEPS, lr:
             loss = (_fake_output(x, w, left, right, torch.sigmoid(c), torch.sigmoid(cw), mx) - ref).pow(2).mean() / norm
             left.grad = right.grad = c.grad = cw.grad = None
             loss.backward()
+            if mask is not None:
+                left.grad.mul_(mask)
             adam.step()
     left_b, right_b = left.detach().to(torch.bfloat16), right.detach().to(torch.bfloat16)
     clip = 1.0 if mx else float(torch.sigmoid(c.detach()).to(torch.float32))

@@ -1,8 +1,9 @@
 """Referee for W4A4_MXFP4_FLATQUANT: vllm-ascend's own method (``quantization/methods/
 w4a4_mxfp4_flatquant.py`` AscendW4A4MXFP4FlatQuantDynamicLinearMethod), run on a cvt output's tensors
-as vLLM would for one linear (a RowParallelLinear at TP 1 with ``row``: ``layer_type="row"`` sizes
-the transforms for max_supported_tp, process_weights_after_loading takes rank 0's diagonal block of
-the whole left_trans), with its NPU ops replaced by torch stand-ins:
+as vLLM would for one linear (a RowParallelLinear with ``row``: ``layer_type="row"`` sizes the
+transforms for max_supported_tp, process_weights_after_loading takes the rank's diagonal block of
+the whole left_trans; at TP > 1 each rank on its columns), with its NPU ops replaced by torch
+stand-ins:
 
 * ``npu_kronecker_quant(x [K, M, N], p1, p2, clip_ratio, dst_dtype=float4_e2m1fn_x2)``: ``p1 @ (x @
   p2)`` (aclnnFlatQuant), then MXFP4 per 32 along the token, written here from msModelSlim's rules
@@ -59,9 +60,25 @@ def _quant_matmul(x1, x2, scale, *, pertoken_scale=None, bias=None, output_dtype
 
 
 def run_mxflatquant(va_src: Path, disk: dict[str, torch.Tensor], x: torch.Tensor,
-                    bias: torch.Tensor | None = None, row: bool = False) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, row: bool = False, tp: int = 1) -> torch.Tensor:
     """vllm-ascend's W4A4_MXFP4_FLATQUANT ``apply`` on one linear's on-disk tensors for ``x``
-    (``row``: the linear is a RowParallelLinear, at TP 1)."""
+    (``row``: the linear is a RowParallelLinear). ``tp`` > 1 (a row layer): the sum in float32 of
+    the ranks' outputs, each rank with its columns of ``weight`` / ``weight_scale`` (vLLM's
+    row-parallel loader), the per-tensor params whole (process_weights_after_loading takes its
+    diagonal block of left_trans) and its columns of ``x``; the bias on rank 0 (RowParallelLinear
+    adds it once, after the reduce)."""
+    if tp == 1:
+        return _run_rank(va_src, disk, x, bias, row, 0, 1)
+
+    def cols(t: torch.Tensor, r: int) -> torch.Tensor:
+        return t[:, r * t.shape[1] // tp:(r + 1) * t.shape[1] // tp]
+
+    outs = [_run_rank(va_src, dict(disk, weight=cols(disk["weight"], r), weight_scale=cols(disk["weight_scale"], r)),
+                      cols(x, r), bias if r == 0 else None, row, r, tp) for r in range(tp)]
+    return sum(o.to(torch.float32) for o in outs)
+
+
+def _run_rank(va_src: Path, disk: dict, x: torch.Tensor, bias, row: bool, rank: int, tp: int) -> torch.Tensor:
     with _vllm_ascend(Path(va_src), {"model_type": "qwen3"}, x.dtype), _npu_tensor_method(), torch.no_grad():
         import importlib
 
@@ -74,14 +91,14 @@ def run_mxflatquant(va_src: Path, disk: dict[str, torch.Tensor], x: torch.Tensor
                 setattr(npu, name, name)
         mod.get_current_vllm_config = lambda: type("C", (), {"quant_config": type("Q", (), {
             "quant_description": {}})()})()
-        mod.get_tensor_model_parallel_world_size = lambda: 1
+        mod.get_tensor_model_parallel_world_size = lambda: tp
         meth = mod.AscendW4A4MXFP4FlatQuantDynamicLinearMethod()
         n, k2 = disk["weight"].shape
         k = 2 * k2
         cls = type("Layer", (torch.nn.Module, mod.RowParallelLinear) if row else (torch.nn.Module,), {})
         layer = cls.__new__(cls)
         torch.nn.Module.__init__(layer)
-        layer.tp_size, layer.tp_rank = 1, 0
+        layer.tp_size, layer.tp_rank = tp, rank
         kind = "row" if row else "others"
         params = {**meth.get_weight(k, n, x.dtype), **meth.get_pertensor_param(x.dtype, layer_type=kind),
                   **meth.get_pergroup_param(k, n, x.dtype)}

@@ -95,3 +95,72 @@ def test_fit_uses_the_mxfp4_quantizer():
     y = K.get("w4a4_mxfp4_flatquant").from_parts(dict(s.quantize(w).parts)).reference(x)
     assert r.loss_init == pytest.approx(float((y - x @ w.T).pow(2).mean()), rel=1e-6)
     assert r.loss <= r.loss_init and r.clip == 1.0 and r.weight_clips is None
+
+
+def _ranks(q, tp: int) -> list:
+    """Rank r's parts of row layer `q` at TP `tp`: its columns of the codes and exponents, its
+    diagonal block of left_trans (vllm-ascend's process_weights_after_loading), right and clip."""
+    p, (n, k) = q.parts, q.shape
+    a = p["left_trans"].shape[0]
+    out = []
+    for r in range(tp):
+        c, ca, cs = slice(r * k // tp, (r + 1) * k // tp), slice(r * a // tp, (r + 1) * a // tp), k // tp // 32
+        out.append(dict(p, weight_fp4=p["weight_fp4"][:, c], weight_scale=p["weight_scale"][:, r * cs:(r + 1) * cs],
+                        left_trans=p["left_trans"][ca, ca]))
+    return out
+
+
+def _tp_output(q, x: torch.Tensor, tp: int) -> torch.Tensor:
+    k = q.shape[1]
+    lin = K.get("w4a4_mxfp4_flatquant")
+    return sum(lin.from_parts(parts).reference(x[:, r * k // tp:(r + 1) * k // tp])
+               for r, parts in enumerate(_ranks(q, tp)))
+
+
+@pytest.mark.parametrize("fitted", [False, True])
+def test_a_row_layer_at_tp_2_and_4_is_the_tp_1_layer(fitted):
+    """A RowParallelLinear's left_trans is block-diagonal in max_supported_tp (4) blocks, so the
+    ranks' diagonal blocks on their columns add up to the TP-1 layer at TP 2 and 4 (the MX blocks
+    of the transformed tokens are the same; only the sum order differs). A dense left (cvt's
+    earlier row start) is refused, and would have been wrong at TP 2."""
+    from cvt.qtensor.schemes.flatquant_mx import MAX_TP, off_block
+    from cvt.quant.methods.flatquant import fit
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 512, generator=g) * torch.linspace(0.2, 3, 512)
+    w = torch.randn(40, 512, generator=g) * 0.05
+    r = get_scheme("w4a4_mxfp4_flatquant").for_parallel(True)
+    left, right = r.init_transforms(512)
+    if fitted:
+        f = fit(x, [w], steps=15, scheme=r, names=["m.o_proj"])
+        assert f.fitted and not torch.equal(f.left, left)  # the blocks moved ...
+        left, right = f.left, f.right
+    assert left.shape == (32, 32) and not off_block(left, MAX_TP)  # ... and nothing outside them
+    assert off_block(torch.ones(32, 32), MAX_TP) and not off_block(torch.ones(32, 32), 1)
+    q = r.quantize_with(w, left, right, 1.0)
+    full = K.get("w4a4_mxfp4_flatquant").from_parts(dict(q.parts)).reference(x)
+    for tp in (2, 4):
+        torch.testing.assert_close(_tp_output(q, x, tp), full, rtol=1e-5, atol=1e-5)
+    dense = torch.linalg.qr(torch.randn(32, 32, generator=g))[0].to(torch.bfloat16)
+    with pytest.raises(Exception, match="block-diagonal in 4 blocks"):
+        r.quantize_with(w, dense, right, 1.0)
+    qd = r._quantize(w, dense, right, 1.0)  # what a dense left would have written
+    ref = K.get("w4a4_mxfp4_flatquant").from_parts(dict(qd.parts)).reference(x)
+    assert (_tp_output(qd, x, 2) - ref).abs().max() > 0.1 * ref.abs().max()
+
+
+@pytest.mark.skipif(not os.environ.get("CVT_VLLM_ASCEND_SRC"), reason="needs CVT_VLLM_ASCEND_SRC")
+def test_vllm_ascend_at_tp_2_and_4_computes_cvts_row_layer():
+    """vllm-ascend's own loader and apply on each rank (its columns, its diagonal block), summed:
+    cvt's TP-1 output of the same row layer, at TP 2 and 4."""
+    from cvt.tests.quant.vllm_ascend_referee_mxflatquant import run_mxflatquant
+
+    q = _q(n=40, k=512, row=True)
+    disk = L.LAYOUTS.get("ascend-w4a4-mxfp4-flatquant-row").encode(q)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(40)
+    mine = K.get("w4a4_mxfp4_flatquant").from_parts(dict(q.parts), bias).reference(x)
+    src = Path(os.environ["CVT_VLLM_ASCEND_SRC"])
+    assert torch.equal(run_mxflatquant(src, disk, x, bias, row=True), mine)
+    for tp in (2, 4):
+        torch.testing.assert_close(run_mxflatquant(src, disk, x, bias, row=True, tp=tp), mine, rtol=1e-5, atol=1e-5)
