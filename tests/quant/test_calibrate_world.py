@@ -23,8 +23,8 @@ def weights(root: Path) -> dict[str, bytes]:
 
 
 def test_gptq_on_three_ranks_resumes_after_a_killed_rank(fp8_release, tmp_path):
-    """3 ranks, 2 calibration sequences (the tiny model's 128 positions: rank 0 computes none), the routed experts read a chunk at
-    a time (--expert-memory): rank 2 SIGKILLed after layer 1 ends the job with no process left;
+    """3 ranks, one calibration sequence of 256 tokens (ranks 0 and 1 compute none: `ranks.share`),
+    the routed experts read a chunk at a time (--expert-memory): rank 2 SIGKILLed after layer 1 ends the job with no process left;
     the state holds two finished layers; a run with another world size is one line naming the
     right one; the same command resumes without recomputing them and writes what an
     uninterrupted 3-rank run writes."""
