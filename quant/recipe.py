@@ -26,7 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cvt.convert.arch import ArchSpec
-from cvt.errors import CvtError, validation_summary
+from cvt.errors import CvtError, OptionError, validation_summary
 from cvt.qtensor import kernel_formats as KF
 from cvt.registry import Registry
 
@@ -82,6 +82,15 @@ for _m in (
     METHOD_TABLE.add(_m.name, _m)
 METHODS = tuple(METHOD_TABLE)                 # registration order: rtn first, the default
 DATA_METHODS = frozenset(m.name for m in METHOD_TABLE.values() if m.data)  # the ones that calibrate on data
+
+
+def mixed_site(flat: str, other: str, scheme: str, method: str) -> OptionError:
+    """The refusal of linear `other`, which reads the same input as the `--method flatquant`
+    linear `flat` and is `scheme` (the same kernel format) too, but `--method method`: the
+    quantize plan's (`cvt.quant.stage.assignment.check_fused_methods`, before DST) and the
+    calibration driver's (`cvt.quant.methods.flatquant.flatquant_site`) say the same line."""
+    return OptionError(f"{other} reads the same input as {flat} and is {scheme} too, but --method {method}: vLLM "
+                       "fuses them into one layer with one set of transforms, so give them the same method")
 
 
 class RecipeRule(BaseModel):

@@ -241,6 +241,24 @@ class ArchTable:
     # `consumer_prefixes` whose whole group is float has that name in its pattern too
     consumer_fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
+    def input_site(self, name: str, has_norm: Callable[[str], bool],
+                   has_linear: Callable[[str], bool]) -> tuple[str, str]:
+        """Where linear `name` reads its input, by this table's `calib_norm_inputs` and
+        `calib_shared_inputs`: ("out", norm) for a linear reading a norm of its parent, else
+        ("in", the first linear of its shared-input group the model has), else ("in", name).
+        `has_norm` / `has_linear` (a module's full name): whether the model has it -- the live
+        model's modules in calibration (`cvt.quant.methods.sites`), SRC's in the quantize plan."""
+        parent, _, leaf = name.rpartition(".")
+        norm = self.calib_norm_inputs.get(leaf)
+        if norm is not None and has_norm(f"{parent}.{norm}"):
+            return ("out", f"{parent}.{norm}")
+        for names in self.calib_shared_inputs:
+            if leaf in names:
+                for n in names:
+                    if has_linear(f"{parent}.{n}"):
+                        return ("in", f"{parent}.{n}")
+        return ("in", name)
+
 
 @dataclass(frozen=True)
 class TensorInfo:

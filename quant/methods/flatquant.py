@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cvt.errors import CvtError, OptionError
+from cvt.errors import CvtError
 from cvt.qtensor.schemes.flatquant import init_transforms
 from cvt.qtensor.schemes.flatquant_mx import block_mask
 from cvt.qtensor.schemes.w4a8 import QDIV, QMAX, QMIN
@@ -209,7 +209,7 @@ def flatquant_site(lc, name: str, site, stats: dict) -> None:
     site's first `--method flatquant` linear fits them for all of the site's (`fit`: one set for
     the shards vLLM fuses), the others reuse them. `stats` (the manifest's per-linear record)
     gains the site's loss before and after."""
-    from cvt.quant.recipe import FLATQUANT
+    from cvt.quant.recipe import FLATQUANT, mixed_site
     from cvt.runtime.metrics import sqnr_db
 
     key, o = lc.site_of[name], lc.o
@@ -219,9 +219,8 @@ def flatquant_site(lc, name: str, site, stats: dict) -> None:
         other = [t for t in lc.schemes if lc.site_of[t] == key and t not in peers
                  and lc.schemes[t].kernel_fmt() == lc.schemes[name].kernel_fmt()]
         if other:  # vLLM fuses the linears of one input: one left_trans / right_trans / clip_ratio for them
-            raise OptionError(f"{other[0]} reads the same input as {name} and is {lc.schemes[other[0]].name} too, "
-                              f"but --method {lc.method[other[0]]}: vLLM fuses them into one layer with one set of "
-                              "transforms, so give them the same method")
+            # (the stage refuses this from its plan before DST; here for `calibrate`'s own callers)
+            raise mixed_site(name, other[0], lc.schemes[other[0]].name, lc.method[other[0]])
         found = fit(site.samples(), [lc.linears[t].weight for t in peers], steps=o["flatquant_steps"],
                     lr=o["flatquant_lr"], seed=o["flatquant_seed"], scheme=lc.schemes[name], names=peers)
         lc.flat_fits[key] = (found, peers)

@@ -235,15 +235,11 @@ def _reads_input(attn: nn.Module, table: ArchTable) -> list[str]:
 
 def _site_key(name: str, module: nn.Module, parent: nn.Module, parent_name: str,
               table: ArchTable) -> tuple[str, str]:
-    """Where a linear's input is measured (`table`'s declaration): ("out", norm) for a linear that
-    reads a norm's output, else ("in", the first present linear of its shared-input group)."""
-    leaf = name.rsplit(".", 1)[-1]
-    norm = table.calib_norm_inputs.get(leaf)
-    if norm is not None and hasattr(parent, norm):
-        return ("out", f"{parent_name}.{norm}")
-    for names in table.calib_shared_inputs:
-        if leaf in names:
-            for n in names:
-                if isinstance(getattr(parent, n, None), Linear):
-                    return ("in", f"{parent_name}.{n}")
-    return ("in", name)
+    """Where a linear's input is measured (`ArchTable.input_site` on the live modules): ("out",
+    norm) for a linear that reads a norm's output, else ("in", the first present linear of its
+    shared-input group)."""
+    def child(full: str):
+        return getattr(parent, full.rsplit(".", 1)[-1], None)
+
+    return table.input_site(name, lambda full: hasattr(parent, full.rsplit(".", 1)[-1]),
+                            lambda full: isinstance(child(full), Linear))

@@ -14,7 +14,7 @@ from cvt.convert.fp4 import FP4_DTYPES
 from cvt.convert.reader import Checkpoint
 from cvt.errors import CvtError, FormatError, OptionError, TensorError
 from cvt.qtensor.formats import default_group, group_fallback
-from cvt.quant.recipe import METHOD_TABLE, Policy, method_schemes
+from cvt.quant.recipe import FLATQUANT, METHOD_TABLE, Policy, method_schemes, mixed_site
 from cvt.quant.stage.fp4_source import fp4_experts
 from cvt.qtensor.schemes import scheme_from_options
 from cvt.qtensor.schemes.base import Scheme
@@ -125,6 +125,26 @@ def make_plan(ckpt: Checkpoint, policy: Policy, fmt, scheme_name: str, group_siz
             if len(group) > 1:
                 plan.shared[module] = group
     return plan
+
+
+def check_fused_methods(arch, plan: Plan) -> None:
+    """OptionError (before DST) for a linear that reads the same input as a `--method flatquant`
+    linear (the table's `ArchTable.input_site`, on SRC's modules) with the same kernel format but
+    another method (a recipe's): vLLM fuses them into one layer with one set of transforms, fitted
+    for all or for none. Only the decoder layers' linears, which calibration runs (an MTP layer's
+    are all RTN: `cvt.quant.methods.calib`); the first site in layer order is named."""
+    has = plan.modules.__contains__
+    layers = {m: info.layer for m in plan.schemes
+              if (info := arch.classify(m + ".weight")).layer is not None and not info.is_mtp}
+    sites: dict[tuple[str, str], list[str]] = {}
+    for m in sorted(layers, key=layers.__getitem__):
+        sites.setdefault(arch.table.input_site(m, has, has), []).append(m)
+    for members in sites.values():
+        flat = [m for m in members if plan.methods[m] == FLATQUANT]
+        other = [m for m in members if flat and plan.methods[m] != FLATQUANT
+                 and plan.schemes[m].kernel_fmt() == plan.schemes[flat[0]].kernel_fmt()]
+        if other:
+            raise mixed_site(flat[0], other[0], plan.schemes[other[0]].name, plan.methods[other[0]])
 
 
 def check_method(method: str, scheme) -> None:

@@ -25,7 +25,8 @@ from cvt.quant.recipe import FLATQUANT, RTN, Policy, Recipe
 from cvt.qtensor.schemes import scheme_from_options
 from cvt.units import article
 from cvt.world import SINGLE, World
-from cvt.quant.stage.assignment import Plan, check_kv_target, check_method, make_plan, names_where
+from cvt.quant.stage.assignment import (Plan, check_fused_methods, check_kv_target, check_method, make_plan,
+                                        names_where)
 from cvt.quant.stage import fp4_source
 from cvt.quant.stage import kl_budget as KB
 from cvt.quant.stage.calibrate import Calibrated, calib_data, calibrate
@@ -78,6 +79,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         policy, plan_args = Policy(arch, scheme, method, group_size, ignore, recipe), (form, scheme, group_size, asym,
                                                                                       fp4_format, target, line)
         plan = _first_plan(ckpt, policy, plan_args, high)
+        if high is None:  # the run's plan (a --kl-budget's is checked once made, below)
+            check_fused_methods(arch, plan)
         _check_calibrates(arch, plan, static_attention or kl_budget is not None)
         check_kv_target(ckpt.config, plan, fmt, target)
         kv_static = _kv_static(ckpt.config, plan, fmt)
@@ -94,6 +97,8 @@ def quantize(src, dst, *, scheme: str, fmt: str | None = None, method: str | Non
         needs_model = any(m != RTN for m in plan.methods.values()) or static_attention or kv_static
         _check_calib(calib, needs_model or tokens is not None)
         _check_fit(fit or {}, plan)
+        if high is not None:  # the budget's plan: units it keeps higher may change a fused pair's scheme
+            check_fused_methods(arch, plan)
         if not needs_model:
             return _note(note, write(ckpt, dst, plan, form, source, src_fmt, Calibrated(mixed=mixed), req, world))
         from cvt.runtime.models import family

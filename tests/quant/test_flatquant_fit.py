@@ -129,20 +129,60 @@ def test_method_refuses_other_schemes_with_one_line(trained_fixture, tmp_path):
     assert "applies to --scheme w4a4_flatquant" in line
 
 
-@pytest.mark.slow  # a tiny Qwen3's first calibrated layer (~2 s)
-def test_fused_shards_with_another_method_are_refused(tmp_path):
-    """q / k / v read one input and vLLM fuses them (one left_trans): a recipe giving k_proj RTN's
-    Hadamard transforms while q / v are fitted would write shards the fused layer cannot hold."""
+@pytest.mark.slow  # a tiny Qwen3's first calibrated layer (~1 s)
+def test_fused_shards_with_another_method_are_refused_by_the_driver_too():
+    """q / k / v read one input and vLLM fuses them (one left_trans): k_proj with RTN's Hadamard
+    transforms while q / v are fitted would write shards the fused layer cannot hold. The stage
+    refuses this from its plan (below); a caller of the calibration driver itself, which has no
+    plan, gets the same line when the layer is reached (`flatquant_site`)."""
     from cvt.errors import OptionError
-    from cvt.quant.recipe import Recipe
+    from cvt.quant.methods import calibrate
+    from cvt.qtensor.schemes import get_scheme
+    from cvt.runtime.models import build_model
+    from cvt.testing.checkpoints import random_weights
 
-    src = write_bf16_checkpoint(tmp_path / "q", tiny_qwen3_config(moe=False, hidden_size=128, head_dim=32,
-                                                                   intermediate_size=256))
-    recipe = Recipe.model_validate({"rules": [{"pattern": r"k_proj", "scheme": "w4a4_flatquant", "method": "rtn"}]})
-    with pytest.raises(OptionError, match=r"self_attn\.k_proj reads the same input as .*self_attn\.q_proj and is "
-                                          r"w4a4_flatquant too, but --method rtn"):
-        quantize(src, tmp_path / "out", scheme="w4a4_flatquant", fmt="ascend", method="flatquant", calib_tokens=256,
-                 quiet=True, recipe=recipe, fit={"flatquant_steps": 2})
+    cfg = tiny_qwen3_config(moe=False, hidden_size=128, head_dim=32, intermediate_size=256)
+    model = build_model(cfg, dtype=torch.float32)
+    model.load_state_dict(random_weights(cfg, 0), strict=False)
+    scheme = get_scheme("w4a4_flatquant")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(OptionError, match=r"^model\.layers\.0\.self_attn\.k_proj reads the same input as "
+                                          r"model\.layers\.0\.self_attn\.q_proj and is w4a4_flatquant too, but "
+                                          r"--method rtn: vLLM fuses them"):
+        calibrate(model, tokens, lambda n: None if n.endswith("lm_head") else scheme,
+                  lambda n: "rtn" if n.endswith("k_proj") else "flatquant", flatquant_steps=2, min_tokens=1)
+
+
+@pytest.mark.parametrize("parent, flat, other", [("self_attn", "q_a_proj", "kv_a_proj_with_mqa"),
+                                                  ("mlp", "up_proj", "gate_proj")],   # the dense MLP's (layer 0)
+                         ids=["q_a-kv_a", "gate-up"])
+def test_fused_linears_with_another_method_are_refused_from_the_plan(fp8_release, tmp_path, monkeypatch, parent, flat,
+                                                                     other):
+    """The same refusal from the plan, through the CLI: before DST (not even its calibration
+    folder) and before any calibration starts. DeepSeek-V3's q_a / kv_a (vLLM's fused_qkv_a_proj)
+    and gate / up read one input (the table's `calib_shared_inputs`)."""
+    from cvt.quant.stage import run as stage_run
+
+    started = []
+
+    def spy(fn):
+        real = getattr(stage_run, fn)
+        return lambda *a, **k: (started.append(fn), real(*a, **k))[1]
+
+    for fn in ("calib_data", "calibrate"):  # nothing may calibrate (tokenize, or run a layer) before the refusal
+        monkeypatch.setattr(stage_run, fn, spy(fn))
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"rules": [
+        {"pattern": rf"\.{parent}\.{flat}$", "scheme": "w4a4_flatquant", "method": "flatquant"},
+        {"pattern": rf"\.{parent}\.{other}$", "scheme": "w4a4_flatquant", "method": "rtn"}]}))
+    dst = tmp_path / "out"
+    r = run_cvt("quantize", fp8_release, dst, "--scheme", "w4a4_flatquant", "--format", "ascend", "--recipe", recipe)
+    line, = r.err.strip().splitlines()
+    assert r.rc == 2 and line == (
+        f"cvt: error: model.layers.0.{parent}.{other} reads the same input as model.layers.0.{parent}.{flat} and "
+        "is w4a4_flatquant too, but --method rtn: vLLM fuses them into one layer with one set of transforms, so "
+        "give them the same method"), r.err
+    assert not dst.exists() and started == [], (sorted(p.name for p in dst.rglob("*")), started)
 
 
 def test_weight_clip_scales_the_rows_and_bad_clips_are_refused():
