@@ -133,6 +133,8 @@ def check_fused_methods(arch, plan: Plan) -> None:
     another method (a recipe's): vLLM fuses them into one layer with one set of transforms, fitted
     for all or for none. Only the decoder layers' linears, which calibration runs (an MTP layer's
     are all RTN: `cvt.quant.methods.calib`); the first site in layer order is named."""
+    if FLATQUANT not in plan.methods.values():
+        return
     has = plan.modules.__contains__
     layers = {m: info.layer for m in plan.schemes
               if (info := arch.classify(m + ".weight")).layer is not None and not info.is_mtp}
