@@ -53,7 +53,7 @@ def data_planned(layout, scheme, shape: tuple[int, int], static: bool, bias: boo
     what the fused RTN kernels write (`cvt.qtensor.layouts.fuses`; where an encoder would refuse,
     they do not fuse, and the probe raises that refusal before anything is written), with no
     bias, static inputs or optional tensors in play (ct-int4's zero points are written only when
-    asymmetric). ``tests/quant/test_qkernel.py::test_stage_plans_fused_layouts_from_the_table``
+    asymmetric). ``tests/quant/test_qkernel_stage.py::test_stage_plans_fused_layouts_from_the_table``
     holds this equal to the probe."""
     return (not static and not bias and fuses(layout, scheme, shape)
             and (scheme.symmetric or not any(t.optional for t in layout.tensors)))

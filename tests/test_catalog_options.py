@@ -3,7 +3,7 @@ that a hostile or careless user hands cvt, each refused before any work with one
 culprit and the README's exit code (2: a bad argument value, knowable from the arguments alone;
 1: refused input, which needs a file read to tell).
 
-The cases run through `tests/test_catalog.py`'s harness (`_check`: the real CLI entry point, one
+The cases run through `tests/catalog_harness.py` (`_check`: the real CLI entry point, one
 ``cvt: error:`` line, SRC untouched, nothing opened or written outside the checkpoint and DST, no
 complete-looking DST). Beside it: the bar of tokens through a calibrated layer (cause 7's "no
 progress inside a layer").
@@ -37,7 +37,7 @@ import pytest
 
 from cvt.testing.checkpoints_v4 import write_v4_release
 from cvt.tests.conftest import run_cvt
-from cvt.tests.test_catalog import _GPTQ, Case, Ctx, _check, _nothing, _verb, _verify, sources  # noqa: F401
+from cvt.tests.catalog_harness import _GPTQ, Case, Ctx, _check, _nothing, _verb, _verify, sources  # noqa: F401
 
 SOC = ("--soc-version", "Ascend910B3")
 DEEP = "[" * 50_000 + "]" * 50_000  # a JSON value Python's parser cannot descend (RecursionError)

@@ -1,7 +1,7 @@
 """The hostile catalog's reliability cases (issue 37): files that break what cvt promises to write,
 and configs whose promises the files break, through every verb they reach.
 
-The harness is `tests/test_catalog.py`'s (`Case`, `Ctx`, `_check`): the real CLI entry point; the
+The harness is `tests/catalog_harness.py`'s (`Case`, `Ctx`, `_check`): the real CLI entry point; the
 exit code (1 refused input, 3 `inspect` problems); one ``cvt: error:`` line naming the culprit (the
 report for inspect); SRC untouched; nothing opened or written outside the checkpoint, DST and the
 command's temp folder; DST not complete-looking (no manifest, index or config). Causes:
@@ -27,7 +27,7 @@ import pytest
 from cvt.testing.checkpoints import (kimi_int4_tensors, release_tensors, tiny_deepseek_config, tiny_kimi_k25_config,
                                      write_fp8_release, write_release, write_safetensors)
 from cvt.testing.checkpoints_v4 import write_v4_release
-from cvt.tests.test_catalog import Case, Ctx, _check, sources  # noqa: F401  (sources: a fixture)
+from cvt.tests.catalog_harness import Case, Ctx, _check, sources  # noqa: F401  (sources: a fixture)
 
 KV_B = "model.layers.0.self_attn.kv_b_proj.weight"
 EXPERT = "model.layers.1.mlp.experts.2.down_proj.weight"

@@ -197,7 +197,7 @@ def test_quantize_writes_kernel_outputs_straight_and_the_reference_bytes(fp8_rel
     """The fused kernels' packed weights land in placed pool buffers and go out through O_DIRECT
     without a staging copy (the tiny release's tensors are small: the size thresholds are lowered
     so that they qualify, both placements used), and the files are the unfused reference's
-    (tests/quant/test_qkernel.py::test_stage_writes_the_reference_bytes: CVT_QUANT_KERNEL=reference)."""
+    (tests/quant/test_qkernel_stage.py::test_stage_writes_the_reference_bytes: CVT_QUANT_KERNEL=reference)."""
     import cvt.quant.stage.outputs as ST
     from cvt.quant import qkernel as QK
     from cvt.quant.stage import quantize
