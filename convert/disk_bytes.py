@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from cvt.errors import CvtError
+from cvt.errors import CvtError, ShapeError
 
 STORED = ("bf16", "fp8")  # weights planned as stored: float, or an FP8 release's blocks
 
@@ -90,7 +90,12 @@ class DiskBytes:
             return None
         return group_fallback(self.form, module, self.scheme, tuple(shape), self.target)
 
-    def __call__(self, module: str, shape: tuple, expert: bool, per_channel: bool = False) -> int | None:
+    def __call__(self, module: str, shape: tuple, expert: bool, per_channel: bool = False, row: bool = False,
+                 k_degree: int = 1, axis: str = "tp") -> int | None:
+        """Bytes of the shard `shape` of a linear split `k_degree` ways along in_features by `axis`
+        (1: not along k); `row`: a RowParallelLinear, for a scheme sized by that role (`for_parallel`). A
+        layout whose transforms are sized for the whole k (`Layout.max_tp`) counts the rank's part
+        of the whole module's tensors (`Layout.k_shard`); ShapeError where it cannot be split so."""
         from cvt.dtypes import DTYPES
 
         if self.stays_float(expert):
@@ -102,12 +107,33 @@ class DiskBytes:
 
                 self._channel = get_scheme(scheme.name, group_size=0, symmetric=scheme.symmetric)
             scheme = self._channel
+        if getattr(scheme, "row_sensitive", False):  # as the quantize plan sizes it (`cvt.quant.stage.assignment`)
+            scheme = scheme.for_parallel(row)
+        whole = (shape[0], shape[1] * k_degree)
+        lo = self._layout(module, scheme, whole, expert) if k_degree > 1 else None
+        if lo is not None and lo.max_tp:
+            why = lo.k_split_problem(axis, k_degree)
+            if why is not None:
+                raise ShapeError(f"{module}: {why}")
+            specs = self._specs(module, scheme, whole, expert)
+            return sum(math.prod(lo.k_shard(n.rsplit(".", 1)[-1], s, k_degree)) * DTYPES[code][1]
+                       for n, (s, code) in specs.items())
+        specs = self._specs(module, scheme, shape, expert)
+        return sum(math.prod(s) * DTYPES[code][1] for s, code in specs.values())
+
+    def _specs(self, module: str, scheme, shape: tuple, expert: bool) -> dict:
         try:
             specs, _ = self.layouts.get(module, scheme, tuple(shape), False, None, None, expert)
         except CvtError as exc:  # worded for the layouts' probe module: name the real one
             probe = f"{self.layouts.PROBE}.{module.rsplit('.', 1)[-1]}"
             raise type(exc)(str(exc).replace(probe, module)) from exc
-        return sum(math.prod(s) * DTYPES[code][1] for s, code in specs.values())
+        return specs
+
+    def _layout(self, module: str, scheme, shape: tuple, expert: bool):
+        """The layout entry quantize writes this module in."""
+        from cvt.qtensor.disk_specs import shell_q
+
+        return self.form.layout_for(module, shell_q(scheme, shape), target=self.target, expert=expert)
 
 
 def format_group(disk: DiskBytes | None, scheme: str) -> bool:

@@ -283,7 +283,8 @@ def _tensor_bytes(kind: Kind, shape: tuple, dim: int | None, deg: int, sch, bloc
         n, k = shape
         return n * k + -(-n // block[0]) * -(-k // block[1]) * 4
     if disk is not None and kind.quantized and len(shape) == 2:
-        b = disk(module, shape, kind.info.role is Role.EXPERT, per_channel)
+        b = disk(module, shape, kind.info.role is Role.EXPERT, per_channel, kind.info.rule.parallel is Parallel.ROW,
+                 deg if dim == 1 else 1, kind.axis or "tp")
         return 2 * numel if b is None else b
     if sch is not None and kind.quantized and len(shape) == 2:
         total = 0

@@ -24,7 +24,12 @@ broadcast along the split dim (per-channel scales ``[n, 1]`` of a row-parallel l
 holds the expert (placement, redundant copies included). So for every tensor the manifest's
 ``TensorShard`` (axis, dim, degree, parts) says how to put it back together (a layer's experts
 fused over dim 0, gpt-oss's, split there over ep: contiguous id ranges): concatenating the
-holders' runs in coordinate order (part by part) gives the source bytes exactly.
+holders' runs in coordinate order (part by part) gives the source bytes exactly. A tensor the
+layout entry splits in diagonal blocks (`cvt.qtensor.layouts.DiskTensor.k_split`: a
+W4A4_MXFP4_FLATQUANT row layer's ``left_trans``, whose consumer keeps only rank i's block) goes as
+holder i's block, ``TensorShard.diagonal``; it is refused unless zero outside those blocks, so
+the blocks on the diagonal give the source exactly too. A layout entry whose transforms allow
+only some degrees along in_features (`Layout.max_tp`, `Layout.splits_k`) refuses the others.
 
 FP8 block scales, packed int4 (two per byte / eight per int32) and group scales split
 consistently with their weight because `cvt.convert.memory_plan.validate` refuses any degree that
@@ -79,6 +84,7 @@ from cvt.convert.writer import (
 )
 from cvt.world import SINGLE, World
 from cvt.errors import CvtError, ShapeError
+from cvt.qtensor.layouts.base import DIAGONAL
 from cvt.progress import make_progress
 from cvt.units import article
 from cvt.schemas.manifest import FileInfo, Manifest, RankShard, ShardInfo, StageInfo, TensorShard
@@ -101,6 +107,7 @@ class Split:
     degree: int
     expert: tuple[int, int] | None  # (layer, global id) of a routed-expert tensor
     parts: tuple[int, ...] | None = None  # sizes of the consecutive parts along `dim`
+    diagonal: bool = False  # a square tensor: holder i's run along dims 0 and 1 (its diagonal block)
 
     def runs(self, size: int, index: int) -> list[tuple[int, int]]:
         """(start, length) along `dim` of holder `index`'s run of each part, in order."""
@@ -128,10 +135,10 @@ def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layo
     disk = quant_layout.tensor(info.param) if quant_layout is not None else None
     if disk is not None:
         logical = {Parallel.COLUMN: "n", Parallel.VOCAB: "n", Parallel.ROW: "k"}.get(info.rule.parallel)
-        if logical == "k" and degree > 1 and not quant_layout.splits_k:
-            raise ShapeError(f"{name}: {quant_layout.tag or quant_layout.name} ({quant_layout.name}) cannot be split "
-                             f"along in_features ({axis} {degree}): its transforms are sized for the whole k and "
-                             f"the consumer loads them whole on every rank; shard with {axis} 1")
+        if logical == "k" and degree > 1:
+            _refuse_k_split(name, quant_layout, axis, degree)
+            if disk.k_split == DIAGONAL:  # each rank keeps its diagonal block (`DiskTensor.k_split`)
+                return Split(axis, 0, degree, expert, diagonal=True)
         along = disk.along(logical, 0, 0) if logical else None  # (dim, unit): the unit does not matter here
         if along is None or degree == 1:
             return Split(None, None, 1, expert)  # no dim along the split axis: every holder needs it whole
@@ -148,6 +155,35 @@ def split_of(arch, layout: Layout, name: str, shape: tuple[int, ...], quant_layo
     if info.param not in _TWO_D_PARAMS and (dim >= len(shape) or shape[dim] == 1):
         return Split(None, None, 1, expert)  # broadcast along the split dim: every holder needs it whole
     return Split(axis, dim, degree, expert, arch.split_parts(info, shape[dim]) if dim == 0 else None)
+
+
+def _refuse_k_split(name: str, quant_layout, axis: str, degree: int) -> None:
+    """ShapeError, one line, where `quant_layout`'s data says its modules cannot be split along
+    in_features `degree` ways (`Layout.k_split_problem`)."""
+    why = quant_layout.k_split_problem(axis, degree)
+    if why is not None:
+        raise ShapeError(f"{name}: {why}")
+
+
+def _off_diagonal(ckpt: Checkpoint, splits: dict[str, Split]) -> None:
+    """CvtError, one line, for a tensor split in diagonal blocks with a non-zero byte outside
+    them: its ranks would drop those entries (vllm-ascend keeps only its diagonal block), so the
+    shards would compute another layer (an older cvt wrote a dense W4A4_MXFP4_FLATQUANT row
+    left_trans: `cvt.qtensor.schemes.flatquant_mx`). Read before anything is written."""
+    import numpy as np
+
+    for name, sp in splits.items():
+        if not sp.diagonal:
+            continue
+        ref = ckpt.tensors[name]
+        raw = np.frombuffer(ckpt.view(name), dtype=np.uint8).reshape(*ref.shape, DTYPES[ref.dtype][1])
+        b = ref.shape[0] // sp.degree
+        inside = np.kron(np.eye(sp.degree, dtype=bool), np.ones((b, b), dtype=bool))
+        if raw[~inside].any():
+            raise CvtError(f"{ref.describe()} is not block-diagonal in {sp.degree} blocks: each {sp.axis} rank keeps "
+                           f"only its diagonal block, so {sp.axis} {sp.degree} would compute another layer (a dense "
+                           f"left transform of an older cvt quantize); quantize it again with this cvt, or shard "
+                           f"with {sp.axis} 1")
 
 
 def quant_layouts(ckpt: Checkpoint) -> dict[str, object]:
@@ -302,6 +338,7 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
     splits = {name: split_of(arch, layout, name, ref.shape, layouts.get(name.rpartition(".")[0]))
               for name, ref in ckpt.tensors.items()}
     _check_release_units(ckpt, splits, layout.world_size)
+    _off_diagonal(ckpt, splits)
     problems = _layout_problems(ckpt, arch, layout, splits)
     if problems:
         raise CvtError("the layout cannot shard these tensors:\n  " + "\n  ".join(problems))
@@ -321,6 +358,8 @@ def plan_holdings(ckpt: Checkpoint, layout: Layout) -> tuple[dict[str, Split], l
             if sp.dim is not None:
                 index = getattr(c, f"{sp.axis}_rank")
                 shape[sp.dim] //= sp.degree
+                if sp.diagonal:
+                    shape[1] //= sp.degree
             mine.append(_Holding(name, index, TensorSpec(name, ref.dtype, tuple(shape))))
         ranks.append(mine)
     order = _visit_order(list(ckpt.tensors), ranks)
@@ -364,10 +403,13 @@ def _slice(ckpt: Checkpoint, name: str, sp: Split, index: int, phase: int = 0):
     # numpy slice (a view for dim 0, one strided copy otherwise), and torch is never imported
     raw = np.frombuffer(ckpt.view(name), dtype=np.uint8).reshape(*ref.shape, DTYPES[ref.dtype][1])
     runs = [raw[(slice(None),) * sp.dim + (slice(start, start + n),)] for start, n in sp.runs(ref.shape[sp.dim], index)]
+    if sp.diagonal:  # the run's columns too: its diagonal block (one strided copy below)
+        (start, n), = sp.runs(ref.shape[0], index)
+        runs = [raw[start:start + n, start:start + n]]
     run = runs[0] if len(runs) == 1 else np.concatenate(runs, axis=sp.dim)  # a run of each part: one copy
     if run.size == 0:
         return b""
-    if sp.dim == 0:
+    if sp.dim == 0 and not sp.diagonal:
         return memoryview(np.ascontiguousarray(run)).cast("B")  # dim 0, one part: a view, already contiguous
     part = OUTPUTS.array(run.shape, np.uint8, phase=phase)
     np.copyto(part, run)
@@ -507,7 +549,7 @@ def _finish(ckpt: Checkpoint, out: OutputDir, layout: Layout, splits: dict[str, 
     tensors = {name: TensorShard(shape=list(ckpt.tensors[name].shape), dtype=ckpt.tensors[name].dtype,
                                  axis=sp.axis, dim=sp.dim, degree=sp.degree,
                                  expert=list(sp.expert) if sp.expert else None,
-                                 parts=list(sp.parts) if sp.parts else None)
+                                 parts=list(sp.parts) if sp.parts else None, diagonal=sp.diagonal)
                for name, sp in splits.items()}
     return finish_output(
         out, ckpt, infos, src=src_info, stage=stage, pid=pid, out_format=f"sharded-{fmt}",

@@ -191,7 +191,9 @@ class TensorShard(_Strict):
     ``dim`` None: every holder has the whole tensor. Otherwise holder with coordinate ``i``
     along ``axis`` has ``narrow(dim, i * shape[dim] / degree, shape[dim] / degree)``; where
     ``parts`` is set (consecutive parts along ``dim``, e.g. a Gated DeltaNet's q | k | v rows),
-    that run of each part, concatenated in order.
+    that run of each part, concatenated in order; where ``diagonal`` is set (a square tensor: a
+    W4A4_MXFP4_FLATQUANT row layer's ``left_trans``), that run along dims 0 and 1, its diagonal
+    block (the source is block-diagonal: the blocks put back on the diagonal give it exactly).
     Holders: every rank, except routed-expert tensors (``expert`` set), held only by the
     ranks whose EP rank places that expert (see the rank entries' ``experts``)."""
 
@@ -203,12 +205,16 @@ class TensorShard(_Strict):
     expert: list[int] | None = Field(None, description="[layer, global expert id] of a routed-expert tensor")
     parts: list[int] | None = Field(None, description="sizes of the consecutive parts along dim, each split "
                                                       "over degree on its own (absent: one part)")
+    diagonal: bool = Field(False, description="holder i has diagonal block i (the run along dims 0 and 1) of a "
+                                              "block-diagonal square tensor (absent: false)")
 
     @model_serializer(mode="wrap")
     def _drop_one_part(self, handler):
         out = handler(self)
         if out.get("parts", "") is None:  # a tensor of one part writes the bytes it always did
             del out["parts"]
+        if out.get("diagonal") is False:  # likewise a tensor split in runs of one dim
+            del out["diagonal"]
         return out
 
 

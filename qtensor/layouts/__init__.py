@@ -27,7 +27,8 @@ input features, one on-disk element per ``u`` logical elements (``u`` may be ``"
 group size, per channel k; or ``"K/16"``, a sixteenth of k: W4A8's row ``scale_bias``) -- or
 a fixed size (an int), or ``KL`` / ``KR``: a whole dim the size of k's left / right Kronecker
 factor (FlatQuant's transforms). `cvt shard` splits a tensor along the dim that follows the module's TP
-axis (a tensor without one is whole on every holder); `cvt plan` counts bytes and the units a
+axis (a tensor without one is whole on every holder, unless its ``k_split`` says it splits in
+diagonal blocks along k; ``Layout.max_tp`` / ``splits_k`` say which degrees along k load); `cvt plan` counts bytes and the units a
 split must keep whole from the same data. A layout whose ``parallel`` is "column" / "row" holds
 only the modules of that role (`scale_bias_role`, from the module name); `select` picks by it.
 """

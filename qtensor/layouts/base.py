@@ -41,6 +41,8 @@ class DiskTensor:
     dtype: str                # safetensors dtype code as written
     dims: tuple               # per dim: ("n" | "k", unit), a fixed int, or KL / KR (a factor of k); unit an int or "G"
     optional: bool = False    # written only for some tensors (asymmetric zero points, ...)
+    k_split: str = ""         # a square tensor without a k dim that a TP split along k still spreads:
+                              # DIAGONAL = holder i gets its i-th diagonal block (a row layer's left_trans)
 
     def shape(self, n: int, k: int, g: int) -> tuple[int, ...]:
         out = []
@@ -85,6 +87,7 @@ class DiskTensor:
 
 KL, KR = "KL", "KR"  # a whole dim: the left / right factor of k (FlatQuant's get_decompose_dim)
 RKL, RKR = "RKL", "RKR"  # ... of a RowParallelLinear's k (`cvt.qtensor.schemes.flatquant_mx.trans_dims`)
+DIAGONAL = "diagonal"  # `DiskTensor.k_split`: rank i holds diagonal block i of [x, x] (`cvt.convert.shard`)
 K16 = "K/16"  # a dim unit: one on-disk element per k/16 logical ones, i.e. 16 elements along k
 
 
@@ -116,6 +119,8 @@ class Layout:
     device: str = ""                # the only hardware whose kernels run it ("": every device of the target)
     linears_only: bool = False      # the stack loads this layout for linears only, not routed experts
     splits_k: bool = True           # False: a TP split along in_features cannot be loaded (FlatQuant's transforms)
+    max_tp: int = 0                 # a TP split along in_features must divide this (0: any): the consumer's
+                                    # max_supported_tp (W4A4_MXFP4_FLATQUANT's row transforms' diagonal blocks)
 
     def holds(self, group_size: int, k: int) -> bool:
         # a group of k is one group, not per channel: the stacks read one global group_size, and a
@@ -141,6 +146,31 @@ class Layout:
             if a is not None:
                 unit = math.lcm(unit, a[1])
         return unit
+
+    def k_split_problem(self, axis: str, degree: int) -> str | None:
+        """Why a TP split of this layout's modules `degree` ways along in_features cannot be
+        loaded (`splits_k`, `max_tp`), or None."""
+        what = f"{self.tag or self.name} ({self.name})"
+        if degree > 1 and not self.splits_k:
+            return (f"{what} cannot be split along in_features ({axis} {degree}): its transforms are sized for the "
+                    f"whole k and the consumer loads them whole on every rank; shard with {axis} 1")
+        if degree > 1 and self.max_tp and self.max_tp % degree:
+            valid = ", ".join(str(d) for d in range(1, self.max_tp + 1) if self.max_tp % d == 0)
+            return (f"{what} cannot be split along in_features {axis} {degree} ways: its transforms hold "
+                    f"{self.max_tp} diagonal blocks (max_supported_tp), one per rank; valid {axis}: {valid}")
+        return None
+
+    def k_shard(self, suffix: str, shape: tuple[int, ...], degree: int) -> tuple[int, ...]:
+        """The part of on-disk tensor `suffix` (whole: `shape`) one rank holds when its module is
+        split `degree` ways along in_features, as `cvt shard` writes it: its run of the dim along
+        k, its diagonal block (`DiskTensor.k_split`), else the whole tensor."""
+        t = self.tensor(suffix)
+        if t is None or degree == 1:
+            return tuple(shape)
+        if t.k_split == DIAGONAL:
+            return tuple(d // degree for d in shape)
+        along = t.along("k", 0, 0)
+        return tuple(d // degree if along is not None and i == along[0] else d for i, d in enumerate(shape))
 
     def tensor(self, suffix: str) -> DiskTensor | None:
         return next((t for t in self.tensors if t.suffix == suffix), None)

@@ -33,10 +33,11 @@ from cvt.lazy import torch
 from cvt.errors import FormatError
 from cvt.qtensor import kernel_formats as KF
 from cvt.qtensor import primitives as P
-from cvt.qtensor.layouts.base import (ASCEND, FLOATS, KL, KR, RKL, RKR, VLLM_ASCEND, DiskTensor, K, Layout, N,
+from cvt.qtensor.layouts.base import (ASCEND, DIAGONAL, FLOATS, KL, KR, RKL, RKR, VLLM_ASCEND, DiskTensor, K, Layout, N,
                                       _expect, _take, register)
 from cvt.qtensor.schemes.base import QuantizedTensor
 from cvt.qtensor.schemes.flatquant import W4A4FlatQuant, decompose_dim
+from cvt.qtensor.schemes.flatquant_mx import MAX_TP
 
 TAG = "W4A4_FLATQUANT_DYNAMIC"
 SUFFIXES = ("weight", "weight_scale", "weight_offset", "left_trans", "right_trans", "clip_ratio")
@@ -98,9 +99,12 @@ FLATQUANT_LAYOUT = register(Layout(
 # clip_ratio F32 [1]; no weight_offset. Registered for "linear" only; the description's group_size is
 # 32 (the method's default). A row layer's transforms are sized for the whole k with max_supported_tp
 # diagonal blocks, of which each vllm-ascend rank keeps its own (cvt writes L block-diagonal, so TP 1,
-# 2 and 4 compute the same layer: `cvt.qtensor.schemes.flatquant_mx`); `cvt shard` still refuses a TP
-# split along k (its shards would hold each rank's diagonal block: not written yet). Read back, either
-# entry decodes either size pair (the two hold the same tensors; the consumer declares the sizes by role).
+# 2 and 4 compute the same layer: `cvt.qtensor.schemes.flatquant_mx`). So `cvt shard` splits such a
+# layer along k as the consumer's rank holds it after loading (process_weights_after_loading): its
+# columns of weight / weight_scale, its diagonal block of left_trans (`DiskTensor.k_split`), right_trans
+# and clip_ratio whole; a TP degree that does not divide max_supported_tp is refused (`Layout.max_tp`).
+# Read back, either entry decodes either size pair, and a rank's shard its (a / tp, b) (the two entries
+# hold the same tensors; the consumer declares the sizes by role).
 MX_TAG = "W4A4_MXFP4_FLATQUANT"
 MX_SUFFIXES = ("weight", "weight_scale", "left_trans", "right_trans", "clip_ratio")
 
@@ -112,6 +116,19 @@ def _encode_mx(q: QuantizedTensor) -> dict[str, torch.Tensor]:
             "clip_ratio": p["clip_ratio"].to(torch.float32).reshape(1)}
 
 
+def _rank_pairs(k: int) -> list[tuple[int, int]]:
+    """The (a / tp, b) of a `cvt shard` rank's part of a row layer holding k of its in_features:
+    (a, b) = the row sizes of the whole layer's tp k, tp > 1 dividing max_supported_tp."""
+    from cvt.qtensor.schemes.flatquant_mx import trans_dims
+
+    out = []
+    for tp in range(2, MAX_TP + 1):
+        d = trans_dims(k * tp, True) if MAX_TP % tp == 0 else None
+        if d is not None and d[0] % tp == 0:
+            out.append((d[0] // tp, d[1]))
+    return out
+
+
 def _decode_mx(module: str, d: dict) -> QuantizedTensor:
     from cvt.qtensor import mx as MX
     from cvt.qtensor.schemes.flatquant_mx import ROW, W4A4MXFP4FlatQuant, trans_dims
@@ -121,7 +138,7 @@ def _decode_mx(module: str, d: dict) -> QuantizedTensor:
     if codes.dim() != 2 or codes.shape[1] % MX.BLOCK:
         raise FormatError(f"{module}.weight unpacks to {list(codes.shape)}: expected 2-D [n, k], k a multiple of 32")
     n, k = codes.shape
-    pairs = [d for d in (trans_dims(k, False), trans_dims(k, True)) if d is not None]
+    pairs = [d for d in (trans_dims(k, False), trans_dims(k, True), *_rank_pairs(k)) if d is not None]
     have = (t["left_trans"].shape[0], t["right_trans"].shape[0]) if t["left_trans"].dim() == 2 else None
     if not pairs:
         raise FormatError(f"{module}: in_features {k} has no W4A4_MXFP4_FLATQUANT Kronecker factors")
@@ -144,6 +161,6 @@ MXFP4_FLATQUANT_LAYOUT = register(Layout(
 MXFP4_FLATQUANT_ROW_LAYOUT = register(Layout(
     "ascend-w4a4-mxfp4-flatquant-row", KF.W4A4_MXFP4_FLATQUANT, ASCEND, (VLLM_ASCEND,), MX_TAG,
     (DiskTensor("weight", "U8", (N, ("k", 2))), DiskTensor("weight_scale", "U8", (N, ("k", 32))),
-     DiskTensor("left_trans", "BF16", (RKL, RKL)), DiskTensor("right_trans", "BF16", (RKR, RKR)),
+     DiskTensor("left_trans", "BF16", (RKL, RKL), k_split=DIAGONAL), DiskTensor("right_trans", "BF16", (RKR, RKR)),
      DiskTensor("clip_ratio", "F32", (1,))),
-    _encode_mx, _decode_mx, linears_only=True, splits_k=False, device="Ascend 950", parallel="row"))
+    _encode_mx, _decode_mx, linears_only=True, device="Ascend 950", parallel="row", max_tp=MAX_TP))

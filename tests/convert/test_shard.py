@@ -82,6 +82,8 @@ def reassemble(dst: Path) -> dict[str, torch.Tensor]:
         if ts.get("parts"):  # each holder: its run of every part, in order (a Gated DeltaNet's q | k | v)
             pieces = [runs[i].split([p // ts["degree"] for p in ts["parts"]], dim=ts["dim"]) for i in sorted(runs)]
             whole = torch.cat([piece[j] for j in range(len(ts["parts"])) for piece in pieces], dim=ts["dim"])
+        elif ts.get("diagonal"):  # each holder: its diagonal block of a block-diagonal square tensor
+            whole = torch.block_diag(*[runs[i] for i in sorted(runs)])
         elif ts["dim"] is not None:
             whole = torch.cat([runs[i] for i in sorted(runs)], dim=ts["dim"])
         else:

@@ -117,6 +117,26 @@ def _tp_output(q, x: torch.Tensor, tp: int) -> torch.Tensor:
                for r, parts in enumerate(_ranks(q, tp)))
 
 
+def test_a_ranks_part_of_a_row_layer_reads_back():
+    """`cvt shard`'s rank of a row layer (its columns, its (a / tp, b) transforms: a x b = the
+    rank's k) decodes through the row layout entry, and the decoded ranks add up to the TP-1 layer.
+    k = 384: (32, 12); a rank's (16, 12) at TP 2 is neither size pair of a whole layer of k 192."""
+    q = _q(n=16, k=384, row=True)
+    lo = L.LAYOUTS.get("ascend-w4a4-mxfp4-flatquant-row")
+    lin = K.get("w4a4_mxfp4_flatquant")
+    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(1))
+    full = lin.from_parts(dict(q.parts)).reference(x)
+    for tp in (2, 4):
+        k, out = 384 // tp, 0
+        for r, parts in enumerate(_ranks(q, tp)):
+            disk = lo.encode(type(q)(q.scheme, q.kernel_fmt, (16, k), parts, 32, True, q.extra))
+            part = lo.decode("m.o_proj", disk)
+            assert part.shape == (16, k) and part.parts["left_trans"].shape == (32 // tp, 32 // tp)
+            assert all(torch.equal(part.parts[p], parts[p]) for p in parts)
+            out = out + lin.from_parts(dict(part.parts)).reference(x[:, r * k:(r + 1) * k])
+        torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fitted", [False, True])
 def test_a_row_layer_at_tp_2_and_4_is_the_tp_1_layer(fitted):
     """A RowParallelLinear's left_trans is block-diagonal in max_supported_tp (4) blocks, so the
