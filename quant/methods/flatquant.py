@@ -24,8 +24,9 @@ clips 1; a RowParallelLinear's left transform in `w4a4_mxfp4_flatquant` stays bl
 gradient masked: vllm-ascend's ranks each keep one diagonal block, `cvt.qtensor.schemes.flatquant_mx`). After `steps` the transforms are rounded to bfloat16 (what is stored and multiplied by) and
 the site's loss is measured with the runtime kernel's exact arithmetic
 (`cvt.runtime.kernels.flatquant`); the start is kept when the fit did not beat it, so a fitted
-site never does worse than the Hadamard start on its rows. Deterministic: same rows, steps, lr and
-seed, same bits (CPU).
+site never does worse than the Hadamard start on its rows. Deterministic: same rows, steps, lr,
+seed and intra-op threads, same bits (CPU; the loss norm and a large site's steps reduce in
+per-thread chunks: `--procs N` writes one process's bits at the threads each rank gets).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""Calibrated quantize on a torchrun world (issue 25): `cvt quantize --method gptq|awq --procs N`
+"""Calibrated quantize on a torchrun world (issue 25): `cvt quantize --method gptq|awq|flatquant --procs N`
 (gloo, CPU ranks) splits the calibration sequences, combines the statistics in rank order and
 quantizes each linear on one owner rank: the output depends on the world size only (two runs
 agree byte for byte), is as good as one process's, and a killed rank's job resumes after the
-last finished layer."""
+last finished layer. FlatQuant's fit sees the same rows in the same order on any world size:
+its output is one process's, byte for byte, at the same threads per process."""
 
 from __future__ import annotations
 
@@ -91,3 +92,34 @@ def test_two_ranks_match_one_process_quality(trained_fixture, tmp_path):
         # one-sided: the rank order moves GPTQ's rounding either way (2 ranks measured 21% BETTER here), and
         # another CPU's summation order moves it again; what must hold is that ranks cost no quality
         assert kl <= 1.25 * one, (method, kl, one)
+
+
+@pytest.mark.parametrize("scheme", ["w4a4_flatquant", "w4a4_mxfp4_flatquant"])
+def test_flatquant_on_two_ranks_writes_what_one_process_writes(fp8_release, tmp_path, scheme):
+    """--method flatquant on 2 ranks, 2 calibration sequences (one per rank): each site's rows are the
+    ranks' samples in rank order (`ranks.reduce_sites`, all 512 under the cap: one process's rows in
+    its order), one rank fits the site's transforms for all its linears (`ranks.exchange`) and shares
+    the quantized parts, so every rank computes the next layer's inputs from the same weights. Both
+    runs at one intra-op thread per process (what the launcher gives each of 2 ranks on 2 CPUs): the
+    fit is not thread-count invariant (its float32 loss norm ``mean(ref^2)`` and the large sites' steps
+    reduce in per-thread chunks), so one process at 2 threads writes other bits, as --procs 1 itself
+    does at 1 or 2 (measured: 81 of 239 tensors differ, layer 0's transforms by one bfloat16 step, later
+    layers' more as their inputs drift; the summary's loss by 0.6%, 0.3% for MXFP4).
+    Weights, description and the manifest's FlatQuant summary (losses, linears) are equal; the
+    row-parallel layers' block-diagonal left transforms (w4a4_mxfp4_flatquant) too."""
+    outs = {}
+    for procs in ("1", "2"):
+        dst = tmp_path / procs
+        r = run_cvt("quantize", fp8_release, dst, "--scheme", scheme, "--format", "ascend", "--method", "flatquant",
+                    "--calib-tokens", "512", "--flatquant-steps", "5", "--procs", procs, "-q",
+                    env={"OMP_NUM_THREADS": "1"})
+        assert r.rc == 0, r.err
+        outs[procs] = (weights(dst), (dst / "quant_model_description.json").read_text(),
+                       json.loads((dst / "cvt_manifest.json").read_text())["quant"]["calibration"])
+    (w1, desc1, cal1), (w2, desc2, cal2) = outs["1"], outs["2"]
+    assert cal2["ranks"] == 2 and "ranks" not in cal1
+    fq = cal1["flatquant"]
+    assert fq["linears"] == 21 and fq["loss"] < fq["loss_start"], fq  # the fit ran and improved on the start
+    assert cal2["flatquant"] == fq
+    assert desc2 == desc1
+    assert w2.keys() == w1.keys() and all(w2[f] == w1[f] for f in w1)  # byte for byte
