@@ -21,8 +21,9 @@ vllm-ascend's layout has no place for it, and the scheme's AWQ covers that fold)
 
 Start: the scheme's randomised Hadamard pair for `seed` (seed 0 = what `--method rtn` writes) and
 clips 1; a RowParallelLinear's left transform in `w4a4_mxfp4_flatquant` stays block-diagonal (its
-gradient masked: vllm-ascend's ranks each keep one diagonal block, `cvt.qtensor.schemes.flatquant_mx`). After `steps` the transforms are rounded to bfloat16 (what is stored and multiplied by) and
-the site's loss is measured with the runtime kernel's exact arithmetic
+gradient masked: vllm-ascend's ranks each keep one diagonal block,
+`cvt.qtensor.schemes.flatquant_mx`). After `steps` the transforms are rounded to bfloat16 (what
+is stored and multiplied by) and the site's loss is measured with the runtime kernel's exact arithmetic
 (`cvt.runtime.kernels.flatquant`); the start is kept when the fit did not beat it, so a fitted
 site never does worse than the Hadamard start on its rows. Deterministic: same rows, steps, lr,
 seed and intra-op threads, same bits (CPU; the loss norm and a large site's steps reduce in
