@@ -27,7 +27,8 @@ is stored and multiplied by) and the site's loss is measured with the runtime ke
 (`cvt.runtime.kernels.flatquant`); the start is kept when the fit did not beat it, so a fitted
 site never does worse than the Hadamard start on its rows. Deterministic: same rows, steps, lr,
 seed and intra-op threads, same bits (CPU; the loss norm and a large site's steps reduce in
-per-thread chunks: `--procs N` writes one process's bits at the threads each rank gets).
+per-thread chunks). `--procs N` fits each site on one rank from the rows every rank gathered, in
+rank order: one process's rows, so one process's fit up to the summation order.
 """
 
 from __future__ import annotations
