@@ -44,6 +44,19 @@ def _load(d) -> dict[str, torch.Tensor]:
     return out
 
 
+def _carried(tmp_path, caplog, algo: str):
+    """A ModelOpt `algo` release quantized to compressed-tensors nvfp4 (warnings captured):
+    (SRC, DST, SRC's tensors, DST's tensors, DST's manifest quant.tensors)."""
+    src_dir = write_modelopt_release(tmp_path / "src", algo, scale_2=scale_2)
+    dst = tmp_path / "q"
+    with caplog.at_level(logging.WARNING, logger="cvt"):
+        r = run_cvt("quantize", src_dir, dst, "--scheme", "fp4", "--fp4-format", "nvfp4", "--format",
+                    "compressed-tensors", "--quiet")
+    assert r.rc == 0, r.err
+    quant = json.loads((dst / "cvt_manifest.json").read_text())["quant"]["tensors"]
+    return src_dir, dst, _load(src_dir), _load(dst), quant
+
+
 def _round_trips(s2: torch.Tensor) -> bool:
     """Whether float32 ``1 / (1 / s2)`` is `s2` again (vLLM's reading of c-t's global scale)."""
     one = torch.tensor(1.0, dtype=torch.float32)
@@ -89,15 +102,7 @@ def _ct_converted(src, dst) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_modelopt_nvfp4_carried_into_compressed_tensors(tmp_path, caplog):
-    src_dir = write_modelopt_release(tmp_path / "src", "NVFP4", scale_2=scale_2)
-    src = _load(src_dir)
-    dst = tmp_path / "q"
-    with caplog.at_level(logging.WARNING, logger="cvt"):
-        r = run_cvt("quantize", src_dir, dst, "--scheme", "fp4", "--fp4-format", "nvfp4", "--format",
-                    "compressed-tensors", "--quiet")
-    assert r.rc == 0, r.err
-    out = _load(dst)
-    quant = json.loads((dst / "cvt_manifest.json").read_text())["quant"]["tensors"]
+    src_dir, dst, src, out, quant = _carried(tmp_path, caplog, "NVFP4")
     cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert cfg["format"] == "nvfp4-pack-quantized"
     theirs = _ct_converted(src_dir, tmp_path / "ct-converted")
@@ -206,15 +211,7 @@ def test_mixed_precision_carries_its_nvfp4_layers(tmp_path, caplog):
     one (dequantizing FP8 is the ordinary path)."""
     from tests.convert.modelopt_release import MIXED, mixed_algo
 
-    src_dir = write_modelopt_release(tmp_path / "src", MIXED, scale_2=scale_2)
-    src = _load(src_dir)
-    dst = tmp_path / "q"
-    with caplog.at_level(logging.WARNING, logger="cvt"):
-        r = run_cvt("quantize", src_dir, dst, "--scheme", "fp4", "--fp4-format", "nvfp4", "--format",
-                    "compressed-tensors", "--quiet")
-    assert r.rc == 0, r.err
-    out = _load(dst)
-    quant = json.loads((dst / "cvt_manifest.json").read_text())["quant"]["tensors"]
+    _, _, src, out, quant = _carried(tmp_path, caplog, MIXED)
     algo = {m: mixed_algo(m) for m in quant}
     carried = sorted(m for m, a in algo.items() if a == "W4A16_NVFP4")
     assert len(quant) == 39 and len(carried) == 12 and sum(a == "NVFP4" for a in algo.values()) == 12
