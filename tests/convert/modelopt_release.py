@@ -173,6 +173,30 @@ def write_modelopt_release(dst: Path, algo: str, seed: int = 0, side_only: bool 
     return out
 
 
+def load_all(d: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint folder `d`."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def dequantized(tmp_path: Path, algo: str, side_only: bool) -> tuple[Path, dict, dict, list[str]]:
+    """An `algo` release through `cvt fp8-to-bf16`: (SRC, BF16's tensors, SRC's, BF16's 39
+    linear weight names)."""
+    from tests.conftest import run_cvt
+
+    src = write_modelopt_release(tmp_path / "src", algo, side_only=side_only)
+    r = run_cvt("fp8-to-bf16", str(src), str(tmp_path / "bf16"), "--quiet")
+    assert r.rc == 0, r.err
+    ours = load_all(tmp_path / "bf16")
+    linears = [n for n in ours if n.endswith("_proj.weight")]
+    assert len(linears) == 39
+    return src, ours, load_all(src), linears
+
+
 def reference_dequant(parts: dict[str, torch.Tensor], algo: str) -> torch.Tensor:
     """float32 [n, k] of one stored linear, from its bytes: nibbles by shift and mask (low first),
     E4M3 / E8M0 decoded by the tables of the formats, the products in float32 as ModelOpt's own

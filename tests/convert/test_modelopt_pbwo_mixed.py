@@ -17,17 +17,11 @@ from cvt.convert.config import SourceFormat, fold_hf_quant_config, source_format
 from cvt.convert.sources import SOURCES, readable
 from tests.conftest import run_cvt
 from tests.convert.ct_release import assert_corrupt_refused
-from tests.convert.modelopt_release import MIXED, hf_quant_config, mixed_algo, reference_dequant, write_modelopt_release
+from tests.convert.modelopt_release import (MIXED, dequantized, hf_quant_config, load_all, mixed_algo,
+                                             reference_dequant, write_modelopt_release)
 
 PB = "FP8_PB_WO"
 FORMATS = {PB: SourceFormat.MODELOPT_FP8_PB_WO, MIXED: SourceFormat.MODELOPT_MIXED}
-
-
-def _load(d) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 def _parts(stored, module):
@@ -39,12 +33,7 @@ def test_dequantized_byte_for_byte(tmp_path, algo, side_only):
     """Each quantized linear's BF16 is the hand decoder's float32 rounded once (per layer, its
     quantized_layers algorithm); a layer MIXED_PRECISION does not list is copied as stored;
     inspect names the entry."""
-    src = write_modelopt_release(tmp_path / "src", algo, side_only=side_only)
-    r = run_cvt("fp8-to-bf16", str(src), str(tmp_path / "bf16"), "--quiet")
-    assert r.rc == 0, r.err
-    ours, stored = _load(tmp_path / "bf16"), _load(src)
-    linears = [n for n in ours if n.endswith("_proj.weight")]
-    assert len(linears) == 39
+    src, ours, stored, linears = dequantized(tmp_path, algo, side_only)
     seen = set()
     for n in linears:
         module = n[: -len(".weight")]
@@ -85,7 +74,7 @@ def test_pb_wo_block_grid_by_hand(tmp_path):
         t[f"{module}.weight_scale"][at] = scale
         save_file(t, str(f), metadata={"format": "pt"})
     assert run_cvt("fp8-to-bf16", str(src), str(tmp_path / "bf16"), "--quiet").rc == 0
-    out = _load(tmp_path / "bf16")
+    out = load_all(tmp_path / "bf16")
     for module, ((i, j), _, scale) in cases.items():
         assert out[f"{module}.weight"][i, j : j + 2].tolist() == [1.0 * scale, 2.0 * scale]
 
@@ -101,7 +90,7 @@ def test_quantize_dequantizes_on_the_fly(tmp_path, algo):
     fp8_to_bf16(src, tmp_path / "bf16", quiet=True)
     ra = quantize(src, tmp_path / "direct", scheme="w8a8", fmt="ascend", quiet=True)
     quantize(tmp_path / "bf16", tmp_path / "via", scheme="w8a8", fmt="ascend", quiet=True)
-    A, B = _load(tmp_path / "direct"), _load(tmp_path / "via")
+    A, B = load_all(tmp_path / "direct"), load_all(tmp_path / "via")
     assert set(A) == set(B) and len(ra.manifest.quant.tensors) == 39
     for n in A:
         assert A[n].dtype == B[n].dtype and torch.equal(A[n].view(-1).view(torch.uint8), B[n].view(-1).view(torch.uint8)), n

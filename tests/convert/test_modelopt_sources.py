@@ -16,18 +16,11 @@ from cvt.convert.config import SourceFormat, fold_hf_quant_config, source_format
 from cvt.convert.sources import SOURCES, readable
 from tests.conftest import run_cvt
 from tests.convert.ct_release import assert_corrupt_refused
-from tests.convert.modelopt_release import (ALGOS, WRITERS, hf_quant_config, reference_dequant,
-                                             write_modelopt_release)
+from tests.convert.modelopt_release import (ALGOS, WRITERS, dequantized, hf_quant_config, load_all,
+                                             reference_dequant, write_modelopt_release)
 
 FORMATS = {"NVFP4": SourceFormat.MODELOPT_NVFP4, "FP8": SourceFormat.MODELOPT_FP8,
            "MXFP8": SourceFormat.MODELOPT_MXFP8}
-
-
-def _load(d) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 @pytest.mark.parametrize("side_only", [True, False], ids=["hf_quant_config", "config.json"])
@@ -35,12 +28,7 @@ def _load(d) -> dict[str, torch.Tensor]:
 def test_dequantized_bit_exact(tmp_path, algo, side_only):
     """Every quantized linear's BF16 weight is the reference float32 rounded once; the float
     tensors are copied; input / KV scales and hf_quant_config.json are dropped; inspect names it."""
-    src = write_modelopt_release(tmp_path / "src", algo, side_only=side_only)
-    r = run_cvt("fp8-to-bf16", str(src), str(tmp_path / "bf16"), "--quiet")
-    assert r.rc == 0, r.err
-    ours, stored = _load(tmp_path / "bf16"), _load(src)
-    linears = [n for n in ours if n.endswith("_proj.weight")]
-    assert len(linears) == 39
+    src, ours, stored, linears = dequantized(tmp_path, algo, side_only)
     for n in linears:
         module = n[: -len(".weight")]
         parts = {k.rpartition(".")[2]: v for k, v in stored.items() if k.rpartition(".")[0] == module}
@@ -71,7 +59,7 @@ def test_nvfp4_nibble_order_and_global_scale_by_hand(tmp_path):
     t[f"{name}.weight_scale_2"] = torch.tensor(0.25, dtype=torch.float32)
     save_file(t, str(f), metadata={"format": "pt"})
     assert run_cvt("fp8-to-bf16", str(src), str(tmp_path / "bf16"), "--quiet").rc == 0
-    w = _load(tmp_path / "bf16")[f"{name}.weight"]
+    w = load_all(tmp_path / "bf16")[f"{name}.weight"]
     assert w[0, :2].tolist() == [-1.5 * 2.0 * 0.25, 1.0 * 2.0 * 0.25]
 
 
@@ -89,7 +77,7 @@ def test_quantize_dequantizes_on_the_fly(tmp_path):
             a, b = tmp_path / f"{algo}-{scheme}-direct", tmp_path / f"{algo}-{scheme}-via-bf16"
             ra = quantize(src, a, scheme=scheme, fmt=fmt, quiet=True)
             quantize(tmp_path / f"{algo}-bf16", b, scheme=scheme, fmt=fmt, quiet=True)
-            A, B = _load(a), _load(b)
+            A, B = load_all(a), load_all(b)
             assert set(A) == set(B) and len(ra.manifest.quant.tensors) == 39
             carried = {m for m, t in ra.manifest.quant.tensors.items() if t.method == "source"}
             assert len(carried) < 39 and (not carried or (algo, scheme) == ("NVFP4", "fp4"))
